@@ -91,7 +91,7 @@ def check_output(path: str | os.PathLike, force: bool = False) -> Path:
     """Fail fast (before any compute) if `path` cannot become a run directory."""
     path = Path(path).expanduser().absolute()
     if path.exists() and not force:
-        raise UsageError(f"output directory {path} already exists; pass --force to overwrite it or choose another --out")
+        raise UsageError(f"output directory {path} already exists; pass --force to overwrite or choose another --out")
     if path.exists() and not path.is_dir():
         raise UsageError(f"output path {path} exists and is not a directory; choose another --out")
     parent = path.parent

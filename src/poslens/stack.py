@@ -50,7 +50,7 @@ class StackConfig:
         if self.positional == "rope":
             require(self.d % 2 == 0, f"d must be even with RoPE (pairs of dimensions rotate together), got {self.d}")
             require(self.rope_theta > 1.0, f"rope_theta must be > 1, got {self.rope_theta:g}")
-            require(self.rope_scaling >= 1.0, f"rope_scaling must be >= 1 (NTK base scaling), got {self.rope_scaling:g}")
+            require(self.rope_scaling >= 1.0, f"rope_scaling must be >= 1 (NTK scaling), got {self.rope_scaling:g}")
         if self.mask == "sliding":
             require(self.window is not None, "mask 'sliding' needs a window: pass --window W with W >= 1")
             check_int("window", self.window, 1)

@@ -1,0 +1,114 @@
+"""The one plotting module: heatmaps in the paper's look (query on y, key on x, upper triangle blank).
+
+Every figure poslens writes goes through `heatmap`, `map_grid`, `line_plot` and `save`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from poslens.maps import as_numpy, quantile_limits  # noqa: E402
+
+CMAP = "magma"  # close to the paper's "rocket" and available without seaborn
+DIVERGING = "RdBu_r"
+
+
+def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: str = CMAP,
+            title: str | None = None, colorbar: bool = True, annotate: bool = False):
+    """Draw one [n, n] map on `ax`: NaN cells blank, key index on x, query index on y (row 0 at the top)."""
+    m = as_numpy(m)
+    if vmin is None or vmax is None:
+        lo, hi = quantile_limits(m, (0.0, 1.0))
+        vmin = lo if vmin is None else vmin
+        vmax = hi if vmax is None else vmax
+    cm = plt.get_cmap(cmap).copy()
+    cm.set_bad("white")
+    im = ax.imshow(np.ma.masked_invalid(m), cmap=cm, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="equal")
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    if title:
+        ax.set_title(title, fontsize=9)
+    if annotate:
+        for (i, j), v in np.ndenumerate(m):
+            if np.isfinite(v):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if v < (vmin + vmax) / 2 else "black")
+    if colorbar:
+        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    return im
+
+
+def map_grid(maps: Sequence, titles: Sequence[str], ncols: int | None = None,
+             limits: str | tuple[float, float] | Sequence[tuple[float, float]] = "each",
+             cmap: str = CMAP, suptitle: str | None = None, row_labels: Sequence[str] | None = None,
+             panel_size: float = 2.6):
+    """A grid of heatmaps. limits: 'each' (min-max per panel), 'quantile' (1%-99% per panel),
+    'shared' (one min-max for all), a (vmin, vmax) pair, or one pair per panel."""
+    n = len(maps)
+    ncols = ncols or n
+    nrows = int(np.ceil(n / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size * ncols + 0.6, panel_size * nrows + 0.4),
+                             squeeze=False, constrained_layout=True)
+    if limits == "shared":
+        lo, hi = quantile_limits(np.stack([as_numpy(m) for m in maps]), (0.0, 1.0))
+        lims = [(lo, hi)] * n
+    elif isinstance(limits, str):
+        q = (0.0, 1.0) if limits == "each" else (0.01, 0.99)
+        lims = [quantile_limits(m, q) for m in maps]
+    elif isinstance(limits[0], (int, float)):
+        lims = [tuple(limits)] * n
+    else:
+        lims = list(limits)
+    for k, ax in enumerate(axes.flat):
+        if k >= n:
+            ax.axis("off")
+            continue
+        heatmap(ax, maps[k], *lims[k], cmap=cmap, title=titles[k])
+        if k % ncols:
+            ax.set_ylabel("")
+        if row_labels and k % ncols == 0:
+            ax.set_ylabel(f"{row_labels[k // ncols]}\nquery i")
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11)
+    return fig
+
+
+def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
+              logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None):
+    """Lines with optional error bars, one per named series."""
+    fig, ax = plt.subplots(figsize=(4.8, 3.4), constrained_layout=True)
+    for name, ys in series.items():
+        err = None if errors is None else errors.get(name)
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def save(fig, directory: str | os.PathLike, stem: str, formats: Sequence[str] = ("png", "pdf")) -> list[Path]:
+    """Save `fig` as directory/stem.{png,pdf} and close it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext in formats:
+        p = directory / f"{stem}.{ext}"
+        fig.savefig(p, dpi=130 if ext == "png" else None)
+        paths.append(p)
+    plt.close(fig)
+    return paths
