@@ -120,7 +120,8 @@ def cmd_scores(args: argparse.Namespace) -> None:
                        num_sequences=args.num_sequences, batch_size=args.batch_size, mode=args.mode, bos=args.bos,
                        layers=layers, per_head=args.per_head, probs=args.probs, log_probs=args.log_probs,
                        hidden_cosine=args.hidden_cosine, no_rope=args.no_rope, dtype=args.dtype,
-                       device=args.device, attn_implementation="sdpa", checkpoint_every=args.checkpoint_every)
+                       device=args.device, attn_implementation="sdpa", tokenizer=args.tokenizer,
+                       checkpoint_every=args.checkpoint_every)
     path = run_scores(cfg, args.out, force=args.force, progress=not args.quiet)
     if path is not None:
         from poslens.results import load
@@ -187,10 +188,14 @@ def build_parser() -> Parser:
                    "datasets.save_to_disk directory (default: embedded CPython documentation text)")
     g.add_argument("--text-field", default="text", help="field/column holding the text (default text)")
     g.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence, BOS included (default 1024)")
-    g.add_argument("--num-sequences", type=int, default=1000, help="sequences to average over (default 1000)")
+    g.add_argument("--num-sequences", type=int, default=None,
+                   help="sequences to average over; exactly this many or an error (default: as many as the text "
+                   "gives, up to 1000)")
     g.add_argument("--mode", default="first", help="first: the first seq-len tokens of each long-enough document "
                    "(the paper); pack: concatenate documents and cut blocks (default first)")
     g.add_argument("--bos", default="auto", help="auto (as the tokenizer does), always, never (default auto)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer to use (same forms as MODEL); needed for random: "
+                   "configs without tokenizer files")
     g = p.add_argument_group("capture")
     g.add_argument("--layers", default=None, help="comma-separated layer indices (default all)")
     g.add_argument("--per-head", action="store_true", help="also keep one map per head")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from poslens.errors import UsageError
+
 
 def as_numpy(m) -> np.ndarray:
     """float64 numpy copy of a tensor or array."""
@@ -92,17 +94,23 @@ def toeplitz_residual(m, causal: bool = True, max_offset: int | None = None) -> 
 
 
 def rows_increasing(m, tol: float = 0.0) -> tuple[int, int]:
-    """(rows where the scores strictly increase in j over j <= i, rows checked), for rows i >= 1 (0-based).
+    """(rows whose scores strictly increase in j over keys j <= i, rows checked): the paper's Section 3 claim.
 
-    A row passes if every step m[i, j+1] - m[i, j] > tol for j < i. NaN-free lower triangle expected.
+    Hidden pairs (NaN / inf) are ignored; rows with fewer than two finite entries are skipped. A row passes
+    if every step between consecutive finite entries exceeds `tol`.
     """
     m = as_numpy(m)
-    n = m.shape[-1]
-    holding = 0
-    for i in range(1, n):
-        steps = np.diff(m[i, : i + 1])
-        holding += bool(np.all(steps > tol))
-    return holding, n - 1
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise UsageError(f"scores must be a square [n, n] map, got shape {m.shape}")
+    holding = checked = 0
+    for i in range(1, m.shape[0]):
+        row = m[i, : i + 1]
+        row = row[np.isfinite(row)]
+        if row.size < 2:
+            continue
+        checked += 1
+        holding += bool(np.all(np.diff(row) > tol))
+    return holding, checked
 
 
 def row_step_violations(m, se) -> dict:

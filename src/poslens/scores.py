@@ -22,6 +22,8 @@ from poslens.errors import UsageError, check_choice, check_int
 from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.results import check_output, run_directory, write_run
 
+DEFAULT_SEQUENCES = 1000  # the paper's count (Section 5.2)
+
 
 @dataclass
 class ScoresConfig:
@@ -31,7 +33,7 @@ class ScoresConfig:
     data: str | None = None
     text_field: str = "text"
     seq_len: int = 1024
-    num_sequences: int = 1000
+    num_sequences: int | None = None  # None: as many as the text gives, up to DEFAULT_SEQUENCES
     batch_size: int = 20
     mode: str = "first"
     bos: str = "auto"
@@ -44,12 +46,14 @@ class ScoresConfig:
     dtype: str = "auto"
     device: str = "cpu"
     attn_implementation: str = "sdpa"
+    tokenizer: str | None = None
     checkpoint_every: int = 10
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         check_int("seq_len", self.seq_len, 2)
-        check_int("num_sequences", self.num_sequences, 1)
+        if self.num_sequences is not None:
+            check_int("num_sequences", self.num_sequences, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("checkpoint_every", self.checkpoint_every, 1)
         check_choice("mode", self.mode, ("first", "pack"))
@@ -83,8 +87,8 @@ def partial_path(out: Path, rank: int, world: int) -> Path:
 def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool = True) -> Path | None:
     """Compute the maps and write the run directory (rank 0); returns its path on rank 0, None elsewhere."""
     from poslens.capture import Capture
-    from poslens.data import iter_documents, make_sequences, shard
-    from poslens.models import load_model
+    from poslens.data import iter_documents, make_sequences, shard, source_label
+    from poslens.models import load_info, load_model, max_positions
 
     cfg.validate()
     started = time.perf_counter()
@@ -95,9 +99,18 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device,
-                                  attn_implementation=cfg.attn_implementation)
+                                  attn_implementation=cfg.attn_implementation, tokenizer=cfg.tokenizer)
+    window = max_positions(model)
+    if cfg.seq_len > window:
+        raise UsageError(f"--seq-len {cfg.seq_len} is beyond the model's window of {window} positions; "
+                         f"use --seq-len <= {window}")
+    n_layers = model.config.num_hidden_layers
+    if cfg.layers and max(cfg.layers) >= n_layers:
+        raise UsageError(f"--layers: the model has layers 0..{n_layers - 1}, got {max(cfg.layers)}")
     ids, data_stats = make_sequences(tokenizer, iter_documents(cfg.data, cfg.text_field), cfg.seq_len,
-                                     cfg.num_sequences, mode=cfg.mode, bos=cfg.bos)
+                                     cfg.num_sequences or DEFAULT_SEQUENCES, mode=cfg.mode, bos=cfg.bos,
+                                     minimum=1 if cfg.num_sequences is None else None)
+    data_stats["source"] = source_label(cfg.data)
     mine = shard(ids, rank, world)
     batches = list(torch.split(mine, cfg.batch_size)) if len(mine) else []
     capture = Capture(model, layers=cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
@@ -135,7 +148,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
                                     "world_size": world, "resumed_from_batch": done, "metrics": metrics,
                                     "model": {"class": type(model).__name__,
                                               "model_type": getattr(model.config, "model_type", None),
-                                              "dtype": str(next(model.parameters()).dtype)},
+                                              **load_info(model)},
                                     "timings": {"seconds": time.perf_counter() - started}})
         path = target
     if world > 1:

@@ -1,0 +1,122 @@
+"""Gram flow: the exact d -> infinity limit of the parameter-free stack (derivation in docs/gramflow.md).
+
+A parameter-free layer sees its input X only through the Gram matrix G = X X^T. As d grows, the Gram of
+the Gaussian-built inputs concentrates to G0 = (1 - alpha) I + alpha 11^T, every hidden state becomes
+X^(l) = P^(l) X^(0) with a deterministic n x n matrix P^(l), and one layer maps Gram to Gram:
+
+    N = diag(G)^(-1/2)                                 normalisation (LayerNorm's centring vanishes)
+    S = beta (N G N) o C,  beta = row_norm^2 / s       scores; C_ij = c(i - j) RoPE kernel, all ones for NoPE
+    A = softmax(mask(S))                               row-wise over visible keys
+    M = gamma A N (+ I with residual), gamma = row_norm
+    G' = M G M^T
+
+Float64 numpy throughout; no sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from poslens import rope
+from poslens.errors import check_int, require
+from poslens.stack import StackConfig, visible
+
+
+@dataclass
+class GramFlowResult:
+    """Deterministic maps of the d -> infinity stack; scores[0] / probs[0] are layer 1, gram[0] the input."""
+
+    config: StackConfig
+    scores: np.ndarray  # [L, n, n] pre-softmax scores, NaN where the mask hides the pair
+    probs: np.ndarray  # [L, n, n] attention probabilities, 0 where hidden
+    gram: np.ndarray  # [L+1, n, n] Gram matrices of X^(0..L)
+    cosine: np.ndarray  # [L+1, n, n] cosine similarity of hidden states
+
+
+def initial_gram(n: int, alpha: float) -> np.ndarray:
+    """G0 = (1 - alpha) I + alpha 11^T: unit-norm inputs with pairwise inner product alpha (paper Eq. 2)."""
+    return (1.0 - alpha) * np.eye(n) + alpha * np.ones((n, n))
+
+
+def position_kernel(config: StackConfig) -> np.ndarray:
+    """C in S = beta (N G N) o C: the RoPE kernel c(i - j) at the config's d, or all ones for NoPE."""
+    if config.positional == "rope":
+        return rope.kernel(config.n, config.d, config.rope_theta, config.rope_scaling)
+    return np.ones((config.n, config.n))
+
+
+def _softmax(s: np.ndarray, vis: np.ndarray) -> np.ndarray:
+    z = np.where(vis, s, -np.inf)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def gram_flow(config: StackConfig, g0: np.ndarray | None = None) -> GramFlowResult:
+    """Run the Gram recursion G' = M G M^T for config.layers layers (docs/gramflow.md).
+
+    g0: the input Gram matrix [n, n]; default `initial_gram(n, alpha)` (unit-norm inputs, as the paper).
+    """
+    n, layers = config.n, config.layers
+    g = initial_gram(n, config.alpha) if g0 is None else np.array(g0, dtype=np.float64)
+    require(g.shape == (n, n), f"g0 must have shape ({n}, {n}), got {g.shape}")
+    require(bool(np.all(np.diag(g) > 0)), "g0 must have a positive diagonal (no zero-norm inputs)")
+    vis = visible(n, config.mask, config.window)
+    c = position_kernel(config)
+    beta = config.row_norm**2 / config.score_divisor
+    gamma = config.row_norm
+
+    scores = np.empty((layers, n, n))
+    probs = np.empty((layers, n, n))
+    grams = np.empty((layers + 1, n, n))
+    cosine = np.empty((layers + 1, n, n))
+    grams[0] = g
+    for layer in range(layers):
+        inv = 1.0 / np.sqrt(np.diag(g))
+        cos = g * inv[:, None] * inv[None, :]  # N G N
+        cosine[layer] = cos
+        s = beta * cos * c  # scores = beta (N G N) o C
+        a = _softmax(s, vis)
+        m = gamma * a * inv[None, :]  # gamma A N
+        if config.residual:
+            m = m + np.eye(n)
+        g = m @ g @ m.T  # G' = M G M^T
+        g = 0.5 * (g + g.T)  # exact symmetry, so rounding cannot make cosine[i, j] != cosine[j, i]
+        scores[layer] = np.where(vis, s, np.nan)
+        probs[layer] = a
+        grams[layer + 1] = g
+    inv = 1.0 / np.sqrt(np.diag(g))
+    cosine[layers] = g * inv[:, None] * inv[None, :]
+    return GramFlowResult(config=config, scores=scores, probs=probs, gram=grams, cosine=cosine)
+
+
+def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int | None = None) -> dict:
+    """Monte Carlo (poslens.simulate) against the Gram flow as d grows, for a convergence figure.
+
+    For each d, runs both on `replace(config, d=d)` (the RoPE kernel is the one at that d) and returns
+    d [D], max_dev [D, L] (max |MC mean - Gram flow| of the scores over visible pairs, per layer),
+    max_se [D, L] (the largest Monte Carlo standard error of those scores), probs_dev [D, L] and
+    cosine_dev [D, L+1] (max deviations of the attention probabilities and hidden-state cosines) and samples.
+    """
+    from poslens.simulate import simulate  # torch-backed; imported only when needed
+
+    samples = check_int("samples", samples, 2)
+    ds = [check_int("d", d, 1) for d in ds]
+    require(len(ds) > 0, "ds must list at least one hidden size d")
+    vis = visible(config.n, config.mask, config.window)
+    max_dev, max_se, probs_dev, cos_dev = [], [], [], []
+    for d in ds:
+        cfg = replace(config, d=d)
+        flow = gram_flow(cfg)
+        sim = simulate(cfg, samples, seed=seed, chunk=chunk)
+        mc = sim.scores_mean.double().cpu().numpy()
+        se = sim.scores_se.double().cpu().numpy()
+        max_dev.append(np.abs(mc - flow.scores)[:, vis].max(axis=-1))
+        max_se.append(se[:, vis].max(axis=-1))
+        probs = sim.probs_mean.double().cpu().numpy()
+        probs_dev.append(np.abs(probs - flow.probs).reshape(cfg.layers, -1).max(axis=-1))
+        cos = sim.cosine_mean.double().cpu().numpy()
+        cos_dev.append(np.abs(cos - flow.cosine).reshape(cfg.layers + 1, -1).max(axis=-1))
+    return {"d": np.array(ds), "max_dev": np.array(max_dev), "max_se": np.array(max_se),
+            "probs_dev": np.array(probs_dev), "cosine_dev": np.array(cos_dev), "samples": samples}

