@@ -7,7 +7,23 @@ from pathlib import Path
 from poslens import plotting
 from poslens.errors import UsageError, check_int
 from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
-from poslens.results import load, run_directory, write_run
+from poslens.results import Run, load, run_directory, write_run
+
+
+def figure5(runs: list[Run], labels: list[str], directory: Path, stem: str, layers: int = 4) -> Path:
+    """One row per run: its first `layers` layers, diagonal-normalised, 1%-99% quantile limits; returns the PNG."""
+    maps, titles, lims = [], [], []
+    for r in runs:
+        sc = as_numpy(r["scores"])[:layers]
+        ids = r.tensors["layers"].tolist()[:layers] if "layers" in r.tensors else list(range(len(sc)))
+        for m, ell in zip(diagonal_normalise(sc), ids):
+            maps.append(m)
+            titles.append(f"layer {ell}")
+            lims.append(quantile_limits(m))
+    ncols = max(min(layers, len(as_numpy(r["scores"]))) for r in runs)
+    fig = plotting.map_grid(maps, titles, ncols=ncols, limits=lims, row_labels=labels,
+                            suptitle="Diagonal-normalised mean scores, first layers (Figure 5)")
+    return plotting.save(fig, directory, stem)[0]
 
 
 def compare(runs: list[str], out: str, layers: int = 4, labels: list[str] | None = None,
@@ -22,19 +38,8 @@ def compare(runs: list[str], out: str, layers: int = 4, labels: list[str] | None
         raise UsageError(f"--labels needs one label per run ({len(loaded)}), got {len(labels)}")
     labels = labels or [r.config.get("model", str(r.path)) + (" (RoPE off)" if r.config.get("no_rope") else "")
                         for r in loaded]
-    maps, titles, lims = [], [], []
-    for r in loaded:
-        sc = as_numpy(r["scores"])[:layers]
-        ids = r.tensors["layers"].tolist()[:layers] if "layers" in r.tensors else list(range(len(sc)))
-        for m, ell in zip(diagonal_normalise(sc), ids):
-            maps.append(m)
-            titles.append(f"layer {ell}")
-            lims.append(quantile_limits(m))
-    ncols = max(len(as_numpy(r["scores"])[:layers]) for r in loaded)
     with run_directory(out, force) as tmp:
-        fig = plotting.map_grid(maps, titles, ncols=ncols, limits=lims, cmap=plotting.DIVERGING, row_labels=labels,
-                                suptitle="Diagonal-normalised mean scores, first layers (Figure 5)")
-        plotting.save(fig, tmp / "figures", "figure5")
+        figure5(loaded, labels, tmp / "figures", "figure5", layers)
         write_run(tmp, {f"run{k}/normalised": as_numpy(diagonal_normalise(as_numpy(r["scores"])[:layers]))
                         for k, r in enumerate(loaded)},
                   {"kind": "compare", "config": {"runs": [str(r.path) for r in loaded], "labels": labels,

@@ -18,7 +18,6 @@ import numpy as np  # noqa: E402
 from poslens.maps import as_numpy, quantile_limits  # noqa: E402
 
 CMAP = "magma"  # close to the paper's "rocket" and available without seaborn
-DIVERGING = "RdBu_r"
 
 
 def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: str = CMAP,
@@ -29,8 +28,7 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
         lo, hi = quantile_limits(m, (0.0, 1.0))
         vmin = lo if vmin is None else vmin
         vmax = hi if vmax is None else vmax
-    cm = plt.get_cmap(cmap).copy()
-    cm.set_bad("white")
+    cm = plt.get_cmap(cmap).with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(m), cmap=cm, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="equal")
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")

@@ -8,6 +8,7 @@ the sequences and the sums are all-reduced; each rank saves its partial sums ato
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -98,6 +99,14 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
+    documents = iter_documents(cfg.data, cfg.text_field)
+    first_doc = next(documents, None)  # a bad --data fails here, before the model loads
+    if first_doc is None:
+        raise UsageError(f"--data {cfg.data}: no documents found")
+    documents = itertools.chain([first_doc], documents)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device,
                                   attn_implementation=cfg.attn_implementation, tokenizer=cfg.tokenizer)
     window = max_positions(model)
@@ -107,7 +116,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     n_layers = model.config.num_hidden_layers
     if cfg.layers and max(cfg.layers) >= n_layers:
         raise UsageError(f"--layers: the model has layers 0..{n_layers - 1}, got {max(cfg.layers)}")
-    ids, data_stats = make_sequences(tokenizer, iter_documents(cfg.data, cfg.text_field), cfg.seq_len,
+    ids, data_stats = make_sequences(tokenizer, documents, cfg.seq_len,
                                      cfg.num_sequences or DEFAULT_SEQUENCES, mode=cfg.mode, bos=cfg.bos,
                                      minimum=1 if cfg.num_sequences is None else None)
     data_stats["source"] = source_label(cfg.data)
@@ -117,28 +126,31 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
                       hidden_cosine=cfg.hidden_cosine, device=device)
     ckpt = partial_path(target, rank, world)
     fp = {**cfg.fingerprint_fields(), "world": world, "rank": rank}
-    done = 0
+    half_at = len(batches) // 2  # split-half error bars: the sums after the first half of this rank's batches
+    done, half = 0, None
     resumed = load_partial(ckpt, fp)
     if resumed is not None:
-        capture.load_state_dict(resumed[0])
-        done = resumed[1]
-    context = _no_rope(model) if cfg.no_rope else _null()
+        state, done = resumed
+        half = {k[5:]: v for k, v in state.items() if k.startswith("half/")} or None
+        capture.load_state_dict({k: v for k, v in state.items() if not k.startswith("half/")})
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(total=len(batches), initial=done, desc="scores", unit="batch")
-    with context:
+    with (_no_rope(model) if cfg.no_rope else _null()), capture:
         for b in range(done, len(batches)):
             capture.update(batches[b].to(device))
             if bar is not None:
                 bar.update(1)
+            if b + 1 == half_at:
+                half = capture.state_dict()
             if (b + 1) % cfg.checkpoint_every == 0 and b + 1 < len(batches):
-                save_partial(ckpt, capture.state_dict(), b + 1, fp)
+                extra = {f"half/{k}": v for k, v in (half or {}).items()}
+                save_partial(ckpt, {**capture.state_dict(), **extra}, b + 1, fp)
     if bar is not None:
         bar.close()
-    capture.all_reduce()
-    result = capture.result()
+    result = reduce_with_halves(capture, half, world)
     path = None
     if rank == 0:
         with run_directory(target, force) as tmp:
@@ -159,6 +171,40 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     return path
 
 
+def _subtract(a: dict, b: dict) -> dict:
+    """Capture state a - b (sums and counts are additive; windows and layer ids are not)."""
+    return {k: (a[k] if k in ("sliding_window", "layers") else a[k] - b[k]) for k in a}
+
+
+def reduce_with_halves(capture, half: dict | None, world: int) -> dict:
+    """All-reduce the sums over ranks and return the means, plus split-half noise maps when there are halves.
+
+    The sequences split into two halves (each rank's first and second half of batches); with m1, m2 the two
+    halves' mean maps, |m1 - m2| / 2 estimates the standard error of their average (`scores_noise`). The
+    noise of the diagonal-normalised map is kept the same way (`normalised_noise`).
+    """
+    full = capture.state_dict()
+    if world > 1 and half is not None:
+        capture.load_state_dict(half)
+        capture.all_reduce()
+        half = capture.state_dict()
+        capture.load_state_dict(full)
+    capture.all_reduce()
+    result = capture.result()
+    if half is None or int(half["count"].min()) == 0:
+        return result
+    full = capture.state_dict()
+    capture.load_state_dict(half)
+    first = capture.result()
+    capture.load_state_dict(_subtract(full, half))
+    second = capture.result()
+    capture.load_state_dict(full)
+    result["scores_noise"] = (first["scores"] - second["scores"]).abs() / 2
+    result["normalised_noise"] = torch.as_tensor(
+        np.abs(diagonal_normalise(first["scores"]) - diagonal_normalise(second["scores"])) / 2, dtype=torch.float32)
+    return result
+
+
 def _no_rope(model):
     from poslens.ablations import no_rope
 
@@ -176,13 +222,18 @@ class _null:
 def summarise_scores(result: dict) -> dict:
     """Per layer: the typical score scale (1%-99% range) next to the non-relative pattern's size."""
     scores = as_numpy(result["scores"])
+    layer_ids = result["layers"].tolist() if "layers" in result else list(range(len(scores)))
     layers = []
     for ell, m in enumerate(scores):
         lo, hi = quantile_limits(m)
         nlo, nhi = quantile_limits(diagonal_normalise(m))
-        layers.append({"layer": ell, "score_q01_q99": [lo, hi], "normalised_q01_q99": [nlo, nhi],
-                       "normalised_rms": float(np.sqrt(np.nanmean(diagonal_normalise(m) ** 2))),
-                       "sink_column_mean": float(np.nanmean(m[1:, 0]))})
+        entry = {"layer": int(layer_ids[ell]), "score_q01_q99": [lo, hi], "normalised_q01_q99": [nlo, nhi],
+                 "normalised_rms": float(np.sqrt(np.nanmean(diagonal_normalise(m) ** 2))),
+                 "sink_column_mean": float(np.nanmean(m[1:, 0]))}
+        if "normalised_noise" in result:
+            entry["normalised_noise_rms"] = float(np.sqrt(np.nanmean(as_numpy(result["normalised_noise"][ell]) ** 2)))
+            entry["scores_noise_max"] = float(np.nanmax(as_numpy(result["scores_noise"][ell])))
+        layers.append(entry)
     return {"layers": layers}
 
 
@@ -195,7 +246,7 @@ def figures(result: dict, directory: Path, label: str) -> list[Path]:
     paths = plotting.save(plotting.map_grid(list(scores), titles, ncols=ncols, limits="quantile",
                                             suptitle=f"{label}: mean pre-softmax scores"), directory, "scores")
     paths += plotting.save(plotting.map_grid(list(diagonal_normalise(scores)), titles, ncols=ncols,
-                                             limits="quantile", cmap=plotting.DIVERGING,
+                                             limits="quantile",
                                              suptitle=f"{label}: diagonal-normalised"), directory,
                            "scores_normalised")
     return paths

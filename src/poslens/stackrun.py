@@ -52,7 +52,7 @@ def figures(config: StackConfig, scores, directory: Path, stem: str, label: str)
                                             suptitle=f"{label}: mean pre-softmax scores"), directory, stem)
     if config.positional == "rope" or config.mask == "none":
         normed = diagonal_normalise(scores, causal=config.mask != "none")
-        paths += plotting.save(plotting.map_grid(list(normed), titles, limits="quantile", cmap=plotting.DIVERGING,
+        paths += plotting.save(plotting.map_grid(list(normed), titles, limits="quantile",
                                                  suptitle=f"{label}: diagonal-normalised"),
                                directory, stem + "_normalised")
     return paths

@@ -1,0 +1,602 @@
+"""Mean attention maps of a Hugging Face causal LM, captured inside its own forward.
+
+The capture is a registered transformers attention function: every attention module hands it the query and
+key states after RoPE and any q/k norm, together with its `scaling` (and `sliding_window`, `softcap`), i.e.
+exactly what the softmax sees. It adds the batch to float32 accumulators on the device and then returns the
+model's own attention output (transformers' `sdpa_attention_forward`; Gemma-2's eager function), so hidden
+states and logits are bit-identical to a plain forward with that implementation.
+
+Maps (entry [i, j] = query position i, key position j):
+
+* `scores`: mean over sequences and heads of s_ij = scaling * q_i . k_j (after softcap for Gemma-2).
+  Linear in q and k, so the query heads sharing a key head are summed first and batch and heads are folded
+  into one contraction: one GEMM per query block into a [T, T] accumulator, keys beyond the block skipped.
+* `scores_per_head`: the same per head (one batched GEMM per block, the batch folded).
+* `probs`, `log_probs`, `log_partition`: mean of softmax_j(s_ij), of its log, and of logsumexp_j s_ij over
+  the keys the model attends to; computed in float32 from per-head score blocks (chunked).
+* `hidden_cosine`: mean cosine similarity of the residual-stream vectors entering each captured layer.
+
+Conventions:
+
+* Positions are token indices within a sequence: index 0 is its first real token. `attention_mask` rows must
+  be one run of ones (right or left padding). Left-padded rows are shifted to the left before accumulation,
+  so they land on the same map entries as the unpadded sequence. The forward itself is the model's own
+  (default `position_ids` = tensor index); RoPE depends only on i - j, so the scores of a left-padded
+  sequence equal the unpadded ones up to rounding. Padded queries and keys never enter a mean: `count[i]` is
+  the number of sequences reaching position i, and every entry (i, j <= i) is a mean over count[i]
+  sequences (times heads).
+* Entries the softmax never sees are NaN: above the diagonal, positions no sequence reached, and, on
+  sliding-window layers, keys with i - j >= window. `sliding_window` records the window per layer (0 = none).
+* `hidden_cosine` is symmetric; only j <= i is stored (NaN above), like the other maps.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import eager_mask, sdpa_mask
+
+from poslens.errors import UsageError
+
+# model_type -> family name used in messages
+SUPPORTED: dict[str, str] = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "phi3": "Phi-3",
+    "gemma3_text": "Gemma-3 (text)",
+    "gemma2": "Gemma-2",
+}
+EAGER_OUTPUT = {"gemma2"}  # no SDPA path in transformers (attention logit softcap): output via its eager function
+
+ATTN_SDPA = "poslens_capture"
+ATTN_EAGER = "poslens_capture_eager"
+_OWNER = "_poslens_capture"  # attribute set on the attention modules of captured layers
+
+MAP_KEYS = ("scores", "probs", "log_probs", "hidden_cosine")
+
+
+def check_supported(config) -> None:
+    """Raise UsageError unless `config` (a transformers config) is an architecture the capture handles."""
+    model_type = getattr(config, "model_type", None)
+    names = ", ".join(SUPPORTED)
+    if model_type == "gemma3":
+        raise UsageError(
+            "model_type 'gemma3' is the multimodal Gemma-3; load its text model (Gemma3ForCausalLM, "
+            "model_type 'gemma3_text') instead"
+        )
+    if model_type not in SUPPORTED:
+        raise UsageError(f"model_type {model_type!r} is not supported by the attention capture; supported: {names}")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
+
+
+class _Stop(Exception):
+    """Raised after the deepest captured layer to end a forward early."""
+
+
+@dataclass
+class _Batch:
+    """Per-forward state: which tokens are real, how to align left-padded rows, where to stop."""
+
+    valid: torch.Tensor  # [B, T] bool, after alignment: True for the first lengths[b] positions
+    shift: torch.Tensor | None  # [B] leading pad tokens per row; None when there are none
+    full: bool  # no padding at all
+    stop_at: int | None  # layer_idx after which the forward is ended
+
+    def on(self, device: torch.device) -> _Batch:
+        if self.valid.device == device:
+            return self
+        shift = None if self.shift is None else self.shift.to(device)
+        return _Batch(self.valid.to(device), shift, self.full, self.stop_at)
+
+
+def _align(x: torch.Tensor, batch: _Batch, seq_dim: int) -> torch.Tensor:
+    """Shift each row of x [B, ..., T, ...] so its first real token is at index 0; zero the padded positions."""
+    if batch.full:
+        return x
+    batch = batch.on(x.device)
+    n = x.shape[seq_dim]
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[seq_dim] = n
+    if batch.shift is not None:
+        idx = (torch.arange(n, device=x.device)[None] + batch.shift[:, None]).clamp(max=n - 1)
+        x = x.gather(seq_dim, idx.view(shape).expand(x.shape))
+    return torch.where(batch.valid.view(shape), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _blocks(n: int, block: int, window: int) -> Iterator[tuple[int, int, int]]:
+    """Query blocks [s, e) and the first key k0 any of them sees (0, or the window's start)."""
+    for s in range(0, n, block):
+        yield s, min(n, s + block), max(0, s - window + 1) if window else 0
+
+
+def _seen(n: int, window: int, device=None) -> torch.Tensor:
+    """[n, n] bool: key j is attended by query i (j <= i, and i - j < window when there is one)."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    ok = j <= i
+    return ok & (i - j < window) if window else ok
+
+
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """out += alpha * a @ b (out may live on another device than a and b)."""
+    if out.device == a.device and a.dim() == 2:
+        out.addmm_(a, b, alpha=alpha)
+    else:
+        out.add_(torch.matmul(a, b).to(out.device), alpha=alpha)
+
+
+def _pad_square(t: torch.Tensor, n: int, dims: int) -> torch.Tensor:
+    """Zero-pad the last `dims` dimensions of t (each of the same size) to n."""
+    m = t.shape[-1]
+    if m == n:
+        return t
+    return F.pad(t, [0, n - m] * dims)
+
+
+class Capture:
+    """Streaming accumulator of mean attention maps; see the module docstring for the conventions.
+
+    ```
+    cap = Capture(model, layers=[0, 1, 2], probs=True)
+    for ids, mask in batches:
+        cap.update(ids, mask)           # base model only, stops after layer 2
+    maps = cap.result()                 # {"scores": [3, T, T], "probs": ..., "count": [T], ...}
+    ```
+    `update()` installs the capture for its own duration; `with cap:` keeps it installed across calls.
+    Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head` (per-head maps
+    besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
+    `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM),
+    `chunk_bytes` (memory for one block of per-head scores in the chunked path).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layers: list[int] | None = None,
+        *,
+        per_head: bool = False,
+        scores: bool = True,
+        probs: bool = False,
+        log_probs: bool = False,
+        hidden_cosine: bool = False,
+        device: str | torch.device | None = None,
+        query_block: int = 128,
+        chunk_bytes: int = 1 << 28,
+    ) -> None:
+        check_supported(model.config)
+        self.model = model
+        self.base = model.base_model
+        n_layers = len(self.base.layers)
+        if layers is None:
+            layers = list(range(n_layers))
+        for l in layers:
+            if not -n_layers <= int(l) < n_layers:
+                raise UsageError(f"layers: index {l} out of range for a model with {n_layers} layers")
+        self.layers = sorted({int(l) % n_layers for l in layers})
+        if not self.layers:
+            raise UsageError("layers must name at least one layer (or be None for all)")
+        if not (scores or probs or log_probs or hidden_cosine):
+            raise UsageError("nothing to capture: enable scores, probs, log_probs or hidden_cosine")
+        self.per_head = per_head
+        self.wanted = {"scores": scores, "probs": probs, "log_probs": log_probs, "hidden_cosine": hidden_cosine}
+        self.device = None if device is None else torch.device(device)
+        self.query_block = max(1, int(query_block))
+        self.chunk_bytes = int(chunk_bytes)
+        self.num_heads = model.config.num_attention_heads
+        self._slot = {l: k for k, l in enumerate(self.layers)}
+        self._eager = model.config.model_type in EAGER_OUTPUT
+        self._n = 0  # map size (longest sequence so far)
+        self._count = torch.zeros(0, dtype=torch.int64)
+        self._window = torch.zeros(len(self.layers), dtype=torch.int64)
+        self._sums: dict[str, list[torch.Tensor | None]] = {k: [None] * len(self.layers) for k in self._keys()}
+        self._batch: _Batch | None = None
+        self._installs = 0
+        self._saved_impl: str | None = None
+        self._hooks: list = []
+
+    # ---- installation -------------------------------------------------------------------------------
+
+    def install(self) -> Capture:
+        """Register the capture attention function on the model (idempotent; undo with `remove()`)."""
+        if self._installs == 0:
+            _register()
+            attns = [self.base.layers[l].self_attn for l in self.layers]
+            if any(getattr(a, _OWNER, None) not in (None, self) for a in attns):
+                raise UsageError("another Capture is already installed on this model; remove it first")
+            self._saved_impl = self.model.config._attn_implementation
+            self.model.set_attn_implementation(ATTN_EAGER if self._eager else ATTN_SDPA)
+            for a in attns:
+                setattr(a, _OWNER, self)
+            if self.wanted["hidden_cosine"]:
+                for l in self.layers:
+                    hook = self.base.layers[l].register_forward_pre_hook(self._hidden_hook(l), with_kwargs=True)
+                    self._hooks.append(hook)
+        self._installs += 1
+        return self
+
+    def remove(self) -> None:
+        """Undo `install()`: restore the model's attention implementation and drop the hooks."""
+        if self._installs == 0:
+            return
+        self._installs -= 1
+        if self._installs:
+            return
+        for l in self.layers:
+            attn = self.base.layers[l].self_attn
+            if getattr(attn, _OWNER, None) is self:
+                delattr(attn, _OWNER)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.model.set_attn_implementation(self._saved_impl)
+
+    def __enter__(self) -> Capture:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ---- running batches -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Run one batch [B, T] through the base model (no LM head), stopping after the deepest captured layer."""
+        ids, mask, batch = self._prepare(input_ids, attention_mask, stop_at=self.layers[-1])
+        with self._running(batch):
+            try:
+                self.base(input_ids=ids, attention_mask=mask, use_cache=False)
+            except _Stop:
+                pass
+        self._commit(batch)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Run the whole model (LM head included) on one batch while capturing; returns the model's output."""
+        ids, mask, batch = self._prepare(input_ids, attention_mask, stop_at=None)
+        with self._running(batch):
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs)
+        self._commit(batch)
+        return out
+
+    def _prepare(self, input_ids, attention_mask, stop_at):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise UsageError("input_ids must be an integer tensor of token ids [batch, seq_len]")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+            attention_mask = None if attention_mask is None else attention_mask.reshape(1, -1)
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise UsageError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}")
+        device = self.model.get_input_embeddings().weight.device
+        ids = input_ids.to(device)
+        b, n = ids.shape
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
+            raise UsageError(f"attention_mask must have the shape of input_ids {(b, n)}, got "
+                             f"{tuple(attention_mask.shape)}")
+        if attention_mask is None or bool(attention_mask.bool().all()):
+            valid = torch.ones(b, n, dtype=torch.bool, device=device)
+            return ids, None, _Batch(valid, None, True, stop_at)
+        m = attention_mask.to(device).bool()
+        lengths = m.sum(1)
+        if bool((lengths == 0).any()):
+            raise UsageError("attention_mask: every row needs at least one real token (a row is all zeros)")
+        shift = m.int().argmax(1)  # leading pads
+        pos = torch.arange(n, device=device)[None]
+        if not torch.equal(m, (pos >= shift[:, None]) & (pos < (shift + lengths)[:, None])):
+            raise UsageError("attention_mask rows must be one run of ones (left or right padding), not holes")
+        valid = pos < lengths[:, None]
+        batch = _Batch(valid, shift if bool(shift.any()) else None, False, stop_at)
+        return ids, attention_mask.to(device), batch
+
+    @contextmanager
+    def _running(self, batch: _Batch):
+        self._grow(batch.valid.shape[1])
+        self.install()
+        self._batch = batch
+        try:
+            yield
+        finally:
+            self._batch = None
+            self.remove()
+
+    def _commit(self, batch: _Batch) -> None:
+        counts = batch.valid.sum(0).cpu()
+        self._count[: counts.shape[0]] += counts
+
+    # ---- accumulation (called from inside the forward) -----------------------------------------------
+
+    def _keys(self) -> list[str]:
+        keys = [k for k in MAP_KEYS if self.wanted[k]]
+        return keys + (["log_partition"] if self.wanted["log_probs"] else [])
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        n = self._n
+        if key == "hidden_cosine":
+            return (n, n)
+        heads = (self.num_heads,) if self.per_head else ()
+        return heads + ((n,) if key == "log_partition" else (n, n))
+
+    def _dtype(self, key: str) -> torch.dtype:
+        return torch.float64 if key == "log_partition" else torch.float32
+
+    def _grow(self, n: int) -> None:
+        if n > self._n:
+            self._n = n
+            self._count = F.pad(self._count, (0, n - self._count.shape[0]))
+
+    def _acc(self, key: str, slot: int, device: torch.device) -> torch.Tensor:
+        """The sum tensor of (key, layer slot): allocated, grown to the map size, moved to its device."""
+        device = self.device or device
+        t = self._sums[key][slot]
+        if t is None:
+            t = torch.zeros(self._shape(key), dtype=self._dtype(key), device=device)
+        else:
+            t = _pad_square(t, self._n, 1 if key == "log_partition" else 2).to(device)
+        self._sums[key][slot] = t
+        return t
+
+    def _observe(self, module, query, key, scaling: float, window: int | None, softcap: float | None) -> None:
+        batch = self._batch
+        if batch is None:  # installed, but the forward was not started by update()/forward()
+            return
+        slot = self._slot[module.layer_idx]
+        window = int(window or 0)
+        self._window[slot] = max(int(self._window[slot]), window)
+        if self.wanted["scores"] and softcap is None:
+            if self.per_head:
+                self._scores_per_head(slot, query, key, scaling, window, batch)
+            else:
+                self._scores_gemm(slot, query, key, scaling, window, batch)
+        if self.wanted["probs"] or self.wanted["log_probs"] or (self.wanted["scores"] and softcap is not None):
+            self._chunked(slot, query, key, scaling, window, softcap, batch)
+        if batch.stop_at == module.layer_idx:
+            raise _Stop
+
+    def _scores_gemm(self, slot, query, key, scaling, window, batch) -> None:
+        """Sum over sequences and heads of q_i . k_j: group-summed queries, batch and heads in one contraction."""
+        b, h, n, d = query.shape
+        hkv = key.shape[1]
+        qs = query.unflatten(1, (hkv, h // hkv)).sum(2, dtype=torch.float32)  # [B, Hkv, T, D]
+        qs = _align(qs, batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
+        ks = _align(key.float(), batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
+        acc = self._acc("scores", slot, query.device)
+        for s, e, k0 in _blocks(n, self.query_block, window):
+            _add_matmul(acc[s:e, k0:e], qs[s:e], ks[k0:e].T, scaling)
+
+    def _scores_per_head(self, slot, query, key, scaling, window, batch) -> None:
+        """Per-head sums over sequences of q_i . k_j: the batch folded into the contraction, one bmm per block."""
+        b, h, n, d = query.shape
+        hkv = key.shape[1]
+        qh = _align(query.float(), batch, 2).permute(1, 2, 0, 3).reshape(hkv, h // hkv, n, b * d)
+        kh = _align(key.float(), batch, 2).permute(1, 2, 0, 3).reshape(hkv, 1, n, b * d)
+        acc = self._acc("scores", slot, query.device).view(hkv, h // hkv, self._n, self._n)
+        for s, e, k0 in _blocks(n, self.query_block, window):
+            _add_matmul(acc[..., s:e, k0:e], qh[..., s:e, :], kh[..., k0:e, :].transpose(-1, -2), scaling)
+
+    def _chunked(self, slot, query, key, scaling, window, softcap, batch) -> None:
+        """Per-head score blocks [B, H, bq, K]: softcapped scores, probabilities, log-probabilities, log-partition."""
+        b, h, n, d = query.shape
+        hkv = key.shape[1]
+        q = _align(query.float(), batch, 2).unflatten(1, (hkv, h // hkv))  # [B, Hkv, G, T, D]
+        k = _align(key.float(), batch, 2)[:, :, None]  # [B, Hkv, 1, T, D]
+        valid = batch.on(query.device).valid
+        seen = _seen(n, window, query.device)
+        rows = max(1, min(n, self.chunk_bytes // (16 * b * h * n)))
+        red = (0,) if self.per_head else (0, 1, 2)
+
+        def add(key_: str, s: int, e: int, k0: int, x: torch.Tensor) -> None:
+            acc = self._acc(key_, slot, query.device)
+            x = x.sum(red)
+            if self.per_head:
+                x = x.reshape(h, *x.shape[2:])
+            if key_ == "log_partition":
+                acc[..., s:e] += x.to(acc.device, acc.dtype)
+            else:
+                acc[..., s:e, k0:e] += x.to(acc.device)
+
+        for s, e, k0 in _blocks(n, rows, window):
+            sc = torch.matmul(q[..., s:e, :], k[..., k0:e, :].transpose(-1, -2)) * scaling
+            if softcap is not None:
+                sc = torch.tanh(sc / softcap) * softcap
+            allowed = seen[s:e, k0:e]
+            keep = (valid[:, s:e, None] & allowed)[:, None, None]  # [B, 1, 1, bq, K]
+            zero = sc.new_zeros(())
+            if self.wanted["scores"] and softcap is not None:
+                add("scores", s, e, k0, torch.where(keep, sc, zero))
+            if self.wanted["probs"] or self.wanted["log_probs"]:
+                logits = sc.masked_fill(~allowed, -math.inf)
+                lse = torch.logsumexp(logits, -1, keepdim=True)
+                logp = logits - lse
+                if self.wanted["probs"]:
+                    add("probs", s, e, k0, torch.where(keep, logp.exp(), zero))
+                if self.wanted["log_probs"]:
+                    add("log_probs", s, e, k0, torch.where(keep, logp, zero))
+                    add("log_partition", s, e, k0, torch.where(valid[:, None, None, s:e], lse[..., 0], zero))
+
+    def _hidden_hook(self, layer: int):
+        slot = self._slot[layer]
+
+        def hook(module, args, kwargs):
+            if self._batch is None:
+                return None
+            x = args[0] if args else kwargs["hidden_states"]
+            b, n, _ = x.shape
+            xn = _align(F.normalize(x.float(), dim=-1), self._batch, 1).transpose(0, 1).reshape(n, -1)
+            acc = self._acc("hidden_cosine", slot, x.device)
+            for s, e, _ in _blocks(n, self.query_block, 0):
+                _add_matmul(acc[s:e, :e], xn[s:e], xn[:e].T, 1.0)
+            return None
+
+        return hook
+
+    # ---- results and persistence ---------------------------------------------------------------------
+
+    def _stacked(self, key: str) -> torch.Tensor:
+        out = []
+        for slot in range(len(self.layers)):
+            t = self._sums[key][slot]
+            if t is None:
+                t = torch.zeros(self._shape(key), dtype=self._dtype(key))
+            out.append(_pad_square(t.cpu(), self._n, 1 if key == "log_partition" else 2))
+        return torch.stack(out)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Sums and counts on the CPU (for poslens.checkpoint.save_partial); resume with load_state_dict()."""
+        state = {f"{k}_sum": self._stacked(k) for k in self._keys()}
+        state["count"] = self._count.clone()
+        state["sliding_window"] = self._window.clone()
+        state["layers"] = torch.tensor(self.layers, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the sums written by state_dict() of a Capture with the same layers and options."""
+        expected = {f"{k}_sum" for k in self._keys()} | {"count", "sliding_window", "layers"}
+        if set(state) != expected or state["layers"].tolist() != self.layers:
+            raise UsageError("checkpoint was written by a capture with other layers or options; "
+                             "delete it or rerun with the same options")
+        n = state["count"].shape[0]
+        self._n = n
+        self._count = state["count"].to(torch.int64).clone()
+        self._window = state["sliding_window"].to(torch.int64).clone()
+        for k in self._keys():
+            t = state[f"{k}_sum"]
+            if tuple(t.shape) != (len(self.layers), *self._shape(k)):
+                raise UsageError(f"checkpoint {k}_sum has shape {tuple(t.shape)}, expected "
+                                 f"{(len(self.layers), *self._shape(k))}; per_head differs?")
+            self._sums[k] = [x.to(self._dtype(k)).clone() for x in t.unbind(0)]
+
+    def all_reduce(self, group=None) -> None:
+        """Sum the accumulators over torch.distributed ranks (no-op unless a process group is initialised)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        nccl = "nccl" in str(dist.get_backend(group))
+        comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        n = torch.tensor([self._n], device=comm)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        self._grow(int(n.item()))
+
+        def reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+            x = t.to(comm)
+            dist.all_reduce(x, op=op, group=group)
+            return x.to(t.device)
+
+        self._count = reduce(self._count)
+        self._window = reduce(self._window, dist.ReduceOp.MAX)
+        for k in self._keys():
+            for slot in range(len(self.layers)):
+                t = self._sums[k][slot]
+                dev = t.device if t is not None else (self.device or torch.device("cpu"))
+                self._sums[k][slot] = reduce(self._acc(k, slot, dev))
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """Means on the CPU: maps [n_layers, (H,) T, T] with NaN where undefined, plus counts and windows.
+
+        Keys: "scores", "probs", "log_probs", "hidden_cosine" (when enabled), their "<key>_per_head" with
+        per_head=True (not hidden_cosine), "log_partition" [n_layers, T] (and "_per_head" [n_layers, H, T]),
+        "count" [T] (sequences reaching each position), "layers", "sliding_window" (0 = none), "num_heads".
+        """
+        n, count = self._n, self._count
+        reached = count > 0
+        out: dict[str, torch.Tensor] = {}
+        for key in self._keys():
+            vector = key == "log_partition"
+            per_head = self.per_head and key != "hidden_cosine"
+            heads = 1 if key == "hidden_cosine" else self.num_heads
+            shape = (n,) if vector else (n, n)
+            cnt = count.to(self._dtype(key)).view(-1, *([] if vector else [1]))  # sequences per query row
+            mean = torch.empty(len(self.layers), *shape)
+            each = torch.empty(len(self.layers), heads, *shape) if per_head else None
+            for slot in range(len(self.layers)):  # one layer at a time: no float64 copy of every map
+                window = int(self._window[slot]) if key != "hidden_cosine" else 0
+                ok = reached if vector else _seen(n, window) & reached[:, None]
+                sums = self._sums[key][slot]
+                sums = torch.zeros(self._shape(key), dtype=self._dtype(key)) if sums is None else sums.cpu()
+                sums = _pad_square(sums, n, 1 if vector else 2)
+                total = sums.sum(0) if per_head else sums
+                mean[slot] = torch.where(ok, total / (cnt * heads), math.nan)
+                if per_head:
+                    each[slot] = torch.where(ok, sums / cnt, math.nan)
+            out[key] = mean
+            if per_head:
+                out[f"{key}_per_head"] = each
+        out["count"] = count.clone()
+        out["layers"] = torch.tensor(self.layers, dtype=torch.int64)
+        out["sliding_window"] = self._window.clone()
+        out["num_heads"] = torch.full((len(self.layers),), self.num_heads, dtype=torch.int64)
+        return out
+
+    def reset(self) -> None:
+        """Forget everything accumulated so far."""
+        self._n = 0
+        self._count = torch.zeros(0, dtype=torch.int64)
+        self._window.zero_()
+        self._sums = {k: [None] * len(self.layers) for k in self._keys()}
+
+
+# ---- the registered attention functions -----------------------------------------------------------------
+
+
+def _capture_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Capture, then transformers' own SDPA attention (identical output)."""
+    _observe(module, query, key, scaling, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _capture_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Capture, then the model's own eager attention (for families without SDPA, e.g. Gemma-2's softcap)."""
+    _observe(module, query, key, scaling, kwargs)
+    eager = importlib.import_module(type(module).__module__).eager_attention_forward
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _observe(module, query, key, scaling, kwargs) -> None:
+    owner = getattr(module, _OWNER, None)
+    if owner is not None:
+        if scaling is None:
+            scaling = module.head_dim**-0.5
+        with torch.no_grad():
+            owner._observe(module, query, key, scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
+
+
+def _register() -> None:
+    # Both registries: without a mask function transformers builds no mask at all (no padding, no window).
+    AttentionInterface.register(ATTN_SDPA, _capture_sdpa)
+    AttentionMaskInterface.register(ATTN_SDPA, sdpa_mask)
+    AttentionInterface.register(ATTN_EAGER, _capture_eager)
+    AttentionMaskInterface.register(ATTN_EAGER, eager_mask)
+
+
+# ---- one-call helper ------------------------------------------------------------------------------------
+
+
+def attention_scores(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    layers: list[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """Mean pre-softmax scores [n_layers, T, T] (float32 on the CPU, NaN above the diagonal) of a batch.
+
+    `batch_size` splits input_ids into batches of that many sequences (all at once when None).
+    """
+    cap = Capture(model, layers)
+    step = batch_size or input_ids.shape[0]
+    for s in range(0, input_ids.shape[0], step):
+        mask = None if attention_mask is None else attention_mask[s : s + step]
+        cap.update(input_ids[s : s + step], mask)
+    return cap.result()["scores"]

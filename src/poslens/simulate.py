@@ -1,0 +1,311 @@
+"""Monte Carlo of the parameter-free stack (paper Eq. 1; Sections 4.1 and 5.1).
+
+Inputs as the paper draws them (Section 4.1): x_i = normalize(g_i + l s) with g_i, s ~ N(0, I_d) and
+l = sqrt(alpha / (1 - alpha)), so E<x_i, x_j> = l^2 / (1 + l^2) = alpha for i != j (Eq. 2 in expectation).
+One layer (Eq. 1, generalised by `StackConfig`):
+    Y = Norm(X);  S = mask(R(Y) R(Y)^T / s);  A = softmax(S);  X' = A Y (+ X)
+
+Reproducibility. Samples are drawn in fixed blocks of BLOCK; block k's draws depend only on (seed, k)
+(`draw_inputs`). Each block is reduced on its own (float32, torch's cascade sum over BLOCK samples) and
+the block sums join float64 accumulators one block at a time, in block order. So on the CPU the result is
+the same bit for bit for any `chunk` and any number of worker threads, and a run resumed from a
+checkpoint equals an uninterrupted one. (On CUDA a chunk's block sums are added with one float64 sum:
+equal across chunk sizes to float64 round-off; the draws come from the CUDA generator, not the CPU one.)
+
+Speed. On the CPU each of torch's intra-op threads becomes a worker that pushes whole chunks through
+the stack single-threaded (small batched matmuls scale better across chunks than inside one).
+Per layer: one baddbmm that also adds the mask and the shift -B (B = the largest possible score, so
+exp never overflows), one softmax, two squares, one block-sum, one baddbmm for A Y + X. For l2 NoPE
+with a causal or no mask, S = Y Y^T is also the cosine matrix of the layer's input, so it is not
+computed twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from poslens.checkpoint import load_partial, save_partial
+from poslens.errors import UsageError, check_int
+from poslens.rope import cos_sin, rotate
+from poslens.stack import StackConfig, visible
+
+__all__ = ["BLOCK", "SimResult", "block_seed", "draw_inputs", "simulate"]
+
+BLOCK = 128  # samples per block of random draws; fixed, so that results do not depend on `chunk`
+TINY = 1e-12  # l2: x / (||x|| + TINY); LayerNorm: eps under the square root
+CPU_CHUNK = 128  # default samples per chunk on the CPU: fastest on a 2-core EPYC (cache vs. Python overhead)
+CUDA_CHUNK = 32768  # default on a GPU: few, large launches
+
+
+@dataclass
+class SimResult:
+    """Means over samples and their standard errors; float64 CPU tensors.
+
+    scores_* [L, n, n]: pre-softmax scores per layer (NaN where the mask hides the pair);
+    probs_* [L, n, n]: attention probabilities (0 where hidden);
+    cosine_* [L+1, n, n]: cosine similarity of the hidden states X^(0) .. X^(L).
+    """
+
+    scores_mean: torch.Tensor
+    scores_se: torch.Tensor
+    probs_mean: torch.Tensor
+    probs_se: torch.Tensor
+    cosine_mean: torch.Tensor
+    cosine_se: torch.Tensor
+    samples: int
+    seconds: float
+
+
+def block_seed(seed: int, block: int) -> int:
+    """64-bit seed of block `block`: a hash of (seed, block), so blocks are independent streams."""
+    digest = hashlib.blake2b(f"poslens.simulate:{seed}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def l2_normalize(x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """out = x / (||x|| + TINY) row-wise; `norm` [..., 1] is scratch."""
+    torch.linalg.vector_norm(x, dim=-1, keepdim=True, out=norm)
+    return torch.div(x, norm.add_(TINY), out=out)
+
+
+def layer_norm(x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """out = (x - mean) / sqrt(var + TINY), population variance, no affine: rows of norm sqrt(d)."""
+    torch.sub(x, x.mean(-1, keepdim=True), out=out)
+    torch.linalg.vector_norm(out, dim=-1, keepdim=True, out=norm)
+    return out.div_(norm.square_().div_(x.shape[-1]).add_(TINY).sqrt_())
+
+
+def draw_inputs(config: StackConfig, seed: int, block: int, size: int = BLOCK, device: str = "cpu",
+                generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """X^(0) of block `block`: [size, n, d], rows normalize(g_i + l s), l = sqrt(alpha/(1-alpha)) (Sec. 4.1).
+
+    Drawn in float32 whatever the compute dtype (so float32 and float64 runs see the same inputs); the
+    shared component s is drawn even when alpha = 0, so runs that differ only in alpha share their noise.
+    """
+    g = generator if generator is not None else torch.Generator(device)
+    g.manual_seed(block_seed(seed, block))
+    n, d = config.n, config.d
+    direct = out is not None and out.dtype == torch.float32
+    x = out if direct else torch.empty(size, n, d, device=device)
+    torch.randn(size, n, d, generator=g, out=x)
+    s = torch.randn(size, 1, d, generator=g, device=device)
+    if config.alpha > 0:
+        x.add_(s, alpha=math.sqrt(config.alpha / (1 - config.alpha)))
+    if out is None:
+        out = x
+    elif not direct:
+        out.copy_(x)
+    return out.div_(torch.linalg.vector_norm(out, dim=-1, keepdim=True).add_(TINY))
+
+
+class _Stack:
+    """Constants and buffers for pushing chunks of up to `chunk` samples through the stack (one per worker)."""
+
+    def __init__(self, config: StackConfig, chunk: int, device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, device, dtype
+        n, d = config.n, config.d
+        # B = ||R(y)||^2 / s, the largest score (the diagonal): exp(S - B) <= 1 never overflows.
+        self.shift = config.row_norm**2 / config.score_divisor
+        hidden = ~torch.as_tensor(visible(n, config.mask, config.window), device=device)
+        self.bias = torch.full((n, n), -self.shift, device=device, dtype=dtype).masked_fill_(hidden, -math.inf)
+        self.cos_bias = torch.full((n, n), -1.0, device=device, dtype=dtype)
+        # l2 NoPE: S = Y Y^T is the cosine matrix of X, visible on the lower triangle at least.
+        self.shared = config.norm == "l2" and config.positional == "none" and config.mask != "sliding"
+        if config.positional == "rope":
+            self.cos, self.sin = cos_sin(n, d, config.rope_theta, config.rope_scaling, dtype=dtype, device=device)
+        self.x = torch.empty(chunk, n, d, device=device, dtype=dtype)
+        self.y = torch.empty_like(self.x)
+        self.u = torch.empty_like(self.x)  # l2-normalised X for the cosine when Y is not that
+        self.norm = torch.empty(chunk, n, 1, device=device, dtype=dtype)
+        self.w = torch.empty(4, chunk, n, n, device=device, dtype=dtype)  # S - B, (S - B)^2, A, A^2
+        self.generator = torch.Generator(device)
+
+    @property
+    def rows(self) -> int:
+        """Rows of a block's sums: (S - B, (S - B)^2, A, A^2) per layer, then (C - 1, (C - 1)^2) per X^(l)."""
+        return 4 * self.config.layers + 2 * (self.config.layers + 1)
+
+    def run(self, seed: int, first: int, sizes: list[int]) -> torch.Tensor:
+        """Blocks first, first+1, ... of the given sizes through the stack: their sums [len(sizes), rows, n, n]."""
+        cfg, c, L = self.config, sum(sizes), self.config.layers
+        x, y, w, norm = self.x[:c], self.y[:c], self.w[:, :c], self.norm[:c]
+        start = 0
+        for k, b in enumerate(sizes):
+            draw_inputs(cfg, seed, first + k, b, self.device, self.generator, out=x[start:start + b])
+            start += b
+        sums = torch.zeros(len(sizes), self.rows, cfg.n, cfg.n, device=self.device, dtype=self.dtype)
+        bias = self.bias.expand(c, -1, -1)
+        for layer in range(L):
+            if not self.shared:
+                self._cosine(x, sizes, sums[:, 4 * L + 2 * layer:])
+            if cfg.norm == "l2":
+                l2_normalize(x, y, norm)  # Y = Norm(X)
+            else:
+                layer_norm(x, y, norm)
+            q = rotate(y, self.cos, self.sin) if cfg.positional == "rope" else y
+            torch.baddbmm(bias, q, q.mT, alpha=1 / cfg.score_divisor, out=w[0])  # S - B, masked (Eq. 1)
+            torch.softmax(w[0], dim=-1, out=w[2])  # A = softmax(S): the shift B cancels
+            torch.mul(w[0], w[0], out=w[1])
+            torch.mul(w[2], w[2], out=w[3])
+            _block_sums(w, sizes, sums[:, 4 * layer:4 * layer + 4])
+            if cfg.residual:
+                x.baddbmm_(w[2], y)  # X' = A Y + X
+            else:
+                torch.bmm(w[2], y, out=x)  # X' = A Y
+        self._cosine(x, sizes, sums[:, 4 * L + 2 * L:])
+        return sums
+
+    def _cosine(self, x: torch.Tensor, sizes: list[int], out: torch.Tensor) -> None:
+        """Block sums of C - 1 and (C - 1)^2, C = cosine-similarity matrix of the rows of x."""
+        c = x.shape[0]
+        u, w = l2_normalize(x, self.u[:c], self.norm[:c]), self.w[:2, :c]
+        torch.baddbmm(self.cos_bias.expand(c, -1, -1), u, u.mT, out=w[0])
+        torch.mul(w[0], w[0], out=w[1])
+        _block_sums(w, sizes, out[:, :2])
+
+
+def _block_sums(w: torch.Tensor, sizes: list[int], out: torch.Tensor) -> None:
+    """out[k] = sum of w[:, samples of block k] for w [r, c, n, n]: the same reduction whatever the chunk."""
+    full = sum(1 for b in sizes if b == BLOCK)  # only the run's last block can be short, and it comes last
+    if full:
+        out[:full] = w[:, :full * BLOCK].unflatten(1, (full, BLOCK)).sum(2).transpose(0, 1)
+    if full < len(sizes):
+        out[full] = w[:, full * BLOCK:].sum(1)
+
+
+def _ordered_map(pool: ThreadPoolExecutor, fn, items: list, window: int) -> Iterator:
+    """fn(item) for each item, computed by the pool at most `window` ahead, yielded in order."""
+    queue: deque = deque()
+    for item in items:
+        queue.append(pool.submit(fn, item))
+        if len(queue) > window:
+            yield queue.popleft().result()
+    while queue:
+        yield queue.popleft().result()
+
+
+def _moments(s1: torch.Tensor, s2: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard error of the mean from sums of x and x^2 (float64)."""
+    mean = s1 / n
+    if n < 2:
+        return mean, torch.full_like(mean, math.nan)
+    var = (s2 - s1 * mean).clamp_min_(0) / (n - 1)
+    return mean, (var / n).sqrt_()
+
+
+def _device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device must be cpu or cuda, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"device must be cpu or cuda, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda requested but torch sees no GPU; use --device cpu")
+    return dev
+
+
+def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None = None, device: str = "cpu",
+             dtype: torch.dtype = torch.float32, progress: bool = False,
+             checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 50) -> SimResult:
+    """Monte Carlo means (and standard errors) of the stack's scores, probabilities and hidden-state cosines.
+
+    `chunk` (rounded up to a multiple of BLOCK) bounds memory; it does not change the result. With
+    `checkpoint`, the partial sums are saved every `checkpoint_every` chunks and at the end, and a run with
+    the same config, samples, seed, device type and dtype resumes from them.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(config, StackConfig):
+        raise UsageError(f"config must be a StackConfig, got {type(config).__name__}")
+    samples = check_int("samples", samples, 1)
+    seed = check_int("seed", seed, 0)
+    checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
+    if dtype not in (torch.float32, torch.float64):
+        raise UsageError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    dev = _device(device)
+    if chunk is None:
+        chunk = CPU_CHUNK if dev.type == "cpu" else CUDA_CHUNK
+    chunk = check_int("chunk", chunk, 1)
+    nblocks = -(-samples // BLOCK)
+    per_chunk = min(-(-chunk // BLOCK), nblocks)  # blocks per chunk
+
+    L, n = config.layers, config.n
+    rows = 4 * L + 2 * (L + 1)
+    fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": BLOCK,
+          "device": dev.type, "dtype": str(dtype), "what": "poslens.simulate"}
+    acc, done = torch.zeros(rows, n, n, dtype=torch.float64, device=dev), 0
+    if checkpoint is not None and (state := load_partial(checkpoint, fp)) is not None:
+        sums, done = state
+        if sums.get("sums") is None or sums["sums"].shape != acc.shape or not 0 <= done <= nblocks:
+            raise UsageError(f"checkpoint {checkpoint} does not match this run; delete it to start over")
+        acc.copy_(sums["sums"])
+
+    chunks = [(first, [min(BLOCK, samples - k * BLOCK) for k in range(first, min(first + per_chunk, nblocks))])
+              for first in range(done, nblocks, per_chunk)]
+    local = threading.local()
+
+    def job(item: tuple[int, list[int]]) -> torch.Tensor:
+        if not hasattr(local, "stack"):
+            local.stack = _Stack(config, per_chunk * BLOCK, dev, dtype)
+        return local.stack.run(seed, *item)
+
+    threads = torch.get_num_threads()
+    workers = max(1, min(threads, len(chunks))) if dev.type == "cpu" else 1
+    bar = tqdm(total=samples, initial=min(done * BLOCK, samples), unit="sample", unit_scale=True,
+               disable=not progress, desc="simulate")
+    try:
+        if dev.type == "cpu":
+            torch.set_num_threads(1)  # parallel over chunks, not inside the small matmuls
+        with ThreadPoolExecutor(workers) as pool:
+            parts = map(job, chunks) if workers == 1 else _ordered_map(pool, job, chunks, 2 * workers)
+            for i, ((_, sizes), part) in enumerate(zip(chunks, parts)):
+                if dev.type == "cpu":
+                    for p in part:  # block by block, in block order: independent of the chunking
+                        acc.add_(p)
+                else:
+                    acc.add_(part.sum(0, dtype=torch.float64))
+                done += len(sizes)
+                bar.update(sum(sizes))
+                if checkpoint is not None and ((i + 1) % checkpoint_every == 0 or done == nblocks):
+                    save_partial(checkpoint, {"sums": acc}, done, fp)
+    finally:
+        torch.set_num_threads(threads)
+        bar.close()
+    return _result(config, acc.cpu(), samples, time.perf_counter() - t0)
+
+
+def _result(config: StackConfig, acc: torch.Tensor, samples: int, seconds: float) -> SimResult:
+    """Means and standard errors from the float64 sums (rows as in `_Stack.rows`)."""
+    L = config.layers
+    shift = config.row_norm**2 / config.score_divisor
+    sc = acc[:4 * L].unflatten(0, (L, 4))
+    cs = acc[4 * L:].unflatten(0, (L + 1, 2)).clone()
+    shared = config.norm == "l2" and config.positional == "none" and config.mask != "sliding"
+    if shared:  # cosine of X^(l-1) = scores of layer l (l2, NoPE): mirror the visible lower triangle
+        low = torch.tril(sc[:, :2])
+        cs[:L] = low + torch.tril(low, -1).mT
+    hidden = ~torch.as_tensor(visible(config.n, config.mask, config.window))
+    s_mean, s_se = _moments(sc[:, 0], sc[:, 1], samples)
+    p_mean, p_se = _moments(sc[:, 2], sc[:, 3], samples)
+    c_mean, c_se = _moments(cs[:, 0], cs[:, 1], samples)
+    return SimResult(
+        scores_mean=(s_mean + shift).masked_fill_(hidden, math.nan),
+        scores_se=s_se.masked_fill_(hidden, math.nan),
+        probs_mean=p_mean.masked_fill_(hidden, 0.0),
+        probs_se=p_se.masked_fill_(hidden, 0.0),
+        cosine_mean=c_mean + 1.0,
+        cosine_se=c_se,
+        samples=samples,
+        seconds=seconds,
+    )

@@ -1,0 +1,347 @@
+"""poslens.capture and poslens.ablations on tiny random models of every supported family.
+
+The reference is independent of the capture: the model copied to float64, run one unpadded sequence at a time
+with an eager attention function that materialises scaling * q @ repeat_kv(k)^T per head (softcapped for
+Gemma-2) and the model's own mask; means, softmax and cosines are then taken entry by entry in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import FAMILIES, build, token_batch
+from transformers import AttentionInterface, AttentionMaskInterface, GPT2Config, GPT2LMHeadModel
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import eager_mask
+
+from poslens.ablations import no_rope
+from poslens.capture import Capture, attention_scores, check_supported
+from poslens.checkpoint import load_partial, save_partial
+from poslens.errors import UsageError
+
+ALL = dict(per_head=True, probs=True, log_probs=True, hidden_cosine=True)
+MAPS = ("scores", "scores_per_head", "probs", "probs_per_head", "log_probs", "log_probs_per_head",
+        "log_partition", "log_partition_per_head", "hidden_cosine")
+# float32 forward vs float64 reference: three layers of float32 rounding (relative ~1e-6 each) on scores of
+# size up to ~15 give errors ~1e-5; tolerances allow ~5x that. Probabilities are <= 1 and move by p * ds.
+TOL32 = {"scores": 1e-4, "probs": 1e-5, "log_probs": 1e-4, "log_partition": 1e-4, "hidden_cosine": 1e-5}
+# float64 forward: only the capture's float32 arithmetic (inputs rounded to float32, float32 sums) remains.
+TOL64 = {"scores": 2e-5, "probs": 2e-6, "log_probs": 2e-5, "log_partition": 2e-5, "hidden_cosine": 2e-6}
+
+
+# ---- the independent float64 reference ----------------------------------------------------------------
+
+_RECORD: dict[int, tuple[torch.Tensor, int | None]] = {}
+
+
+def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                         **kwargs):
+    s = torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    _RECORD[module.layer_idx] = (s[0].clone(), kwargs.get("sliding_window"))
+    eager = importlib.import_module(type(module).__module__).eager_attention_forward
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                 **kwargs)
+
+
+AttentionInterface.register("poslens_test_reference", _reference_attention)
+AttentionMaskInterface.register("poslens_test_reference", eager_mask)
+
+
+def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
+    """Float64 means over `sequences` (1-D, any lengths), with NaN where the softmax sees nothing."""
+    m64 = copy.deepcopy(model).double()
+    m64.set_attn_implementation("poslens_test_reference")
+    n, h = max(len(s) for s in sequences), model.config.num_attention_heads
+    z = lambda *shape: torch.zeros(len(layers), *shape, dtype=torch.float64)  # noqa: E731
+    sums = {"scores": z(h, n, n), "probs": z(h, n, n), "log_probs": z(h, n, n), "log_partition": z(h, n),
+            "hidden_cosine": z(n, n)}
+    seen = torch.zeros(len(layers), n, n, dtype=torch.bool)
+    count = torch.zeros(n, dtype=torch.int64)
+    with torch.no_grad():
+        for seq in sequences:
+            t = len(seq)
+            hidden = m64(seq[None], output_hidden_states=True).hidden_states
+            i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+            for k, layer in enumerate(layers):
+                s, window = _RECORD[layer]
+                ok = (j <= i) & ((i - j < window) if window else True)
+                logits = s.masked_fill(~ok, float("-inf"))
+                lse = torch.logsumexp(logits, -1)
+                logp = (logits - lse[..., None]).masked_fill(~ok, 0.0)
+                sums["scores"][k, :, :t, :t] += s.masked_fill(~ok, 0.0)
+                sums["probs"][k, :, :t, :t] += logp.exp().masked_fill(~ok, 0.0)
+                sums["log_probs"][k, :, :t, :t] += logp
+                sums["log_partition"][k, :, :t] += lse
+                x = F.normalize(hidden[layer][0], dim=-1)
+                sums["hidden_cosine"][k, :t, :t] += (x @ x.T).masked_fill(j > i, 0.0)
+                seen[k, :t, :t] |= ok
+            count[:t] += 1
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    out = {"count": count}
+    for key in ("scores", "probs", "log_probs", "log_partition"):
+        mask = seen[:, None] if key != "log_partition" else (count > 0)[None, None]
+        per_head = sums[key] / count.view(-1, 1) if key != "log_partition" else sums[key] / count
+        out[f"{key}_per_head"] = torch.where(mask, per_head, nan)
+        out[key] = torch.where(mask[:, 0], per_head.mean(1), nan)
+    tril = torch.ones(n, n, dtype=torch.bool).tril()
+    out["hidden_cosine"] = torch.where(tril, sums["hidden_cosine"] / count.view(-1, 1), nan)
+    return out
+
+
+def assert_maps_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "") -> None:
+    """Same NaN pattern (undefined entries) and max |difference| <= atol on the defined ones."""
+    assert actual.shape == expected.shape, what
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), f"{what}: NaN patterns differ"
+    ok = ~torch.isnan(expected)
+    err = (actual.double()[ok] - expected.double()[ok]).abs().max().item() if ok.any() else 0.0
+    assert err <= atol, f"{what}: max error {err:.3g} > {atol:g}"
+
+
+def _padded(sequences: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), n, dtype=torch.int64)
+    mask = torch.zeros(len(sequences), n, dtype=torch.int64)
+    for b, s in enumerate(sequences):
+        sl = slice(n - len(s), n) if left else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = s, 1
+    return ids, mask
+
+
+# ---- agreement with the reference ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_maps_match_float64_reference(family, dtype):
+    """Every map of every family, streamed over two batches of different lengths, equals the reference."""
+    model = build(family, dtype=dtype)
+    first, second = token_batch(2, 32, seed=1), token_batch(2, 24, seed=2)
+    cap = Capture(model, **ALL)
+    cap.update(first)
+    cap.update(second)
+    got = cap.result()
+    want = reference(model, [*first, *second], list(range(model.config.num_hidden_layers)))
+    assert torch.equal(got["count"], want["count"])
+    tol = TOL32 if dtype == torch.float32 else TOL64
+    for key in MAPS:
+        assert_maps_close(got[key], want[key], tol[key.removesuffix("_per_head")], f"{family} {key}")
+    windows = got["sliding_window"].tolist()
+    expected = {"mistral": [12] * 3, "gemma3": [12, 0, 12], "gemma2": [12, 0, 12]}.get(family, [0] * 3)
+    assert windows == expected
+
+
+def test_gemma2_scores_are_post_softcap():
+    """Gemma-2's maps hold tanh-capped scores (what its softmax sees), measurably unlike the raw ones."""
+    model = build("gemma2")
+    ids = token_batch(2, 32, seed=3)
+    cap = Capture(model)
+    cap.update(ids)
+    got = cap.result()["scores"]
+    raw = copy.deepcopy(model)
+    raw.config.attn_logit_softcapping = None
+    for layer in raw.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    cap_raw = Capture(raw)
+    cap_raw.update(ids)
+    diff = (got - cap_raw.result()["scores"]).nan_to_num().abs().max().item()
+    assert diff > 0.05  # tanh(s/8)*8 bends scores of size 3-15 by 0.1-5
+    assert got.nan_to_num().abs().max().item() <= 8.0  # capped at the softcap
+
+
+# ---- the forward is untouched -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_bitwise_equal_to_plain_forward(family):
+    """Logits and every hidden state of a capturing forward equal the plain sdpa (Gemma-2: eager) forward."""
+    model = build(family)
+    impl = model.config._attn_implementation
+    ids = token_batch(3, 40, seed=4)
+    with torch.no_grad():
+        plain = model(ids, output_hidden_states=True)
+    cap = Capture(model, **ALL)
+    out = cap.forward(ids, output_hidden_states=True)
+    assert torch.equal(out.logits, plain.logits)
+    for a, b in zip(out.hidden_states, plain.hidden_states, strict=True):
+        assert torch.equal(a, b)
+    assert model.config._attn_implementation == impl  # restored
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain.logits)
+    assert cap.result()["count"].tolist() == [3] * 40
+
+
+def test_early_stop_runs_nothing_past_the_deepest_layer_and_gives_the_same_maps():
+    model = build("llama", num_hidden_layers=4)
+    ids = token_batch(2, 32, seed=5)
+    ran = []
+    hooks = [model.model.layers[i].register_forward_hook(lambda *a, i=i: ran.append(i)) for i in range(4)]
+    hooks.append(model.lm_head.register_forward_hook(lambda *a: ran.append("lm_head")))
+    stopped = Capture(model, layers=[0, 1], probs=True, hidden_cosine=True)
+    stopped.update(ids)
+    assert ran == [0]  # layer 1 ended inside its attention; layers 2-3 and the LM head never ran
+    ran.clear()
+    full = Capture(model, layers=[0, 1], probs=True, hidden_cosine=True)
+    full.forward(ids)
+    assert ran == [0, 1, 2, 3, "lm_head"]
+    for h in hooks:
+        h.remove()
+    a, b = stopped.result(), full.result()
+    for key in ("scores", "probs", "hidden_cosine"):
+        assert torch.equal(a[key].nan_to_num(), b[key].nan_to_num())
+
+
+# ---- streaming, padding, checkpoints ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_streaming_equals_one_big_batch(family):
+    """Batches [1, 3] give the one-batch-of-4 means (float32 sums in another order: ~1e-6 on scores ~10)."""
+    model = build(family)
+    ids = token_batch(4, 32, seed=6)
+    one = Capture(model, per_head=True, probs=True)
+    one.update(ids)
+    two = Capture(model, per_head=True, probs=True)
+    two.update(ids[:1])
+    two.update(ids[1:])
+    a, b = one.result(), two.result()
+    for key in ("scores", "scores_per_head", "probs"):
+        assert_maps_close(a[key], b[key], 1e-5, key)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_equals_the_sequences_unpadded(family):
+    """Right- and left-padded batches give the maps of the same sequences run one by one without padding.
+
+    The padded forward uses SDPA with a mask (the unpadded one is_causal) and, left-padded, RoPE at shifted
+    positions: equal up to float32 rounding through three layers (tolerances as against the reference).
+    """
+    model = build(family)
+    seqs = [token_batch(1, n, seed=7 + n)[0] for n in (32, 21, 9)]
+    single = Capture(model, **ALL)
+    for s in seqs:
+        single.update(s[None])
+    want = single.result()
+    assert want["count"].tolist() == [3] * 9 + [2] * 12 + [1] * 11
+    for left in (False, True):
+        cap = Capture(model, **ALL)
+        cap.update(*_padded(seqs, left))
+        got = cap.result()
+        assert torch.equal(got["count"], want["count"])
+        for key in MAPS:
+            assert_maps_close(got[key], want[key], TOL32[key.removesuffix("_per_head")],
+                              f"{family} {key} {'left' if left else 'right'}")
+
+
+def test_checkpoint_round_trip_resumes_exactly(tmp_path):
+    """state_dict -> save_partial -> load_partial -> load_state_dict, then more batches == never interrupted."""
+    model = build("qwen3")
+    batches = [token_batch(2, 24, seed=10), token_batch(2, 32, seed=11)]
+    opts = dict(layers=[0, 2], per_head=True, log_probs=True, hidden_cosine=True)
+    whole = Capture(model, **opts)
+    for b in batches:
+        whole.update(b)
+    first = Capture(model, **opts)
+    first.update(batches[0])
+    save_partial(tmp_path / "c.safetensors", first.state_dict(), 1, {"run": 1})
+    sums, done = load_partial(tmp_path / "c.safetensors", {"run": 1})
+    resumed = Capture(model, **opts)
+    resumed.load_state_dict(sums)
+    resumed.update(batches[1])
+    a, b = whole.result(), resumed.result()
+    assert done == 1 and set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key].nan_to_num(), b[key].nan_to_num()), key
+    with pytest.raises(UsageError, match="other layers or options"):
+        Capture(model, layers=[0]).load_state_dict(sums)
+
+
+def test_all_reduce_single_process_group_is_identity(tmp_path):
+    """With one gloo rank the reduced sums are the local ones (the multi-rank sum is the lead's test)."""
+    import torch.distributed as dist
+
+    model = build("llama")
+    cap = Capture(model, probs=True)
+    cap.update(token_batch(2, 16, seed=12))
+    before = cap.result()
+    cap.all_reduce()  # not initialised: no-op
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cap.all_reduce()
+    finally:
+        dist.destroy_process_group()
+    after = cap.result()
+    for key in before:
+        assert torch.equal(before[key].nan_to_num(), after[key].nan_to_num()), key
+
+
+def test_attention_scores_helper_matches_capture():
+    model = build("phi3")
+    ids = token_batch(3, 20, seed=13)
+    cap = Capture(model, layers=[1, 2])
+    cap.update(ids)
+    got = attention_scores(model, ids, layers=[1, 2], batch_size=2)
+    assert got.shape == (2, 20, 20)
+    assert torch.isnan(got[:, 0, 1:]).all() and not torch.isnan(got[:, 5, :6]).any()
+    assert_maps_close(got, cap.result()["scores"], 1e-5)
+
+
+# ---- ablations ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_rope_removes_position_from_the_scores(family):
+    """One token repeated: without RoPE every position has the same q, k and hidden state at every layer,
+    so each map is constant on the entries the softmax sees; with RoPE scores vary with i - j. Leaving the
+    context restores RoPE exactly."""
+    model = build(family)
+    ids = torch.full((1, 24), 17)
+    with_rope = attention_scores(model, ids)
+    with no_rope(model):
+        flat = attention_scores(model, ids)
+    again = attention_scores(model, ids)
+    assert torch.equal(with_rope.nan_to_num(), again.nan_to_num())
+    for layer in range(flat.shape[0]):
+        spread = lambda m: (m.nan_to_num(float("-inf")).max() - m.nan_to_num(float("inf")).min()).item()  # noqa: E731
+        assert spread(flat[layer]) < 1e-4, f"layer {layer}: no-rope map not constant"
+        assert spread(with_rope[layer]) > 0.1, f"layer {layer}: rope map unexpectedly flat"
+
+
+def test_no_rope_without_rotary_module_is_refused():
+    with pytest.raises(UsageError, match="no rotary"), no_rope(torch.nn.Linear(2, 2)):
+        pass
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+
+
+def test_unsupported_architectures_are_refused():
+    with pytest.raises(UsageError, match=r"'gpt2'.*llama"):
+        check_supported(GPT2Config())
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UsageError, match="gpt2"):
+        Capture(gpt2)
+    with pytest.raises(UsageError, match="bidirectional"):
+        check_supported(build("gemma3").config.__class__(use_bidirectional_attention=True))
+    check_supported(build("gemma2").config)  # supported (post-softcap scores, eager output)
+
+
+def test_bad_arguments_are_refused():
+    model = build("llama")
+    ids = token_batch(2, 8)
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1], [1] * 8])
+    with pytest.raises(UsageError, match="one run of ones"):
+        Capture(model).update(ids, holes)
+    with pytest.raises(UsageError, match="at least one real token"):
+        Capture(model).update(ids, torch.tensor([[0] * 8, [1] * 8]))
+    with pytest.raises(UsageError, match="layers"):
+        Capture(model, layers=[3])
+    with pytest.raises(UsageError, match="input_ids"):
+        Capture(model).update(ids.float())
+    with pytest.raises(UsageError, match="nothing to capture"):
+        Capture(model, scores=False)

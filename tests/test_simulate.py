@@ -1,0 +1,260 @@
+"""Monte Carlo of the parameter-free stack (poslens.simulate).
+
+Exact checks against a per-sample float64 reference written here from the paper's Eq. 1, plus properties
+the math predicts (layer 1 = input Gram, E<x_i, x_j> ~ alpha, position independence without a mask,
+1/sqrt(N) standard errors) and the reproducibility guarantees (chunking, checkpoint + resume).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from poslens import simulate as sim
+from poslens.checkpoint import load_partial
+from poslens.errors import UsageError
+from poslens.rope import cos_sin, rotate
+from poslens.stack import StackConfig, visible
+
+FIELDS = ("scores_mean", "scores_se", "probs_mean", "probs_se", "cosine_mean", "cosine_se")
+SMALL = dict(n=8, d=16, layers=3)
+
+
+def inputs(config: StackConfig, samples: int, seed: int, dtype=torch.float64) -> torch.Tensor:
+    """All of a run's X^(0), block by block, as simulate draws them."""
+    blocks = []
+    for k in range(-(-samples // sim.BLOCK)):
+        b = min(sim.BLOCK, samples - k * sim.BLOCK)
+        blocks.append(sim.draw_inputs(config, seed, k, b, out=torch.empty(b, config.n, config.d, dtype=dtype)))
+    return torch.cat(blocks)
+
+
+def reference(config: StackConfig, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Eq. 1 sample by sample in float64, written independently of poslens.simulate; mean and SE."""
+    hidden = ~torch.as_tensor(visible(config.n, config.mask, config.window))
+    cos, sin = cos_sin(config.n, config.d, config.rope_theta, config.rope_scaling, dtype=torch.float64)
+    scores, probs, cosines = [], [], []
+    for xs in x.double():
+        s_l, p_l, c_l = [], [], []
+        for _ in range(config.layers):
+            c_l.append(F.cosine_similarity(xs[:, None], xs[None], dim=-1, eps=0.0))
+            if config.norm == "l2":
+                y = xs / (xs.norm(dim=-1, keepdim=True) + 1e-12)
+            else:
+                y = F.layer_norm(xs, (config.d,), eps=1e-12)
+            q = rotate(y, cos, sin) if config.positional == "rope" else y
+            s = (q @ q.T) / config.score_divisor
+            a = torch.softmax(s.masked_fill(hidden, -math.inf), dim=-1)
+            s_l.append(s)
+            p_l.append(a)
+            xs = a @ y + xs if config.residual else a @ y
+        c_l.append(F.cosine_similarity(xs[:, None], xs[None], dim=-1, eps=0.0))
+        scores.append(torch.stack(s_l))
+        probs.append(torch.stack(p_l))
+        cosines.append(torch.stack(c_l))
+    out = {}
+    for name, v in (("scores", scores), ("probs", probs), ("cosine", cosines)):
+        v = torch.stack(v)
+        out[f"{name}_mean"] = v.mean(0)
+        out[f"{name}_se"] = v.std(0) / math.sqrt(len(v))
+    out["scores_mean"][:, hidden] = math.nan
+    out["scores_se"][:, hidden] = math.nan
+    return out
+
+
+CONFIGS = [
+    StackConfig(alpha=0.3, **SMALL),
+    StackConfig(alpha=0.0, norm="layernorm-sqrt-d", positional="rope", **SMALL),
+    StackConfig(alpha=0.5, positional="rope", mask="none", rope_theta=100.0, **SMALL),
+    StackConfig(alpha=0.2, norm="layernorm-d", mask="sliding", window=3, residual=False, **SMALL),
+    StackConfig(alpha=0.1, mask="none", **SMALL),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.norm}-{c.positional}-{c.mask}-res{c.residual}")
+def test_matches_per_sample_reference(config):
+    # 300 samples = blocks of 128, 128 and a short one of 44. float64 throughout: the streamed float64 sums
+    # and the reference's stacked mean agree to round-off (1e-12); SEs too, except where the variance is
+    # pure round-off (the l2 diagonal, exactly 1), hence the absolute 1e-9 on SEs.
+    samples = 300
+    got = sim.simulate(config, samples, seed=3, chunk=256, dtype=torch.float64)
+    want = reference(config, inputs(config, samples, 3))
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(got, name), want[name], rtol=1e-9, atol=1e-12 if "mean" in name else 1e-9,
+                                   equal_nan=True, msg=name)
+    assert got.samples == samples and got.seconds > 0
+
+
+def test_layer1_scores_are_the_input_gram():
+    # l2: Y^(1) = X^(0) (unit rows, Sec. 3.2), so layer-1 scores = <x_i, x_j> and their mean is the
+    # empirical Gram of the inputs; its diagonal is 1. float32 compute: agreement to 1e-6.
+    config = StackConfig(alpha=0.2, **SMALL)
+    r = sim.simulate(config, 500, seed=1)
+    x = inputs(config, 500, 1)
+    gram = (x @ x.mT).mean(0)
+    vis = torch.as_tensor(visible(config.n))
+    torch.testing.assert_close(r.scores_mean[0][vis], gram[vis], rtol=0, atol=1e-6)
+    torch.testing.assert_close(r.cosine_mean[0], gram, rtol=0, atol=1e-6)
+    torch.testing.assert_close(r.scores_mean[0].diagonal(), torch.ones(config.n, dtype=torch.float64),
+                               rtol=0, atol=1e-6)
+
+
+def test_layer1_off_diagonal_mean_is_alpha():
+    # E<x_i, x_j> = alpha (Eq. 2), up to an O(1/d) bias from normalising (about -0.002 at d = 64, alpha =
+    # 0.3): at 1000 samples the SE is about 0.005, so every off-diagonal entry is within 4 SE of alpha.
+    alpha = 0.3
+    r = sim.simulate(StackConfig(n=10, d=64, alpha=alpha, layers=1), 1000, seed=5)
+    low = torch.tril(torch.ones(10, 10, dtype=torch.bool), -1)
+    z = (r.scores_mean[0][low] - alpha) / r.scores_se[0][low]
+    assert z.abs().max() < 4, z
+    assert r.scores_se[0][low].max() < 0.01
+
+
+@pytest.mark.parametrize("chunk", [1, 200, 384, 10_000])
+def test_result_does_not_depend_on_chunk(chunk):
+    # Draws and per-block reductions are fixed, block sums fold in block order: bit-identical (CPU).
+    config = StackConfig(alpha=0.2, positional="rope", **SMALL)
+    base = sim.simulate(config, 700, seed=2, chunk=128)
+    other = sim.simulate(config, 700, seed=2, chunk=chunk)
+    for name in FIELDS:
+        assert torch.equal(getattr(base, name).nan_to_num(), getattr(other, name).nan_to_num()), name
+
+
+def test_result_does_not_depend_on_threads():
+    config = StackConfig(alpha=0.2, **SMALL)
+    base = sim.simulate(config, 600, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = sim.simulate(config, 600, seed=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+    for name in FIELDS:
+        assert torch.equal(getattr(base, name).nan_to_num(), getattr(single, name).nan_to_num()), name
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch):
+    config = StackConfig(alpha=0.2, norm="layernorm-sqrt-d", **SMALL)
+    samples, seed = 1000, 7  # 8 blocks
+    full = sim.simulate(config, samples, seed=seed, chunk=128)
+    path = tmp_path / "partial.safetensors"
+
+    # Interrupt: the 5th chunk computed raises, as a kill would; checkpoints are saved after every chunk.
+    run, calls, lock = sim._Stack.run, [0], threading.Lock()
+
+    def failing(self, *args):
+        with lock:
+            calls[0] += 1
+            if calls[0] == 5:
+                raise KeyboardInterrupt
+        return run(self, *args)
+
+    monkeypatch.setattr(sim._Stack, "run", failing)
+    with pytest.raises(KeyboardInterrupt):
+        sim.simulate(config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1)
+    monkeypatch.setattr(sim._Stack, "run", run)
+    fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": sim.BLOCK,
+          "device": "cpu", "dtype": str(torch.float32), "what": "poslens.simulate"}
+    _, done = load_partial(path, fp)
+    assert 0 < done < 8
+
+    resumed = sim.simulate(config, samples, seed=seed, chunk=256, checkpoint=path, checkpoint_every=1)
+    for name in FIELDS:
+        assert torch.equal(getattr(full, name).nan_to_num(), getattr(resumed, name).nan_to_num()), name
+    assert load_partial(path, fp)[1] == 8
+    # A finished checkpoint is a finished run; another seed's checkpoint is refused.
+    again = sim.simulate(config, samples, seed=seed, checkpoint=path)
+    assert torch.equal(again.probs_mean, full.probs_mean)
+    with pytest.raises(UsageError, match="different configuration"):
+        sim.simulate(config, samples, seed=seed + 1, checkpoint=path)
+
+
+def test_unmasked_nope_maps_are_position_independent():
+    # Without a mask or RoPE the stack is permutation-equivariant and the inputs exchangeable, so every
+    # off-diagonal mean is the same number in every layer (and the l2 diagonal is 1). Entries are
+    # correlated, so compare each with the pooled mean at 5 SE.
+    config = StackConfig(n=8, d=16, alpha=0.2, layers=3, mask="none")
+    r = sim.simulate(config, 2000, seed=11)
+    off = ~torch.eye(8, dtype=torch.bool)
+    for m, se in ((r.scores_mean, r.scores_se), (r.probs_mean, r.probs_se), (r.cosine_mean, r.cosine_se)):
+        for layer in range(m.shape[0]):
+            dev = (m[layer][off] - m[layer][off].mean()).abs() / se[layer][off]
+            assert dev.max() < 5, (layer, dev.max())
+    torch.testing.assert_close(r.scores_mean.diagonal(dim1=1, dim2=2), torch.ones(3, 8, dtype=torch.float64),
+                               rtol=0, atol=1e-6)
+
+
+def test_standard_error_shrinks_like_one_over_sqrt_samples():
+    config = StackConfig(alpha=0.2, **SMALL)
+    small = sim.simulate(config, 400, seed=0)
+    large = sim.simulate(config, 6400, seed=1)
+    vis = torch.as_tensor(visible(config.n)) & ~torch.eye(config.n, dtype=torch.bool)
+    ratio = (small.scores_se[:, vis] / large.scores_se[:, vis]).median()
+    assert 3.6 < ratio < 4.4, ratio  # sqrt(6400 / 400) = 4; each SE estimate is good to a few %
+
+
+def test_maps_are_well_formed():
+    config = StackConfig(alpha=0.4, positional="rope", **SMALL)
+    r = sim.simulate(config, 300, seed=0)
+    L, n = config.layers, config.n
+    hidden = ~torch.as_tensor(visible(n))
+    assert r.scores_mean.shape == r.probs_se.shape == (L, n, n)
+    assert r.cosine_mean.shape == r.cosine_se.shape == (L + 1, n, n)
+    assert all(getattr(r, f).dtype == torch.float64 and getattr(r, f).device.type == "cpu" for f in FIELDS)
+    assert r.scores_mean[:, hidden].isnan().all() and r.scores_mean[:, ~hidden].isfinite().all()
+    assert (r.probs_mean[:, hidden] == 0).all() and (r.probs_se[:, hidden] == 0).all()
+    torch.testing.assert_close(r.probs_mean.sum(-1), torch.ones(L, n, dtype=torch.float64), rtol=0, atol=1e-6)
+    # cosine of X^(0) .. X^(L): 1 on the diagonal (to float32 round-off), symmetric
+    torch.testing.assert_close(r.cosine_mean.diagonal(dim1=1, dim2=2), torch.ones(L + 1, n, dtype=torch.float64),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(r.cosine_mean, r.cosine_mean.mT, rtol=0, atol=1e-6)
+    assert (r.scores_se[:, ~hidden] >= 0).all()
+
+
+def test_float32_agrees_with_float64():
+    # Same float32 draws; the float32 pipeline's round-off (~1e-7 per operation) stays far below 1e-5.
+    config = StackConfig(n=16, d=64, alpha=0.2, layers=4)
+    a = sim.simulate(config, 300, seed=9)
+    b = sim.simulate(config, 300, seed=9, dtype=torch.float64)
+    for name in ("scores_mean", "probs_mean", "cosine_mean"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=1e-5, equal_nan=True, msg=name)
+
+
+def test_single_sample_has_no_standard_error():
+    r = sim.simulate(StackConfig(**SMALL), 1)
+    assert r.samples == 1 and r.scores_se[0, 0, 0].isnan()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(samples=0), "samples must be >= 1"),
+    (dict(samples=2.5), "samples must be an integer"),
+    (dict(chunk=0), "chunk must be >= 1"),
+    (dict(seed=-1), "seed must be >= 0"),
+    (dict(checkpoint_every=0), "checkpoint_every must be >= 1"),
+    (dict(dtype=torch.float16), "dtype must be"),
+    (dict(device="tpu"), "device must be cpu or cuda"),
+    (dict(device="nonsense:x"), "device must be cpu or cuda"),
+    (dict(config={"n": 8}), "config must be a StackConfig"),
+])
+def test_bad_arguments_raise_usage_error(kwargs, match):
+    args = dict(config=StackConfig(**SMALL), samples=10) | kwargs
+    with pytest.raises(UsageError, match=match):
+        sim.simulate(**args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu_is_a_usage_error():
+    with pytest.raises(UsageError, match="^device cuda requested but torch sees no GPU; use --device cpu$"):
+        sim.simulate(StackConfig(**SMALL), 10, device="cuda")
+
+
+def test_corrupt_checkpoint_is_a_usage_error(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UsageError, match="corrupt"):
+        sim.simulate(StackConfig(**SMALL), 10, checkpoint=path)

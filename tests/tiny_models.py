@@ -1,0 +1,139 @@
+"""Tiny random causal LMs of every supported family, built from configs (never downloaded).
+
+Each builder returns a float32 `...ForCausalLM` in eval mode with deterministic weights (seeded), a few layers,
+a small hidden size and grouped-query attention. The query/key weights are rescaled so the pre-softmax scores
+have the magnitude of a trained LLM (standard deviation of a few units) instead of the ~0.03 of a fresh
+initialisation, which would make every attention map flat and every comparison trivially pass.
+
+    model = build("qwen3")                   # any of FAMILIES
+    model = build("mistral", sliding_window=8, num_hidden_layers=2)   # config overrides
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 256
+SCORE_STD = 3.0  # target standard deviation of q.k * scaling at the first layer
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+# family -> (config class, model class, family-specific config fields)
+SPECS: dict[str, tuple[type, type, dict]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),  # RMSNorm on q and k before RoPE
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 12}),
+    "phi3": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,  # scaling 24**-0.5, not head_dim**-0.5
+        },
+    ),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 8.0,  # small enough that tanh capping visibly bends the scores
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+}
+
+FAMILIES: tuple[str, ...] = tuple(SPECS)
+
+
+def config(family: str, **overrides):
+    """The tiny config of `family` (see FAMILIES), with `overrides` applied."""
+    config_cls, _, extra = SPECS[family]
+    kwargs = {**COMMON, **extra, **overrides}
+    return config_cls(**kwargs)
+
+
+def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
+    """A tiny random `family` model (eval mode, `dtype`), deterministic for a given seed and overrides."""
+    cfg = config(family, **overrides)
+    _, model_cls, _ = SPECS[family]
+    attn = "eager" if family == "gemma2" else "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+        _rescale_qk(model)
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def _rescale_qk(model: PreTrainedModel) -> None:
+    """Give every layer's q and k the spread that puts first-layer scores near SCORE_STD.
+
+    score = scaling * sum_d q_d k_d has standard deviation ~ scaling * sqrt(D) * sq * sk for independent entries
+    of spreads sq, sk; pick sq = sk = sqrt(SCORE_STD / (scaling * sqrt(D))). Without a q/k norm the spread comes
+    from the projection (x has unit RMS after the input norm: sq = std(W) * sqrt(hidden)); with one it comes from
+    the norm's gain (unit-RMS output times the gain).
+    """
+    cfg = model.config
+    hidden = cfg.hidden_size
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        d = attn.head_dim
+        target = (SCORE_STD / (attn.scaling * d**0.5)) ** 0.5
+        if hasattr(attn, "q_norm"):
+            gemma_style = "Gemma" in type(attn.q_norm).__name__  # RMSNorm output * (1 + weight)
+            for norm in (attn.q_norm, attn.k_norm):
+                gain = target * (1 + 0.1 * torch.randn_like(norm.weight))
+                norm.weight.copy_(gain - 1 if gemma_style else gain)
+        else:
+            std = target / hidden**0.5
+            if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
+                n_qk = (cfg.num_attention_heads + cfg.num_key_value_heads) * d
+                attn.qkv_proj.weight[:n_qk].normal_(0.0, std)
+            else:
+                attn.q_proj.weight.normal_(0.0, std)
+                attn.k_proj.weight.normal_(0.0, std)
+
+
+def token_batch(batch: int, seq_len: int, seed: int = 0, low: int = 3) -> torch.Tensor:
+    """Random token ids [batch, seq_len] in [low, VOCAB) (ids below `low` are pad/bos/eos)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, VOCAB, (batch, seq_len), generator=g)
