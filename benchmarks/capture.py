@@ -301,6 +301,7 @@ def main(argv=None) -> dict:
     memory = {k: 0 for k in methods}
     maps = {}
     failed = {}
+    loads = []  # 1-minute load average after each timed call (other processes share the machine)
     names = list(methods)
     for r in range(args.repeats):
         order = names[r % len(names):] + names[: r % len(names)]
@@ -318,8 +319,10 @@ def main(argv=None) -> dict:
             memory[name] = max(memory[name], mem.bytes)
             if out is not None:
                 maps[name] = out
-            print(f"repeat {r} {name}: {wall:.3f} s wall, {cpu_s:.3f} s cpu, peak +{mem.bytes / 2**20:.0f} MiB",
-                  flush=True)
+            load1 = os.getloadavg()[0]
+            loads.append(load1)
+            print(f"repeat {r} {name}: {wall:.3f} s wall, {cpu_s:.3f} s cpu, peak +{mem.bytes / 2**20:.0f} MiB, "
+                  f"load {load1:.2f}", flush=True)
 
     refs = {}
     for ref_name, float64 in (("same_forward", False), ("float64", True)):
@@ -348,6 +351,7 @@ def main(argv=None) -> dict:
         scale = refs[next(iter(refs))]
         low = torch.ones(scale.shape[-1], scale.shape[-1], dtype=torch.bool).tril()
         info["map_abs_max"] = max(m[low].abs().max().item() for m in scale)
+    info["load_average_1min"] = {"min": min(loads), "max": max(loads)} if loads else None
     report = {**info, "methods": rows}
     print(json.dumps(report, indent=1))
     if args.out:

@@ -365,14 +365,6 @@ def test_missing_weights_package_says_how_to_install(monkeypatch):
 # ---------------------------------------------------------------- the real SmolLM2 alias (slow)
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M converted once per test session into a temporary cache."""
-    cache = tmp_path_factory.mktemp("poslens-cache")
-    model, tok = load_model("smollm2-135m", cache_dir=cache)
-    return model, tok, cache
-
-
 @pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(smollm2):
     model, tok, _ = smollm2

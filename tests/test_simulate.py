@@ -24,41 +24,41 @@ FIELDS = ("scores_mean", "scores_se", "probs_mean", "probs_se", "cosine_mean", "
 SMALL = dict(n=8, d=16, layers=3)
 
 
-def inputs(config: StackConfig, samples: int, seed: int, dtype=torch.float64) -> torch.Tensor:
-    """All of a run's X^(0), block by block, as simulate draws them."""
+def inputs(config: StackConfig, samples: int, seed: int, dtype=torch.float64, device="cpu") -> torch.Tensor:
+    """All of a run's X^(0), block by block, as simulate draws them (on the CPU)."""
     blocks = []
     for k in range(-(-samples // sim.BLOCK)):
         b = min(sim.BLOCK, samples - k * sim.BLOCK)
-        blocks.append(sim.draw_inputs(config, seed, k, b, out=torch.empty(b, config.n, config.d, dtype=dtype)))
+        blocks.append(sim.draw_inputs(config, seed, k, b, device=device, dtype=dtype).cpu())
     return torch.cat(blocks)
 
 
 def reference(config: StackConfig, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Eq. 1 sample by sample in float64, written independently of poslens.simulate; mean and SE."""
+    """Eq. 1 on all samples at once in float64, written independently of poslens.simulate; mean and SE."""
     hidden = ~torch.as_tensor(visible(config.n, config.mask, config.window))
     cos, sin = cos_sin(config.n, config.d, config.rope_theta, config.rope_scaling, dtype=torch.float64)
+
+    def cosine(x):
+        return F.cosine_similarity(x[:, :, None], x[:, None], dim=-1, eps=0.0)
+
+    x = x.double()
     scores, probs, cosines = [], [], []
-    for xs in x.double():
-        s_l, p_l, c_l = [], [], []
-        for _ in range(config.layers):
-            c_l.append(F.cosine_similarity(xs[:, None], xs[None], dim=-1, eps=0.0))
-            if config.norm == "l2":
-                y = xs / (xs.norm(dim=-1, keepdim=True) + 1e-12)
-            else:
-                y = F.layer_norm(xs, (config.d,), eps=1e-12)
-            q = rotate(y, cos, sin) if config.positional == "rope" else y
-            s = (q @ q.T) / config.score_divisor
-            a = torch.softmax(s.masked_fill(hidden, -math.inf), dim=-1)
-            s_l.append(s)
-            p_l.append(a)
-            xs = a @ y + xs if config.residual else a @ y
-        c_l.append(F.cosine_similarity(xs[:, None], xs[None], dim=-1, eps=0.0))
-        scores.append(torch.stack(s_l))
-        probs.append(torch.stack(p_l))
-        cosines.append(torch.stack(c_l))
+    for _ in range(config.layers):
+        cosines.append(cosine(x))
+        if config.norm == "l2":
+            y = x / (x.norm(dim=-1, keepdim=True) + 1e-12)
+        else:
+            y = F.layer_norm(x, (config.d,), eps=1e-12)
+        q = rotate(y, cos, sin) if config.positional == "rope" else y
+        s = (q @ q.mT) / config.score_divisor
+        a = torch.softmax(s.masked_fill(hidden, -math.inf), dim=-1)
+        scores.append(s)
+        probs.append(a)
+        x = a @ y + x if config.residual else a @ y
+    cosines.append(cosine(x))
     out = {}
     for name, v in (("scores", scores), ("probs", probs), ("cosine", cosines)):
-        v = torch.stack(v)
+        v = torch.stack(v, dim=1)  # [samples, layers, n, n]
         out[f"{name}_mean"] = v.mean(0)
         out[f"{name}_se"] = v.std(0) / math.sqrt(len(v))
     out["scores_mean"][:, hidden] = math.nan
@@ -76,7 +76,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.norm}-{c.positional}-{c.mask}-res{c.residual}")
-def test_matches_per_sample_reference(config):
+def test_matches_float64_reference(config):
     # 300 samples = blocks of 128, 128 and a short one of 44. float64 throughout: the streamed float64 sums
     # and the reference's stacked mean agree to round-off (1e-12); SEs too, except where the variance is
     # pure round-off (the l2 diagonal, exactly 1), hence the absolute 1e-9 on SEs.
@@ -155,9 +155,11 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch):
         return run(self, *args)
 
     monkeypatch.setattr(sim._Stack, "run", failing)
+    threads = torch.get_num_threads()
     with pytest.raises(KeyboardInterrupt):
         sim.simulate(config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1)
     monkeypatch.setattr(sim._Stack, "run", run)
+    assert torch.get_num_threads() == threads  # the workers' single-thread setting is undone
     fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": sim.BLOCK,
           "device": "cpu", "dtype": str(torch.float32), "what": "poslens.simulate"}
     _, done = load_partial(path, fp)
@@ -225,6 +227,11 @@ def test_float32_agrees_with_float64():
         torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=1e-5, equal_nan=True, msg=name)
 
 
+def test_progress_bar(capsys):
+    sim.simulate(StackConfig(**SMALL), 300, progress=True)
+    assert "simulate" in capsys.readouterr().err
+
+
 def test_single_sample_has_no_standard_error():
     r = sim.simulate(StackConfig(**SMALL), 1)
     assert r.samples == 1 and r.scores_se[0, 0, 0].isnan()
@@ -245,6 +252,28 @@ def test_bad_arguments_raise_usage_error(kwargs, match):
     args = dict(config=StackConfig(**SMALL), samples=10) | kwargs
     with pytest.raises(UsageError, match=match):
         sim.simulate(**args)
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=["l2-nope", "layernorm-rope"])
+def test_cuda_matches_float64_reference(config):
+    # CUDA draws (its own generator), float32 on the GPU vs the float64 reference on the same inputs.
+    got = sim.simulate(config, 300, seed=3, device="cuda")
+    want = reference(config, inputs(config, 300, 3, device="cuda"))
+    for name in ("scores_mean", "probs_mean", "cosine_mean"):
+        torch.testing.assert_close(getattr(got, name), want[name], rtol=0, atol=2e-5, equal_nan=True, msg=name)
+
+
+@needs_gpu
+def test_cuda_chunking_changes_only_round_off():
+    config = StackConfig(alpha=0.2, **SMALL)
+    a = sim.simulate(config, 700, seed=2, device="cuda", chunk=128)
+    b = sim.simulate(config, 700, seed=2, device="cuda")
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=1e-6, equal_nan=True, msg=name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -44,7 +44,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from poslens.errors import UsageError
+from poslens.errors import UsageError, check_choice
 
 # model_type -> family name used in messages
 SUPPORTED: dict[str, str] = {
@@ -63,6 +63,7 @@ ATTN_EAGER = "poslens_capture_eager"
 _OWNER = "_poslens_capture"  # attribute set on the attention modules of captured layers
 
 MAP_KEYS = ("scores", "probs", "log_probs", "hidden_cosine")
+GEMM_MODES = ("auto", "float32", "split-bf16")
 
 
 def check_supported(config) -> None:
@@ -136,6 +137,35 @@ def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
         out.add_(torch.matmul(a, b).to(out.device), alpha=alpha)
 
 
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bfloat16 a, b with exact products and float32 accumulation and output.
+
+    CUDA: one tensor-core GEMM (`torch.mm(..., out_dtype=torch.float32)`). Elsewhere (no such kernel on the
+    CPU in torch 2.13) the same numbers by upcasting first: bfloat16 products are exact in float32.
+    """
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # torch without the out_dtype GEMM
+            pass
+    return torch.mm(a.float(), b.float())
+
+
+@contextmanager
+def _exact_cuda_matmul(on_cuda: bool):
+    """No TF32 and no reduced-precision bf16 reductions in the capture's GEMMs (global flags, restored)."""
+    if not on_cuda:
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    saved = m.allow_tf32, m.allow_bf16_reduced_precision_reduction
+    m.allow_tf32, m.allow_bf16_reduced_precision_reduction = False, False
+    try:
+        yield
+    finally:
+        m.allow_tf32, m.allow_bf16_reduced_precision_reduction = saved
+
+
 def _pad_square(t: torch.Tensor, n: int, dims: int) -> torch.Tensor:
     """Zero-pad the last `dims` dimensions of t (each of the same size) to n."""
     m = t.shape[-1]
@@ -157,7 +187,11 @@ class Capture:
     Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head` (per-head maps
     besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
     `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM),
-    `chunk_bytes` (memory for one block of per-head scores in the chunked path).
+    `chunk_bytes` (memory for one block of per-head scores in the chunked path), `gemm` (the head-mean
+    score GEMM: "float32" upcasts q and k; "split-bf16" keeps bfloat16 keys and writes the float32
+    group-summed queries as hi + lo bfloat16 parts, two GEMMs with exact products and float32 accumulation,
+    relative error ~2^-17, on tensor cores; only for bfloat16 keys, else float32; "auto" = split-bf16 for
+    bfloat16 models on CUDA, else float32).
     """
 
     def __init__(
@@ -173,8 +207,10 @@ class Capture:
         device: str | torch.device | None = None,
         query_block: int = 128,
         chunk_bytes: int = 1 << 28,
+        gemm: str = "auto",
     ) -> None:
         check_supported(model.config)
+        check_choice("gemm", gemm, GEMM_MODES)
         self.model = model
         self.base = model.base_model
         n_layers = len(self.base.layers)
@@ -193,6 +229,7 @@ class Capture:
         self.device = None if device is None else torch.device(device)
         self.query_block = max(1, int(query_block))
         self.chunk_bytes = int(chunk_bytes)
+        self.gemm = gemm
         self.num_heads = model.config.num_attention_heads
         self._slot = {l: k for k, l in enumerate(self.layers)}
         self._eager = model.config.model_type in EAGER_OUTPUT
@@ -352,13 +389,14 @@ class Capture:
         slot = self._slot[module.layer_idx]
         window = int(window or 0)
         self._window[slot] = max(int(self._window[slot]), window)
-        if self.wanted["scores"] and softcap is None:
-            if self.per_head:
-                self._scores_per_head(slot, query, key, scaling, window, batch)
-            else:
-                self._scores_gemm(slot, query, key, scaling, window, batch)
-        if self.wanted["probs"] or self.wanted["log_probs"] or (self.wanted["scores"] and softcap is not None):
-            self._chunked(slot, query, key, scaling, window, softcap, batch)
+        with _exact_cuda_matmul(query.is_cuda):
+            if self.wanted["scores"] and softcap is None:
+                if self.per_head:
+                    self._scores_per_head(slot, query, key, scaling, window, batch)
+                else:
+                    self._scores_gemm(slot, query, key, scaling, window, batch)
+            if self.wanted["probs"] or self.wanted["log_probs"] or (self.wanted["scores"] and softcap is not None):
+                self._chunked(slot, query, key, scaling, window, softcap, batch)
         if batch.stop_at == module.layer_idx:
             raise _Stop
 
@@ -368,10 +406,21 @@ class Capture:
         hkv = key.shape[1]
         qs = query.unflatten(1, (hkv, h // hkv)).sum(2, dtype=torch.float32)  # [B, Hkv, T, D]
         qs = _align(qs, batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
-        ks = _align(key.float(), batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
         acc = self._acc("scores", slot, query.device)
+        split = key.dtype == torch.bfloat16 and (self.gemm == "split-bf16" or (self.gemm == "auto" and query.is_cuda))
+        if not split:
+            ks = _align(key.float(), batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
+            for s, e, k0 in _blocks(n, self.query_block, window):
+                _add_matmul(acc[s:e, k0:e], qs[s:e], ks[k0:e].T, scaling)
+            return
+        # keys are bfloat16 already (exact); the float32 head sums become hi + lo, both bfloat16
+        ks = _align(key, batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
+        hi = qs.to(torch.bfloat16)
+        lo = (qs - hi.float()).to(torch.bfloat16)
         for s, e, k0 in _blocks(n, self.query_block, window):
-            _add_matmul(acc[s:e, k0:e], qs[s:e], ks[k0:e].T, scaling)
+            kt = ks[k0:e].T
+            part = _mm_float32_out(hi[s:e], kt).add_(_mm_float32_out(lo[s:e], kt))
+            acc[s:e, k0:e].add_(part.to(acc.device), alpha=scaling)
 
     def _scores_per_head(self, slot, query, key, scaling, window, batch) -> None:
         """Per-head sums over sequences of q_i . k_j: the batch folded into the contraction, one bmm per block."""

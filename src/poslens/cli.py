@@ -103,7 +103,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
     from poslens.reproduce import reproduce
 
     reproduce(out=args.out, quick=args.quick, force=args.force, models=not args.no_models,
-              progress=not args.quiet)
+              progress=not args.quiet, seed=args.seed, samples=args.samples)
 
 
 def cmd_scores(args: argparse.Namespace) -> None:
@@ -173,6 +173,9 @@ def build_parser() -> Parser:
                        "write report.md and report.html with each claim and what was measured.")
     p.add_argument("--quick", action="store_true", help="fewer samples and sequences: about 2 minutes on 2 CPU cores")
     add_output_args(p, "poslens-out")
+    p.add_argument("--samples", type=int, default=None,
+                   help="Monte Carlo samples per setting (default 100000, or 10000 with --quick)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--no-models", action="store_true", help="skip the real-model section")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_reproduce)

@@ -29,9 +29,10 @@ def _run(ctx, cfg: ScoresConfig, name: str):
     return load(target)
 
 
-def model_section(ctx, quick: bool) -> Section:
-    seq_len, num = (256, 16) if quick else (512, 48)
-    base = dict(model=MODEL, seq_len=seq_len, num_sequences=num, batch_size=4, mode="first")
+def model_section(ctx, quick: bool, size: tuple[int, int] | None = None) -> Section:
+    """SmolLM2-135M with and without RoPE; size = (seq_len, sequences), default (512, 48) or (256, 16) quick."""
+    seq_len, num = size or ((256, 16) if quick else (512, 48))
+    base = dict(model=MODEL, seq_len=seq_len, num_sequences=num, batch_size=min(4, max(1, num // 2)), mode="first")
     rope = _run(ctx, ScoresConfig(**base), "smollm2-135m")
     off = _run(ctx, ScoresConfig(**base, no_rope=True), "smollm2-135m-no-rope")
     data = rope.meta["data"]

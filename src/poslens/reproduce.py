@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from poslens import plotting, theory
 from poslens.checkpoint import fingerprint
+from poslens.errors import check_int
 from poslens.gramflow import gram_flow
 from poslens.maps import as_numpy, diagonal_normalise, row_step_violations, rows_increasing, toeplitz_residual
 from poslens.report import Claim, Section, write_report
@@ -382,11 +383,17 @@ SECTIONS = (closed_forms, nope, rope)
 
 
 def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False, models: bool = True,
-              progress: bool = True, seed: int = 0) -> Path:
-    """Regenerate the paper's figures and write report.md / report.html into `out`; returns the path."""
+              progress: bool = True, seed: int = 0, samples: int | None = None,
+              model_size: tuple[int, int] | None = None) -> Path:
+    """Regenerate the paper's figures and write report.md / report.html into `out`; returns the path.
+
+    samples: Monte Carlo samples per setting (default 100,000; 10,000 with quick). model_size:
+    (seq_len, sequences) of the real-model section (default (512, 48); (256, 16) with quick).
+    """
     started = time.perf_counter()
     target = check_output(out, force)
-    samples = 10_000 if quick else 100_000
+    samples = (10_000 if quick else 100_000) if samples is None else samples
+    check_int("samples", samples, 1)
     parts = target.parent / f".{target.name}.parts"
     parts.mkdir(exist_ok=True)
     with run_directory(target, force) as tmp:
@@ -396,7 +403,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         if models:
             from poslens.model_report import model_section
 
-            steps.append(lambda c: model_section(c, quick))
+            steps.append(lambda c: model_section(c, quick, model_size))
         for step in steps:
             t0 = time.perf_counter()
             sec = step(ctx)
@@ -409,7 +416,8 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         claims = [{"section": s.title, "claim": c.claim, "source": c.source, "measured": c.measured, "holds": c.holds}
                   for s in sections for c in s.claims]
         write_run(tmp, ctx.tensors, {"kind": "reproduce", "config": {"quick": quick, "samples": samples,
-                                                                      "seed": seed, "models": models},
+                                                                      "seed": seed, "models": models,
+                                                                      "model_size": model_size},
                                      "metrics": {"claims": claims},
                                      "timings": {"seconds": time.perf_counter() - started, "sections": timings}})
     shutil.rmtree(parts, ignore_errors=True)

@@ -6,18 +6,20 @@ One layer (Eq. 1, generalised by `StackConfig`):
     Y = Norm(X);  S = mask(R(Y) R(Y)^T / s);  A = softmax(S);  X' = A Y (+ X)
 
 Reproducibility. Samples are drawn in fixed blocks of BLOCK; block k's draws depend only on (seed, k)
-(`draw_inputs`). Each block is reduced on its own (float32, torch's cascade sum over BLOCK samples) and
-the block sums join float64 accumulators one block at a time, in block order. So on the CPU the result is
-the same bit for bit for any `chunk` and any number of worker threads, and a run resumed from a
-checkpoint equals an uninterrupted one. (On CUDA a chunk's block sums are added with one float64 sum:
-equal across chunk sizes to float64 round-off; the draws come from the CUDA generator, not the CPU one.)
+(`draw_inputs`). Each block is summed on its own in the compute dtype (torch's cascade sum over 128
+samples: relative error ~1e-7 in float32, far below the Monte Carlo error) and the block sums join float64
+accumulators one block at a time, in block order. So on the CPU the result is the same bit for bit for
+any `chunk` and any number of threads, and a run resumed from a checkpoint equals an uninterrupted one.
+(On CUDA a chunk's block sums are added with one float64 sum, equal across chunk sizes to float64
+round-off; the draws come from the CUDA generator, so they differ from the CPU's.)
 
-Speed. On the CPU each of torch's intra-op threads becomes a worker that pushes whole chunks through
-the stack single-threaded (small batched matmuls scale better across chunks than inside one).
-Per layer: one baddbmm that also adds the mask and the shift -B (B = the largest possible score, so
-exp never overflows), one softmax, two squares, one block-sum, one baddbmm for A Y + X. For l2 NoPE
-with a causal or no mask, S = Y Y^T is also the cosine matrix of the layer's input, so it is not
-computed twice.
+Speed. On the CPU each of torch's intra-op threads becomes a worker that pushes whole chunks of 128
+samples (buffers of a few MB, cache-resident) through the stack single-threaded: small batched matmuls
+scale better across chunks than inside one, and a busy neighbour core cannot stall a thread team. Per
+layer: one baddbmm that also adds the mask and the shift -B (B = the largest possible score, so the
+moments of S - B lose little to cancellation), one softmax, one op for both squares, one block sum, one
+baddbmm for A Y + X. For l2 NoPE with a causal or no mask, S = Y Y^T is also the cosine matrix of the
+layer's input, so it is not computed twice.
 """
 
 from __future__ import annotations
@@ -86,27 +88,43 @@ def layer_norm(x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor) -> torch.
     return out.div_(norm.square_().div_(x.shape[-1]).add_(TINY).sqrt_())
 
 
-def draw_inputs(config: StackConfig, seed: int, block: int, size: int = BLOCK, device: str = "cpu",
-                generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """X^(0) of block `block`: [size, n, d], rows normalize(g_i + l s), l = sqrt(alpha/(1-alpha)) (Sec. 4.1).
+def _normals(seed: int, first: int, sizes: list[int], g: torch.Generator, raw: torch.Tensor,
+             shared: torch.Tensor) -> None:
+    """Blocks first, first+1, ...: g_i into raw [c, n, d] and s into shared [c, 1, d] (float32), block k from
+    its own stream seeded with block_seed(seed, k)."""
+    start = 0
+    for k, b in enumerate(sizes):
+        g.manual_seed(block_seed(seed, first + k))
+        torch.randn(b, *raw.shape[1:], generator=g, out=raw[start:start + b])
+        torch.randn(b, 1, raw.shape[-1], generator=g, out=shared[start:start + b])
+        start += b
 
-    Drawn in float32 whatever the compute dtype (so float32 and float64 runs see the same inputs); the
-    shared component s is drawn even when alpha = 0, so runs that differ only in alpha share their noise.
-    """
-    g = generator if generator is not None else torch.Generator(device)
-    g.manual_seed(block_seed(seed, block))
-    n, d = config.n, config.d
-    direct = out is not None and out.dtype == torch.float32
-    x = out if direct else torch.empty(size, n, d, device=device)
-    torch.randn(size, n, d, generator=g, out=x)
-    s = torch.randn(size, 1, d, generator=g, device=device)
+
+def _inputs(config: StackConfig, raw: torch.Tensor, shared: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = normalize(g + l s), l = sqrt(alpha / (1 - alpha)) (Sec. 4.1); `raw` is overwritten."""
     if config.alpha > 0:
-        x.add_(s, alpha=math.sqrt(config.alpha / (1 - config.alpha)))
-    if out is None:
-        out = x
-    elif not direct:
-        out.copy_(x)
+        raw.add_(shared, alpha=math.sqrt(config.alpha / (1 - config.alpha)))
+    if out is not raw:
+        out.copy_(raw)
     return out.div_(torch.linalg.vector_norm(out, dim=-1, keepdim=True).add_(TINY))
+
+
+def draw_inputs(config: StackConfig, seed: int, block: int, size: int = BLOCK, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """X^(0) of block `block` as `simulate` draws it: [size, n, d], rows normalize(g_i + l s) (Sec. 4.1).
+
+    The normals are float32 whatever the compute dtype (float32 and float64 runs see the same inputs);
+    s is drawn even when alpha = 0, so runs that differ only in alpha share their noise.
+    """
+    raw = torch.empty(size, config.n, config.d, device=device)
+    shared = torch.empty(size, 1, config.d, device=device)
+    _normals(seed, block, [size], torch.Generator(device), raw, shared)
+    return _inputs(config, raw, shared, raw if dtype == torch.float32 else raw.to(dtype))
+
+
+def _gram_is_cosine(config: StackConfig) -> bool:
+    """l2 NoPE: S = Y Y^T is the cosine matrix of the layer's input X, visible on the lower triangle at least."""
+    return config.norm == "l2" and config.positional == "none" and config.mask != "sliding"
 
 
 class _Stack:
@@ -120,34 +138,33 @@ class _Stack:
         hidden = ~torch.as_tensor(visible(n, config.mask, config.window), device=device)
         self.bias = torch.full((n, n), -self.shift, device=device, dtype=dtype).masked_fill_(hidden, -math.inf)
         self.cos_bias = torch.full((n, n), -1.0, device=device, dtype=dtype)
-        # l2 NoPE: S = Y Y^T is the cosine matrix of X, visible on the lower triangle at least.
-        self.shared = config.norm == "l2" and config.positional == "none" and config.mask != "sliding"
+        self.gram_is_cosine = _gram_is_cosine(config)
         if config.positional == "rope":
             self.cos, self.sin = cos_sin(n, d, config.rope_theta, config.rope_scaling, dtype=dtype, device=device)
         self.x = torch.empty(chunk, n, d, device=device, dtype=dtype)
+        self.raw = self.x if dtype == torch.float32 else torch.empty(chunk, n, d, device=device)
+        self.shared_draw = torch.empty(chunk, 1, d, device=device)
         self.y = torch.empty_like(self.x)
         self.u = torch.empty_like(self.x)  # l2-normalised X for the cosine when Y is not that
         self.norm = torch.empty(chunk, n, 1, device=device, dtype=dtype)
-        self.w = torch.empty(4, chunk, n, n, device=device, dtype=dtype)  # S - B, (S - B)^2, A, A^2
+        self.w = torch.empty(4, chunk, n, n, device=device, dtype=dtype)  # S - B, A, (S - B)^2, A^2
         self.generator = torch.Generator(device)
 
     @property
     def rows(self) -> int:
-        """Rows of a block's sums: (S - B, (S - B)^2, A, A^2) per layer, then (C - 1, (C - 1)^2) per X^(l)."""
+        """Rows of a block's sums: (S - B, A, (S - B)^2, A^2) per layer, then (C - 1, (C - 1)^2) per X^(l)."""
         return 4 * self.config.layers + 2 * (self.config.layers + 1)
 
     def run(self, seed: int, first: int, sizes: list[int]) -> torch.Tensor:
         """Blocks first, first+1, ... of the given sizes through the stack: their sums [len(sizes), rows, n, n]."""
         cfg, c, L = self.config, sum(sizes), self.config.layers
         x, y, w, norm = self.x[:c], self.y[:c], self.w[:, :c], self.norm[:c]
-        start = 0
-        for k, b in enumerate(sizes):
-            draw_inputs(cfg, seed, first + k, b, self.device, self.generator, out=x[start:start + b])
-            start += b
+        _normals(seed, first, sizes, self.generator, self.raw[:c], self.shared_draw[:c])
+        _inputs(cfg, self.raw[:c], self.shared_draw[:c], x)  # X^(0)
         sums = torch.zeros(len(sizes), self.rows, cfg.n, cfg.n, device=self.device, dtype=self.dtype)
         bias = self.bias.expand(c, -1, -1)
         for layer in range(L):
-            if not self.shared:
+            if not self.gram_is_cosine:
                 self._cosine(x, sizes, sums[:, 4 * L + 2 * layer:])
             if cfg.norm == "l2":
                 l2_normalize(x, y, norm)  # Y = Norm(X)
@@ -155,14 +172,13 @@ class _Stack:
                 layer_norm(x, y, norm)
             q = rotate(y, self.cos, self.sin) if cfg.positional == "rope" else y
             torch.baddbmm(bias, q, q.mT, alpha=1 / cfg.score_divisor, out=w[0])  # S - B, masked (Eq. 1)
-            torch.softmax(w[0], dim=-1, out=w[2])  # A = softmax(S): the shift B cancels
-            torch.mul(w[0], w[0], out=w[1])
-            torch.mul(w[2], w[2], out=w[3])
+            torch.softmax(w[0], dim=-1, out=w[1])  # A = softmax(S): the shift B cancels
+            torch.mul(w[:2], w[:2], out=w[2:])
             _block_sums(w, sizes, sums[:, 4 * layer:4 * layer + 4])
             if cfg.residual:
-                x.baddbmm_(w[2], y)  # X' = A Y + X
+                x.baddbmm_(w[1], y)  # X' = A Y + X
             else:
-                torch.bmm(w[2], y, out=x)  # X' = A Y
+                torch.bmm(w[1], y, out=x)  # X' = A Y
         self._cosine(x, sizes, sums[:, 4 * L + 2 * L:])
         return sums
 
@@ -289,15 +305,14 @@ def _result(config: StackConfig, acc: torch.Tensor, samples: int, seconds: float
     """Means and standard errors from the float64 sums (rows as in `_Stack.rows`)."""
     L = config.layers
     shift = config.row_norm**2 / config.score_divisor
-    sc = acc[:4 * L].unflatten(0, (L, 4))
+    sc = acc[:4 * L].unflatten(0, (L, 4))  # S - B, A, (S - B)^2, A^2
     cs = acc[4 * L:].unflatten(0, (L + 1, 2)).clone()
-    shared = config.norm == "l2" and config.positional == "none" and config.mask != "sliding"
-    if shared:  # cosine of X^(l-1) = scores of layer l (l2, NoPE): mirror the visible lower triangle
-        low = torch.tril(sc[:, :2])
+    if _gram_is_cosine(config):  # cosine of X^(l-1) = layer l's S: mirror the visible lower triangle
+        low = torch.tril(sc[:, 0::2])
         cs[:L] = low + torch.tril(low, -1).mT
     hidden = ~torch.as_tensor(visible(config.n, config.mask, config.window))
-    s_mean, s_se = _moments(sc[:, 0], sc[:, 1], samples)
-    p_mean, p_se = _moments(sc[:, 2], sc[:, 3], samples)
+    s_mean, s_se = _moments(sc[:, 0], sc[:, 2], samples)
+    p_mean, p_se = _moments(sc[:, 1], sc[:, 3], samples)
     c_mean, c_se = _moments(cs[:, 0], cs[:, 1], samples)
     return SimResult(
         scores_mean=(s_mean + shift).masked_fill_(hidden, math.nan),
