@@ -121,8 +121,8 @@ def run_published(model, batches) -> torch.Tensor:
     return acc / len(batches)
 
 
-def run_poslens(model, batches, query_block: int) -> torch.Tensor:
-    cap = Capture(model, query_block=query_block)
+def run_poslens(model, batches, query_block: int, gemm: str) -> torch.Tensor:
+    cap = Capture(model, query_block=query_block, gemm=gemm)
     for ids in batches:
         cap.update(ids)
     return cap.result()["scores"]
@@ -267,6 +267,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batches", type=int, default=2, help="batches per method call")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--query-block", type=int, default=128)
+    p.add_argument("--gemm", default="auto", choices=["auto", "float32", "split-bf16"],
+                   help="Capture(gemm=...): auto = split-bf16 for bfloat16 on CUDA, else float32")
     p.add_argument("--reference", choices=["both", "same", "none"], default="both",
                    help="float64 references: same-forward and float64 model (both), same-forward only, none")
     p.add_argument("--methods", default="plain,base,poslens,published")
@@ -284,7 +286,7 @@ def main(argv=None) -> dict:
                for _ in range(args.batches)]
     methods = {"plain": lambda: run_plain(model, batches),
                "base": lambda: run_base(model, batches),
-               "poslens": lambda: run_poslens(model, batches, args.query_block),
+               "poslens": lambda: run_poslens(model, batches, args.query_block, args.gemm),
                "published": lambda: run_published(model, batches)}
     methods = {k: methods[k] for k in args.methods.split(",")}
     info = {"args": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -169,9 +169,9 @@ def main() -> None:
         summary["reference_seconds_cold"] = [x["seconds_cold"] for x in runs["reference"]]
         summary["poslens_peak_gpu_gb"] = max(x["peak_gpu_gb"] for x in runs["poslens"])
         summary["reference_peak_gpu_gb"] = max(x["peak_gpu_gb"] for x in runs["reference"])
-    print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

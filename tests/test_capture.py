@@ -33,6 +33,15 @@ TOL32 = {"scores": 1e-4, "probs": 1e-5, "log_probs": 1e-4, "log_partition": 1e-4
 TOL64 = {"scores": 2e-5, "probs": 2e-6, "log_probs": 2e-5, "log_partition": 2e-5, "hidden_cosine": 2e-6}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op thread synchronisation costs more than it saves (4x slower on 2 busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- the independent float64 reference ----------------------------------------------------------------
 
 _RECORD: dict[int, tuple[torch.Tensor, int | None]] = {}

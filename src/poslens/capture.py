@@ -11,6 +11,9 @@ Maps (entry [i, j] = query position i, key position j):
 * `scores`: mean over sequences and heads of s_ij = scaling * q_i . k_j (after softcap for Gemma-2).
   Linear in q and k, so the query heads sharing a key head are summed first and batch and heads are folded
   into one contraction: one GEMM per query block into a [T, T] accumulator, keys beyond the block skipped.
+  The GEMM runs in float32 (keep TF32 off, PyTorch's default) or, for bfloat16 models on CUDA, as two
+  bfloat16 tensor-core GEMMs (group-summed queries split into hi + lo parts) with float32 accumulation
+  (`gemm` option).
 * `scores_per_head`: the same per head (one batched GEMM per block, the batch folded).
 * `probs`, `log_probs`, `log_partition`: mean of softmax_j(s_ij), of its log, and of logsumexp_j s_ij over
   the keys the model attends to; computed in float32 from per-head score blocks (chunked).
@@ -28,6 +31,9 @@ Conventions:
 * Entries the softmax never sees are NaN: above the diagonal, positions no sequence reached, and, on
   sliding-window layers, keys with i - j >= window. `sliding_window` records the window per layer (0 = none).
 * `hidden_cosine` is symmetric; only j <= i is stored (NaN above), like the other maps.
+* `update()` runs the base model without the LM head and ends the forward inside the deepest captured
+  layer's attention; `forward()` runs the whole model and returns its output. Both run under no_grad; put
+  the model in eval mode (attention dropout is the model's own).
 """
 
 from __future__ import annotations
@@ -137,33 +143,41 @@ def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
         out.add_(torch.matmul(a, b).to(out.device), alpha=alpha)
 
 
+_OUT_DTYPE_MM = True  # False once torch.mm(..., out_dtype=) has failed in this process
+
+
 def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for bfloat16 a, b with exact products and float32 accumulation and output.
 
     CUDA: one tensor-core GEMM (`torch.mm(..., out_dtype=torch.float32)`). Elsewhere (no such kernel on the
     CPU in torch 2.13) the same numbers by upcasting first: bfloat16 products are exact in float32.
     """
-    if a.is_cuda:
+    global _OUT_DTYPE_MM
+    if a.is_cuda and _OUT_DTYPE_MM:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):  # torch without the out_dtype GEMM
-            pass
+            _OUT_DTYPE_MM = False
     return torch.mm(a.float(), b.float())
 
 
 @contextmanager
 def _exact_cuda_matmul(on_cuda: bool):
-    """No TF32 and no reduced-precision bf16 reductions in the capture's GEMMs (global flags, restored)."""
+    """No reduced-precision reductions in bfloat16 GEMMs while capturing (global flag, restored).
+
+    TF32 is left as the user set it (PyTorch's default is off): its flags raise when old and new APIs are
+    mixed, so they are not toggled here. With TF32 on, the float32 GEMMs carry ~1e-3 relative error.
+    """
     if not on_cuda:
         yield
         return
     m = torch.backends.cuda.matmul
-    saved = m.allow_tf32, m.allow_bf16_reduced_precision_reduction
-    m.allow_tf32, m.allow_bf16_reduced_precision_reduction = False, False
+    saved = m.allow_bf16_reduced_precision_reduction
+    m.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
-        m.allow_tf32, m.allow_bf16_reduced_precision_reduction = saved
+        m.allow_bf16_reduced_precision_reduction = saved
 
 
 def _pad_square(t: torch.Tensor, n: int, dims: int) -> torch.Tensor:
