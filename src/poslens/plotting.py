@@ -107,6 +107,7 @@ def save(fig, directory: str | os.PathLike, stem: str, formats: Sequence[str] = 
     for ext in formats:
         p = directory / f"{stem}.{ext}"
         fig.savefig(p, dpi=130 if ext == "png" else None)
+        fig.set_layout_engine("none")  # the layout is solved once; later formats reuse it
         paths.append(p)
     plt.close(fig)
     return paths

@@ -227,11 +227,13 @@ def summarise_scores(result: dict) -> dict:
     for ell, m in enumerate(scores):
         lo, hi = quantile_limits(m)
         nlo, nhi = quantile_limits(diagonal_normalise(m))
+        normalised = diagonal_normalise(m)[:, 1:]  # key 0 (the attention sink) is reported on its own
         entry = {"layer": int(layer_ids[ell]), "score_q01_q99": [lo, hi], "normalised_q01_q99": [nlo, nhi],
-                 "normalised_rms": float(np.sqrt(np.nanmean(diagonal_normalise(m) ** 2))),
+                 "normalised_rms": float(np.sqrt(np.nanmean(normalised ** 2))),
                  "sink_column_mean": float(np.nanmean(m[1:, 0]))}
         if "normalised_noise" in result:
-            entry["normalised_noise_rms"] = float(np.sqrt(np.nanmean(as_numpy(result["normalised_noise"][ell]) ** 2)))
+            noise = as_numpy(result["normalised_noise"][ell])[:, 1:]
+            entry["normalised_noise_rms"] = float(np.sqrt(np.nanmean(noise ** 2)))
             entry["scores_noise_max"] = float(np.nanmax(as_numpy(result["scores_noise"][ell])))
         layers.append(entry)
     return {"layers": layers}

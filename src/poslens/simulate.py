@@ -19,8 +19,9 @@ scale better across chunks than inside one, and a busy neighbour core cannot sta
 layer: one baddbmm that also adds the mask and the shift -B and scales by log2(e), giving
 T = (S - B) log2(e) (B = the largest possible score, so 2^T <= 1, and the moments of S - B lose little
 to cancellation); softmax as 2^T over its row sum (torch's exp2 is several times faster than its exp
-or softmax on these rows); one op for both squares, one block sum, one baddbmm for A Y + X. For l2 NoPE with a causal or no mask, S = Y Y^T is also the cosine matrix of the
-layer's input, so it is not computed twice.
+or softmax on these rows); one op for both squares, one block sum, one baddbmm for A Y + X. For l2
+NoPE with a causal or no mask, S = Y Y^T is also the cosine matrix of the layer's input, so it is not
+computed twice. See benchmarks/simulate.md for timings and the floor.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def draw_inputs(config: StackConfig, seed: int, block: int, size: int = BLOCK, d
     raw = torch.empty(size, config.n, config.d, device=device)
     shared = torch.empty(size, 1, config.d, device=device)
     _normals(seed, block, [size], torch.Generator(device), raw, shared)
-    return _inputs(config, raw, shared, raw if dtype == torch.float32 else raw.to(dtype))
+    return _inputs(config, raw, shared, raw if dtype == torch.float32 else torch.empty_like(raw, dtype=dtype))
 
 
 def _gram_is_cosine(config: StackConfig) -> bool:
@@ -135,7 +136,7 @@ class _Stack:
     def __init__(self, config: StackConfig, chunk: int, device: torch.device, dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
         n, d = config.n, config.d
-        # B = ||R(y)||^2 / s, the largest score (the diagonal): exp(S - B) <= 1 never overflows.
+        # B = ||R(y)||^2 / s, the largest score (the diagonal): 2^T = exp(S - B) <= 1 never overflows.
         shift = config.row_norm**2 / config.score_divisor
         hidden = ~torch.as_tensor(visible(n, config.mask, config.window), device=device)
         self.bias = torch.full((n, n), -shift * LOG2E, device=device, dtype=dtype).masked_fill_(hidden, -math.inf)
