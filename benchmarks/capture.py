@@ -22,6 +22,8 @@ tensors go back to the OS), and the max |map - reference| over the lower triangl
     .venv/bin/python benchmarks/capture.py --batch 4 --seq-len 512
     .venv/bin/python benchmarks/capture.py --device cuda --dtype bfloat16 --batch 1 --seq-len 8192
     .venv/bin/python benchmarks/capture.py --model smollm2-135m      # real weights via poslens.models
+    PYTHONPATH=src python benchmarks/capture.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
+        --batch 20 --seq-len 1024 --batches 1 --repeats 3 --reference same
 """
 
 from __future__ import annotations
@@ -42,9 +44,20 @@ import time
 from contextlib import contextmanager
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+try:  # transformers >= 4.53 (both 5.17 and 5.23 have these); fall back to the registries' own entries
+    from transformers import AttentionMaskInterface
+    from transformers.masking_utils import eager_mask, sdpa_mask
+except ImportError:  # pragma: no cover - older layouts
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as AttentionMaskInterface
+
+    eager_mask, sdpa_mask = AttentionMaskInterface["eager"], AttentionMaskInterface["sdpa"]
+try:
+    from transformers.integrations.sdpa_attention import repeat_kv
+except ImportError:  # pragma: no cover
+    from transformers.models.llama.modeling_llama import repeat_kv
 
 from poslens.capture import Capture
 
@@ -52,6 +65,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # ---- model -------------------------------------------------------------------------------------------
+
+
+def _rescale_qk(model: LlamaForCausalLM, cfg: LlamaConfig) -> None:
+    """q/k weights ~ N(0, std) so first-layer scores have std ~3 (trained-like): with unit-RMS inputs, q and k
+    entries have variance a = hidden * std^2 and scaling * q.k has std a * sqrt(head_dim) * scaling = 3."""
+    head_dim = cfg.head_dim
+    scaling = head_dim**-0.5
+    std = (3.0 / (scaling * head_dim**0.5)) ** 0.5 / cfg.hidden_size**0.5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.normal_(0.0, std)
+            layer.self_attn.k_proj.weight.normal_(0.0, std)
 
 
 def smollm2_shaped(dtype: torch.dtype, device: str, seed: int = 0) -> LlamaForCausalLM:
@@ -63,17 +88,31 @@ def smollm2_shaped(dtype: torch.dtype, device: str, seed: int = 0) -> LlamaForCa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-        with torch.no_grad():
-            std = (3.0 / (64**-0.5 * 64**0.5)) ** 0.5 / 576**0.5
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight.normal_(0.0, std)
-                layer.self_attn.k_proj.weight.normal_(0.0, std)
+        _rescale_qk(model, cfg)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def llama_8b_shaped(dtype: torch.dtype, device: str, seed: int = 0) -> LlamaForCausalLM:
+    """Random model with Llama-3.1-8B's shape (8.03 B parameters), built directly on `device` in `dtype`
+    (a float32 CPU initialisation of 8 B parameters is far too slow); q/k rescaled like smollm2_shaped."""
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+    devices = [torch.device(device).index or 0] if str(device).startswith("cuda") else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+        _rescale_qk(model, cfg)
+    return model.eval()
+
+
+SHAPES = {"smollm2-135m": smollm2_shaped, "llama-3.1-8b": llama_8b_shaped}
 
 
 def load(args) -> torch.nn.Module:
     if args.model is None:
-        return smollm2_shaped(DTYPES[args.dtype], args.device)
+        return SHAPES[args.shape](DTYPES[args.dtype], args.device)
     try:
         from poslens.models import load_model
     except ImportError:
@@ -121,11 +160,26 @@ def run_published(model, batches) -> torch.Tensor:
     return acc / len(batches)
 
 
+_SPLIT: dict = {"update_s": [], "result_s": []}  # poslens time in update() (all batches) and in result()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_poslens(model, batches, query_block: int, gemm: str) -> torch.Tensor:
     cap = Capture(model, query_block=query_block, gemm=gemm)
+    dev = batches[0].device
+    t0 = time.perf_counter()
     for ids in batches:
         cap.update(ids)
-    return cap.result()["scores"]
+    _sync(dev)
+    t1 = time.perf_counter()
+    out = cap.result()["scores"]
+    _SPLIT["update_s"].append(t1 - t0)
+    _SPLIT["result_s"].append(time.perf_counter() - t1)
+    return out
 
 
 def run_plain(model, batches) -> None:
@@ -256,17 +310,41 @@ def timed(fn, device: str):
     return out, time.perf_counter() - w, time.process_time() - c
 
 
+def profile(methods: dict, args) -> None:
+    """One profiled call of plain and of poslens each; top operators by device (else CPU) time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    with open(args.profile, "w") as f:
+        for name in ("plain", "poslens"):
+            if name not in methods:
+                continue
+            with torch_profile(activities=acts) as prof:
+                methods[name]()
+                if cuda:
+                    torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+            f.write(f"==== {name}\n{table}\n")
+            print(f"==== profile {name}\n{table}", flush=True)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="poslens.models spec (e.g. smollm2-135m); default: random "
                    "SmolLM2-135M-shaped Llama")
+    p.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES),
+                   help="shape of the random Llama (without --model): SmolLM2-135M, or Llama-3.1-8B built directly "
+                   "on --device in --dtype")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batches", type=int, default=2, help="batches per method call")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--query-block", type=int, default=128)
+    p.add_argument("--query-block", type=int, default=None, help="rows per GEMM (default: poslens' choice)")
     p.add_argument("--gemm", default="auto", choices=["auto", "float32", "split-bf16"],
                    help="Capture(gemm=...): auto = split-bf16 for bfloat16 on CUDA, else float32")
     p.add_argument("--reference", choices=["both", "same", "none"], default="both",
@@ -274,6 +352,8 @@ def main(argv=None) -> dict:
     p.add_argument("--methods", default="plain,base,poslens,published")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", default=None, help="after the timings, profile one call of plain and of poslens "
+                   "(torch.profiler) and write the top operators by device time to this text file")
     args = p.parse_args(argv)
 
     pin_glibc_mmap_threshold()
@@ -292,17 +372,27 @@ def main(argv=None) -> dict:
     info = {"args": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "transformers": importlib.import_module("transformers").__version__,
             "model": {"class": type(model).__name__, "layers": model.config.num_hidden_layers,
                       "params": sum(x.numel() for x in model.parameters())}}
     print(json.dumps(info), flush=True)
 
-    for fn in methods.values():  # warm-up (allocator, kernels, lazy imports)
-        fn()
+    failed = {}
+    for name, fn in methods.items():  # warm-up (allocator, kernels, lazy imports)
+        try:
+            fn()
+        except torch.OutOfMemoryError as e:
+            failed[name] = f"out of memory (warm-up): {str(e).splitlines()[0]}"
+            print(f"warm-up {name}: {failed[name]}", flush=True)
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    _SPLIT["update_s"].clear()
+    _SPLIT["result_s"].clear()
     times = {k: [] for k in methods}
     cpu = {k: [] for k in methods}
     memory = {k: 0 for k in methods}
     maps = {}
-    failed = {}
     loads = []  # 1-minute load average after each timed call (other processes share the machine)
     names = list(methods)
     for r in range(args.repeats):
@@ -315,6 +405,9 @@ def main(argv=None) -> dict:
                     out, wall, cpu_s = timed(methods[name], args.device)
             except torch.OutOfMemoryError as e:
                 failed[name] = f"out of memory: {str(e).splitlines()[0]}"
+                gc.collect()
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
                 continue
             times[name].append(wall)
             cpu[name].append(cpu_s)
@@ -325,6 +418,10 @@ def main(argv=None) -> dict:
             loads.append(load1)
             print(f"repeat {r} {name}: {wall:.3f} s wall, {cpu_s:.3f} s cpu, peak +{mem.bytes / 2**20:.0f} MiB, "
                   f"load {load1:.2f}", flush=True)
+
+    split = {k: list(v) for k, v in _SPLIT.items()}  # before the profiled call adds to it
+    if args.profile:
+        profile(methods, args)
 
     refs = {}
     for ref_name, float64 in (("same_forward", False), ("float64", True)):
@@ -345,6 +442,10 @@ def main(argv=None) -> dict:
         row = {"wall_median_s": med, "wall_min_s": min(times[name]), "cpu_median_s": cmed,
                "wall_ratio": med / base if base else math.nan, "cpu_ratio": cmed / base_cpu if base_cpu else math.nan,
                "peak_extra_mib": memory[name] / 2**20}
+        if name == "poslens" and split["update_s"]:
+            row["update_median_s"] = statistics.median(split["update_s"])
+            row["result_median_s"] = statistics.median(split["result_s"])
+            row["update_ratio"] = row["update_median_s"] / base if base else math.nan
         for ref_name, ref in refs.items():
             if name in maps:
                 row[f"max_dev_vs_{ref_name}"] = deviation(maps[name], ref)
@@ -353,6 +454,7 @@ def main(argv=None) -> dict:
         scale = refs[next(iter(refs))]
         low = torch.ones(scale.shape[-1], scale.shape[-1], dtype=torch.bool).tril()
         info["map_abs_max"] = max(m[low].abs().max().item() for m in scale)
+    info["out_dtype_mm"] = importlib.import_module("poslens.capture")._OUT_DTYPE_MM  # False: GEMM fell back
     info["load_average_1min"] = {"min": min(loads), "max": max(loads)} if loads else None
     report = {**info, "methods": rows}
     print(json.dumps(report, indent=1))

@@ -3,10 +3,14 @@
 The paper's configuration (Section 4.1): 100,000 samples, n = 50, d = 64, 4 layers, l2, causal, one alpha.
 "reference" is a straightforward implementation of the published procedure, written here: all samples
 materialised at once, then the 4 layers on the whole [B, n, n] / [B, n, d] tensors, keeping the mean
-pre-softmax scores. Each method runs in its own subprocess (so peak RSS is measured cleanly), repeats
-are interleaved (A B B A ...), and the two methods' mean score maps are compared (they use different
-random draws, so they agree within Monte Carlo noise: the difference is reported in units of
-sqrt(2) * poslens's standard error).
+pre-softmax scores. poslens runs in two configurations: "poslens" computes every map (mean and
+standard error of the scores, the probabilities and the hidden-state cosines), "poslens-scores"
+(`maps=("scores",)`) the mean scores and their standard errors only, i.e. the reference's work plus the
+standard errors: the equal-work comparison. Each method runs in its own subprocess (so peak RSS is
+measured cleanly), repeats are interleaved (the order rotates every repeat), the two poslens runs'
+score maps are checked to be identical (same seed), and poslens's and the reference's mean score maps
+are compared (different random draws, so they agree within Monte Carlo noise: the difference is
+reported in units of sqrt(2) * poslens's standard error).
 
     .venv/bin/python benchmarks/simulate.py --samples 100000 --repeats 3
     .venv/bin/python benchmarks/simulate.py --device cuda      # on a GPU machine
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 N, D, LAYERS = 50, 64, 4
+METHODS = ("poslens", "poslens-scores", "reference")  # all maps; mean scores + SE only; the published procedure
 
 
 def reference(samples: int, alpha: float, device: str) -> torch.Tensor:
@@ -69,8 +74,9 @@ def worker(args: argparse.Namespace) -> None:
         if args.worker == "reference":
             mean, se = reference(args.samples, args.alpha, args.device), None
         else:
+            maps = ("scores",) if args.worker == "poslens-scores" else ("scores", "probs", "cosine")
             r = simulate(StackConfig(n=N, d=D, layers=LAYERS, alpha=args.alpha), args.samples, seed=0,
-                         device=args.device)
+                         device=args.device, maps=maps)
             mean, se = r.scores_mean, r.scores_se
         if cuda:
             torch.cuda.synchronize()
@@ -110,18 +116,18 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=0.2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", help="also write the raw numbers here")
-    p.add_argument("--worker", choices=["poslens", "reference"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
 
-    runs = {"poslens": [], "reference": []}
+    runs = {m: [] for m in METHODS}
     maps = {}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            order = ("poslens", "reference") if r % 2 == 0 else ("reference", "poslens")
+            order = METHODS[r % 3:] + METHODS[:r % 3]
             for method in order:
                 result = os.path.join(tmp, f"{method}-{r}.json")
                 cmd = [sys.executable, __file__, "--worker", method, "--result", result, "--samples",
@@ -130,7 +136,7 @@ def main() -> None:
                 runs[method].append(json.loads(Path(result).read_text()))
                 maps[method] = torch.load(result + ".pt")
                 last = runs[method][-1]
-                print(f"repeat {r} {method:9s} {last['seconds']:7.2f} s  (cpu {last['cpu_seconds']:7.2f} s)  "
+                print(f"repeat {r} {method:14s} {last['seconds']:7.2f} s  (cpu {last['cpu_seconds']:7.2f} s)  "
                       f"peak RSS {last['peak_rss_gb']:.2f} GB", flush=True)
             load.append(os.getloadavg()[0])
 
@@ -140,7 +146,10 @@ def main() -> None:
     z = diff.abs() / (math.sqrt(2) * se.clamp_min(1e-12))
     offdiag = torch.ones(N, N, dtype=torch.bool).tril(-1)[visible]
     t_pos = [x["seconds"] for x in runs["poslens"]]
+    t_sc = [x["seconds"] for x in runs["poslens-scores"]]
     t_ref = [x["seconds"] for x in runs["reference"]]
+    same = all(torch.equal(maps["poslens"][k].nan_to_num(), maps["poslens-scores"][k].nan_to_num())
+               for k in ("mean", "se"))
     summary = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
@@ -151,13 +160,20 @@ def main() -> None:
         "alpha": args.alpha,
         "load_average_1min": load,
         "poslens_seconds": t_pos,
+        "poslens_scores_seconds": t_sc,
         "reference_seconds": t_ref,
         "poslens_cpu_seconds": [x["cpu_seconds"] for x in runs["poslens"]],
+        "poslens_scores_cpu_seconds": [x["cpu_seconds"] for x in runs["poslens-scores"]],
         "reference_cpu_seconds": [x["cpu_seconds"] for x in runs["reference"]],
         "ratio_of_medians": statistics.median(t_ref) / statistics.median(t_pos),
         "ratio_of_minima": min(t_ref) / min(t_pos),
+        "scores_ratio_of_medians": statistics.median(t_ref) / statistics.median(t_sc),
+        "scores_ratio_of_minima": min(t_ref) / min(t_sc),
+        "scores_ratios_per_repeat": [a / b for a, b in zip(t_ref, t_sc)],
         "poslens_peak_rss_gb": max(x["peak_rss_gb"] for x in runs["poslens"]),
+        "poslens_scores_peak_rss_gb": max(x["peak_rss_gb"] for x in runs["poslens-scores"]),
         "reference_peak_rss_gb": max(x["peak_rss_gb"] for x in runs["reference"]),
+        "scores_only_maps_identical_to_all_maps": same,
         "max_abs_diff_mean_scores": diff.abs().max().item(),
         "max_abs_diff_offdiagonal": diff[:, offdiag].abs().max().item(),
         "max_diff_in_se_units": z[:, offdiag].max().item(),
@@ -165,10 +181,10 @@ def main() -> None:
     }
     if args.device == "cuda":
         summary["gpu"] = runs["poslens"][0]["gpu"]
-        summary["poslens_seconds_cold"] = [x["seconds_cold"] for x in runs["poslens"]]
-        summary["reference_seconds_cold"] = [x["seconds_cold"] for x in runs["reference"]]
-        summary["poslens_peak_gpu_gb"] = max(x["peak_gpu_gb"] for x in runs["poslens"])
-        summary["reference_peak_gpu_gb"] = max(x["peak_gpu_gb"] for x in runs["reference"])
+        for m in METHODS:
+            key = m.replace("-", "_")
+            summary[f"{key}_seconds_cold"] = [x["seconds_cold"] for x in runs[m]]
+            summary[f"{key}_peak_gpu_gb"] = max(x["peak_gpu_gb"] for x in runs[m])
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

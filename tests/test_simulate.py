@@ -176,6 +176,67 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch):
         sim.simulate(config, samples, seed=seed + 1, checkpoint=path)
 
 
+MAP_CONFIGS = [CONFIGS[0], CONFIGS[1], CONFIGS[3]]  # l2 NoPE causal (S is the cosine), LayerNorm RoPE, sliding
+
+
+@pytest.mark.parametrize("config", MAP_CONFIGS, ids=["l2-nope", "layernorm-rope", "sliding-nores"])
+@pytest.mark.parametrize("maps", [("scores",), ("probs",), ("cosine",), ("cosine", "scores"), ("probs", "cosine"),
+                                  "scores"])
+def test_requested_maps_equal_a_full_run_bit_for_bit(config, maps):
+    # Skipping the other maps' work changes nothing in the requested ones (same draws, same arithmetic),
+    # whatever the chunking; the maps left out are None.
+    full = sim.simulate(config, 300, seed=6)
+    part = sim.simulate(config, 300, seed=6, maps=maps, chunk=256)
+    wanted = {maps} if isinstance(maps, str) else set(maps)
+    for name in FIELDS:
+        if name.split("_")[0] in wanted:
+            assert torch.equal(getattr(part, name).nan_to_num(), getattr(full, name).nan_to_num()), name
+        else:
+            assert getattr(part, name) is None, name
+    assert part.samples == 300
+
+
+def test_default_maps_are_all_maps():
+    config = StackConfig(alpha=0.2, **SMALL)
+    a, b = sim.simulate(config, 200, seed=1), sim.simulate(config, 200, seed=1, maps=("probs", "scores", "cosine"))
+    assert sim.MAPS == ("scores", "probs", "cosine")
+    for name in FIELDS:
+        assert torch.equal(getattr(a, name).nan_to_num(), getattr(b, name).nan_to_num()), name
+
+
+def test_checkpoint_resume_with_maps(tmp_path, monkeypatch):
+    # The fingerprint holds the maps: a scores-only run resumes bit-identically from its own checkpoint,
+    # and a run asking for other maps refuses it.
+    config = StackConfig(alpha=0.2, **SMALL)
+    samples, seed, maps = 1000, 8, ("scores",)
+    full = sim.simulate(config, samples, seed=seed, maps=maps)
+    path = tmp_path / "partial.safetensors"
+    run, calls, lock = sim._Stack.run, [0], threading.Lock()
+
+    def failing(self, *args):
+        with lock:
+            calls[0] += 1
+            if calls[0] == 4:
+                raise KeyboardInterrupt
+        return run(self, *args)
+
+    monkeypatch.setattr(sim._Stack, "run", failing)
+    with pytest.raises(KeyboardInterrupt):
+        sim.simulate(config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1, maps=maps)
+    monkeypatch.setattr(sim._Stack, "run", run)
+    fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": sim.BLOCK,
+          "device": "cpu", "dtype": str(torch.float32), "what": "poslens.simulate", "maps": ["scores"]}
+    assert 0 < load_partial(path, fp)[1] < 8
+    resumed = sim.simulate(config, samples, seed=seed, checkpoint=path, checkpoint_every=1, maps=maps)
+    assert torch.equal(resumed.scores_mean.nan_to_num(), full.scores_mean.nan_to_num())
+    assert torch.equal(resumed.scores_se.nan_to_num(), full.scores_se.nan_to_num())
+    assert resumed.probs_mean is None and resumed.cosine_mean is None
+    with pytest.raises(UsageError, match="different configuration"):
+        sim.simulate(config, samples, seed=seed, checkpoint=path)
+    with pytest.raises(UsageError, match="different configuration"):
+        sim.simulate(config, samples, seed=seed, checkpoint=path, maps=("scores", "probs"))
+
+
 def test_unmasked_nope_maps_are_position_independent():
     # Without a mask or RoPE the stack is permutation-equivariant and the inputs exchangeable, so every
     # off-diagonal mean is the same number in every layer (and the l2 diagonal is 1). Entries are
@@ -247,6 +308,10 @@ def test_single_sample_has_no_standard_error():
     (dict(device="tpu"), "device must be cpu or cuda"),
     (dict(device="nonsense:x"), "device must be cpu or cuda"),
     (dict(config={"n": 8}), "config must be a StackConfig"),
+    (dict(maps=()), r"^maps must be a non-empty subset of scores, probs, cosine; got \(\)$"),
+    (dict(maps=("scores", "attention")), "maps must be a non-empty subset"),
+    (dict(maps=3), "maps must be a non-empty subset"),
+    (dict(maps=("scores", None)), "maps must be a non-empty subset"),
 ])
 def test_bad_arguments_raise_usage_error(kwargs, match):
     args = dict(config=StackConfig(**SMALL), samples=10) | kwargs

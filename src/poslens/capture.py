@@ -200,7 +200,9 @@ class Capture:
     `update()` installs the capture for its own duration; `with cap:` keeps it installed across calls.
     Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head` (per-head maps
     besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
-    `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM),
+    `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM; default
+    128, and 512 from 4,096 tokens on: fewer, larger GEMMs, 1.12x -> 1.05x of a plain forward at 8,192
+    tokens on an H100),
     `chunk_bytes` (memory for one block of per-head scores in the chunked path), `gemm` (the head-mean
     score GEMM: "float32" upcasts q and k; "split-bf16" keeps bfloat16 keys and writes the float32
     group-summed queries as hi + lo bfloat16 parts, two GEMMs with exact products and float32 accumulation,
@@ -219,7 +221,7 @@ class Capture:
         log_probs: bool = False,
         hidden_cosine: bool = False,
         device: str | torch.device | None = None,
-        query_block: int = 128,
+        query_block: int | None = None,
         chunk_bytes: int = 1 << 28,
         gemm: str = "auto",
     ) -> None:
@@ -241,7 +243,7 @@ class Capture:
         self.per_head = per_head
         self.wanted = {"scores": scores, "probs": probs, "log_probs": log_probs, "hidden_cosine": hidden_cosine}
         self.device = None if device is None else torch.device(device)
-        self.query_block = max(1, int(query_block))
+        self._query_block = None if query_block is None else max(1, int(query_block))
         self.chunk_bytes = int(chunk_bytes)
         self.gemm = gemm
         self.num_heads = model.config.num_attention_heads
@@ -414,6 +416,12 @@ class Capture:
         if batch.stop_at == module.layer_idx:
             raise _Stop
 
+    def block_rows(self, n: int) -> int:
+        """Query rows per GEMM block for sequences of n tokens."""
+        if self._query_block is not None:
+            return self._query_block
+        return 512 if n >= 4096 else 128
+
     def _scores_gemm(self, slot, query, key, scaling, window, batch) -> None:
         """Sum over sequences and heads of q_i . k_j: group-summed queries, batch and heads in one contraction."""
         b, h, n, d = query.shape
@@ -424,14 +432,14 @@ class Capture:
         split = key.dtype == torch.bfloat16 and (self.gemm == "split-bf16" or (self.gemm == "auto" and query.is_cuda))
         if not split:
             ks = _align(key.float(), batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
-            for s, e, k0 in _blocks(n, self.query_block, window):
+            for s, e, k0 in _blocks(n, self.block_rows(n), window):
                 _add_matmul(acc[s:e, k0:e], qs[s:e], ks[k0:e].T, scaling)
             return
         # keys are bfloat16 already (exact); the float32 head sums become hi + lo, both bfloat16
         ks = _align(key, batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
         hi = qs.to(torch.bfloat16)
         lo = (qs - hi.float()).to(torch.bfloat16)
-        for s, e, k0 in _blocks(n, self.query_block, window):
+        for s, e, k0 in _blocks(n, self.block_rows(n), window):
             kt = ks[k0:e].T
             part = _mm_float32_out(hi[s:e], kt).add_(_mm_float32_out(lo[s:e], kt))
             acc[s:e, k0:e].add_(part.to(acc.device), alpha=scaling)
@@ -443,7 +451,7 @@ class Capture:
         qh = _align(query.float(), batch, 2).permute(1, 2, 0, 3).reshape(hkv, h // hkv, n, b * d)
         kh = _align(key.float(), batch, 2).permute(1, 2, 0, 3).reshape(hkv, 1, n, b * d)
         acc = self._acc("scores", slot, query.device).view(hkv, h // hkv, self._n, self._n)
-        for s, e, k0 in _blocks(n, self.query_block, window):
+        for s, e, k0 in _blocks(n, self.block_rows(n), window):
             _add_matmul(acc[..., s:e, k0:e], qh[..., s:e, :], kh[..., k0:e, :].transpose(-1, -2), scaling)
 
     def _chunked(self, slot, query, key, scaling, window, softcap, batch) -> None:
@@ -496,7 +504,7 @@ class Capture:
             b, n, _ = x.shape
             xn = _align(F.normalize(x.float(), dim=-1), self._batch, 1).transpose(0, 1).reshape(n, -1)
             acc = self._acc("hidden_cosine", slot, x.device)
-            for s, e, _ in _blocks(n, self.query_block, 0):
+            for s, e, _ in _blocks(n, self.block_rows(n), 0):
                 _add_matmul(acc[s:e, :e], xn[s:e], xn[:e].T, 1.0)
             return None
 
@@ -583,14 +591,17 @@ class Capture:
             each = torch.empty(len(self.layers), heads, *shape) if per_head else None
             for slot in range(len(self.layers)):  # one layer at a time: no float64 copy of every map
                 window = int(self._window[slot]) if key != "hidden_cosine" else 0
-                ok = reached if vector else _seen(n, window) & reached[:, None]
                 sums = self._sums[key][slot]
-                sums = torch.zeros(self._shape(key), dtype=self._dtype(key)) if sums is None else sums.cpu()
+                sums = torch.zeros(self._shape(key), dtype=self._dtype(key)) if sums is None else sums
+                dev = sums.device  # finish where the sums live (a GPU), then one copy per layer
+                hit = reached.to(dev)
+                ok = hit if vector else _seen(n, window, dev) & hit[:, None]
+                c = cnt.to(dev)
                 sums = _pad_square(sums, n, 1 if vector else 2)
                 total = sums.sum(0) if per_head else sums
-                mean[slot] = torch.where(ok, total / (cnt * heads), math.nan)
+                mean[slot] = torch.where(ok, total / (c * heads), math.nan).cpu()
                 if per_head:
-                    each[slot] = torch.where(ok, sums / cnt, math.nan)
+                    each[slot] = torch.where(ok, sums / c, math.nan).cpu()
             out[key] = mean
             if per_head:
                 out[f"{key}_per_head"] = each

@@ -21,7 +21,10 @@ T = (S - B) log2(e) (B = the largest possible score, so 2^T <= 1, and the moment
 to cancellation); softmax as 2^T over its row sum (torch's exp2 is several times faster than its exp
 or softmax on these rows); one op for both squares, one block sum, one baddbmm for A Y + X. For l2
 NoPE with a causal or no mask, S = Y Y^T is also the cosine matrix of the layer's input, so it is not
-computed twice. See benchmarks/simulate.md for timings and the floor.
+computed twice. With `maps` a subset, the work that feeds only the maps left out is skipped (the
+probabilities' block sums, the cosines, and the last layer's softmax and A Y + X when nothing reads
+them); what is computed is computed the same way, so the requested maps equal a full run's bit for bit.
+See benchmarks/simulate.md for timings and the floor.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ from poslens.errors import UsageError, check_int
 from poslens.rope import cos_sin, rotate
 from poslens.stack import StackConfig, visible
 
-__all__ = ["BLOCK", "SimResult", "block_seed", "draw_inputs", "simulate"]
+__all__ = ["BLOCK", "MAPS", "SimResult", "block_seed", "draw_inputs", "simulate"]
 
 BLOCK = 128  # samples per block of random draws; fixed, so that results do not depend on `chunk`
 TINY = 1e-12  # l2: x / (||x|| + TINY); LayerNorm: eps under the square root
 LOG2E = 1 / math.log(2)  # scores are kept as (S - B) log2(e), so that softmax is exp2 (much faster than exp)
 CPU_CHUNK = 128  # default samples per chunk on the CPU: fastest on a 2-core EPYC (cache vs. Python overhead)
 CUDA_CHUNK = 32768  # default on a GPU: few, large launches
+MAPS = ("scores", "probs", "cosine")  # the maps `simulate` can compute; all of them by default
 
 
 @dataclass
@@ -60,14 +64,15 @@ class SimResult:
     scores_* [L, n, n]: pre-softmax scores per layer (NaN where the mask hides the pair);
     probs_* [L, n, n]: attention probabilities (0 where hidden);
     cosine_* [L+1, n, n]: cosine similarity of the hidden states X^(0) .. X^(L).
+    A map not requested with `simulate(..., maps=...)` is None (its mean and its standard error).
     """
 
-    scores_mean: torch.Tensor
-    scores_se: torch.Tensor
-    probs_mean: torch.Tensor
-    probs_se: torch.Tensor
-    cosine_mean: torch.Tensor
-    cosine_se: torch.Tensor
+    scores_mean: torch.Tensor | None
+    scores_se: torch.Tensor | None
+    probs_mean: torch.Tensor | None
+    probs_se: torch.Tensor | None
+    cosine_mean: torch.Tensor | None
+    cosine_se: torch.Tensor | None
     samples: int
     seconds: float
 
@@ -130,11 +135,49 @@ def _gram_is_cosine(config: StackConfig) -> bool:
     return config.norm == "l2" and config.positional == "none" and config.mask != "sliding"
 
 
+def _check_maps(maps) -> tuple[str, ...]:
+    """`maps` as a tuple in MAPS order, or a one-line UsageError."""
+    if isinstance(maps, str):
+        maps = (maps,)
+    try:
+        names = tuple(maps)
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(m, str) for m in names) or not set(names) <= set(MAPS):
+        raise UsageError(f"maps must be a non-empty subset of {', '.join(MAPS)}; got {maps!r}")
+    return tuple(m for m in MAPS if m in names)
+
+
+def _layout(config: StackConfig, maps: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+    """What a block's sums hold: the per-layer quantities summed (with their squares), and whether the
+    cosine rows are there. T (the scores) is also summed for the cosine when S is the cosine (l2 NoPE)."""
+    per_layer = tuple(q for q, m in (("T", "scores"), ("A", "probs"))
+                      if m in maps or (q == "T" and "cosine" in maps and _gram_is_cosine(config)))
+    return per_layer, "cosine" in maps
+
+
+def _rows(config: StackConfig, maps: tuple[str, ...]) -> int:
+    """Rows of a block's sums: (q.., q^2..) per layer for q in the per-layer quantities (T, A for all maps),
+    then (C - 1, (C - 1)^2) per X^(l) when the cosine is requested."""
+    per_layer, cosine = _layout(config, maps)
+    return 2 * len(per_layer) * config.layers + (2 * (config.layers + 1) if cosine else 0)
+
+
 class _Stack:
     """Constants and buffers for pushing chunks of up to `chunk` samples through the stack (one per worker)."""
 
-    def __init__(self, config: StackConfig, chunk: int, device: torch.device, dtype: torch.dtype):
-        self.config, self.device, self.dtype = config, device, dtype
+    def __init__(self, config: StackConfig, chunk: int, device: torch.device, dtype: torch.dtype,
+                 maps: tuple[str, ...] = MAPS):
+        self.config, self.device, self.dtype, self.maps = config, device, dtype, maps
+        per_layer, self.cosine = _layout(config, maps)
+        # Slots of w: the summed quantities, their squares, then T and A when not summed (scratch).
+        self.k = len(per_layer)
+        slots = {q: i for i, q in enumerate(per_layer)}
+        for q in ("T", "A"):
+            slots.setdefault(q, len(slots) + self.k)
+        self.t, self.a = slots["T"], slots["A"]
+        # The last layer's A (and A Y + X) is needed only by the probabilities and the cosine of X^(L).
+        self.last_softmax, self.last_update = "probs" in maps or self.cosine, self.cosine
         n, d = config.n, config.d
         # B = ||R(y)||^2 / s, the largest score (the diagonal): 2^T = exp(S - B) <= 1 never overflows.
         shift = config.row_norm**2 / config.score_divisor
@@ -151,40 +194,45 @@ class _Stack:
         self.u = torch.empty_like(self.x)  # l2-normalised X for the cosine when Y is not that
         self.norm = torch.empty(chunk, n, 1, device=device, dtype=dtype)
         self.rowsum = torch.empty_like(self.norm)
-        self.w = torch.empty(4, chunk, n, n, device=device, dtype=dtype)  # T, A, T^2, A^2; T = (S - B) log2(e)
+        self.w = torch.empty(self.k + 2, chunk, n, n, device=device, dtype=dtype)  # T, A, T^2, A^2 for all maps
         self.generator = torch.Generator(device)
 
     @property
     def rows(self) -> int:
-        """Rows of a block's sums: (T, A, T^2, A^2) per layer, then (C - 1, (C - 1)^2) per X^(l)."""
-        return 4 * self.config.layers + 2 * (self.config.layers + 1)
+        """Rows of a block's sums (`_rows`): (T, A, T^2, A^2) per layer, then (C - 1, (C - 1)^2) per X^(l)."""
+        return _rows(self.config, self.maps)
 
     def run(self, seed: int, first: int, sizes: list[int]) -> torch.Tensor:
         """Blocks first, first+1, ... of the given sizes through the stack: their sums [len(sizes), rows, n, n]."""
-        cfg, c, L = self.config, sum(sizes), self.config.layers
+        cfg, c, L, k, t, a = self.config, sum(sizes), self.config.layers, self.k, self.t, self.a
         x, y, w, norm, rowsum = self.x[:c], self.y[:c], self.w[:, :c], self.norm[:c], self.rowsum[:c]
         _normals(seed, first, sizes, self.generator, self.raw[:c], self.shared_draw[:c])
         _inputs(cfg, self.raw[:c], self.shared_draw[:c], x)  # X^(0)
         sums = torch.zeros(len(sizes), self.rows, cfg.n, cfg.n, device=self.device, dtype=self.dtype)
         bias = self.bias.expand(c, -1, -1)
         for layer in range(L):
-            if not self.gram_is_cosine:
-                self._cosine(x, sizes, sums[:, 4 * L + 2 * layer:])
+            if self.cosine and not self.gram_is_cosine:
+                self._cosine(x, sizes, sums[:, 2 * k * L + 2 * layer:])
             if cfg.norm == "l2":
                 l2_normalize(x, y, norm)  # Y = Norm(X)
             else:
                 layer_norm(x, y, norm)
             q = rotate(y, self.cos, self.sin) if cfg.positional == "rope" else y
-            torch.baddbmm(bias, q, q.mT, alpha=LOG2E / cfg.score_divisor, out=w[0])  # T = (S - B) log2(e), masked
-            torch.exp2(w[0], out=w[1])  # A = softmax(S) = 2^T / sum_j 2^T (Eq. 1): the shift B cancels
-            w[1].div_(torch.sum(w[1], dim=-1, keepdim=True, out=rowsum))
-            torch.mul(w[:2], w[:2], out=w[2:])
-            _block_sums(w, sizes, sums[:, 4 * layer:4 * layer + 4])
-            if cfg.residual:
-                x.baddbmm_(w[1], y)  # X' = A Y + X
-            else:
-                torch.bmm(w[1], y, out=x)  # X' = A Y
-        self._cosine(x, sizes, sums[:, 4 * L + 2 * L:])
+            torch.baddbmm(bias, q, q.mT, alpha=LOG2E / cfg.score_divisor, out=w[t])  # T = (S - B) log2(e), masked
+            last = layer == L - 1
+            if self.last_softmax or not last:
+                torch.exp2(w[t], out=w[a])  # A = softmax(S) = 2^T / sum_j 2^T (Eq. 1): the shift B cancels
+                w[a].div_(torch.sum(w[a], dim=-1, keepdim=True, out=rowsum))
+            if k:
+                torch.mul(w[:k], w[:k], out=w[k:2 * k])
+                _block_sums(w[:2 * k], sizes, sums[:, 2 * k * layer:2 * k * (layer + 1)])
+            if self.last_update or not last:
+                if cfg.residual:
+                    x.baddbmm_(w[a], y)  # X' = A Y + X
+                else:
+                    torch.bmm(w[a], y, out=x)  # X' = A Y
+        if self.cosine:
+            self._cosine(x, sizes, sums[:, 2 * k * L + 2 * L:])
         return sums
 
     def _cosine(self, x: torch.Tensor, sizes: list[int], out: torch.Tensor) -> None:
@@ -239,12 +287,16 @@ def _device(device: str) -> torch.device:
 
 def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None = None, device: str = "cpu",
              dtype: torch.dtype = torch.float32, progress: bool = False,
-             checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 50) -> SimResult:
+             checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 50,
+             maps: tuple[str, ...] = MAPS) -> SimResult:
     """Monte Carlo means (and standard errors) of the stack's scores, probabilities and hidden-state cosines.
 
     `chunk` (rounded up to a multiple of BLOCK) bounds memory; it does not change the result. With
     `checkpoint`, the partial sums are saved every `checkpoint_every` chunks and at the end, and a run with
-    the same config, samples, seed, device type and dtype resumes from them.
+    the same config, samples, seed, device type, dtype and maps resumes from them.
+    `maps`: which of "scores", "probs", "cosine" to compute (any non-empty subset, in any order; all by
+    default). Each requested map comes with its standard error and equals a full run's bit for bit (same
+    draws, same arithmetic); the fields of the others are None. Asking for fewer skips their work.
     """
     t0 = time.perf_counter()
     if not isinstance(config, StackConfig):
@@ -252,6 +304,7 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
     samples = check_int("samples", samples, 1)
     seed = check_int("seed", seed, 0)
     checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
+    maps = _check_maps(maps)
     if dtype not in (torch.float32, torch.float64):
         raise UsageError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     dev = _device(device)
@@ -261,10 +314,11 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
     nblocks = -(-samples // BLOCK)
     per_chunk = min(-(-chunk // BLOCK), nblocks)  # blocks per chunk
 
-    L, n = config.layers, config.n
-    rows = 4 * L + 2 * (L + 1)
+    n, rows = config.n, _rows(config, maps)
     fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": BLOCK,
           "device": dev.type, "dtype": str(dtype), "what": "poslens.simulate"}
+    if maps != MAPS:  # all maps: the fingerprint (and the checkpoint layout) of runs before `maps` existed
+        fp["maps"] = list(maps)
     acc, done = torch.zeros(rows, n, n, dtype=torch.float64, device=dev), 0
     if checkpoint is not None and (state := load_partial(checkpoint, fp)) is not None:
         sums, done = state
@@ -278,7 +332,7 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
 
     def job(item: tuple[int, list[int]]) -> torch.Tensor:
         if not hasattr(local, "stack"):
-            local.stack = _Stack(config, per_chunk * BLOCK, dev, dtype)
+            local.stack = _Stack(config, per_chunk * BLOCK, dev, dtype, maps)
         return local.stack.run(seed, *item)
 
     threads = torch.get_num_threads()
@@ -303,31 +357,37 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
     finally:
         torch.set_num_threads(threads)
         bar.close()
-    return _result(config, acc.cpu(), samples, time.perf_counter() - t0)
+    return _result(config, acc.cpu(), samples, time.perf_counter() - t0, maps)
 
 
-def _result(config: StackConfig, acc: torch.Tensor, samples: int, seconds: float) -> SimResult:
-    """Means and standard errors from the float64 sums (rows as in `_Stack.rows`)."""
+def _result(config: StackConfig, acc: torch.Tensor, samples: int, seconds: float,
+            maps: tuple[str, ...] = MAPS) -> SimResult:
+    """Means and standard errors from the float64 sums (rows as in `_rows`); None for maps not requested."""
     L = config.layers
+    per_layer, cosine = _layout(config, maps)
+    k = len(per_layer)
     shift = config.row_norm**2 / config.score_divisor
-    sc = acc[:4 * L].unflatten(0, (L, 4)).clone()  # T, A, T^2, A^2 with T = (S - B) log2(e)
-    sc[:, 0] *= math.log(2)
-    sc[:, 2] *= math.log(2) ** 2  # now S - B and (S - B)^2
-    cs = acc[4 * L:].unflatten(0, (L + 1, 2)).clone()
-    if _gram_is_cosine(config):  # cosine of X^(l-1) = layer l's S: mirror the visible lower triangle
-        low = torch.tril(sc[:, 0::2])
-        cs[:L] = low + torch.tril(low, -1).mT
+    sc = acc[:2 * k * L].unflatten(0, (L, 2 * k)).clone()  # per layer: T, A, T^2, A^2 (those summed)
+    if "T" in per_layer:  # T = (S - B) log2(e): now S - B and (S - B)^2
+        t = per_layer.index("T")
+        sc[:, t] *= math.log(2)
+        sc[:, k + t] *= math.log(2) ** 2
     hidden = ~torch.as_tensor(visible(config.n, config.mask, config.window))
-    s_mean, s_se = _moments(sc[:, 0], sc[:, 2], samples)
-    p_mean, p_se = _moments(sc[:, 1], sc[:, 3], samples)
-    c_mean, c_se = _moments(cs[:, 0], cs[:, 1], samples)
-    return SimResult(
-        scores_mean=(s_mean + shift).masked_fill_(hidden, math.nan),
-        scores_se=s_se.masked_fill_(hidden, math.nan),
-        probs_mean=p_mean.masked_fill_(hidden, 0.0),
-        probs_se=p_se.masked_fill_(hidden, 0.0),
-        cosine_mean=c_mean + 1.0,
-        cosine_se=c_se,
-        samples=samples,
-        seconds=seconds,
-    )
+    out = dict.fromkeys(("scores_mean", "scores_se", "probs_mean", "probs_se", "cosine_mean", "cosine_se"))
+    if "scores" in maps:
+        s_mean, s_se = _moments(sc[:, t], sc[:, k + t], samples)
+        out["scores_mean"] = (s_mean + shift).masked_fill_(hidden, math.nan)
+        out["scores_se"] = s_se.masked_fill_(hidden, math.nan)
+    if "probs" in maps:
+        a = per_layer.index("A")
+        p_mean, p_se = _moments(sc[:, a], sc[:, k + a], samples)
+        out["probs_mean"] = p_mean.masked_fill_(hidden, 0.0)
+        out["probs_se"] = p_se.masked_fill_(hidden, 0.0)
+    if cosine:
+        cs = acc[2 * k * L:].unflatten(0, (L + 1, 2)).clone()
+        if _gram_is_cosine(config):  # cosine of X^(l-1) = layer l's S: mirror the visible lower triangle
+            low = torch.tril(sc[:, t::k])
+            cs[:L] = low + torch.tril(low, -1).mT
+        c_mean, c_se = _moments(cs[:, 0], cs[:, 1], samples)
+        out["cosine_mean"], out["cosine_se"] = c_mean + 1.0, c_se
+    return SimResult(**out, samples=samples, seconds=seconds)
