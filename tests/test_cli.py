@@ -37,7 +37,11 @@ def test_simulate_command_writes_maps_with_errors(tmp_path):
     assert run["scores_se"].min() >= 0 and run.meta["samples"] == 300
     assert (out / "figures" / "scores_normalised.png").exists()  # RoPE: normalised maps too
     assert main(args) == 2  # exists: needs --force
-    assert main([*args, "--force"]) == 0
+    assert main([*args, "--force", "--maps", "scores"]) == 0
+    only = poslens.load(out)
+    assert set(only.tensors) == {"scores_mean", "scores_se"}
+    # the same draws: bit-identical scores whichever maps are computed
+    assert np.allclose(only["scores_mean"], run["scores_mean"], equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -55,6 +59,7 @@ def test_simulate_command_writes_maps_with_errors(tmp_path):
     (["gramflow", "--rope-scaling", "0.5", "--pe", "rope"], "rope_scaling"),
     (["reproduce", "--samples", "0"], "samples"),
     (["simulate", "--alpha", "abc"], "invalid float"),
+    (["simulate", "--maps", "scores,logits"], "--maps"),
 ])
 def test_bad_input(tmp_path, capsys, args, words):
     out = tmp_path / "out"

@@ -24,7 +24,7 @@ NoPE with a causal or no mask, S = Y Y^T is also the cosine matrix of the layer'
 computed twice. With `maps` a subset, the work that feeds only the maps left out is skipped (the
 probabilities' block sums, the cosines, and the last layer's softmax and A Y + X when nothing reads
 them); what is computed is computed the same way, so the requested maps equal a full run's bit for bit.
-See benchmarks/simulate.md for timings and the floor.
+See BENCHMARKS.md for timings and the floor.
 """
 
 from __future__ import annotations
