@@ -8,10 +8,11 @@ the sequences and the sums are all-reduced; each rank saves its partial sums ato
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,6 @@ class ScoresConfig:
     attn_implementation: str = "sdpa"
     tokenizer: str | None = None
     checkpoint_every: int = 10
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         check_int("seq_len", self.seq_len, 2)
@@ -113,17 +113,14 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     if cfg.seq_len > window:
         raise UsageError(f"--seq-len {cfg.seq_len} is beyond the model's window of {window} positions; "
                          f"use --seq-len <= {window}")
-    n_layers = model.config.num_hidden_layers
-    if cfg.layers and max(cfg.layers) >= n_layers:
-        raise UsageError(f"--layers: the model has layers 0..{n_layers - 1}, got {max(cfg.layers)}")
+    capture = Capture(model, layers=cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
+                      hidden_cosine=cfg.hidden_cosine, device=device)  # checks --layers before any tokenising
     ids, data_stats = make_sequences(tokenizer, documents, cfg.seq_len,
                                      cfg.num_sequences or DEFAULT_SEQUENCES, mode=cfg.mode, bos=cfg.bos,
                                      minimum=1 if cfg.num_sequences is None else None)
     data_stats["source"] = source_label(cfg.data)
     mine = shard(ids, rank, world)
     batches = list(torch.split(mine, cfg.batch_size)) if len(mine) else []
-    capture = Capture(model, layers=cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
-                      hidden_cosine=cfg.hidden_cosine, device=device)
     ckpt = partial_path(target, rank, world)
     fp = {**cfg.fingerprint_fields(), "world": world, "rank": rank}
     half_at = len(batches) // 2  # split-half error bars: the sums after the first half of this rank's batches
@@ -138,7 +135,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
         from tqdm import tqdm
 
         bar = tqdm(total=len(batches), initial=done, desc="scores", unit="batch")
-    with (_no_rope(model) if cfg.no_rope else _null()), capture:
+    with (_no_rope(model) if cfg.no_rope else contextlib.nullcontext()), capture:
         for b in range(done, len(batches)):
             capture.update(batches[b].to(device))
             if bar is not None:
@@ -209,14 +206,6 @@ def _no_rope(model):
     from poslens.ablations import no_rope
 
     return no_rope(model)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def summarise_scores(result: dict) -> dict:
