@@ -28,18 +28,18 @@ def offsets(n: int) -> np.ndarray:
 def diagonal_means(m, causal: bool = True) -> np.ndarray:
     """Mean of each diagonal k = i - j over its finite entries; index k + n - 1 (k from -(n-1) to n-1).
 
-    With causal=True only the lower diagonals k >= 0 are used (the upper ones are NaN).
+    With causal=True only the lower diagonals k >= 0 are used (the upper ones are NaN). One pass over the
+    map (a weighted bincount by offset), so O(n^2) for an n x n map.
     """
     m = as_numpy(m)
     n = m.shape[-1]
-    k = offsets(n)
-    out = np.full(2 * n - 1, np.nan)
-    for kk in range(0 if causal else -(n - 1), n):
-        vals = m[k == kk]
-        vals = vals[np.isfinite(vals)]
-        if vals.size:
-            out[kk + n - 1] = vals.mean()
-    return out
+    k = (offsets(n) + n - 1).ravel()
+    vals = m.ravel()
+    ok = np.isfinite(vals) & ((k >= n - 1) if causal else True)
+    sums = np.bincount(k[ok], weights=vals[ok], minlength=2 * n - 1)
+    counts = np.bincount(k[ok], minlength=2 * n - 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
 def diagonal_normalise(m, causal: bool = True) -> np.ndarray:

@@ -79,6 +79,22 @@ def map_grid(maps: Sequence, titles: Sequence[str], ncols: int | None = None,
     return fig
 
 
+def layer_maps(scores, directory, stem: str, label: str, titles: Sequence[str], limits="quantile",
+               normalised: bool = True, causal: bool = True, ncols: int | None = None) -> list[Path]:
+    """All layers' mean scores in one grid, then (normalised=True) their diagonal-normalised maps in another
+    (1%-99% quantile limits): stem.{png,pdf} and stem_normalised.{png,pdf}."""
+    from poslens.maps import diagonal_normalise
+
+    scores = as_numpy(scores)
+    paths = save(map_grid(list(scores), titles, ncols=ncols, limits=limits,
+                          suptitle=f"{label}: mean pre-softmax scores"), directory, stem)
+    if normalised:
+        paths += save(map_grid(list(diagonal_normalise(scores, causal=causal)), titles, ncols=ncols,
+                               limits="quantile", suptitle=f"{label}: diagonal-normalised"),
+                      directory, stem + "_normalised")
+    return paths
+
+
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
               logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None):
     """Lines with optional error bars, one per named series."""

@@ -24,8 +24,15 @@ from safetensors.torch import load_file, save_file
 from poslens import plotting, theory
 from poslens.checkpoint import fingerprint
 from poslens.errors import check_int
-from poslens.gramflow import gram_flow
-from poslens.maps import as_numpy, diagonal_normalise, row_step_violations, rows_increasing, toeplitz_residual
+from poslens.gramflow import GramFlowResult, gram_flow
+from poslens.maps import (
+    as_numpy,
+    diagonal_normalise,
+    quantile_limits,
+    row_step_violations,
+    rows_increasing,
+    toeplitz_residual,
+)
 from poslens.report import Claim, Section, write_report
 from poslens.results import check_output, run_directory, write_run
 from poslens.simulate import simulate
@@ -43,21 +50,34 @@ class Context:
         self.root, self.parts, self.samples, self.seed, self.progress = root, parts, samples, seed, progress
         self.figures = root / "figures"
         self.tensors: dict[str, torch.Tensor] = {}
+        self._mc: dict[str, dict[str, torch.Tensor]] = {}
+        self._gf: dict[StackConfig, GramFlowResult] = {}
 
     def mc(self, config: StackConfig, samples: int | None = None) -> dict[str, torch.Tensor]:
-        """Monte Carlo maps for `config`, from the parts cache when an earlier (interrupted) run finished it."""
+        """Monte Carlo maps for `config`: computed once, kept in memory and in the parts cache on disk (so an
+        interrupted reproduce resumes with the settings it had finished)."""
         samples = samples or self.samples
         key = fingerprint({"config": config.to_dict(), "samples": samples, "seed": self.seed})
+        if key in self._mc:
+            return self._mc[key]
         path = self.parts / f"{key}.safetensors"
         if path.exists():
-            return load_file(str(path))
-        r = simulate(config, samples=samples, seed=self.seed, progress=self.progress)
-        out = {"scores_mean": r.scores_mean, "scores_se": r.scores_se, "probs_mean": r.probs_mean,
-               "cosine_mean": r.cosine_mean}
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in out.items()}, str(tmp))
-        tmp.rename(path)
+            out = load_file(str(path))
+        else:
+            r = simulate(config, samples=samples, seed=self.seed, progress=self.progress)
+            out = {"scores_mean": r.scores_mean, "scores_se": r.scores_se, "probs_mean": r.probs_mean,
+                   "cosine_mean": r.cosine_mean}
+            tmp = path.with_suffix(".tmp")
+            save_file({k: v.contiguous() for k, v in out.items()}, str(tmp))
+            tmp.rename(path)
+        self._mc[key] = out
         return out
+
+    def gf(self, config: StackConfig) -> GramFlowResult:
+        """The Gram flow of `config`, computed once per reproduce run."""
+        if config not in self._gf:
+            self._gf[config] = gram_flow(config)
+        return self._gf[config]
 
     def keep(self, prefix: str, tensors: dict) -> None:
         for k, v in tensors.items():
@@ -96,7 +116,7 @@ def closed_forms(ctx: Context) -> Section:
         ok += h
         rows += c
         cfg = StackConfig(n=n, alpha=float(a), layers=2)
-        worst = max(worst, float(np.nanmax(np.abs(gram_flow(cfg).scores[1] - m))))
+        worst = max(worst, float(np.nanmax(np.abs(ctx.gf(cfg).scores[1] - m))))
     s.claims.append(Claim("layer-2 scores strictly increase with j for j <= i (closer keys score higher)",
                           "Section 3, Eq. 4", f"holds in {ok} of {rows} rows (n = {n}, {len(alphas)} alphas)",
                           ok == rows))
@@ -104,7 +124,7 @@ def closed_forms(ctx: Context) -> Section:
                           "poslens (docs/gramflow.md)", f"largest difference {worst:.1e} over {len(alphas)} alphas",
                           worst < 1e-12))
     # Figure 1: the mechanism, n = 8, alpha = 0, numbers computed rather than typed.
-    g = gram_flow(StackConfig(n=8, alpha=0.0, layers=2))
+    g = ctx.gf(StackConfig(n=8, alpha=0.0, layers=2))
     panels = [g.scores[0], np.where(np.tril(np.ones((8, 8))) > 0, g.probs[0], np.nan),
               np.where(np.tril(np.ones((8, 8))) > 0, g.gram[1], np.nan), g.scores[1]]
     titles = ["(a) layer-1 scores", "(b) layer-1 attention", "(c) <x_i, x_j> after layer 1", "(d) layer-2 scores"]
@@ -153,14 +173,14 @@ def appendix_polynomials() -> list[Claim]:
 # ---------------------------------------------------------------- no positional encoding (4.1, Appendix B)
 def side_by_side(ctx: Context, config: StackConfig, name: str, mc: dict, title: str) -> tuple[Path, float, float]:
     """Monte Carlo beside the Gram flow for the deepest layer; returns (figure, max |MC - GF|, max SE)."""
-    gf = gram_flow(config).scores
+    gf = ctx.gf(config).scores
     ctx.keep(name + "/gramflow", {"scores": gf})
     mcs = as_numpy(mc["scores_mean"])
     diff = np.nanmax(np.abs(mcs - gf))
     maps = [mcs[-1], gf[-1], mcs[-1] - gf[-1]]
     fig = plotting.map_grid(maps, [f"Monte Carlo (d={config.d})", "Gram flow (d -> inf)", "difference"],
-                            limits=[plotting.quantile_limits(maps[1], (0, 1))] * 2
-                            + [plotting.quantile_limits(maps[2], (0, 1))],
+                            limits=[quantile_limits(maps[1], (0, 1))] * 2
+                            + [quantile_limits(maps[2], (0, 1))],
                             suptitle=title)
     return ctx.save(fig, name + "_vs_gramflow"), float(diff), float(np.nanmax(as_numpy(mc["scores_se"])))
 
@@ -176,23 +196,28 @@ def layer_rows(ctx: Context, stem: str, configs: list[StackConfig], labels: list
             maps.append(sc[ell])
             titles.append(f"layer {ell + 1}")
             lim = score_limits(cfg)
-            lims.append(lim if isinstance(lim, tuple) else plotting.quantile_limits(sc[ell], (0, 1)))
+            lims.append(lim if isinstance(lim, tuple) else quantile_limits(sc[ell], (0, 1)))
         rows.append(label)
         if normalised:
             nm = diagonal_normalise(sc, causal=cfg.mask != "none")
             for ell in range(cfg.layers):
                 maps.append(nm[ell])
                 titles.append(f"layer {ell + 1}, normalised")
-                lims.append(plotting.quantile_limits(nm[ell], (0.01, 0.99)))
+                lims.append(quantile_limits(nm[ell], (0.01, 0.99)))
             rows.append(label + " (normalised)")
     fig = plotting.map_grid(maps, titles, ncols=configs[0].layers, limits=lims, suptitle=title, row_labels=rows)
     return ctx.save(fig, stem)
 
 
-def offdiag_spread(m) -> float:
-    """max - min of the strictly-lower-triangle entries (the diagonal is 1 for l2 and carries no position)."""
+def strictly_lower(m) -> np.ndarray:
+    """The entries j < i of a map (the diagonal is 1 for l2 and carries no position)."""
     m = as_numpy(m)
-    low = m[np.tril_indices(m.shape[-1], -1)]
+    return m[np.tril_indices(m.shape[-1], -1)]
+
+
+def offdiag_spread(m) -> float:
+    """max - min of the strictly-lower-triangle entries."""
+    low = strictly_lower(m)
     return float(np.nanmax(low) - np.nanmin(low))
 
 
@@ -229,14 +254,14 @@ def nope(ctx: Context) -> Section:
         ctx.keep(f"nope/alpha{a:g}", ctx.mc(cfgs[a]))
     mc0 = ctx.mc(cfgs[0.0])
     sc0, se0 = as_numpy(mc0["scores_mean"]), as_numpy(mc0["scores_se"])
-    off = np.abs(np.where(np.tril(np.ones((50, 50)), -1) > 0, sc0[0], np.nan))
+    off = np.abs(strictly_lower(sc0[0]))
     s.claims.append(Claim("alpha = 0: layer-1 scores are 1 on the diagonal and 0 elsewhere", "Figure 1(a)",
                           f"diagonal {np.nanmean(np.diag(sc0[0])):.6f}; largest |off-diagonal| {np.nanmax(off):.1e} "
                           f"(SE {np.nanmax(se0[0]):.1e})", bool(np.nanmax(off) < 5 * np.nanmax(se0[0]) + 1e-6)))
     for a in ALPHAS_FIG2:
         mc = ctx.mc(cfgs[a])
         sc, se = as_numpy(mc["scores_mean"]), as_numpy(mc["scores_se"])
-        gf = gram_flow(cfgs[a]).scores
+        gf = ctx.gf(cfgs[a]).scores
         for ell in (2, 3, 4):
             txt_gf, ok_gf = fmt_rows(gf[ell - 1])
             txt_mc, _ = fmt_rows(sc[ell - 1])
@@ -250,7 +275,7 @@ def nope(ctx: Context) -> Section:
                 f"exact infinite-width limit (Gram flow): {txt_gf}{dip}; Monte Carlo: {txt_mc}, "
                 f"{v['non_positive_steps']} of {v['steps']} steps not positive, the worst {v['worst_in_se']:.1f} SE "
                 "from zero", ok_gf and ok_mc))
-    gf0 = gram_flow(cfgs[0.0]).scores
+    gf0 = ctx.gf(cfgs[0.0]).scores
     spread = [offdiag_spread(gf0[ell]) for ell in range(4)]
     s.claims.append(Claim("alpha = 0: the pattern grows more pronounced with depth", "Section 4.1",
                           "spread (max - min) of the off-diagonal scores per layer (Gram flow): "
@@ -288,8 +313,8 @@ def nope(ctx: Context) -> Section:
                               f"{sp['sqrt(d)']:.3f}. Not identical to l2: LayerNorm's values have norm sqrt(d), so "
                               "the attention output outweighs the unit-norm residual and the pattern is stronger",
                               abs(np.log(sp["d"] / sp["l2"])) < abs(np.log(sp["sqrt(d)"] / sp["l2"]))))
-    noresid = float(np.nanmax(np.abs(gram_flow(StackConfig(norm="layernorm-d", residual=False)).scores
-                                     - gram_flow(StackConfig(residual=False)).scores)))
+    noresid = float(np.nanmax(np.abs(ctx.gf(StackConfig(norm="layernorm-d", residual=False)).scores
+                                     - ctx.gf(StackConfig(residual=False)).scores)))
     s.claims.append(Claim("without the residual, LayerNorm with d scaling is exactly l2 normalisation",
                           "poslens (docs/gramflow.md)", f"Gram flow difference {noresid:.1e}", noresid < 1e-12))
     return s
@@ -313,11 +338,11 @@ def rope(ctx: Context) -> Section:
         ctx.keep(f"rope/{stem}", ctx.mc(cfg))
     mc = ctx.mc(c0)
     sc, se = as_numpy(mc["scores_mean"]), as_numpy(mc["scores_se"])
-    off = np.abs(np.where(np.tril(np.ones((50, 50)), -1) > 0, sc[0], np.nan))
+    off = np.abs(strictly_lower(sc[0]))
     s.claims.append(Claim("layer 1: RoPE alone does not change the inner products of independent inputs",
                           "Section 5.1", f"largest |off-diagonal| layer-1 score {np.nanmax(off):.1e}, "
                           f"SE {np.nanmax(se[0]):.1e}", bool(np.nanmax(off) < 5 * np.nanmax(se[0]))))
-    gf = gram_flow(c0).scores
+    gf = ctx.gf(c0).scores
     for ell in (2, 3, 4):
         r = toeplitz_residual(sc[ell - 1])
         g = toeplitz_residual(gf[ell - 1])
@@ -339,7 +364,7 @@ def rope(ctx: Context) -> Section:
     sce, see = as_numpy(mce["scores_mean"]), as_numpy(mce["scores_se"])
     ratio = max(float(np.sqrt(np.nanmean(diagonal_normalise(sce[ell], causal=False) ** 2)
                               / np.nanmean(see[ell] ** 2))) for ell in range(4))
-    gfe = max(toeplitz_residual(x, causal=False)["max_abs"] for x in gram_flow(enc).scores)
+    gfe = max(toeplitz_residual(x, causal=False)["max_abs"] for x in ctx.gf(enc).scores)
     gfc = max(toeplitz_residual(x)["max_abs"] for x in gf)
     s.claims.append(Claim("without a causal mask RoPE stays relative (no non-relative pattern)",
                           "Section 5.1, Figure 10",
@@ -363,7 +388,7 @@ def convergence(ctx: Context, quick: bool) -> Section:
         for d in ds:
             cfg = StackConfig(n=n, d=d, layers=3, alpha=0.2 if not kw else 0.0, **kw)
             mc = ctx.mc(cfg, samples=max(2000, ctx.samples // 10))
-            gf = gram_flow(cfg).scores
+            gf = ctx.gf(cfg).scores
             devs.append(float(np.nanmax(np.abs(as_numpy(mc["scores_mean"]) - gf))))
             ses.append(float(np.nanmax(as_numpy(mc["scores_se"]))))
         rows[name] = (devs, ses)

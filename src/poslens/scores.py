@@ -215,10 +215,11 @@ def summarise_scores(result: dict) -> dict:
     layers = []
     for ell, m in enumerate(scores):
         lo, hi = quantile_limits(m)
-        nlo, nhi = quantile_limits(diagonal_normalise(m))
-        normalised = diagonal_normalise(m)[:, 1:]  # key 0 (the attention sink) is reported on its own
+        normalised = diagonal_normalise(m)
+        nlo, nhi = quantile_limits(normalised)
         entry = {"layer": int(layer_ids[ell]), "score_q01_q99": [lo, hi], "normalised_q01_q99": [nlo, nhi],
-                 "normalised_rms": float(np.sqrt(np.nanmean(normalised ** 2))),
+                 # key 0 (the attention sink) is reported on its own
+                 "normalised_rms": float(np.sqrt(np.nanmean(normalised[:, 1:] ** 2))),
                  "sink_column_mean": float(np.nanmean(m[1:, 0]))}
         if "normalised_noise" in result:
             noise = as_numpy(result["normalised_noise"][ell])[:, 1:]
@@ -230,14 +231,6 @@ def summarise_scores(result: dict) -> dict:
 
 def figures(result: dict, directory: Path, label: str) -> list[Path]:
     """All layers raw and diagonal-normalised (colour limits at the 1% and 99% quantiles), Figures 11-16 style."""
-    scores = as_numpy(result["scores"])
-    layer_ids = result.get("layers", torch.arange(len(scores))).tolist()
-    titles = [f"layer {i}" for i in layer_ids]
-    ncols = min(8, len(scores))
-    paths = plotting.save(plotting.map_grid(list(scores), titles, ncols=ncols, limits="quantile",
-                                            suptitle=f"{label}: mean pre-softmax scores"), directory, "scores")
-    paths += plotting.save(plotting.map_grid(list(diagonal_normalise(scores)), titles, ncols=ncols,
-                                             limits="quantile",
-                                             suptitle=f"{label}: diagonal-normalised"), directory,
-                           "scores_normalised")
-    return paths
+    layer_ids = result.get("layers", torch.arange(len(result["scores"]))).tolist()
+    return plotting.layer_maps(result["scores"], directory, "scores", label, [f"layer {i}" for i in layer_ids],
+                               ncols=min(8, len(layer_ids)))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from poslens import plotting
-from poslens.maps import as_numpy, diagonal_normalise, rows_increasing, toeplitz_residual
+from poslens.maps import as_numpy, rows_increasing, toeplitz_residual
 from poslens.results import write_run
 from poslens.stack import StackConfig
 
@@ -46,16 +46,10 @@ def summarise(config: StackConfig, scores, se=None) -> dict:
 
 def figures(config: StackConfig, scores, directory: Path, stem: str, label: str) -> list[Path]:
     """All layers' mean scores (and their diagonal-normalised version with RoPE or without a mask)."""
-    scores = as_numpy(scores)
     titles = [f"layer {ell}" for ell in range(1, len(scores) + 1)]
-    paths = plotting.save(plotting.map_grid(list(scores), titles, limits=score_limits(config),
-                                            suptitle=f"{label}: mean pre-softmax scores"), directory, stem)
-    if config.positional == "rope" or config.mask == "none":
-        normed = diagonal_normalise(scores, causal=config.mask != "none")
-        paths += plotting.save(plotting.map_grid(list(normed), titles, limits="quantile",
-                                                 suptitle=f"{label}: diagonal-normalised"),
-                               directory, stem + "_normalised")
-    return paths
+    return plotting.layer_maps(scores, directory, stem, label, titles, limits=score_limits(config),
+                               normalised=config.positional == "rope" or config.mask == "none",
+                               causal=config.mask != "none")
 
 
 def write_stack_run(directory: Path, config: StackConfig, tensors: dict, kind: str, extra: dict,
