@@ -11,9 +11,9 @@ Maps (entry [i, j] = query position i, key position j):
 * `scores`: mean over sequences and heads of s_ij = scaling * q_i . k_j (after softcap for Gemma-2).
   Linear in q and k, so the query heads sharing a key head are summed first and batch and heads are folded
   into one contraction: one GEMM per query block into a [T, T] accumulator, keys beyond the block skipped.
-  The GEMM runs in float32 (keep TF32 off, PyTorch's default) or, for bfloat16 models on CUDA, as two
-  bfloat16 tensor-core GEMMs (group-summed queries split into hi + lo parts) with float32 accumulation
-  (`gemm` option).
+  The GEMM runs in float32 (keep TF32 off, PyTorch's default) or, for bfloat16 models on CUDA, as one
+  bfloat16 tensor-core GEMM over a doubled contraction (the float32 group-summed queries split into hi + lo
+  bfloat16 parts: [hi | lo] @ [k ; k]^T) accumulating straight into the float32 sums (`gemm` option).
 * `scores_per_head`: the same per head (one batched GEMM per block, the batch folded).
 * `probs`, `log_probs`, `log_partition`: mean of softmax_j(s_ij), of its log, and of logsumexp_j s_ij over
   the keys the model attends to; computed in float32 from per-head score blocks (chunked).
@@ -143,22 +143,28 @@ def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
         out.add_(torch.matmul(a, b).to(out.device), alpha=alpha)
 
 
-_OUT_DTYPE_MM = True  # False once torch.mm(..., out_dtype=) has failed in this process
+_FUSED_ADDMM = True  # False once torch.addmm(..., out_dtype=) has failed in this process (older torch)
 
 
-def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for bfloat16 a, b with exact products and float32 accumulation and output.
+def _addmm_bf16_exact(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """out += alpha * a @ b for bfloat16 a, b and a float32 out (a strided view is fine): exact products,
+    float32 accumulation, no temporary.
 
-    CUDA: one tensor-core GEMM (`torch.mm(..., out_dtype=torch.float32)`). Elsewhere (no such kernel on the
-    CPU in torch 2.13) the same numbers by upcasting first: bfloat16 products are exact in float32.
+    CUDA: one tensor-core GEMM accumulating into `out` (`torch.addmm(..., out_dtype=torch.float32)`, torch >= 2.8);
+    elsewhere, or where that kernel is missing, the same numbers by upcasting first (bfloat16 products are exact
+    in float32).
     """
-    global _OUT_DTYPE_MM
-    if a.is_cuda and _OUT_DTYPE_MM:
+    global _FUSED_ADDMM
+    if a.is_cuda and _FUSED_ADDMM:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            if out.device == a.device:
+                torch.addmm(out, a, b, alpha=alpha, out_dtype=torch.float32, out=out)
+            else:  # sums kept on another device (Capture(device=...))
+                out.add_(torch.mm(a, b, out_dtype=torch.float32).to(out.device), alpha=alpha)
+            return
         except (TypeError, RuntimeError, NotImplementedError):  # torch without the out_dtype GEMM
-            _OUT_DTYPE_MM = False
-    return torch.mm(a.float(), b.float())
+            _FUSED_ADDMM = False
+    _add_matmul(out, a.float(), b.float(), alpha)
 
 
 @contextmanager
@@ -178,6 +184,49 @@ def _exact_cuda_matmul(on_cuda: bool):
         yield
     finally:
         m.allow_bf16_reduced_precision_reduction = saved
+
+
+_STAGE_ELEMENTS = 1 << 24  # 64 MiB of float32 per page-locked staging buffer (two of them, kept for reuse)
+_STAGES: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (ordinary host memory) <- src (a GPU), through two page-locked staging buffers: the copy of one
+    chunk from the device overlaps the host copy of the previous one. Unlike page-locking the whole result
+    (torch caches such memory: gigabytes stay locked), this locks 128 MiB, and a process's first call avoids
+    the slow page-locked allocation of the whole result."""
+    flat, out = src.reshape(-1), dst.view(-1)
+    stages = _STAGES.get(src.device)
+    if stages is None:
+        stages = _STAGES[src.device] = [torch.empty(_STAGE_ELEMENTS, pin_memory=True) for _ in range(2)]
+    pending: list[tuple[torch.cuda.Event, torch.Tensor, int, int]] = []
+
+    def land() -> None:
+        event, stage, s, e = pending.pop(0)
+        event.synchronize()
+        out[s:e].copy_(stage[: e - s])
+
+    with torch.cuda.device(src.device):
+        for i, s in enumerate(range(0, flat.numel(), _STAGE_ELEMENTS)):
+            e = min(flat.numel(), s + _STAGE_ELEMENTS)
+            if len(pending) == 2:
+                land()  # frees the staging buffer this chunk goes to
+            stage = stages[i % 2]
+            stage[: e - s].copy_(flat[s:e], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pending.append((event, stage, s, e))
+        while pending:
+            land()
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src for a finished map (float32; src may be float64 or live on a GPU)."""
+    src = src.to(dst.dtype)
+    if src.is_cuda and dst.device.type == "cpu":
+        _to_host(src, dst)
+    else:
+        dst.copy_(src)
 
 
 def _pad_square(t: torch.Tensor, n: int, dims: int) -> torch.Tensor:
@@ -416,10 +465,18 @@ class Capture:
         if batch.stop_at == module.layer_idx:
             raise _Stop
 
-    def block_rows(self, n: int) -> int:
-        """Query rows per GEMM block for sequences of n tokens."""
+    def block_rows(self, n: int, fused: bool = False) -> int:
+        """Query rows per GEMM block for sequences of n tokens.
+
+        `fused`: the block's GEMM accumulates straight into the sums on a GPU (no temporary). Then few large
+        blocks win: n/8 rows (at least 1,024) spend 1/16 of the square above the diagonal for nothing and, at
+        8,192 tokens on an H100, cost 0.35x an SDPA call of the same layer against 0.72x with 512-row blocks
+        (benchmarks/capture_kernels.py). Otherwise 128 rows (512 from 4,096 tokens) bound the temporaries.
+        """
         if self._query_block is not None:
             return self._query_block
+        if fused:
+            return max(1024, n // 8)
         return 512 if n >= 4096 else 128
 
     def _scores_gemm(self, slot, query, key, scaling, window, batch) -> None:
@@ -432,17 +489,19 @@ class Capture:
         split = key.dtype == torch.bfloat16 and (self.gemm == "split-bf16" or (self.gemm == "auto" and query.is_cuda))
         if not split:
             ks = _align(key.float(), batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
-            for s, e, k0 in _blocks(n, self.block_rows(n), window):
+            rows = self.block_rows(n, fused=acc.device == query.device and query.is_cuda)  # in-place addmm_
+            for s, e, k0 in _blocks(n, rows, window):
                 _add_matmul(acc[s:e, k0:e], qs[s:e], ks[k0:e].T, scaling)
             return
-        # keys are bfloat16 already (exact); the float32 head sums become hi + lo, both bfloat16
+        # keys are bfloat16 already (exact); the float32 head sums become hi + lo, both bfloat16, and
+        # q.k = hi.k + lo.k is one GEMM over the doubled contraction [hi | lo] @ [k ; k]^T
         ks = _align(key, batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
         hi = qs.to(torch.bfloat16)
-        lo = (qs - hi.float()).to(torch.bfloat16)
-        for s, e, k0 in _blocks(n, self.block_rows(n), window):
-            kt = ks[k0:e].T
-            part = _mm_float32_out(hi[s:e], kt).add_(_mm_float32_out(lo[s:e], kt))
-            acc[s:e, k0:e].add_(part.to(acc.device), alpha=scaling)
+        hilo = torch.cat([hi, (qs - hi.float()).to(torch.bfloat16)], 1)
+        kk = torch.cat([ks, ks], 1)
+        rows = self.block_rows(n, fused=acc.device == query.device and query.is_cuda and _FUSED_ADDMM)
+        for s, e, k0 in _blocks(n, rows, window):
+            _addmm_bf16_exact(acc[s:e, k0:e], hilo[s:e], kk[k0:e].T, scaling)
 
     def _scores_per_head(self, slot, query, key, scaling, window, batch) -> None:
         """Per-head sums over sequences of q_i . k_j: the batch folded into the contraction, one bmm per block."""
@@ -504,7 +563,7 @@ class Capture:
             b, n, _ = x.shape
             xn = _align(F.normalize(x.float(), dim=-1), self._batch, 1).transpose(0, 1).reshape(n, -1)
             acc = self._acc("hidden_cosine", slot, x.device)
-            for s, e, _ in _blocks(n, self.block_rows(n), 0):
+            for s, e, _ in _blocks(n, self.block_rows(n, fused=acc.device == x.device and x.is_cuda), 0):
                 _add_matmul(acc[s:e, :e], xn[s:e], xn[:e].T, 1.0)
             return None
 
@@ -513,13 +572,12 @@ class Capture:
     # ---- results and persistence ---------------------------------------------------------------------
 
     def _stacked(self, key: str) -> torch.Tensor:
-        out = []
-        for slot in range(len(self.layers)):
-            t = self._sums[key][slot]
-            if t is None:
-                t = torch.zeros(self._shape(key), dtype=self._dtype(key))
-            out.append(_pad_square(t.cpu(), self._n, 1 if key == "log_partition" else 2))
-        return torch.stack(out)
+        """The sums of every layer as one host tensor [n_layers, ...]."""
+        out = torch.zeros(len(self.layers), *self._shape(key), dtype=self._dtype(key))
+        for slot, t in enumerate(self._sums[key]):
+            if t is not None:
+                _put(out[slot], _pad_square(t, self._n, 1 if key == "log_partition" else 2))
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Sums and counts on the CPU (for poslens.checkpoint.save_partial); resume with load_state_dict()."""
@@ -571,8 +629,10 @@ class Capture:
                 dev = t.device if t is not None else (self.device or torch.device("cpu"))
                 self._sums[k][slot] = reduce(self._acc(k, slot, dev))
 
-    def result(self) -> dict[str, torch.Tensor]:
-        """Means on the CPU: maps [n_layers, (H,) T, T] with NaN where undefined, plus counts and windows.
+    def result(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Means on the CPU (or `device`): maps [n_layers, (H,) T, T] with NaN where undefined, plus counts and
+        windows. Each layer is finished where its sums live, then copied once (from a GPU through small
+        page-locked staging buffers); `device="cuda"` leaves the maps on the GPU.
 
         Keys: "scores", "probs", "log_probs", "hidden_cosine" (when enabled), their "<key>_per_head" with
         per_head=True (not hidden_cosine), "log_partition" [n_layers, T] (and "_per_head" [n_layers, H, T]),
@@ -581,14 +641,15 @@ class Capture:
         n, count = self._n, self._count
         reached = count > 0
         out: dict[str, torch.Tensor] = {}
+        target = torch.device("cpu") if device is None else torch.device(device)
         for key in self._keys():
             vector = key == "log_partition"
             per_head = self.per_head and key != "hidden_cosine"
             heads = 1 if key == "hidden_cosine" else self.num_heads
             shape = (n,) if vector else (n, n)
             cnt = count.to(self._dtype(key)).view(-1, *([] if vector else [1]))  # sequences per query row
-            mean = torch.empty(len(self.layers), *shape)
-            each = torch.empty(len(self.layers), heads, *shape) if per_head else None
+            mean = torch.empty(len(self.layers), *shape, device=target)
+            each = torch.empty(len(self.layers), heads, *shape, device=target) if per_head else None
             for slot in range(len(self.layers)):  # one layer at a time: no float64 copy of every map
                 window = int(self._window[slot]) if key != "hidden_cosine" else 0
                 sums = self._sums[key][slot]
@@ -599,9 +660,9 @@ class Capture:
                 c = cnt.to(dev)
                 sums = _pad_square(sums, n, 1 if vector else 2)
                 total = sums.sum(0) if per_head else sums
-                mean[slot] = torch.where(ok, total / (c * heads), math.nan).cpu()
+                _put(mean[slot], torch.where(ok, total / (c * heads), math.nan))
                 if per_head:
-                    each[slot] = torch.where(ok, sums / c, math.nan).cpu()
+                    _put(each[slot], torch.where(ok, sums / c, math.nan))
             out[key] = mean
             if per_head:
                 out[f"{key}_per_head"] = each

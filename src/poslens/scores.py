@@ -69,15 +69,20 @@ class ScoresConfig:
         return d
 
 
-def distributed() -> tuple[int, int]:
-    """(rank, world_size); initialises torch.distributed under torchrun (gloo on CPU, nccl on GPU)."""
+def distributed(device: str = "cpu") -> tuple[int, int]:
+    """(rank, world_size); initialises torch.distributed under torchrun (gloo for --device cpu, nccl for cuda)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
 
+    cuda = device.startswith("cuda")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if cuda and local > torch.cuda.device_count():
+        raise UsageError(f"torchrun started {local} processes on this node but torch sees "
+                         f"{torch.cuda.device_count()} GPU(s); use --nproc-per-node {torch.cuda.device_count()}")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
     return dist.get_rank(), world
 
 
@@ -93,7 +98,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
 
     cfg.validate()
     started = time.perf_counter()
-    rank, world = distributed()
+    rank, world = distributed(cfg.device)
     target = check_output(out, force) if rank == 0 else Path(out).expanduser().absolute()
     device = cfg.device
     if device == "cuda" and world > 1:
