@@ -16,7 +16,7 @@ from poslens.capture import attention_scores
 from poslens.data import iter_documents, make_sequences
 from poslens.errors import UsageError
 from poslens.models import load_model
-from poslens.scores import ScoresConfig, partial_path, run_scores
+from poslens.scores import ScoresConfig, distributed, partial_path, run_scores
 
 SEQ, NUM, BATCH = 48, 8, 2
 
@@ -103,6 +103,15 @@ def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
     # different summation order over ranks: equal to float32 round-off
     torch.testing.assert_close(sharded["scores"], single["scores"], rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.equal(sharded["count"], single["count"])
+
+
+def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
+    """NCCL needs one GPU per process: 2 processes on a 1-GPU node fail with the fix, before any group forms."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UsageError, match=r"2 processes on this node .* 1 GPU\(s\); use --nproc-per-node 1$"):
+        distributed("cuda")
 
 
 def run_cli(*args, cwd=None):
