@@ -287,16 +287,13 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
         Capture(model, layers=[0]).load_state_dict(sums)
 
 
-def test_all_reduce_single_process_group_is_identity(tmp_path):
-    """With one gloo rank the reduced sums are the local ones (the multi-rank sum is the lead's test)."""
+def assert_single_rank_all_reduce_is_identity(cap: Capture, backend: str, tmp_path) -> None:
+    """all_reduce() in a one-rank process group of `backend` leaves every map as it was."""
     import torch.distributed as dist
 
-    model = build("llama")
-    cap = Capture(model, probs=True)
-    cap.update(token_batch(2, 16, seed=12))
     before = cap.result()
     cap.all_reduce()  # not initialised: no-op
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         cap.all_reduce()
     finally:
@@ -304,6 +301,13 @@ def test_all_reduce_single_process_group_is_identity(tmp_path):
     after = cap.result()
     for key in before:
         assert torch.equal(before[key].nan_to_num(), after[key].nan_to_num()), key
+
+
+def test_all_reduce_single_process_group_is_identity(tmp_path):
+    """With one gloo rank the reduced sums are the local ones (the multi-rank sum: tests/test_scores.py)."""
+    cap = Capture(build("llama"), probs=True)
+    cap.update(token_batch(2, 16, seed=12))
+    assert_single_rank_all_reduce_is_identity(cap, "gloo", tmp_path)
 
 
 def test_attention_scores_helper_matches_capture():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_capture import ALL, MAPS, TOL32, assert_maps_close, reference
+from test_capture import ALL, MAPS, TOL32, assert_maps_close, assert_single_rank_all_reduce_is_identity, reference
 from test_scores import cfg, model_dir  # noqa: F401  (model_dir is a fixture)
 from tiny_models import FAMILIES, build, token_batch
 
@@ -88,20 +88,9 @@ def test_sums_on_the_host_give_the_same_maps():
 
 def test_nccl_single_rank_all_reduce_is_identity(tmp_path):
     """The NCCL path of all_reduce (sums moved to the GPU, reduced, moved back) with one rank."""
-    import torch.distributed as dist
-
-    model = build("llama").cuda()
-    cap = Capture(model, probs=True, device="cpu")
+    cap = Capture(build("llama").cuda(), probs=True, device="cpu")
     cap.update(token_batch(2, 16, seed=12).cuda())
-    before = cap.result()
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        cap.all_reduce()
-    finally:
-        dist.destroy_process_group()
-    after = cap.result()
-    for key in before:
-        assert torch.equal(before[key].nan_to_num(), after[key].nan_to_num()), key
+    assert_single_rank_all_reduce_is_identity(cap, "nccl", tmp_path)
 
 
 def test_result_on_the_gpu_equals_result_on_the_host(monkeypatch):
