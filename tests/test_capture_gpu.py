@@ -108,8 +108,10 @@ def test_result_on_the_gpu_equals_result_on_the_host(monkeypatch):
     assert dev["scores"].is_cuda and host["scores"].device.type == "cpu"
     for key in MAPS:
         assert torch.equal(host[key].nan_to_num(), dev[key].cpu().nan_to_num()), key
-    state = cap.state_dict()  # the sums, through the same staging path
-    assert torch.equal(state["scores_sum"][1], cap._sums["scores"][1].cpu())
+    state = cap.state_dict()  # the sums, through the same staging path (float64 log-partition sums too)
+    for key in ("scores", "log_partition"):
+        assert state[f"{key}_sum"].dtype == cap._sums[key][1].dtype
+        assert torch.equal(state[f"{key}_sum"][1], cap._sums[key][1].cpu()), key
 
 
 def test_scores_command_on_the_gpu_equals_the_cpu_run(model_dir, tmp_path):  # noqa: F811

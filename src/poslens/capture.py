@@ -186,8 +186,8 @@ def _exact_cuda_matmul(on_cuda: bool):
         m.allow_bf16_reduced_precision_reduction = saved
 
 
-_STAGE_ELEMENTS = 1 << 24  # 64 MiB of float32 per page-locked staging buffer (two of them, kept for reuse)
-_STAGES: dict[torch.device, list[torch.Tensor]] = {}
+_STAGE_ELEMENTS = 1 << 24  # elements per page-locked staging buffer (64 MiB of float32; two, kept for reuse)
+_STAGES: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
 def _to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -196,9 +196,10 @@ def _to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     (torch caches such memory: gigabytes stay locked), this locks 128 MiB, and a process's first call avoids
     the slow page-locked allocation of the whole result."""
     flat, out = src.reshape(-1), dst.view(-1)
-    stages = _STAGES.get(src.device)
+    key = (src.device, src.dtype)
+    stages = _STAGES.get(key)
     if stages is None:
-        stages = _STAGES[src.device] = [torch.empty(_STAGE_ELEMENTS, pin_memory=True) for _ in range(2)]
+        stages = _STAGES[key] = [torch.empty(_STAGE_ELEMENTS, dtype=src.dtype, pin_memory=True) for _ in range(2)]
     pending: list[tuple[torch.cuda.Event, torch.Tensor, int, int]] = []
 
     def land() -> None:
