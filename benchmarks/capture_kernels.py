@@ -27,22 +27,22 @@ import time
 import torch
 import torch.nn.functional as F
 
+from poslens.capture import _blocks, _to_host
+
+
+def _timed(fn):
+    """(fn(), seconds), the GPU's queue drained before and after."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
 
 def _timeit(fn, repeats: int) -> float:
-    fn()  # warm-up (cuBLAS heuristics, allocator)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _blocks(n: int, rows: int):
-    for s in range(0, n, rows):
-        yield s, min(n, s + rows)
+    """Median seconds of `repeats` calls after one warm-up call (cuBLAS heuristics, allocator)."""
+    fn()
+    return statistics.median(_timed(fn)[1] for _ in range(repeats))
 
 
 def gemm_variants(b: int, n: int, heads: int, kv_heads: int, head_dim: int, layers: int, rows: int,
@@ -65,23 +65,23 @@ def gemm_variants(b: int, n: int, heads: int, kv_heads: int, head_dim: int, laye
     m.allow_bf16_reduced_precision_reduction = False
 
     def two():
-        for s, e in _blocks(n, rows):
+        for s, e, _ in _blocks(n, rows, 0):
             kt = ks[:e].T
             part = torch.mm(hi[s:e], kt, out_dtype=torch.float32).add_(torch.mm(lo[s:e], kt, out_dtype=torch.float32))
             acc[s:e, :e].add_(part, alpha=scaling)
 
     def cat():
-        for s, e in _blocks(n, rows):
+        for s, e, _ in _blocks(n, rows, 0):
             acc[s:e, :e].add_(torch.mm(a[s:e], kk[:e].T, out_dtype=torch.float32), alpha=scaling)
 
     def addmm():
-        for s, e in _blocks(n, rows):
+        for s, e, _ in _blocks(n, rows, 0):
             view = acc[s:e, :e]
             torch.addmm(view, a[s:e], kk[:e].T, alpha=scaling, out_dtype=torch.float32, out=view)
 
     def addmm_rows(r: int):
         def run():
-            for s, e in _blocks(n, r):
+            for s, e, _ in _blocks(n, r, 0):
                 view = acc[s:e, :e]
                 torch.addmm(view, a[s:e], kk[:e].T, alpha=scaling, out_dtype=torch.float32, out=view)
         return run
@@ -92,7 +92,7 @@ def gemm_variants(b: int, n: int, heads: int, kv_heads: int, head_dim: int, laye
     ksf = ks.float()
 
     def fp32():
-        for s, e in _blocks(n, rows):
+        for s, e, _ in _blocks(n, rows, 0):
             acc[s:e, :e].addmm_(qs[s:e], ksf[:e].T, alpha=scaling)
 
     def sdpa():
@@ -118,17 +118,8 @@ def gemm_variants(b: int, n: int, heads: int, kv_heads: int, head_dim: int, laye
 
 def copy_variants(n: int, layers: int) -> list[dict]:
     """Each variant twice: its first call in the process (allocations included) and a second one."""
-    from poslens.capture import _to_host
-
     maps = [torch.randn(n, n, device="cuda") for _ in range(layers)]
     out = []
-
-    def timed(fn):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        r = fn()
-        torch.cuda.synchronize()
-        return r, time.perf_counter() - t
 
     def staged():  # poslens: two 64 MiB page-locked staging buffers, chunked and overlapped
         host = torch.empty(layers, n, n)
@@ -155,9 +146,9 @@ def copy_variants(n: int, layers: int) -> list[dict]:
         return host
 
     for name, fn in dict(staged=staged, fresh=fresh, prealloc=prealloc, pinned=pinned).items():
-        host, first = timed(fn)
+        host, first = _timed(fn)
         del host
-        host, second = timed(fn)
+        host, second = _timed(fn)
         ok = bool(torch.equal(host[-1], maps[-1].cpu()))
         del host
         out.append(dict(variant=name, first_s=first, second_s=second, gb=layers * n * n * 4 / 1e9, identical=ok))

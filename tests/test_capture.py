@@ -13,6 +13,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_identical
 from tiny_models import FAMILIES, build, token_batch
 from transformers import AttentionInterface, AttentionMaskInterface, GPT2Config, GPT2LMHeadModel
 from transformers.integrations.sdpa_attention import repeat_kv
@@ -219,7 +220,7 @@ def test_early_stop_runs_nothing_past_the_deepest_layer_and_gives_the_same_maps(
         h.remove()
     a, b = stopped.result(), full.result()
     for key in ("scores", "probs", "hidden_cosine"):
-        assert torch.equal(a[key].nan_to_num(), b[key].nan_to_num())
+        assert_identical(a[key], b[key])
 
 
 # ---- streaming, padding, checkpoints ------------------------------------------------------------------
@@ -282,7 +283,7 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     a, b = whole.result(), resumed.result()
     assert done == 1 and set(a) == set(b)
     for key in a:
-        assert torch.equal(a[key].nan_to_num(), b[key].nan_to_num()), key
+        assert_identical(a[key], b[key], key)
     with pytest.raises(UsageError, match="other layers or options"):
         Capture(model, layers=[0]).load_state_dict(sums)
 
@@ -300,7 +301,7 @@ def assert_single_rank_all_reduce_is_identity(cap: Capture, backend: str, tmp_pa
         dist.destroy_process_group()
     after = cap.result()
     for key in before:
-        assert torch.equal(before[key].nan_to_num(), after[key].nan_to_num()), key
+        assert_identical(before[key], after[key], key)
 
 
 def test_all_reduce_single_process_group_is_identity(tmp_path):
@@ -335,7 +336,7 @@ def test_no_rope_removes_position_from_the_scores(family):
     with no_rope(model):
         flat = attention_scores(model, ids)
     again = attention_scores(model, ids)
-    assert torch.equal(with_rope.nan_to_num(), again.nan_to_num())
+    assert_identical(with_rope, again)
     for layer in range(flat.shape[0]):
         spread = lambda m: (m.nan_to_num(float("-inf")).max() - m.nan_to_num(float("inf")).min()).item()  # noqa: E731
         assert spread(flat[layer]) < 1e-4, f"layer {layer}: no-rope map not constant"

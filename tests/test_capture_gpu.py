@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_identical
 from test_capture import ALL, MAPS, TOL32, assert_maps_close, assert_single_rank_all_reduce_is_identity, reference
 from test_scores import cfg, model_dir  # noqa: F401  (model_dir is a fixture)
 from tiny_models import FAMILIES, build, token_batch
@@ -107,7 +108,7 @@ def test_result_on_the_gpu_equals_result_on_the_host(monkeypatch):
     host, dev = cap.result(), cap.result(device="cuda")
     assert dev["scores"].is_cuda and host["scores"].device.type == "cpu"
     for key in MAPS:
-        assert torch.equal(host[key].nan_to_num(), dev[key].cpu().nan_to_num()), key
+        assert_identical(host[key], dev[key].cpu(), key)
     state = cap.state_dict()  # the sums, through the same staging path (float64 log-partition sums too)
     for key in ("scores", "log_partition"):
         assert state[f"{key}_sum"].dtype == cap._sums[key][1].dtype

@@ -42,6 +42,10 @@ def test_simulate_command_writes_maps_with_errors(tmp_path):
     assert set(only.tensors) == {"scores_mean", "scores_se"}
     # the same draws: bit-identical scores whichever maps are computed
     assert np.allclose(only["scores_mean"], run["scores_mean"], equal_nan=True, rtol=0, atol=0)
+    assert main([*args, "--force", "--maps", "probs"]) == 0  # no scores: tensors only, no score figures
+    probs = poslens.load(out)
+    assert set(probs.tensors) == {"probs_mean", "probs_se"} and probs.metrics == {"layers": []}
+    assert np.allclose(probs["probs_mean"], run["probs_mean"], equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -154,6 +154,7 @@ def test_bad_sources_are_usage_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "ok"}\n{"text": "caf\xe9"}\n'.encode("latin-1"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
     cases = {
@@ -162,6 +163,7 @@ def test_bad_sources_are_usage_errors(tmp_path):
         str(tmp_path / "bad.jsonl"): "bad.jsonl:2: not valid JSON",
         str(tmp_path / "num.jsonl"): "is int, expected a string",
         str(tmp_path / "latin1.txt"): "not UTF-8",
+        str(tmp_path / "latin1.jsonl"): "latin1.jsonl:2: not UTF-8",
         str(tmp_path / "empty"): "has no .txt",
         str(tmp_path / "broken.parquet"): "not a readable Parquet",
     }

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import poslens
-from poslens.errors import UsageError
+from poslens.errors import UsageError, check_int
 from poslens.results import run_directory, write_run
 
 
@@ -48,3 +48,20 @@ def test_no_overwrite_without_force(tmp_path):
 def test_load_rejects_non_run(tmp_path):
     with pytest.raises(UsageError, match="not a poslens run"):
         poslens.load(tmp_path)
+
+
+@pytest.mark.parametrize("broken", ["run.json", "tensors.safetensors"])
+def test_load_rejects_a_corrupt_run_in_one_line(tmp_path, broken):
+    with run_directory(tmp_path / "run") as tmp:
+        write_run(tmp, {"a": torch.zeros(3)}, {"kind": "test"})
+    (tmp_path / "run" / broken).write_bytes(b"\x00garbage{")
+    with pytest.raises(UsageError, match=r"^.*run: corrupt run directory \(\w+\); rerun the command that wrote it$"):
+        poslens.load(tmp_path / "run")
+    if broken == "tensors.safetensors":  # run.json alone still reads
+        assert poslens.load(tmp_path / "run", tensors=False).meta["kind"] == "test"
+
+
+@pytest.mark.parametrize("value", [None, "abc", float("nan"), float("inf"), 1.5, True])
+def test_check_int_refuses_non_integers_in_one_line(value):
+    with pytest.raises(UsageError, match=r"^samples must be an integer, got "):
+        check_int("samples", value, 1)

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_identical
 
 from poslens import simulate as sim
 from poslens.checkpoint import load_partial
@@ -121,7 +122,7 @@ def test_result_does_not_depend_on_chunk(chunk):
     base = sim.simulate(config, 700, seed=2, chunk=128)
     other = sim.simulate(config, 700, seed=2, chunk=chunk)
     for name in FIELDS:
-        assert torch.equal(getattr(base, name).nan_to_num(), getattr(other, name).nan_to_num()), name
+        assert_identical(getattr(base, name), getattr(other, name), name)
 
 
 def test_result_does_not_depend_on_threads():
@@ -131,11 +132,34 @@ def test_result_does_not_depend_on_threads():
     try:
         torch.set_num_threads(1)
         single = sim.simulate(config, 600, seed=4)
+        assert torch.get_num_threads() == 1  # simulate leaves the caller's thread setting as it found it
     finally:
         torch.set_num_threads(threads)
-    assert torch.get_num_threads() == threads
     for name in FIELDS:
-        assert torch.equal(getattr(base, name).nan_to_num(), getattr(single, name).nan_to_num()), name
+        assert_identical(getattr(base, name), getattr(single, name), name)
+
+
+def interrupted(monkeypatch, at: int, *args, **kwargs) -> None:
+    """simulate(*args, **kwargs) killed at its `at`-th chunk (a KeyboardInterrupt, as a kill would be)."""
+    run, calls, lock = sim._Stack.run, [0], threading.Lock()
+
+    def failing(self, *a):
+        with lock:
+            calls[0] += 1
+            if calls[0] == at:
+                raise KeyboardInterrupt
+        return run(self, *a)
+
+    monkeypatch.setattr(sim._Stack, "run", failing)
+    with pytest.raises(KeyboardInterrupt):
+        sim.simulate(*args, **kwargs)
+    monkeypatch.setattr(sim._Stack, "run", run)
+
+
+def fingerprint(config: StackConfig, samples: int, seed: int, **extra) -> dict:
+    """The checkpoint fingerprint simulate writes (pinned here: a change to it orphans users' checkpoints)."""
+    return {"config": config.to_dict(), "samples": samples, "seed": seed, "block": sim.BLOCK,
+            "device": "cpu", "dtype": str(torch.float32), "what": "poslens.simulate", **extra}
 
 
 def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch):
@@ -144,30 +168,17 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch):
     full = sim.simulate(config, samples, seed=seed, chunk=128)
     path = tmp_path / "partial.safetensors"
 
-    # Interrupt: the 5th chunk computed raises, as a kill would; checkpoints are saved after every chunk.
-    run, calls, lock = sim._Stack.run, [0], threading.Lock()
-
-    def failing(self, *args):
-        with lock:
-            calls[0] += 1
-            if calls[0] == 5:
-                raise KeyboardInterrupt
-        return run(self, *args)
-
-    monkeypatch.setattr(sim._Stack, "run", failing)
+    # Interrupt at the 5th chunk; checkpoints are saved after every chunk.
     threads = torch.get_num_threads()
-    with pytest.raises(KeyboardInterrupt):
-        sim.simulate(config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1)
-    monkeypatch.setattr(sim._Stack, "run", run)
+    interrupted(monkeypatch, 5, config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1)
     assert torch.get_num_threads() == threads  # the workers' single-thread setting is undone
-    fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": sim.BLOCK,
-          "device": "cpu", "dtype": str(torch.float32), "what": "poslens.simulate"}
+    fp = fingerprint(config, samples, seed)
     _, done = load_partial(path, fp)
     assert 0 < done < 8
 
     resumed = sim.simulate(config, samples, seed=seed, chunk=256, checkpoint=path, checkpoint_every=1)
     for name in FIELDS:
-        assert torch.equal(getattr(full, name).nan_to_num(), getattr(resumed, name).nan_to_num()), name
+        assert_identical(getattr(full, name), getattr(resumed, name), name)
     assert load_partial(path, fp)[1] == 8
     # A finished checkpoint is a finished run; another seed's checkpoint is refused.
     again = sim.simulate(config, samples, seed=seed, checkpoint=path)
@@ -190,7 +201,7 @@ def test_requested_maps_equal_a_full_run_bit_for_bit(config, maps):
     wanted = {maps} if isinstance(maps, str) else set(maps)
     for name in FIELDS:
         if name.split("_")[0] in wanted:
-            assert torch.equal(getattr(part, name).nan_to_num(), getattr(full, name).nan_to_num()), name
+            assert_identical(getattr(part, name), getattr(full, name), name)
         else:
             assert getattr(part, name) is None, name
     assert part.samples == 300
@@ -201,7 +212,7 @@ def test_default_maps_are_all_maps():
     a, b = sim.simulate(config, 200, seed=1), sim.simulate(config, 200, seed=1, maps=("probs", "scores", "cosine"))
     assert sim.MAPS == ("scores", "probs", "cosine")
     for name in FIELDS:
-        assert torch.equal(getattr(a, name).nan_to_num(), getattr(b, name).nan_to_num()), name
+        assert_identical(getattr(a, name), getattr(b, name), name)
 
 
 def test_checkpoint_resume_with_maps(tmp_path, monkeypatch):
@@ -211,25 +222,12 @@ def test_checkpoint_resume_with_maps(tmp_path, monkeypatch):
     samples, seed, maps = 1000, 8, ("scores",)
     full = sim.simulate(config, samples, seed=seed, maps=maps)
     path = tmp_path / "partial.safetensors"
-    run, calls, lock = sim._Stack.run, [0], threading.Lock()
-
-    def failing(self, *args):
-        with lock:
-            calls[0] += 1
-            if calls[0] == 4:
-                raise KeyboardInterrupt
-        return run(self, *args)
-
-    monkeypatch.setattr(sim._Stack, "run", failing)
-    with pytest.raises(KeyboardInterrupt):
-        sim.simulate(config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1, maps=maps)
-    monkeypatch.setattr(sim._Stack, "run", run)
-    fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": sim.BLOCK,
-          "device": "cpu", "dtype": str(torch.float32), "what": "poslens.simulate", "maps": ["scores"]}
+    interrupted(monkeypatch, 4, config, samples, seed=seed, chunk=128, checkpoint=path, checkpoint_every=1, maps=maps)
+    fp = fingerprint(config, samples, seed, maps=["scores"])
     assert 0 < load_partial(path, fp)[1] < 8
     resumed = sim.simulate(config, samples, seed=seed, checkpoint=path, checkpoint_every=1, maps=maps)
-    assert torch.equal(resumed.scores_mean.nan_to_num(), full.scores_mean.nan_to_num())
-    assert torch.equal(resumed.scores_se.nan_to_num(), full.scores_se.nan_to_num())
+    assert_identical(resumed.scores_mean, full.scores_mean)
+    assert_identical(resumed.scores_se, full.scores_se)
     assert resumed.probs_mean is None and resumed.cosine_mean is None
     with pytest.raises(UsageError, match="different configuration"):
         sim.simulate(config, samples, seed=seed, checkpoint=path)

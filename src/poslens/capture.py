@@ -135,6 +135,11 @@ def _seen(n: int, window: int, device=None) -> torch.Tensor:
     return ok & (i - j < window) if window else ok
 
 
+def _in_place(acc: torch.Tensor, x: torch.Tensor) -> bool:
+    """A GEMM of x's blocks adds straight into acc on a GPU (same device; `_add_matmul` / `_addmm_bf16_exact`)."""
+    return acc.device == x.device and x.is_cuda
+
+
 def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
     """out += alpha * a @ b (out may live on another device than a and b)."""
     if out.device == a.device and a.dim() == 2:
@@ -250,14 +255,12 @@ class Capture:
     `update()` installs the capture for its own duration; `with cap:` keeps it installed across calls.
     Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head` (per-head maps
     besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
-    `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM; default
-    128, and 512 from 4,096 tokens on: fewer, larger GEMMs, 1.12x -> 1.05x of a plain forward at 8,192
-    tokens on an H100),
-    `chunk_bytes` (memory for one block of per-head scores in the chunked path), `gemm` (the head-mean
-    score GEMM: "float32" upcasts q and k; "split-bf16" keeps bfloat16 keys and writes the float32
-    group-summed queries as hi + lo bfloat16 parts, two GEMMs with exact products and float32 accumulation,
-    relative error ~2^-17, on tensor cores; only for bfloat16 keys, else float32; "auto" = split-bf16 for
-    bfloat16 models on CUDA, else float32).
+    `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM; default:
+    see `block_rows`), `chunk_bytes` (memory for one block of per-head scores in the chunked path), `gemm`
+    (the head-mean score GEMM: "float32" upcasts q and k; "split-bf16" keeps bfloat16 keys and writes the
+    float32 group-summed queries as hi + lo bfloat16 parts, one GEMM [hi | lo] @ [k ; k]^T with exact products
+    and float32 accumulation, relative error ~2^-17, on tensor cores; only for bfloat16 keys, else float32;
+    "auto" = split-bf16 for bfloat16 models on CUDA, else float32).
     """
 
     def __init__(
@@ -432,6 +435,10 @@ class Capture:
     def _dtype(self, key: str) -> torch.dtype:
         return torch.float64 if key == "log_partition" else torch.float32
 
+    def _padded(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A sum tensor zero-padded to the current map size (maps grow with the longest sequence)."""
+        return _pad_square(t, self._n, 1 if key == "log_partition" else 2)
+
     def _grow(self, n: int) -> None:
         if n > self._n:
             self._n = n
@@ -444,7 +451,7 @@ class Capture:
         if t is None:
             t = torch.zeros(self._shape(key), dtype=self._dtype(key), device=device)
         else:
-            t = _pad_square(t, self._n, 1 if key == "log_partition" else 2).to(device)
+            t = self._padded(key, t).to(device)
         self._sums[key][slot] = t
         return t
 
@@ -466,17 +473,17 @@ class Capture:
         if batch.stop_at == module.layer_idx:
             raise _Stop
 
-    def block_rows(self, n: int, fused: bool = False) -> int:
+    def block_rows(self, n: int, in_place: bool = False) -> int:
         """Query rows per GEMM block for sequences of n tokens.
 
-        `fused`: the block's GEMM accumulates straight into the sums on a GPU (no temporary). Then few large
+        `in_place`: the block's GEMM accumulates straight into the sums on a GPU (no temporary). Then few large
         blocks win: n/8 rows (at least 1,024) spend 1/16 of the square above the diagonal for nothing and, at
         8,192 tokens on an H100, cost 0.35x an SDPA call of the same layer against 0.72x with 512-row blocks
         (benchmarks/capture_kernels.py). Otherwise 128 rows (512 from 4,096 tokens) bound the temporaries.
         """
         if self._query_block is not None:
             return self._query_block
-        if fused:
+        if in_place:
             return max(1024, n // 8)
         return 512 if n >= 4096 else 128
 
@@ -490,8 +497,7 @@ class Capture:
         split = key.dtype == torch.bfloat16 and (self.gemm == "split-bf16" or (self.gemm == "auto" and query.is_cuda))
         if not split:
             ks = _align(key.float(), batch, 2).permute(2, 0, 1, 3).reshape(n, b * hkv * d)
-            rows = self.block_rows(n, fused=acc.device == query.device and query.is_cuda)  # in-place addmm_
-            for s, e, k0 in _blocks(n, rows, window):
+            for s, e, k0 in _blocks(n, self.block_rows(n, _in_place(acc, query)), window):
                 _add_matmul(acc[s:e, k0:e], qs[s:e], ks[k0:e].T, scaling)
             return
         # keys are bfloat16 already (exact); the float32 head sums become hi + lo, both bfloat16, and
@@ -500,8 +506,7 @@ class Capture:
         hi = qs.to(torch.bfloat16)
         hilo = torch.cat([hi, (qs - hi.float()).to(torch.bfloat16)], 1)
         kk = torch.cat([ks, ks], 1)
-        rows = self.block_rows(n, fused=acc.device == query.device and query.is_cuda and _FUSED_ADDMM)
-        for s, e, k0 in _blocks(n, rows, window):
+        for s, e, k0 in _blocks(n, self.block_rows(n, _in_place(acc, query)), window):
             _addmm_bf16_exact(acc[s:e, k0:e], hilo[s:e], kk[k0:e].T, scaling)
 
     def _scores_per_head(self, slot, query, key, scaling, window, batch) -> None:
@@ -564,7 +569,7 @@ class Capture:
             b, n, _ = x.shape
             xn = _align(F.normalize(x.float(), dim=-1), self._batch, 1).transpose(0, 1).reshape(n, -1)
             acc = self._acc("hidden_cosine", slot, x.device)
-            for s, e, _ in _blocks(n, self.block_rows(n, fused=acc.device == x.device and x.is_cuda), 0):
+            for s, e, _ in _blocks(n, self.block_rows(n, _in_place(acc, x)), 0):
                 _add_matmul(acc[s:e, :e], xn[s:e], xn[:e].T, 1.0)
             return None
 
@@ -577,7 +582,7 @@ class Capture:
         out = torch.zeros(len(self.layers), *self._shape(key), dtype=self._dtype(key))
         for slot, t in enumerate(self._sums[key]):
             if t is not None:
-                _put(out[slot], _pad_square(t, self._n, 1 if key == "log_partition" else 2))
+                _put(out[slot], self._padded(key, t))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -643,6 +648,14 @@ class Capture:
         reached = count > 0
         out: dict[str, torch.Tensor] = {}
         target = torch.device("cpu") if device is None else torch.device(device)
+        masks: dict[tuple, torch.Tensor] = {}  # (device, window, vector) -> where the mean is defined
+
+        def defined(dev: torch.device, window: int, vector: bool) -> torch.Tensor:
+            if (dev, window, vector) not in masks:
+                hit = reached.to(dev)
+                masks[dev, window, vector] = hit if vector else _seen(n, window, dev) & hit[:, None]
+            return masks[dev, window, vector]
+
         for key in self._keys():
             vector = key == "log_partition"
             per_head = self.per_head and key != "hidden_cosine"
@@ -656,10 +669,9 @@ class Capture:
                 sums = self._sums[key][slot]
                 sums = torch.zeros(self._shape(key), dtype=self._dtype(key)) if sums is None else sums
                 dev = sums.device  # finish where the sums live (a GPU), then one copy per layer
-                hit = reached.to(dev)
-                ok = hit if vector else _seen(n, window, dev) & hit[:, None]
+                ok = defined(dev, window, vector)
                 c = cnt.to(dev)
-                sums = _pad_square(sums, n, 1 if vector else 2)
+                sums = self._padded(key, sums)
                 total = sums.sum(0) if per_head else sums
                 _put(mean[slot], torch.where(ok, total / (c * heads), math.nan))
                 if per_head:

@@ -130,7 +130,7 @@ def cmd_scores(args: argparse.Namespace) -> None:
     if path is not None:
         from poslens.results import load
 
-        for m in load(path).metrics["layers"]:
+        for m in load(path, tensors=False).metrics["layers"]:
             lo, hi = m["score_q01_q99"]
             nlo, nhi = m["normalised_q01_q99"]
             print(f"layer {m['layer']}: scores [{lo:+.2f}, {hi:+.2f}]  non-relative pattern [{nlo:+.3f}, {nhi:+.3f}]")

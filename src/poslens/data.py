@@ -154,8 +154,12 @@ def _as_text(value: Any, where: str, text_field: str) -> str:
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UsageError(f"--data {path}:{lineno}: not UTF-8 text; convert the file to UTF-8") from None
             if not line.strip():
                 continue
             try:

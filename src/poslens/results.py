@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from poslens.errors import UsageError
@@ -133,10 +134,15 @@ def write_run(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], me
     (directory / META).write_text(json.dumps(jsonable(meta), indent=2, sort_keys=False) + "\n")
 
 
-def load(path: str | os.PathLike) -> Run:
-    """Load a run directory written by any poslens command."""
+def load(path: str | os.PathLike, tensors: bool = True) -> Run:
+    """Load a run directory written by any poslens command (`tensors=False`: run.json only)."""
     path = Path(path)
     if not (path / META).is_file() or not (path / TENSORS).is_file():
         raise UsageError(f"{path} is not a poslens run directory (needs {META} and {TENSORS})")
-    meta = json.loads((path / META).read_text())
-    return Run(path=path, tensors=load_file(str(path / TENSORS)), meta=meta)
+    try:
+        meta = json.loads((path / META).read_text())
+        maps = load_file(str(path / TENSORS)) if tensors else {}
+    except (ValueError, OSError, SafetensorError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{path}: corrupt run directory ({type(e).__name__}); rerun the command that wrote it") \
+            from None
+    return Run(path=path, tensors=maps, meta=meta)

@@ -57,10 +57,12 @@ class ScoresConfig:
             check_int("num_sequences", self.num_sequences, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("checkpoint_every", self.checkpoint_every, 1)
-        check_choice("mode", self.mode, ("first", "pack"))
-        check_choice("bos", self.bos, ("auto", "always", "never"))
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError("device cuda requested but torch sees no GPU; use --device cpu")
+        from poslens.data import BOS_POLICIES, MODES
+        from poslens.models import check_device
+
+        check_choice("mode", self.mode, MODES)
+        check_choice("bos", self.bos, BOS_POLICIES)
+        check_device(self.device)
 
     def fingerprint_fields(self) -> dict:
         d = asdict(self)
@@ -185,8 +187,8 @@ def reduce_with_halves(capture, half: dict | None, world: int) -> dict:
     halves' mean maps, |m1 - m2| / 2 estimates the standard error of their average (`scores_noise`). The
     noise of the diagonal-normalised map is kept the same way (`normalised_noise`).
     """
-    full = capture.state_dict()
     if world > 1 and half is not None:
+        full = capture.state_dict()
         capture.load_state_dict(half)
         capture.all_reduce()
         half = capture.state_dict()

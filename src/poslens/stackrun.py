@@ -1,7 +1,7 @@
 """Run a parameter-free stack (Monte Carlo or Gram flow), summarise it, and write a run directory.
 
-`poslens simulate`, `poslens gramflow` and `poslens reproduce` all go through `summarise` and
-`write_stack_run`, so a stack's maps, metrics and figures look the same wherever they come from.
+`poslens simulate` and `poslens gramflow` go through `write_stack_run` (and `reproduce` through the same
+`score_limits`), so a stack's maps, metrics and figures look the same wherever they come from.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from poslens import plotting
 from poslens.maps import as_numpy, rows_increasing, toeplitz_residual
@@ -54,12 +53,14 @@ def figures(config: StackConfig, scores, directory: Path, stem: str, label: str)
 
 def write_stack_run(directory: Path, config: StackConfig, tensors: dict, kind: str, extra: dict,
                     started: float, draw: bool = True) -> dict:
-    """Write tensors, run.json (config, metrics, timing) and figures into `directory`; return the metrics."""
-    metrics = summarise(config, tensors["scores_mean" if "scores_mean" in tensors else "scores"],
-                        tensors.get("scores_se"))
-    t = {k: torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
-    if draw:
-        figures(config, tensors.get("scores_mean", tensors.get("scores")), directory / "figures", "scores", kind)
-    write_run(directory, t, {"kind": kind, "config": config.to_dict(), **extra, "metrics": metrics,
-                             "timings": {"seconds": time.perf_counter() - started}})
+    """Write tensors, run.json (config, metrics, timing) and figures into `directory`; return the metrics.
+
+    The score maps (Monte Carlo `scores_mean` with `scores_se`, or Gram-flow `scores`) give the metrics and
+    figures; a run without them (`simulate --maps probs`) writes its tensors only."""
+    scores = tensors.get("scores_mean", tensors.get("scores"))
+    metrics = summarise(config, scores, tensors.get("scores_se")) if scores is not None else {"layers": []}
+    if draw and scores is not None:
+        figures(config, scores, directory / "figures", "scores", kind)
+    write_run(directory, tensors, {"kind": kind, "config": config.to_dict(), **extra, "metrics": metrics,
+                                   "timings": {"seconds": time.perf_counter() - started}})
     return metrics
