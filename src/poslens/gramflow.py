@@ -91,13 +91,16 @@ def gram_flow(config: StackConfig, g0: np.ndarray | None = None) -> GramFlowResu
     return GramFlowResult(config=config, scores=scores, probs=probs, gram=grams, cosine=cosine)
 
 
-def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int | None = None) -> dict:
+def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int | None = None,
+                mc=None, flow=None) -> dict:
     """Monte Carlo (poslens.simulate) against the Gram flow as d grows, for a convergence figure.
 
     For each d, runs both on `replace(config, d=d)` (the RoPE kernel is the one at that d) and returns
     d [D], max_dev [D, L] (max |MC mean - Gram flow| of the scores over visible pairs, per layer),
     max_se [D, L] (the largest Monte Carlo standard error of those scores), probs_dev [D, L] and
     cosine_dev [D, L+1] (max deviations of the attention probabilities and hidden-state cosines) and samples.
+    `mc(config)` and `flow(config)` replace the runs (e.g. cached ones): `mc` returns the "scores_mean",
+    "scores_se", "probs_mean" and "cosine_mean" maps, `flow` a GramFlowResult.
     """
     from poslens.simulate import simulate  # torch-backed; imported only when needed
 
@@ -108,15 +111,16 @@ def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int
     max_dev, max_se, probs_dev, cos_dev = [], [], [], []
     for d in ds:
         cfg = replace(config, d=d)
-        flow = gram_flow(cfg)
-        sim = simulate(cfg, samples, seed=seed, chunk=chunk)
-        mc = sim.scores_mean.double().cpu().numpy()
-        se = sim.scores_se.double().cpu().numpy()
-        max_dev.append(np.abs(mc - flow.scores)[:, vis].max(axis=-1))
-        max_se.append(se[:, vis].max(axis=-1))
-        probs = sim.probs_mean.double().cpu().numpy()
-        probs_dev.append(np.abs(probs - flow.probs).reshape(cfg.layers, -1).max(axis=-1))
-        cos = sim.cosine_mean.double().cpu().numpy()
-        cos_dev.append(np.abs(cos - flow.cosine).reshape(cfg.layers + 1, -1).max(axis=-1))
+        exact = (flow or gram_flow)(cfg)
+        if mc is None:
+            r = simulate(cfg, samples, seed=seed, chunk=chunk)
+            maps = {k: getattr(r, k) for k in ("scores_mean", "scores_se", "probs_mean", "cosine_mean")}
+        else:
+            maps = mc(cfg)
+        m = {k: maps[k].double().cpu().numpy() for k in ("scores_mean", "scores_se", "probs_mean", "cosine_mean")}
+        max_dev.append(np.abs(m["scores_mean"] - exact.scores)[:, vis].max(axis=-1))
+        max_se.append(m["scores_se"][:, vis].max(axis=-1))
+        probs_dev.append(np.abs(m["probs_mean"] - exact.probs).reshape(cfg.layers, -1).max(axis=-1))
+        cos_dev.append(np.abs(m["cosine_mean"] - exact.cosine).reshape(cfg.layers + 1, -1).max(axis=-1))
     return {"d": np.array(ds), "max_dev": np.array(max_dev), "max_se": np.array(max_se),
             "probs_dev": np.array(probs_dev), "cosine_dev": np.array(cos_dev), "samples": samples}

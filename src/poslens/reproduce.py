@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poslens import plotting, theory
+from poslens import gramflow, plotting, theory
 from poslens.checkpoint import fingerprint
 from poslens.errors import check_int
 from poslens.gramflow import GramFlowResult, gram_flow
@@ -380,16 +380,12 @@ def convergence(ctx: Context, quick: bool) -> Section:
                 "deviation of the Monte Carlo mean scores from it shrinks as the width grows; error bars are "
                 "the largest Monte Carlo SE.")
     ds = (16, 64, 256) if quick else (16, 64, 256, 1024)
-    n = 24
+    samples = max(2000, ctx.samples // 10)
     rows = {}
-    for name, kw in (("NoPE, alpha 0.2", {}), ("RoPE, alpha 0", {"positional": "rope"})):
-        devs, ses = [], []
-        for d in ds:
-            cfg = StackConfig(n=n, d=d, layers=3, alpha=0.2 if not kw else 0.0, **kw)
-            mc = ctx.mc(cfg, samples=max(2000, ctx.samples // 10))
-            gf = ctx.gf(cfg).scores
-            devs.append(float(np.nanmax(np.abs(as_numpy(mc["scores_mean"]) - gf))))
-            ses.append(float(np.nanmax(as_numpy(mc["scores_se"]))))
+    for name, cfg in (("NoPE, alpha 0.2", StackConfig(n=24, layers=3, alpha=0.2)),
+                      ("RoPE, alpha 0", StackConfig(n=24, layers=3, alpha=0.0, positional="rope"))):
+        res = gramflow.convergence(cfg, ds, samples, seed=ctx.seed, mc=lambda c: ctx.mc(c, samples), flow=ctx.gf)
+        devs, ses = res["max_dev"].max(axis=1).tolist(), res["max_se"].max(axis=1).tolist()  # worst layer
         rows[name] = (devs, ses)
         shrink = devs[0] / devs[-1]
         s.claims.append(Claim(f"{name}: Monte Carlo -> Gram flow as d grows", "poslens",
