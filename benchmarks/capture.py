@@ -21,7 +21,7 @@ tensors go back to the OS), and the max |map - reference| over the lower triangl
 
     .venv/bin/python benchmarks/capture.py --batch 4 --seq-len 512
     .venv/bin/python benchmarks/capture.py --device cuda --dtype bfloat16 --batch 1 --seq-len 8192
-    .venv/bin/python benchmarks/capture.py --model smollm2-135m      # real weights via poslens.models
+    .venv/bin/python benchmarks/capture.py --model smollm2-135m      # real weights via poslens.engine.models
     PYTHONPATH=src python benchmarks/capture.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
         --batch 20 --seq-len 1024 --batches 1 --repeats 3 --reference same
 """
@@ -59,7 +59,7 @@ try:
 except ImportError:  # pragma: no cover
     from transformers.models.llama.modeling_llama import repeat_kv
 
-from poslens.capture import Capture
+from poslens.engine.capture import Capture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,9 +114,9 @@ def load(args) -> torch.nn.Module:
     if args.model is None:
         return SHAPES[args.shape](DTYPES[args.dtype], args.device)
     try:
-        from poslens.models import load_model
+        from poslens.engine.models import load_model
     except ImportError:
-        sys.exit("--model needs poslens.models (not available in this checkout)")
+        sys.exit("--model needs poslens.engine.models (not available in this checkout)")
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation="sdpa")
     return model.eval()
 
@@ -457,7 +457,7 @@ def main(argv=None) -> dict:
         scale = refs[next(iter(refs))]
         low = torch.ones(scale.shape[-1], scale.shape[-1], dtype=torch.bool).tril()
         info["map_abs_max"] = max(m[low].abs().max().item() for m in scale)
-    info["fused_addmm"] = importlib.import_module("poslens.capture")._FUSED_ADDMM  # False: GEMM fell back
+    info["fused_addmm"] = importlib.import_module("poslens.engine.capture")._FUSED_ADDMM  # False: GEMM fell back
     info["load_average_1min"] = {"min": min(loads), "max": max(loads)} if loads else None
     report = {**info, "methods": rows}
     print(json.dumps(report, indent=1))

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from poslens.capture import _blocks, _to_host
+from poslens.engine.capture import _blocks, _to_host
 
 
 def _timed(fn):

@@ -1,4 +1,4 @@
-"""Benchmark: poslens.simulate versus the paper's published simulation procedure (run by hand, not a test).
+"""Benchmark: poslens.stack.simulate versus the paper's published simulation procedure (run by hand, not a test).
 
 The paper's configuration (Section 4.1): 100,000 samples, n = 50, d = 64, 4 layers, l2, causal, one alpha.
 "reference" is a straightforward implementation of the published procedure, written here: all samples
@@ -62,8 +62,8 @@ def worker(args: argparse.Namespace) -> None:
     On a GPU the method runs twice: `seconds_cold` includes CUDA's lazy start-up (cuBLAS handle, kernel
     loading), `seconds` is the second, warm run.
     """
-    from poslens.simulate import simulate
-    from poslens.stack import StackConfig
+    from poslens.stack.config import StackConfig
+    from poslens.stack.simulate import simulate
 
     cuda = args.device == "cuda"
 

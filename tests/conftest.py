@@ -20,7 +20,7 @@ os.environ["POSLENS_CACHE"] = tempfile.mkdtemp(prefix="poslens-test-cache-")
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M (the embedded GGUF), converted once per session into the session cache."""
-    from poslens.models import load_model
+    from poslens.engine.models import load_model
 
     model, tok = load_model("smollm2-135m")
     return model, tok, os.environ["POSLENS_CACHE"]

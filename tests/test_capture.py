@@ -1,4 +1,4 @@
-"""poslens.capture and poslens.ablations on tiny random models of every supported family.
+"""poslens.capture and poslens.engine.ablations on tiny random models of every supported family.
 
 The reference is independent of the capture: the model copied to float64, run one unpadded sequence at a time
 with an eager attention function that materialises scaling * q @ repeat_kv(k)^T per head (softcapped for
@@ -19,10 +19,10 @@ from transformers import AttentionInterface, AttentionMaskInterface, GPT2Config,
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import eager_mask
 
-from poslens.ablations import no_rope
-from poslens.capture import Capture, attention_scores, check_supported
-from poslens.checkpoint import load_partial, save_partial
+from poslens.engine.ablations import no_rope
+from poslens.engine.capture import Capture, attention_scores, check_supported
 from poslens.errors import UsageError
+from poslens.io.checkpoint import load_partial, save_partial
 
 ALL = dict(per_head=True, probs=True, log_probs=True, hidden_cosine=True)
 MAPS = ("scores", "scores_per_head", "probs", "probs_per_head", "log_probs", "log_probs_per_head",

@@ -16,8 +16,8 @@ from test_scores import cfg, model_dir  # noqa: F401  (model_dir is a fixture)
 from tiny_models import FAMILIES, build, token_batch
 
 import poslens
-from poslens.capture import Capture
-from poslens.scores import run_scores
+from poslens.analyses.scores import run_scores
+from poslens.engine.capture import Capture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -98,7 +98,7 @@ def test_result_on_the_gpu_equals_result_on_the_host(monkeypatch):
     """result(device="cuda") leaves the maps on the GPU; the default copies them to the host in chunks through
     two page-locked staging buffers (here 1,000 elements each, so every map takes many chunks and a ragged
     last one). Same finishing arithmetic on the same device, so bit-identical."""
-    import poslens.capture as capture
+    import poslens.engine.capture as capture
 
     monkeypatch.setattr(capture, "_STAGE_ELEMENTS", 1000)
     monkeypatch.setattr(capture, "_STAGES", {})

@@ -8,8 +8,8 @@ import pytest
 
 import poslens
 from poslens.cli import main
-from poslens.gramflow import gram_flow
-from poslens.stack import StackConfig
+from poslens.stack.config import StackConfig
+from poslens.stack.gramflow import gram_flow
 
 
 def cli(*args):

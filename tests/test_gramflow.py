@@ -9,10 +9,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from poslens import theory
 from poslens.errors import UsageError
-from poslens.gramflow import gram_flow, initial_gram, position_kernel
-from poslens.stack import StackConfig, visible
+from poslens.stack import theory
+from poslens.stack.config import StackConfig, visible
+from poslens.stack.gramflow import gram_flow, initial_gram, position_kernel
 
 TOL = 1e-12
 

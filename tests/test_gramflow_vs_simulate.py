@@ -1,4 +1,4 @@
-"""Monte Carlo (poslens.simulate) converges to the Gram flow as d grows (docs/gramflow.md, "Finite d").
+"""Monte Carlo (poslens.stack.simulate) converges to the Gram flow as d grows (docs/gramflow.md, "Finite d").
 
 The Monte Carlo mean of a score map differs from the d -> infinity flow by a bias of order 1/d plus
 sampling noise (its standard error, se, ~ 1/sqrt(samples d)). With 2560 samples the largest se is ~10x
@@ -17,8 +17,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from poslens.gramflow import convergence
-from poslens.stack import StackConfig
+from poslens.stack.config import StackConfig
+from poslens.stack.gramflow import convergence
 
 DS = (16, 64, 256, 1024)
 SAMPLES = 2560  # a multiple of simulate.BLOCK (128)

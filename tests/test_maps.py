@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from poslens.maps import (
+from poslens.analyses.maps import (
     diagonal_means,
     diagonal_normalise,
     quantile_limits,

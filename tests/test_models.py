@@ -17,10 +17,9 @@ import pytest
 import torch
 from test_data import byte_alphabet, byte_tokenizer
 
-import poslens.models as models
-from poslens.data import iter_documents, make_sequences
-from poslens.errors import UsageError
-from poslens.models import (
+import poslens.engine.models as models
+from poslens.engine.data import iter_documents, make_sequences
+from poslens.engine.models import (
     choose_dtype,
     converted_alias,
     load_info,
@@ -30,6 +29,7 @@ from poslens.models import (
     parse_dtype,
     resolve,
 )
+from poslens.errors import UsageError
 
 TINY = {"model_type": "llama", "vocab_size": 258, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from poslens.ablations import no_rope
-from poslens.capture import Capture
-from poslens.data import iter_documents, make_sequences
+from poslens.engine.ablations import no_rope
+from poslens.engine.capture import Capture
+from poslens.engine.data import iter_documents, make_sequences
 
 
 def offset_means(m: np.ndarray, offsets: range) -> float:

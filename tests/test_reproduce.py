@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from poslens import reproduce as rep
+from poslens.report import reproduce as rep
 
 
 @pytest.mark.slow

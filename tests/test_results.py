@@ -7,7 +7,7 @@ import torch
 
 import poslens
 from poslens.errors import UsageError, check_int
-from poslens.results import run_directory, write_run
+from poslens.io.results import run_directory, write_run
 
 
 def test_round_trip_and_metadata(tmp_path):

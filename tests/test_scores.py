@@ -12,11 +12,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import poslens
-from poslens.capture import attention_scores
-from poslens.data import iter_documents, make_sequences
+from poslens.analyses.scores import ScoresConfig, distributed, partial_path, run_scores
+from poslens.engine.capture import attention_scores
+from poslens.engine.data import iter_documents, make_sequences
+from poslens.engine.models import load_model
 from poslens.errors import UsageError
-from poslens.models import load_model
-from poslens.scores import ScoresConfig, distributed, partial_path, run_scores
 
 SEQ, NUM, BATCH = 48, 8, 2
 
@@ -58,7 +58,7 @@ def test_scores_equal_direct_capture(model_dir, tmp_path):
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
     full = poslens.load(run_scores(cfg(model_dir), tmp_path / "full", progress=False))
-    from poslens import capture as capture_mod
+    from poslens.engine import capture as capture_mod
 
     calls = {"n": 0}
     original = capture_mod.Capture.update

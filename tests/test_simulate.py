@@ -1,4 +1,4 @@
-"""Monte Carlo of the parameter-free stack (poslens.simulate).
+"""Monte Carlo of the parameter-free stack (poslens.stack.simulate).
 
 Exact checks against a per-sample float64 reference written here from the paper's Eq. 1, plus properties
 the math predicts (layer 1 = input Gram, E<x_i, x_j> ~ alpha, position independence without a mask,
@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_identical
 
-from poslens import simulate as sim
-from poslens.checkpoint import load_partial
 from poslens.errors import UsageError
-from poslens.rope import cos_sin, rotate
-from poslens.stack import StackConfig, visible
+from poslens.io.checkpoint import load_partial
+from poslens.stack import simulate as sim
+from poslens.stack.config import StackConfig, visible
+from poslens.stack.rope import cos_sin, rotate
 
 FIELDS = ("scores_mean", "scores_se", "probs_mean", "probs_se", "cosine_mean", "cosine_se")
 SMALL = dict(n=8, d=16, layers=3)
@@ -35,7 +35,7 @@ def inputs(config: StackConfig, samples: int, seed: int, dtype=torch.float64, de
 
 
 def reference(config: StackConfig, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Eq. 1 on all samples at once in float64, written independently of poslens.simulate; mean and SE."""
+    """Eq. 1 on all samples at once in float64, written independently of poslens.stack.simulate; mean and SE."""
     hidden = ~torch.as_tensor(visible(config.n, config.mask, config.window))
     cos, sin = cos_sin(config.n, config.d, config.rope_theta, config.rope_scaling, dtype=torch.float64)
 

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from poslens import theory
 from poslens.errors import UsageError
+from poslens.stack import theory
 
 ALPHAS = [0.0, 0.1, 0.2, 0.5, 0.9]
 TOL = 1e-12

@@ -11,7 +11,7 @@ import sys
 import time
 
 from poslens.errors import UsageError
-from poslens.stack import MASKS, NORMS, POSITIONAL, StackConfig
+from poslens.stack.config import MASKS, NORMS, POSITIONAL, StackConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -52,10 +52,10 @@ def add_output_args(p: argparse.ArgumentParser, default: str) -> None:
 def cmd_simulate(args: argparse.Namespace) -> None:
     import torch
 
+    from poslens.analyses.stackrun import write_stack_run
     from poslens.errors import check_choice, check_int
-    from poslens.results import run_directory
-    from poslens.simulate import MAPS, simulate
-    from poslens.stackrun import write_stack_run
+    from poslens.io.results import run_directory
+    from poslens.stack.simulate import MAPS, simulate
 
     config = stack_config(args)
     check_int("samples", args.samples, 1)
@@ -80,9 +80,9 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 
 def cmd_gramflow(args: argparse.Namespace) -> None:
-    from poslens.gramflow import gram_flow
-    from poslens.results import run_directory
-    from poslens.stackrun import write_stack_run
+    from poslens.analyses.stackrun import write_stack_run
+    from poslens.io.results import run_directory
+    from poslens.stack.gramflow import gram_flow
 
     config = stack_config(args)
     started = time.perf_counter()
@@ -104,14 +104,14 @@ def report_layers(out: str, metrics: dict) -> None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> None:
-    from poslens.reproduce import reproduce
+    from poslens.report.reproduce import reproduce
 
     reproduce(out=args.out, quick=args.quick, force=args.force, models=not args.no_models,
               progress=not args.quiet, seed=args.seed, samples=args.samples)
 
 
 def cmd_scores(args: argparse.Namespace) -> None:
-    from poslens.scores import ScoresConfig, run_scores
+    from poslens.analyses.scores import ScoresConfig, run_scores
 
     layers = None
     if args.layers:
@@ -128,7 +128,7 @@ def cmd_scores(args: argparse.Namespace) -> None:
                        checkpoint_every=args.checkpoint_every)
     path = run_scores(cfg, args.out, force=args.force, progress=not args.quiet)
     if path is not None:
-        from poslens.results import load
+        from poslens.io.results import load
 
         for m in load(path, tensors=False).metrics["layers"]:
             lo, hi = m["score_q01_q99"]
@@ -138,7 +138,7 @@ def cmd_scores(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from poslens.compare import compare
+    from poslens.analyses.compare import compare
 
     compare(args.runs, args.out, layers=args.first, labels=args.labels, force=args.force)
 

@@ -586,7 +586,7 @@ class Capture:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Sums and counts on the CPU (for poslens.checkpoint.save_partial); resume with load_state_dict()."""
+        """Sums and counts on the CPU (for poslens.io.checkpoint.save_partial); resume with load_state_dict()."""
         state = {f"{k}_sum": self._stacked(k) for k in self._keys()}
         state["count"] = self._count.clone()
         state["sliding_window"] = self._window.clone()

@@ -1,7 +1,7 @@
 """`poslens scores MODEL`: averaged attention-score maps of a causal LM over real text (paper Section 5.2).
 
-Pipeline: load the model (poslens.models) -> documents to token sequences (poslens.data) -> the capture
-engine (poslens.capture) over batches -> one run directory. Under torchrun every rank takes its shard of
+Pipeline: load the model (poslens.engine.models) -> documents to token sequences (poslens.engine.data) -> the capture
+engine (poslens.engine.capture) over batches -> one run directory. Under torchrun every rank takes its shard of
 the sequences and the sums are all-reduced; each rank saves its partial sums atomically every
 `checkpoint_every` batches and a rerun of the same command resumes from them.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poslens import plotting
-from poslens.checkpoint import load_partial, save_partial
+from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.errors import UsageError, check_choice, check_int
-from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
-from poslens.results import check_output, run_directory, write_run
+from poslens.io.checkpoint import load_partial, save_partial
+from poslens.io.results import check_output, run_directory, write_run
+from poslens.report import plotting
 
 DEFAULT_SEQUENCES = 1000  # the paper's count (Section 5.2)
 
@@ -57,8 +57,8 @@ class ScoresConfig:
             check_int("num_sequences", self.num_sequences, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("checkpoint_every", self.checkpoint_every, 1)
-        from poslens.data import BOS_POLICIES, MODES
-        from poslens.models import check_device
+        from poslens.engine.data import BOS_POLICIES, MODES
+        from poslens.engine.models import check_device
 
         check_choice("mode", self.mode, MODES)
         check_choice("bos", self.bos, BOS_POLICIES)
@@ -94,9 +94,9 @@ def partial_path(out: Path, rank: int, world: int) -> Path:
 
 def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool = True) -> Path | None:
     """Compute the maps and write the run directory (rank 0); returns its path on rank 0, None elsewhere."""
-    from poslens.capture import Capture
-    from poslens.data import iter_documents, make_sequences, shard, source_label
-    from poslens.models import load_info, load_model, max_positions
+    from poslens.engine.capture import Capture
+    from poslens.engine.data import iter_documents, make_sequences, shard, source_label
+    from poslens.engine.models import load_info, load_model, max_positions
 
     cfg.validate()
     started = time.perf_counter()
@@ -210,7 +210,7 @@ def reduce_with_halves(capture, half: dict | None, world: int) -> dict:
 
 
 def _no_rope(model):
-    from poslens.ablations import no_rope
+    from poslens.engine.ablations import no_rope
 
     return no_rope(model)
 

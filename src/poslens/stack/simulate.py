@@ -42,10 +42,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from poslens.checkpoint import load_partial, save_partial
 from poslens.errors import UsageError, check_int
-from poslens.rope import cos_sin, rotate
-from poslens.stack import StackConfig, visible
+from poslens.io.checkpoint import load_partial, save_partial
+from poslens.stack.config import StackConfig, visible
+from poslens.stack.rope import cos_sin, rotate
 
 __all__ = ["BLOCK", "MAPS", "SimResult", "block_seed", "draw_inputs", "simulate"]
 

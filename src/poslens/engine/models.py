@@ -13,7 +13,7 @@ A spec (`resolve` tells which kind) is one of:
   ``random:{"model_type": "llama", ...}`` (inline JSON). Its tokenizer comes from tokenizer files
   next to the config, or from the `tokenizer` argument; otherwise it has none (``None``).
 
-Right after the config is read, and before any weights, `poslens.capture.check_supported` vets it (for
+Right after the config is read, and before any weights, `poslens.engine.capture.check_supported` vets it (for
 the alias: after its one-time conversion, from the cached copy's config).
 """
 
@@ -262,7 +262,7 @@ _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, Attribut
 
 
 def _check_supported(config: Any) -> None:
-    from poslens.capture import check_supported
+    from poslens.engine.capture import check_supported
 
     check_supported(config)
 

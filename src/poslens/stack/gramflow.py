@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from poslens import rope
 from poslens.errors import check_int, require
-from poslens.stack import StackConfig, visible
+from poslens.stack import rope
+from poslens.stack.config import StackConfig, visible
 
 
 @dataclass
@@ -93,7 +93,7 @@ def gram_flow(config: StackConfig, g0: np.ndarray | None = None) -> GramFlowResu
 
 def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int | None = None,
                 mc=None, flow=None) -> dict:
-    """Monte Carlo (poslens.simulate) against the Gram flow as d grows, for a convergence figure.
+    """Monte Carlo (poslens.stack.simulate) against the Gram flow as d grows, for a convergence figure.
 
     For each d, runs both on `replace(config, d=d)` (the RoPE kernel is the one at that d) and returns
     d [D], max_dev [D, L] (max |MC mean - Gram flow| of the scores over visible pairs, per layer),
@@ -102,7 +102,7 @@ def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int
     `mc(config)` and `flow(config)` replace the runs (e.g. cached ones): `mc` returns the "scores_mean",
     "scores_se", "probs_mean" and "cosine_mean" maps, `flow` a GramFlowResult.
     """
-    from poslens.simulate import simulate  # torch-backed; imported only when needed
+    from poslens.stack.simulate import simulate  # torch-backed; imported only when needed
 
     samples = check_int("samples", samples, 2)
     ds = [check_int("d", d, 1) for d in ds]

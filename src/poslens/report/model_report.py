@@ -11,10 +11,10 @@ import shutil
 
 import numpy as np
 
-from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
-from poslens.report import Claim, Section
-from poslens.results import load
-from poslens.scores import ScoresConfig, run_scores
+from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
+from poslens.analyses.scores import ScoresConfig, run_scores
+from poslens.io.results import load
+from poslens.report.render import Claim, Section
 
 MODEL = "smollm2-135m"
 
@@ -84,7 +84,7 @@ def model_section(ctx, quick: bool, size: tuple[int, int] | None = None) -> Sect
         for stem, what in (("scores", "mean scores, all layers (Figures 11-13 style)"),
                            ("scores_normalised", "diagonal-normalised, all layers (Figures 14-16 style)")):
             s.figures.append((run.path / "figures" / f"{stem}.png", f"{MODEL}, {label}: {what}."))
-    from poslens.compare import figure5
+    from poslens.analyses.compare import figure5
 
     s.figures.insert(0, (figure5([r for r, _ in runs], [f"{MODEL}, {label}" for _, label in runs], ctx.figures,
                                  "figure5"),

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens import plotting
-from poslens.maps import as_numpy, rows_increasing, toeplitz_residual
-from poslens.results import write_run
-from poslens.stack import StackConfig
+from poslens.analyses.maps import as_numpy, rows_increasing, toeplitz_residual
+from poslens.io.results import write_run
+from poslens.report import plotting
+from poslens.stack.config import StackConfig
 
 
 def score_limits(config: StackConfig) -> tuple[float, float] | str:

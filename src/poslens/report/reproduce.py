@@ -21,11 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poslens import gramflow, plotting, theory
-from poslens.checkpoint import fingerprint
-from poslens.errors import check_int
-from poslens.gramflow import GramFlowResult, gram_flow
-from poslens.maps import (
+from poslens.analyses.maps import (
     as_numpy,
     diagonal_normalise,
     quantile_limits,
@@ -33,11 +29,16 @@ from poslens.maps import (
     rows_increasing,
     toeplitz_residual,
 )
-from poslens.report import Claim, Section, write_report
-from poslens.results import check_output, run_directory, write_run
-from poslens.simulate import simulate
-from poslens.stack import StackConfig
-from poslens.stackrun import score_limits
+from poslens.analyses.stackrun import score_limits
+from poslens.errors import check_int
+from poslens.io.checkpoint import fingerprint
+from poslens.io.results import check_output, run_directory, write_run
+from poslens.report import plotting
+from poslens.report.render import Claim, Section, write_report
+from poslens.stack import gramflow, theory
+from poslens.stack.config import StackConfig
+from poslens.stack.gramflow import GramFlowResult, gram_flow
+from poslens.stack.simulate import simulate
 
 ALPHAS_FIG2 = (0.0, 0.2)
 ALPHAS_FIG6 = (0.4, 0.6, 0.8)
@@ -421,7 +422,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         sections, timings = [], {}
         steps = [*SECTIONS, lambda c: convergence(c, quick)]
         if models:
-            from poslens.model_report import model_section
+            from poslens.report.model_report import model_section
 
             steps.append(lambda c: model_section(c, quick, model_size))
         for step in steps:

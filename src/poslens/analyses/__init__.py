@@ -1,0 +1,1 @@
+"""Analyses built on the engine and the stack: averaged scores, intermediates, map metrics, comparisons."""

@@ -1,0 +1,1 @@
+"""Models, text, hook points and statistics: everything that runs a real model (the engine)."""

@@ -1,0 +1,1 @@
+"""Run directories, the results format and resumable checkpoints."""

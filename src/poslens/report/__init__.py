@@ -1,0 +1,1 @@
+"""Figures and reports: one plotting module, report rendering, and `poslens reproduce`."""
