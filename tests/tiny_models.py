@@ -28,6 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 VOCAB = 256
@@ -59,6 +61,7 @@ SPECS: dict[str, tuple[type, type, dict]] = {
         Phi3ForCausalLM,
         {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     ),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layers": [1, 0, 1]}),  # layer 1 without RoPE
     "gemma3": (
         Gemma3TextConfig,
         Gemma3ForCausalLM,

@@ -12,29 +12,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 
+from poslens.engine.families import remove_rope, rotary_modules
 from poslens.errors import UsageError
-
-
-def rotary_modules(model: nn.Module) -> list[nn.Module]:
-    """The rotary-embedding modules of `model` (by class name: transformers' `*RotaryEmbedding`)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-
-
-def _identity_rotation(module: nn.Module, args, output):
-    cos, sin = output
-    return torch.ones_like(cos), torch.zeros_like(sin)
 
 
 @contextmanager
 def no_rope(model: nn.Module) -> Iterator[nn.Module]:
     """Disable RoPE in `model` for the duration of the block (cos = 1, sin = 0 everywhere); yields the model."""
-    modules = rotary_modules(model)
-    if not modules:
+    if not rotary_modules(model):
         raise UsageError(f"--no-rope: {type(model).__name__} has no rotary embedding module to disable")
-    handles = [m.register_forward_hook(_identity_rotation) for m in modules]
+    handles = remove_rope(model)
     try:
         yield model
     finally:

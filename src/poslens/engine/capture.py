@@ -50,19 +50,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from poslens.engine.families import check_supported, family_of
 from poslens.errors import UsageError, check_choice
-
-# model_type -> family name used in messages
-SUPPORTED: dict[str, str] = {
-    "llama": "Llama",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "mistral": "Mistral",
-    "phi3": "Phi-3",
-    "gemma3_text": "Gemma-3 (text)",
-    "gemma2": "Gemma-2",
-}
-EAGER_OUTPUT = {"gemma2"}  # no SDPA path in transformers (attention logit softcap): output via its eager function
 
 ATTN_SDPA = "poslens_capture"
 ATTN_EAGER = "poslens_capture_eager"
@@ -70,21 +59,6 @@ _OWNER = "_poslens_capture"  # attribute set on the attention modules of capture
 
 MAP_KEYS = ("scores", "probs", "log_probs", "hidden_cosine")
 GEMM_MODES = ("auto", "float32", "split-bf16")
-
-
-def check_supported(config) -> None:
-    """Raise UsageError unless `config` (a transformers config) is an architecture the capture handles."""
-    model_type = getattr(config, "model_type", None)
-    names = ", ".join(SUPPORTED)
-    if model_type == "gemma3":
-        raise UsageError(
-            "model_type 'gemma3' is the multimodal Gemma-3; load its text model (Gemma3ForCausalLM, "
-            "model_type 'gemma3_text') instead"
-        )
-    if model_type not in SUPPORTED:
-        raise UsageError(f"model_type {model_type!r} is not supported by the attention capture; supported: {names}")
-    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
-        raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
 
 
 class _Stop(Exception):
@@ -301,7 +275,7 @@ class Capture:
         self.gemm = gemm
         self.num_heads = model.config.num_attention_heads
         self._slot = {l: k for k, l in enumerate(self.layers)}
-        self._eager = model.config.model_type in EAGER_OUTPUT
+        self._eager = family_of(model.config).eager_output
         self._n = 0  # map size (longest sequence so far)
         self._count = torch.zeros(0, dtype=torch.int64)
         self._window = torch.zeros(len(self.layers), dtype=torch.int64)

@@ -13,7 +13,7 @@ A spec (`resolve` tells which kind) is one of:
   ``random:{"model_type": "llama", ...}`` (inline JSON). Its tokenizer comes from tokenizer files
   next to the config, or from the `tokenizer` argument; otherwise it has none (``None``).
 
-Right after the config is read, and before any weights, `poslens.engine.capture.check_supported` vets it (for
+Right after the config is read, and before any weights, `poslens.engine.families.check_supported` vets it (for
 the alias: after its one-time conversion, from the cached copy's config).
 """
 
@@ -262,7 +262,7 @@ _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, Attribut
 
 
 def _check_supported(config: Any) -> None:
-    from poslens.engine.capture import check_supported
+    from poslens.engine.families import check_supported
 
     check_supported(config)
 
@@ -329,14 +329,21 @@ def _random_tokenizer(ms: ModelSpec) -> Any:
 
 def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
                attn_implementation: str = "sdpa", cache_dir: str | os.PathLike | None = None,
-               tokenizer: str | None = None, seed: int = 0) -> tuple[Any, Any]:
+               tokenizer: str | None = None, seed: int = 0, pe: str = "auto") -> tuple[Any, Any]:
     """Load `spec` (see the module docstring) in eval mode on `device`; returns (model, tokenizer).
 
     dtype: "auto" (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16 or float16.
     tokenizer: a spec whose tokenizer to use instead of the model's own (required for a random config
     without tokenizer files, else the tokenizer is None). seed: initialisation of random models.
-    What was chosen is in `load_info(model)`.
+    pe: positional encoding, a property of the loaded model (`poslens.engine.families`): "auto" as the
+    checkpoint says (a known NoPE checkpoint saved as a RoPE architecture is loaded as NoPE and says so), "none"
+    (RoPE removed for the model's lifetime: a checkpoint trained without it), "rope" (as the config says, even
+    for a known NoPE id). What was chosen is in `load_info(model)`.
     """
+    from poslens.engine.families import PE_CHOICES, known_nope, positional_encoding, set_positional_encoding
+
+    if pe not in PE_CHOICES:
+        raise UsageError(f"pe must be one of {', '.join(PE_CHOICES)}; got {pe!r}")
     ms = resolve(spec)
     dev = check_device(device)
     parse_dtype(dtype)
@@ -362,6 +369,12 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         tok = load_tokenizer(tokenizer, cache_dir)
         info["tokenizer"] = tokenizer
     info["dtype"], info["dtype_reason"] = str(chosen[0]).removeprefix("torch."), chosen[1]
+    why = known_nope(ms.spec) if ms.kind in ("hub", "local") else None
+    if pe == "auto" and why is not None:
+        pe, info["pe_reason"] = "none", f"known NoPE checkpoint: {why}"
+    set_positional_encoding(model, "none" if pe == "none" else "auto")
+    info["pe"] = pe
+    info["positional_encoding"] = positional_encoding(model)
     model.eval()
     model.poslens_load = info
     return model, tok

@@ -1,0 +1,162 @@
+"""One registry of model families: where the parts of a decoder live and how its attention is set up.
+
+A `Family` says, for the transformers classes of one architecture: the block layout (pre-norm, as Llama:
+x + attn(norm(x)), or Gemma's sandwich with a norm after each sublayer too), the names of the norms, whether the
+forward needs the model's eager attention (Gemma-2's logit softcap), and how to read, from a config, the sliding
+window and the positional encoding of every layer. Nothing here imports the analysis engine; the loader
+(`poslens.engine.models`) vets configs with `check_supported` before any weight is read.
+
+Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer,
+"rope", "partial-rope" (Phi-3's partial rotary factor) or "none". A model loaded with `pe="none"` (a Llama-like
+checkpoint trained without positional encoding, such as the paper's released NoPE model) has its rotary
+embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's per-layer
+`no_rope_layers` is read from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from poslens.errors import UsageError
+
+PE_CHOICES = ("auto", "none", "rope")
+PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none": the identity rotation is installed
+
+
+@dataclass(frozen=True)
+class Family:
+    """Facts about one architecture (see the module docstring)."""
+
+    name: str
+    layout: str = "pre-norm"  # or "sandwich": norm(sublayer(norm(x))) added to x (Gemma-2, Gemma-3)
+    ln1: str = "input_layernorm"  # the norm before attention
+    ln2: str = "post_attention_layernorm"  # the norm before the MLP (pre-norm layout)
+    ln1_post: str | None = None  # sandwich: the norm after attention
+    ln2_pre: str | None = None  # sandwich: the norm before the MLP
+    ln2_post: str | None = None  # sandwich: the norm after the MLP
+    eager_output: bool = False  # the model's output comes from its own eager attention (no SDPA path)
+    softcap_attr: str | None = None  # config field of an attention logit softcap passed to the attention function
+
+    @property
+    def norm_points(self) -> dict[str, str]:
+        """Hook point (under blocks.{l}.) -> module attribute of the decoder layer, in forward order."""
+        if self.layout == "pre-norm":
+            return {"ln1": self.ln1, "ln2": self.ln2}
+        return {"ln1": self.ln1, "ln1_post": self.ln1_post, "ln2": self.ln2_pre, "ln2_post": self.ln2_post}
+
+
+_SANDWICH = dict(layout="sandwich", ln1="input_layernorm", ln1_post="post_attention_layernorm",
+                 ln2_pre="pre_feedforward_layernorm", ln2_post="post_feedforward_layernorm",
+                 ln2="pre_feedforward_layernorm")
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama"),
+    "qwen2": Family("Qwen2"),
+    "qwen3": Family("Qwen3"),
+    "mistral": Family("Mistral"),
+    "phi3": Family("Phi-3"),
+    "smollm3": Family("SmolLM3"),
+    "gemma3_text": Family("Gemma-3 (text)", **_SANDWICH),
+    "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
+}
+
+# Checkpoints known to be trained without positional encoding but saved as RoPE architectures (lower-case hub ids).
+KNOWN_NOPE: dict[str, str] = {
+    "starmpcc/nope_1.5b_fw_edu_15t": "Kim et al. 2025 (Section 4.2): a Llama trained with apply_rotary_pos_emb "
+                                     "replaced by the identity, saved as a plain Llama",
+}
+
+
+def family_of(config: Any) -> Family:
+    """The family of a transformers config; a one-line UsageError for anything unsupported."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3":
+        raise UsageError("model_type 'gemma3' is the multimodal Gemma-3; load its text model (Gemma3ForCausalLM, "
+                         "model_type 'gemma3_text') instead")
+    if model_type not in FAMILIES:
+        raise UsageError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
+    return FAMILIES[model_type]
+
+
+def check_supported(config: Any) -> None:
+    """Raise UsageError unless `config` is an architecture poslens handles."""
+    family_of(config)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (or of its base model)."""
+    return model.base_model.layers
+
+
+def num_layers(model_or_config: Any) -> int:
+    config = getattr(model_or_config, "config", model_or_config)
+    return int(config.num_hidden_layers)
+
+
+def sliding_windows(config: Any) -> list[int]:
+    """Per layer, the sliding window in tokens (0 = full causal attention), as the attention modules use it."""
+    n = num_layers(config)
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None)
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return [0] * n
+    if types is not None:
+        return [int(window) if t == "sliding_attention" else 0 for t in types]
+    return [int(window)] * n
+
+
+def rotary_modules(model: nn.Module) -> list[nn.Module]:
+    """The rotary-embedding modules of `model` (transformers' `*RotaryEmbedding` classes)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def positional_encoding(model_or_config: Any) -> list[str]:
+    """Per layer: "rope", "partial-rope" or "none" (a model loaded with pe="none" is "none" everywhere)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    n = num_layers(config)
+    if getattr(model_or_config, PE_ATTR, None) == "none":
+        return ["none"] * n
+    if config.model_type == "smollm3":
+        flags = getattr(config, "no_rope_layers", None) or [1] * n
+        return ["rope" if f else "none" for f in flags]
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "partial_rotary_factor" not in params and "sliding_attention" in params:
+        params = params.get("full_attention", {})
+    factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or \
+        getattr(config, "partial_rotary_factor", 1.0)
+    return ["partial-rope" if float(factor) < 1.0 else "rope"] * n
+
+
+def known_nope(spec: str) -> str | None:
+    """Why a model spec is known to be NoPE (a hub id in KNOWN_NOPE), else None."""
+    return KNOWN_NOPE.get(spec.strip().lower())
+
+
+def _identity_rotation(module: nn.Module, args, output):
+    cos, sin = output
+    return cos.new_ones(cos.shape), sin.new_zeros(sin.shape)
+
+
+def remove_rope(model: nn.Module) -> list:
+    """Make every rotary embedding of `model` the identity (cos = 1, sin = 0); returns the hook handles."""
+    modules = rotary_modules(model)
+    if not modules:
+        raise UsageError(f"{type(model).__name__} has no rotary embedding module to remove")
+    return [m.register_forward_hook(_identity_rotation) for m in modules]
+
+
+def set_positional_encoding(model: nn.Module, pe: str) -> None:
+    """Apply a loader's `pe` choice to a loaded model: "none" removes RoPE for the model's lifetime; "rope" and
+    "auto" leave it as the config says."""
+    if pe not in PE_CHOICES:
+        raise UsageError(f"pe must be one of {', '.join(PE_CHOICES)}; got {pe!r}")
+    if pe == "none" and getattr(model, PE_ATTR, None) != "none":
+        if all(p == "none" for p in positional_encoding(model)):
+            return  # already NoPE by its config (SmolLM3 with no_rope_layers all 0)
+        remove_rope(model)
+        setattr(model, PE_ATTR, "none")

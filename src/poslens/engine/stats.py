@@ -1,0 +1,296 @@
+"""Averages over sequences with confidence intervals: sums kept for G independent groups of sequences.
+
+Every statistic poslens reports is a function f of means over sequences (a mean map, a ratio of two means, the
+Toeplitz residual of a mean map, ...). The engine assigns batch b to group b mod G and keeps, for every named
+quantity x, the sums S_g = sum of x over the sequences of group g and the counts C_g (how many sequences reached
+each entry). Then
+
+    pooled mean        m = sum_g S_g / sum_g C_g
+    leave-one-out      m_(g) = (S - S_g) / (C - C_g)
+    jackknife          theta = f(m),  se^2 = (G' - 1)/G' * sum_g (f(m_(g)) - mean_g f(m_(g)))^2
+    interval           theta -/+ t_{G'-1, (1+level)/2} * se
+
+over the G' groups that hold data (delete-a-group jackknife; Efron & Tibshirani 1993, ch. 11). A bootstrap over
+groups (percentile interval) is available too. Sums are float64 unless asked otherwise; maps use float32 sums
+(the capture accumulates in float32 on the device) and are finished in float64.
+
+`GroupedSums` is the storage; `Statistic` is the protocol every analysis implements on top of it (hooks to read,
+`state_dict`/`load_state_dict` to resume, `merge` and `all_reduce` to combine shards, `result` to finalise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from poslens.errors import UsageError, check_choice, check_float, check_int
+
+DEFAULT_GROUPS = 20
+METHODS = ("jackknife", "bootstrap")
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Quantile of Student's t distribution with `df` degrees of freedom (numerical CDF inversion, |error| < 1e-9)."""
+    check_float("p", p, 0.0, 1.0, lo_open=True, hi_open=True)
+    check_int("df", df, 1)
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float) -> float:  # 0.5 + integral_0^x of the density, Simpson's rule on 4,000 intervals
+        t = np.linspace(0.0, x, 4001)
+        f = np.exp(log_c - (df + 1) / 2 * np.log1p(t * t / df))
+        h = x / 4000
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass
+class Estimate:
+    """A point estimate with its confidence interval. Tensors share the estimate's shape (NaN where undefined)."""
+
+    value: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    se: torch.Tensor
+    groups: int  # groups that held data (G')
+    level: float
+    method: str
+
+    def as_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Tensors named `prefix`, `prefix_lo`, `prefix_hi`, `prefix_se` (the results format)."""
+        return {prefix: self.value, f"{prefix}_lo": self.lo, f"{prefix}_hi": self.hi, f"{prefix}_se": self.se}
+
+    def item(self) -> dict[str, float | int | str]:
+        """A scalar estimate as plain numbers for run.json."""
+        return {"value": float(self.value), "lo": float(self.lo), "hi": float(self.hi), "se": float(self.se),
+                "level": self.level, "groups": self.groups, "method": self.method}
+
+
+def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad the trailing dimensions of t (the leading group axis excluded) up to `shape`."""
+    if tuple(t.shape[1:]) == tuple(shape):
+        return t
+    pad: list[int] = []
+    for have, want in zip(reversed(t.shape[1:]), reversed(shape)):
+        pad += [0, want - have]
+    return F.pad(t, pad)
+
+
+class GroupedSums:
+    """Named sums and counts kept per group of sequences: `add`, then `mean` or `estimate` (see module docstring).
+
+    Trailing shapes may grow (maps grow with the longest sequence seen): a larger value zero-pads what is stored.
+    `device`: where sums live (None: the device of the first value added).
+    """
+
+    def __init__(self, groups: int = DEFAULT_GROUPS, device: str | torch.device | None = None) -> None:
+        self.groups = check_int("groups", groups, 1)
+        self.device = None if device is None else torch.device(device)
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sums
+
+    def names(self) -> list[str]:
+        return list(self.sums)
+
+    def buffer(self, name: str, group: int, shape: tuple[int, ...], count_shape: tuple[int, ...] = (),
+               dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> torch.Tensor:
+        """The sum tensor of (name, group), at least `shape`, for accumulating into in place (e.g. a GEMM)."""
+        self._ensure(name, shape, count_shape, dtype, device)
+        return self.sums[name][group % self.groups]
+
+    def count_buffer(self, name: str, group: int) -> torch.Tensor:
+        """The count tensor of (name, group), for adding counts in place after `buffer`."""
+        return self.counts[name][group % self.groups]
+
+    def add(self, name: str, group: int, total: torch.Tensor | float, count: torch.Tensor | float = 1) -> None:
+        """S[name][group] += total; C[name][group] += count (count broadcasts against total)."""
+        total = torch.as_tensor(total)
+        count = torch.as_tensor(count, dtype=torch.float64)
+        dtype = total.dtype if total.dtype in (torch.float32, torch.float64) else torch.float64
+        self._ensure(name, tuple(total.shape), tuple(count.shape), dtype, total.device)
+        g = group % self.groups
+        s = self.sums[name]
+        s[g][tuple(slice(0, k) for k in total.shape)] += total.to(s.device, s.dtype)
+        c = self.counts[name]
+        c[g][tuple(slice(0, k) for k in count.shape)] += count.to(c.device)
+
+    def _ensure(self, name: str, shape: tuple[int, ...], count_shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device | None) -> None:
+        if name not in self.sums:
+            dev = self.device or device or torch.device("cpu")
+            self.sums[name] = torch.zeros(self.groups, *shape, dtype=dtype, device=dev)
+            self.counts[name] = torch.zeros(self.groups, *count_shape, dtype=torch.float64, device=dev)
+            return
+        s, c = self.sums[name], self.counts[name]
+        if s.dim() - 1 != len(shape) or c.dim() - 1 != len(count_shape):
+            raise UsageError(f"statistic {name!r}: shape {shape} does not match the stored {tuple(s.shape[1:])}")
+        self.sums[name] = _pad_to(s, tuple(max(a, b) for a, b in zip(s.shape[1:], shape)))
+        self.counts[name] = _pad_to(c, tuple(max(a, b) for a, b in zip(c.shape[1:], count_shape)))
+
+    # ---- finishing ------------------------------------------------------------------------------------
+
+    def _means(self, drop: int | None = None, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Pooled means in float64 (NaN where no sequence counted); `drop`: leave that group out; `weights`:
+        group multiplicities (bootstrap)."""
+        out = {}
+        for name, s in self.sums.items():
+            c = self.counts[name]
+            if weights is not None:
+                w = weights.to(s.device, torch.float64)
+                tot = (s.double() * w.reshape((-1,) + (1,) * (s.dim() - 1))).sum(0)
+                cnt = (c * w.reshape((-1,) + (1,) * (c.dim() - 1))).sum(0)
+            else:
+                tot, cnt = s.sum(0, dtype=torch.float64), c.sum(0)
+                if drop is not None:
+                    tot, cnt = tot - s[drop].double(), cnt - c[drop]
+            cnt = cnt.reshape(tuple(cnt.shape) + (1,) * (tot.dim() - cnt.dim()))
+            out[name] = torch.where(cnt > 0, tot / cnt.clamp(min=1e-300), math.nan)
+        return out
+
+    def mean(self, name: str) -> torch.Tensor:
+        """Pooled mean of one quantity (float64)."""
+        return self._means()[name]
+
+    def filled(self) -> list[int]:
+        """Groups that hold at least one counted sequence."""
+        if not self.counts:
+            return []
+        first = next(iter(self.counts.values()))
+        return [g for g in range(self.groups) if float(first[g].max() if first[g].numel() else 0) > 0]
+
+    def estimate(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor | float], level: float = 0.95,
+                 method: str = "jackknife", replicates: int = 1000, seed: int = 0) -> Estimate:
+        """f(pooled means) with a confidence interval from the groups (jackknife or bootstrap over groups).
+
+        `fn` takes the dict of pooled float64 means and returns a tensor or float. Fewer than two groups with data:
+        the interval is NaN (a single group gives no spread to measure)."""
+        check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
+        check_choice("method", method, METHODS)
+        value = torch.as_tensor(fn(self._means()), dtype=torch.float64)
+        groups = self.filled()
+        nan = torch.full_like(value, math.nan)
+        if len(groups) < 2:
+            return Estimate(value, nan, nan.clone(), nan.clone(), len(groups), level, method)
+        if method == "jackknife":
+            reps = torch.stack([torch.as_tensor(fn(self._means(drop=g)), dtype=torch.float64) for g in groups])
+            k = len(groups)
+            se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
+            t = t_quantile((1 + level) / 2, k - 1)
+            return Estimate(value, value - t * se, value + t * se, se, k, level, method)
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.tensor(groups)
+        reps = []
+        for _ in range(check_int("replicates", replicates, 10)):
+            pick = idx[torch.randint(len(groups), (len(groups),), generator=gen)]
+            w = torch.bincount(pick, minlength=self.groups)
+            reps.append(torch.as_tensor(fn(self._means(weights=w)), dtype=torch.float64))
+        r = torch.stack(reps)
+        q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+        lo, hi = torch.nanquantile(r, q[0], dim=0), torch.nanquantile(r, q[1], dim=0)
+        return Estimate(value, lo, hi, r.std(0), len(groups), level, method)
+
+    # ---- persistence and combination ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Sums and counts on the CPU, by name (`sum/NAME`, `count/NAME`)."""
+        out = {f"sum/{k}": v.detach().cpu() for k, v in self.sums.items()}
+        out.update({f"count/{k}": v.detach().cpu() for k, v in self.counts.items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` wrote (same number of groups)."""
+        sums = {k[4:]: v for k, v in state.items() if k.startswith("sum/")}
+        counts = {k[6:]: v for k, v in state.items() if k.startswith("count/")}
+        if set(sums) != set(counts) or any(v.shape[0] != self.groups for v in sums.values()):
+            raise UsageError(f"saved statistics do not match: expected {self.groups} groups and a count per sum; "
+                             "rerun with the same groups or start over")
+        dev = self.device
+        self.sums = {k: v.clone() if dev is None else v.to(dev) for k, v in sums.items()}
+        self.counts = {k: counts[k].double().clone() if dev is None else counts[k].double().to(dev) for k in sums}
+
+    def merge(self, other: GroupedSums) -> None:
+        """Add another shard's sums (same groups; shapes may differ and are padded)."""
+        if other.groups != self.groups:
+            raise UsageError(f"cannot merge statistics with {other.groups} groups into {self.groups} groups")
+        for name, s in other.sums.items():
+            self._ensure(name, tuple(s.shape[1:]), tuple(other.counts[name].shape[1:]), s.dtype, s.device)
+            mine = self.sums[name]
+            mine[(slice(None), *(slice(0, k) for k in s.shape[1:]))] += s.to(mine.device, mine.dtype)
+            c, oc = self.counts[name], other.counts[name]
+            c[(slice(None), *(slice(0, k) for k in oc.shape[1:]))] += oc.to(c.device)
+
+    def all_reduce(self, group=None) -> None:
+        """Sum over torch.distributed ranks (no-op without a process group). Shapes are first agreed (max)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        names: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(names, sorted(self.sums), group=group)
+        if any(n != names[0] for n in names):
+            raise UsageError("ranks hold different statistics; every rank must run the same analysis")
+        nccl = "nccl" in str(dist.get_backend(group))
+        comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        for name in names[0]:
+            for store in (self.sums, self.counts):
+                t = store[name]
+                shape = torch.tensor(t.shape[1:], dtype=torch.int64, device=comm)
+                dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+                x = _pad_to(t, tuple(shape.tolist())).to(comm)
+                dist.all_reduce(x, group=group)
+                store[name] = x.to(t.device)
+
+
+class Statistic:
+    """An average over sequences computed from hook points: subclass, declare `hooks`, finish in `result`.
+
+    The runner (`poslens.engine.runner.run`) sets `self.group` before each batch and calls `hooks(hm)` once per run;
+    each hook adds to `self.sums` (a GroupedSums). Persistence and combination come from the sums; a statistic with
+    other state overrides them.
+    """
+
+    name = "statistic"
+
+    def __init__(self, groups: int = DEFAULT_GROUPS, device: str | torch.device | None = None) -> None:
+        self.sums = GroupedSums(groups, device)
+        self.group = 0
+
+    def hooks(self, hm) -> dict[str, Callable]:
+        """Hook point name -> function(x, ctx) for the points this statistic reads."""
+        raise NotImplementedError
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """Finished tensors (means with `_lo`/`_hi`/`_se`), ready for the results format."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sums.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.sums.load_state_dict(state)
+
+    def merge(self, other: Statistic) -> None:
+        self.sums.merge(other.sums)
+
+    def all_reduce(self, group=None) -> None:
+        self.sums.all_reduce(group)

@@ -1,0 +1,96 @@
+"""poslens.engine.stats: grouped sums, jackknife and bootstrap intervals, persistence and combination."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from poslens.engine.stats import GroupedSums, t_quantile
+from poslens.errors import UsageError
+
+# Student t quantiles from printed tables (Abramowitz & Stegun 26.7), 5-6 significant digits
+T_TABLE = [(0.975, 1, 12.7062), (0.975, 2, 4.30265), (0.975, 4, 2.77645), (0.975, 9, 2.26216),
+           (0.975, 19, 2.09302), (0.95, 30, 1.69726), (0.995, 5, 4.03214), (0.975, 120, 1.97993)]
+
+
+@pytest.mark.parametrize("p,df,want", T_TABLE)
+def test_t_quantile_matches_tables(p, df, want):
+    assert t_quantile(p, df) == pytest.approx(want, abs=6e-5)
+    assert t_quantile(1 - p, df) == pytest.approx(-want, abs=6e-5)
+
+
+def _fill(values: torch.Tensor, groups: int) -> GroupedSums:
+    """One value per sequence, sequence s in group s mod G (one sequence per batch)."""
+    s = GroupedSums(groups)
+    for i, v in enumerate(values):
+        s.add("x", i, v, 1)
+    return s
+
+
+def test_pooled_mean_and_leave_one_out_are_exact():
+    vals = torch.arange(12, dtype=torch.float64)
+    s = _fill(vals, 4)
+    assert s.mean("x").item() == pytest.approx(vals.mean().item(), abs=1e-12)
+    # for the plain mean the jackknife standard error equals the usual SE of the group means (equal sizes)
+    est = s.estimate(lambda m: m["x"])
+    group_means = torch.stack([vals[g::4].mean() for g in range(4)])
+    assert est.se.item() == pytest.approx((group_means.std() / 2).item(), rel=1e-10)
+    assert est.groups == 4
+
+
+@pytest.mark.parametrize("method", ["jackknife", "bootstrap"])
+def test_intervals_cover_a_known_mean_at_about_the_nominal_rate(method):
+    # ratio of means (nonlinear), true value 2.0 / 1.0; 200 repetitions, 20 groups of 5 sequences each
+    gen = torch.Generator().manual_seed(0)
+    hits, reps = 0, 200 if method == "jackknife" else 60
+    for _ in range(reps):
+        s = GroupedSums(20)
+        for i in range(100):
+            s.add("num", i, 2.0 + torch.randn((), generator=gen, dtype=torch.float64), 1)
+            s.add("den", i, 1.0 + 0.1 * torch.randn((), generator=gen, dtype=torch.float64), 1)
+        e = s.estimate(lambda m: m["num"] / m["den"], method=method, replicates=200)
+        hits += bool(e.lo <= 2.0 <= e.hi)
+    # 95% nominal; binomial sd at 200 reps is 1.5 points: accept 88%-99.5% (60 reps: looser, 83%-100%)
+    lo = 0.88 if reps == 200 else 0.83
+    assert lo <= hits / reps <= 1.0
+
+
+def test_counts_per_entry_and_growing_shapes():
+    s = GroupedSums(2)
+    s.add("m", 0, torch.ones(2, 2), torch.tensor([1.0, 1.0]))  # rows reached by one sequence
+    s.add("m", 1, 3 * torch.ones(3, 3), torch.tensor([1.0, 1.0, 1.0]))  # a longer sequence grows the map
+    m = s.mean("m")
+    assert m.shape == (3, 3)
+    assert m[0, 0].item() == 2.0 and m[2, 2].item() == 3.0
+
+
+def test_state_dict_merge_and_shards_equal_one_pass():
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 4, generator=gen, dtype=torch.float64) for _ in range(10)]
+    whole = GroupedSums(5)
+    for b, x in enumerate(data):
+        whole.add("m", b, x, 1)
+    a, c = GroupedSums(5), GroupedSums(5)
+    for b, x in enumerate(data):
+        (a if b < 6 else c).add("m", b, x, 1)
+    resumed = GroupedSums(5)
+    resumed.load_state_dict(a.state_dict())
+    resumed.merge(c)
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=1e-12)
+    assert torch.equal(whole.estimate(lambda m: m["m"]).value, resumed.estimate(lambda m: m["m"]).value)
+
+
+def test_one_group_gives_no_interval_and_bad_arguments_are_usage_errors():
+    s = _fill(torch.ones(3, dtype=torch.float64), 1)
+    e = s.estimate(lambda m: m["x"])
+    assert e.value.item() == 1.0 and math.isnan(e.lo.item())
+    with pytest.raises(UsageError):
+        GroupedSums(0)
+    with pytest.raises(UsageError):
+        s.estimate(lambda m: m["x"], level=1.5)
+    other = GroupedSums(2)
+    with pytest.raises(UsageError):
+        s.merge(other)
