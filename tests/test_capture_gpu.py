@@ -111,8 +111,9 @@ def test_result_on_the_gpu_equals_result_on_the_host(monkeypatch):
         assert_identical(host[key], dev[key].cpu(), key)
     state = cap.state_dict()  # the sums, through the same staging path (float64 log-partition sums too)
     for key in ("scores", "log_partition"):
-        assert state[f"{key}_sum"].dtype == cap._sums[key][1].dtype
-        assert torch.equal(state[f"{key}_sum"][1], cap._sums[key][1].cpu()), key
+        sums = cap.sums.sums[f"{key}/{cap.layers[1]}"]  # [groups, ...] on the GPU
+        assert state[f"{key}_sum"].dtype == sums.dtype
+        assert torch.equal(state[f"{key}_sum"][1], sums.cpu()), key
 
 
 def test_scores_command_on_the_gpu_equals_the_cpu_run(model_dir, tmp_path):  # noqa: F811

@@ -52,7 +52,8 @@ def test_scores_equal_direct_capture(model_dir, tmp_path):
     torch.testing.assert_close(run["scores"], direct, rtol=0, atol=1e-5, equal_nan=True)
     assert run.meta["data"]["sequences"] == NUM and run.meta["kind"] == "scores"
     layers = run.metrics["layers"]
-    assert all(m["normalised_noise_rms"] > 0 for m in layers)  # split-half error bars present
+    assert all(m["normalised_noise_rms"] > 0 for m in layers)  # jackknife error bars over groups present
+    assert all(m["normalised_rms_ci"]["lo"] <= m["normalised_rms"] <= m["normalised_rms_ci"]["hi"] for m in layers)
     assert (tmp_path / "run" / "figures" / "scores_normalised.png").exists()
 
 
@@ -78,7 +79,7 @@ def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkey
     resumed = poslens.load(run_scores(cfg(model_dir, checkpoint_every=1), out, progress=False))
     assert resumed.meta["resumed_from_batch"] == 2
     assert not partial_path(out.absolute(), 0, 1).exists()
-    for key in ("scores", "scores_noise"):
+    for key in ("scores", "scores_se", "normalised_se"):
         torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=0, equal_nan=True)
 
 

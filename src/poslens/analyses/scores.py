@@ -19,9 +19,11 @@ import numpy as np
 import torch
 
 from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
+from poslens.engine.data import BOS_POLICIES, MODES
 from poslens.errors import UsageError, check_choice, check_int
 from poslens.io.checkpoint import load_partial, save_partial
 from poslens.io.results import check_output, run_directory, write_run
+from poslens.options import option
 from poslens.report import plotting
 
 DEFAULT_SEQUENCES = 1000  # the paper's count (Section 5.2)
@@ -31,25 +33,38 @@ DEFAULT_SEQUENCES = 1000  # the paper's count (Section 5.2)
 class ScoresConfig:
     """Everything that determines a `scores` run (recorded in run.json and in the checkpoint fingerprint)."""
 
-    model: str
-    data: str | None = None
-    text_field: str = "text"
-    seq_len: int = 1024
-    num_sequences: int | None = None  # None: as many as the text gives, up to DEFAULT_SEQUENCES
-    batch_size: int = 20
-    mode: str = "first"
-    bos: str = "auto"
-    layers: list[int] | None = None
-    per_head: bool = False
-    probs: bool = False
-    log_probs: bool = False
-    hidden_cosine: bool = False
-    no_rope: bool = False
-    dtype: str = "auto"
-    device: str = "cpu"
-    attn_implementation: str = "sdpa"
-    tokenizer: str | None = None
-    checkpoint_every: int = 10
+    model: str = option(help="hub id, local directory, .gguf file, the alias smollm2-135m, or random:<config.json> "
+                        "for a randomly initialised model", positional=True, metavar="MODEL")
+    data: str | None = option(None, help="text file, directory of text files, .jsonl, .parquet, or a "
+                              "datasets.save_to_disk directory (default: embedded CPython documentation text)")
+    text_field: str = option("text", help="field/column holding the text")
+    seq_len: int = option(1024, help="tokens per sequence, BOS included")
+    num_sequences: int | None = option(None, help="sequences to average over; exactly this many or an error "
+                                       f"(default: as many as the text gives, up to {DEFAULT_SEQUENCES})")
+    batch_size: int = option(20, help="sequences per forward pass")
+    mode: str = option("first", help="first: the first seq-len tokens of each long-enough document (the paper); "
+                       "pack: concatenate documents and cut blocks", choices=MODES)
+    bos: str = option("auto", help="auto (as the tokenizer does), always, never", choices=BOS_POLICIES)
+    layers: list[int] | None = option(None, help="comma-separated layer indices, negatives from the end (default all)")
+    per_head: bool = option(False, help="also keep one map per head")
+    probs: bool = option(False, help="also keep mean attention probabilities")
+    log_probs: bool = option(False, help="also keep mean log-probabilities and log-partitions")
+    hidden_cosine: bool = option(False, help="also keep hidden-state cosine-similarity maps")
+    no_rope: bool = option(False, help="run the same model with RoPE disabled (ablation)")
+    pe: str = option("auto", help="positional encoding of the loaded model: auto (as the checkpoint says; known NoPE "
+                     "checkpoints load as NoPE), none (a checkpoint trained without RoPE), rope",
+                     choices=("auto", "none", "rope"))
+    groups: int | None = option(None, help="independent groups of sequences kept for confidence intervals (batch b "
+                                "goes to group b mod G); default 20, fewer if the sums would not fit in a quarter "
+                                "of the device's memory (at least 2)")
+    dtype: str = option("auto", help="auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16, "
+                        "float16")
+    device: str = option("cpu", help="cpu, cuda or cuda:N")
+    attn_implementation: str = option("sdpa", help="attention kernel the model is loaded with (the capture engine "
+                                      "switches to the kernel it needs while capturing)")
+    tokenizer: str | None = option(None, help="tokenizer to use (same forms as MODEL); needed for random: configs "
+                                   "without tokenizer files")
+    checkpoint_every: int = option(10, help="save partial sums every N batches; rerunning the same command resumes")
 
     def validate(self) -> None:
         check_int("seq_len", self.seq_len, 2)
@@ -57,6 +72,8 @@ class ScoresConfig:
             check_int("num_sequences", self.num_sequences, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("checkpoint_every", self.checkpoint_every, 1)
+        if self.groups is not None:
+            check_int("groups", self.groups, 1)
         from poslens.engine.data import BOS_POLICIES, MODES
         from poslens.engine.models import check_device
 
@@ -95,7 +112,7 @@ def partial_path(out: Path, rank: int, world: int) -> Path:
 def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool = True) -> Path | None:
     """Compute the maps and write the run directory (rank 0); returns its path on rank 0, None elsewhere."""
     from poslens.engine.capture import Capture
-    from poslens.engine.data import iter_documents, make_sequences, shard, source_label
+    from poslens.engine.data import iter_documents, make_sequences, shard, shard_bounds, source_label
     from poslens.engine.models import load_info, load_model, max_positions
 
     cfg.validate()
@@ -103,7 +120,9 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     rank, world = distributed(cfg.device)
     target = check_output(out, force) if rank == 0 else Path(out).expanduser().absolute()
     device = cfg.device
-    if device == "cuda" and world > 1:
+    if device.startswith("cuda") and world > 1:  # one GPU per process: cuda:LOCAL_RANK
+        if device != "cuda":
+            raise UsageError(f"device {device}: under torchrun every process uses cuda:LOCAL_RANK; pass cuda")
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
     documents = iter_documents(cfg.data, cfg.text_field)
@@ -114,54 +133,54 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device,
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, pe=cfg.pe,
                                   attn_implementation=cfg.attn_implementation, tokenizer=cfg.tokenizer)
     window = max_positions(model)
     if cfg.seq_len > window:
         raise UsageError(f"--seq-len {cfg.seq_len} is beyond the model's window of {window} positions; "
                          f"use --seq-len <= {window}")
+    groups = cfg.groups or auto_groups(model, cfg, device)
     capture = Capture(model, layers=cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
-                      hidden_cosine=cfg.hidden_cosine, device=device)  # checks --layers before any tokenising
+                      hidden_cosine=cfg.hidden_cosine, device=device, groups=groups)  # checks layers first
     ids, data_stats = make_sequences(tokenizer, documents, cfg.seq_len,
                                      cfg.num_sequences or DEFAULT_SEQUENCES, mode=cfg.mode, bos=cfg.bos,
                                      minimum=1 if cfg.num_sequences is None else None)
     data_stats["source"] = source_label(cfg.data)
     mine = shard(ids, rank, world)
+    first_batch = shard_bounds(len(ids), rank, world)[0] // cfg.batch_size  # batch b of the run -> group b mod G
     batches = list(torch.split(mine, cfg.batch_size)) if len(mine) else []
     ckpt = partial_path(target, rank, world)
     fp = {**cfg.fingerprint_fields(), "world": world, "rank": rank}
-    half_at = len(batches) // 2  # split-half error bars: the sums after the first half of this rank's batches
-    done, half = 0, None
+    done = 0
     resumed = load_partial(ckpt, fp)
     if resumed is not None:
         state, done = resumed
-        half = {k[5:]: v for k, v in state.items() if k.startswith("half/")} or None
-        capture.load_state_dict({k: v for k, v in state.items() if not k.startswith("half/")})
+        capture.load_state_dict(state)
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(total=len(batches), initial=done, desc="scores", unit="batch")
-    with (_no_rope(model) if cfg.no_rope else contextlib.nullcontext()), capture:
+    with _no_rope(model) if cfg.no_rope else contextlib.nullcontext():
         for b in range(done, len(batches)):
-            capture.update(batches[b].to(device))
+            capture.update(batches[b].to(device), group=first_batch + b)
             if bar is not None:
                 bar.update(1)
-            if b + 1 == half_at:
-                half = capture.state_dict()
             if (b + 1) % cfg.checkpoint_every == 0 and b + 1 < len(batches):
-                extra = {f"half/{k}": v for k, v in (half or {}).items()}
-                save_partial(ckpt, {**capture.state_dict(), **extra}, b + 1, fp)
+                save_partial(ckpt, capture.state_dict(), b + 1, fp)
     if bar is not None:
         bar.close()
-    result = reduce_with_halves(capture, half, world)
+    capture.all_reduce()
+    result = capture.result()
+    result.update(noise_maps(capture))
     path = None
     if rank == 0:
         with run_directory(target, force) as tmp:
-            metrics = summarise_scores(result)
+            metrics = summarise_scores(result, capture)
             figures(result, tmp / "figures", cfg.model + (" (RoPE off)" if cfg.no_rope else ""))
             write_run(tmp, result, {"kind": "scores", "config": asdict(cfg), "data": data_stats,
                                     "world_size": world, "resumed_from_batch": done, "metrics": metrics,
+                                    "groups": groups,
                                     "model": {"class": type(model).__name__,
                                               "model_type": getattr(model.config, "model_type", None),
                                               **load_info(model)},
@@ -175,38 +194,42 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     return path
 
 
-def _subtract(a: dict, b: dict) -> dict:
-    """Capture state a - b (sums and counts are additive; windows and layer ids are not)."""
-    return {k: (a[k] if k in ("sliding_window", "layers") else a[k] - b[k]) for k in a}
+def auto_groups(model, cfg: ScoresConfig, device: str, most: int = 20) -> int:
+    """How many groups of sums fit: `most`, or fewer so that the sums take at most a quarter of the device's
+    memory (at least 2; with fewer than 2 fitting, a UsageError with the estimate and the fix)."""
+    from poslens.engine.families import num_layers
+
+    n_layers = len(cfg.layers) if cfg.layers else num_layers(model)
+    maps = sum([True, cfg.probs, cfg.log_probs, cfg.hidden_cosine])
+    heads = model.config.num_attention_heads if cfg.per_head else 1
+    per_group = n_layers * maps * heads * cfg.seq_len**2 * 4
+    if str(device).startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(device))[1]  # total memory of the GPU
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = int(free // 4 // max(per_group, 1))
+    if fits < 2:
+        raise UsageError(f"the sums of two groups of maps need {2 * per_group / 2**30:.1f} GiB, more than a quarter "
+                         f"of {free / 2**30:.0f} GiB; capture fewer layers or maps, a shorter seq_len, or set groups=1 "
+                         "(no confidence intervals)")
+    return min(most, fits)
 
 
-def reduce_with_halves(capture, half: dict | None, world: int) -> dict:
-    """All-reduce the sums over ranks and return the means, plus split-half noise maps when there are halves.
+def pattern_rms(m: torch.Tensor) -> float:
+    """Size of the non-relative pattern of a mean score map: the RMS of its diagonal-normalised entries over keys
+    j >= 1 (key 0, the attention sink, is reported on its own; `poslens.analyses.maps.diagonal_normalise`)."""
+    return float(np.sqrt(np.nanmean(diagonal_normalise(m.numpy())[:, 1:] ** 2)))
 
-    The sequences split into two halves (each rank's first and second half of batches); with m1, m2 the two
-    halves' mean maps, |m1 - m2| / 2 estimates the standard error of their average (`scores_noise`). The
-    noise of the diagonal-normalised map is kept the same way (`normalised_noise`).
-    """
-    if world > 1 and half is not None:
-        full = capture.state_dict()
-        capture.load_state_dict(half)
-        capture.all_reduce()
-        half = capture.state_dict()
-        capture.load_state_dict(full)
-    capture.all_reduce()
-    result = capture.result()
-    if half is None or int(half["count"].min()) == 0:
-        return result
-    full = capture.state_dict()
-    capture.load_state_dict(half)
-    first = capture.result()
-    capture.load_state_dict(_subtract(full, half))
-    second = capture.result()
-    capture.load_state_dict(full)
-    result["scores_noise"] = (first["scores"] - second["scores"]).abs() / 2
-    result["normalised_noise"] = torch.as_tensor(
-        np.abs(diagonal_normalise(first["scores"]) - diagonal_normalise(second["scores"])) / 2, dtype=torch.float32)
-    return result
+
+def noise_maps(capture) -> dict[str, torch.Tensor]:
+    """Per-entry jackknife standard error of the diagonal-normalised score map (`normalised_se`), when the capture
+    kept two or more groups of sequences (the raw maps' `scores_se` comes from `Capture.result`)."""
+    if "scores" not in capture._keys():
+        return {}
+    ests = capture.estimate(lambda m: torch.as_tensor(diagonal_normalise(m.numpy())))
+    if ests[0].groups < 2:
+        return {}
+    return {"normalised_se": torch.stack([e.se for e in ests]).float()}
 
 
 def _no_rope(model):
@@ -215,29 +238,38 @@ def _no_rope(model):
     return no_rope(model)
 
 
-def summarise_scores(result: dict) -> dict:
-    """Per layer: the typical score scale (1%-99% range) next to the non-relative pattern's size."""
+def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
+    """Per layer: the typical score scale (1%-99% range) next to the non-relative pattern's size, with its
+    jackknife interval over groups of sequences and the noise level of the normalised map (when groups >= 2).
+
+    `layer` counts from 1 (the paper's numbering, used in every figure and report); `index` is the 0-based index
+    the API and the hook names use.
+    """
     scores = as_numpy(result["scores"])
     layer_ids = result["layers"].tolist() if "layers" in result else list(range(len(scores)))
+    sizes = capture.estimate(pattern_rms, level=level) if capture is not None and "scores" in capture._keys() else None
     layers = []
     for ell, m in enumerate(scores):
         lo, hi = quantile_limits(m)
         normalised = diagonal_normalise(m)
         nlo, nhi = quantile_limits(normalised)
-        entry = {"layer": int(layer_ids[ell]), "score_q01_q99": [lo, hi], "normalised_q01_q99": [nlo, nhi],
+        entry = {"layer": int(layer_ids[ell]) + 1, "index": int(layer_ids[ell]),
+                 "score_q01_q99": [lo, hi], "normalised_q01_q99": [nlo, nhi],
                  # key 0 (the attention sink) is reported on its own
                  "normalised_rms": float(np.sqrt(np.nanmean(normalised[:, 1:] ** 2))),
                  "sink_column_mean": float(np.nanmean(m[1:, 0]))}
-        if "normalised_noise" in result:
-            noise = as_numpy(result["normalised_noise"][ell])[:, 1:]
+        if sizes is not None and sizes[ell].groups >= 2:
+            entry["normalised_rms_ci"] = sizes[ell].item()
+        if "normalised_se" in result:
+            noise = as_numpy(result["normalised_se"][ell])[:, 1:]
             entry["normalised_noise_rms"] = float(np.sqrt(np.nanmean(noise ** 2)))
-            entry["scores_noise_max"] = float(np.nanmax(as_numpy(result["scores_noise"][ell])))
+            entry["scores_se_max"] = float(np.nanmax(as_numpy(result["scores_se"][ell])))
         layers.append(entry)
-    return {"layers": layers}
+    return {"layers": layers, "groups": int(result["groups"][0]) if "groups" in result else 1, "level": level}
 
 
 def figures(result: dict, directory: Path, label: str) -> list[Path]:
     """All layers raw and diagonal-normalised (colour limits at the 1% and 99% quantiles), Figures 11-16 style."""
     layer_ids = result.get("layers", torch.arange(len(result["scores"]))).tolist()
-    return plotting.layer_maps(result["scores"], directory, "scores", label, [f"layer {i}" for i in layer_ids],
+    return plotting.layer_maps(result["scores"], directory, "scores", label, [f"layer {i + 1}" for i in layer_ids],
                                ncols=min(8, len(layer_ids)))

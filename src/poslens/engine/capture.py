@@ -38,7 +38,6 @@ Conventions:
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,23 +45,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers import PreTrainedModel
 
-from poslens.engine.families import check_supported, family_of
-from poslens.errors import UsageError, check_choice
-
-ATTN_SDPA = "poslens_capture"
-ATTN_EAGER = "poslens_capture_eager"
-_OWNER = "_poslens_capture"  # attribute set on the attention modules of captured layers
+from poslens.engine.families import check_supported
+from poslens.engine.hooks import HookedModel, from_factors
+from poslens.engine.stats import Estimate, GroupedSums, t_quantile
+from poslens.errors import UsageError, check_choice, check_int
 
 MAP_KEYS = ("scores", "probs", "log_probs", "hidden_cosine")
 GEMM_MODES = ("auto", "float32", "split-bf16")
-
-
-class _Stop(Exception):
-    """Raised after the deepest captured layer to end a forward early."""
 
 
 @dataclass
@@ -72,13 +63,12 @@ class _Batch:
     valid: torch.Tensor  # [B, T] bool, after alignment: True for the first lengths[b] positions
     shift: torch.Tensor | None  # [B] leading pad tokens per row; None when there are none
     full: bool  # no padding at all
-    stop_at: int | None  # layer_idx after which the forward is ended
 
     def on(self, device: torch.device) -> _Batch:
         if self.valid.device == device:
             return self
         shift = None if self.shift is None else self.shift.to(device)
-        return _Batch(self.valid.to(device), shift, self.full, self.stop_at)
+        return _Batch(self.valid.to(device), shift, self.full)
 
 
 def _align(x: torch.Tensor, batch: _Batch, seq_dim: int) -> torch.Tensor:
@@ -251,11 +241,13 @@ class Capture:
         query_block: int | None = None,
         chunk_bytes: int = 1 << 28,
         gemm: str = "auto",
+        groups: int = 1,
     ) -> None:
         check_supported(model.config)
         check_choice("gemm", gemm, GEMM_MODES)
         self.model = model
         self.base = model.base_model
+        self.hm = HookedModel(model)
         n_layers = len(self.base.layers)
         if layers is None:
             layers = list(range(n_layers))
@@ -275,81 +267,58 @@ class Capture:
         self.gemm = gemm
         self.num_heads = model.config.num_attention_heads
         self._slot = {l: k for k, l in enumerate(self.layers)}
-        self._eager = family_of(model.config).eager_output
+        self.groups = check_int("groups", groups, 1)
+        self.sums = GroupedSums(self.groups, self.device)  # "<key>/<layer>" -> [G, ...] sums, counts per row
+        self.group = 0  # group of the next batch (update() advances it round-robin unless told)
         self._n = 0  # map size (longest sequence so far)
-        self._count = torch.zeros(0, dtype=torch.int64)
+        self._count = torch.zeros(self.groups, 0, dtype=torch.int64)  # sequences reaching each position, per group
         self._window = torch.zeros(len(self.layers), dtype=torch.int64)
-        self._sums: dict[str, list[torch.Tensor | None]] = {k: [None] * len(self.layers) for k in self._keys()}
         self._batch: _Batch | None = None
-        self._installs = 0
-        self._saved_impl: str | None = None
-        self._hooks: list = []
 
-    # ---- installation -------------------------------------------------------------------------------
+    # ---- hook points read ----------------------------------------------------------------------------
 
-    def install(self) -> Capture:
-        """Register the capture attention function on the model (idempotent; undo with `remove()`)."""
-        if self._installs == 0:
-            _register()
-            attns = [self.base.layers[l].self_attn for l in self.layers]
-            if any(getattr(a, _OWNER, None) not in (None, self) for a in attns):
-                raise UsageError("another Capture is already installed on this model; remove it first")
-            self._saved_impl = self.model.config._attn_implementation
-            self.model.set_attn_implementation(ATTN_EAGER if self._eager else ATTN_SDPA)
-            for a in attns:
-                setattr(a, _OWNER, self)
-            if self.wanted["hidden_cosine"]:
-                for l in self.layers:
-                    hook = self.base.layers[l].register_forward_pre_hook(self._hidden_hook(l), with_kwargs=True)
-                    self._hooks.append(hook)
-        self._installs += 1
+    def hooks(self) -> dict:
+        """The hook points this capture reads: the attention scores of each captured layer, as factors q and k (no
+        [B, H, T, T] tensor is formed for the head means), and the residual stream for `hidden_cosine`."""
+        out = {}
+        if self.wanted["scores"] or self.wanted["probs"] or self.wanted["log_probs"]:
+            for l in self.layers:
+                out[f"blocks.{l}.attn.hook_attn_scores"] = from_factors(self._observe)
+        if self.wanted["hidden_cosine"]:
+            for l in self.layers:
+                out[f"blocks.{l}.hook_resid_pre"] = self._hidden
+        return out
+
+    def __enter__(self) -> Capture:  # kept for callers of the former install/remove API: nothing to install
         return self
 
-    def remove(self) -> None:
-        """Undo `install()`: restore the model's attention implementation and drop the hooks."""
-        if self._installs == 0:
-            return
-        self._installs -= 1
-        if self._installs:
-            return
-        for l in self.layers:
-            attn = self.base.layers[l].self_attn
-            if getattr(attn, _OWNER, None) is self:
-                delattr(attn, _OWNER)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        self.model.set_attn_implementation(self._saved_impl)
-
-    def __enter__(self) -> Capture:
-        return self.install()
-
     def __exit__(self, *exc) -> None:
-        self.remove()
+        return None
 
     # ---- running batches -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Run one batch [B, T] through the base model (no LM head), stopping after the deepest captured layer."""
-        ids, mask, batch = self._prepare(input_ids, attention_mask, stop_at=self.layers[-1])
-        with self._running(batch):
-            try:
-                self.base(input_ids=ids, attention_mask=mask, use_cache=False)
-            except _Stop:
-                pass
+    def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               group: int | None = None) -> None:
+        """Run one batch [B, T] through the base model (no LM head), stopping inside the deepest captured layer.
+
+        `group`: the group of sequences this batch belongs to (default: batches go round-robin over the groups)."""
+        ids, mask, batch = self._prepare(input_ids, attention_mask)
+        with self._running(batch, group):
+            self.hm.run(ids, mask, hooks=self.hooks())
         self._commit(batch)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, group: int | None = None,
+                **kwargs):
         """Run the whole model (LM head included) on one batch while capturing; returns the model's output."""
-        ids, mask, batch = self._prepare(input_ids, attention_mask, stop_at=None)
-        with self._running(batch):
-            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs)
+        ids, mask, batch = self._prepare(input_ids, attention_mask)
+        with self._running(batch, group):
+            out = self.hm.run(ids, mask, hooks=self.hooks(), logits=True, **kwargs)
         self._commit(batch)
         return out
 
-    def _prepare(self, input_ids, attention_mask, stop_at):
+    def _prepare(self, input_ids, attention_mask):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise UsageError("input_ids must be an integer tensor of token ids [batch, seq_len]")
         if input_ids.dim() == 1:
@@ -365,7 +334,7 @@ class Capture:
                              f"{tuple(attention_mask.shape)}")
         if attention_mask is None or bool(attention_mask.bool().all()):
             valid = torch.ones(b, n, dtype=torch.bool, device=device)
-            return ids, None, _Batch(valid, None, True, stop_at)
+            return ids, None, _Batch(valid, None, True)
         m = attention_mask.to(device).bool()
         lengths = m.sum(1)
         if bool((lengths == 0).any()):
@@ -375,23 +344,25 @@ class Capture:
         if not torch.equal(m, (pos >= shift[:, None]) & (pos < (shift + lengths)[:, None])):
             raise UsageError("attention_mask rows must be one run of ones (left or right padding), not holes")
         valid = pos < lengths[:, None]
-        batch = _Batch(valid, shift if bool(shift.any()) else None, False, stop_at)
+        batch = _Batch(valid, shift if bool(shift.any()) else None, False)
         return ids, attention_mask.to(device), batch
 
     @contextmanager
-    def _running(self, batch: _Batch):
+    def _running(self, batch: _Batch, group: int | None):
+        if group is not None:
+            self.group = check_int("group", group, 0) % self.groups
         self._grow(batch.valid.shape[1])
-        self.install()
         self._batch = batch
         try:
             yield
         finally:
             self._batch = None
-            self.remove()
 
     def _commit(self, batch: _Batch) -> None:
+        """Count the batch's sequences per position into its group, then move to the next group."""
         counts = batch.valid.sum(0).cpu()
-        self._count[: counts.shape[0]] += counts
+        self._count[self.group, : counts.shape[0]] += counts
+        self.group = (self.group + 1) % self.groups
 
     # ---- accumulation (called from inside the forward) -----------------------------------------------
 
@@ -409,32 +380,24 @@ class Capture:
     def _dtype(self, key: str) -> torch.dtype:
         return torch.float64 if key == "log_partition" else torch.float32
 
-    def _padded(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A sum tensor zero-padded to the current map size (maps grow with the longest sequence)."""
-        return _pad_square(t, self._n, 1 if key == "log_partition" else 2)
-
     def _grow(self, n: int) -> None:
         if n > self._n:
             self._n = n
-            self._count = F.pad(self._count, (0, n - self._count.shape[0]))
+            self._count = F.pad(self._count, (0, n - self._count.shape[1]))
+
+    def _name(self, key: str, slot: int) -> str:
+        return f"{key}/{self.layers[slot]}"
 
     def _acc(self, key: str, slot: int, device: torch.device) -> torch.Tensor:
-        """The sum tensor of (key, layer slot): allocated, grown to the map size, moved to its device."""
-        device = self.device or device
-        t = self._sums[key][slot]
-        if t is None:
-            t = torch.zeros(self._shape(key), dtype=self._dtype(key), device=device)
-        else:
-            t = self._padded(key, t).to(device)
-        self._sums[key][slot] = t
-        return t
+        """The sum tensor of (key, layer slot) for the current group: allocated or grown to the map size."""
+        return self.sums.buffer(self._name(key, slot), self.group, self._shape(key), dtype=self._dtype(key),
+                                device=self.device or device)
 
-    def _observe(self, module, query, key, scaling: float, window: int | None, softcap: float | None) -> None:
-        batch = self._batch
-        if batch is None:  # installed, but the forward was not started by update()/forward()
-            return
-        slot = self._slot[module.layer_idx]
-        window = int(window or 0)
+    def _observe(self, _, ctx) -> None:
+        """Reader of `attn.hook_attn_scores` from the factors q and k (see `hooks`)."""
+        batch, query, key, scaling, softcap = self._batch, ctx.q, ctx.k, ctx.scaling, ctx.softcap
+        slot = self._slot[ctx.layer]
+        window = int(ctx.window or 0)
         self._window[slot] = max(int(self._window[slot]), window)
         with _exact_cuda_matmul(query.is_cuda):
             if self.wanted["scores"] and softcap is None:
@@ -444,8 +407,6 @@ class Capture:
                     self._scores_gemm(slot, query, key, scaling, window, batch)
             if self.wanted["probs"] or self.wanted["log_probs"] or (self.wanted["scores"] and softcap is not None):
                 self._chunked(slot, query, key, scaling, window, softcap, batch)
-        if batch.stop_at == module.layer_idx:
-            raise _Stop
 
     def block_rows(self, n: int, in_place: bool = False) -> int:
         """Query rows per GEMM block for sequences of n tokens.
@@ -533,56 +494,73 @@ class Capture:
                     add("log_probs", s, e, k0, torch.where(keep, logp, zero))
                     add("log_partition", s, e, k0, torch.where(valid[:, None, None, s:e], lse[..., 0], zero))
 
-    def _hidden_hook(self, layer: int):
-        slot = self._slot[layer]
-
-        def hook(module, args, kwargs):
-            if self._batch is None:
-                return None
-            x = args[0] if args else kwargs["hidden_states"]
-            b, n, _ = x.shape
-            xn = _align(F.normalize(x.float(), dim=-1), self._batch, 1).transpose(0, 1).reshape(n, -1)
-            acc = self._acc("hidden_cosine", slot, x.device)
-            for s, e, _ in _blocks(n, self.block_rows(n, _in_place(acc, x)), 0):
-                _add_matmul(acc[s:e, :e], xn[s:e], xn[:e].T, 1.0)
-            return None
-
-        return hook
+    def _hidden(self, x: torch.Tensor, ctx) -> None:
+        """Reader of `hook_resid_pre`: sums of the cosine similarity of the residual-stream vectors."""
+        b, n, _ = x.shape
+        xn = _align(F.normalize(x.float(), dim=-1), self._batch, 1).transpose(0, 1).reshape(n, -1)
+        acc = self._acc("hidden_cosine", self._slot[ctx.layer], x.device)
+        for s, e, _ in _blocks(n, self.block_rows(n, _in_place(acc, x)), 0):
+            _add_matmul(acc[s:e, :e], xn[s:e], xn[:e].T, 1.0)
 
     # ---- results and persistence ---------------------------------------------------------------------
 
+    def _full(self, key: str, slot: int) -> torch.Tensor:
+        """The [G, ...] sums of (key, layer slot) at the current map size (zeros where nothing was added)."""
+        name = self._name(key, slot)
+        if name not in self.sums:
+            dev = self.device or next(self.base.layers[self.layers[slot]].parameters()).device
+            return torch.zeros(self.groups, *self._shape(key), dtype=self._dtype(key), device=dev)
+        return _pad_square(self.sums.sums[name], self._n, 1 if key == "log_partition" else 2)
+
     def _stacked(self, key: str) -> torch.Tensor:
-        """The sums of every layer as one host tensor [n_layers, ...]."""
-        out = torch.zeros(len(self.layers), *self._shape(key), dtype=self._dtype(key))
-        for slot, t in enumerate(self._sums[key]):
-            if t is not None:
-                _put(out[slot], self._padded(key, t))
+        """The sums of every layer as one host tensor [n_layers, G, ...]."""
+        out = torch.zeros(len(self.layers), self.groups, *self._shape(key), dtype=self._dtype(key))
+        for slot in range(len(self.layers)):
+            if self._name(key, slot) in self.sums:
+                _put(out[slot], self._full(key, slot))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Sums and counts on the CPU (for poslens.io.checkpoint.save_partial); resume with load_state_dict()."""
+        """Sums (per group) and counts on the CPU (for poslens.io.checkpoint.save_partial); resume with
+        load_state_dict()."""
         state = {f"{k}_sum": self._stacked(k) for k in self._keys()}
         state["count"] = self._count.clone()
         state["sliding_window"] = self._window.clone()
         state["layers"] = torch.tensor(self.layers, dtype=torch.int64)
+        state["group"] = torch.tensor([self.group], dtype=torch.int64)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore the sums written by state_dict() of a Capture with the same layers and options."""
-        expected = {f"{k}_sum" for k in self._keys()} | {"count", "sliding_window", "layers"}
-        if set(state) != expected or state["layers"].tolist() != self.layers:
-            raise UsageError("checkpoint was written by a capture with other layers or options; "
+        """Restore the sums written by state_dict() of a Capture with the same layers, options and groups."""
+        expected = {f"{k}_sum" for k in self._keys()} | {"count", "sliding_window", "layers", "group"}
+        if set(state) != expected or state["layers"].tolist() != self.layers or \
+                state["count"].dim() != 2 or state["count"].shape[0] != self.groups:
+            raise UsageError("checkpoint was written by a capture with other layers, options or groups; "
                              "delete it or rerun with the same options")
-        n = state["count"].shape[0]
-        self._n = n
+        self._n = state["count"].shape[1]
         self._count = state["count"].to(torch.int64).clone()
         self._window = state["sliding_window"].to(torch.int64).clone()
+        self.group = int(state["group"][0]) % self.groups
+        self.sums = GroupedSums(self.groups, self.device)
         for k in self._keys():
             t = state[f"{k}_sum"]
-            if tuple(t.shape) != (len(self.layers), *self._shape(k)):
+            if tuple(t.shape) != (len(self.layers), self.groups, *self._shape(k)):
                 raise UsageError(f"checkpoint {k}_sum has shape {tuple(t.shape)}, expected "
-                                 f"{(len(self.layers), *self._shape(k))}; per_head differs?")
-            self._sums[k] = [x.to(self._dtype(k)).clone() for x in t.unbind(0)]
+                                 f"{(len(self.layers), self.groups, *self._shape(k))}; per_head differs?")
+            for slot, l in enumerate(self.layers):
+                dev = self.device or next(self.base.layers[l].parameters()).device
+                self.sums.sums[self._name(k, slot)] = t[slot].to(dev, self._dtype(k)).clone()
+                self.sums.counts[self._name(k, slot)] = torch.zeros(self.groups, dtype=torch.float64, device=dev)
+
+    def merge(self, other: Capture) -> None:
+        """Add the sums of another Capture of the same model, layers, options and groups (a shard)."""
+        if other.layers != self.layers or other._keys() != self._keys() or other.groups != self.groups \
+                or other.per_head != self.per_head:
+            raise UsageError("merge: the captures differ in layers, options or groups")
+        self._grow(other._n)
+        self.sums.merge(other.sums)
+        self._count[:, : other._n] += other._count
+        self._window = torch.maximum(self._window, other._window)
 
     def all_reduce(self, group=None) -> None:
         """Sum the accumulators over torch.distributed ranks (no-op unless a process group is initialised)."""
@@ -595,31 +573,35 @@ class Capture:
         n = torch.tensor([self._n], device=comm)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
         self._grow(int(n.item()))
-
-        def reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-            x = t.to(comm)
-            dist.all_reduce(x, op=op, group=group)
-            return x.to(t.device)
-
-        self._count = reduce(self._count)
-        self._window = reduce(self._window, dist.ReduceOp.MAX)
-        for k in self._keys():
+        for k in self._keys():  # every rank holds every sum, at the agreed size (a rank may have had no batch)
             for slot in range(len(self.layers)):
-                t = self._sums[k][slot]
-                dev = t.device if t is not None else (self.device or torch.device("cpu"))
-                self._sums[k][slot] = reduce(self._acc(k, slot, dev))
+                full = self._full(k, slot)
+                self.sums.sums[self._name(k, slot)] = full
+                self.sums.counts.setdefault(self._name(k, slot),
+                                            torch.zeros(self.groups, dtype=torch.float64, device=full.device))
+        self.sums.all_reduce(group)
+        for attr, op in (("_count", dist.ReduceOp.SUM), ("_window", dist.ReduceOp.MAX)):
+            x = getattr(self, attr).to(comm)
+            dist.all_reduce(x, op=op, group=group)
+            setattr(self, attr, x.cpu())
 
-    def result(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    def result(self, device: str | torch.device | None = None, level: float = 0.95) -> dict[str, torch.Tensor]:
         """Means on the CPU (or `device`): maps [n_layers, (H,) T, T] with NaN where undefined, plus counts and
         windows. Each layer is finished where its sums live, then copied once (from a GPU through small
         page-locked staging buffers); `device="cuda"` leaves the maps on the GPU.
 
         Keys: "scores", "probs", "log_probs", "hidden_cosine" (when enabled), their "<key>_per_head" with
         per_head=True (not hidden_cosine), "log_partition" [n_layers, T] (and "_per_head" [n_layers, H, T]),
-        "count" [T] (sequences reaching each position), "layers", "sliding_window" (0 = none), "num_heads".
+        "count" [T] (sequences reaching each position), "layers", "sliding_window" (0 = none), "num_heads",
+        "groups" (groups that hold data). With two or more such groups, every head-mean map also has "<key>_se":
+        the delete-a-group jackknife standard error of each entry (poslens.engine.stats); an interval at `level`
+        is the mean -/+ "t_quantile" (stored) times the SE.
         """
-        n, count = self._n, self._count
+        n, count_g = self._n, self._count
+        count = count_g.sum(0)
         reached = count > 0
+        filled = [g for g in range(self.groups) if int(count_g[g].sum()) > 0]
+        k = len(filled)
         out: dict[str, torch.Tensor] = {}
         target = torch.device("cpu") if device is None else torch.device(device)
         masks: dict[tuple, torch.Tensor] = {}  # (device, window, vector) -> where the mean is defined
@@ -635,70 +617,69 @@ class Capture:
             per_head = self.per_head and key != "hidden_cosine"
             heads = 1 if key == "hidden_cosine" else self.num_heads
             shape = (n,) if vector else (n, n)
-            cnt = count.to(self._dtype(key)).view(-1, *([] if vector else [1]))  # sequences per query row
             mean = torch.empty(len(self.layers), *shape, device=target)
+            se = torch.empty(len(self.layers), *shape, device=target) if k >= 2 else None
             each = torch.empty(len(self.layers), heads, *shape, device=target) if per_head else None
             for slot in range(len(self.layers)):  # one layer at a time: no float64 copy of every map
                 window = int(self._window[slot]) if key != "hidden_cosine" else 0
-                sums = self._sums[key][slot]
-                sums = torch.zeros(self._shape(key), dtype=self._dtype(key)) if sums is None else sums
+                sums = self._full(key, slot)  # [G, (H,) *shape]
                 dev = sums.device  # finish where the sums live (a GPU), then one copy per layer
                 ok = defined(dev, window, vector)
-                c = cnt.to(dev)
-                sums = self._padded(key, sums)
-                total = sums.sum(0) if per_head else sums
+                cg = count_g.to(dev, torch.float64).view(self.groups, n, *([] if vector else [1]))
+                by_group = sums.sum(1, dtype=torch.float64) if per_head else sums.double()  # head sums
+                total, c = by_group.sum(0), cg.sum(0)
                 _put(mean[slot], torch.where(ok, total / (c * heads), math.nan))
+                if se is not None:  # jackknife: leave each group out, spread of the means (stats module)
+                    loo = [(total - by_group[g]) / ((c - cg[g]) * heads) for g in filled]
+                    centre = torch.stack(loo).mean(0) if len(loo) < 64 else sum(loo) / len(loo)
+                    spread = sum((m - centre) ** 2 for m in loo) * (k - 1) / k
+                    _put(se[slot], torch.where(ok, spread.sqrt(), math.nan))
                 if per_head:
-                    _put(each[slot], torch.where(ok, sums / c, math.nan))
+                    _put(each[slot], torch.where(ok, sums.sum(0, dtype=torch.float64) / c, math.nan))
             out[key] = mean
+            if se is not None:
+                out[f"{key}_se"] = se
             if per_head:
                 out[f"{key}_per_head"] = each
         out["count"] = count.clone()
         out["layers"] = torch.tensor(self.layers, dtype=torch.int64)
         out["sliding_window"] = self._window.clone()
         out["num_heads"] = torch.full((len(self.layers),), self.num_heads, dtype=torch.int64)
+        out["groups"] = torch.tensor([k], dtype=torch.int64)
+        if k >= 2:
+            out["t_quantile"] = torch.tensor([t_quantile((1 + level) / 2, k - 1)], dtype=torch.float64)
+        return out
+
+    def estimate(self, fn, key: str = "scores", level: float = 0.95) -> list[Estimate]:
+        """fn(mean map) per captured layer, with a delete-a-group jackknife interval (poslens.engine.stats).
+
+        `fn` takes a float64 [T, T] head-mean map on the CPU (NaN where undefined, as in `result`) and returns a
+        tensor or a float (e.g. the size of the diagonal-normalised pattern). Needs all-reduced sums under torchrun.
+        """
+        if key not in self._keys() or key == "log_partition":
+            raise UsageError(f"estimate: key must be one of the captured maps {self._keys()}; got {key!r}")
+        n = self._n
+        heads = 1 if key == "hidden_cosine" else self.num_heads
+        reached = self._count.sum(0) > 0
+        out = []
+        for slot in range(len(self.layers)):
+            window = int(self._window[slot]) if key != "hidden_cosine" else 0
+            ok = _seen(n, window) & reached[:, None]
+            sums = self._full(key, slot)
+            by_group = (sums.sum(1, dtype=torch.float64) if self.per_head and key != "hidden_cosine"
+                        else sums.double()).cpu()
+            gs = GroupedSums(self.groups)
+            gs.sums["m"], gs.counts["m"] = by_group, self._count.double() * heads
+            out.append(gs.estimate(lambda m: fn(torch.where(ok, m["m"], math.nan)), level=level))
         return out
 
     def reset(self) -> None:
         """Forget everything accumulated so far."""
         self._n = 0
-        self._count = torch.zeros(0, dtype=torch.int64)
+        self._count = torch.zeros(self.groups, 0, dtype=torch.int64)
         self._window.zero_()
-        self._sums = {k: [None] * len(self.layers) for k in self._keys()}
-
-
-# ---- the registered attention functions -----------------------------------------------------------------
-
-
-def _capture_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Capture, then transformers' own SDPA attention (identical output)."""
-    _observe(module, query, key, scaling, kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
-
-
-def _capture_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Capture, then the model's own eager attention (for families without SDPA, e.g. Gemma-2's softcap)."""
-    _observe(module, query, key, scaling, kwargs)
-    eager = importlib.import_module(type(module).__module__).eager_attention_forward
-    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def _observe(module, query, key, scaling, kwargs) -> None:
-    owner = getattr(module, _OWNER, None)
-    if owner is not None:
-        if scaling is None:
-            scaling = module.head_dim**-0.5
-        with torch.no_grad():
-            owner._observe(module, query, key, scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
-
-
-def _register() -> None:
-    # Both registries: without a mask function transformers builds no mask at all (no padding, no window).
-    AttentionInterface.register(ATTN_SDPA, _capture_sdpa)
-    AttentionMaskInterface.register(ATTN_SDPA, sdpa_mask)
-    AttentionInterface.register(ATTN_EAGER, _capture_eager)
-    AttentionMaskInterface.register(ATTN_EAGER, eager_mask)
+        self.sums = GroupedSums(self.groups, self.device)
+        self.group = 0
 
 
 # ---- one-call helper ------------------------------------------------------------------------------------

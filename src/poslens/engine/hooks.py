@@ -72,8 +72,11 @@ HookFn = Callable[[Any, "HookContext"], Any]
 
 def from_factors(fn: HookFn) -> HookFn:
     """Mark a reader of `attn.hook_attn_scores` that works from ctx.q and ctx.k: it gets None, no scores are formed."""
-    fn.poslens_from_factors = True
-    return fn
+    def reader(x, ctx):
+        return fn(x, ctx)
+
+    reader.poslens_from_factors = True
+    return reader
 
 
 @dataclass
@@ -143,11 +146,11 @@ class HookedModel:
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             hooks: dict[str, HookFn | list[HookFn]] | None = None, *, logits: bool = False,
-            position_ids: torch.Tensor | None = None):
+            position_ids: torch.Tensor | None = None, **model_kwargs):
         """One forward under no_grad with `hooks` (point name -> function or list of functions).
 
         Returns the model's output (logits) when `logits=True`; otherwise the forward stops after the last hooked
-        point and returns None.
+        point and returns None. `model_kwargs` go to the model's forward (e.g. output_hidden_states=True).
         """
         by_point = self._check_hooks(hooks or {})
         last = None if logits or not by_point else max(_point_order(n, self.n_layers) for n in by_point)
@@ -160,7 +163,7 @@ class HookedModel:
                 run.per_layer.setdefault(layer, {})[point] = fns
         with torch.no_grad(), self._installed(run):
             kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)
+                          use_cache=False, **model_kwargs)
             if logits:
                 return self.model(**kwargs)
             try:
