@@ -94,3 +94,50 @@ def test_one_group_gives_no_interval_and_bad_arguments_are_usage_errors():
     other = GroupedSums(2)
     with pytest.raises(UsageError):
         s.merge(other)
+
+
+def test_runner_resumes_and_shards_to_the_same_numbers(tmp_path):
+    """run_statistics: interrupted after 2 batches and rerun == uninterrupted; two shards merged == one pass;
+    the example statistic (ActivationNorm) at position 0 equals the norm of the model's own hidden state."""
+    from tiny_models import build, token_batch
+
+    from poslens.engine.runner import run_statistics
+    from poslens.engine.statistics import ActivationNorm
+
+    model = build("llama")
+    batches = [token_batch(2, 12, seed=30 + b) for b in range(5)]
+    whole = ActivationNorm(groups=3)
+    run_statistics(model, [whole], batches)
+    ckpt = tmp_path / "partial.safetensors"
+
+    class Interrupt(Exception):
+        pass
+
+    first = ActivationNorm(groups=3)
+    original = first._read
+    calls = []
+
+    def flaky(x, ctx):
+        if len(calls) == 2 * 3 + 1:  # two full batches (3 layers each) done, the third started
+            raise Interrupt
+        calls.append(1)
+        original(x, ctx)
+
+    first._read = flaky
+    with pytest.raises(Interrupt):
+        run_statistics(model, [first], batches, checkpoint=ckpt, checkpoint_every=1)
+    resumed = ActivationNorm(groups=3)
+    assert run_statistics(model, [resumed], batches, checkpoint=ckpt, checkpoint_every=1) == 2
+    a, b = whole.result(), resumed.result()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert not ckpt.exists()
+    shard1, shard2 = ActivationNorm(groups=3), ActivationNorm(groups=3)
+    run_statistics(model, [shard1], batches[:3])
+    run_statistics(model, [shard2], batches[3:], first_batch=3)
+    shard1.merge(shard2)
+    for key, v in shard1.result().items():
+        torch.testing.assert_close(v, a[key], rtol=1e-12, atol=1e-12, equal_nan=True)
+    with torch.no_grad():
+        hidden = torch.stack([model(input_ids=x, output_hidden_states=True).hidden_states[1] for x in batches])
+    torch.testing.assert_close(a["norm"][1], hidden.double().norm(dim=-1).mean((0, 1)), rtol=1e-6, atol=1e-6)

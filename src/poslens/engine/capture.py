@@ -670,7 +670,7 @@ class Capture:
                         else sums.double()).cpu()
             gs = GroupedSums(self.groups)
             gs.sums["m"], gs.counts["m"] = by_group, self._count.double() * heads
-            out.append(gs.estimate(lambda m: fn(torch.where(ok, m["m"], math.nan)), level=level))
+            out.append(gs.estimate(lambda m, ok=ok: fn(torch.where(ok, m["m"], math.nan)), level=level))
         return out
 
     def reset(self) -> None:

@@ -336,7 +336,7 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int) -> torch.
     return s.masked_fill(~allowed, -math.inf)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
