@@ -168,8 +168,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_poslens(model, batches, query_block: int, gemm: str) -> torch.Tensor:
-    cap = Capture(model, query_block=query_block, gemm=gemm)
+def run_poslens(model, batches, query_block: int, gemm: str, groups: int = 1) -> torch.Tensor:
+    cap = Capture(model, query_block=query_block, gemm=gemm, **({"groups": groups} if groups > 1 else {}))
     dev = batches[0].device
     t0 = time.perf_counter()
     for ids in batches:
@@ -350,6 +350,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reference", choices=["both", "same", "none"], default="both",
                    help="float64 references: same-forward and float64 model (both), same-forward only, none")
     p.add_argument("--methods", default="plain,base,poslens,published")
+    p.add_argument("--groups", type=int, default=1, help="Capture(groups=G): sums kept per group for intervals")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", default=None, help="after the timings, profile one call of plain and of poslens "
@@ -366,7 +367,7 @@ def main(argv=None) -> dict:
                for _ in range(args.batches)]
     methods = {"plain": lambda: run_plain(model, batches),
                "base": lambda: run_base(model, batches),
-               "poslens": lambda: run_poslens(model, batches, args.query_block, args.gemm),
+               "poslens": lambda: run_poslens(model, batches, args.query_block, args.gemm, args.groups),
                "published": lambda: run_published(model, batches)}
     methods = {k: methods[k] for k in args.methods.split(",")}
     info = {"args": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),

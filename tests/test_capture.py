@@ -381,6 +381,18 @@ def test_bad_arguments_are_refused():
         Capture(model).update(ids.float())
     with pytest.raises(UsageError, match="nothing to capture"):
         Capture(model, scores=False)
+    with pytest.raises(UsageError, match="layers must be an integer"):
+        Capture(model, layers=[1.7])
+    for bad in (ids.clone().fill_(256), ids.clone().fill_(-1)):  # the tiny vocabulary is [0, 256)
+        with pytest.raises(UsageError, match="outside the model's vocabulary"):
+            Capture(model).update(bad)
+    with pytest.raises(UsageError, match="beyond the model's window"):
+        Capture(model).update(token_batch(1, 1025))  # max_position_embeddings 1024
+    with pytest.raises(UsageError, match="batch_size"):
+        attention_scores(model, ids, batch_size=-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="CUDA is not available"):
+            Capture(model, device="cuda")
 
 
 def test_group_standard_errors_equal_a_jackknife_over_separate_captures():

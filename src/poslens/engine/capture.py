@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from poslens.engine.families import check_supported
+from poslens.engine.models import max_positions
 from poslens.engine.hooks import HookedModel, from_factors
 from poslens.engine.stats import Estimate, GroupedSums, t_quantile
 from poslens.errors import UsageError, check_choice, check_int
@@ -252,8 +253,7 @@ class Capture:
         if layers is None:
             layers = list(range(n_layers))
         for l in layers:
-            if not -n_layers <= int(l) < n_layers:
-                raise UsageError(f"layers: index {l} out of range for a model with {n_layers} layers")
+            check_int("layers", l, -n_layers, n_layers - 1)  # whole numbers only: 1.7 is not a layer
         self.layers = sorted({int(l) % n_layers for l in layers})
         if not self.layers:
             raise UsageError("layers must name at least one layer (or be None for all)")
@@ -261,6 +261,10 @@ class Capture:
             raise UsageError("nothing to capture: enable scores, probs, log_probs or hidden_cosine")
         self.per_head = per_head
         self.wanted = {"scores": scores, "probs": probs, "log_probs": log_probs, "hidden_cosine": hidden_cosine}
+        if device is not None:
+            from poslens.engine.models import check_device
+
+            check_device(str(device))
         self.device = None if device is None else torch.device(device)
         self._query_block = None if query_block is None else max(1, int(query_block))
         self.chunk_bytes = int(chunk_bytes)
@@ -327,6 +331,15 @@ class Capture:
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise UsageError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}")
         device = self.model.get_input_embeddings().weight.device
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise UsageError(f"input_ids: token id {lo if lo < 0 else hi} is outside the model's vocabulary "
+                             f"[0, {vocab}); use the model's own tokenizer")
+        limit = max_positions(self.model)
+        if input_ids.shape[-1] > limit:
+            raise UsageError(f"input_ids: {input_ids.shape[-1]} tokens are beyond the model's window of {limit} "
+                             "positions; use shorter sequences")
         ids = input_ids.to(device)
         b, n = ids.shape
         if attention_mask is not None and tuple(attention_mask.shape) != (b, n):
@@ -698,7 +711,7 @@ def attention_scores(
     `batch_size` splits input_ids into batches of that many sequences (all at once when None).
     """
     cap = Capture(model, layers)
-    step = batch_size or input_ids.shape[0]
+    step = input_ids.shape[0] if batch_size is None else check_int("batch_size", batch_size, 1)
     for s in range(0, input_ids.shape[0], step):
         mask = None if attention_mask is None else attention_mask[s : s + step]
         cap.update(input_ids[s : s + step], mask)
