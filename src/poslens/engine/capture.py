@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from poslens.engine.families import check_supported
-from poslens.engine.models import max_positions
 from poslens.engine.hooks import HookedModel, from_factors
+from poslens.engine.models import max_positions
 from poslens.engine.stats import Estimate, GroupedSums, t_quantile
 from poslens.errors import UsageError, check_choice, check_int
 
