@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import poslens
-from poslens.cli import main
+from poslens.cli import COMMANDS, main, noise_text
+from poslens.errors import UsageError
 from poslens.stack.config import StackConfig
 from poslens.stack.gramflow import gram_flow
 
@@ -52,15 +53,15 @@ def test_simulate_command_writes_maps_with_errors(tmp_path):
     (["simulate", "--alpha", "1.0"], "alpha must be in [0, 1)"),
     (["simulate", "--alpha", "-0.1"], "alpha"),
     (["simulate", "--pe", "rope", "--d", "63"], "d must be even"),
-    (["simulate", "--seq-len", "1"], "n must be"),
+    (["simulate", "--seq-len", "1"], "--seq-len must be >= 2"),  # StackConfig's n, shown as its flag
     (["simulate", "--samples", "0"], "samples"),
     (["simulate", "--mask", "sliding"], "window"),
     (["simulate", "--mask", "sliding", "--window", "0"], "window"),
     (["simulate", "--window", "4"], "window"),
-    (["simulate", "--norm", "batchnorm"], "norm must be one of"),
+    (["simulate", "--norm", "batchnorm"], "argument --norm: invalid choice: 'batchnorm'"),
     (["simulate", "--device", "cuda"], "cuda"),
     (["gramflow", "--layers", "0"], "layers"),
-    (["gramflow", "--rope-scaling", "0.5", "--pe", "rope"], "rope_scaling"),
+    (["gramflow", "--rope-scaling", "0.5", "--pe", "rope"], "--rope-scaling must be >= 1"),
     (["reproduce", "--samples", "0"], "samples"),
     (["simulate", "--alpha", "abc"], "invalid float"),
     (["simulate", "--maps", "scores,logits"], "--maps"),
@@ -101,3 +102,161 @@ def test_help_everywhere():
     for sub in ([], ["simulate"], ["gramflow"], ["reproduce"], ["scores"], ["compare"]):
         res = cli(*sub, "--help")
         assert res.returncode == 0 and "usage: poslens" in res.stdout
+
+
+def test_row_check_printed_only_where_it_can_mean_something(tmp_path, capsys):
+    out = tmp_path / "gf"
+    assert main(["gramflow", "--seq-len", "8", "--alpha", "0.3", "--layers", "3", "--no-figures",
+                 "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # layer 1 scores are the input Gram: 1 on the diagonal, alpha everywhere below it, so no row can increase
+    first = poslens.load(out)["scores"][0].numpy()
+    below = first[np.tril_indices(8, -1)]
+    assert np.allclose(below, 0.3, rtol=0, atol=1e-12) and np.allclose(np.diag(first), 1.0, rtol=0, atol=1e-12)
+    assert lines[0].startswith("layer 1:") and "rows increasing" not in lines[0]
+    assert "rows increasing in j: 7/7" in lines[1] and "rows increasing in j: 7/7" in lines[2]
+    assert lines[-1] == f"wrote {out}"
+    # with RoPE, layer 1 is the rotated Gram (position dependent): the check is printed
+    assert main(["gramflow", "--seq-len", "8", "--pe", "rope", "--layers", "2", "--no-figures", "--out",
+                 str(tmp_path / "rope")]) == 0
+    assert "rows increasing" in capsys.readouterr().out.splitlines()[0]
+
+
+def failing_command(exc):
+    def run(args):
+        from tqdm import tqdm
+
+        bar = tqdm(total=10, file=sys.stderr)
+        bar.update(3)  # a bar left mid-line, as when a run fails part-way
+        raise exc
+    return run
+
+
+@pytest.mark.parametrize("exc, code, line", [
+    (UsageError("layers must be >= 1, got 0", param="layers"), 2,
+     "poslens gramflow: error: --layers must be >= 1, got 0"),
+    (KeyboardInterrupt(), 130, "poslens gramflow: interrupted; nothing was written to --out (rerun the same "
+     "command; runs with checkpoints resume where they stopped)"),
+])
+def test_messages_after_a_progress_bar_start_on_their_own_line(monkeypatch, capsys, exc, code, line):
+    monkeypatch.setitem(COMMANDS, "gramflow", (*COMMANDS["gramflow"][:3], failing_command(exc)))
+    assert main(["gramflow"]) == code
+    err = capsys.readouterr().err
+    assert "3/10" in err  # the bar was drawn
+    assert err.split("\n")[-2:] == [line, ""]  # the message is a whole line of its own (tqdm redraws with \r)
+
+
+def test_noise_text_prefers_an_interval():
+    m = {"normalised_rms": 0.0421, "normalised_noise_rms": 0.0036,
+         "normalised_rms_ci": {"value": 0.0421, "lo": 0.0398, "hi": 0.0447, "level": 0.95}}
+    assert noise_text(m) == "rms 0.042, 95% interval [0.040, 0.045], noise rms 0.004"
+    del m["normalised_noise_rms"]
+    assert noise_text(m) == "rms 0.042, 95% interval [0.040, 0.045]"
+    m["normalised_noise_rms"] = 0.0036
+    del m["normalised_rms_ci"]
+    assert noise_text(m) == "rms 0.042, noise rms 0.004"
+    assert noise_text({"normalised_rms": 0.5}) == "rms 0.500, no noise estimate (one batch)"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a byte-level tokenizer, saved as a local model directory."""
+    from tiny_models import build
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny-llama-cli")
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    build("llama", vocab_size=258, max_position_embeddings=128).save_pretrained(d)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(d)
+    return d
+
+
+def test_scores_prints_noise_beside_the_pattern_and_compare_prints_what_it_wrote(tiny_model_dir, tmp_path, capsys):
+    common = ["--seq-len", "48", "--num-sequences", "8", "--batch-size", "2", "--mode", "pack", "--quiet"]
+    assert main(["scores", str(tiny_model_dir), *common, "--out", str(tmp_path / "a")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    metrics = poslens.load(tmp_path / "a", tensors=False).metrics["layers"]
+    assert len(lines) == len(metrics) + 1 and lines[-1] == f"wrote {tmp_path / 'a'}"
+    for line, m in zip(lines, metrics):
+        nlo, nhi = m["normalised_q01_q99"]
+        assert line.startswith(f"layer {m['layer']}: ")
+        assert f"non-relative pattern [{nlo:+.3f}, {nhi:+.3f}] ({noise_text(m)})" in line
+        assert f"noise rms {m['normalised_noise_rms']:.3f}" in line  # 8 sequences in 4 batches: a noise figure
+        if "normalised_rms_ci" in m:  # the engine's interval, printed when the run carries one
+            ci = m["normalised_rms_ci"]
+            assert f"interval [{ci['lo']:.3f}, {ci['hi']:.3f}]" in line and ci["lo"] <= ci["value"] <= ci["hi"]
+    assert main(["scores", str(tiny_model_dir), *common, "--no-rope", "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "fig5"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--first", "2", "--labels", "RoPE", "NoPE",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    written = sorted(str(p) for p in (out / "figures").iterdir())
+    assert written and printed == [f"wrote {p}" for p in written] + [f"wrote {out}"]
+    assert poslens.load(out, tensors=False).config["labels"] == ["RoPE", "NoPE"]
+
+
+def readme_commands():
+    """Every `poslens ...` line in the README's and docs' shell blocks, as argv after `poslens`."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
+            for line in block.splitlines():
+                for part in line.split("&&"):
+                    words = shlex.split(part, comments=True)
+                    at = next((k for k, w in enumerate(words) if w == "poslens" or w.endswith("bin/poslens")), None)
+                    if at is not None and at + 1 < len(words):
+                        found.append((doc.name, words[at + 1:]))
+    return found
+
+
+def test_readme_commands_parse():
+    """The documented command lines are the contract: each parses (nothing runs)."""
+    from poslens.cli import build_parser
+
+    commands = readme_commands()
+    assert {argv[0] for _, argv in commands} >= {"simulate", "gramflow", "scores", "compare", "reproduce"}
+    for doc, argv in commands:
+        args = build_parser(argv[0]).parse_args(argv)
+        assert args.command == argv[0], (doc, argv)
+
+
+def test_warnings_during_a_progress_bar_get_their_own_line(monkeypatch, capsys):
+    import warnings
+
+    def warns(args):
+        from tqdm import tqdm
+
+        with tqdm(total=10, file=sys.stderr) as bar:
+            bar.update(3)
+            warnings.warn("something to know", UserWarning, stacklevel=1)
+            bar.update(7)
+
+    monkeypatch.setitem(COMMANDS, "gramflow", (*COMMANDS["gramflow"][:3], warns))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["gramflow"]) == 0
+    lines = on_screen(capsys.readouterr().err)
+    warned = [x for x in lines if "UserWarning: something to know" in x]
+    assert len(warned) == 1 and "3/10" not in warned[0], lines  # not drawn over (or after) the bar
+    assert "10/10" in lines[-1]  # the bar was redrawn below the warning and finished
+
+
+def on_screen(text):
+    """The lines a terminal shows for `text`: within a line, each carriage return writes over from column 0."""
+    lines = []
+    for raw in text.split("\n"):
+        shown = ""
+        for piece in raw.split("\r"):
+            shown = piece + shown[len(piece):]
+        lines.append(shown.rstrip())
+    return [x for x in lines if x]

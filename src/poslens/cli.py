@@ -1,17 +1,32 @@
 """The `poslens` command line. Each subcommand parses its arguments and calls one library function.
 
-Bad input ends with a one-line error and exit status 2; nothing is written (results go to a temporary
-directory that is renamed into place only when complete).
+Options come from the config dataclasses (`poslens.options`): a field `seq_len` of `ScoresConfig` is the flag
+`--seq-len`, with the field's default and help. Library functions raise `UsageError` naming their own parameter;
+`main` shows it as the flag (one place: `flag_message`). Bad input ends with a one-line error and exit status 2.
+
+New commands live in their own modules, each with `add_command(sub)`; list them in `COMMAND_MODULES`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import re
 import sys
 import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from poslens.errors import UsageError
-from poslens.stack.config import MASKS, NORMS, POSITIONAL, StackConfig
+from poslens.options import add_options, flags, from_args, option
+
+# Modules with `add_command(sub: argparse._SubParsersAction) -> None` (import torch only inside functions).
+COMMAND_MODULES: list[str] = [
+    "poslens.analyses.intermediates_command",  # intermediates MODEL --layer L (Figure 3)
+    "poslens.train.command",  # tokenize, train
+    "poslens.analyses.leakage.command",  # leakage MODEL (seed 004)
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -21,83 +36,101 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def add_stack_args(p: argparse.ArgumentParser) -> None:
-    """Knobs of the parameter-free stack (paper Eq. 1), shared by `simulate` and `gramflow`."""
-    g = p.add_argument_group("stack (paper Eq. 1)")
-    g.add_argument("--seq-len", "--n", dest="n", type=int, default=50, help="tokens per sequence n (default 50)")
-    g.add_argument("--d", "--hidden-size", dest="d", type=int, default=64, help="hidden size d (default 64)")
-    g.add_argument("--alpha", type=float, default=0.0, help="expected inner product of inputs, in [0, 1) (default 0)")
-    g.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
-    g.add_argument("--norm", default="l2", help=f"normalisation: {', '.join(NORMS)} (default l2)")
-    g.add_argument("--no-residual", dest="residual", action="store_false", help="drop the residual connection")
-    g.add_argument("--pe", default="none", help=f"positional encoding: {', '.join(POSITIONAL)} (default none)")
-    g.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base theta (default 10000)")
-    g.add_argument("--rope-scaling", type=float, default=1.0,
-                   help="NTK-style RoPE base scaling factor s >= 1: base * s^(d/(d-2)) (default 1: none)")
-    g.add_argument("--mask", default="causal", help=f"attention mask: {', '.join(MASKS)} (default causal)")
-    g.add_argument("--window", type=int, default=None, help="window W for --mask sliding (keys i-W < j <= i)")
+# Command-level options that are arguments of a library function rather than fields of a config class. Their
+# defaults equal the function's (tests/test_options.py checks that).
+
+@dataclass
+class MonteCarloOptions:
+    """`simulate`'s sampling knobs: the keyword arguments of `poslens.stack.simulate.simulate`."""
+
+    samples: int = option(100_000, help="number of sampled sequences")
+    seed: int = option(0, help="random seed")
+    chunk: int | None = option(None, help="samples per chunk (default: automatic; the result does not depend on it)")
+    device: str = option("cpu", help="where to compute", choices=("cpu", "cuda"))
+    dtype: str = option("float32", help="compute dtype (sums are float64)", choices=("float32", "float64"))
+    maps: tuple[str, ...] = option(("scores", "probs", "cosine"), choices=("scores", "probs", "cosine"),
+                                   help="what to compute, each with its standard error: a comma-separated subset "
+                                   "(default all; scores alone is about 1.4x faster)")
 
 
-def stack_config(args: argparse.Namespace) -> StackConfig:
-    return StackConfig(n=args.n, d=args.d, alpha=args.alpha, layers=args.layers, norm=args.norm,
-                       residual=args.residual, positional=args.pe, rope_theta=args.rope_theta,
-                       rope_scaling=args.rope_scaling, mask=args.mask, window=args.window)
+@dataclass
+class ReproduceOptions:
+    """Arguments of `poslens.report.reproduce.reproduce`."""
+
+    quick: bool = option(False, help="fewer Monte Carlo samples and model sequences")
+    samples: int | None = option(None, help="Monte Carlo samples per setting (default 100000, or 10000 with --quick)")
+    seed: int = option(0, help="random seed")
+    models: bool = option(True, help="skip the real-model section")
 
 
-def add_output_args(p: argparse.ArgumentParser, default: str) -> None:
+@dataclass
+class CompareOptions:
+    """Arguments of `poslens.analyses.compare.compare` (`first` is its `layers`)."""
+
+    runs: list[str] = option(help="run directories written by `poslens scores`", positional=True, metavar="RUN")
+    first: int = option(4, help="how many leading layers to show")
+
+
+def add_output_args(p: argparse.ArgumentParser, default: str, *, quiet: bool = True) -> None:
+    """`--out`, `--force` (and `--quiet` unless quiet=False): CLI-level, not part of any config."""
     p.add_argument("--out", default=default, help=f"run directory to write (default {default})")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it is a run directory poslens wrote (anything else is refused)")
+    if quiet:
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     import torch
 
     from poslens.analyses.stackrun import write_stack_run
-    from poslens.errors import check_choice, check_int
     from poslens.io.results import run_directory
-    from poslens.stack.simulate import MAPS, simulate
+    from poslens.stack.config import StackConfig
+    from poslens.stack.simulate import simulate
 
-    config = stack_config(args)
-    check_int("samples", args.samples, 1)
-    maps = tuple(m.strip() for m in args.maps.split(","))
-    bad = [m for m in maps if m not in MAPS] or (["(none)"] if not maps else [])
-    if bad:
-        raise UsageError(f"--maps takes a comma-separated subset of {','.join(MAPS)}; got {args.maps!r}")
-    check_choice("dtype", args.dtype, ("float32", "float64"))
-    check_choice("device", args.device, ("cpu", "cuda"))
-    if args.device == "cuda" and not torch.cuda.is_available():
+    config = from_args(StackConfig, args)
+    mc = from_args(MonteCarloOptions, args)
+    if mc.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("device cuda requested but torch sees no GPU; use --device cpu")
     started = time.perf_counter()
     with run_directory(args.out, args.force) as tmp:
-        res = simulate(config, samples=args.samples, seed=args.seed, chunk=args.chunk, device=args.device,
-                       dtype=getattr(torch, args.dtype), progress=not args.quiet, maps=maps)
+        res = simulate(config, samples=mc.samples, seed=mc.seed, chunk=mc.chunk, device=mc.device,
+                       dtype=getattr(torch, mc.dtype), progress=not args.quiet, maps=mc.maps)
         tensors = {name: t for name in ("scores_mean", "scores_se", "probs_mean", "probs_se", "cosine_mean",
                                         "cosine_se") if (t := getattr(res, name)) is not None}
         metrics = write_stack_run(tmp, config, tensors, "simulate",
-                                  {"samples": args.samples, "seed": args.seed, "device": args.device,
-                                   "dtype": args.dtype, "maps": list(maps)}, started, draw=not args.no_figures)
-    report_layers(args.out, metrics)
+                                  {"samples": mc.samples, "seed": mc.seed, "device": mc.device,
+                                   "dtype": mc.dtype, "maps": list(mc.maps)}, started, draw=not args.no_figures)
+    report_layers(args.out, config, metrics)
 
 
 def cmd_gramflow(args: argparse.Namespace) -> None:
     from poslens.analyses.stackrun import write_stack_run
     from poslens.io.results import run_directory
+    from poslens.stack.config import StackConfig
     from poslens.stack.gramflow import gram_flow
 
-    config = stack_config(args)
+    config = from_args(StackConfig, args)
     started = time.perf_counter()
     with run_directory(args.out, args.force) as tmp:
         res = gram_flow(config)
         tensors = {"scores": res.scores, "probs": res.probs, "gram": res.gram, "cosine": res.cosine}
         metrics = write_stack_run(tmp, config, tensors, "gramflow", {}, started, draw=not args.no_figures)
-    report_layers(args.out, metrics)
+    report_layers(args.out, config, metrics)
 
 
-def report_layers(out: str, metrics: dict) -> None:
-    """One line per layer on stdout: score range, rows increasing, non-relative residual."""
+def row_check_means_something(config, layer: int) -> bool:
+    """Whether "rows increasing in j" says anything: not at layer 1 without RoPE, whose scores are the input Gram
+    (constant off the diagonal in expectation), nor without a causal mask."""
+    return config.mask != "none" and not (layer == 1 and config.positional == "none")
+
+
+def report_layers(out: str, config, metrics: dict) -> None:
+    """One line per layer on stdout: score range, rows increasing (where it means something), non-relative residual."""
     for m in metrics["layers"]:
         rows = m.get("rows_increasing")
-        inc = f"rows increasing in j: {rows['holding']}/{rows['checked']}  " if rows else ""
+        inc = (f"rows increasing in j: {rows['holding']}/{rows['checked']}  "
+               if rows and row_check_means_something(config, m["layer"]) else "")
         print(f"layer {m['layer']}: scores in [{m['range'][0]:.4f}, {m['range'][1]:.4f}]  {inc}"
               f"largest diagonal-normalised residual {m['toeplitz_residual']['max_abs']:.3g}")
     print(f"wrote {out}")
@@ -106,26 +139,33 @@ def report_layers(out: str, metrics: dict) -> None:
 def cmd_reproduce(args: argparse.Namespace) -> None:
     from poslens.report.reproduce import reproduce
 
-    reproduce(out=args.out, quick=args.quick, force=args.force, models=not args.no_models,
-              progress=not args.quiet, seed=args.seed, samples=args.samples)
+    o = from_args(ReproduceOptions, args)
+    reproduce(out=args.out, quick=o.quick, force=args.force, models=o.models, progress=not args.quiet, seed=o.seed,
+              samples=o.samples)
+
+
+def noise_text(m: dict) -> str:
+    """What is printed beside a layer's non-relative pattern: its rms, the confidence interval of that rms when
+    the metrics carry one ({"value", "lo", "hi"[, "level"]} under a key starting "normalised_rms"), and the
+    noise rms of the normalised map (an rms of pure noise is positive, so the interval alone cannot say that a
+    pattern is resolved; the noise level beside it can)."""
+    parts = [f"rms {m['normalised_rms']:.3f}"] if "normalised_rms" in m else []
+    for key, v in m.items():
+        if key.startswith("normalised_rms") and isinstance(v, dict) and {"value", "lo", "hi"} <= v.keys():
+            level = f"{100 * v['level']:g}% " if "level" in v else ""
+            parts.append(f"{level}interval [{v['lo']:.3f}, {v['hi']:.3f}]")
+            break
+    if "normalised_noise_rms" in m:
+        parts.append(f"noise rms {m['normalised_noise_rms']:.3f}")
+    elif len(parts) < 2:
+        parts.append("no noise estimate (one batch)")
+    return ", ".join(parts)
 
 
 def cmd_scores(args: argparse.Namespace) -> None:
     from poslens.analyses.scores import ScoresConfig, run_scores
 
-    layers = None
-    if args.layers:
-        try:
-            layers = sorted({int(x) for x in args.layers.split(",")})
-        except ValueError:
-            raise UsageError(f"--layers takes comma-separated layer indices such as 0,1,2; got {args.layers!r}") \
-                from None
-    cfg = ScoresConfig(model=args.model, data=args.data, text_field=args.text_field, seq_len=args.seq_len,
-                       num_sequences=args.num_sequences, batch_size=args.batch_size, mode=args.mode, bos=args.bos,
-                       layers=layers, per_head=args.per_head, probs=args.probs, log_probs=args.log_probs,
-                       hidden_cosine=args.hidden_cosine, no_rope=args.no_rope, dtype=args.dtype,
-                       device=args.device, attn_implementation="sdpa", tokenizer=args.tokenizer,
-                       checkpoint_every=args.checkpoint_every)
+    cfg = from_args(ScoresConfig, args)
     path = run_scores(cfg, args.out, force=args.force, progress=not args.quiet)
     if path is not None:
         from poslens.io.results import load
@@ -133,105 +173,122 @@ def cmd_scores(args: argparse.Namespace) -> None:
         for m in load(path, tensors=False).metrics["layers"]:
             lo, hi = m["score_q01_q99"]
             nlo, nhi = m["normalised_q01_q99"]
-            print(f"layer {m['layer']}: scores [{lo:+.2f}, {hi:+.2f}]  non-relative pattern [{nlo:+.3f}, {nhi:+.3f}]")
+            print(f"layer {m['layer']}: scores [{lo:+.2f}, {hi:+.2f}]  non-relative pattern [{nlo:+.3f}, {nhi:+.3f}] "
+                  f"({noise_text(m)})")
         print(f"wrote {path}")
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
     from poslens.analyses.compare import compare
 
-    compare(args.runs, args.out, layers=args.first, labels=args.labels, force=args.force)
+    o = from_args(CompareOptions, args)
+    path = compare(o.runs, args.out, layers=o.first, labels=args.labels, force=args.force)
+    for f in sorted((path / "figures").glob("*")):
+        print(f"wrote {f}")
+    print(f"wrote {path}")
 
 
-def build_parser() -> Parser:
+def _simulate(p: argparse.ArgumentParser) -> None:
+    from poslens.stack.config import StackConfig
+
+    add_options(p, StackConfig, group="stack (paper Eq. 1)")
+    add_options(p, MonteCarloOptions, group="Monte Carlo")
+    add_output_args(p, "runs/simulate")
+    p.add_argument("--no-figures", action="store_true", help="write tensors and run.json only")
+
+
+def _gramflow(p: argparse.ArgumentParser) -> None:
+    from poslens.stack.config import StackConfig
+
+    add_options(p, StackConfig, group="stack (paper Eq. 1)")
+    add_output_args(p, "runs/gramflow", quiet=False)
+    p.add_argument("--no-figures", action="store_true", help="write tensors and run.json only")
+
+
+def _reproduce(p: argparse.ArgumentParser) -> None:
+    add_options(p, ReproduceOptions)
+    add_output_args(p, "poslens-out")
+
+
+def _scores(p: argparse.ArgumentParser) -> None:
+    from poslens.analyses.scores import ScoresConfig
+
+    # attn_implementation stays at its default: the capture engine picks the kernel it needs while capturing
+    add_options(p, ScoresConfig, skip=("attn_implementation",))
+    add_output_args(p, "runs/scores")
+
+
+def _compare(p: argparse.ArgumentParser) -> None:
+    add_options(p, CompareOptions)
+    # space-separated like the runs (`--labels A B`), so not a comma-separated option field
+    p.add_argument("--labels", nargs="*", default=None, help="row labels, one per run (default: the model names)")
+    add_output_args(p, "runs/compare", quiet=False)
+
+
+# name: (one-line help, description, options builder, handler)
+COMMANDS: dict[str, tuple[str, str, Callable, Callable]] = {
+    "simulate": ("Monte Carlo of the parameter-free stack (paper Eq. 1, Section 4.1)",
+                 "Monte Carlo of the parameter-free stack: mean scores, probabilities and their standard errors, and "
+                 "hidden-state cosine similarity, per layer.", _simulate, cmd_simulate),
+    "gramflow": ("exact infinite-width limit of the stack (deterministic Gram recursion)",
+                 "Exact d -> infinity limit of the parameter-free stack: G' = M G M^T (docs/gramflow.md). No sampling, "
+                 "float64.", _gramflow, cmd_gramflow),
+    "reproduce": ("regenerate the paper's figures and a report of its claims",
+                  "Regenerate Figures 1, 2, 4, 6, 7, 9, 10 (and the real-model section) and write report.md and "
+                  "report.html with each claim and what was measured.", _reproduce, cmd_reproduce),
+    "scores": ("averaged attention-score maps of a Hugging Face causal LM (Section 5.2)",
+               "Mean pre-softmax attention scores q_i . k_j * scaling (after RoPE, before the mask) per layer, "
+               "averaged over sequences and heads, at the cost of a plain forward pass. Under torchrun the sequences "
+               "are sharded over ranks.", _scores, cmd_scores),
+    "compare": ("first layers of several `scores` runs side by side (Figure 5)",
+                "Diagonal-normalised maps of the first layers of several runs, one row per run.", _compare,
+                cmd_compare),
+}
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The full parser; with `command`, only that built-in command gets its options (keeps `--help` fast)."""
     parser = Parser(prog="poslens", description="Measure, explain and reproduce how decoder-only transformers "
                     "get positional information: causal mask, RoPE, and their interaction.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-
-    p = sub.add_parser("simulate", help="Monte Carlo of the parameter-free stack (paper Eq. 1, Section 4.1)",
-                       description="Monte Carlo of the parameter-free stack: mean scores, probabilities and "
-                       "their standard errors, and hidden-state cosine similarity, per layer.")
-    add_stack_args(p)
-    g = p.add_argument_group("Monte Carlo")
-    g.add_argument("--samples", type=int, default=100_000, help="number of sampled sequences (default 100000)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    g.add_argument("--chunk", type=int, default=None, help="samples per chunk (default: automatic)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    g.add_argument("--dtype", default="float32", help="float32 or float64 compute (sums are float64; default float32)")
-    g.add_argument("--maps", default="scores,probs,cosine",
-                   help="what to compute, each with its standard error: a comma-separated subset of scores, probs, "
-                   "cosine (default all; scores alone is about 1.4x faster)")
-    add_output_args(p, "runs/simulate")
-    p.add_argument("--no-figures", action="store_true", help="write tensors and run.json only")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_simulate)
-
-    p = sub.add_parser("gramflow", help="exact infinite-width limit of the stack (deterministic Gram recursion)",
-                       description="Exact d -> infinity limit of the parameter-free stack: G' = M G M^T "
-                       "(docs/gramflow.md). No sampling, float64.")
-    add_stack_args(p)
-    add_output_args(p, "runs/gramflow")
-    p.add_argument("--no-figures", action="store_true", help="write tensors and run.json only")
-    p.set_defaults(func=cmd_gramflow)
-
-    p = sub.add_parser("reproduce", help="regenerate the paper's figures and a report of its claims",
-                       description="Regenerate Figures 1, 2, 4, 6, 7, 9, 10 (and the real-model section) and "
-                       "write report.md and report.html with each claim and what was measured.")
-    p.add_argument("--quick", action="store_true", help="fewer samples and sequences: about 2 minutes on 2 CPU cores")
-    add_output_args(p, "poslens-out")
-    p.add_argument("--samples", type=int, default=None,
-                   help="Monte Carlo samples per setting (default 100000, or 10000 with --quick)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--no-models", action="store_true", help="skip the real-model section")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_reproduce)
-
-    p = sub.add_parser("scores", help="averaged attention-score maps of a Hugging Face causal LM (Section 5.2)",
-                       description="Mean pre-softmax attention scores q_i . k_j * scaling (after RoPE, before the "
-                       "mask) per layer, averaged over sequences and heads, at the cost of a plain forward pass. "
-                       "Under torchrun the sequences are sharded over ranks.")
-    p.add_argument("model", help="hub id, local directory, .gguf file, the alias smollm2-135m, or "
-                   "random:<config.json> for a randomly initialised model")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="text file, directory of text files, .jsonl, .parquet, or a "
-                   "datasets.save_to_disk directory (default: embedded CPython documentation text)")
-    g.add_argument("--text-field", default="text", help="field/column holding the text (default text)")
-    g.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence, BOS included (default 1024)")
-    g.add_argument("--num-sequences", type=int, default=None,
-                   help="sequences to average over; exactly this many or an error (default: as many as the text "
-                   "gives, up to 1000)")
-    g.add_argument("--mode", default="first", help="first: the first seq-len tokens of each long-enough document "
-                   "(the paper); pack: concatenate documents and cut blocks (default first)")
-    g.add_argument("--bos", default="auto", help="auto (as the tokenizer does), always, never (default auto)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer to use (same forms as MODEL); needed for random: "
-                   "configs without tokenizer files")
-    g = p.add_argument_group("capture")
-    g.add_argument("--layers", default=None, help="comma-separated layer indices (default all)")
-    g.add_argument("--per-head", action="store_true", help="also keep one map per head")
-    g.add_argument("--probs", action="store_true", help="also keep mean attention probabilities")
-    g.add_argument("--log-probs", action="store_true", help="also keep mean log-probabilities and log-partitions")
-    g.add_argument("--hidden-cosine", action="store_true", help="also keep hidden-state cosine-similarity maps")
-    g.add_argument("--no-rope", action="store_true", help="run the same model with RoPE disabled (ablation)")
-    g = p.add_argument_group("execution")
-    g.add_argument("--batch-size", type=int, default=20, help="sequences per forward pass (default 20)")
-    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's dtype on GPU), "
-                   "float32, bfloat16, float16")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    g.add_argument("--checkpoint-every", type=int, default=10,
-                   help="save partial sums every N batches; rerunning the same command resumes (default 10)")
-    add_output_args(p, "runs/scores")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_scores)
-
-    p = sub.add_parser("compare", help="first layers of several `scores` runs side by side (Figure 5)",
-                       description="Diagonal-normalised maps of the first layers of several runs, one row per run.")
-    p.add_argument("runs", nargs="+", help="run directories written by `poslens scores`")
-    p.add_argument("--first", type=int, default=4, help="how many leading layers to show (default 4)")
-    p.add_argument("--labels", nargs="*", default=None, help="row labels (default: the model names)")
-    add_output_args(p, "runs/compare")
-    p.set_defaults(func=cmd_compare)
+    for name, (help_, description, add, func) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=description)
+        if command is None or command == name:
+            add(p)
+            p.set_defaults(func=func)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).add_command(sub)
+    for p in sub.choices.values():  # for `flag_message`: each command's parameter -> flag
+        p.set_defaults(flag_names=flags(p))
     return parser
+
+
+def flag_message(message: str, param: str | None, names: dict[str, str]) -> str:
+    """A library message that starts with a parameter name (`seq_len must be >= 2`) shown with its flag
+    (`--seq-len must be >= 2`); `param` is the name the error says it is about, else the message's first word."""
+    first = re.match(r"[A-Za-z_]\w*", message)
+    name = param if param in names else (first.group(0) if first else None)
+    if name in names and first and first.group(0) == name:
+        return names[name] + message[len(name):]
+    return message
+
+
+def _close_progress_bars() -> None:
+    """End any open tqdm bar so that the next message starts on its own line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` that keeps open progress bars intact: the warning gets lines of its own."""
+    text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None and getattr(tqdm.tqdm, "_instances", None):
+        tqdm.tqdm.write(text, file=file or sys.stderr)
+    else:
+        print(text, file=file or sys.stderr)
 
 
 def _version() -> str:
@@ -241,15 +298,23 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    parser = build_parser(command)
     args = parser.parse_args(argv)
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         args.func(args)
     except UsageError as e:
-        print(f"poslens {args.command}: error: {e}", file=sys.stderr)
+        _close_progress_bars()
+        message = flag_message(str(e), getattr(e, "param", None), getattr(args, "flag_names", {}))
+        print(f"poslens {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _close_progress_bars()
         print(f"poslens {args.command}: interrupted; nothing was written to --out (rerun the same command; "
               "runs with checkpoints resume where they stopped)", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
     return 0

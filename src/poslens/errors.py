@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
 
 
 class UsageError(ValueError):
-    """Bad input from the user. The message names the argument and says how to fix it."""
+    """Bad input from the user. The message names the argument and says how to fix it.
+
+    `param`: the library parameter the message starts with (the CLI shows it as its flag, `seq_len` -> `--seq-len`).
+    """
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def require(ok: bool, message: str) -> None:
@@ -22,17 +31,17 @@ def check_int(name: str, value: int, lo: int, hi: int | None = None) -> int:
     except (TypeError, ValueError, OverflowError):  # None, "abc", nan, inf
         whole = False
     if not whole:
-        raise UsageError(f"{name} must be an integer, got {value!r}")
+        raise UsageError(f"{name} must be an integer, got {value!r}", param=name)
     value = int(value)
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise UsageError(f"{name} must be {rng}, got {value}")
+        raise UsageError(f"{name} must be {rng}, got {value}", param=name)
     return value
 
 
 def check_float(name: str, value: float, lo: float, hi: float, hi_open: bool = False, lo_open: bool = False) -> float:
-    """Range check for a float argument; the bounds are shown the way the math writes them."""
-    value = float(value)
+    """Range check for a real-number argument (not a string, not a bool); bounds shown the way the math writes them."""
+    value = check_real(name, value)
     bad = (
         not math.isfinite(value)
         or (value <= lo if lo_open else value < lo)
@@ -40,12 +49,67 @@ def check_float(name: str, value: float, lo: float, hi: float, hi_open: bool = F
     )
     if bad:
         rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise UsageError(f"{name} must be in {rng}, got {value:g}")
+        raise UsageError(f"{name} must be in {rng}, got {value:g}", param=name)
     return value
+
+
+def check_real(name: str, value: float) -> float:
+    """A finite real number (int or float, numpy scalars included; strings, bools, NaN and infinities refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UsageError(f"{name} must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        value = math.inf
+    if not math.isfinite(value):
+        raise UsageError(f"{name} must be a finite number, got {value:g}")
+    return value
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: MemAvailable, capped by a cgroup limit; None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit, usage = f.read().strip(), int(g.read().strip())
+            if limit.isdigit() and int(limit) < 1 << 60:
+                avail = min(avail, max(0, int(limit) - usage))
+            break
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def gib(nbytes: float) -> str:
+    """A byte count for a message: '3.2 GiB', '512 MiB'."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def check_memory(need: float, what: str, fix: str, available: int | None = None) -> None:
+    """Refuse, before any work, a job whose estimated memory `need` (bytes) exceeds what is available."""
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        raise UsageError(f"{what} would need about {gib(need)} of memory but {gib(available)} is available; {fix}")
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...] | list[str]) -> str:
     """`value` must be one of `choices`."""
-    if value not in choices:
-        raise UsageError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    if not isinstance(value, str) or value not in choices:
+        raise UsageError(f"{name} must be one of {', '.join(choices)}; got {value!r}", param=name)
     return value

@@ -74,7 +74,7 @@ def flag_of(f: dataclasses.Field, opt: Option) -> str:
     return f"--no-{dashed}" if default_of(f) is True else f"--{dashed}"
 
 
-def _unwrap(tp: Any) -> tuple[Any, Any | None]:
+def field_kind(tp: Any) -> tuple[Any, Any | None]:
     """(scalar type, container or None) of a field type; `X | None` counts as X."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -145,7 +145,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[st
         if f.name in skip:
             continue
         default = default_of(f)
-        scalar, container = _unwrap(tp)
+        scalar, container = field_kind(tp)
         kw: dict[str, Any] = {"help": _help(opt, default)}
         if opt.metavar or scalar in _METAVARS and opt.choices is None:
             kw["metavar"] = opt.metavar or _METAVARS[scalar] + (f",{_METAVARS[scalar]},..." if container else "")
@@ -186,7 +186,7 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     for f, _, tp in option_fields(cls):
         if hasattr(args, f.name):
             value = getattr(args, f.name)
-            container = _unwrap(tp)[1]
+            container = field_kind(tp)[1]
             values[f.name] = container(value) if container is not None and isinstance(value, list) else value
     return cls(**{**values, **overrides})
 

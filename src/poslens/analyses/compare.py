@@ -18,7 +18,7 @@ def figure5(runs: list[Run], labels: list[str], directory: Path, stem: str, laye
         ids = r.tensors["layers"].tolist()[:layers] if "layers" in r.tensors else list(range(len(sc)))
         for m, ell in zip(diagonal_normalise(sc), ids):
             maps.append(m)
-            titles.append(f"layer {ell}")
+            titles.append(f"layer {ell + 1}")  # figures count layers from 1 (docs/architecture.md)
             lims.append(quantile_limits(m))
     ncols = max(min(layers, len(as_numpy(r["scores"]))) for r in runs)
     fig = plotting.map_grid(maps, titles, ncols=ncols, limits=lims, row_labels=labels,
@@ -37,6 +37,7 @@ def compare(runs: list[str], out: str, layers: int = 4, labels: list[str] | None
     if labels and len(labels) != len(loaded):
         raise UsageError(f"--labels needs one label per run ({len(loaded)}), got {len(labels)}")
     labels = labels or [r.config.get("model", str(r.path)) + (" (RoPE off)" if r.config.get("no_rope") else "")
+                        + (" (NoPE)" if r.config.get("pe") == "none" else "")
                         for r in loaded]
     with run_directory(out, force) as tmp:
         figure5(loaded, labels, tmp / "figures", "figure5", layers)

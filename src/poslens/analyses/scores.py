@@ -177,7 +177,8 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     if rank == 0:
         with run_directory(target, force) as tmp:
             metrics = summarise_scores(result, capture)
-            figures(result, tmp / "figures", cfg.model + (" (RoPE off)" if cfg.no_rope else ""))
+            figures(result, tmp / "figures", cfg.model + (" (RoPE off)" if cfg.no_rope else "")
+                    + (" (NoPE)" if cfg.pe == "none" else ""))
             write_run(tmp, result, {"kind": "scores", "config": asdict(cfg), "data": data_stats,
                                     "world_size": world, "resumed_from_batch": done, "metrics": metrics,
                                     "groups": groups,

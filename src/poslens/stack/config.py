@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from poslens.errors import UsageError, check_choice, check_float, check_int, require
+from poslens.errors import UsageError, check_choice, check_float, check_int, check_real, require
+from poslens.options import option
 
 NORMS = ("l2", "layernorm-sqrt-d", "layernorm-d")
 MASKS = ("causal", "none", "sliding")
@@ -27,33 +28,51 @@ POSITIONAL = ("none", "rope")
 class StackConfig:
     """Knobs of the parameter-free stack. Defaults are the paper's (Section 4.1): n=50, d=64, 4 layers, l2."""
 
-    n: int = 50
-    d: int = 64
-    alpha: float = 0.0
-    layers: int = 4
-    norm: str = "l2"
-    residual: bool = True
-    positional: str = "none"
-    rope_theta: float = 10000.0
-    rope_scaling: float = 1.0
-    mask: str = "causal"
-    window: int | None = None
+    n: int = option(50, help="tokens per sequence n", flag="--seq-len", aliases=("--n",))
+    d: int = option(64, help="hidden size d", aliases=("--hidden-size",))
+    alpha: float = option(0.0, help="expected inner product of inputs, in [0, 1)")
+    layers: int = option(4, help="number of layers")
+    norm: str = option("l2", help="normalisation: l2 (rows of norm 1) or LayerNorm with scores divided by sqrt(d) "
+                       "or d", choices=NORMS)
+    residual: bool = option(True, help="drop the residual connection")
+    positional: str = option("none", help="positional encoding", choices=POSITIONAL, flag="--pe")
+    rope_theta: float = option(10000.0, help="RoPE base theta")
+    rope_scaling: float = option(1.0, help="NTK-style RoPE base scaling factor s >= 1: base * s^(d/(d-2)); 1 is none")
+    mask: str = option("causal", help="attention mask", choices=MASKS)
+    window: int | None = option(None, help="window W for --mask sliding (keys i-W < j <= i)")
 
     def __post_init__(self) -> None:
-        check_int("n", self.n, 2)
-        check_int("d", self.d, 1)
-        check_float("alpha", self.alpha, 0.0, 1.0, hi_open=True)
-        check_int("layers", self.layers, 1)
+        # Types first (a string or NaN must not slip through to fail later), then ranges. Sizes are only
+        # bounded below here; what a run can hold in memory is checked by the tool that runs it.
+        # Numbers are stored as plain int / float (3.0 -> 3, numpy scalars -> Python), so every tool sees one type.
+        set_ = object.__setattr__
+        set_(self, "n", check_int("n", self.n, 2))
+        set_(self, "d", check_int("d", self.d, 1))
+        set_(self, "alpha", check_float("alpha", self.alpha, 0.0, 1.0, hi_open=True))
+        set_(self, "layers", check_int("layers", self.layers, 1))
         check_choice("norm", self.norm, NORMS)
+        require(isinstance(self.residual, (bool, np.bool_)), f"residual must be True or False, got {self.residual!r}")
+        set_(self, "residual", bool(self.residual))
         check_choice("positional", self.positional, POSITIONAL)
         check_choice("mask", self.mask, MASKS)
+        theta = check_real("rope_theta", self.rope_theta)
+        scaling = check_real("rope_scaling", self.rope_scaling)
+        set_(self, "rope_theta", theta)
+        set_(self, "rope_scaling", scaling)
         if self.positional == "rope":
             require(self.d % 2 == 0, f"d must be even with RoPE (pairs of dimensions rotate together), got {self.d}")
-            require(self.rope_theta > 1.0, f"rope_theta must be > 1, got {self.rope_theta:g}")
-            require(self.rope_scaling >= 1.0, f"rope_scaling must be >= 1 (NTK scaling), got {self.rope_scaling:g}")
+            require(theta > 1.0, f"rope_theta must be > 1, got {theta:g}")
+            require(scaling >= 1.0, f"rope_scaling must be >= 1 (NTK scaling), got {scaling:g}")
+            if scaling != 1.0:
+                require(self.d > 2, f"rope_scaling needs d >= 4 (NTK base theta * s^(d/(d-2))), got d={self.d}")
+                # The scaled base theta * s^(d/(d-2)) must be a finite float64.
+                log_base = math.log(theta) + self.d / (self.d - 2) * math.log(scaling)
+                require(log_base < math.log(np.finfo(np.float64).max),
+                        f"rope_theta {theta:g} with rope_scaling {scaling:g} gives an infinite RoPE base; "
+                        "use a smaller rope_scaling")
         if self.mask == "sliding":
             require(self.window is not None, "mask 'sliding' needs a window: pass --window W with W >= 1")
-            check_int("window", self.window, 1)
+            set_(self, "window", check_int("window", self.window, 1))
         elif self.window is not None:
             raise UsageError(f"window is only used with mask 'sliding', got mask {self.mask!r}; drop --window")
 
