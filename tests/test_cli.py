@@ -210,7 +210,7 @@ def readme_commands():
     found = []
     for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
-            for line in block.splitlines():
+            for line in block.replace("\\\n", " ").splitlines():  # join backslash-continued lines
                 for part in line.split("&&"):
                     words = shlex.split(part, comments=True)
                     at = next((k for k, w in enumerate(words) if w == "poslens" or w.endswith("bin/poslens")), None)

@@ -8,6 +8,7 @@ The embedded default text is also checked with the real SmolLM2 tokenizer (read 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 from pathlib import Path
 
@@ -207,8 +208,9 @@ def test_embedded_default_packs_16_sequences_of_1024_smollm2_tokens(smollm2_toke
 
 
 def test_prefix_tokenisation_matches_full_tokenisation(smollm2_tokenizer):
-    """`leading_ids` tokenises growing prefixes of long texts; the ids must equal the whole text's."""
-    for doc in default_documents():
+    """`leading_ids` tokenises growing prefixes of long texts; the ids must equal the whole text's (the first 150
+    embedded documents: every source package is among them)."""
+    for doc in itertools.islice(default_documents(), 150):
         full = smollm2_tokenizer(doc, add_special_tokens=False)["input_ids"]
         for n in (1, 37, 1024, 3000):
             assert leading_ids(smollm2_tokenizer, doc, n) == full[:n]

@@ -34,15 +34,22 @@ def test_failure_leaves_nothing(tmp_path):
 
 def test_no_overwrite_without_force(tmp_path):
     out = tmp_path / "run"
-    out.mkdir()
-    (out / "keep").write_text("old")
+    with run_directory(out) as tmp:
+        write_run(tmp, {"a": torch.ones(1)}, {"kind": "test"})
     with pytest.raises(UsageError, match="--force"):
         with run_directory(out):
             pass
-    assert (out / "keep").read_text() == "old"
-    with run_directory(out, force=True) as tmp:
-        write_run(tmp, {"a": torch.zeros(1)}, {})
-    assert not (out / "keep").exists() and (out / "tensors.safetensors").exists()
+    assert torch.equal(poslens.load(out)["a"], torch.ones(1))
+    with run_directory(out, force=True) as tmp:  # a run poslens wrote may be replaced with force
+        write_run(tmp, {"a": torch.zeros(1)}, {"kind": "test"})
+    assert torch.equal(poslens.load(out)["a"], torch.zeros(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no lock, work or old directory left
+
+
+def test_run_json_carries_the_poslens_marker(tmp_path):
+    with run_directory(tmp_path / "run") as tmp:
+        write_run(tmp, {"a": torch.zeros(1)}, {"kind": "test", "poslens_run": 0})
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["poslens_run"] == 1
 
 
 def test_load_rejects_non_run(tmp_path):
@@ -65,3 +72,20 @@ def test_load_rejects_a_corrupt_run_in_one_line(tmp_path, broken):
 def test_check_int_refuses_non_integers_in_one_line(value):
     with pytest.raises(UsageError, match=r"^samples must be an integer, got "):
         check_int("samples", value, 1)
+
+
+@pytest.mark.parametrize("meta, what", [([], "run.json is not a JSON object"), ({"config": [1]}, "'config' is not"),
+                                        ({"metrics": "x"}, "'metrics' is not")])
+def test_load_rejects_a_structurally_wrong_run_json(tmp_path, meta, what):
+    with run_directory(tmp_path / "run") as tmp:
+        write_run(tmp, {"a": torch.zeros(3)}, {"kind": "test"})
+    (tmp_path / "run" / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(UsageError, match=f"corrupt run directory \\({what}"):
+        poslens.load(tmp_path / "run")
+
+
+def test_a_missing_tensor_is_a_usage_error(tmp_path):
+    with run_directory(tmp_path / "run") as tmp:
+        write_run(tmp, {"a": torch.zeros(3)}, {"kind": "scores"})
+    with pytest.raises(UsageError, match=r"the run has no tensor 'scores' \(it has: a\); rerun"):
+        poslens.load(tmp_path / "run")["scores"]

@@ -19,26 +19,20 @@ documents (EOS between them when the tokenizer has one) and cuts the stream into
 
 from __future__ import annotations
 
-import ast
-import functools
 import itertools
 import json
-import platform
-import sys
-import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from poslens.errors import UsageError, check_choice, check_int, require
+from poslens.errors import UsageError, available_memory, check_choice, check_int, gib, require
 
 MODES = ("first", "pack")
 BOS_POLICIES = ("auto", "always", "never")
 PLAIN_SUFFIXES = (".txt", ".text", ".md", ".rst")
 SUFFIXES = PLAIN_SUFFIXES + (".jsonl", ".parquet")
-MIN_DOCSTRING_CHARS = 500
 _MARGIN = 16  # tokens past a character cut that must agree before a prefix tokenisation is trusted
 _BATCH = 256
 
@@ -47,48 +41,20 @@ _BATCH = 256
 
 
 def default_documents() -> Iterator[str]:
-    """The embedded default text: Python's reference-manual topics, then long stdlib module docstrings.
-
-    Why this text: it is modern technical English (the closest register to web text such as
-    Fineweb-Edu that needs no download), licensed under the PSF licence, and ships with every CPython
-    >= 3.10, so `poslens scores MODEL` works offline out of the box. It is read without importing any
-    module: ``pydoc_data.topics`` (the plain-text reference-manual topics used by ``help()``, ~465k
-    characters, one document per topic, sorted by topic name), then the module docstrings of the
-    top-level public modules in ``sys.stdlib_module_names`` that have Python source, parsed with
-    ``ast`` and kept when at least `MIN_DOCSTRING_CHARS` characters long, sorted by module name.
-    The order is deterministic for a given Python installation; `default_label` names the version.
+    """The embedded default text (`poslens.engine.corpus`, docs/corpus.md): CPython's documentation, then the
+    deduplicated docstrings of poslens's permissively licensed dependencies; read lazily, cached once complete.
+    The order is fixed for given package versions; `default_label` names them.
     """
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # a stripped-down Python; the docstrings still follow
-        topics = {}
-    for name in sorted(topics):
-        yield topics[name]
-    yield from _stdlib_docstrings()
+    from poslens.engine import corpus
 
-
-@functools.lru_cache(maxsize=1)
-def _stdlib_docstrings() -> tuple[str, ...]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_"):
-            continue
-        for path in (stdlib / f"{name}.py", stdlib / name / "__init__.py"):
-            if path.is_file():
-                try:
-                    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-                except (SyntaxError, UnicodeDecodeError, ValueError):
-                    doc = None
-                if doc and len(doc) >= MIN_DOCSTRING_CHARS:
-                    docs.append(doc)
-                break
-    return tuple(docs)
+    return corpus.documents()
 
 
 def default_label() -> str:
-    """A name for the embedded default text, including the Python version it came from."""
-    return f"embedded: Python {platform.python_version()} pydoc_data.topics + stdlib module docstrings"
+    """A name for the embedded default text, including the versions it was built from."""
+    from poslens.engine import corpus
+
+    return corpus.label()
 
 
 def source_label(source: str | None) -> str:
@@ -126,6 +92,8 @@ def _data_files(root: Path) -> list[Path]:
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+    if not path.is_file():  # a device, FIFO or socket could be endless
+        raise UsageError(f"--data {path}: not a regular file; point --data at a file or directory of text")
     suffix = path.suffix.lower()
     if suffix in PLAIN_SUFFIXES:
         return iter([_read_text(path)])
@@ -138,10 +106,20 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _read_text(path: Path) -> str:
+    """The whole file as one document; refused up front if its text could not fit in memory."""
     try:
+        size = path.stat().st_size
+        available = available_memory()
+        # A str holds up to 4 bytes per character, next to the bytes it was decoded from.
+        if available is not None and 5 * size > available:
+            raise UsageError(f"--data {path}: a {gib(size)} text file is read whole and would need about "
+                             f"{gib(5 * size)} of memory ({gib(available)} available); split it into smaller "
+                             "files or use .jsonl")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"--data {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror or type(e).__name__})") from None
 
 
 def _as_text(value: Any, where: str, text_field: str) -> str:
@@ -154,7 +132,11 @@ def _as_text(value: Any, where: str, text_field: str) -> str:
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise UsageError(f"--data {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -166,6 +148,9 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"--data {path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise UsageError(f"--data {path}:{lineno}: JSON nested too deeply to read; flatten the line to "
+                                 f"an object with a string field {text_field!r}") from None
             if not isinstance(row, dict):
                 raise UsageError(f"--data {path}:{lineno}: expected a JSON object per line")
             if text_field not in row:

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,7 +216,11 @@ def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
     stamp = _source_stamp(gguf)
     if _is_current(target, stamp):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cache directory {cache_root(cache_dir)}: {e.strerror or type(e).__name__}; point "
+                         "POSLENS_CACHE at a writable directory") from None
     tmp = target.parent / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         model, tokenizer = _load_gguf(gguf, torch.float32, "sdpa")
@@ -258,7 +263,8 @@ def _wrap(what: str, e: Exception, spec: ModelSpec) -> UsageError:
     return UsageError(f"model {spec.spec}: cannot load {what} ({_first_line(e)})")
 
 
-_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, SafetensorError)
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, SafetensorError,
+                struct.error, EOFError)  # struct.error, EOFError: a GGUF file cut short
 
 
 def _check_supported(config: Any) -> None:
@@ -323,7 +329,10 @@ def _random_tokenizer(ms: ModelSpec) -> Any:
     from transformers import AutoTokenizer
 
     if ms.path and any((Path(ms.path) / f).is_file() for f in _TOKENIZER_FILES):
-        return AutoTokenizer.from_pretrained(ms.path)
+        try:
+            return AutoTokenizer.from_pretrained(ms.path)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception for a garbage tokenizer.json
+            raise _wrap(f"the tokenizer files in {ms.path} (corrupt?)", e, ms) from None
     return None
 
 
@@ -368,6 +377,10 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer, cache_dir)
         info["tokenizer"] = tokenizer
+    vocab = getattr(model.config, "vocab_size", None)
+    if ms.kind == "random" and tok is not None and isinstance(vocab, int) and len(tok) > vocab:
+        raise UsageError(f"model {ms.spec}: vocab_size {vocab} is smaller than the tokenizer's {len(tok)} tokens; "
+                         f"set vocab_size >= {len(tok)} in the config")
     info["dtype"], info["dtype_reason"] = str(chosen[0]).removeprefix("torch."), chosen[1]
     why = known_nope(ms.spec) if ms.kind in ("hub", "local") else None
     if pe == "auto" and why is not None:
@@ -409,8 +422,19 @@ def _load_random(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, att
     fields = dict(ms.config)
     try:
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    except _LOAD_ERRORS as e:
-        raise _wrap("the config", e, ms) from None
+    except Exception as e:  # noqa: BLE001 - config validators raise their own types (StrictDataclassError, ...)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # validators put the reason last
+        raise UsageError(f"model {ms.spec}: cannot build the config ({lines[-1] if lines else type(e).__name__}); "
+                         "fix the config") from None
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise UsageError(f"model {ms.spec}: num_key_value_heads {kv} does not divide num_attention_heads {heads}; "
+                         "fix the config")
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(heads, int) and isinstance(hidden, int) and getattr(config, "head_dim", None) is None and \
+            (heads < 1 or hidden % heads):
+        raise UsageError(f"model {ms.spec}: num_attention_heads {heads} does not divide hidden_size {hidden}; "
+                         "fix the config or set head_dim")
     _check_supported(config)
     chosen = choose_dtype(dtype, config, dev)
     try:

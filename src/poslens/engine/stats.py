@@ -264,9 +264,9 @@ class GroupedSums:
 class Statistic:
     """An average over sequences computed from hook points: subclass, declare `hooks`, finish in `result`.
 
-    The runner (`poslens.engine.runner.run`) sets `self.group` before each batch and calls `hooks(hm)` once per run;
-    each hook adds to `self.sums` (a GroupedSums). Persistence and combination come from the sums; a statistic with
-    other state overrides them.
+    The runner (`poslens.engine.runner.run_statistics`) sets `self.group` before each batch and calls `hooks(hm)`
+    once per run; each hook adds to `self.sums` (a GroupedSums). Persistence and combination come from the sums; a
+    statistic with other state overrides them.
     """
 
     name = "statistic"

@@ -3,6 +3,9 @@
 A long accumulation (Monte Carlo chunks, batches of sequences) keeps named sum tensors and a count of
 finished units. `save_partial` writes them with a fingerprint of the run's configuration; `load_partial`
 refuses a file whose fingerprint differs and reports a corrupt file as a one-line error.
+Temporaries are `NAME.tmp-PID`: removed if the write fails, and (when their writer is gone) by the next
+save or load of the same checkpoint. `read_cache` / `write_cache` keep finished results (reproduce's cache):
+a corrupt entry is reported on its own line, deleted and recomputed instead of failing every rerun.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from poslens.errors import UsageError
+from poslens.io.rundir import share, stale_tmp
 
 DONE_KEY = "__done__"
 
@@ -29,15 +34,37 @@ def fingerprint(config: dict) -> str:
 def save_partial(path: str | os.PathLike, sums: dict[str, torch.Tensor], done: int, config: dict) -> None:
     """Atomically write `sums` and the number of finished units `done` (write to a temp file, then rename)."""
     path = Path(path)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tensors = {k: v.detach().cpu().contiguous() for k, v in sums.items()}
-    save_file(tensors, str(tmp), metadata={DONE_KEY: str(int(done)), "fingerprint": fingerprint(config)})
-    os.replace(tmp, path)
+    _atomic_save(path, tensors, {DONE_KEY: str(int(done)), "fingerprint": fingerprint(config)})
+
+
+def _atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
+    """save_file to NAME.tmp-PID, then rename over NAME; the temporary never outlives a failed write."""
+    _clean_stale(path)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        share(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _clean_stale(path: Path) -> None:
+    """Remove NAME.tmp-PID files next to `path` whose writing process is gone (a killed save)."""
+    try:
+        for p in path.parent.glob(path.name.replace("[", "[[]") + ".tmp-*"):
+            if stale_tmp(p):
+                p.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def load_partial(path: str | os.PathLike, config: dict) -> tuple[dict[str, torch.Tensor], int] | None:
     """Return (sums, done) from a checkpoint written for the same `config`, or None if there is none."""
     path = Path(path)
+    _clean_stale(path)
     if not path.exists():
         return None
     try:
@@ -52,3 +79,24 @@ def load_partial(path: str | os.PathLike, config: dict) -> tuple[dict[str, torch
     if meta.get("fingerprint") != fingerprint(config):
         raise UsageError(f"checkpoint {path} belongs to a different configuration; delete it or use another --out")
     return sums, done
+
+
+def read_cache(path: str | os.PathLike) -> dict[str, torch.Tensor] | None:
+    """Tensors of a finished-result cache file, or None when there is none. A corrupt file is reported
+    (on its own line, naming it), deleted and treated as absent, so the caller recomputes it."""
+    path = Path(path)
+    _clean_stale(path)
+    if not path.exists():
+        return None
+    try:
+        return load_file(str(path))
+    except (SafetensorError, ValueError, OSError) as e:
+        print(f"\nposlens: cache file {path} is corrupt ({type(e).__name__}); deleted, recomputing it",
+              file=sys.stderr, flush=True)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def write_cache(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Atomically write a finished-result cache file (read it back with `read_cache`)."""
+    _atomic_save(Path(path), {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, None)

@@ -1,7 +1,9 @@
 """One results format for every command: a run directory holding `tensors.safetensors` and `run.json`.
 
-A run directory is built in a temporary sibling directory and renamed into place only when everything
-is written, so an interrupted or failed run never leaves a half-written result behind.
+A run directory is built aside and renamed into place only when everything is written, so an interrupted
+or failed run never leaves a half-written result behind; `--force` replaces only a run poslens wrote (its
+run.json carries `"poslens_run": 1`). The mechanism (locking, leftovers, resumable work directories) is
+`poslens.io.rundir`; `check_output` and `run_directory` are re-exported here.
 """
 
 from __future__ import annotations
@@ -9,12 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from poslens.errors import UsageError
+from poslens.io.rundir import MARKER, check_output, open_run, run_directory, share
+
+__all__ = ["META", "TENSORS", "Run", "check_output", "environment", "jsonable", "load", "open_run",
+           "run_directory", "write_run"]
 
 TENSORS = "tensors.safetensors"
 META = "run.json"
@@ -38,6 +39,10 @@ class Run:
     meta: dict = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            have = ", ".join(sorted(self.tensors)[:8]) or "none"
+            raise UsageError(f"{self.path}: the run has no tensor {name!r} (it has: {have}); rerun the command "
+                             "that writes it")
         return self.tensors[name]
 
     @property
@@ -88,49 +93,15 @@ def jsonable(x):
     return x
 
 
-def check_output(path: str | os.PathLike, force: bool = False) -> Path:
-    """Fail fast (before any compute) if `path` cannot become a run directory."""
-    path = Path(path).expanduser().absolute()
-    if path.exists() and not force:
-        raise UsageError(f"output directory {path} already exists; pass --force to overwrite or choose another --out")
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"output path {path} exists and is not a directory; choose another --out")
-    parent = path.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create output directory {parent}: {e.strerror}; choose a writable --out") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"output directory {parent} is not writable; choose a writable --out")
-    return path
-
-
-@contextmanager
-def run_directory(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces `path` atomically, on any error it is removed."""
-    path = check_output(path, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{os.getpid()}-{time.time_ns()}"
-        path.rename(old)
-    tmp.rename(path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def write_run(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write tensors (safetensors, on the CPU, contiguous) and run.json (meta + environment) into `directory`."""
     directory = Path(directory)
     cpu = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).detach().cpu().contiguous()
            for k, v in tensors.items()}
     save_file(cpu, str(directory / TENSORS))
-    meta = {**meta, "environment": {**environment(), **meta.get("environment", {})}}
+    share(directory / TENSORS)  # safetensors writes 0600; results are as shareable as the umask says
+    rest = {k: v for k, v in meta.items() if k != MARKER}  # the marker is poslens's to set, first in the file
+    meta = {MARKER: 1, **rest, "environment": {**environment(), **meta.get("environment", {})}}
     (directory / META).write_text(json.dumps(jsonable(meta), indent=2, sort_keys=False) + "\n")
 
 
@@ -140,9 +111,14 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
     if not (path / META).is_file() or not (path / TENSORS).is_file():
         raise UsageError(f"{path} is not a poslens run directory (needs {META} and {TENSORS})")
     try:
-        meta = json.loads((path / META).read_text())
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
         maps = load_file(str(path / TENSORS)) if tensors else {}
-    except (ValueError, OSError, SafetensorError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, OSError, SafetensorError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise UsageError(f"{path}: corrupt run directory ({type(e).__name__}); rerun the command that wrote it") \
             from None
+    wrong = [k for k in ("config", "metrics", "environment") if isinstance(meta, dict) and k in meta
+             and not isinstance(meta[k], dict)]
+    if not isinstance(meta, dict) or wrong:
+        what = f"{META} is not a JSON object" if not isinstance(meta, dict) else f"{wrong[0]!r} is not an object"
+        raise UsageError(f"{path}: corrupt run directory ({what}); rerun the command that wrote it")
     return Run(path=path, tensors=maps, meta=meta)

@@ -21,8 +21,11 @@ CMAP = "magma"  # close to the paper's "rocket" and available without seaborn
 
 
 def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: str = CMAP,
-            title: str | None = None, colorbar: bool = True, annotate: bool = False):
-    """Draw one [n, n] map on `ax`: NaN cells blank, key index on x, query index on y (row 0 at the top)."""
+            title: str | None = None, colorbar: bool = True, annotate: bool = False, fontsize: float = 6,
+            one_based: bool = False):
+    """Draw one [n, n] map on `ax`: NaN cells blank, key index on x, query index on y (row 0 at the top).
+
+    annotate: print each value (in `fontsize` points); one_based: label the ticks 1..n (the paper's figures)."""
     m = as_numpy(m)
     if vmin is None or vmax is None:
         lo, hi = quantile_limits(m, (0.0, 1.0))
@@ -37,8 +40,12 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
     if annotate:
         for (i, j), v in np.ndenumerate(m):
             if np.isfinite(v):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=fontsize,
                         color="white" if v < (vmin + vmax) / 2 else "black")
+    if one_based:
+        n = m.shape[-1]
+        ax.set_xticks(range(n), [str(k + 1) for k in range(n)])
+        ax.set_yticks(range(n), [str(k + 1) for k in range(n)])
     if colorbar:
         ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     return im
@@ -115,14 +122,29 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     return fig
 
 
-def save(fig, directory: str | os.PathLike, stem: str, formats: Sequence[str] = ("png", "pdf")) -> list[Path]:
-    """Save `fig` as directory/stem.{png,pdf} and close it."""
+def offdiag_limits(m, q: tuple[float, float] = (0.0, 1.0)) -> tuple[float, float]:
+    """Colour limits from the entries off the diagonal (for maps whose diagonal is a constant, such as 1 for
+    l2-normalised inputs, and would otherwise stretch the scale over the whole pattern)."""
+    m = as_numpy(m).copy()
+    idx = np.arange(m.shape[-1])
+    m[..., idx, idx] = np.nan
+    return quantile_limits(m, q)
+
+
+DPI = 100  # raster figures for the HTML report; PDFs are vector
+
+
+def save(fig, directory: str | os.PathLike, stem: str, formats: Sequence[str] = ("png", "pdf"),
+         dpi: int = DPI) -> list[Path]:
+    """Save `fig` as directory/stem.{png,pdf} (or any of png, jpg, pdf) and close it. JPEG (quality 85) keeps
+    large heatmap grids small in the HTML report."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext in formats:
         p = directory / f"{stem}.{ext}"
-        fig.savefig(p, dpi=130 if ext == "png" else None)
+        extra = {"pil_kwargs": {"quality": 85}} if ext == "jpg" else {}
+        fig.savefig(p, dpi=dpi if ext != "pdf" else None, **extra)
         fig.set_layout_engine("none")  # the layout is solved once; later formats reuse it
         paths.append(p)
     plt.close(fig)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from poslens.errors import check_int, require
+from poslens.errors import UsageError, check_int, check_memory, require
 from poslens.stack import rope
 from poslens.stack.config import StackConfig, visible
 
@@ -42,9 +42,14 @@ def initial_gram(n: int, alpha: float) -> np.ndarray:
 
 def position_kernel(config: StackConfig) -> np.ndarray:
     """C in S = beta (N G N) o C: the RoPE kernel c(i - j) at the config's d, or all ones for NoPE."""
+    n = config.n
     if config.positional == "rope":
-        return rope.kernel(config.n, config.d, config.rope_theta, config.rope_scaling)
-    return np.ones((config.n, config.n))
+        # c(delta) = mean_m cos(theta_m delta) for the 2n - 1 offsets only (rope.kernel's [n, n, d/2] table would
+        # cost n^2 d memory); the same arithmetic per entry, so equal to rope.kernel bit for bit.
+        delta = np.arange(-(n - 1), n)
+        c = np.cos(delta[:, None] * rope.inv_freq(config.d, config.rope_theta, config.rope_scaling)).mean(-1)
+        return c[np.arange(n)[:, None] - np.arange(n)[None, :] + n - 1]
+    return np.ones((n, n))
 
 
 def _softmax(s: np.ndarray, vis: np.ndarray) -> np.ndarray:
@@ -53,14 +58,34 @@ def _softmax(s: np.ndarray, vis: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=-1, keepdims=True)
 
 
+def memory_estimate(config: StackConfig) -> int:
+    """Bytes `gram_flow` allocates: the four [L(+1), n, n] float64 results plus about ten n x n temporaries;
+    with RoPE, the kernel's [2n - 1, d/2] table of angles and its cosines (`position_kernel`)."""
+    n, layers = config.n, config.layers
+    kernel = 2 * 8 * (2 * n - 1) * (config.d // 2) if config.positional == "rope" else 0
+    return 8 * n * n * (4 * layers + 2 + 10) + n * n + kernel
+
+
 def gram_flow(config: StackConfig, g0: np.ndarray | None = None) -> GramFlowResult:
     """Run the Gram recursion G' = M G M^T for config.layers layers (docs/gramflow.md).
 
     g0: the input Gram matrix [n, n]; default `initial_gram(n, alpha)` (unit-norm inputs, as the paper).
+    A config whose maps cannot fit in memory is refused before any work (`memory_estimate`).
     """
+    if not isinstance(config, StackConfig):
+        raise UsageError(f"config must be a StackConfig, got {type(config).__name__}")
     n, layers = config.n, config.layers
-    g = initial_gram(n, config.alpha) if g0 is None else np.array(g0, dtype=np.float64)
+    check_memory(memory_estimate(config), f"gramflow (n={n}, d={config.d}, layers={layers})",
+                 "lower n, layers or (with RoPE) d")
+    if g0 is None:
+        g = initial_gram(n, config.alpha)
+    else:
+        try:
+            g = np.array(g0, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise UsageError(f"g0 must be an ({n}, {n}) array of numbers") from None
     require(g.shape == (n, n), f"g0 must have shape ({n}, {n}), got {g.shape}")
+    require(bool(np.all(np.isfinite(g))), "g0 must be finite (no NaN or infinity)")
     require(bool(np.all(np.diag(g) > 0)), "g0 must have a positive diagonal (no zero-norm inputs)")
     vis = visible(n, config.mask, config.window)
     c = position_kernel(config)
@@ -105,7 +130,10 @@ def convergence(config: StackConfig, ds, samples: int, seed: int = 0, chunk: int
     from poslens.stack.simulate import simulate  # torch-backed; imported only when needed
 
     samples = check_int("samples", samples, 2)
-    ds = [check_int("d", d, 1) for d in ds]
+    try:
+        ds = [check_int("d", d, 1) for d in ds]
+    except TypeError:
+        raise UsageError(f"ds must be a list of hidden sizes, got {ds!r}") from None
     require(len(ds) > 0, "ds must list at least one hidden size d")
     vis = visible(config.n, config.mask, config.window)
     max_dev, max_se, probs_dev, cos_dev = [], [], [], []

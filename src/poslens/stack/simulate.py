@@ -10,6 +10,9 @@ Reproducibility. Samples are drawn in fixed blocks of BLOCK; block k's draws dep
 samples: relative error ~1e-7 in float32, far below the Monte Carlo error) and the block sums join float64
 accumulators one block at a time, in block order. So on the CPU the result is the same bit for bit for
 any `chunk` and any number of threads, and a run resumed from a checkpoint equals an uninterrupted one.
+Inside a run directory (`poslens.io.rundir.open_run`) the checkpoint is on by default, so rerunning an
+interrupted command resumes. Chunks are generated lazily, so memory does not grow with the sample count;
+what a run needs (`memory_estimate`) is checked against the available memory before any work.
 (On CUDA a chunk's block sums are added with one float64 sum, equal across chunk sizes to float64
 round-off; the draws come from the CUDA generator, so they differ from the CPU's.)
 
@@ -35,19 +38,21 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from poslens.errors import UsageError, check_int
-from poslens.io.checkpoint import load_partial, save_partial
+from poslens.errors import UsageError, available_memory, check_int, check_memory
+from poslens.io.checkpoint import fingerprint, load_partial, save_partial
+from poslens.io.rundir import current_run
 from poslens.stack.config import StackConfig, visible
 from poslens.stack.rope import cos_sin, rotate
 
-__all__ = ["BLOCK", "MAPS", "SimResult", "block_seed", "draw_inputs", "simulate"]
+__all__ = ["BLOCK", "MAPS", "SimResult", "block_seed", "draw_inputs", "memory_estimate", "simulate"]
 
 BLOCK = 128  # samples per block of random draws; fixed, so that results do not depend on `chunk`
 TINY = 1e-12  # l2: x / (||x|| + TINY); LayerNorm: eps under the square root
@@ -55,6 +60,7 @@ LOG2E = 1 / math.log(2)  # scores are kept as (S - B) log2(e), so that softmax i
 CPU_CHUNK = 128  # default samples per chunk on the CPU: fastest on a 2-core EPYC (cache vs. Python overhead)
 CUDA_CHUNK = 32768  # default on a GPU: few, large launches
 MAPS = ("scores", "probs", "cosine")  # the maps `simulate` can compute; all of them by default
+CHECKPOINT_SECONDS = 10.0  # default interval between checkpoint saves (the final sums are always saved)
 
 
 @dataclass
@@ -253,7 +259,7 @@ def _block_sums(w: torch.Tensor, sizes: list[int], out: torch.Tensor) -> None:
         out[full] = w[:, full * BLOCK:].sum(1)
 
 
-def _ordered_map(pool: ThreadPoolExecutor, fn, items: list, window: int) -> Iterator:
+def _ordered_map(pool: ThreadPoolExecutor, fn, items: Iterable, window: int) -> Iterator:
     """fn(item) for each item, computed by the pool at most `window` ahead, yielded in order."""
     queue: deque = deque()
     for item in items:
@@ -285,15 +291,70 @@ def _device(device: str) -> torch.device:
     return dev
 
 
+def memory_estimate(config: StackConfig, chunk: int, workers: int = 1, dtype: torch.dtype = torch.float32,
+                    maps: tuple[str, ...] = MAPS) -> int:
+    """Bytes `simulate` allocates for `workers` workers pushing chunks of `chunk` samples (a multiple of BLOCK).
+
+    Per worker: the chunk's hidden states (X, Y, the cosine's U, RoPE temporaries), its [k+2, c, n, n] score /
+    probability buffers and its block sums; plus the pending results of the ordered pool and the float64
+    accumulator and results. The sample count does not enter: chunks are streamed.
+    """
+    n, d, c, b = config.n, config.d, chunk, -(-chunk // BLOCK)
+    e = torch.finfo(dtype).bits // 8
+    k = len(_layout(config, maps)[0])
+    rows = _rows(config, maps)
+    states = c * n * d * (4 + (5 if config.positional == "rope" else 0)) * e + c * d * 4  # X, Y, U, scratch; RoPE
+    if dtype != torch.float32:
+        states += c * n * d * 4  # float32 normals before the cast
+    worker = states + 2 * c * n * e + (k + 2) * c * n * n * e + 2 * n * (n + d) * e
+    sums = b * rows * n * n * e
+    return workers * worker + (2 * workers + 1) * sums + 5 * rows * n * n * 8 + 2 * n * n
+
+
+def _fit_workers(config: StackConfig, chunk: int, workers: int, dtype: torch.dtype, maps: tuple[str, ...],
+                 dev: torch.device) -> int:
+    """The most workers (<= `workers`) whose memory fits; a one-line UsageError with the estimate if none does."""
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+        check_memory(memory_estimate(config, chunk, 1, dtype, maps), f"simulate (n={config.n}, d={config.d}, "
+                     f"layers={config.layers}, chunks of {chunk} samples) on the GPU",
+                     "lower chunk, n, d or layers", available=free)
+        return 1
+    available = available_memory()
+    if available is None:
+        return workers
+    while workers > 1 and memory_estimate(config, chunk, workers, dtype, maps) > available:
+        workers -= 1
+    check_memory(memory_estimate(config, chunk, workers, dtype, maps),
+                 f"simulate (n={config.n}, d={config.d}, layers={config.layers}, chunks of {chunk} samples)",
+                 "lower n, d, layers or chunk", available=available)
+    return workers
+
+
+def _chunks(done: int, nblocks: int, per_chunk: int, samples: int) -> Iterator[tuple[int, list[int]]]:
+    """(first block, block sizes) of each chunk from block `done` on, generated lazily (flat memory in samples)."""
+    for first in range(done, nblocks, per_chunk):
+        yield first, [min(BLOCK, samples - k * BLOCK) for k in range(first, min(first + per_chunk, nblocks))]
+
+
+def _auto_checkpoint(fp: dict) -> Path | None:
+    """The checkpoint of this run inside the run directory being built around the call, if there is one."""
+    run = current_run()
+    return None if run is None else run.checkpoint(f"simulate-{fingerprint(fp)}")
+
+
 def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None = None, device: str = "cpu",
              dtype: torch.dtype = torch.float32, progress: bool = False,
-             checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 50,
+             checkpoint: str | os.PathLike | None = "auto", checkpoint_every: int | None = None,
              maps: tuple[str, ...] = MAPS) -> SimResult:
     """Monte Carlo means (and standard errors) of the stack's scores, probabilities and hidden-state cosines.
 
-    `chunk` (rounded up to a multiple of BLOCK) bounds memory; it does not change the result. With
-    `checkpoint`, the partial sums are saved every `checkpoint_every` chunks and at the end, and a run with
-    the same config, samples, seed, device type, dtype and maps resumes from them.
+    `chunk` (rounded up to a multiple of BLOCK) bounds memory; it does not change the result. Memory is
+    estimated before any work (`memory_estimate`) and a run that cannot fit is refused.
+    `checkpoint`: a file for the partial sums, saved every `checkpoint_every` chunks (None: every
+    CHECKPOINT_SECONDS seconds) and at the end; a run with the same config, samples, seed, device type, dtype
+    and maps resumes from it bit for bit. "auto" (the default): inside `poslens.io.rundir.open_run` /
+    `run_directory`, a file in that run's work directory (so rerunning the same command resumes); elsewhere none.
     `maps`: which of "scores", "probs", "cosine" to compute (any non-empty subset, in any order; all by
     default). Each requested map comes with its standard error and equals a full run's bit for bit (same
     draws, same arithmetic); the fields of the others are None. Asking for fewer skips their work.
@@ -303,7 +364,8 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
         raise UsageError(f"config must be a StackConfig, got {type(config).__name__}")
     samples = check_int("samples", samples, 1)
     seed = check_int("seed", seed, 0)
-    checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
+    if checkpoint_every is not None:
+        checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
     maps = _check_maps(maps)
     if dtype not in (torch.float32, torch.float64):
         raise UsageError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -313,12 +375,17 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
     chunk = check_int("chunk", chunk, 1)
     nblocks = -(-samples // BLOCK)
     per_chunk = min(-(-chunk // BLOCK), nblocks)  # blocks per chunk
+    threads = torch.get_num_threads()
+    workers = max(1, min(threads, -(-nblocks // per_chunk))) if dev.type == "cpu" else 1
+    workers = _fit_workers(config, per_chunk * BLOCK, workers, dtype, maps, dev)
 
     n, rows = config.n, _rows(config, maps)
     fp = {"config": config.to_dict(), "samples": samples, "seed": seed, "block": BLOCK,
           "device": dev.type, "dtype": str(dtype), "what": "poslens.simulate"}
     if maps != MAPS:  # all maps: the fingerprint (and the checkpoint layout) of runs before `maps` existed
         fp["maps"] = list(maps)
+    if isinstance(checkpoint, str) and checkpoint == "auto":
+        checkpoint = _auto_checkpoint(fp)
     acc, done = torch.zeros(rows, n, n, dtype=torch.float64, device=dev), 0
     if checkpoint is not None and (state := load_partial(checkpoint, fp)) is not None:
         sums, done = state
@@ -326,25 +393,23 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
             raise UsageError(f"checkpoint {checkpoint} does not match this run; delete it to start over")
         acc.copy_(sums["sums"])
 
-    chunks = [(first, [min(BLOCK, samples - k * BLOCK) for k in range(first, min(first + per_chunk, nblocks))])
-              for first in range(done, nblocks, per_chunk)]
     local = threading.local()
 
-    def job(item: tuple[int, list[int]]) -> torch.Tensor:
+    def job(item: tuple[int, list[int]]) -> tuple[list[int], torch.Tensor]:
         if not hasattr(local, "stack"):
             local.stack = _Stack(config, per_chunk * BLOCK, dev, dtype, maps)
-        return local.stack.run(seed, *item)
+        return item[1], local.stack.run(seed, *item)
 
-    threads = torch.get_num_threads()
-    workers = max(1, min(threads, len(chunks))) if dev.type == "cpu" else 1
     bar = tqdm(total=samples, initial=min(done * BLOCK, samples), unit="sample", unit_scale=True,
                disable=not progress, desc="simulate")
+    saved_at = time.monotonic()
     try:
         if dev.type == "cpu":
             torch.set_num_threads(1)  # parallel over chunks, not inside the small matmuls
         with ThreadPoolExecutor(workers) as pool:
+            chunks = _chunks(done, nblocks, per_chunk, samples)
             parts = map(job, chunks) if workers == 1 else _ordered_map(pool, job, chunks, 2 * workers)
-            for i, ((_, sizes), part) in enumerate(zip(chunks, parts)):
+            for i, (sizes, part) in enumerate(parts):
                 if dev.type == "cpu":
                     for p in part:  # block by block, in block order: independent of the chunking
                         acc.add_(p)
@@ -352,8 +417,11 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
                     acc.add_(part.sum(0, dtype=torch.float64))
                 done += len(sizes)
                 bar.update(sum(sizes))
-                if checkpoint is not None and ((i + 1) % checkpoint_every == 0 or done == nblocks):
+                due = (time.monotonic() - saved_at >= CHECKPOINT_SECONDS if checkpoint_every is None
+                       else (i + 1) % checkpoint_every == 0)
+                if checkpoint is not None and (due or done == nblocks):
                     save_partial(checkpoint, {"sums": acc}, done, fp)
+                    saved_at = time.monotonic()
     finally:
         torch.set_num_threads(threads)
         bar.close()

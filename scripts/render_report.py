@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Render a poslens report.html in headless Chromium and save screenshots, to look at it as a reader would.
+
+    python scripts/render_report.py poslens-out/report.html [--out shots] [--width 1280] [--pages 12]
+
+Writes shots/full.png (the whole page at --width pixels, one tall image) and shots/page-01.png ... (one
+screen-height slice each, easy to view), using Debian's `chromium` package (`apt-get install -y chromium`) or
+any Chromium/Chrome found on PATH (--browser to choose). Needs no Python package beyond Pillow, which
+matplotlib already requires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def find_browser(name: str | None) -> str:
+    for candidate in ([name] if name else BROWSERS):
+        path = shutil.which(candidate)
+        if path:
+            return path
+    sys.exit("render_report.py: no Chromium found; install it (Debian: apt-get install -y chromium) or pass "
+             "--browser PATH")
+
+
+def page_height(browser: str, page: Path, width: int) -> int:
+    """The document's scroll height at `width`, read from Chromium's DOM dump (a script writes it into the title)."""
+    probe = page.with_name(page.stem + ".probe.html")
+    probe.write_text(page.read_text().replace(
+        "</body>", "<script>document.title='H='+document.documentElement.scrollHeight</script></body>", 1))
+    try:
+        dom = run(browser, ["--dump-dom", probe.as_uri()], width, 1000)
+    finally:
+        probe.unlink(missing_ok=True)
+    marker = dom.find("<title>H=")
+    if marker < 0:
+        return 20000
+    return int(dom[marker + 9:dom.index("<", marker + 9)])
+
+
+def run(browser: str, args: list[str], width: int, height: int) -> str:
+    with tempfile.TemporaryDirectory() as profile:
+        cmd = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+               "--virtual-time-budget=10000", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        sys.exit(f"render_report.py: {Path(browser).name} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("report", type=Path, help="report.html to render")
+    ap.add_argument("--out", type=Path, default=Path("shots"), help="folder for the screenshots (default shots)")
+    ap.add_argument("--width", type=int, default=1280, help="window width in CSS pixels (default 1280)")
+    ap.add_argument("--slice", type=int, default=1400, help="height of each page-NN.png slice (default 1400)")
+    ap.add_argument("--pages", type=int, default=40, help="at most this many slices (default 40)")
+    ap.add_argument("--browser", help="Chromium executable (default: the first of chromium, google-chrome on PATH)")
+    a = ap.parse_args(argv)
+    if not a.report.is_file():
+        sys.exit(f"render_report.py: {a.report}: no such file")
+    browser = find_browser(a.browser)
+    a.out.mkdir(parents=True, exist_ok=True)
+    page = a.report.resolve()
+    height = page_height(browser, page, a.width)
+    full = a.out / "full.png"
+    run(browser, [f"--screenshot={full.resolve()}", page.as_uri()], a.width, height)
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None
+    with Image.open(full) as img:
+        n = min(a.pages, -(-img.height // a.slice))
+        for k in range(n):
+            img.crop((0, k * a.slice, img.width, min(img.height, (k + 1) * a.slice))).save(
+                a.out / f"page-{k + 1:02d}.png")
+        print(f"{full} ({img.width} x {img.height} px) and {n} slices page-01.png ... in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

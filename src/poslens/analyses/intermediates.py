@@ -1,0 +1,634 @@
+"""`poslens intermediates MODEL --layer L`: the nine Gram matrices of paper Figure 3 and the maps of Figure 8.
+
+For layers L and L+1 (indices from 0 here; figures and reports number layers from 1, layer 1 = the first
+attention layer) the statistic averages over sequences (and over heads where the quantity is per head) the
+T x T Gram matrices of the intermediates that turn causally masked attention into position-dependent scores
+(Kim et al. 2025, Section 4.2):
+
+    (a) Y Y^T, Y = norm(X)                 blocks.L.ln1.hook_normalized
+    (b) Q K^T * scaling, mean over heads   blocks.L.attn.hook_q / hook_k (after q/k norm and RoPE)
+    (c) (AV)(AV)^T, mean over heads        blocks.L.attn.hook_z
+    (d) after W_O                          blocks.L.hook_attn_out
+    (e) after adding the residual          blocks.L.hook_resid_mid
+    (f) after the post-attention norm      blocks.L.ln2.hook_normalized (the norm in front of the MLP)
+    (g) after the FFN and residual         blocks.L.hook_resid_post
+    (h) next layer's normalised input      blocks.L+1.ln1.hook_normalized
+    (i) next layer's Q K^T * scaling       blocks.L+1.attn.hook_q / hook_k
+
+Gemma's sandwich layout (a norm after each sublayer too) maps as follows: (d) is the o_proj output before
+Gemma's `post_attention_layernorm` (hook point ln1_post); (e) adds that normed output to the residual; (f) is
+`pre_feedforward_layernorm` (ln2); (g) adds `post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
+softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
+
+Every per-head Gram is a head-summed GEMM: sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T, and the sum over the
+sequences of a batch joins the same inner dimension, so one [T, B*H*D] x [B*H*D, T] product per batch; for
+grouped-query attention the query heads sharing a key head are summed first. No [B, H, T, T] tensor is formed.
+Entries above the diagonal are NaN as in the paper (and, in a sliding-window layer, keys outside the window in
+(b), (i) and Figure 8). Sums are kept per group of sequences (batch b -> group b mod G) in float64, so every map
+and every summary has a delete-one-group jackknife interval (poslens.engine.stats).
+
+Block-output check: (g) is recomputed in float64 as (e) + MLP(f) (Gemma: + post_feedforward_layernorm(MLP(f)))
+with float64 copies of the layer's own modules and compared with the model's hidden state; the largest
+deviation relative to the largest |hidden state| must stay within `CHECK_ULPS` machine epsilons of the model's
+dtype (see `check_tolerance`), else `BlockOutputMismatch`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from poslens.engine.stats import DEFAULT_GROUPS, Statistic
+from poslens.errors import UsageError, check_choice, check_float, check_int
+from poslens.io.checkpoint import load_partial, save_partial
+from poslens.io.results import check_output, run_directory, write_run
+from poslens.options import option
+
+DEFAULT_SEQUENCES = 1000  # the paper's Figure 3: 1,000 sequences
+DEFAULT_SEQ_LEN = 50  # ... of the first 50 tokens of each document
+CHECK_ULPS = 64  # block-output check tolerance, in machine epsilons of the model's dtype (see check_tolerance)
+
+# letter, key in the results, what the panel shows (for titles), hook point relative to blocks.{L or L+1}
+PANELS: tuple[tuple[str, str, str], ...] = (
+    ("a", "input_norm", "Y Y^T after the input norm"),
+    ("b", "qk", "Q K^T * scaling"),
+    ("c", "z", "(AV)(AV)^T"),
+    ("d", "attn_out", "after W_O"),
+    ("e", "resid_mid", "after adding the residual"),
+    ("f", "post_attn_norm", "after the post-attention norm"),
+    ("g", "resid_post", "after the FFN and residual"),
+    ("h", "next_input_norm", "next layer's normalised input"),
+    ("i", "next_qk", "next layer's Q K^T * scaling"),
+)
+# residual-stream-shaped panels: hook point (relative to the block) and which of the two layers
+_HIDDEN_POINTS = {"a": ("ln1.hook_normalized", 0), "d": ("hook_attn_out", 0), "e": ("hook_resid_mid", 0),
+                  "f": ("ln2.hook_normalized", 0), "g": ("hook_resid_post", 0), "h": ("ln1.hook_normalized", 1)}
+
+
+class BlockOutputMismatch(UsageError):
+    """The recomputed block output differs from the model's hidden state (one line; the CLI exits 2)."""
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted max|g_64 - g| / max|g| for a model computing in `dtype`.
+
+    The float64 recomputation differs from the model's own block output only by the model's rounding: the
+    residual sum rounds once (half an epsilon of |g|), the MLP's three products and its activation each round
+    their outputs and accumulate in float32 or better (a few epsilons of the MLP output, itself at most of
+    the order of |g|). Measured in float32: at most 5.6 epsilons on SmolLM2-135M, 3.4 on the tiny families;
+    `CHECK_ULPS` = 64 leaves room for longer reductions in larger models, while a wrong module, a wrong
+    layout or a missing norm moves the output by a sizeable fraction of |g| (many thousands of epsilons in
+    float32, tens in bfloat16)."""
+    return CHECK_ULPS * torch.finfo(dtype).eps
+
+
+# ---------------------------------------------------------------- map arithmetic (float64, the paper's layout)
+
+
+def visible(n: int, window: int = 0) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is shown, j <= i (and i - j < window in a sliding-window layer)."""
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None]
+    ok = j <= i
+    return ok & (i - j < window) if window else ok
+
+
+def masked(m: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """The map with NaN above the diagonal (and outside the window), as the paper draws it."""
+    return m.masked_fill(~visible(m.shape[-1], window).to(m.device), math.nan)
+
+
+def gram_sum(x: torch.Tensor) -> torch.Tensor:
+    """sum_b X_b X_b^T for x [B, T, d] in float64: one [T, B*d] x [B*d, T] product."""
+    b, t, d = x.shape
+    flat = x.double().permute(1, 0, 2).reshape(t, b * d)
+    return flat @ flat.T
+
+
+def head_summed_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """sum_b sum_h Q_bh K_{b,kv(h)}^T for q [B, H, T, D], k [B, Hkv, T, D] (float64, no scaling).
+
+    Query head h reads key head h // (H / Hkv) (transformers' repeat_kv), so the query heads of one key head are
+    summed first; then one [T, B*Hkv*D] x [B*Hkv*D, T] product."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    qs = q.double().reshape(b, hkv, h // hkv, t, d).sum(2)
+    qf = qs.permute(2, 0, 1, 3).reshape(t, b * hkv * d)
+    kf = k.double().permute(2, 0, 1, 3).reshape(t, b * hkv * d)
+    return qf @ kf.T
+
+
+def row_slope(m: torch.Tensor) -> torch.Tensor:
+    """Mean over rows i of the least-squares slope of m[i, j] in j over keys 1 <= j < i (finite entries only).
+
+    Positive: within a row, later (closer) keys score higher, what the paper reads from Figure 3 (b), (f), (i).
+    Key 0 (the attention-sink column) and the diagonal (a token with itself) are left out; rows with fewer than
+    two such keys are skipped."""
+    n = m.shape[-1]
+    i = torch.arange(n, dtype=torch.float64)[:, None]
+    j = torch.arange(n, dtype=torch.float64)[None].expand(n, n)
+    w = ((j >= 1) & (j < i) & torch.isfinite(m)).double()
+    cnt = w.sum(1)
+    rows = cnt >= 2
+    vals = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+    jbar = (w * j).sum(1) / cnt.clamp(min=1)
+    mbar = (w * vals).sum(1) / cnt.clamp(min=1)
+    dj = (j - jbar[:, None]) * w
+    slope = (dj * (vals - mbar[:, None])).sum(1) / (dj * dj).sum(1).clamp(min=1e-300)
+    return slope[rows].mean() if rows.any() else torch.tensor(math.nan, dtype=torch.float64)
+
+
+def offdiag_ratio(m: torch.Tensor) -> torch.Tensor:
+    """Mean of the strictly lower (finite) entries over the mean of the diagonal: how much tokens look alike
+    next to how much each looks like itself (the paper's reading of (a) -> (b) and (c) -> (d))."""
+    n = m.shape[-1]
+    low = torch.tril(torch.ones(n, n, dtype=torch.bool, device=m.device), -1) & torch.isfinite(m)
+    return m[low].mean() / torch.diagonal(m).mean()
+
+
+def diagonal_normalised(m: torch.Tensor) -> torch.Tensor:
+    """Each lower diagonal i - j = k minus its mean over finite entries; the upper triangle NaN (Figure 8).
+
+    m: [..., n, n]; one scatter-add by offset over all maps at once."""
+    n = m.shape[-1]
+    flat = m.reshape(-1, n * n)
+    k = (torch.arange(n)[:, None] - torch.arange(n)[None]).to(m.device)
+    idx = torch.where(k >= 0, k, n).reshape(1, -1).expand_as(flat)  # upper entries go to a dump bin n
+    ok = torch.isfinite(flat) & (idx < n)
+    sums = torch.zeros(flat.shape[0], n + 1, dtype=m.dtype, device=m.device).scatter_add_(1, idx, flat.where(ok, 0))
+    cnt = torch.zeros_like(sums).scatter_add_(1, idx, ok.to(m.dtype))
+    mean = sums / cnt.clamp(min=1)
+    return masked((flat - mean.gather(1, idx)).reshape(m.shape))
+
+
+# ---------------------------------------------------------------- the statistic
+
+
+class Intermediates(Statistic):
+    """Figure 3's nine Gram maps for layers `layer`, `layer` + 1, Figure 8's per-layer scores, the block check.
+
+    `hm`: a poslens.engine.hooks.HookedModel. `all_layers`: also every layer's Q K^T * scaling (Figure 8; the
+    forward then runs to the last layer's attention, else it stops in layer L+1's attention). `check`: recompute
+    layer L's block output in float64 and compare (see the module docstring). Batches are whole sequences of one
+    length (no padding), as `poslens.engine.data.make_sequences` makes them; the runner sets `self.group`."""
+
+    name = "intermediates"
+
+    def __init__(self, hm, layer: int, groups: int = DEFAULT_GROUPS, all_layers: bool = True, check: bool = True,
+                 device: str | torch.device | None = None) -> None:
+        super().__init__(groups, device)
+        from poslens.engine.families import sliding_windows
+
+        n = hm.n_layers
+        if n < 2:
+            raise UsageError(f"layer: the model has {n} layer; intermediates needs two consecutive layers")
+        self.layer = check_int("layer", layer, 0, n - 2)
+        self.n_layers = n
+        self.all_layers = all_layers
+        self.family = hm.family
+        self.windows = sliding_windows(hm.model.config)
+        self.dtype = next(hm.model.parameters()).dtype
+        self.check = {"max_abs": 0.0, "max_rel": 0.0} if check else None
+        self._modules = self._float64_modules(hm.layers[layer]) if check else None
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def _float64_modules(self, block) -> dict:
+        mods = {"mlp": copy.deepcopy(block.mlp).double()}
+        if self.family.layout == "sandwich":
+            mods["post"] = copy.deepcopy(getattr(block, self.family.ln2_post)).double()
+        return mods
+
+    def score_layers(self) -> list[int]:
+        """Layers whose Q K^T * scaling is averaged: every layer (Figure 8) or just L and L+1."""
+        return list(range(self.n_layers)) if self.all_layers else [self.layer, self.layer + 1]
+
+    # ---- reading
+
+    def hooks(self, hm) -> dict:
+        from poslens.engine.hooks import from_factors
+
+        L = self.layer
+        out: dict[str, list] = {}
+
+        def add(point: str, fn) -> None:
+            out.setdefault(point, []).append(fn)
+
+        for letter, (point, step) in _HIDDEN_POINTS.items():
+            add(f"blocks.{L + step}.{point}", self._gram_reader(f"panel_{letter}"))
+        add(f"blocks.{L}.attn.hook_z", self._z_reader)
+        for l in self.score_layers():
+            add(f"blocks.{l}.attn.hook_attn_scores", from_factors(self._scores_reader(l)))
+        if self.check is not None:
+            add(f"blocks.{L}.hook_resid_mid", self._keep("mid"))
+            add(f"blocks.{L}.ln2.hook_normalized", self._keep("ln2"))
+            add(f"blocks.{L}.hook_resid_post", self._check_block)
+        return out
+
+    def _gram_reader(self, name: str):
+        def read(x, ctx):
+            if name == "panel_a" and ctx.attention_mask is not None and not bool(ctx.attention_mask.all()):
+                raise UsageError("intermediates averages whole sequences: run it on unpadded batches "
+                                 "(attention_mask all ones or None)")
+            self.sums.add(name, self.group, gram_sum(x), x.shape[0])
+
+        return read
+
+    def _z_reader(self, z, ctx):  # [B, T, H, D]: per-head Grams summed = the Gram of the heads side by side
+        b, t, h, d = z.shape
+        self.sums.add("panel_c", self.group, gram_sum(z.reshape(b, t, h * d)) / h, b)
+
+    def _scores_reader(self, layer: int):
+        def read(_, ctx):
+            h = ctx.q.shape[1]
+            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.q, ctx.k) * (ctx.scaling / h),
+                          ctx.q.shape[0])
+
+        return read
+
+    def _keep(self, key: str):
+        def keep(x, ctx):
+            self._pending[key] = x
+
+        return keep
+
+    def _check_block(self, g, ctx) -> None:
+        """(g) = (e) + MLP(f) [+ post-FFN norm], in float64 with the layer's own modules, against the model's."""
+        mods = self._modules
+        m = mods["mlp"](self._pending.pop("ln2").double())
+        if "post" in mods:
+            m = mods["post"](m)
+        g64 = self._pending.pop("mid").double() + m
+        dev = float((g64 - g.double()).abs().max())
+        scale = float(g.double().abs().max())
+        self.check["max_abs"] = max(self.check["max_abs"], dev)
+        self.check["max_rel"] = max(self.check["max_rel"], dev / max(scale, 1e-300))
+        tol = check_tolerance(self.dtype)
+        if not self.check["max_rel"] <= tol:  # NaN fails too
+            raise BlockOutputMismatch(
+                f"layer {self.layer}: the block output recomputed in float64 as hook_resid_mid + MLP(ln2) differs "
+                f"from the model's hook_resid_post by {dev:.3g} ({self.check['max_rel']:.3g} of its largest entry, "
+                f"tolerance {tol:.3g}); the {self.family.name} block is not what poslens.engine.families describes")
+
+    # ---- finishing
+
+    def window(self, panel: str) -> int:
+        """Sliding window of the layer a panel's scores come from (0 = none, and for every Gram panel)."""
+        return {"b": self.windows[self.layer], "i": self.windows[self.layer + 1]}.get(panel, 0)
+
+    def panel_map(self, letter: str, means: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Panel `letter`'s mean map [T, T] from pooled means (upper triangle NaN)."""
+        name = {"b": f"scores/{self.layer}", "i": f"scores/{self.layer + 1}"}.get(letter, f"panel_{letter}")
+        return masked(means[name], self.window(letter))
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """panel_a .. panel_i (each with _lo/_hi/_se), scores [layers, T, T] and scores_normalised (Figure 8)."""
+        out: dict[str, torch.Tensor] = {}
+        for letter, _, _ in PANELS:
+            est = self.sums.estimate(lambda m, c=letter: self.panel_map(c, m), level=level)
+            out.update(est.as_dict(f"panel_{letter}"))
+        layers = self.score_layers()
+
+        def stack(m, normalise: bool) -> torch.Tensor:
+            maps = [masked(m[f"scores/{l}"], self.windows[l]) for l in layers]
+            out = torch.stack(maps)
+            return diagonal_normalised(out) if normalise else out
+
+        out.update(self.sums.estimate(lambda m: stack(m, False), level=level).as_dict("scores"))
+        out.update(self.sums.estimate(lambda m: stack(m, True), level=level).as_dict("scores_normalised"))
+        out["score_layers"] = torch.tensor(layers)
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+    def summary(self, level: float = 0.95) -> dict:
+        """Per panel: mean row slope over keys 1 <= j < i and the off-diagonal/diagonal ratio, with intervals;
+        the change of that ratio from (a) to (b) (W_Q, W_K) and from (c) to (d) (W_O), with intervals."""
+        panels = {}
+        for letter, key, what in PANELS:
+            panels[letter] = {
+                "name": key, "what": what,
+                "row_slope": self.sums.estimate(lambda m, c=letter: row_slope(self.panel_map(c, m)), level).item(),
+                "offdiag_ratio": self.sums.estimate(lambda m, c=letter: offdiag_ratio(self.panel_map(c, m)),
+                                                    level).item(),
+            }
+        ratio = {c: (lambda m, c=c: offdiag_ratio(self.panel_map(c, m))) for c in "abcd"}
+        changes = {f"offdiag_ratio_{y}_minus_{x}": self.sums.estimate(lambda m, x=x, y=y: ratio[y](m) - ratio[x](m),
+                                                                      level).item() for x, y in ("ab", "cd")}
+        return {"panels": panels, "changes": changes, "groups": len(self.sums.filled()), "level": level,
+                "block_output_check": self.check_report()}
+
+    def check_report(self) -> dict | None:
+        if self.check is None:
+            return None
+        return {**self.check, "tolerance": check_tolerance(self.dtype), "dtype": str(self.dtype).removeprefix("torch."),
+                "layer": self.layer, "recomputed": "hook_resid_mid + mlp(ln2.hook_normalized)"
+                + (" through post_feedforward_layernorm" if self.family.layout == "sandwich" else "")
+                + ", float64, vs hook_resid_post"}
+
+    # ---- persistence and combination (sums plus the check's maxima)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.sums.state_dict()
+        if self.check is not None:
+            state.update({f"check/{k}": torch.tensor(v, dtype=torch.float64) for k, v in self.check.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.sums.load_state_dict({k: v for k, v in state.items() if not k.startswith("check/")})
+        if self.check is not None:
+            self.check = {k: float(state.get(f"check/{k}", torch.tensor(0.0))) for k in self.check}
+
+    def merge(self, other: Intermediates) -> None:
+        self.sums.merge(other.sums)
+        if self.check is not None and other.check is not None:
+            self.check = {k: max(v, other.check[k]) for k, v in self.check.items()}
+
+    def all_reduce(self, group=None) -> None:
+        import torch.distributed as dist
+
+        self.sums.all_reduce(group)
+        if self.check is not None and dist.is_available() and dist.is_initialized():
+            t = torch.tensor([self.check["max_abs"], self.check["max_rel"]], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            self.check = {"max_abs": float(t[0]), "max_rel": float(t[1])}
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+@dataclass
+class IntermediatesConfig:
+    """Everything that determines an `intermediates` run (recorded in run.json and the checkpoint fingerprint)."""
+
+    model: str = option(help="hub id, local directory, .gguf file, smollm2-135m, or random:<config.json>",
+                        positional=True, metavar="MODEL")
+    layer: int = option(0, help="the first of the two consecutive layers L, L+1 (index from 0; figures number "
+                        "layers from 1, so the default shows the paper's layers 1 and 2)")
+    data: str | None = option(None, help="text file, directory, .jsonl, .parquet or a datasets.save_to_disk "
+                              "directory (default: the embedded corpus)")
+    text_field: str = option("text", help="field/column holding the text")
+    seq_len: int = option(DEFAULT_SEQ_LEN, help="tokens per sequence, BOS included (the paper: the first 50)")
+    num_sequences: int = option(DEFAULT_SEQUENCES, help="sequences to average over, exactly this many or an error")
+    batch_size: int = option(50, help="sequences per forward pass")
+    groups: int = option(DEFAULT_GROUPS, help="groups of sequences for the jackknife intervals (batch b goes to "
+                         "group b mod G)")
+    level: float = option(0.95, help="confidence level of the intervals")
+    all_layers: bool = option(True, help="skip Figure 8 (every layer's scores); the forward then stops in layer "
+                              "L+1's attention")
+    mode: str = option("first", help="first: the first seq-len tokens of each long-enough document (the paper); "
+                       "pack: concatenate documents and cut blocks", choices=("first", "pack"))
+    bos: str = option("auto", help="auto (as the tokenizer does), always, never", choices=("auto", "always", "never"))
+    pe: str = option("auto", help="positional encoding: auto (as the checkpoint says; known NoPE checkpoints load "
+                     "without RoPE), none (remove RoPE: a checkpoint trained without it), rope",
+                     choices=("auto", "none", "rope"))
+    dtype: str = option("auto", help="auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16, "
+                        "float16")
+    device: str = option("cpu", help="cpu, cuda or cuda:N")
+    tokenizer: str | None = option(None, help="tokenizer to use (same forms as MODEL); needed for random: configs "
+                                   "without tokenizer files")
+    seed: int = option(0, help="initialisation seed of random: models")
+    figures: bool = option(True, help="write tensors and run.json only (no figures)")
+    checkpoint_every: int = option(10, help="save partial sums every N batches; rerunning the same command resumes")
+
+    def validate(self) -> None:
+        from poslens.engine.models import check_device
+
+        check_int("layer", self.layer, 0)
+        check_int("seq_len", self.seq_len, 3)
+        check_int("num_sequences", self.num_sequences, 1)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("groups", self.groups, 1)
+        check_float("level", self.level, 0.0, 1.0, lo_open=True, hi_open=True)
+        check_int("checkpoint_every", self.checkpoint_every, 1)
+        check_choice("mode", self.mode, ("first", "pack"))
+        check_choice("bos", self.bos, ("auto", "always", "never"))
+        check_choice("pe", self.pe, ("auto", "none", "rope"))
+        check_device(self.device)
+
+    def fingerprint_fields(self) -> dict:
+        d = asdict(self)
+        for k in ("checkpoint_every", "device", "level", "figures"):
+            d.pop(k)
+        return d
+
+
+def documents(data: str | None, text_field: str):
+    """(documents, source label): `data` through poslens.engine.data, or the embedded corpus when None."""
+    from poslens.engine.data import iter_documents, source_label
+
+    if data is None:
+        from poslens.engine import corpus
+
+        return corpus.documents(), corpus.label()
+    docs = iter_documents(data, text_field)
+    first = next(docs, None)  # a bad --data fails here, before the model loads
+    if first is None:
+        raise UsageError(f"data {data}: no documents found", param="data")
+    return itertools.chain([first], docs), source_label(data)
+
+
+def partial_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial.safetensors"
+
+
+def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, progress: bool = True) -> Path:
+    """Compute the panels and Figure 8, write the run directory `out` (figures in out/figures); returns its path."""
+    from transformers.utils import logging as hf_logging
+
+    from poslens.engine.data import make_sequences
+    from poslens.engine.families import positional_encoding
+    from poslens.engine.hooks import HookedModel
+    from poslens.engine.models import load_info, load_model, max_positions
+
+    cfg.validate()
+    started = time.perf_counter()
+    target = check_output(out, force)
+    docs, source = documents(cfg.data, cfg.text_field)
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer,
+                                  seed=cfg.seed, pe=cfg.pe)
+    hm = HookedModel(model)
+    if cfg.layer > hm.n_layers - 2:
+        raise UsageError(f"layer {cfg.layer} has no next layer: the model has {hm.n_layers} layers, so use "
+                         f"--layer 0..{hm.n_layers - 2}", param="layer")
+    if cfg.seq_len > max_positions(model):
+        raise UsageError(f"seq_len {cfg.seq_len} is beyond the model's window of {max_positions(model)} positions",
+                         param="seq_len")
+    stat = Intermediates(hm, cfg.layer, groups=cfg.groups, all_layers=cfg.all_layers)
+    ids, data_stats = make_sequences(tokenizer, docs, cfg.seq_len, cfg.num_sequences, mode=cfg.mode, bos=cfg.bos)
+    data_stats["source"] = source
+    batches = list(torch.split(ids, cfg.batch_size))
+    ckpt, fp = partial_path(target), cfg.fingerprint_fields()
+    done = 0
+    resumed = load_partial(ckpt, fp)
+    if resumed is not None:
+        state, done = resumed
+        stat.load_state_dict(state)
+    hooks = stat.hooks(hm)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(batches), initial=done, desc="intermediates", unit="batch")
+    for b in range(done, len(batches)):
+        stat.group = b
+        hm.run(batches[b].to(cfg.device), hooks=hooks)
+        if bar is not None:
+            bar.update(1)
+        if (b + 1) % cfg.checkpoint_every == 0 and b + 1 < len(batches):
+            save_partial(ckpt, stat.state_dict(), b + 1, fp)
+    if bar is not None:
+        bar.close()
+    computed = time.perf_counter() - started
+    result = stat.result(cfg.level)
+    metrics = stat.summary(cfg.level)
+    info = load_info(model)
+    label = f"{cfg.model}" + (" (RoPE removed)" if info.get("pe") == "none" else "")
+    with run_directory(target, force) as tmp:
+        figs = []
+        if cfg.figures:
+            figs = figure3(result, cfg.layer, tmp / "figures", label)
+            figs += figure8(result, tmp / "figures", label) if cfg.all_layers else []
+        write_run(tmp, result, {
+            "kind": "intermediates", "config": asdict(cfg), "data": data_stats,
+            "layer_numbering": "indices from 0 in config and tensors; figures number layers from 1",
+            "panels": {letter: {"what": what, "layer": cfg.layer + (letter in "hi"),
+                                "hook_point": _hook_point(letter, cfg.layer)} for letter, _, what in PANELS},
+            "metrics": metrics, "figures": [str(p.relative_to(tmp)) for p in figs],
+            "model": {"class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
+                      "family": hm.family.name, "layout": hm.family.layout, "layers": hm.n_layers,
+                      "positional_encoding": positional_encoding(model), **info},
+            "resumed_from_batch": done,
+            "timings": {"compute_seconds": computed, "seconds": time.perf_counter() - started},
+        })
+    ckpt.unlink(missing_ok=True)
+    return target
+
+
+def _hook_point(letter: str, layer: int) -> str:
+    if letter in "bi":
+        l = layer + (letter == "i")
+        return f"blocks.{l}.attn.hook_q x blocks.{l}.attn.hook_k * scaling"
+    if letter == "c":
+        return f"blocks.{layer}.attn.hook_z"
+    point, step = _HIDDEN_POINTS[letter]
+    return f"blocks.{layer + step}.{point}"
+
+
+# ---------------------------------------------------------------- figures
+
+
+def panel_title(letter: str, layer: int) -> str:
+    """Figure 3 panel title, layers numbered from 1 (layer index L is layer L+1)."""
+    what = dict((c, w) for c, _, w in PANELS)[letter]
+    return f"({letter}) {what}, layer {layer + 1 + (letter in 'hi')}"
+
+
+def figure3(result: dict, layer: int, directory: Path, label: str) -> list[Path]:
+    """The 3 x 3 grid of Figure 3 (each panel its own 1%-99% colour limits): figure3.{png,pdf}."""
+    from poslens.report import plotting
+
+    maps = [result[f"panel_{c}"] for c, _, _ in PANELS]
+    fig = plotting.map_grid(maps, [panel_title(c, layer) for c, _, _ in PANELS], ncols=3, limits="quantile",
+                            suptitle=f"{label}: Gram matrices of the intermediates of layers {layer + 1} and "
+                            f"{layer + 2}, mean over sequences (and heads)", panel_size=3.0)
+    return plotting.save(fig, directory, "figure3")
+
+
+def figure8(result: dict, directory: Path, label: str) -> list[Path]:
+    """Every averaged layer's diagonal-normalised Q K^T * scaling: figure8.{png,pdf} (the raw maps are in the run's
+    `scores` tensor)."""
+    from poslens.report import plotting
+
+    layers = result["score_layers"].tolist()
+    titles = [f"layer {l + 1}" for l in layers]
+    ncols = min(6, len(layers))
+    paths = plotting.save(plotting.map_grid(list(result["scores_normalised"]), titles, ncols=ncols,
+                                            limits="quantile", suptitle=f"{label}: Q K^T * scaling, mean over "
+                                            "sequences and heads, diagonal-normalised"), directory, "figure8")
+    return paths
+
+
+# ---------------------------------------------------------------- the reproduce section (Section 4.2)
+
+SECTION_MODEL = "smollm2-135m"
+
+
+def _verdict(est: dict) -> str:
+    """holds if the interval lies above 0, contradicted if below, else not resolved."""
+    return "holds" if est["lo"] > 0 else "contradicted" if est["hi"] < 0 else "not resolved"
+
+
+def _fmt(est: dict, digits: int = 3) -> str:
+    return (f"{est['value']:+.{digits}g} ({100 * est['level']:g}% interval [{est['lo']:+.{digits}g}, "
+            f"{est['hi']:+.{digits}g}], jackknife over {est['groups']} groups)")
+
+
+def intermediates_section(ctx, quick: bool = False, size: tuple[int, int] | None = None):
+    """Section 4.2 of `poslens reproduce` on the embedded model with RoPE removed: Figure 3, Figure 8 and claims.
+
+    `ctx`: reproduce's Context (`parts` cache, `root`, `progress`). size = (seq_len, sequences): default the
+    paper's (50, 1000), (50, 200) with quick. The finished run is cached in ctx.parts under a name that includes
+    a fingerprint of its configuration (a resumed reproduce never reuses a run made with other settings) and
+    copied to models/ in the report directory. Returns a poslens.report.render.Section."""
+    import shutil
+
+    from poslens.io.checkpoint import fingerprint
+    from poslens.io.results import load
+    from poslens.report.render import Claim, Section
+
+    seq_len, num = size or ((DEFAULT_SEQ_LEN, 200) if quick else (DEFAULT_SEQ_LEN, DEFAULT_SEQUENCES))
+    cfg = IntermediatesConfig(model=SECTION_MODEL, pe="none", seq_len=seq_len, num_sequences=num,
+                              batch_size=max(1, min(50, num // DEFAULT_GROUPS)))
+    name = f"intermediates-{SECTION_MODEL}-nope-{fingerprint(cfg.fingerprint_fields())[:8]}"
+    cached = Path(ctx.parts) / name
+    if not cached.exists():
+        run_intermediates(cfg, str(cached), progress=ctx.progress)
+    target = Path(ctx.root) / "models" / name
+    shutil.copytree(cached, target)
+    run = load(target, tensors=False)
+    m, data = run.metrics, run.meta["data"]
+    p, ch = m["panels"], m["changes"]
+    command = (f"poslens intermediates {SECTION_MODEL} --pe none --layer 0 --seq-len {seq_len} "
+               f"--num-sequences {num}")
+    s = Section(
+        "No positional encoding in a trained model: Figure 3 and Figure 8 (Section 4.2, Appendix C)",
+        f"{SECTION_MODEL} (SmolLM2-135M-Instruct, trained with RoPE) with RoPE removed (every rotation the "
+        f"identity, weights unchanged): a stand-in for the paper's NoPE model, which was never released. "
+        f"{data['sequences']} sequences of the first {seq_len} tokens of documents from {data['source']}. Panels "
+        "(a)-(i): Gram matrices of the intermediates of layers 1 and 2, averaged over sequences (and heads); "
+        "Figure 8: every layer's Q K^T * scaling, diagonal-normalised. Intervals: delete-one-group jackknife. "
+        "Row slope: mean over queries i of the least-squares slope of row i over keys 1 <= j < i (key 0, the "
+        "attention sink, and the diagonal left out).")
+    s.claims.append(Claim("layer-2 Q K^T rows increase with the key index (a position-dependent pattern without "
+                          "positional encoding)", "Section 4.2, Figure 3 (i)",
+                          f"mean row slope of panel (i): {_fmt(p['i']['row_slope'])}", _verdict(p["i"]["row_slope"]),
+                          "Figure 3 (i)", command))
+    s.claims.append(Claim("after the post-attention norm, the Gram matrix increases with j for fixed i", "Section 4.2, "
+                          "Figure 3 (f)", f"mean row slope of panel (f): {_fmt(p['f']['row_slope'])}",
+                          _verdict(p["f"]["row_slope"]), "Figure 3 (f)", command))
+    s.claims.append(Claim("from (a) to (b) the ratio of off-diagonal to diagonal values increases (W_Q, W_K act like "
+                          "a larger alpha)", "Section 4.2, Figure 3 (a), (b)",
+                          f"off-diagonal/diagonal mean: (a) {p['a']['offdiag_ratio']['value']:.3g}, (b) "
+                          f"{p['b']['offdiag_ratio']['value']:.3g}; change "
+                          f"{_fmt(ch['offdiag_ratio_b_minus_a'])}", _verdict(ch["offdiag_ratio_b_minus_a"]),
+                          "Figure 3 (a), (b)", command))
+    s.claims.append(Claim("after the input norm, embeddings are close to orthogonal (the alpha = 0 case)",
+                          "Section 4.2, Figure 3 (a)", "off-diagonal/diagonal mean of panel (a): "
+                          f"{_fmt(p['a']['offdiag_ratio'])}", "context", "Figure 3 (a)", command))
+    c = m["block_output_check"]
+    s.claims.append(Claim("(g) equals the model's next hidden state", "anchor procedure (atol 1e-5)",
+                          f"float64 recomputation (e) + MLP(f) vs hook_resid_post: max deviation {c['max_abs']:.3g}, "
+                          f"{c['max_rel']:.3g} of the largest entry (tolerance {c['tolerance']:.3g}, {c['dtype']})",
+                          "context", "Figure 3 (g)", command))
+    s.figures.append((target / "figures" / "figure3.png",
+                      f"Figure 3 style: {SECTION_MODEL} with RoPE removed, layers 1 and 2, each panel's colour limits "
+                      "at its 1% and 99% quantiles."))
+    s.figures.append((target / "figures" / "figure8.png",
+                      f"Figure 8 style: {SECTION_MODEL} with RoPE removed, every layer's Q K^T * scaling averaged "
+                      "over sequences and heads, diagonal-normalised."))
+    return s

@@ -1,0 +1,294 @@
+"""Absolute-position leakage of averaged causal maps: pure functions of mean maps (docs/leakage.md).
+
+Every metric here takes mean maps M [..., n, n] (query i on rows, key j on columns; any leading axes, e.g.
+layers and heads) and a `Domain` Omega of (i, j) entries, and returns float64 tensors over the leading axes.
+They are smooth functions of the means (no medians, no thresholds), so the engine's delete-one-group
+jackknife gives each one a confidence interval by re-evaluating it on leave-one-group-out means.
+
+Notation (docs/leakage.md, section "Formulas"): d = i - j; n_d = #{(i, j) in Omega : i - j = d};
+mu_d = mean of M over diagonal d in Omega; R_ij = M_ij - mu_{i-j} (the Toeplitz residual); V_tot = sum over
+Omega of (M_ij - mean)^2; sd = sqrt(V_tot / |Omega|).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from poslens.errors import UsageError, check_int
+
+TERMS = ("d", "q", "k")  # one-hot factors of a fit: offset i - j, query i, key j
+MIN_PER_OFFSET = 2  # a diagonal with one entry has no residual: a Toeplitz fit needs at least two
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The entries Omega of a causal map that a metric uses.
+
+    max_offset: largest i - j (D_max; None = n // 2, so every diagonal used has at least n / 2 entries);
+    first_key: include key j = 0 (the sink column); min_query / max_query: queries i in [min_query, max_query]
+    (max_query None = n - 1; "early queries only" is a small max_query); window: keep i - j < window
+    (sliding-window layers, whose other entries are undefined).
+    """
+
+    max_offset: int | None = None
+    first_key: bool = True
+    min_query: int = 0
+    max_query: int | None = None
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_offset is not None:
+            check_int("max_offset", self.max_offset, 0)
+        check_int("min_query", self.min_query, 0)
+        if self.max_query is not None:
+            check_int("max_query", self.max_query, 0)
+        if self.window is not None:
+            check_int("window", self.window, 1)
+
+    def mask(self, n: int) -> torch.Tensor:
+        """[n, n] bool: True on Omega."""
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        d = i - j
+        top = n // 2 if self.max_offset is None else self.max_offset
+        ok = (d >= 0) & (d <= top) & (i >= self.min_query)
+        if self.max_query is not None:
+            ok &= i <= self.max_query
+        if not self.first_key:
+            ok &= j >= 1
+        if self.window is not None:
+            ok &= d < self.window
+        return ok
+
+    def index(self, n: int) -> _Index:
+        """The entries of Omega for maps of size n, with the factor codes the fits need (cached)."""
+        return _index(self, check_int("n", n, 2))
+
+
+class _Index:
+    """Flat positions of Omega's entries and, per entry, compact codes of its offset, query and key."""
+
+    def __init__(self, domain: Domain, n: int) -> None:
+        ok = domain.mask(n)
+        i, j = ok.nonzero(as_tuple=True)
+        self.n, self.size = n, int(i.numel())
+        self.flat = i * n + j
+        self.i, self.j, self.d = i, j, i - j
+        self.codes: dict[str, torch.Tensor] = {}
+        self.levels: dict[str, torch.Tensor] = {}
+        for name, v in (("d", self.d), ("q", i), ("k", j)):
+            levels, code = torch.unique(v, return_inverse=True)
+            self.levels[name], self.codes[name] = levels, code
+        counts = torch.bincount(self.codes["d"])
+        usable = int((counts >= MIN_PER_OFFSET).sum()) if self.size else 0
+        if usable < 2 or self.size <= len(counts) + 1:
+            raise UsageError(f"domain has {self.size} entries on {len(counts)} offsets in a {n} x {n} map; a fit "
+                             f"needs at least 2 offsets with {MIN_PER_OFFSET} entries each: raise max_offset or "
+                             "max_query, or lower min_query")
+        self._pinv: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def pinv(self, terms: tuple[str, ...]) -> torch.Tensor:
+        """(X^T X)^+ of the one-hot design with the given factors (float64, cached; the design depends on Omega
+        only, so one pseudo-inverse serves every map and every jackknife replicate)."""
+        if terms not in self._pinv:
+            rows = []
+            for a in terms:  # block (a, b) of X^T X counts the entries with level u of a and level v of b
+                la, row = len(self.levels[a]), []
+                for b in terms:
+                    lb = len(self.levels[b])
+                    pair = self.codes[a] * lb + self.codes[b]
+                    row.append(torch.bincount(pair, minlength=la * lb).reshape(la, lb))
+                rows.append(torch.cat(row, 1))
+            xtx = torch.cat(rows, 0).to(torch.float64)
+            self._pinv[terms] = torch.linalg.pinv(xtx, hermitian=True, rtol=1e-10)
+        return self._pinv[terms]
+
+
+@functools.lru_cache(maxsize=32)
+def _index(domain: Domain, n: int) -> _Index:
+    return _Index(domain, n)
+
+
+def values(m: torch.Tensor, domain: Domain) -> tuple[torch.Tensor, _Index]:
+    """The entries of m [..., n, n] on Omega as float64 [..., |Omega|] (a UsageError if any is not finite)."""
+    m = torch.as_tensor(m)
+    if m.dim() < 2 or m.shape[-1] != m.shape[-2]:
+        raise UsageError(f"maps must be square [..., n, n], got shape {tuple(m.shape)}")
+    ix = domain.index(m.shape[-1])
+    y = m.reshape(*m.shape[:-2], -1)[..., ix.flat.to(m.device)].to(torch.float64).cpu()
+    if not bool(torch.isfinite(y).all()):
+        raise UsageError("the domain includes undefined (NaN) map entries: set window to the layer's sliding "
+                         "window or lower max_offset")
+    return y, ix
+
+
+def _group_sums(y: torch.Tensor, code: torch.Tensor, levels: int) -> torch.Tensor:
+    """Sums of y [..., K] over the entries of each level of a factor: [..., levels]."""
+    out = torch.zeros(*y.shape[:-1], levels, dtype=y.dtype)
+    return out.index_add_(-1, code, y)
+
+
+def _fit(y: torch.Tensor, ix: _Index, terms: tuple[str, ...]) -> torch.Tensor:
+    """Residual of the least-squares fit of y [..., K] on one-hot factors `terms` (each includes a constant)."""
+    xty = torch.cat([_group_sums(y, ix.codes[t], len(ix.levels[t])) for t in terms], -1)
+    b = xty @ ix.pinv(terms)  # normal equations b = (X^T X)^+ X^T y; the projection is unique even when b is not
+    fitted = torch.zeros_like(y)
+    start = 0
+    for t in terms:
+        size = len(ix.levels[t])
+        fitted = fitted + b[..., start:start + size][..., ix.codes[t]]
+        start += size
+    return y - fitted
+
+
+def toeplitz_residual(y: torch.Tensor, ix: _Index) -> torch.Tensor:
+    """R_ij = M_ij - mu_{i-j} on Omega (mu_d: diagonal means over Omega); exact, no solve."""
+    code = ix.codes["d"]
+    counts = torch.bincount(code).to(y.dtype)
+    mu = _group_sums(y, code, len(counts)) / counts
+    return y - mu[..., code]
+
+
+def _centred_ss(y: torch.Tensor) -> torch.Tensor:
+    return ((y - y.mean(-1, keepdim=True)) ** 2).sum(-1)
+
+
+def toeplitz_fraction(m: torch.Tensor, domain: Domain) -> torch.Tensor:
+    """TRF = sum_Omega R_ij^2 / V_tot (notes C1): the share of the map's variance the offset i - j does not
+    explain; 0 iff M is Toeplitz on Omega, at most 1. NaN for a constant map (V_tot = 0)."""
+    y, ix = values(m, domain)
+    r = toeplitz_residual(y, ix)
+    return (r**2).sum(-1) / _centred_ss(y)
+
+
+def delta_r2(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
+    """Non-parametric R^2 of one-hot fits on Omega (notes C2): offset only (r2_d), offset + query (r2_dq),
+    offset + key (r2_dk), offset + query + key (r2_dqk), and the increments dr2_q, dr2_k, dr2_abs over r2_d.
+
+    Because d = i - j, a linear trend moves freely between the three factors: only increments are identified,
+    and dr2_q and dr2_k overlap (dr2_abs <= dr2_q + dr2_k need not hold with equality).
+    """
+    y, ix = values(m, domain)
+    total = _centred_ss(y)
+    r2 = {"".join(t): 1.0 - (_fit(y, ix, t) ** 2).sum(-1) / total
+          for t in (("d",), ("d", "q"), ("d", "k"), ("d", "q", "k"))}
+    out = {f"r2_{k}": v for k, v in r2.items()}
+    out["dr2_q"] = r2["dq"] - r2["d"]
+    out["dr2_k"] = r2["dk"] - r2["d"]
+    out["dr2_abs"] = r2["dqk"] - r2["d"]
+    return out
+
+
+def split(scores: torch.Tensor, log_partition: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
+    """Exact split of the non-relative part of the mean log-probabilities (notes C3, our construction).
+
+    Mean log-probabilities are L = S - l 1^T exactly (S: mean scores [..., n, n], l: mean log-partition
+    [..., n], l_i = mean log sum_{j seen by i} exp s_ij). The Toeplitz residual P is linear, so
+    P L = P S - P(l 1^T) and
+        e_total = ||P L||^2 = e_logit + e_mask + cross,
+        e_logit = ||P S||^2              (residual stream: scores that are not a function of i - j)
+        e_mask  = ||P(l 1^T)||^2         (log-partition: the softmax denominator of each query)
+        cross   = -2 <P S, P(l 1^T)>     (negative when the logits partly cancel the denominator).
+    Also their shares of e_total and `fraction` = e_total / V_tot(L) (the TRF of L).
+    """
+    s, ix = values(scores, domain)
+    lp = torch.as_tensor(log_partition).to(torch.float64).cpu()
+    if lp.shape[-1] != ix.n or lp.shape[:-1] != s.shape[:-1]:
+        raise UsageError(f"log_partition must have shape {(*s.shape[:-1], ix.n)}, got {tuple(lp.shape)}")
+    part = lp[..., ix.i]  # l_i on each entry of Omega
+    if not bool(torch.isfinite(part).all()):
+        raise UsageError("log_partition is undefined (NaN) at a query in the domain; lower max_query")
+    ps, pm = toeplitz_residual(s, ix), toeplitz_residual(part, ix)
+    e_logit, e_mask, cross = (ps**2).sum(-1), (pm**2).sum(-1), -2.0 * (ps * pm).sum(-1)
+    total = e_logit + e_mask + cross
+    return {"e_total": total, "e_logit": e_logit, "e_mask": e_mask, "cross": cross,
+            "share_logit": e_logit / total, "share_mask": e_mask / total, "share_cross": cross / total,
+            "fraction": total / _centred_ss(s - part)}
+
+
+def drift(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
+    """Drift at fixed offset against log position (notes C4, pooled form ours).
+
+    slope: the within-offset least-squares slope of M_{i, i-d} on log(1 + i), pooled over the offsets d in
+    Omega (one slope, offset means removed: sum_d sum_i (x_i - x_d)(M - M_d) / sum_d sum_i (x_i - x_d)^2 with
+    x_i = log(1 + i)); scaled: slope / sd (change per e-fold of position in units of the map's spread).
+    Uniform attention's log-probabilities -log(1 + i) have slope exactly -1; a Toeplitz map has 0.
+    """
+    y, ix = values(m, domain)
+    x = torch.log1p(ix.i.to(torch.float64)).expand_as(y)
+    rx, ry = toeplitz_residual(x, ix), toeplitz_residual(y, ix)
+    slope = (rx * ry).sum(-1) / (rx**2).sum(-1)
+    sd = (_centred_ss(y) / ix.size).sqrt()
+    return {"slope": slope, "scaled": slope / sd}
+
+
+def key_profile(m: torch.Tensor, domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
+    """Key-column profile of the Toeplitz residual (notes C5).
+
+    profile r_j = mean over the queries i with (i, j) in Omega of R_ij, [..., n] (NaN for keys outside Omega);
+    sink_excess = r_0 / sd (key 0 scored above what its offsets predict; NaN when Omega leaves key 0 out);
+    early_key_slope = least-squares slope of r_j on log(1 + j) over 1 <= j <= early_keys, over sd.
+    """
+    early_keys = check_int("early_keys", early_keys, 2)
+    y, ix = values(m, domain)
+    r = toeplitz_residual(y, ix)
+    counts = torch.bincount(ix.j, minlength=ix.n).to(torch.float64)
+    sums = _group_sums(r, ix.j, ix.n)
+    profile = torch.where(counts > 0, sums / counts.clamp_min(1), math.nan)
+    sd = (_centred_ss(y) / ix.size).sqrt()
+    keys = torch.arange(ix.n)
+    use = (keys >= 1) & (keys <= early_keys) & (counts > 0)
+    if int(use.sum()) >= 2:
+        x = torch.log1p(keys[use].to(torch.float64))
+        x = x - x.mean()
+        p = profile[..., use]
+        slope = ((p - p.mean(-1, keepdim=True)) * x).sum(-1) / (x**2).sum()
+    else:
+        slope = torch.full(profile.shape[:-1], math.nan, dtype=torch.float64)
+    return {"profile": profile, "sink_excess": profile[..., 0] / sd, "early_key_slope": slope / sd}
+
+
+def first_key_attention(probs: torch.Tensor, key: int = 0) -> torch.Tensor:
+    """alpha_k = mean over queries i >= k of A_ik (Gu et al. 2025), over the leading axes of probs [..., n, n]."""
+    probs = torch.as_tensor(probs).to(torch.float64)
+    n = probs.shape[-1]
+    key = check_int("key", key, 0, n - 1)
+    col = probs[..., key:, key]
+    return torch.nanmean(col, dim=-1)
+
+
+def sink_rate(probs: torch.Tensor, epsilon: float = 0.3, key: int = 0) -> float:
+    """Sink^eps_k (Gu et al. 2025): the share of maps (layer, head pairs: every leading index of probs
+    [..., n, n]) whose alpha_k exceeds epsilon. Their setting: eps = 0.3, k = 0, 64 tokens."""
+    alpha = first_key_attention(probs, key)
+    return float((alpha > epsilon).to(torch.float64).mean())
+
+
+def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
+    """Every smooth metric of this module from a dict of mean maps, flat names -> tensors over leading axes.
+
+    Uses what is there: "scores" (TRF, Delta R^2, drift, key profile), with "log_partition" also the split,
+    "log_probs" and "probs" (their TRF and drift). The engine's jackknife evaluates this on each replicate.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in ("scores", "log_probs", "probs"):
+        if name not in means:
+            continue
+        m = means[name]
+        out[f"{name}/trf"] = toeplitz_fraction(m, domain)
+        out[f"{name}/drift"] = drift(m, domain)["scaled"]
+        if name == "scores":
+            for k, v in delta_r2(m, domain).items():
+                if k.startswith("dr2"):
+                    out[f"scores/{k}"] = v
+            prof = key_profile(m, domain, early_keys)
+            out["scores/sink_excess"] = prof["sink_excess"]
+            out["scores/early_key_slope"] = prof["early_key_slope"]
+    if "scores" in means and "log_partition" in means:
+        for k, v in split(means["scores"], means["log_partition"], domain).items():
+            out[f"split/{k}"] = v
+    return out

@@ -1,0 +1,272 @@
+"""The embedded default corpus: English technical text that ships with Python and with poslens's own dependencies.
+
+Nothing is downloaded. The corpus is read from installed files, in this order (docs/corpus.md has sizes, token
+counts and licences):
+
+1. CPython's documentation: the reference-manual topics of ``pydoc_data.topics`` (one document per topic, sorted
+   by topic name), then the long module docstrings of the standard library (sorted by module name).
+2. For each package of `SOURCES` (poslens's declared dependencies, sorted by name) whose licence is permissive:
+   one document per module (``.py`` file, sorted by relative path, test folders skipped): the module name, then
+   the docstrings of the module, its classes and functions in source order. Read with ``ast``, never imported.
+
+Deduplication (transformers copies docstrings between models): a docstring or a paragraph (blank-line
+separated, at least `MIN_PARAGRAPH_CHARS` characters) whose whitespace-collapsed text was already seen earlier
+in the order above is dropped. Docstrings shorter than `MIN_DOCSTRING_CHARS` and documents shorter than
+`MIN_DOCUMENT_CHARS` are dropped too. The result depends only on the Python version and the versions of the
+`SOURCES` packages (all of them required by poslens, so always installed): it is built once and kept in the
+poslens cache (``$POSLENS_CACHE/corpus``), keyed by those versions.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import gzip
+import hashlib
+import importlib.metadata as metadata
+import importlib.util
+import json
+import os
+import platform
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+FORMAT = 1  # bump when the extraction rules change (invalidates cached corpora)
+# pyarrow (declared for Parquet input) is not a source: adding it would change the documented corpus
+SOURCES = ("accelerate", "datasets", "gguf", "matplotlib", "numpy", "safetensors", "torch", "tqdm", "transformers")
+PERMISSIVE = ("MIT", "BSD", "APACHE", "PSF", "PYTHON SOFTWARE FOUNDATION", "ZLIB", "CC0", "BSL-1.0", "ISC")
+COPYLEFT = ("GPL", "MPL", "EPL", "CDDL", "EUPL", "OSL", "CC-BY-SA")
+MIN_DOCSTRING_CHARS = 200
+MIN_STDLIB_DOCSTRING_CHARS = 500
+MIN_PARAGRAPH_CHARS = 40
+MIN_DOCUMENT_CHARS = 500
+SKIP_DIRS = ("tests", "test", "testing", "_vendor", "vendored")
+
+
+# ---------------------------------------------------------------- licences
+
+
+def licence(package: str) -> str:
+    """The licence an installed package declares: License-Expression, else its licence classifiers, else the
+    first line of its License field ('unknown' when none)."""
+    meta = metadata.metadata(package)
+    if meta.get("License-Expression"):
+        return meta["License-Expression"].strip()
+    classifiers = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    if classifiers:
+        return " AND ".join(classifiers)
+    text = (meta.get("License") or "").strip()
+    return text.splitlines()[0].strip() if text else "unknown"
+
+
+def is_permissive(expression: str) -> bool:
+    """True when a licence names only permissive terms: at least one of `PERMISSIVE` and none of `COPYLEFT`
+    (so 'MPL-2.0 AND MIT' is not permissive: part of that code is under a copyleft licence)."""
+    up = expression.upper()
+    return any(p in up for p in PERMISSIVE) and not any(c in up for c in COPYLEFT)
+
+
+# ---------------------------------------------------------------- extraction
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+class _Dedup:
+    """Keeps the first occurrence of each docstring and each long paragraph (whitespace-collapsed text)."""
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+        self.dropped_docstrings = self.dropped_paragraphs = 0
+
+    def _new(self, text: str) -> bool:
+        h = hashlib.blake2b(_normal(text).encode(), digest_size=16).digest()
+        if h in self.seen:
+            return False
+        self.seen.add(h)
+        return True
+
+    def docstring(self, doc: str) -> str:
+        """`doc` without its already-seen paragraphs ('' when the whole docstring was seen)."""
+        if not self._new(doc):
+            self.dropped_docstrings += 1
+            return ""
+        kept = []
+        for para in doc.split("\n\n"):
+            if len(_normal(para)) >= MIN_PARAGRAPH_CHARS and not self._new(para):
+                self.dropped_paragraphs += 1
+                continue
+            kept.append(para)
+        return "\n\n".join(kept).strip()
+
+
+def _docstrings(path: Path) -> list[str]:
+    """Docstrings of a module, then of its classes and functions in source order ([] if it does not parse)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    nodes = [tree] + sorted((n for n in ast.walk(tree)
+                             if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))),
+                            key=lambda n: (n.lineno, n.col_offset))
+    return [d for d in (ast.get_docstring(n) for n in nodes) if d]
+
+
+def _cpython(dedup: _Dedup) -> Iterator[str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # a stripped-down Python; the docstrings still follow
+        topics = {}
+    for name in sorted(topics):
+        text = dedup.docstring(topics[name])
+        if len(text) >= MIN_DOCUMENT_CHARS:
+            yield text
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_"):
+            continue
+        for path in (stdlib / f"{name}.py", stdlib / name / "__init__.py"):
+            if path.is_file():
+                doc = _module_docstring(path)
+                if len(doc) >= MIN_STDLIB_DOCSTRING_CHARS:
+                    text = dedup.docstring(doc)
+                    if len(text) >= MIN_STDLIB_DOCSTRING_CHARS:
+                        yield text
+                break
+
+
+def _module_docstring(path: Path) -> str:
+    try:
+        return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return ""
+
+
+def _package(name: str, dedup: _Dedup) -> Iterator[str]:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return
+    root = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(p for p in root.rglob("*.py")
+                   if not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(root).parts))
+    for path in files:
+        module = ".".join((name, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        parts = [d for d in (dedup.docstring(x) for x in _docstrings(path) if len(x) >= MIN_DOCSTRING_CHARS) if d]
+        text = "\n\n".join(parts)
+        if len(text) >= MIN_DOCUMENT_CHARS:
+            yield f"{module}\n\n{text}"
+
+
+def _sources(manifest: dict) -> Iterator[str]:
+    """Every document in order; fills `manifest` (per source: version, licence, used, documents, characters) as
+    it goes, and its totals once the last source is read."""
+    dedup = _Dedup()
+    manifest.update(format=FORMAT, python=platform.python_version(), sources=[])
+    total_docs = total_chars = 0
+    plan: list[tuple[str, str | None, str | None, bool]] = [("cpython-docs", platform.python_version(), "PSF-2.0",
+                                                             True)]
+    for name in SOURCES:
+        try:
+            version, lic = metadata.version(name), licence(name)
+        except metadata.PackageNotFoundError:
+            version, lic = None, None
+        plan.append((name, version, lic, bool(lic) and is_permissive(lic)))
+    for name, version, lic, used in plan:
+        entry = {"name": name, "version": version, "licence": lic, "used": used, "documents": 0, "chars": 0}
+        manifest["sources"].append(entry)
+        if not used:
+            continue
+        for doc in _cpython(dedup) if name == "cpython-docs" else _package(name, dedup):
+            entry["documents"] += 1
+            entry["chars"] += len(doc)
+            yield doc
+        total_docs += entry["documents"]
+        total_chars += entry["chars"]
+    manifest.update(documents=total_docs, chars=total_chars, dropped_docstrings=dedup.dropped_docstrings,
+                    dropped_paragraphs=dedup.dropped_paragraphs, versions=versions())
+
+
+def build() -> tuple[list[str], dict]:
+    """Read the whole corpus from the installed files: (documents, manifest)."""
+    manifest: dict = {}
+    docs = list(_sources(manifest))
+    return docs, manifest
+
+
+# ---------------------------------------------------------------- cache
+
+
+def versions() -> dict[str, str | None]:
+    """What the corpus depends on: the Python version and each source package's version (None if absent)."""
+    out: dict[str, str | None] = {"python": platform.python_version(), "format": str(FORMAT)}
+    for name in SOURCES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the corpus for the installed versions is cached."""
+    from poslens.engine.models import cache_root
+
+    key = hashlib.sha256(json.dumps(versions(), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root(cache_dir) / "corpus" / f"corpus-{key}.json.gz"
+
+
+def _read_cache(path: Path) -> tuple[tuple[str, ...], dict] | None:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+        return tuple(data["documents"]), data["manifest"]
+    except (OSError, ValueError, KeyError, EOFError):
+        return None  # absent or damaged: rebuilt
+
+
+def _write_cache(path: Path, docs: list[str], manifest: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
+        json.dump({"documents": docs, "manifest": manifest}, f)
+    tmp.replace(path)
+
+
+@functools.lru_cache(maxsize=2)
+def load(cache_dir: str | None = None) -> tuple[tuple[str, ...], dict]:
+    """(documents, manifest) of the whole corpus: from the cache when there, else built (about a minute on two
+    cores) and cached."""
+    path = cache_path(cache_dir)
+    cached = _read_cache(path)
+    if cached is not None:
+        return cached
+    docs, manifest = build()
+    _write_cache(path, docs, manifest)
+    return tuple(docs), manifest
+
+
+def documents(cache_dir: str | None = None) -> Iterator[str]:
+    """The corpus documents in their fixed order. Without a cache they are read lazily, source by source, so a
+    caller that needs only the first documents reads only the first sources; reading to the end caches it."""
+    path = cache_path(cache_dir)
+    if path.is_file():
+        cached = _read_cache(path)
+        if cached is not None:
+            yield from cached[0]
+            return
+    manifest: dict = {}
+    docs: list[str] = []
+    for doc in _sources(manifest):
+        docs.append(doc)
+        yield doc
+    _write_cache(path, docs, manifest)
+
+
+def label() -> str:
+    """A name for the corpus that pins what it is built from (without building it)."""
+    v = versions()
+    used = ", ".join(f"{name} {v[name]}" for name in SOURCES if v[name] is not None and is_permissive(licence(name)))
+    return f"embedded corpus v{FORMAT}: Python {v['python']} documentation + docstrings of {used} (permissive only)"

@@ -1,0 +1,1 @@
+"""Train decoders with and without positional encoding (`poslens train`, `poslens tokenize`)."""

@@ -1,0 +1,477 @@
+"""The training loop of `poslens train`, nanoGPT-style: AdamW, cosine schedule with warm-up, gradient
+accumulation and clipping, bf16 autocast on GPU, held-out loss, checkpoints, resume, DDP and FSDP2.
+
+One process, or any number under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK in the environment): gloo on
+the CPU, NCCL on GPUs. The run writes into ``.NAME.partial/`` beside `out` (checkpoint + metrics.jsonl),
+resumes from there when restarted with the same configuration, and renames the finished model into
+`out` (a ``save_pretrained`` directory that is also a poslens run directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from poslens.errors import UsageError, require
+from poslens.train import checkpoint as ckpt
+from poslens.train.config import TrainConfig
+from poslens.train.data import eval_batches, num_blocks, train_batches
+from poslens.train.model import build_model, check_compatible, count_parameters, flops_per_token
+from poslens.train.tokens import TokenFile, default_tokens, open_tokens
+
+# bf16 dense datasheet peaks (FLOP/s) used for MFU on known GPUs
+GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+# ---------------------------------------------------------------- schedule and optimizer
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate after `step` updates: linear warm-up to cfg.lr, then cosine down to min_lr_ratio * lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule of `lr_at` as a LambdaLR (factor of the peak rate)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, cfg) / cfg.lr)
+
+
+def next_token_loss(model: torch.nn.Module, block: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting block[:, 1:] from block[:, :-1] (no padding, implicit causal mask)."""
+    logits = model(input_ids=block[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), block[:, 1:].flatten())
+
+
+# ---------------------------------------------------------------- processes and devices
+
+
+@dataclasses.dataclass
+class Dist:
+    """This process's place: rank, world size, local rank, device."""
+
+    rank: int
+    world: int
+    local: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def setup(cfg: TrainConfig) -> Dist:
+    """Join the torchrun process group when launched by torchrun; pick the device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    require(want == "cpu" or want.startswith("cuda"), f"device must be auto, cpu, cuda or cuda:N; got {cfg.device!r}")
+    if want.startswith("cuda"):
+        require(torch.cuda.is_available(), "device cuda requested but torch sees no GPU; use --device cpu")
+        device = torch.device("cuda", local if world > 1 else (torch.device(want).index or 0))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world, local, device)
+
+
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """The FLOP/s that MFU is measured against: the bf16 datasheet peak of a known GPU, else None."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAKS.items():
+            if key in name:
+                return peak, f"{key} bf16 datasheet"
+    return None, "unknown"
+
+
+def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+    """Measured matrix-multiply rate (FLOP/s) of an n x n GEMM: the MFU reference on a CPU."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * n**3 * reps / (time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class Work:
+    """The resumable work directory beside `out`: checkpoint/ and metrics.jsonl."""
+
+    path: Path
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+
+def work_directory(out: Path) -> Work:
+    return Work(out.parent / f".{out.name}.partial")
+
+
+def _tokens(cfg: TrainConfig, d: Dist, progress: bool) -> TokenFile:
+    if cfg.tokens is not None:
+        return open_tokens(cfg.tokens)
+    if d.main:
+        default_tokens(cfg.tokenizer, progress=progress)
+    d.barrier()
+    return open_tokens(default_tokens(cfg.tokenizer, progress=False))
+
+
+def _wrap(model: torch.nn.Module, cfg: TrainConfig, d: Dist) -> torch.nn.Module:
+    if d.world > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    if cfg.compile:
+        model.compile()
+    if d.world > 1 and cfg.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    return model
+
+
+def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
+                d: Dist) -> tuple[dict | None, dict]:
+    """Model weights (None: take them from the module) and optimizer state, gathered whole on every rank."""
+    if d.world > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights, optim = get_state_dict(model, opt, options=opts)
+        weights.pop("lm_head.weight", None)  # tied to the embedding, as save_pretrained writes it
+        return weights, optim
+    return None, opt.state_dict()
+
+
+def _optimizer_format(cfg: TrainConfig, d: Dist) -> str:
+    """How the optimizer state is keyed: FSDP's full state dict (parameter names) or torch's (indices)."""
+    return "fsdp-full" if d.world > 1 and cfg.parallel == "fsdp" else "plain"
+
+
+def _load_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig,
+                    d: Dist) -> None:
+    if d.world > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(state)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _mean_over_ranks(x: torch.Tensor, d: Dist) -> float:
+    if d.world > 1:
+        dist.all_reduce(x)
+        x = x / d.world
+    return float(x)
+
+
+def check_batch(batch_size: int, micro_batch: int, world: int) -> int:
+    """Micro-batches per rank per step; one-line error unless the global batch splits evenly over ranks and
+    into equal micro-batches (so the mean of micro-batch means is the global mean)."""
+    require(batch_size % world == 0, f"batch_size ({batch_size}) does not divide over {world} ranks; use a "
+                                     "multiple of the number of processes")
+    per_rank = batch_size // world
+    require(per_rank <= micro_batch or per_rank % micro_batch == 0,
+            f"batch_size / ranks ({per_rank}) must be a multiple of micro_batch ({micro_batch}); change "
+            "--batch-size or --micro-batch")
+    return max(1, per_rank // micro_batch)
+
+
+def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -> float:
+    """Held-out loss: mean next-token cross-entropy over the first eval_batches x micro_batch validation blocks."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=d.device)
+    with torch.no_grad(), _autocast(cfg, d.device):
+        for block in eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch,
+                                  d.rank, d.world):
+            block = block.to(d.device)
+            total[0] += next_token_loss(model, block).double() * block.shape[0]
+            total[1] += block.shape[0]
+    if d.world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1])
+
+
+class _Stopped(Exception):
+    """Raised to leave the run directory without placing it (stop_after reached); carries the metrics."""
+
+    def __init__(self, metrics: dict[str, Any]):
+        super().__init__("stopped")
+        self.metrics = metrics
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progress: bool = True,
+          stop_after: int | None = None) -> dict[str, Any]:
+    """Train `cfg` and write the finished model into `out`; returns the final metrics.
+
+    The output is built with `poslens.io.results.open_run` (rank 0 holds its lock): checkpoints and
+    metrics.jsonl live in its work directory ``.OUT.partial/``, so a run restarted with the same
+    configuration resumes from the last checkpoint and follows the uninterrupted trajectory.
+    `stop_after`: stop (as if interrupted) after that many steps, leaving checkpoint and metrics behind.
+    """
+    from poslens.io.results import open_run
+
+    cfg.check()
+    d = setup(cfg)
+    target = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
+    try:
+        with contextlib.ExitStack() as stack:
+            if d.main:
+                run = stack.enter_context(open_run(target, force))
+                work, build = Work(run.work), run.build
+            else:
+                work, build = work_directory(target), None
+            d.barrier()  # rank 0 has checked the output and cleaned leftovers
+            return _train(cfg, d, work, build, progress, stop_after)
+    except _Stopped as stopped:
+        return stopped.metrics
+
+
+def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: bool,
+           stop_after: int | None) -> dict[str, Any]:
+    check_batch(cfg.batch_size, cfg.micro_batch, d.world)
+    tf = _tokens(cfg, d, progress)
+    n_train = num_blocks(tf.train, cfg.seq_len)
+    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} sequences of seq_len "
+                                       f"{cfg.seq_len}, fewer than one batch ({cfg.batch_size}); use more text, a "
+                                       "shorter --seq-len or a smaller --batch-size")
+    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1)  # fails early when the held-out text is too short
+    header = {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+
+    model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
+                        eos_token_id=tf.header["eos_token_id"])
+    start, trainer = 0, None
+    found = ckpt.find(work.path)
+    if found is not None:
+        trainer = ckpt.load_trainer(found)
+        check_compatible(trainer["config"], cfg, f"checkpoint {found}")
+        require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
+                                             f"({trainer['tokens']}); delete it or choose another --out")
+        fmt = _optimizer_format(cfg, d)
+        require(trainer.get("optimizer_format") == fmt, f"checkpoint {found} holds a {trainer.get('optimizer_format')} "
+                                                        f"optimizer state and this run needs {fmt}; resume with the "
+                                                        "same --parallel (fsdp under torchrun, or not)")
+        ckpt.load_weights(found, model)
+        start = int(trainer["step"])
+    model.to(d.device)
+    raw = model
+    model = _wrap(model, cfg, d)  # FSDP2 swaps in sharded parameters: the optimizer must come after
+    opt = make_optimizer(model, cfg)
+    sched = make_scheduler(opt, cfg)
+    if trainer is not None:
+        _load_optimizer(raw, opt, trainer["optimizer"], cfg, d)
+        sched.load_state_dict(trainer["scheduler"])
+        ckpt.set_rng_state(trainer["rng"])
+
+    if d.main:
+        _truncate_metrics(work.metrics, start)
+    d.barrier()
+    tokenizer = tf.tokenizer() if d.main else None
+    fpt = flops_per_token(raw.config, cfg.seq_len)
+    peak, peak_label = peak_flops(d.device)
+    if peak is None:
+        peak, peak_label = gemm_flops(d.device), "measured float32 GEMM"
+    params = count_parameters(raw)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    writer = _tensorboard(work.path) if cfg.tensorboard and d.main else None
+    log = work.metrics.open("a") if d.main else None
+
+    def record(row: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            if writer is not None:
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        writer.add_scalar(k, v, row["step"])
+
+    from tqdm.auto import tqdm
+
+    what = f"training {cfg.preset} ({_pe_label(raw.config.no_rope_layers)}, {params['total'] / 1e6:.1f}M params)"
+    bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not (progress and d.main), unit="step")
+    last: dict[str, Any] = {}
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    model.train()
+    try:
+        if start == 0:
+            with oom_hint(cfg):
+                record({"step": 0, "eval_loss": evaluate(model, tf, cfg, d)})
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            loss, gnorm = _step(model, opt, sched, tf, cfg, d, step, first=step == start)
+            if d.device.type == "cuda":
+                torch.cuda.synchronize(d.device)
+            dt = time.perf_counter() - t0
+            tps = tokens_per_step / dt
+            mfu = tps * fpt / (peak * d.world)
+            last = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": gnorm,
+                    "tokens_per_s": tps, "mfu": mfu, "step_s": dt}
+            record(last)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{100 * mfu:.1f}%")
+            bar.update(1)
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                last["eval_loss"] = evaluate(model, tf, cfg, d)
+                record({"step": done, "eval_loss": last["eval_loss"]})
+                if progress and d.main:
+                    bar.write(f"step {done}: held-out loss {last['eval_loss']:.4f}")
+            if done < cfg.steps and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
+                _save(work.path, raw, model, opt, sched, cfg, d, done, header, tokenizer)
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+        if writer is not None:
+            writer.close()
+    if end < cfg.steps:
+        raise _Stopped({**last, "stopped": True, "checkpoint": str(work.path / ckpt.NAME)})
+    state = _full_state(model, opt, cfg, d)[0]  # None unless FSDP (then gathered by every rank)
+    metrics = {"final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"),
+               "tokens_per_s": last.get("tokens_per_s"), "mfu": last.get("mfu"), "mfu_reference": peak_label,
+               "mfu_peak_flops": peak, "flops_per_token": fpt, "parameters": params, "ranks": d.world,
+               "tokens_seen": cfg.steps * tokens_per_step}
+    if d.main:
+        _finish(build, raw, state, tokenizer, cfg, work, metrics, tf)
+    d.barrier()
+    return metrics
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: TokenFile, cfg: TrainConfig,
+          d: Dist, step: int, first: bool) -> tuple[float, float]:
+    """One optimizer step: accumulate gradients over this rank's micro-batches, clip, update, schedule."""
+    micro = train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, d.rank, d.world, cfg.seed)
+    total = torch.zeros((), device=d.device)
+    with oom_hint(cfg) if first else contextlib.nullcontext():
+        for i, block in enumerate(micro):
+            block = block.to(d.device, non_blocking=True)
+            sync = i == len(micro) - 1 or d.world == 1 or cfg.parallel != "ddp"
+            with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(cfg, d.device):
+                loss = next_token_loss(model, block) / len(micro)
+            loss.backward()
+            total += loss.detach()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return _mean_over_ranks(total, d), float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+
+
+@contextlib.contextmanager
+def oom_hint(cfg: TrainConfig) -> Any:
+    """Turn running out of memory (GPU or CPU) into a one-line error suggesting a smaller micro-batch."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e) or "can't allocate memory" in str(e):
+            raise UsageError(f"out of memory on the first step with micro_batch {cfg.micro_batch}; pass a smaller "
+                             f"--micro-batch (e.g. {max(1, cfg.micro_batch // 2)}); gradient accumulation keeps "
+                             "the global batch") from None
+        raise
+
+
+def _save(work: Path, raw: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+          cfg: TrainConfig, d: Dist, step: int, header: dict, tokenizer: Any) -> None:
+    weights, optim = _full_state(model, opt, cfg, d)
+    if d.main:
+        trainer = {"step": step, "config": dataclasses.asdict(cfg), "tokens": header, "optimizer": optim,
+                   "optimizer_format": _optimizer_format(cfg, d),
+                   "scheduler": sched.state_dict(), "rng": ckpt.rng_state()}
+        ckpt.save(work, raw, weights, trainer, tokenizer)
+    d.barrier()
+
+
+def _finish(build: Path, raw: torch.nn.Module, state: dict | None, tokenizer: Any, cfg: TrainConfig,
+            work: Work, metrics: dict, tf: TokenFile) -> None:
+    """Write the finished run into `build`: the model and tokenizer (save_pretrained), metrics.jsonl, and the
+    loss curves with run.json (a poslens run directory)."""
+    from poslens.io.results import write_run
+
+    rows = [json.loads(line) for line in work.metrics.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    raw.save_pretrained(build, state_dict=state)
+    tokenizer.save_pretrained(build)
+    shutil.copy(work.metrics, build / "metrics.jsonl")
+    tensors = {"train_loss": torch.tensor([r["loss"] for r in steps], dtype=torch.float64),
+               "eval_step": torch.tensor([r["step"] for r in evals], dtype=torch.int64),
+               "eval_loss": torch.tensor([r["eval_loss"] for r in evals], dtype=torch.float64)}
+    write_run(build, tensors, {"kind": "train", "command": "train", "config": dataclasses.asdict(cfg),
+                               "metrics": metrics, "tokens": dict(tf.header)})
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics rows of steps <= `step` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    if step == 0:
+        keep = []
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _pe_label(flags: list[int]) -> str:
+    if all(flags):
+        return "RoPE"
+    if not any(flags):
+        return "NoPE"
+    return "RoPE layers " + "".join(map(str, flags))
+
+
+def _tensorboard(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(str(path / "tensorboard"))

@@ -1,0 +1,364 @@
+"""`poslens intermediates`: every Figure 3 panel and every Figure 8 map against an independent float64 recomputation
+from the layer's weights on tiny models of every family; the block-output check; resume and merge; the pipeline on
+the embedded SmolLM2 (with and without RoPE) and on a scaled-down model of the released NoPE checkpoint's shape."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import FAMILIES, build, token_batch
+
+from poslens.analyses.intermediates import (
+    PANELS,
+    BlockOutputMismatch,
+    Intermediates,
+    IntermediatesConfig,
+    check_tolerance,
+    row_slope,
+    run_intermediates,
+)
+from poslens.engine.hooks import HookedModel
+from poslens.errors import UsageError
+
+# ---------------------------------------------------------------- an independent float64 forward, from weights
+
+
+def _norm(x, mod, gemma: bool):
+    """RMSNorm: x / sqrt(mean x^2 + eps) * w (Gemma: * (1 + w))."""
+    eps = getattr(mod, "variance_epsilon", None) or mod.eps
+    w = mod.weight.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * ((1 + w) if gemma else w)
+
+
+def _linear(x, lin):
+    y = x @ lin.weight.double().T
+    return y + lin.bias.double() if lin.bias is not None else y
+
+
+def _rope(x, theta: float, rot: int):
+    """Hugging Face's half-split rotary embedding on the first `rot` dims of x [B, H, T, D], positions 0..T-1."""
+    t = x.shape[2]
+    inv = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    xr, rest = x[..., :rot], x[..., rot:]
+    half = torch.cat([-xr[..., rot // 2:], xr[..., : rot // 2]], -1)
+    return torch.cat([xr * cos + half * sin, rest], -1)
+
+
+def _layer_facts(cfg, l: int) -> dict:
+    """Scaling, window, softcap and RoPE of layer l, read from the config alone."""
+    d = cfg.head_dim
+    types = getattr(cfg, "layer_types", None)
+    sliding = types[l] == "sliding_attention" if types else cfg.model_type == "mistral"
+    params = cfg.rope_parameters
+    if cfg.model_type == "gemma3_text":
+        params = params[types[l]]
+    rot = int(d * params.get("partial_rotary_factor", 1.0))
+    rope = not (cfg.model_type == "smollm3" and cfg.no_rope_layers[l] == 0)
+    scalar = getattr(cfg, "query_pre_attn_scalar", None) if cfg.model_type.startswith("gemma") else None
+    return {"scaling": (scalar or d) ** -0.5, "window": cfg.sliding_window if sliding else 0,
+            "softcap": getattr(cfg, "attn_logit_softcapping", None), "theta": params["rope_theta"],
+            "rot": rot, "rope": rope}
+
+
+def _attention(model, l: int, y, rope: bool = True):
+    """Layer l's attention from its normalised input y [B, T, d]: (head-mean scores [B, T, T], z [B, T, H, D],
+    output after W_O)."""
+    cfg, attn = model.config, model.model.layers[l].self_attn
+    b, t, _ = y.shape
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gemma = cfg.model_type.startswith("gemma")
+    f = _layer_facts(cfg, l)
+    if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
+        qkv = _linear(y, attn.qkv_proj)
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], -1)
+    else:
+        q, k, v = _linear(y, attn.q_proj), _linear(y, attn.k_proj), _linear(y, attn.v_proj)
+    q, k, v = (x.view(b, t, -1, d).transpose(1, 2) for x in (q, k, v))
+    if hasattr(attn, "q_norm"):
+        q, k = _norm(q, attn.q_norm, gemma), _norm(k, attn.k_norm, gemma)
+    if f["rope"] and rope:
+        q, k = _rope(q, f["theta"], f["rot"]), _rope(k, f["theta"], f["rot"])
+    k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    s = q @ k.transpose(-1, -2) * f["scaling"]
+    logits = torch.tanh(s / f["softcap"]) * f["softcap"] if f["softcap"] else s
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+    ok = (j <= i) & ((i - j < f["window"]) if f["window"] else True)
+    p = torch.softmax(logits.masked_fill(~ok, -math.inf), -1)
+    z = (p @ v).transpose(1, 2)  # [B, T, H, D]
+    return s.mean(1), z, _linear(z.reshape(b, t, h * d), attn.o_proj)
+
+
+def _mlp(model, l: int, x):
+    cfg, mlp = model.config, model.model.layers[l].mlp
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3: [gate | up]
+        gate, up = _linear(x, mlp.gate_up_proj).chunk(2, -1)
+        return _linear(up * F.silu(gate), mlp.down_proj)
+    act = (lambda u: F.gelu(u, approximate="tanh")) if cfg.model_type.startswith("gemma") else F.silu
+    return _linear(act(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+
+
+def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Panels (a)-(i) and every layer's head-mean scores, per sequence [B, T, T], from the weights in float64.
+
+    The only thing taken from the model's forward is the residual stream entering each layer
+    (output_hidden_states); everything after it is recomputed here."""
+    cfg = model.config
+    gemma = cfg.model_type.startswith("gemma")
+    with torch.no_grad():
+        hidden = [x.double() for x in model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states]
+        blk = model.model.layers[layer]
+
+        def gram(x):
+            return x @ x.transpose(-1, -2)
+
+        x = hidden[layer]
+        y = _norm(x, blk.input_layernorm, gemma)
+        s, z, a = _attention(model, layer, y)
+        b, t, h, d = z.shape
+        zg = torch.einsum("bihd,bjhd->bij", z, z) / h
+        if gemma:
+            mid = x + _norm(a, blk.post_attention_layernorm, gemma)
+            f = _norm(mid, blk.pre_feedforward_layernorm, gemma)
+            post = mid + _norm(_mlp(model, layer, f), blk.post_feedforward_layernorm, gemma)
+        else:
+            mid = x + a
+            f = _norm(mid, blk.post_attention_layernorm, gemma)
+            post = mid + _mlp(model, layer, f)
+        nxt = _norm(post, model.model.layers[layer + 1].input_layernorm, gemma)
+        s2, _, _ = _attention(model, layer + 1, nxt)
+        panels = {"a": gram(y), "b": s, "c": zg, "d": gram(a), "e": gram(mid), "f": gram(f), "g": gram(post),
+                  "h": gram(nxt), "i": s2}
+        scores = [_attention(model, l, _norm(hidden[l], model.model.layers[l].input_layernorm, gemma))[0]
+                  for l in range(cfg.num_hidden_layers)]
+    return panels, scores
+
+
+def _run(model, batches, layer, groups, **kw) -> Intermediates:
+    hm = HookedModel(model)
+    st = Intermediates(hm, layer, groups=groups, **kw)
+    hooks = st.hooks(hm)
+    for b, ids in enumerate(batches):
+        st.group = b
+        hm.run(ids, hooks=hooks)
+    return st
+
+
+def _close(got, want, what):
+    """Agreement up to float32 rounding: the model runs in float32 (unit roundoff 6e-8) through at most two layers
+    with reductions over <= 128 terms, so its intermediates carry relative errors around 1e-6; 1e-4 of the map's
+    largest entry leaves a wide margin while any wrong point, scaling, head average or layout is off by O(1)."""
+    scale = float(want[torch.isfinite(want)].abs().max())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4 * scale, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _lower(m, window=0):
+    n = m.shape[-1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    ok = (j <= i) & ((i - j < window) if window else True)
+    return m.masked_fill(~ok, math.nan)
+
+
+# every family at layer 0; layer 1 too where it differs in kind: Gemma's full-attention layer after a sliding one
+# (different RoPE base, no window), SmolLM3's layer without RoPE, Phi-3's partial RoPE into a second layer
+CASES = [(f, 0) for f in FAMILIES] + [("gemma3", 1), ("gemma2", 1), ("smollm3", 1), ("phi3", 1)]
+
+
+@pytest.mark.parametrize("family,layer", CASES)
+def test_every_panel_equals_a_float64_recomputation_from_the_weights(family, layer):
+    model = build(family)
+    batches = [token_batch(3, 20, seed=s) for s in range(3)]
+    st = _run(model, batches, layer, groups=3)
+    res = st.result()
+    refs = [reference(model, ids, layer) for ids in batches]
+    cfg = model.config
+    for letter, _, _ in PANELS:
+        want = torch.cat([r[0][letter] for r in refs]).mean(0)
+        lyr = layer + (letter in "hi")
+        window = _layer_facts(cfg, lyr)["window"] if letter in "bi" else 0
+        _close(res[f"panel_{letter}"], _lower(want, window), f"{family} layer {layer} panel ({letter})")
+    for l in range(cfg.num_hidden_layers):  # Figure 8: every layer's head-mean scores
+        want = torch.cat([r[1][l] for r in refs]).mean(0)
+        _close(res["scores"][l], _lower(want, _layer_facts(cfg, l)["window"]), f"{family} Figure 8 layer {l}")
+    check = st.check_report()
+    assert check["max_rel"] <= check_tolerance(torch.float32)
+    assert torch.isnan(res["panel_a"][0, 1]) and torch.isfinite(res["panel_a"][1, 0])  # upper triangle blank
+
+
+def test_block_check_fails_on_a_corrupted_module_and_on_a_wrong_layout():
+    model = build("llama")
+    hm = HookedModel(model)
+    st = Intermediates(hm, 0, groups=2)  # copies layer 0's MLP in float64
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 0.05  # the model now computes something else
+    with pytest.raises(BlockOutputMismatch, match="layer 0: the block output"):
+        hm.run(token_batch(2, 12), hooks=st.hooks(hm))
+    gemma = build("gemma3")
+    hm = HookedModel(gemma)
+    st = Intermediates(hm, 0, groups=2)
+    st._modules.pop("post")  # recompute as if Gemma had no norm after its MLP
+    with pytest.raises(BlockOutputMismatch) as e:
+        hm.run(token_batch(2, 12), hooks=st.hooks(hm))
+    assert "\n" not in str(e.value)
+
+
+def test_resumed_and_merged_statistics_equal_one_pass_and_intervals_are_the_group_spread():
+    model = build("qwen3")
+    batches = [token_batch(2, 16, seed=10 + s) for s in range(6)]
+    whole = _run(model, batches, 0, groups=3)
+    first = _run(model, batches[:3], 0, groups=3)
+    resumed = Intermediates(HookedModel(model), 0, groups=3)
+    resumed.load_state_dict(first.state_dict())
+    hm = HookedModel(model)
+    hooks = resumed.hooks(hm)
+    for b in range(3, 6):
+        resumed.group = b
+        hm.run(batches[b], hooks=hooks)
+    second = Intermediates(HookedModel(model), 0, groups=3)
+    hm2 = HookedModel(model)
+    hooks2 = second.hooks(hm2)
+    for b in range(3, 6):
+        second.group = b
+        hm2.run(batches[b], hooks=hooks2)
+    merged = _run(model, batches[:3], 0, groups=3)
+    merged.merge(second)
+    for other in (resumed, merged):
+        a, b = whole.state_dict(), other.state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-12)
+    # a panel is linear in the means: its jackknife standard error is the spread of the 3 group means / sqrt(3)
+    res = whole.result()
+    group_means = torch.stack([torch.cat([reference(model, batches[b], 0)[0]["a"] for b in (g, g + 3)]).mean(0)
+                               for g in range(3)])
+    se = _lower(group_means.std(0) / math.sqrt(3))
+    torch.testing.assert_close(res["panel_a_se"].double(), se, rtol=1e-3, atol=1e-6, equal_nan=True)
+
+
+def test_row_slope_reads_the_key_trend():
+    n = 12
+    i, j = torch.arange(n, dtype=torch.float64)[:, None], torch.arange(n, dtype=torch.float64)[None]
+    m = _lower(2.0 * j + 5.0 * i + 100.0 * (j == 0))  # slope 2 in j; the sink column and i do not matter
+    assert row_slope(m).item() == pytest.approx(2.0, abs=1e-12)
+    assert row_slope(_lower(-0.5 * j)).item() == pytest.approx(-0.5, abs=1e-12)
+
+
+def test_layer_without_a_next_layer_is_a_usage_error():
+    hm = HookedModel(build("llama"))
+    with pytest.raises(UsageError, match="layer must be in"):
+        Intermediates(hm, 2)
+
+
+# ---------------------------------------------------------------- the pipeline on real and random models
+
+
+def _small(model: str, **kw) -> IntermediatesConfig:
+    return IntermediatesConfig(model=model, seq_len=16, num_sequences=8, batch_size=2, groups=4, **kw)
+
+
+def test_smollm2_with_and_without_rope(smollm2, tmp_path):
+    runs = {}
+    for pe in ("auto", "none"):
+        path = run_intermediates(_small("smollm2-135m", pe=pe, figures=pe == "none"), str(tmp_path / pe),
+                                 progress=False)
+        meta = json.loads((path / "run.json").read_text())
+        from poslens.io.results import load
+
+        runs[pe] = (load(path), meta)
+        check = meta["metrics"]["block_output_check"]
+        assert check["max_rel"] <= check["tolerance"]
+        assert (path / "figures" / "figure3.png").is_file() == (pe == "none")
+        assert (path / "figures" / "figure8.png").is_file() == (pe == "none")
+        assert runs[pe][0]["scores"].shape == (30, 16, 16)
+    assert set(runs["none"][1]["model"]["positional_encoding"]) == {"none"}
+    assert set(runs["auto"][1]["model"]["positional_encoding"]) == {"rope"}
+    on, off = runs["auto"][0], runs["none"][0]
+    # the input norm precedes RoPE: panel (a) cannot depend on it; Q K^T (b) and everything after it does.
+    # (a) is the same arithmetic on the same values; 1e-12 relative allows only for a BLAS that sums in another
+    # order for differently aligned buffers
+    torch.testing.assert_close(on["panel_a"], off["panel_a"], rtol=1e-12, atol=0, equal_nan=True)
+    assert not torch.allclose(on["panel_b"], off["panel_b"], equal_nan=True)
+
+
+NOPE_SHAPE = dict(model_type="llama", num_hidden_layers=22, hidden_size=2048, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=64, intermediate_size=5632, vocab_size=49152)
+
+
+def test_scaled_down_nope_shape_with_pe_none_equals_rope_removed_by_hand(smollm2, tmp_path):
+    # the released NoPE checkpoint's shape, scaled down: 4 query heads per key head, head_dim * heads = hidden
+    small = {**NOPE_SHAPE, "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 256}
+    spec = "random:" + json.dumps(small)
+    path = run_intermediates(_small(spec, pe="none", tokenizer="smollm2-135m", layer=2, figures=False),
+                             str(tmp_path / "r"), progress=False)
+    from poslens.engine.models import load_model
+    from poslens.io.results import load
+
+    run = load(path)
+    assert run["scores"].shape == (4, 16, 16) and run["panel_i"].shape == (16, 16)
+    assert run.meta["panels"]["i"]["layer"] == 3
+    # the same weights with RoPE removed by hand: every rotary frequency 0, so every rotation is the identity
+    model, tok = load_model(spec, tokenizer="smollm2-135m", pe="rope")
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.zero_()
+    from poslens.analyses.intermediates import documents
+    from poslens.engine.data import make_sequences
+
+    docs, _ = documents(None, "text")
+    ids, _ = make_sequences(tok, docs, 16, 8)
+    hm = HookedModel(model)
+    st = Intermediates(hm, 2, groups=4)
+    hooks = st.hooks(hm)
+    for b, batch in enumerate(torch.split(ids, 2)):
+        st.group = b
+        hm.run(batch, hooks=hooks)
+    by_hand = st.result()
+    for name in ["scores"] + [f"panel_{c}" for c, _, _ in PANELS]:
+        # the same arithmetic on the same numbers up to BLAS summation order (float32 forward): 1e-5 relative;
+        # leaving RoPE in changes these maps by O(1)
+        torch.testing.assert_close(run[name], by_hand[name], rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_diagonal_normalisation_matches_the_maps_module():
+    from poslens.analyses.intermediates import diagonal_normalised, masked
+    from poslens.analyses.maps import diagonal_normalise
+
+    g = torch.Generator().manual_seed(3)
+    m = masked(torch.randn(3, 15, 15, generator=g, dtype=torch.float64), 6)  # a sliding window hides far keys
+    got = diagonal_normalised(m)
+    torch.testing.assert_close(got, torch.as_tensor(diagonal_normalise(m.numpy())), rtol=0, atol=1e-12,
+                               equal_nan=True)
+
+
+def test_command_line_bad_layer_is_one_line_exit_2(smollm2, capsys):
+    from poslens import cli
+
+    assert "poslens.analyses.intermediates_command" in cli.COMMAND_MODULES
+    small = {**NOPE_SHAPE, "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64}
+    code = cli.main(["intermediates", "random:" + json.dumps(small), "--tokenizer", "smollm2-135m", "--layer", "1",
+                     "--quiet", "--out", "unused"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--layer 1 has no next layer" in err and "0..0" in err
+
+
+def test_reproduce_section(smollm2, tmp_path):
+    from types import SimpleNamespace
+
+    from poslens.analyses.intermediates import intermediates_section
+    from poslens.report.render import CONTEXT, VERDICTS
+
+    ctx = SimpleNamespace(parts=tmp_path / "parts", root=tmp_path / "report", progress=False)
+    sec = intermediates_section(ctx, size=(16, 8))
+    assert "Figure 3" in sec.title and len(sec.figures) == 2 and all(p.is_file() for p, _ in sec.figures)
+    assert sec.claims[0].claim.startswith("layer-2 Q K^T rows increase")
+    assert all(c.verdict in VERDICTS + (CONTEXT,) for c in sec.claims)
+    again = intermediates_section(SimpleNamespace(parts=tmp_path / "parts", root=tmp_path / "report2",
+                                                  progress=False), size=(16, 8))  # from the parts cache
+    assert again.claims[0].measured == sec.claims[0].measured

@@ -1,0 +1,80 @@
+"""Position 0 on tiny random models through the hook engine; the interventions' write hooks."""
+
+import pytest
+import torch
+from tiny_models import build, token_batch
+
+from poslens.analyses.leakage import interventions as iv
+from poslens.analyses.leakage import position0 as p0
+from poslens.engine.hooks import HookedModel
+from poslens.errors import UsageError
+
+
+def states(hm, ids, hooks=None):
+    sink = []
+    all_hooks = {k: [v] for k, v in p0.position0_hooks(hm.n_layers, sink).items()}
+    for k, v in (hooks or {}).items():
+        all_hooks.setdefault(k, []).insert(0, v)
+    hm.run(ids, hooks=all_hooks)
+    return sink[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_position0_state_is_fixed_by_token0(family):
+    """Position 0 attends only to itself: with the same first token its state at every layer is the same for
+    every input (the spread is 0 up to float32 rounding, < 1e-6), and differs when token 0 differs."""
+    hm = HookedModel(build(family))
+    ids = token_batch(6, 16, seed=1)
+    ids[:, 0] = 1  # a fixed BOS
+    fixed = p0.spread(states(hm, ids))
+    assert fixed.shape == (hm.n_layers + 1,)
+    assert float(fixed.abs().max()) < 1e-6
+    varied = ids.clone()
+    varied[:, 0] = torch.arange(10, 16)
+    assert float(p0.spread(states(hm, varied)).min()) > 1e-3
+
+
+def test_freeze_imposes_the_reference_trajectory_and_mean_replaces_the_embedding():
+    model = build("llama")
+    hm = HookedModel(model)
+    ids = token_batch(4, 12, seed=2)
+    ids[:, 0] = torch.arange(20, 24)
+    _, hooks, _ = iv.prepare("freeze", model, hm, ids, reference=ids[1])
+    frozen = states(hm, ids, hooks)
+    assert float(p0.spread(frozen).abs().max()) < 1e-6
+    torch.testing.assert_close(frozen[0], states(hm, ids[1:2])[0], rtol=0, atol=0)
+    _, hooks, _ = iv.prepare("mean", model, hm, ids)
+    got = states(hm, ids, hooks)[:, 0]
+    mean = model.get_input_embeddings().weight.float().mean(0)
+    torch.testing.assert_close(got, mean.expand_as(got), rtol=0, atol=0)
+
+
+def test_shift_null_leaves_a_rope_model_unchanged():
+    """RoPE depends on i - j only: moving every position id by 100 changes the scores only by float32 rounding."""
+    model = build("llama")
+    hm = HookedModel(model)
+    ids = token_batch(2, 16, seed=3)
+    got = {}
+
+    def grab(tag):
+        def hook(s, ctx):
+            got[tag] = s.clone()
+        return hook
+
+    hm.run(ids, hooks={"blocks.2.attn.hook_attn_scores": grab("plain")})
+    _, _, pos = iv.prepare("shift:100", model, hm, ids)
+    hm.run(ids, hooks={"blocks.2.attn.hook_attn_scores": grab("shift")}, position_ids=pos)
+    torch.testing.assert_close(got["shift"], got["plain"], rtol=1e-4, atol=1e-4)
+
+
+def test_sinks_and_bad_specs():
+    probs = torch.zeros(2, 3, 8, 8)
+    probs[..., 0] = 1.0  # every head all on key 0
+    probs[1, 2, 1:, 0] = 0.0
+    out = p0.sink_rates(probs, 0.3, tokens=4)
+    assert out["rate"] == pytest.approx(5 / 6)
+    assert [(h["layer"], h["head"]) for h in p0.sink_heads(out["alpha0"])] == [(0, 0), (0, 1), (0, 2), (1, 0),
+                                                                                  (1, 1)]
+    for bad in ("bos", "token", "token:x", "mean:3"):
+        with pytest.raises(UsageError, match="interventions"):
+            iv.parse(bad)

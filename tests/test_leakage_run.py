@@ -1,0 +1,127 @@
+"""`poslens leakage` end to end on a tiny local-directory Llama: run directory, nulls, resume, bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import build
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import poslens
+from poslens.analyses.leakage.report import leakage_section
+from poslens.analyses.leakage.run import LeakageConfig, run_leakage
+from poslens.analyses.scores import partial_path
+from poslens.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama saved with a byte-level tokenizer that has a BOS token."""
+    d = tmp_path_factory.mktemp("tiny-llama-leak")
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(d)
+    build("llama", vocab_size=258, max_position_embeddings=128).save_pretrained(d)
+    return d
+
+
+def cfg(model_dir, **kw):
+    base = dict(model=str(model_dir), seq_len=24, num_sequences=8, batch_size=2, groups=4, early_queries=10,
+                interventions=["mean", "shift:50", "freeze", "nobos"])
+    return LeakageConfig(**{**base, **kw})
+
+
+def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
+    run = poslens.load(run_leakage(cfg(model_dir), tmp_path / "run", progress=False))
+    m = run.metrics
+    assert run.meta["kind"] == "leakage"
+    early = m["per_layer_early"]
+    for key in ("split/share_logit", "scores/trf", "log_probs/drift"):
+        e = early[key]
+        assert all(lo <= v <= hi for v, lo, hi in zip(e["value"], e["lo"], e["hi"]))
+    # the parts of the split add up exactly, layer by layer
+    tot = [a + b + c for a, b, c in zip(early["split/e_logit"]["value"], early["split/e_mask"]["value"],
+                                       early["split/cross"]["value"])]
+    assert tot == pytest.approx(early["split/e_total"]["value"], rel=1e-9)
+    iv = m["interventions"]
+    # shifting every position id leaves a RoPE model's scores unchanged up to float32 rounding: nothing removed
+    assert abs(iv["shift:50"]["removed_all_layers"]["value"]) < 1e-4
+    # with a fixed BOS the position-0 trajectory is already the same for every input: freezing it is a no-op
+    assert abs(iv["freeze"]["removed_all_layers"]["value"]) < 1e-4
+    assert max(abs(x) for x in m["position0_spread"]) < 1e-6
+    # replacing the BOS embedding does change the early logit part (in either direction for random weights)
+    assert abs(iv["mean"]["removed_all_layers"]["value"]) > 1e-3
+    assert run["probs_per_head"].shape == (3, 4, 24, 24)
+    assert len(m["predecessor"]["significant_heads_per_layer"]) == 3
+    for f in ("shares_by_layer_early.png", "removed_by_layer.png", "alpha0.png"):
+        assert (tmp_path / "run" / "figures" / f).exists()
+    rows = leakage_section(tmp_path / "run")
+    determinism = next(r for r in rows if r["claim"].startswith("position 0"))
+    assert determinism["agrees"] is True  # fixed BOS: the position-0 fingerprint is the same for every input
+    assert any("mean replacement" in r["measured"] for r in rows)
+
+
+def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
+    kw = dict(interventions=["mean"], checkpoint_every=1)
+    full = poslens.load(run_leakage(cfg(model_dir, **kw), tmp_path / "full", progress=False))
+    from poslens.engine import hooks as hooks_mod
+
+    original = hooks_mod.HookedModel.run
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(hooks_mod.HookedModel, "run", flaky)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        run_leakage(cfg(model_dir, **kw), out, progress=False)
+    assert partial_path(out.absolute(), 0, 1).exists()
+    monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
+    resumed = poslens.load(run_leakage(cfg(model_dir, **kw), out, progress=False))
+    assert resumed.meta["resumed_from_batch"] == 5
+    for key in ("orig/scores", "metrics_early", "metrics_early_lo", "intervention/mean/removed", "predecessor/gap"):
+        torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(groups=8), "groups"),
+    (dict(early_queries=1), "early_queries"),
+    (dict(max_offset=0), "max_offset"),
+    (dict(interventions=["bos"]), "interventions"),
+    (dict(num_sequences=1), "num_sequences"),
+])
+def test_bad_input_is_a_one_line_usage_error(model_dir, tmp_path, kw, words):
+    with pytest.raises(UsageError, match=words) as e:
+        run_leakage(cfg(model_dir, **kw), tmp_path / "bad", progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
+    """Two gloo ranks, 4 sequences each in batches of 2: the same batches land in the same groups as in one
+    process, so every mean and every interval is the same (float32 sums of the same numbers in another order:
+    1e-6)."""
+    kw = dict(interventions=["mean"])
+    single = poslens.load(run_leakage(cfg(model_dir, **kw), tmp_path / "single", progress=False))
+    script = tmp_path / "rank.py"
+    script.write_text("import sys\nfrom poslens.analyses.leakage.run import LeakageConfig, run_leakage\n"
+                      f"run_leakage(LeakageConfig(**{cfg(model_dir, **kw).__dict__!r}), sys.argv[1], progress=False)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           str(script), str(tmp_path / "sharded")]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    sharded = poslens.load(tmp_path / "sharded")
+    assert sharded.meta["world_size"] == 2
+    for key in ("orig/scores", "metrics_all", "metrics_all_lo", "intervention/mean/removed", "predecessor/gap"):
+        torch.testing.assert_close(sharded[key], single[key], rtol=1e-6, atol=1e-6, equal_nan=True)

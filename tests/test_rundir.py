@@ -1,0 +1,284 @@
+"""Run directories that cannot destroy user data (poslens.io.rundir) and checkpoint files (poslens.io.checkpoint).
+
+Every case that must not lose data checks the user's bytes before and after; every refusal is a one-line
+UsageError. Killed runs are imitated by the files they leave (a kill leaves exactly these paths behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import poslens
+from poslens.errors import UsageError
+from poslens.io import checkpoint, rundir
+from poslens.io.results import check_output, open_run, run_directory, write_run
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` (hidden ones included) with its bytes (None for a directory)."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+def poslens_run(path: Path, value: float = 1.0) -> None:
+    with run_directory(path, force=True) as tmp:
+        write_run(tmp, {"a": torch.full((2,), value)}, {"kind": "test"})
+
+
+def user_dir(path: Path) -> None:
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("the user's notes")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    return msg
+
+
+# ---------------------------------------------------------------- what --force may replace
+
+
+def test_force_refuses_a_directory_poslens_did_not_write(tmp_path):
+    user_dir(tmp_path / "d")
+    before = tree(tmp_path)
+    for call in (lambda: check_output(tmp_path / "d", force=True), lambda: open_run(tmp_path / "d", True).__enter__()):
+        with pytest.raises(UsageError, match="replaces only a run directory written by poslens") as e:
+            call()
+        one_line(e)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["marked", "older", "empty"])
+def test_force_replaces_a_poslens_run_or_an_empty_directory(tmp_path, kind):
+    out = tmp_path / "r"
+    if kind == "empty":
+        out.mkdir()
+    else:
+        poslens_run(out, 1.0)
+        if kind == "older":  # written before the marker: recognised by kind + environment.poslens
+            meta = json.loads((out / "run.json").read_text())
+            del meta["poslens_run"]
+            (out / "run.json").write_text(json.dumps(meta))
+    poslens_run(out, 2.0)
+    assert torch.equal(poslens.load(out)["a"], torch.full((2,), 2.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_a_run_json_that_only_looks_like_poslens_is_not_enough(tmp_path):
+    out = tmp_path / "d"
+    user_dir(out)
+    (out / "run.json").write_text(json.dumps({"kind": "mine"}))  # no environment.poslens, no marker
+    before = tree(tmp_path)
+    with pytest.raises(UsageError, match="replaces only"):
+        check_output(out, force=True)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["cwd", "dot", "empty", "parent", "home", "root"])
+def test_never_the_cwd_its_parents_home_or_root(tmp_path, monkeypatch, where):
+    work = tmp_path / "home" / "work"
+    work.mkdir(parents=True)
+    (work / "keep.txt").write_text("x")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    out = {"cwd": str(work), "dot": ".", "empty": "", "parent": "..", "home": "~", "root": "/"}[where]
+    before = tree(tmp_path)
+    with pytest.raises(UsageError, match=r"current directory|parent of the current|home directory|root directory|"
+                                         r"--out is empty") as e:
+        with run_directory(out, force=True):
+            pass
+    one_line(e)
+    assert tree(tmp_path) == before
+
+
+def test_links_files_and_long_names_are_refused(tmp_path):
+    (tmp_path / "f").write_text("file")
+    poslens_run(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    before = tree(tmp_path)
+    with pytest.raises(UsageError, match="is a symbolic link"):
+        check_output(tmp_path / "link", force=True)
+    with pytest.raises(UsageError, match="exists and is not a directory"):
+        check_output(tmp_path / "f", force=True)
+    with pytest.raises(UsageError, match="cannot create output directory .*f is not a directory"):
+        check_output(tmp_path / "f" / "sub")
+    with pytest.raises(UsageError, match=r"--out name is 250 bytes long; at most \d+ fit here"):
+        check_output(tmp_path / ("n" * 250))
+    assert tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------- concurrency and placement
+
+
+def test_a_second_run_of_the_same_output_is_refused_while_the_first_works(tmp_path):
+    out = tmp_path / "r"
+    with open_run(out) as run:
+        (run.build / "x").write_text("first")
+        for call in (lambda: check_output(out), lambda: open_run(out).__enter__()):
+            with pytest.raises(UsageError, match=r"^another poslens run is writing .*r right now") as e:
+                call()
+            one_line(e)
+    assert (out / "x").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]  # lock and work directory gone
+
+
+def test_the_lock_is_exclusive_across_processes(tmp_path):
+    out = tmp_path / "r"
+    code = ("import sys; from poslens.io.rundir import open_run\n"
+            "try:\n    open_run(sys.argv[1]).__enter__()\nexcept Exception as e:\n    print(e)\n")
+    with open_run(out):
+        res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=60)
+    assert "another poslens run is writing" in res.stdout
+
+
+def test_what_appears_during_a_run_is_never_replaced(tmp_path):
+    out = tmp_path / "r"
+    with pytest.raises(UsageError, match="appeared while this run was working and was left as it is") as e:
+        with open_run(out) as run:
+            (run.build / "result").write_text("new")
+            user_dir(out)
+    one_line(e)
+    assert (out / "notes.txt").read_text() == "the user's notes" and sorted(p.name for p in out.iterdir()) == [
+        "notes.txt"]
+    # with force too: only something poslens wrote may be swapped out
+    with pytest.raises(UsageError, match="by something poslens did not write"):
+        with open_run(tmp_path / "s", force=True):
+            user_dir(tmp_path / "s")
+    assert (tmp_path / "s" / "notes.txt").read_text() == "the user's notes"
+
+
+def test_noreplace_rename_refuses_a_non_empty_target(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    user_dir(dst)
+    with pytest.raises(FileExistsError):
+        rundir._rename_noreplace(src, dst)
+    assert src.is_dir() and (dst / "notes.txt").exists()
+
+
+# ---------------------------------------------------------------- temporaries and leftovers
+
+
+def test_a_failed_run_leaves_nothing_not_even_parents(tmp_path):
+    before = tree(tmp_path)
+    for exc in (RuntimeError, KeyboardInterrupt):
+        with pytest.raises(exc):
+            with run_directory(tmp_path / "a" / "b" / "out") as tmp:
+                (tmp / "half").write_text("half")
+                raise exc()
+    assert tree(tmp_path) == before
+
+
+def test_leftovers_of_killed_runs_are_cleaned_and_a_swapped_out_run_restored(tmp_path):
+    out = tmp_path / "r"
+    poslens_run(tmp_path / "keep", 5.0)
+    (tmp_path / "keep").rename(tmp_path / ".r.old-123-456")  # killed between the older layout's two renames
+    (tmp_path / ".r.tmp-abc123").mkdir()  # the older layout's build directory
+    (tmp_path / ".r.tmp-abc123" / "tensors.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / ".r.partial" / "build").mkdir(parents=True)
+    pid = dead_pid()
+    (tmp_path / f".r.partial-0-of-1.safetensors.tmp-{pid}").write_bytes(b"half a checkpoint")
+    (tmp_path / f".r.partial-0-of-1.safetensors.tmp-{os.getpid()}").write_bytes(b"a live writer's")
+    (tmp_path / ".r.parts").mkdir()
+    (tmp_path / ".r.parts" / "abc.tmp").write_bytes(b"half")
+    (tmp_path / "unrelated.tmp-1").write_text("not ours")
+    assert check_output(out, force=True) == out
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f".r.partial-0-of-1.safetensors.tmp-{os.getpid()}", ".r.parts", "r", "unrelated.tmp-1"]
+    assert torch.equal(poslens.load(out)["a"], torch.full((2,), 5.0))  # the previous result is back
+    assert list((tmp_path / ".r.parts").iterdir()) == []
+
+
+def test_a_run_killed_mid_swap_gets_its_previous_result_back(tmp_path):
+    out = tmp_path / "r"
+    poslens_run(out, 3.0)
+    (tmp_path / ".r.partial").mkdir()
+    out.rename(tmp_path / ".r.partial" / "old")  # killed after moving the old run aside
+    (tmp_path / ".r.partial" / "build").mkdir()
+    with pytest.raises(UsageError, match="already exists"):  # restored, so without force it is protected
+        check_output(out)
+    assert torch.equal(poslens.load(out)["a"], torch.full((2,), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_checkpoints_survive_an_interrupt_and_go_when_the_run_completes(tmp_path):
+    out = tmp_path / "r"
+    with pytest.raises(KeyboardInterrupt):
+        with open_run(out) as run:
+            assert rundir.current_run() is run
+            checkpoint.save_partial(run.checkpoint("state"), {"s": torch.arange(3.0)}, 7, {"x": 1})
+            (run.build / "half").write_text("half")
+            raise KeyboardInterrupt
+    assert rundir.current_run() is None
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [".r.partial", "state.safetensors"]
+    with open_run(out) as run:
+        sums, done = checkpoint.load_partial(run.checkpoint("state"), {"x": 1})
+        assert done == 7 and torch.equal(sums["s"], torch.arange(3.0))
+        write_run(run.build, sums, {"kind": "test"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_files_get_the_umask_permissions(tmp_path, mask):
+    old = os.umask(mask)
+    try:
+        poslens_run(tmp_path / "a" / "r")
+        checkpoint.save_partial(tmp_path / "ck.safetensors", {"s": torch.zeros(1)}, 1, {})
+        checkpoint.write_cache(tmp_path / "cache.safetensors", {"s": torch.zeros(1)})
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "a", tmp_path / "a" / "r"):
+        assert p.stat().st_mode & 0o777 == 0o777 & ~mask, p
+    for p in (tmp_path / "a" / "r" / "run.json", tmp_path / "a" / "r" / "tensors.safetensors",
+              tmp_path / "ck.safetensors", tmp_path / "cache.safetensors"):
+        assert p.stat().st_mode & 0o777 == 0o666 & ~mask, p
+
+
+# ---------------------------------------------------------------- checkpoint files
+
+
+def test_a_failed_checkpoint_write_leaves_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "ck.safetensors"
+
+    def half_written(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_file", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_partial(path, {"s": torch.zeros(1)}, 1, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_load(tmp_path):
+    path = tmp_path / "ck.safetensors"
+    stale = tmp_path / f"ck.safetensors.tmp-{dead_pid()}"
+    stale.write_bytes(b"x" * 1000)
+    assert checkpoint.load_partial(path, {}) is None
+    assert not stale.exists()
+
+
+def test_a_corrupt_cache_entry_is_named_deleted_and_recomputed(tmp_path, capsys):
+    path = tmp_path / "entry.safetensors"
+    path.write_bytes(b"\x00garbage")
+    assert checkpoint.read_cache(path) is None
+    err = capsys.readouterr().err
+    assert err.startswith("\n") and f"cache file {path} is corrupt" in err and "recomputing" in err
+    assert not path.exists()
+    save_file({"a": torch.ones(2)}, str(path))
+    assert torch.equal(checkpoint.read_cache(path)["a"], torch.ones(2))

@@ -1,0 +1,296 @@
+"""`poslens train`: NoPE/RoPE decoders as stock SmolLM3, presets, schedule, resume, DDP, bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from poslens.errors import UsageError
+from poslens.train.config import PRESETS, TrainConfig, load_preset, resolve_config
+from poslens.train.data import num_blocks, step_samples
+from poslens.train.loop import check_batch, lr_at, train
+from poslens.train.model import build_model, count_parameters, rope_layers
+from poslens.train.tokens import open_tokens, tokenize_corpus
+
+MICRO = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, seq_len=32, steps=6, batch_size=8,
+             micro_batch=4, lr=3e-3, warmup=2, eval_every=3, eval_batches=2, save_every=0, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """The first 300 documents of the embedded corpus (real text), tokenized with a 512-entry BPE."""
+    from poslens.engine.data import default_documents
+
+    root = tmp_path_factory.mktemp("tokens")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for _, d in zip(range(300), default_documents())))
+    tokenize_corpus(str(docs), root / "bpe512", tokenizer="bpe:512", progress=False)
+    return root / "bpe512"
+
+
+def micro(tokens: Path, **kw) -> TrainConfig:
+    return resolve_config("tiny", **{**MICRO, "tokens": str(tokens), **kw})
+
+
+def rows(run: Path, key: str) -> list[float]:
+    return [r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _logits_with_and_without_rotary(model_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a plain transformers reload, and of the same reload with the rotary function made the identity."""
+    import transformers.models.smollm3.modeling_smollm3 as smollm3
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        plain = model(ids).logits
+        original = smollm3.apply_rotary_pos_emb
+        smollm3.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
+        try:
+            identity = model(ids).logits
+        finally:
+            smollm3.apply_rotary_pos_emb = original
+    return plain, identity
+
+
+@pytest.mark.parametrize("pe", ["none", "rope"])
+def test_reload_keeps_positional_encoding(pe, tmp_path):
+    """A saved NoPE model reloaded by plain from_pretrained never calls RoPE: the logits are identical
+    (bit for bit) whether or not the rotary function is applied; a RoPE model's logits change."""
+    cfg = resolve_config("tiny", pe=pe, layers=2)
+    model = build_model(cfg, 300)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(0))
+    plain, identity = _logits_with_and_without_rotary(tmp_path, ids)
+    with torch.no_grad():
+        assert torch.equal(plain, model(ids).logits)  # the reload is the trained model
+    if pe == "none":
+        assert torch.equal(plain, identity)
+    else:
+        assert (plain - identity).abs().max() > 1e-3
+
+
+def test_per_layer_pattern(tmp_path):
+    """0/1 patterns: comma or compact, tiled when a unit divides the depth; reloaded layers follow them."""
+    assert rope_layers("none", None, 3) == [0, 0, 0] and rope_layers("rope", None, 2) == [1, 1]
+    assert rope_layers("none", "0,1,1,1", 4) == [0, 1, 1, 1]
+    assert rope_layers("none", "10", 6) == [1, 0, 1, 0, 1, 0]
+    for bad in ("0,2", "011", "abc"):
+        with pytest.raises(UsageError, match="pe_layers"):
+            rope_layers("none", bad, 4)
+    from transformers import AutoModelForCausalLM
+
+    build_model(resolve_config("tiny", pe_layers="0110"), 300).save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [layer.self_attn.use_rope for layer in reloaded.model.layers] == [0, 1, 1, 0]
+
+
+def test_every_preset_parses_and_builds():
+    """Each shipped preset resolves; its model builds (paper-1.5b on the meta device only) with the paper's shape."""
+    for name in PRESETS:
+        cfg = resolve_config(name)
+        vocab = 49_152 if cfg.tokenizer == "smollm2" else int(cfg.tokenizer.split(":")[1])
+        model = build_model(cfg, vocab, device="meta" if name == "paper-1.5b" else "cpu")
+        assert model.config.num_hidden_layers == cfg.layers and model.config.no_rope_layers == [0] * cfg.layers
+    paper = resolve_config("paper-1.5b")
+    assert (paper.layers, paper.hidden, paper.heads, paper.kv_heads, paper.seq_len) == (22, 2048, 32, 8, 1024)
+    assert paper.hidden // paper.heads == 64 and paper.lr == 3e-4
+    assert paper.batch_size * paper.seq_len == 2**20  # the paper's ~1M-token global batch
+    assert abs(paper.steps * 2**20 - 20e9) < 2**20  # 20B tokens
+    n = count_parameters(build_model(paper, 49_152, device="meta"))["total"]
+    assert 1.4e9 < n < 1.6e9  # "1.5B parameters"
+
+
+def test_overrides_and_unknown_fields(tmp_path):
+    from poslens.train.command import add_command, train_config
+
+    parser = argparse.ArgumentParser()
+    add_command(parser.add_subparsers(dest="command"))
+    cfg = train_config(parser.parse_args(["train", "--preset", "cpu", "--steps", "7", "--pe", "rope"]))
+    cpu = load_preset("cpu")
+    assert cfg.steps == 7 and cfg.pe == "rope" and cfg.layers == cpu["layers"] and cfg.lr == cpu["lr"]
+    with pytest.raises(UsageError, match="unknown preset 'huge'"):
+        resolve_config("huge")
+    with pytest.raises(UsageError, match="unknown field.*depth"):
+        resolve_config("tiny", depth=3)
+    bad = tmp_path / "mine.json"
+    bad.write_text(json.dumps({"layers": 2, "widht": 64}))
+    with pytest.raises(UsageError, match="unknown field.*widht"):
+        resolve_config(str(bad))
+    with pytest.raises(UsageError, match="kv_heads"):
+        resolve_config("tiny", heads=4, kv_heads=3)
+
+
+# ---------------------------------------------------------------- schedule and data order
+
+
+def test_learning_rate_schedule():
+    """Linear warm-up reaching the peak at the last warm-up step, cosine to min_lr_ratio * lr at the end."""
+    cfg = resolve_config("tiny", steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert lr_at(55, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # half way down the cosine: the mid value
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_data_order_is_a_permutation_split_over_ranks():
+    """One epoch of steps reads every block exactly once; W ranks together read what one rank reads."""
+    n, batch = 48, 8
+    one = torch.cat([step_samples(s, batch, 0, 1, n, 7) for s in range(n // batch)])
+    assert sorted(one.tolist()) == list(range(n))
+    for s in range(8):  # steps cross the epoch boundary too
+        split = torch.cat([step_samples(s, batch, r, 4, n, 7) for r in range(4)])
+        assert torch.equal(split, step_samples(s, batch, 0, 1, n, 7))
+    with pytest.raises(UsageError, match="does not divide over 3 ranks"):
+        check_batch(8, 4, 3)
+    with pytest.raises(UsageError, match="multiple of micro_batch"):
+        check_batch(12, 8, 1)
+    assert check_batch(16, 4, 2) == 2
+
+
+# ---------------------------------------------------------------- training runs
+
+
+def test_run_writes_a_loadable_model_and_results(tokens, tmp_path):
+    """The output directory reloads with plain transformers and with poslens.io.results.load."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from poslens.io.results import load
+
+    out = tmp_path / "run"
+    metrics = train(micro(tokens), out, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.no_rope_layers == [0, 0]
+    assert len(AutoTokenizer.from_pretrained(out)) == open_tokens(tokens).vocab_size
+    run = load(out)
+    assert run["train_loss"].shape == (MICRO["steps"],) and run.metrics["tokens_seen"] == 6 * 8 * 32
+    assert run["eval_step"].tolist() == [0, 3, 6]
+    assert metrics["final_eval_loss"] == pytest.approx(run["eval_loss"][-1].item())
+    assert not (tmp_path / ".run.partial").exists()  # the work directory is gone once the model is in place
+    with pytest.raises(UsageError, match="already exists"):
+        train(micro(tokens), out, progress=False)
+
+
+def test_resume_equals_uninterrupted(tokens, tmp_path):
+    """Stopped after 2 steps (checkpoint at step 2) and restarted, a run follows the uninterrupted loss curve
+    and ends with the same weights, bit for bit: same data (the step fixes it), same optimizer state, same
+    float32 kernels on the same CPU threads."""
+    from safetensors.torch import load_file
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(micro(tokens), full, progress=False)
+    stopped = train(micro(tokens), part, progress=False, stop_after=2)
+    assert stopped["stopped"] and (tmp_path / ".part.partial" / "checkpoint" / "trainer.pt").is_file()
+    train(micro(tokens), part, progress=False)
+    assert rows(part, "loss") == rows(full, "loss") and rows(part, "eval_loss") == rows(full, "eval_loss")
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_from_another_configuration(tokens, tmp_path):
+    """A checkpoint of another architecture or preset is refused in one line and left untouched."""
+    out = tmp_path / "run"
+    train(micro(tokens), out, progress=False, stop_after=1)
+    state = tmp_path / ".run.partial" / "checkpoint" / "trainer.pt"
+    before = state.read_bytes()
+    with pytest.raises(UsageError, match="another configuration \\(layers: 2 there, 3 now"):
+        train(micro(tokens, layers=3), out, progress=False)
+    with pytest.raises(UsageError, match="another configuration \\(preset"):
+        train(resolve_config("cpu", **{**MICRO, "tokens": str(tokens)}), out, progress=False)
+    assert state.read_bytes() == before
+
+
+def test_corpus_smaller_than_one_batch(tokens, tmp_path):
+    n = num_blocks(open_tokens(tokens).train, 32)
+    with pytest.raises(UsageError, match="fewer than one batch"):
+        train(micro(tokens, batch_size=4 * n, micro_batch=4 * n), tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_out_of_memory_on_first_step(tokens, tmp_path, monkeypatch):
+    """An allocation failure in the first step becomes a one-line error suggesting a smaller micro-batch."""
+    import poslens.train.loop as loop
+
+    def oom(model, block):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(loop, "next_token_loss", oom)
+    with pytest.raises(UsageError, match="smaller --micro-batch \\(e.g. 2\\)"):
+        train(micro(tokens, eval_every=6), tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process(tokens, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "run"
+    train(micro(tokens), out, progress=False)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_equal_one(parallel, tokens, one_process, tmp_path):
+    """torchrun with 2 gloo processes (DDP, or FSDP2 sharding every layer) follows the one-process trajectory
+    on the same global batch, and writes the same weights.
+
+    Tolerance 1e-5 relative (losses), 1e-5 absolute (weights of size ~0.02-1): the runs differ only in the
+    order of float32 sums (gradient all-reduce or reduce-scatter, per-rank micro-batches instead of one
+    accumulation), ~1e-7 relative per operation, over 6 steps.
+    """
+    from safetensors.torch import load_file
+
+    one = one_process
+    two = tmp_path / "two"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in MICRO.items()]
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={_free_port()}",
+           "-m", "poslens.train", "train", "--preset", "tiny", "--tokens", str(tokens), *flags,
+           "--parallel", parallel, "--out", str(two), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = rows(one, "loss"), rows(two, "loss")
+    assert len(a) == len(b) == MICRO["steps"]
+    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b)), (a, b)
+    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(rows(one, "eval_loss"), rows(two, "eval_loss")))
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+def test_tiny_preset_learns_real_text(tmp_path):
+    """The tiny preset on the embedded corpus: the held-out loss falls by more than 1.5 nats and ends below
+    the held-out cross-entropy of the best context-free model (training unigram frequencies, add-one
+    smoothed), so the model uses context, not just token frequencies."""
+    out = tmp_path / "tiny"
+    train(resolve_config("tiny"), out, progress=False)
+    evals = rows(out, "eval_loss")
+    from poslens.io.results import load
+
+    tokens = load(out).meta["tokens"]
+    assert tokens["tokenizer"] == "bpe:2048"
+    from poslens.train.tokens import default_tokens
+
+    tf = open_tokens(default_tokens("bpe:2048", progress=False))
+    counts = torch.bincount(torch.from_numpy(tf.train.astype("int64")), minlength=tf.vocab_size).double() + 1
+    val = torch.from_numpy(tf.val.astype("int64"))
+    unigram = float(-(counts / counts.sum()).log()[val].mean())
+    assert evals[0] - evals[-1] > 1.5, evals
+    assert evals[-1] < unigram, (evals[-1], unigram)
