@@ -1,70 +1,105 @@
-"""Benchmark: this tree's capture against the previous release's, each as a ratio to a plain forward (by hand).
+"""Benchmark: this tree's capture against the previous release's, in one process, each against a plain forward.
 
-The bar of issue #7: the averaged-scores path may not slow down when the capture moves onto the hook engine, i.e.
-(poslens / plain) now must stay within 5% of (poslens / plain) in the previous release. Both ratios are measured
-in this one run, interleaved: round r runs the previous release's `benchmarks/capture.py` and then this tree's
-(the order alternates per round), each in its own process on the same model, batches and thread count, with
-only the `plain` and `poslens` methods. The previous release is checked out into a temporary git worktree.
+The bar of issue #7: moving the capture onto the hook engine may not slow the averaged-scores path, i.e.
+(poslens / plain) now must stay within 5% of (poslens / plain) in the previous release. All three methods run in
+this one process on the same model object and the same batches, interleaved (the order rotates every repeat):
 
-    .venv/bin/python benchmarks/capture_vs_release.py --release afb3a39 --rounds 3 -- --model smollm2-135m \
-        --batch 2 --seq-len 512 --batches 2 --repeats 3
+* plain:    `model(ids)` with SDPA and logits;
+* now:      `poslens.engine.capture.Capture(model)` (the hook engine), `update()` per batch, then `result()`;
+* release:  the previous release's `capture.py`, read from git (`git show REV:src/poslens/capture.py`) and
+            imported under another module name; same calls.
+
+The maps of `now` and `release` are compared too (max |difference|), so the speed is for the same numbers.
+
+    .venv/bin/python benchmarks/capture_vs_release.py --release afb3a39 --batch 2 --seq-len 512 --batches 2 \
+        --repeats 5 --out benchmarks/results/cpu-2026-11-23-session3/capture_vs_release.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(tree: Path, extra: list[str], out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    cmd = [sys.executable, str(tree / "benchmarks" / "capture.py"), "--methods", "plain,poslens",
-           "--reference", "none", "--out", str(out), *extra]
-    subprocess.run(cmd, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
-
-
-def ratio(result: dict) -> float:
-    """poslens wall time over plain wall time (medians over the repeats of one process)."""
-    return result["methods"]["poslens"]["wall_ratio"]
+def release_capture(rev: str):
+    """The previous release's capture module, imported from git under the name `poslens_release_capture`."""
+    src = subprocess.run(["git", "show", f"{rev}:src/poslens/capture.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="poslens-release-")) / "poslens_release_capture.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("poslens_release_capture", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--release", default="afb3a39", help="git revision of the previous release")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=None, help="write all results as JSON here")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for benchmarks/capture.py")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batches", type=int, default=2, help="batches per timed call")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None)
     args = p.parse_args()
-    extra = [a for a in args.extra if a != "--"]
-    with tempfile.TemporaryDirectory(prefix="poslens-release-") as tmp:
-        old = Path(tmp) / "release"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.release], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            rows = []
-            for r in range(args.rounds):
-                order = [("release", old), ("now", ROOT)]
-                for name, tree in order if r % 2 == 0 else order[::-1]:
-                    res = measure(tree, extra, Path(tmp) / f"{name}-{r}.json")
-                    rows.append({"round": r, "tree": name, "ratio": ratio(res), "raw": res})
-                    print(f"round {r} {name:8s} poslens/plain = {rows[-1]['ratio']:.3f}", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=False)
-    now = statistics.median(x["ratio"] for x in rows if x["tree"] == "now")
-    rel = statistics.median(x["ratio"] for x in rows if x["tree"] == "release")
-    print(f"median ratio to a plain forward: now {now:.3f}, release {rel:.3f}; now / release = {now / rel:.3f} "
-          f"(bar: <= 1.05)")
+
+    from poslens.engine.capture import Capture
+    from poslens.engine.data import iter_documents, make_sequences
+    from poslens.engine.models import load_model
+
+    old = release_capture(args.release)
+    model, tok = load_model(args.model)
+    ids, _ = make_sequences(tok, iter_documents(None), args.seq_len, args.batch * args.batches, mode="first",
+                            bos="auto")
+    batches = list(torch.split(ids, args.batch))
+
+    def plain():
+        with torch.no_grad():
+            for x in batches:
+                model(input_ids=x, use_cache=False)
+
+    def capture(cls):
+        cap = cls(model)
+        for x in batches:
+            cap.update(x)
+        return cap.result()["scores"]
+
+    methods = {"plain": plain, "now": lambda: capture(Capture), "release": lambda: capture(old.Capture)}
+    maps = {k: methods[k]() for k in ("now", "release")}  # warm-up, and the maps to compare
+    plain()
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    names = list(methods)
+    for r in range(args.repeats):
+        for name in names[r % 3:] + names[: r % 3]:
+            t = time.perf_counter()
+            methods[name]()
+            times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {"median_s": med, "times_s": times, "now_over_plain": med["now"] / med["plain"],
+           "release_over_plain": med["release"] / med["plain"], "now_over_release": med["now"] / med["release"],
+           "max_abs_map_difference": float((maps["now"] - maps["release"]).nan_to_num(0).abs().max()),
+           "load_average": os.getloadavg(), "threads": torch.get_num_threads(), "argv": sys.argv,
+           "torch": torch.__version__}
+    print(json.dumps(out, indent=1))
+    print(f"now / plain {out['now_over_plain']:.3f}, release / plain {out['release_over_plain']:.3f}: "
+          f"now / release = {out['now_over_release']:.3f} (bar: <= 1.05); maps differ by at most "
+          f"{out['max_abs_map_difference']:.2e}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "now": now, "release": rel, "argv": sys.argv}, indent=1))
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
