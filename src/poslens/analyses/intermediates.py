@@ -558,9 +558,15 @@ def figure8(result: dict, directory: Path, label: str) -> list[Path]:
 SECTION_MODEL = "smollm2-135m"
 
 
-def _verdict(est: dict) -> str:
-    """holds if the interval lies above 0, contradicted if below, else not resolved."""
-    return "holds" if est["lo"] > 0 else "contradicted" if est["hi"] < 0 else "not resolved"
+def _direction(est: dict) -> str:
+    """What the interval says about the sign: above 0, below 0, or containing 0."""
+    return "above 0" if est["lo"] > 0 else "below 0" if est["hi"] < 0 else "containing 0"
+
+
+# The stand-in (a RoPE-trained model with RoPE removed) cannot confirm or contradict a claim about a model trained
+# without positional encoding: its rows are "not resolved", with the measured sign and what would resolve them.
+_STAND_IN = ("not resolved", "; a model trained with RoPE, RoPE removed, cannot decide a claim about a model trained "
+             "without it: a NoPE-trained model (poslens train --pe none, or the released checkpoint) would")
 
 
 def _fmt(est: dict, digits: int = 3) -> str:
@@ -598,7 +604,8 @@ def intermediates_section(ctx, quick: bool = False, size: tuple[int, int] | None
     s = Section(
         "No positional encoding in a trained model: Figure 3 and Figure 8 (Section 4.2, Appendix C)",
         f"{SECTION_MODEL} (SmolLM2-135M-Instruct, trained with RoPE) with RoPE removed (every rotation the "
-        f"identity, weights unchanged): a stand-in for the paper's NoPE model, which was never released. "
+        f"identity, weights unchanged): a stand-in for the paper's NoPE model (published later as "
+        f"starmpcc/NoPE_1.5B_FW_EDU_15T, which cannot be downloaded here; poslens loads it without RoPE). "
         f"{data['sequences']} sequences of the first {seq_len} tokens of documents from {data['source']}. Panels "
         "(a)-(i): Gram matrices of the intermediates of layers 1 and 2, averaged over sequences (and heads); "
         "Figure 8: every layer's Q K^T * scaling, diagonal-normalised. Intervals: delete-one-group jackknife. "
@@ -606,16 +613,19 @@ def intermediates_section(ctx, quick: bool = False, size: tuple[int, int] | None
         "attention sink, and the diagonal left out).")
     s.claims.append(Claim("layer-2 Q K^T rows increase with the key index (a position-dependent pattern without "
                           "positional encoding)", "Section 4.2, Figure 3 (i)",
-                          f"mean row slope of panel (i): {_fmt(p['i']['row_slope'])}", _verdict(p["i"]["row_slope"]),
+                          f"stand-in: mean row slope of panel (i) {_fmt(p['i']['row_slope'])}, interval "
+                          f"{_direction(p['i']['row_slope'])}{_STAND_IN[1]}", _STAND_IN[0],
                           "Figure 3 (i)", command))
     s.claims.append(Claim("after the post-attention norm, the Gram matrix increases with j for fixed i", "Section 4.2, "
-                          "Figure 3 (f)", f"mean row slope of panel (f): {_fmt(p['f']['row_slope'])}",
-                          _verdict(p["f"]["row_slope"]), "Figure 3 (f)", command))
+                          "Figure 3 (f)",
+                          f"stand-in: mean row slope of panel (f) {_fmt(p['f']['row_slope'])}, interval "
+                          f"{_direction(p['f']['row_slope'])}{_STAND_IN[1]}", _STAND_IN[0], "Figure 3 (f)", command))
     s.claims.append(Claim("from (a) to (b) the ratio of off-diagonal to diagonal values increases (W_Q, W_K act like "
                           "a larger alpha)", "Section 4.2, Figure 3 (a), (b)",
                           f"off-diagonal/diagonal mean: (a) {p['a']['offdiag_ratio']['value']:.3g}, (b) "
                           f"{p['b']['offdiag_ratio']['value']:.3g}; change "
-                          f"{_fmt(ch['offdiag_ratio_b_minus_a'])}", _verdict(ch["offdiag_ratio_b_minus_a"]),
+                          f"{_fmt(ch['offdiag_ratio_b_minus_a'])}, interval {_direction(ch['offdiag_ratio_b_minus_a'])}"
+                          f"{_STAND_IN[1]}", _STAND_IN[0],
                           "Figure 3 (a), (b)", command))
     s.claims.append(Claim("after the input norm, embeddings are close to orthogonal (the alpha = 0 case)",
                           "Section 4.2, Figure 3 (a)", "off-diagonal/diagonal mean of panel (a): "
