@@ -113,7 +113,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     """Compute the maps and write the run directory (rank 0); returns its path on rank 0, None elsewhere."""
     from poslens.engine.capture import Capture
     from poslens.engine.data import iter_documents, make_sequences, shard, shard_bounds, source_label
-    from poslens.engine.models import load_info, load_model, max_positions
+    from poslens.engine.models import load_model, max_positions, model_record
 
     cfg.validate()
     started = time.perf_counter()
@@ -182,9 +182,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
             write_run(tmp, result, {"kind": "scores", "config": asdict(cfg), "data": data_stats,
                                     "world_size": world, "resumed_from_batch": done, "metrics": metrics,
                                     "groups": groups,
-                                    "model": {"class": type(model).__name__,
-                                              "model_type": getattr(model.config, "model_type", None),
-                                              **load_info(model)},
+                                    "model": model_record(model),
                                     "timings": {"seconds": time.perf_counter() - started}})
         path = target
     if world > 1:

@@ -457,6 +457,16 @@ def load_info(model: Any) -> dict[str, Any]:
     return dict(getattr(model, "poslens_load", {}))
 
 
+def model_record(model: Any) -> dict[str, Any]:
+    """What every run directory records about its model: class, model_type, family, positional encoding per layer,
+    and what `load_model` chose (`load_info`)."""
+    from poslens.engine.families import family_of, positional_encoding
+
+    return {"class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
+            "family": family_of(model.config).name, "positional_encoding": positional_encoding(model),
+            **load_info(model)}
+
+
 def max_positions(model_or_config: Any) -> int:
     """The model's usable context window in tokens (for the --seq-len check)."""
     config = getattr(model_or_config, "config", model_or_config)

@@ -146,7 +146,7 @@ def run_leakage(cfg: LeakageConfig, out: str, force: bool = False, progress: boo
     from poslens.engine.data import iter_documents, make_sequences, shard, source_label
     from poslens.engine.families import sliding_windows
     from poslens.engine.hooks import HookedModel
-    from poslens.engine.models import load_info, load_model, max_positions
+    from poslens.engine.models import load_model, max_positions, model_record
 
     cfg.validate()
     started = time.perf_counter()
@@ -252,9 +252,7 @@ def run_leakage(cfg: LeakageConfig, out: str, force: bool = False, progress: boo
             leakage_figures(metrics, tensors, tmp / "figures", cfg.model)
             write_run(tmp, tensors, {"kind": "leakage", "config": asdict(cfg), "data": data_stats,
                                      "world_size": world, "resumed_from_batch": done, "metrics": metrics,
-                                     "model": {"class": type(model).__name__,
-                                               "model_type": getattr(model.config, "model_type", None),
-                                               **load_info(model)},
+                                     "model": model_record(model),
                                      "timings": {"seconds": time.perf_counter() - started}})
         path = target
     if world > 1:
