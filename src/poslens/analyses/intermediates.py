@@ -46,7 +46,6 @@ import torch
 
 from poslens.engine.stats import DEFAULT_GROUPS, Statistic
 from poslens.errors import UsageError, check_choice, check_float, check_int
-from poslens.io.checkpoint import load_partial, save_partial
 from poslens.io.results import check_output, run_directory, write_run
 from poslens.options import option
 
@@ -443,6 +442,7 @@ def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, p
     from poslens.engine.families import positional_encoding
     from poslens.engine.hooks import HookedModel
     from poslens.engine.models import load_info, load_model, max_positions
+    from poslens.engine.runner import run_statistics
 
     cfg.validate()
     started = time.perf_counter()
@@ -462,27 +462,11 @@ def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, p
     ids, data_stats = make_sequences(tokenizer, docs, cfg.seq_len, cfg.num_sequences, mode=cfg.mode, bos=cfg.bos)
     data_stats["source"] = source
     batches = list(torch.split(ids, cfg.batch_size))
-    ckpt, fp = partial_path(target), cfg.fingerprint_fields()
-    done = 0
-    resumed = load_partial(ckpt, fp)
-    if resumed is not None:
-        state, done = resumed
-        stat.load_state_dict(state)
-    hooks = stat.hooks(hm)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(batches), initial=done, desc="intermediates", unit="batch")
-    for b in range(done, len(batches)):
-        stat.group = b
-        hm.run(batches[b].to(cfg.device), hooks=hooks)
-        if bar is not None:
-            bar.update(1)
-        if (b + 1) % cfg.checkpoint_every == 0 and b + 1 < len(batches):
-            save_partial(ckpt, stat.state_dict(), b + 1, fp)
-    if bar is not None:
-        bar.close()
+    ckpt = partial_path(target)
+    # one hooked forward per batch, batch b -> group b mod G, resumable from ckpt (the shared runner)
+    done = run_statistics(hm, [stat], batches, checkpoint=ckpt, fingerprint=cfg.fingerprint_fields(),
+                   checkpoint_every=cfg.checkpoint_every, progress="intermediates" if progress else None,
+                   all_reduce=False)
     computed = time.perf_counter() - started
     result = stat.result(cfg.level)
     metrics = stat.summary(cfg.level)
@@ -505,7 +489,6 @@ def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, p
             "resumed_from_batch": done,
             "timings": {"compute_seconds": computed, "seconds": time.perf_counter() - started},
         })
-    ckpt.unlink(missing_ok=True)
     return target
 
 
