@@ -1,33 +1,46 @@
 """Benchmark: poslens's training step versus a minimal hand-written PyTorch step (run by hand, not a test).
 
-Both drive the same model (the preset's SmolLM3, built twice from the same seed) on the same batches (the
-preset's token file, step by step), in the same process, interleaved: each repeat runs `--steps` steps of
-one method then of the other, the order alternating between repeats. The hand-written step is what a
-reader would write in a few lines: forward, cross-entropy on the shifted tokens, backward, clip, AdamW,
-schedule. The poslens step (`poslens.train.loop._step`) adds its accumulation loop, autocast context,
-loss bookkeeping and gradient-norm readout. Printed: median seconds per step of each, the ratio
-poslens / hand-written (bar: <= 1.05 on the CPU), tokens/s and MFU (6N + attention FLOPs per token against
-the datasheet bf16 peak on a known GPU, else against a measured float32 GEMM rate). The two methods' losses
-are compared too: same weights, same batches, so they agree to float32 rounding.
+Same model (the preset's SmolLM3, built twice from one seed), same batches, one process. The hand-written
+step is forward, cross-entropy, backward, clip, AdamW, schedule; the poslens step (`poslens.train.loop._step`)
+adds its accumulation loop, autocast context and loss/gradient-norm readout. Both losses must agree to
+float32 rounding (the largest difference is printed).
 
-    .venv/bin/python benchmarks/train.py --preset cpu --steps 2 --repeats 3
-    .venv/bin/python benchmarks/train.py --preset small --device cuda      # on an H100
+For a shared, noisy machine the methods run in pairs, the order alternating (P H, H P, P H, ...), the two
+steps of a pair on the same batch: each pair gives a ratio t(poslens) / t(hand) of two back-to-back steps. Printed:
+median s/step, tokens/s and MFU of each; the geometric mean of the ratios with a 95% t interval on the log
+ratios (pairs taken as independent); the 5% bar: shown (upper bound <= 1.05), not shown (lower bound > 1.05)
+or not resolved. --json PATH writes every step's time and loss, the ratios and the settings. On 2 shared
+cores, --threads 1 steadies the steps (with every core asked for, one preempted OpenMP thread stalls both).
+
+    .venv/bin/python benchmarks/train.py --preset tiny --pairs 30 --json /tmp/train_tiny.json
+    .venv/bin/python benchmarks/train.py --preset cpu --pairs 40 --json benchmarks/results/train_cpu.json
+    .venv/bin/python benchmarks/train.py --preset small --device cuda --pairs 40      # on an H100
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+import transformers
 
+from poslens.engine.stats import t_quantile
 from poslens.train.config import resolve_config
 from poslens.train.data import train_batches
 from poslens.train.loop import Dist, _step, gemm_flops, make_optimizer, make_scheduler, peak_flops
 from poslens.train.model import build_model, flops_per_token
 from poslens.train.tokens import default_tokens, open_tokens
+
+METHODS = ("poslens", "hand")
+BAR = 1.05  # poslens / hand-written step time
 
 
 def hand_step(model, opt, sched, blocks, clip: float, autocast: bool) -> float:
@@ -46,60 +59,125 @@ def hand_step(model, opt, sched, blocks, clip: float, autocast: bool) -> float:
     return total
 
 
+def ratio_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Geometric mean of the paired ratios and its t interval (on the log ratios, exponentiated)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = t_quantile((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(lo: float, hi: float) -> str:
+    """The bar against the 95% interval of poslens / hand-written."""
+    if hi <= BAR:
+        return f"shown (upper bound <= {BAR})"
+    if lo > BAR:
+        return f"not shown (lower bound > {BAR}: poslens is more than 5% slower)"
+    return f"not resolved (the interval contains {BAR}: more pairs or a quieter machine)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu")
     ap.add_argument("--tokens", default=None, help="token directory (default: the preset's embedded-corpus tokens)")
-    ap.add_argument("--steps", type=int, default=2, help="steps per method per repeat")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=30, help="timed pairs (even: the order alternates)")
+    ap.add_argument("--warmup", type=int, default=2, help="pairs run first and left out of the statistics")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write raw times, ratios and settings here")
     args = ap.parse_args()
+    if args.pairs < 2 or args.pairs % 2:
+        ap.error("--pairs must be even and at least 2 (each order, poslens first and hand-written first, "
+                 "equally often)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     over = {"device": args.device, **({"micro_batch": args.micro_batch} if args.micro_batch else {})}
     cfg = resolve_config(args.preset, **over)
     tf = open_tokens(args.tokens or default_tokens(cfg.tokenizer))
     device = torch.device(args.device)
-    d = Dist(0, 1, 0, device)
-    models = {m: build_model(cfg, tf.vocab_size).to(device) for m in ("poslens", "hand")}
-    opts = {m: make_optimizer(models[m], cfg) for m in models}
-    scheds = {m: make_scheduler(opts[m], cfg) for m in models}
     gpu = device.type == "cuda"
+    d = Dist(0, 1, 0, device)
+    models = {m: build_model(cfg, tf.vocab_size).to(device) for m in METHODS}
+    opts = {m: make_optimizer(models[m], cfg) for m in METHODS}
+    scheds = {m: make_scheduler(opts[m], cfg) for m in METHODS}
     fpt = flops_per_token(models["poslens"].config, cfg.seq_len)
     peak, label = peak_flops(device)
     if peak is None:
         peak, label = gemm_flops(device), "measured float32 GEMM"
-    times: dict[str, list[float]] = {m: [] for m in models}
-    losses: dict[str, list[float]] = {m: [] for m in models}
-    step = {m: 0 for m in models}
     print(f"preset {cfg.preset}: {cfg.layers} layers, d={cfg.hidden}, vocab {tf.vocab_size}, "
           f"{cfg.batch_size}x{cfg.seq_len} tokens/step, micro-batch {cfg.micro_batch}, {torch.get_num_threads()} "
-          f"threads, {device}")
-    for rep in range(args.repeats):
-        order = ("poslens", "hand") if rep % 2 == 0 else ("hand", "poslens")
+          f"threads, {device}, torch {torch.__version__}; {args.warmup} + {args.pairs} pairs")
+
+    def run(m: str, s: int) -> tuple[float, float]:
+        """Step `s` of method `m`: (seconds, loss)."""
+        t0 = time.perf_counter()
+        if m == "poslens":
+            loss, _ = _step(models[m], opts[m], scheds[m], tf, cfg, d, s, first=s == 0)
+        else:
+            blocks = [b.to(device) for b in train_batches(tf.train, cfg.seq_len, s, cfg.batch_size,
+                                                          cfg.micro_batch, 0, 1, cfg.seed)]
+            loss = hand_step(models[m], opts[m], scheds[m], blocks, cfg.grad_clip, gpu)
+        if gpu:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, loss
+
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    losses: dict[str, list[float]] = {m: [] for m in METHODS}
+    first: list[str] = []
+    for s in range(args.warmup + args.pairs):  # pair s: step s of both methods, back to back
+        order = METHODS if s % 2 == 0 else METHODS[::-1]
         for m in order:
-            for _ in range(args.steps):
-                s = step[m]
-                t0 = time.perf_counter()
-                if m == "poslens":
-                    loss, _ = _step(models[m], opts[m], scheds[m], tf, cfg, d, s, first=s == 0)
-                else:
-                    blocks = [b.to(device) for b in train_batches(tf.train, cfg.seq_len, s, cfg.batch_size,
-                                                                  cfg.micro_batch, 0, 1, cfg.seed)]
-                    loss = hand_step(models[m], opts[m], scheds[m], blocks, cfg.grad_clip, gpu)
-                if gpu:
-                    torch.cuda.synchronize(device)
-                times[m].append(time.perf_counter() - t0)
-                losses[m].append(loss)
-                step[m] += 1
+            dt, loss = run(m, s)
+            times[m].append(dt)
+            losses[m].append(loss)
+        first.append(order[0])
+    load_after = os.getloadavg()
+
+    timed = slice(args.warmup, None)
+    ratios = [p / h for p, h in zip(times["poslens"][timed], times["hand"][timed])]
+    gmean, lo, hi = ratio_interval(ratios)
+    med = {m: statistics.median(times[m][timed]) for m in METHODS}
+    by_order = {o: math.exp(statistics.fmean(math.log(r) for r, f in zip(ratios, first[timed]) if f == o))
+                for o in METHODS}
     tokens = cfg.batch_size * cfg.seq_len
-    med = {m: statistics.median(times[m][1:] if len(times[m]) > 1 else times[m]) for m in models}
-    for m in models:
-        tps = tokens / med[m]
-        print(f"{m:8s} median {med[m]:.3f} s/step (min {min(times[m]):.3f}), {tps:,.0f} tokens/s, "
-              f"MFU {100 * tps * fpt / peak:.1f}% of {label} ({peak / 1e9:,.0f} GFLOP/s)")
-    print(f"ratio poslens / hand-written (median step time): {med['poslens'] / med['hand']:.3f}")
+    mfu = {m: tokens / med[m] * fpt / peak for m in METHODS}
     diff = max(abs(a - b) for a, b in zip(losses["poslens"], losses["hand"]))
+
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in load_before)} before, "
+          f"{', '.join(f'{x:.1f}' for x in load_after)} after")
+    for m in METHODS:
+        q = statistics.quantiles(times[m][timed], n=4)
+        print(f"{m:8s} median {med[m]:.3f} s/step (quartiles {q[0]:.3f}-{q[2]:.3f}), {tokens / med[m]:,.0f} "
+              f"tokens/s, MFU {100 * mfu[m]:.1f}% of {label} ({peak / 1e9:,.0f} GFLOP/s)")
+    print(f"poslens / hand-written, {len(ratios)} pairs: geometric mean {gmean:.3f}, 95% CI [{lo:.3f}, {hi:.3f}] "
+          f"(t interval on the log ratios); ratio of medians {med['poslens'] / med['hand']:.3f}; per pair "
+          f"{min(ratios):.3f} to {max(ratios):.3f}")
+    print(f"order check (geometric means): poslens first {by_order['poslens']:.3f}, hand-written first "
+          f"{by_order['hand']:.3f}")
+    print(f"bar, poslens within 5%: {verdict(lo, hi)}")
     print(f"largest loss difference over {len(losses['hand'])} matched steps: {diff:.2e}")
+
+    if args.json:
+        out = {
+            "settings": {"preset": cfg.preset, "config": dataclasses.asdict(cfg), "device": str(device),
+                         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": sys.version.split()[0],
+                         "argv": sys.argv, "pairs": args.pairs, "warmup_pairs": args.warmup,
+                         "load_average_before": load_before, "load_average_after": load_after,
+                         "mfu_reference": label, "mfu_peak_flops": peak, "flops_per_token": fpt,
+                         "tokens_per_step": tokens},
+            "steps": {"first_in_pair": first, "times_s": times, "losses": losses},  # warm-up pairs included
+            "ratios": ratios,  # timed pairs only, poslens / hand-written
+            "summary": {"median_s": med, "mfu": mfu, "geometric_mean": gmean, "ci95": [lo, hi],
+                        "interval": "t interval on the log ratios", "ratio_of_medians": med["poslens"] / med["hand"],
+                        "geometric_mean_by_first": by_order, "bar": BAR, "verdict": verdict(lo, hi),
+                        "max_loss_difference": diff},
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Section 4.2 pieces: the linear probe of absolute position, and the NoPE/RoPE held-out loss gap."""
+"""Section 4.2 pieces: the linear probe of absolute position, and the paired NoPE/RoPE held-out losses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import torch
 from poslens.errors import UsageError
 from poslens.train.config import resolve_config
 from poslens.train.model import build_model
-from poslens.train.probe import loss_gap, position_probe, ridge_fit, ridge_predict
+from poslens.train.probe import (
+    heldout_losses,
+    loss_comparison,
+    position_probe,
+    ridge_fit,
+    ridge_predict,
+    sequences_of,
+)
 
 
 def test_ridge_matches_least_squares():
@@ -34,10 +41,13 @@ def test_probe_of_a_nope_model_at_initialisation():
     fit = torch.randint(1, 300, (48, 32), generator=g)
     test = torch.randint(1, 300, (16, 32), generator=g)
     fit[:, 0] = test[:, 0] = 0  # BOS
-    res = position_probe(model, fit, test)
-    assert len(res.mae) == 3 and res.chance == pytest.approx(8.0, abs=0.01)  # E|U - 15.5| on 0..31 = 8
-    assert abs(res.mae[0] - res.chance) < 0.1 * res.chance
-    assert res.mae[1] < 0.9 * res.chance and res.mae[2] < 0.9 * res.chance
+    res = position_probe(model, fit, test, groups=8, batch_size=2)
+    mae, chance = res.values(), float(res.chance.value)
+    assert len(mae) == 3 and chance == pytest.approx(8.0, abs=0.01)  # E|U - 15.5| on 0..31 = 8
+    assert abs(mae[0] - chance) < 0.1 * chance
+    assert mae[1] < 0.9 * chance and mae[2] < 0.9 * chance
+    # the paired interval of "layer 1 beats the embeddings" excludes 0 here (8 groups of 2 test sequences)
+    assert float(res.difference(0, 1).hi) < 0
 
 
 def test_probe_of_a_rope_model_matches_nope_at_layer_zero():
@@ -48,10 +58,45 @@ def test_probe_of_a_rope_model_matches_nope_at_layer_zero():
     kw = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, seed=3)
     a = position_probe(build_model(resolve_config("tiny", pe="none", **kw), 300), fit, test)
     b = position_probe(build_model(resolve_config("tiny", pe="rope", **kw), 300), fit, test)
-    assert a.mae[0] == b.mae[0] and a.mae[-1] != b.mae[-1]
+    assert a.values()[0] == b.values()[0] and a.values()[-1] != b.values()[-1]
 
 
-def test_loss_gap():
-    assert loss_gap([5.0, 4.2], [5.1, 4.0]) == {"nope": 4.2, "rope": 4.0, "gap": pytest.approx(0.2)}
-    with pytest.raises(UsageError):
-        loss_gap([], [1.0])
+def test_streaming_probe_equals_a_direct_ridge_fit():
+    """The probe's normal equations are summed batch by batch inside the forward; fitting the same standardised
+    ridge on all hidden states at once (output_hidden_states, ridge_fit, float64) gives the same held-out errors
+    (1e-6 tokens: both float64 solves of the same system, the sums taken in different orders)."""
+    cfg = resolve_config("tiny", layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, seed=4)
+    model = build_model(cfg, 200).eval()
+    g = torch.Generator().manual_seed(5)
+    fit, test = torch.randint(0, 200, (24, 16), generator=g), torch.randint(0, 200, (8, 16), generator=g)
+    res = position_probe(model, fit, test, ridge=1e-2, groups=4, batch_size=3)
+    with torch.no_grad():
+        hf = model(input_ids=fit, output_hidden_states=True).hidden_states
+        ht = model(input_ids=test, output_hidden_states=True).hidden_states
+    pos_fit, pos_test = torch.arange(16.0).repeat(24).double(), torch.arange(16.0).repeat(8).double()
+    for i in range(len(hf) - 1):  # HF's last entry is after the final norm; the probe reads the residual stream
+        xf, xt = hf[i].reshape(-1, 32).double(), ht[i].reshape(-1, 32).double()
+        mean, scale = xf.mean(0), xf.std(0, unbiased=False)
+        w = ridge_fit((xf - mean) / scale, pos_fit, 1e-2 * xf.shape[0])
+        mae = (ridge_predict((xt - mean) / scale, w) - pos_test).abs().mean()
+        assert float(res.mae[i].value) == pytest.approx(float(mae), abs=1e-6)
+
+
+def test_heldout_losses_equal_the_models_own_loss():
+    """The paired held-out losses are the mean next-token cross-entropy transformers computes with labels=
+    (float32 logits; 1e-5), and the NoPE - RoPE gap of a model with itself is exactly 0 with a zero-width
+    interval."""
+    cfg = resolve_config("tiny", layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, seed=6)
+    model = build_model(cfg, 200).eval()
+    blocks = sequences_of(torch.randint(0, 200, (10 * 17,), generator=torch.Generator().manual_seed(7)), 17, 10)
+    sums = heldout_losses({"none": model, "rope": model}, blocks, groups=5, batch_size=2)
+    with torch.no_grad():
+        ref = model(input_ids=blocks, labels=blocks).loss
+    cmp = loss_comparison(sums)
+    assert cmp["loss_none"]["value"] == pytest.approx(float(ref), abs=1e-5)
+    assert cmp["gap"]["value"] == 0.0 and cmp["gap"]["lo"] == 0.0 and cmp["perplexity_ratio"]["value"] == 1.0
+
+
+def test_too_little_held_out_text_is_a_one_line_error():
+    with pytest.raises(UsageError, match="fewer than 3 sequences of 10 tokens"):
+        sequences_of(torch.arange(25), 10, 3)

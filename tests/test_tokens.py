@@ -58,6 +58,20 @@ def test_round_trip_and_document_split(written):
     assert 0 < len(expect["val"]) < N_DOCS
 
 
+def test_token_directory_as_data_reads_its_held_out_documents(written):
+    """`--data TOKEN_DIR` (the data layer) yields the held-out documents as text, in order, and the model's
+    tokenizer gives back their ids: `poslens intermediates` on a trained model reads text it never trained on."""
+    from poslens.engine.data import iter_documents
+
+    out, header, docs = written
+    val = [d for i, d in enumerate(docs) if is_validation(i, 0.25, 3)]
+    assert list(iter_documents(str(out))) == val
+    tf = open_tokens(out)
+    ids = tf.tokenizer()(list(iter_documents(str(out))), add_special_tokens=False)["input_ids"]
+    stream = np.concatenate([np.asarray(r + [header["separator_token_id"]]) for r in ids])
+    assert np.array_equal(stream, np.asarray(tf.val))
+
+
 def test_split_fraction_is_binomial():
     """The held-out share over 20,000 indices is within 4 standard errors of val_fraction (binomial)."""
     n, p = 20_000, 0.1

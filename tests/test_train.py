@@ -183,6 +183,17 @@ def test_run_writes_a_loadable_model_and_results(tokens, tmp_path):
         train(micro(tokens), out, progress=False)
 
 
+def test_quiet_run_draws_no_progress_bars(tokens, tmp_path, capfd):
+    """progress=False (`poslens train --quiet`): neither the checkpoints nor the final save_pretrained draw
+    transformers' "Writing model shards" bar, and transformers' progress-bar switch is restored afterwards."""
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()
+    train(micro(tokens, save_every=3), tmp_path / "run", progress=False)  # a checkpoint at step 3, then the model
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert logging.is_progress_bar_enabled() == before
+
+
 def test_resume_equals_uninterrupted(tokens, tmp_path):
     """Stopped after 2 steps (checkpoint at step 2) and restarted, a run follows the uninterrupted loss curve
     and ends with the same weights, bit for bit: same data (the step fixes it), same optimizer state, same

@@ -44,13 +44,14 @@ from pathlib import Path
 
 import torch
 
-from poslens.engine.stats import DEFAULT_GROUPS, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import UsageError, check_choice, check_float, check_int
 from poslens.io.results import check_output, run_directory, write_run
 from poslens.options import option
 
 DEFAULT_SEQUENCES = 1000  # the paper's Figure 3: 1,000 sequences
 DEFAULT_SEQ_LEN = 50  # ... of the first 50 tokens of each document
+STACK_ALPHAS = tuple(k / 20 for k in range(20))  # alphas searched for the strongest parameter-free pattern
 CHECK_ULPS = 64  # block-output check tolerance, in machine epsilons of the model's dtype (see check_tolerance)
 
 # letter, key in the results, what the panel shows (for titles), hook point relative to blocks.{L or L+1}
@@ -123,24 +124,56 @@ def head_summed_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return qf @ kf.T
 
 
-def row_slope(m: torch.Tensor) -> torch.Tensor:
-    """Mean over rows i of the least-squares slope of m[i, j] in j over keys 1 <= j < i (finite entries only).
+def row_slopes(m: torch.Tensor) -> torch.Tensor:
+    """Least-squares slope of m[i, j] in j over keys 1 <= j < i (finite entries), one per row i; NaN for rows with
+    fewer than two such keys.
 
     Positive: within a row, later (closer) keys score higher, what the paper reads from Figure 3 (b), (f), (i).
-    Key 0 (the attention-sink column) and the diagonal (a token with itself) are left out; rows with fewer than
-    two such keys are skipped."""
+    Key 0 (the attention-sink column) and the diagonal (a token with itself) are left out."""
     n = m.shape[-1]
-    i = torch.arange(n, dtype=torch.float64)[:, None]
-    j = torch.arange(n, dtype=torch.float64)[None].expand(n, n)
+    i = torch.arange(n, dtype=torch.float64, device=m.device)[:, None]
+    j = torch.arange(n, dtype=torch.float64, device=m.device)[None].expand(n, n)
     w = ((j >= 1) & (j < i) & torch.isfinite(m)).double()
     cnt = w.sum(1)
-    rows = cnt >= 2
-    vals = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+    vals = torch.nan_to_num(m.double(), nan=0.0, posinf=0.0, neginf=0.0)
     jbar = (w * j).sum(1) / cnt.clamp(min=1)
     mbar = (w * vals).sum(1) / cnt.clamp(min=1)
     dj = (j - jbar[:, None]) * w
     slope = (dj * (vals - mbar[:, None])).sum(1) / (dj * dj).sum(1).clamp(min=1e-300)
-    return slope[rows].mean() if rows.any() else torch.tensor(math.nan, dtype=torch.float64)
+    return slope.where(cnt >= 2, torch.tensor(math.nan, dtype=torch.float64, device=m.device))
+
+
+def row_slope(m: torch.Tensor) -> torch.Tensor:
+    """Mean of `row_slopes` over the rows that have one (NaN if none)."""
+    s = row_slopes(m)
+    return s.nanmean() if bool(torch.isfinite(s).any()) else torch.tensor(math.nan, dtype=torch.float64)
+
+
+def share_rows_increasing(m: torch.Tensor) -> torch.Tensor:
+    """Share of rows i (with at least two keys 1 <= j < i) whose least-squares slope in j is positive."""
+    s = row_slopes(m)
+    ok = torch.isfinite(s)
+    return (s[ok] > 0).double().mean() if bool(ok.any()) else torch.tensor(math.nan, dtype=torch.float64)
+
+
+def pattern_strength(m: torch.Tensor) -> torch.Tensor:
+    """Mean row slope over the mean diagonal: how fast scores rise with the key index, in units of a token's score
+    with itself (1 in the parameter-free stack with l2 norm, whose scores are cosines). NaN when the mean diagonal
+    is not positive (the unit would be meaningless)."""
+    diag = torch.diagonal(m.double()).mean()
+    return row_slope(m) / diag if bool(diag > 0) else torch.tensor(math.nan, dtype=torch.float64)
+
+
+def stack_strength(alpha: float | torch.Tensor, n: int) -> torch.Tensor:
+    """`pattern_strength` of the second-layer scores of the parameter-free stack (d -> infinity Gram flow, l2 norm,
+    residual, no positional encoding) started from inputs with pairwise inner product `alpha` (paper Eq. 2); alpha
+    is clipped into [0, 0.999] (the stack's domain)."""
+    from poslens.stack.config import StackConfig
+    from poslens.stack.gramflow import gram_flow
+
+    a = min(max(float(alpha), 0.0), 0.999)
+    flow = gram_flow(StackConfig(n=n, alpha=a, layers=2))
+    return pattern_strength(torch.from_numpy(flow.scores[1]))
 
 
 def offdiag_ratio(m: torch.Tensor) -> torch.Tensor:
@@ -182,7 +215,7 @@ class Intermediates(Statistic):
     def __init__(self, hm, layer: int, groups: int = DEFAULT_GROUPS, all_layers: bool = True, check: bool = True,
                  device: str | torch.device | None = None) -> None:
         super().__init__(groups, device)
-        from poslens.engine.families import sliding_windows
+        from poslens.engine.families import positional_encoding, sliding_windows
 
         n = hm.n_layers
         if n < 2:
@@ -192,6 +225,7 @@ class Intermediates(Statistic):
         self.all_layers = all_layers
         self.family = hm.family
         self.windows = sliding_windows(hm.model.config)
+        self.pe = positional_encoding(hm.model)
         self.dtype = next(hm.model.parameters()).dtype
         self.check = {"max_abs": 0.0, "max_rel": 0.0} if check else None
         self._modules = self._float64_modules(hm.layers[layer]) if check else None
@@ -317,8 +351,46 @@ class Intermediates(Statistic):
         ratio = {c: (lambda m, c=c: offdiag_ratio(self.panel_map(c, m))) for c in "abcd"}
         changes = {f"offdiag_ratio_{y}_minus_{x}": self.sums.estimate(lambda m, x=x, y=y: ratio[y](m) - ratio[x](m),
                                                                       level).item() for x, y in ("ab", "cd")}
+        for letter in "fi":  # the two panels the paper reads as "increases with j for fixed i"
+            panels[letter]["rows_increasing"] = self.sums.estimate(
+                lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap").item()
         return {"panels": panels, "changes": changes, "groups": len(self.sums.filled()), "level": level,
-                "block_output_check": self.check_report()}
+                "amplification": self.amplification(level), "block_output_check": self.check_report()}
+
+    def amplification(self, level: float = 0.95) -> dict:
+        """Section 4.2's "training amplifies the pattern": the strength (`pattern_strength`) of panel (i) against
+        that of the parameter-free stack's second layer (Gram flow) started at the alpha read from panel (a) (its
+        off-diagonal/diagonal ratio, the stack's alpha by Eq. 2). Each leave-one-group-out replicate re-reads alpha
+        and reruns the flow, so the interval of the ratio carries alpha's uncertainty. Only for layers L, L+1
+        without positional encoding (the stack has none)."""
+        pe = self.pe[self.layer:self.layer + 2]
+        if any(p != "none" for p in pe) or any(self.windows[self.layer:self.layer + 2]):
+            return {"skipped": f"layers {self.layer + 1}-{self.layer + 2} are {'/'.join(pe)}"
+                               f"{' with a sliding window' if any(self.windows[self.layer:self.layer + 2]) else ''}; "
+                               "the parameter-free stack compared against has no positional encoding and a full "
+                               "causal mask"}
+        n = self.sums.mean("panel_a").shape[-1]
+
+        best_alpha, best = max(((a, float(stack_strength(a, n))) for a in STACK_ALPHAS), key=lambda t: t[1])
+
+        def parts(m) -> torch.Tensor:
+            alpha = offdiag_ratio(self.panel_map("a", m))
+            model = pattern_strength(self.panel_map("i", m))
+            stack = stack_strength(alpha, n)
+            return torch.stack([alpha, model, stack, model / stack, model / best])
+
+        est = self.sums.estimate(parts, level)
+        names = ("alpha", "model_strength", "stack_strength", "ratio", "ratio_to_strongest_stack")
+        out = {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, level, est.method).item()
+               for i, k in enumerate(names)}
+        out["definition"] = ("strength = mean row slope over keys 1 <= j < i / mean diagonal; model: panel (i); stack: "
+                             "second-layer scores of the d -> infinity parameter-free stack (l2 norm, residual, no "
+                             "positional encoding) from inputs with inner product alpha = panel (a)'s off-diagonal/"
+                             "diagonal ratio (clipped to [0, 0.999]); ratio = model / stack; "
+                             "ratio_to_strongest_stack = model / the stack's largest strength over alpha in "
+                             "0, 0.05, ..., 0.95")
+        out["strongest_stack"] = {"alpha": best_alpha, "strength": best}
+        return out
 
     def check_report(self) -> dict | None:
         if self.check is None:
@@ -534,94 +606,3 @@ def figure8(result: dict, directory: Path, label: str) -> list[Path]:
                                             limits="quantile", suptitle=f"{label}: Q K^T * scaling, mean over "
                                             "sequences and heads, diagonal-normalised"), directory, "figure8")
     return paths
-
-
-# ---------------------------------------------------------------- the reproduce section (Section 4.2)
-
-SECTION_MODEL = "smollm2-135m"
-
-
-def _direction(est: dict) -> str:
-    """What the interval says about the sign: above 0, below 0, or containing 0."""
-    return "above 0" if est["lo"] > 0 else "below 0" if est["hi"] < 0 else "containing 0"
-
-
-# The stand-in (a RoPE-trained model with RoPE removed) cannot confirm or contradict a claim about a model trained
-# without positional encoding: its rows are "not resolved", with the measured sign and what would resolve them.
-_STAND_IN = ("not resolved", "; a model trained with RoPE, RoPE removed, cannot decide a claim about a model trained "
-             "without it: a NoPE-trained model (poslens train --pe none, or the released checkpoint) would")
-
-
-def _fmt(est: dict, digits: int = 3) -> str:
-    return (f"{est['value']:+.{digits}g} ({100 * est['level']:g}% interval [{est['lo']:+.{digits}g}, "
-            f"{est['hi']:+.{digits}g}], jackknife over {est['groups']} groups)")
-
-
-def intermediates_section(ctx, quick: bool = False, size: tuple[int, int] | None = None):
-    """Section 4.2 of `poslens reproduce` on the embedded model with RoPE removed: Figure 3, Figure 8 and claims.
-
-    `ctx`: reproduce's Context (`parts` cache, `root`, `progress`). size = (seq_len, sequences): default the
-    paper's (50, 1000), (50, 200) with quick. The finished run is cached in ctx.parts under a name that includes
-    a fingerprint of its configuration (a resumed reproduce never reuses a run made with other settings) and
-    copied to models/ in the report directory. Returns a poslens.report.render.Section."""
-    import shutil
-
-    from poslens.io.checkpoint import fingerprint
-    from poslens.io.results import load
-    from poslens.report.render import Claim, Section
-
-    seq_len, num = size or ((DEFAULT_SEQ_LEN, 200) if quick else (DEFAULT_SEQ_LEN, DEFAULT_SEQUENCES))
-    cfg = IntermediatesConfig(model=SECTION_MODEL, pe="none", seq_len=seq_len, num_sequences=num,
-                              batch_size=max(1, min(50, num // DEFAULT_GROUPS)))
-    name = f"intermediates-{SECTION_MODEL}-nope-{fingerprint(cfg.fingerprint_fields())[:8]}"
-    cached = Path(ctx.parts) / name
-    if not cached.exists():
-        run_intermediates(cfg, str(cached), progress=ctx.progress)
-    target = Path(ctx.root) / "models" / name
-    shutil.copytree(cached, target)
-    run = load(target, tensors=False)
-    m, data = run.metrics, run.meta["data"]
-    p, ch = m["panels"], m["changes"]
-    command = (f"poslens intermediates {SECTION_MODEL} --pe none --layer 0 --seq-len {seq_len} "
-               f"--num-sequences {num}")
-    s = Section(
-        "No positional encoding in a trained model: Figure 3 and Figure 8 (Section 4.2, Appendix C)",
-        f"{SECTION_MODEL} (SmolLM2-135M-Instruct, trained with RoPE) with RoPE removed (every rotation the "
-        f"identity, weights unchanged): a stand-in for the paper's NoPE model (published later as "
-        f"starmpcc/NoPE_1.5B_FW_EDU_15T, which cannot be downloaded here; poslens loads it without RoPE). "
-        f"{data['sequences']} sequences of the first {seq_len} tokens of documents from {data['source']}. Panels "
-        "(a)-(i): Gram matrices of the intermediates of layers 1 and 2, averaged over sequences (and heads); "
-        "Figure 8: every layer's Q K^T * scaling, diagonal-normalised. Intervals: delete-one-group jackknife. "
-        "Row slope: mean over queries i of the least-squares slope of row i over keys 1 <= j < i (key 0, the "
-        "attention sink, and the diagonal left out).")
-    s.claims.append(Claim("layer-2 Q K^T rows increase with the key index (a position-dependent pattern without "
-                          "positional encoding)", "Section 4.2, Figure 3 (i)",
-                          f"stand-in: mean row slope of panel (i) {_fmt(p['i']['row_slope'])}, interval "
-                          f"{_direction(p['i']['row_slope'])}{_STAND_IN[1]}", _STAND_IN[0],
-                          "Figure 3 (i)", command))
-    s.claims.append(Claim("after the post-attention norm, the Gram matrix increases with j for fixed i", "Section 4.2, "
-                          "Figure 3 (f)",
-                          f"stand-in: mean row slope of panel (f) {_fmt(p['f']['row_slope'])}, interval "
-                          f"{_direction(p['f']['row_slope'])}{_STAND_IN[1]}", _STAND_IN[0], "Figure 3 (f)", command))
-    s.claims.append(Claim("from (a) to (b) the ratio of off-diagonal to diagonal values increases (W_Q, W_K act like "
-                          "a larger alpha)", "Section 4.2, Figure 3 (a), (b)",
-                          f"off-diagonal/diagonal mean: (a) {p['a']['offdiag_ratio']['value']:.3g}, (b) "
-                          f"{p['b']['offdiag_ratio']['value']:.3g}; change "
-                          f"{_fmt(ch['offdiag_ratio_b_minus_a'])}, interval {_direction(ch['offdiag_ratio_b_minus_a'])}"
-                          f"{_STAND_IN[1]}", _STAND_IN[0],
-                          "Figure 3 (a), (b)", command))
-    s.claims.append(Claim("after the input norm, embeddings are close to orthogonal (the alpha = 0 case)",
-                          "Section 4.2, Figure 3 (a)", "off-diagonal/diagonal mean of panel (a): "
-                          f"{_fmt(p['a']['offdiag_ratio'])}", "context", "Figure 3 (a)", command))
-    c = m["block_output_check"]
-    s.claims.append(Claim("(g) equals the model's next hidden state", "anchor procedure (atol 1e-5)",
-                          f"float64 recomputation (e) + MLP(f) vs hook_resid_post: max deviation {c['max_abs']:.3g}, "
-                          f"{c['max_rel']:.3g} of the largest entry (tolerance {c['tolerance']:.3g}, {c['dtype']})",
-                          "context", "Figure 3 (g)", command))
-    s.figures.append((target / "figures" / "figure3.png",
-                      f"Figure 3 style: {SECTION_MODEL} with RoPE removed, layers 1 and 2, each panel's colour limits "
-                      "at its 1% and 99% quantiles."))
-    s.figures.append((target / "figures" / "figure8.png",
-                      f"Figure 8 style: {SECTION_MODEL} with RoPE removed, every layer's Q K^T * scaling averaged "
-                      "over sequences and heads, diagonal-normalised."))
-    return s

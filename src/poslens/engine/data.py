@@ -9,6 +9,7 @@ Sources (`iter_documents`):
 * a directory saved with ``datasets`` ``save_to_disk`` (has ``state.json``/``dataset_info.json`` or
   ``dataset_dict.json``): column `text_field`; a saved DatasetDict must have one split or be named by
   its split folder. This is the format the paper's code read its Fineweb-Edu held-out set from.
+* a token directory written by ``poslens tokenize``: its held-out (validation) documents, decoded.
 * any other directory: every supported file under it (recursively, hidden paths skipped, sorted by
   relative path), each read as above.
 
@@ -73,6 +74,10 @@ def iter_documents(source: str | None, text_field: str = "text") -> Iterator[str
     path = Path(source).expanduser()
     require(path.exists(), f"--data {source}: no such file or directory")
     if path.is_dir():
+        if _is_token_directory(path):
+            from poslens.train.tokens import open_tokens
+
+            return open_tokens(path).documents("val")
         if _is_saved_dataset(path):
             return _saved_dataset_documents(path, text_field)
         files = _data_files(path)
@@ -182,6 +187,14 @@ def _parquet_rows(pf: Any, path: Path, text_field: str) -> Iterator[str]:
     for batch in pf.iter_batches(batch_size=_BATCH, columns=[text_field]):
         for value in batch.column(0).to_pylist():
             yield _as_text(value, str(path), text_field)
+
+
+def _is_token_directory(path: Path) -> bool:
+    """A directory written by `poslens tokenize` (its header.json names the format)."""
+    try:
+        return json.loads((path / "header.json").read_text()).get("format") == "poslens-tokens"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _is_saved_dataset(path: Path) -> bool:

@@ -122,6 +122,25 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     return fig
 
 
+def curves(series: dict[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str, title: str | None = None,
+           markers: Sequence[str] = ()):
+    """(x, y) curves by name; names in `markers` drawn as dots joined by lines, the others as thin lines."""
+    fig, ax = plt.subplots(figsize=(4.8, 3.4), constrained_layout=True)
+    for name, points in series.items():
+        xs, ys = zip(*points)
+        if name in markers:
+            ax.plot(xs, ys, marker="o", ms=3, label=name)
+        else:
+            ax.plot(xs, ys, lw=0.8, alpha=0.6, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
 def offdiag_limits(m, q: tuple[float, float] = (0.0, 1.0)) -> tuple[float, float]:
     """Colour limits from the entries off the diagonal (for maps whose diagonal is a constant, such as 1 for
     l2-normalised inputs, and would otherwise stretch the scale over the whole pattern)."""

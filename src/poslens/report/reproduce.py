@@ -587,10 +587,11 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         from poslens.report.model_report import model_section
 
         steps.append(("real model (SmolLM2-135M, RoPE on and off)", lambda c: model_section(c, quick, model_size)))
-        from poslens.analyses.intermediates import intermediates_section
+        from poslens.train.report import reproduce_section as trained_section
 
-        steps.append(("Section 4.2 stand-in (SmolLM2-135M without RoPE): Figures 3 and 8",
-                      lambda c: intermediates_section(c, quick)))
+        steps.append((f"Section 4.2 on trained models (preset {'tiny' if quick else 'cpu'}: NoPE and RoPE, trained "
+                      "once and cached; Figures 3 and 8, amplification, loss, position probe)",
+                      lambda c: trained_section(c, quick)))
         from poslens.analyses.leakage.report import reproduce_section as leakage_section
 
         steps.append(("seed 004: absolute-position leakage (SmolLM2-135M, parameter-free stack)",

@@ -166,6 +166,20 @@ class TokenFile:
 
         return AutoTokenizer.from_pretrained(self.path / "tokenizer")
 
+    def documents(self, split: str = "val") -> Iterator[str]:
+        """The documents of `split` as text: the ids cut at the separator and decoded (lossless for the tokenizers
+        `tokenize_corpus` writes, so re-encoding a document gives its ids back)."""
+        from poslens.errors import check_choice
+
+        check_choice("split", split, ("train", "val"))
+        ids = np.asarray(getattr(self, split))
+        ends = np.flatnonzero(ids == int(self.header["separator_token_id"]))
+        tok, start = self.tokenizer(), 0
+        for end in ends:
+            if end > start:
+                yield tok.decode(ids[start:end].tolist(), skip_special_tokens=False)
+            start = end + 1
+
 
 def open_tokens(path: str | os.PathLike) -> TokenFile:
     """Memory-map a token directory written by `tokenize_corpus` (one-line error if it is not one)."""
