@@ -205,12 +205,12 @@ def reproduce_section(ctx, quick: bool = False, preset: str | None = None, size:
                           f"{p['b']['offdiag_ratio']['value']:.3g}; change {_fmt(abv)}", _sign(abv),
                           "Figure 3 (a), (b)", int_cmd))
     cd = ch["offdiag_ratio_d_minus_c"]
-    s.claims.append(Claim("from (c) to (d) W_O acts like W_Q, W_K from (a) to (b): the off-diagonal/diagonal ratio "
-                          "increases", "Section 4.2, Figure 3 (c), (d) ('the ratio between the diagonal and "
-                          "off-diagonal elements is significantly increased ... analogous to the relationship between "
-                          "(a) and (b)'; read, as for (a)-(b), as off-diagonal over diagonal)",
+    s.claims.append(Claim("from (c) to (d) the ratio of diagonal to off-diagonal values increases (W_O)",
+                          "Section 4.2, Figure 3 (c), (d) (read as the paper words it for (d): 'the ratio between the "
+                          "diagonal and off-diagonal elements is significantly increased'; its 'analogous to (a) and "
+                          "(b)' could also be read as the opposite direction)",
                           f"off-diagonal/diagonal: (c) {p['c']['offdiag_ratio']['value']:.3g}, (d) "
-                          f"{p['d']['offdiag_ratio']['value']:.3g}; change {_fmt(cd)}", _sign(cd),
+                          f"{p['d']['offdiag_ratio']['value']:.3g}; change {_fmt(cd)} (holds when below 0)", _below(cd),
                           "Figure 3 (c), (d)", int_cmd))
     if "ratio" in amp:
         r = amp["ratio"]
