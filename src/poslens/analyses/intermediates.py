@@ -543,7 +543,8 @@ def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, p
     result = stat.result(cfg.level)
     metrics = stat.summary(cfg.level)
     info = load_info(model)
-    label = f"{cfg.model}" + (" (RoPE removed)" if info.get("pe") == "none" else "")
+    name = Path(cfg.model).name if Path(cfg.model).is_dir() else cfg.model  # a local directory: its last part
+    label = name + (" (RoPE removed)" if info.get("pe") == "none" else "")
     with run_directory(target, force) as tmp:
         figs = []
         if cfg.figures:
@@ -584,11 +585,13 @@ def panel_title(letter: str, layer: int) -> str:
 
 
 def figure3(result: dict, layer: int, directory: Path, label: str) -> list[Path]:
-    """The 3 x 3 grid of Figure 3 (each panel its own 1%-99% colour limits): figure3.{png,pdf}."""
+    """The 3 x 3 grid of Figure 3: figure3.{png,pdf}. Each panel's colour limits are the 1% and 99% quantiles of
+    its off-diagonal entries (the diagonal, a token with itself, is far larger in most panels and saturates)."""
     from poslens.report import plotting
 
     maps = [result[f"panel_{c}"] for c, _, _ in PANELS]
-    fig = plotting.map_grid(maps, [panel_title(c, layer) for c, _, _ in PANELS], ncols=3, limits="quantile",
+    limits = [plotting.offdiag_limits(m, (0.01, 0.99)) for m in maps]
+    fig = plotting.map_grid(maps, [panel_title(c, layer) for c, _, _ in PANELS], ncols=3, limits=limits,
                             suptitle=f"{label}: Gram matrices of the intermediates of layers {layer + 1} and "
                             f"{layer + 2}, mean over sequences (and heads)", panel_size=3.0)
     return plotting.save(fig, directory, "figure3")

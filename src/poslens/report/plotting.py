@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from poslens.analyses.maps import as_numpy, quantile_limits  # noqa: E402
 
@@ -109,6 +110,8 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     for name, ys in series.items():
         err = None if errors is None else errors.get(name)
         ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=name)
+    if all(float(x).is_integer() for x in xs) and not logx:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if logx:
@@ -124,14 +127,17 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
 
 def curves(series: dict[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str, title: str | None = None,
            markers: Sequence[str] = ()):
-    """(x, y) curves by name; names in `markers` drawn as dots joined by lines, the others as thin lines."""
+    """(x, y) curves by name; names in `markers` drawn as dots joined by lines, the others as thin lines. Names
+    that share their first word share a colour (e.g. "NoPE train" and "NoPE held-out")."""
     fig, ax = plt.subplots(figsize=(4.8, 3.4), constrained_layout=True)
+    colours: dict[str, str] = {}
     for name, points in series.items():
         xs, ys = zip(*points)
+        colour = colours.setdefault(name.split()[0], f"C{len(colours)}")
         if name in markers:
-            ax.plot(xs, ys, marker="o", ms=3, label=name)
+            ax.plot(xs, ys, marker="o", ms=3, color=colour, label=name)
         else:
-            ax.plot(xs, ys, lw=0.8, alpha=0.6, label=name)
+            ax.plot(xs, ys, lw=0.8, alpha=0.5, color=colour, label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:

@@ -272,7 +272,7 @@ def reproduce_section(ctx, quick: bool = False, preset: str | None = None, size:
                           CONTEXT, "Figure 3 (g)", int_cmd))
     s.figures.append((run_dir / "figures" / "figure3.png",
                       "Figure 3 style: the trained NoPE model, layers 1 and 2, held-out text; each panel's colour "
-                      "limits at its 1% and 99% quantiles."))
+                      "limits at the 1% and 99% quantiles of its off-diagonal entries (the diagonal saturates)."))
     s.figures.append((run_dir / "figures" / "figure8.png",
                       "Figure 8 style: every layer's Q K^T * scaling of the trained NoPE model, averaged over "
                       "sequences and heads, diagonal-normalised."))
