@@ -257,10 +257,11 @@ def one_process(tokens, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp-resumed"])
 def test_two_gloo_processes_equal_one(parallel, tokens, one_process, tmp_path):
     """torchrun with 2 gloo processes (DDP, or FSDP2 sharding every layer) follows the one-process trajectory
-    on the same global batch, and writes the same weights.
+    on the same global batch, and writes the same weights; so does an FSDP2 run stopped after 3 steps and
+    resumed from its checkpoint (sharded optimizer state gathered, saved, and sharded again on load).
 
     Tolerance 1e-5 relative (losses), 1e-5 absolute (weights of size ~0.02-1): the runs differ only in the
     order of float32 sums (gradient all-reduce or reduce-scatter, per-rank micro-batches instead of one
@@ -271,12 +272,22 @@ def test_two_gloo_processes_equal_one(parallel, tokens, one_process, tmp_path):
     one = one_process
     two = tmp_path / "two"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MICRO.items()]
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={_free_port()}",
-           "-m", "poslens.train", "train", "--preset", "tiny", "--tokens", str(tokens), *flags,
-           "--parallel", parallel, "--out", str(two), "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    resumed = parallel.endswith("-resumed")
+    if resumed:
+        flags = [f for f in flags if not f.startswith("--save-every")] + ["--save-every=1"]
+
+    def launch(*extra: str) -> None:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={_free_port()}",
+               "-m", "poslens.train", "train", "--preset", "tiny", "--tokens", str(tokens), *flags,
+               "--parallel", parallel.removesuffix("-resumed"), "--out", str(two), "--quiet", *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    if resumed:
+        launch("--stop-after", "3")
+        assert not two.exists() and (tmp_path / ".two.partial" / "checkpoint").is_dir()
+    launch()
     a, b = rows(one, "loss"), rows(two, "loss")
     assert len(a) == len(b) == MICRO["steps"]
     assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b)), (a, b)
