@@ -38,6 +38,8 @@ def test_section_on_a_trained_pair_is_complete_and_cached(tmp_path):
         cfg = AutoModelForCausalLM.from_pretrained(models[pe]).config
         assert set(cfg.no_rope_layers) == {1 if pe == "rope" else 0}
     stamp = {pe: (models[pe] / "model.safetensors").stat().st_mtime_ns for pe in PE_NAMES}
-    again = reproduce_section(_ctx(tmp_path / "b"), preset="tiny", size=SIZE, **SHORT)  # cached models, new report
+    ctx = _ctx(tmp_path / "b")
+    ctx.parts = tmp_path / "a" / "parts"  # the intermediates run from the parts cache, the models from theirs
+    again = reproduce_section(ctx, preset="tiny", size=SIZE, **SHORT)
     assert [c.measured for c in again.claims] == [c.measured for c in sec.claims]
     assert stamp == {pe: (models[pe] / "model.safetensors").stat().st_mtime_ns for pe in PE_NAMES}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -117,6 +118,7 @@ def peak_flops(device: torch.device) -> tuple[float | None, str]:
     return None, "unknown"
 
 
+@functools.cache  # measured once per process and device: a second train() reuses it
 def gemm_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int | None = None,
                seconds: float = 1.0) -> float:
     """The MFU reference where no datasheet peak is known (a CPU, an unknown GPU): a fair upper GEMM rate (FLOP/s).
