@@ -178,6 +178,8 @@ def test_run_writes_a_loadable_model_and_results(tokens, tmp_path):
     assert run["train_loss"].shape == (MICRO["steps"],) and run.metrics["tokens_seen"] == 6 * 8 * 32
     assert run["eval_step"].tolist() == [0, 3, 6]
     assert metrics["final_eval_loss"] == pytest.approx(run["eval_loss"][-1].item())
+    # the token directory is recorded, so its held-out text can be found again (intermediates --data)
+    assert run.meta["tokens"]["path"] == metrics["tokens_path"] == str(open_tokens(tokens).path)
     assert not (tmp_path / ".run.partial").exists()  # the work directory is gone once the model is in place
     with pytest.raises(UsageError, match="already exists"):
         train(micro(tokens), out, progress=False)

@@ -43,3 +43,17 @@ def test_section_on_a_trained_pair_is_complete_and_cached(tmp_path):
     again = reproduce_section(ctx, preset="tiny", size=SIZE, **SHORT)
     assert [c.measured for c in again.claims] == [c.measured for c in sec.claims]
     assert stamp == {pe: (models[pe] / "model.safetensors").stat().st_mtime_ns for pe in PE_NAMES}
+
+
+def test_verdicts_follow_the_interval_and_an_undefined_interval_decides_nothing():
+    from poslens.train.report import _below, _fmt, _sign
+
+    assert _sign({"value": 2.0, "lo": 1.2, "hi": 2.8}, 1.0) == "holds"
+    assert _sign({"value": 0.5, "lo": 0.2, "hi": 0.8}, 1.0) == "contradicted"
+    assert _sign({"value": 1.1, "lo": 0.9, "hi": 1.3}, 1.0) == "not resolved"
+    assert _below({"value": -1.0, "lo": -2.0, "hi": -0.5}) == "holds"
+    # run.json keeps NaN as null: an interval undefined in some replicate resolves nothing and still prints
+    undefined = {"value": 0.39, "lo": None, "hi": None}
+    assert _sign(undefined) == _below(undefined) == "not resolved"
+    assert _fmt(undefined) == "0.39 [nan, nan]"
+    assert _sign({"value": 1.0, "lo": float("nan"), "hi": 2.0}) == "not resolved"

@@ -32,13 +32,24 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 
 def summary_lines(meta: dict) -> list[str]:
-    """One line per panel (row slope and off-diagonal/diagonal ratio with intervals), then the block check."""
+    """One line per panel (row slope and off-diagonal/diagonal ratio with intervals), the amplification over the
+    parameter-free stack, then the block check."""
     m = meta["metrics"]
     lines = []
     for letter, p in m["panels"].items():
         s, r = p["row_slope"], p["offdiag_ratio"]
         lines.append(f"({letter}) {p['what']:<32} row slope {s['value']:+.4g} [{s['lo']:+.4g}, {s['hi']:+.4g}]  "
                      f"off-diagonal/diagonal {r['value']:.3g} [{r['lo']:.3g}, {r['hi']:.3g}]")
+    amp = m.get("amplification") or {}
+    if "ratio" in amp:
+        r, a = amp["ratio"], amp["alpha"]
+        def num(x) -> str:  # run.json keeps NaN as null (an interval undefined in some replicate)
+            return "nan" if x is None else f"{x:.3g}"
+
+        lines.append(f"amplification (Section 4.2): panel (i)'s pattern is {num(r['value'])}x [{num(r['lo'])}, "
+                     f"{num(r['hi'])}] the parameter-free stack's at alpha {num(a['value'])} from panel (a)")
+    elif "skipped" in amp:
+        lines.append(f"amplification: not measured ({amp['skipped']})")
     c = m.get("block_output_check")
     if c:
         lines.append(f"block output check (layer index {c['layer']}): max deviation {c['max_abs']:.3g}, "

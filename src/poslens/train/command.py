@@ -76,7 +76,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {out}: held-out loss {metrics['final_eval_loss']:.4f}, {metrics['tokens_per_s']:,.0f} "
-              f"tokens/s, MFU {100 * metrics['mfu']:.1f}% of {metrics['mfu_reference']}")
+              f"tokens/s, MFU {100 * metrics['mfu']:.1f}% of {metrics['mfu_reference']}\n"
+              f"dissect it on its held-out text: poslens intermediates {out} --data {metrics['tokens_path']} "
+              "--mode pack")
 
 
 def cmd_tokenize(args: argparse.Namespace) -> None:

@@ -422,7 +422,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
     if d.main:
         _finish(build, raw, state, tokenizer, cfg, work, metrics, tf)
     d.barrier()
-    return metrics
+    return {**metrics, "tokens_path": str(tf.path)}
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: TokenFile, cfg: TrainConfig,
@@ -485,7 +485,7 @@ def _finish(build: Path, raw: torch.nn.Module, state: dict | None, tokenizer: An
                "eval_step": torch.tensor([r["step"] for r in evals], dtype=torch.int64),
                "eval_loss": torch.tensor([r["eval_loss"] for r in evals], dtype=torch.float64)}
     write_run(build, tensors, {"kind": "train", "command": "train", "config": dataclasses.asdict(cfg),
-                               "metrics": metrics, "tokens": dict(tf.header)})
+                               "metrics": metrics, "tokens": {**tf.header, "path": str(tf.path)}})
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
