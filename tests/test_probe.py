@@ -12,10 +12,23 @@ from poslens.train.probe import (
     heldout_losses,
     loss_comparison,
     position_probe,
-    ridge_fit,
-    ridge_predict,
     sequences_of,
 )
+
+
+# the independent reference of the streaming probe: the whole ridge system formed at once
+def ridge_fit(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Weights w (bias last) minimising |[x 1] w - y|^2 + ridge |w_x|^2, solved in float64 (normal equations)."""
+    x = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
+    gram = x.T @ x
+    reg = torch.eye(gram.shape[0], dtype=torch.float64) * ridge
+    reg[-1, -1] = 0.0  # the bias is not shrunk
+    return torch.linalg.solve(gram + reg, x.T @ y.double())
+
+
+def ridge_predict(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w[:-1] + w[-1]
+
 
 
 def test_ridge_matches_least_squares():

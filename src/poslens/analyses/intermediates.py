@@ -439,8 +439,9 @@ class IntermediatesConfig:
                         positional=True, metavar="MODEL")
     layer: int = option(0, help="the first of the two consecutive layers L, L+1 (index from 0; figures number "
                         "layers from 1, so the default shows the paper's layers 1 and 2)")
-    data: str | None = option(None, help="text file, directory, .jsonl, .parquet or a datasets.save_to_disk "
-                              "directory (default: the embedded corpus)")
+    data: str | None = option(None, help="text file, directory, .jsonl, .parquet, a datasets.save_to_disk "
+                              "directory, or a `poslens tokenize` directory (its held-out documents; default: the "
+                              "embedded corpus)")
     text_field: str = option("text", help="field/column holding the text")
     seq_len: int = option(DEFAULT_SEQ_LEN, help="tokens per sequence, BOS included (the paper: the first 50)")
     num_sequences: int = option(DEFAULT_SEQUENCES, help="sequences to average over, exactly this many or an error")

@@ -22,7 +22,7 @@ from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.engine.data import BOS_POLICIES, MODES
 from poslens.errors import UsageError, check_choice, check_int
 from poslens.io.checkpoint import load_partial, save_partial
-from poslens.io.results import check_output, run_directory, write_run
+from poslens.io.results import check_output, sharded_run_directory, write_run
 from poslens.options import option
 from poslens.report import plotting
 
@@ -173,9 +173,8 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
     capture.all_reduce()
     result = capture.result()
     result.update(noise_maps(capture))
-    path = None
-    if rank == 0:
-        with run_directory(target, force) as tmp:
+    with sharded_run_directory(target, force, rank, world, ckpt) as tmp:
+        if tmp is not None:
             metrics = summarise_scores(result, capture)
             figures(result, tmp / "figures", cfg.model + (" (RoPE off)" if cfg.no_rope else "")
                     + (" (NoPE)" if cfg.pe == "none" else ""))
@@ -184,13 +183,7 @@ def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool 
                                     "groups": groups,
                                     "model": model_record(model),
                                     "timings": {"seconds": time.perf_counter() - started}})
-        path = target
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-    ckpt.unlink(missing_ok=True)
-    return path
+    return target if rank == 0 else None
 
 
 def auto_groups(model, cfg: ScoresConfig, device: str, most: int = 20) -> int:

@@ -21,10 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from poslens.errors import UsageError
-from poslens.io.rundir import MARKER, check_output, open_run, run_directory, share
+from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory, share
 
 __all__ = ["META", "TENSORS", "Run", "check_output", "environment", "jsonable", "load", "open_run",
-           "run_directory", "write_run"]
+           "run_directory", "sharded_run_directory", "write_run"]
 
 TENSORS = "tensors.safetensors"
 META = "run.json"

@@ -476,6 +476,23 @@ def run_directory(path: str | os.PathLike, force: bool = False) -> Iterator[Path
         yield run.build
 
 
+@contextmanager
+def sharded_run_directory(path: str | os.PathLike, force: bool, rank: int, world: int,
+                          partial: Path) -> Iterator[Path | None]:
+    """The end of a run sharded over `world` ranks: rank 0 gets the directory to write (as `run_directory`), the
+    others None; then every rank waits for rank 0 and removes its own partial-sums file `partial`."""
+    if rank == 0:
+        with run_directory(path, force) as tmp:
+            yield tmp
+    else:
+        yield None
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    partial.unlink(missing_ok=True)
+
+
 def umask_mode(mode: int = 0o666) -> int:
     """`mode` under the process umask (what open() would give a new file)."""
     try:

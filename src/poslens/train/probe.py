@@ -17,9 +17,9 @@ jackknife interval. The interval covers the test sequences; the fitted probe is 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,19 +43,6 @@ class ProbeResult:
     def difference(self, a: int, b: int, level: float = 0.95) -> Estimate:
         """MAE(b) - MAE(a) with a paired jackknife interval (both scored on the same test sequences)."""
         return self.sums.estimate(lambda m: m[f"err/{b}"] - m[f"err/{a}"], level)
-
-
-def ridge_fit(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
-    """Weights w (bias last) minimising |[x 1] w - y|^2 + ridge |w_x|^2, solved in float64 (normal equations)."""
-    x = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
-    gram = x.T @ x
-    reg = torch.eye(gram.shape[0], dtype=torch.float64) * ridge
-    reg[-1, -1] = 0.0  # the bias is not shrunk
-    return torch.linalg.solve(gram + reg, x.T @ y.double())
-
-
-def ridge_predict(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.double() @ w[:-1] + w[-1]
 
 
 def resid_points(n_layers: int) -> list[str]:
@@ -178,10 +165,10 @@ def loss_comparison(sums: GroupedSums, a: str = "none", b: str = "rope", level: 
             "perplexity_ratio": sums.estimate(lambda m: torch.exp(m[f"loss/{a}"] - m[f"loss/{b}"]), level).item()}
 
 
-def sequences_of(tokens: Sequence[int] | torch.Tensor, seq_len: int, count: int, offset: int = 0) -> torch.Tensor:
-    """`count` consecutive non-overlapping blocks of `seq_len` tokens from a 1-D token array, from block `offset`."""
-    ids = torch.as_tensor(tokens[offset * seq_len:(offset + count) * seq_len].astype("int64")
-                          if hasattr(tokens, "astype") else tokens[offset * seq_len:(offset + count) * seq_len])
+def sequences_of(tokens, seq_len: int, count: int, offset: int = 0) -> torch.Tensor:
+    """`count` consecutive non-overlapping blocks of `seq_len` tokens of a 1-D token array (a token file's memory
+    map, a numpy array or a tensor), from block `offset`, as int64 [count, seq_len]."""
+    ids = torch.as_tensor(np.asarray(tokens[offset * seq_len:(offset + count) * seq_len], dtype=np.int64))
     require(ids.numel() == count * seq_len, f"the held-out tokens hold fewer than {offset + count} sequences of "
                                             f"{seq_len} tokens; use fewer sequences or more held-out text")
     return ids.reshape(count, seq_len)

@@ -15,11 +15,8 @@ and architecture, one without positional encoding and one with RoPE, and cached 
 from __future__ import annotations
 
 import shutil
-import time
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
 
 from poslens.train.config import TrainConfig, resolve_config
 
@@ -61,16 +58,11 @@ def trained_pair(preset: str, progress: bool = True, **overrides) -> dict[str, P
     return out
 
 
-def _load(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 def measure(models: dict[str, Path], tokens: Path, size: dict, parts: Path, progress: bool) -> dict:
     """Every Section 4.2 number of the trained pair (see the module docstring) at `size` (an entry of SIZES); the
     intermediates run is kept in `parts` under a fingerprint of its settings."""
     from poslens.analyses.intermediates import IntermediatesConfig, run_intermediates
+    from poslens.engine.models import load_model
     from poslens.io.checkpoint import fingerprint
     from poslens.train.probe import heldout_losses, loss_comparison, position_probe, sequences_of
     from poslens.train.tokens import open_tokens
@@ -81,14 +73,13 @@ def measure(models: dict[str, Path], tokens: Path, size: dict, parts: Path, prog
     run = parts / f"intermediates-trained-{fingerprint(icfg.fingerprint_fields())[:8]}"
     if not run.exists():
         run_intermediates(icfg, str(run), progress=progress)
-    nets = {pe: _load(models[pe]) for pe in PE_NAMES}
+    nets = {pe: load_model(str(models[pe]), dtype="float32")[0] for pe in PE_NAMES}
     context = nets["none"].config.max_position_embeddings
     val = open_tokens(tokens).val
     fit_n, test_n = size["probe"]
     have = len(val) // context
     loss_n = min(size["loss"], have)
     blocks = sequences_of(val, context, loss_n)
-    t0 = time.perf_counter()
     losses = loss_comparison(heldout_losses(nets, blocks))
     probe_fit, probe_test = sequences_of(val, context, fit_n), sequences_of(val, context, test_n, offset=fit_n)
     probes = {pe: position_probe(nets[pe], probe_fit, probe_test) for pe in PE_NAMES}
@@ -98,8 +89,7 @@ def measure(models: dict[str, Path], tokens: Path, size: dict, parts: Path, prog
             "context": context, "probe": {pe: {"mae": [e.item() for e in p.mae], "chance": p.chance.item()}
                                           for pe, p in probes.items()},
             "probe_blocks": (fit_n, test_n),
-            "probe_depth": nope.difference(1, last).item(), "probe_first": nope.difference(0, 1).item(),
-            "seconds": time.perf_counter() - t0}
+            "probe_depth": nope.difference(1, last).item(), "probe_first": nope.difference(0, 1).item()}
 
 
 def _num(x, digits: int = 3) -> str:
@@ -211,16 +201,16 @@ def reproduce_section(ctx, quick: bool = False, preset: str | None = None, size:
     abv = ch["offdiag_ratio_b_minus_a"]
     s.claims.append(Claim("from (a) to (b) the ratio of off-diagonal to diagonal values increases (W_Q, W_K act like "
                           "a larger alpha)", "Section 4.2, Figure 3 (a), (b)",
-                          f"off-diagonal/diagonal: (a) {_num(p['a']['offdiag_ratio']['value'])}, (b) "
-                          f"{_num(p['b']['offdiag_ratio']['value'])}; change {_fmt(abv)}", _sign(abv),
+                          f"off-diagonal/diagonal: (a) {_fmt(p['a']['offdiag_ratio'])}, (b) "
+                          f"{_fmt(p['b']['offdiag_ratio'])}; change {_fmt(abv)}", _sign(abv),
                           "Figure 3 (a), (b)", int_cmd))
     cd = ch["offdiag_ratio_d_minus_c"]
     s.claims.append(Claim("from (c) to (d) the ratio of diagonal to off-diagonal values increases (W_O)",
                           "Section 4.2, Figure 3 (c), (d) (read as the paper words it for (d): 'the ratio between the "
                           "diagonal and off-diagonal elements is significantly increased'; its 'analogous to (a) and "
                           "(b)' could also be read as the opposite direction)",
-                          f"off-diagonal/diagonal: (c) {_num(p['c']['offdiag_ratio']['value'])}, (d) "
-                          f"{_num(p['d']['offdiag_ratio']['value'])}; change {_fmt(cd)} (holds when below 0)",
+                          f"off-diagonal/diagonal: (c) {_fmt(p['c']['offdiag_ratio'])}, (d) "
+                          f"{_fmt(p['d']['offdiag_ratio'])}; change {_fmt(cd)} (holds when below 0)",
                           _below(cd), "Figure 3 (c), (d)", int_cmd))
     if "ratio" in amp:
         r = amp["ratio"]
@@ -273,7 +263,7 @@ def reproduce_section(ctx, quick: bool = False, preset: str | None = None, size:
     rope = m["probe"]["rope"]
     s.claims.append(Claim("the RoPE model, for comparison (RoPE rotates queries and keys; it does not add position "
                           "to the hidden states)", "poslens", "probe error by hidden state: "
-                          + ", ".join(_num(e["value"]) for e in rope["mae"]) + " tokens", CONTEXT,
+                          + ", ".join(_fmt(e) for e in rope["mae"]) + " tokens", CONTEXT,
                           "position probe", train_cmd))
     c = im["block_output_check"]
     s.claims.append(Claim("(g) equals the model's next hidden state", "anchor procedure (atol 1e-5)",

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from poslens.errors import UsageError, check_float, require
+from poslens.errors import UsageError, check_choice, check_float, require
 from poslens.train.config import parse_tokenizer
 
 FORMAT = "poslens-tokens"
@@ -169,8 +169,6 @@ class TokenFile:
     def documents(self, split: str = "val") -> Iterator[str]:
         """The documents of `split` as text: the ids cut at the separator and decoded (lossless for the tokenizers
         `tokenize_corpus` writes, so re-encoding a document gives its ids back)."""
-        from poslens.errors import check_choice
-
         check_choice("split", split, ("train", "val"))
         ids = np.asarray(getattr(self, split))
         ends = np.flatnonzero(ids == int(self.header["separator_token_id"]))
@@ -184,7 +182,7 @@ class TokenFile:
 def open_tokens(path: str | os.PathLike) -> TokenFile:
     """Memory-map a token directory written by `tokenize_corpus` (one-line error if it is not one)."""
     path = Path(path).expanduser()
-    require((path / "header.json").is_file(), f"--tokens {path}: not a token directory (no header.json); "
+    require((path / "header.json").is_file(), f"{path}: not a token directory (no header.json); "
                                               "write one with `poslens tokenize`")
     try:
         header = json.loads((path / "header.json").read_text())
@@ -197,9 +195,9 @@ def open_tokens(path: str | os.PathLike) -> TokenFile:
                 raise ValueError(f"{split}.bin has {size} bytes, the header says {expected}")
             arrays[split] = np.memmap(path / f"{split}.bin", dtype=dtype, mode="r")
     except (ValueError, KeyError, TypeError, OSError) as e:
-        raise UsageError(f"--tokens {path}: corrupt token directory ({type(e).__name__}: {e}); rerun "
+        raise UsageError(f"{path}: corrupt token directory ({type(e).__name__}: {e}); rerun "
                          "`poslens tokenize`") from None
-    require(header.get("format") == FORMAT, f"--tokens {path}: not a {FORMAT} directory")
+    require(header.get("format") == FORMAT, f"{path}: not a {FORMAT} directory")
     return TokenFile(path=path, header=header, train=arrays["train"], val=arrays["val"])
 
 

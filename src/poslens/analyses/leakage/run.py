@@ -25,7 +25,7 @@ from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split
 from poslens.engine.stats import GroupedSums
 from poslens.errors import UsageError, check_choice, check_int
 from poslens.io.checkpoint import load_partial, save_partial
-from poslens.io.results import check_output, run_directory, write_run
+from poslens.io.results import check_output, sharded_run_directory, write_run
 from poslens.options import option
 
 
@@ -243,24 +243,17 @@ def run_leakage(cfg: LeakageConfig, out: str, force: bool = False, progress: boo
         dist.all_gather_object(gathered, (cat, pos0_states))
         cat = {k: None if gathered[0][0][k] is None else torch.cat([g[0][k] for g in gathered]) for k in cat}
         pos0_states = torch.cat([g[1] for g in gathered])
-    path = None
-    if rank == 0:
-        metrics, tensors = summarise(cfg, sums, per_head / len(ids), cat, pos0_states, windows, passes)
-        with run_directory(target, force) as tmp:
+    with sharded_run_directory(target, force, rank, world, ckpt) as tmp:
+        if tmp is not None:
             from poslens.analyses.leakage.figures import leakage_figures
 
+            metrics, tensors = summarise(cfg, sums, per_head / len(ids), cat, pos0_states, windows, passes)
             leakage_figures(metrics, tensors, tmp / "figures", cfg.model)
             write_run(tmp, tensors, {"kind": "leakage", "config": asdict(cfg), "data": data_stats,
                                      "world_size": world, "resumed_from_batch": done, "metrics": metrics,
                                      "model": model_record(model),
                                      "timings": {"seconds": time.perf_counter() - started}})
-        path = target
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-    ckpt.unlink(missing_ok=True)
-    return path
+    return target if rank == 0 else None
 
 
 def _per_layer_metrics(means: dict, prefix: str, cfg: LeakageConfig, windows: list[int], early: bool) -> torch.Tensor:
