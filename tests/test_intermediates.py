@@ -378,7 +378,7 @@ def test_scaled_down_nope_shape_with_pe_none_equals_rope_removed_by_hand(smollm2
 
 def test_diagonal_normalisation_matches_the_maps_module():
     from poslens.analyses.intermediates import diagonal_normalised, masked
-    from poslens.analyses.maps import diagonal_normalise
+    from poslens.maps import diagonal_normalise
 
     g = torch.Generator().manual_seed(3)
     m = masked(torch.randn(3, 15, 15, generator=g, dtype=torch.float64), 6)  # a sliding window hides far keys

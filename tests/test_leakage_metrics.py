@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from poslens.analyses.leakage import metrics as lm
-from poslens.analyses.maps import toeplitz_residual as maps_toeplitz_residual
 from poslens.errors import UsageError
+from poslens.maps import toeplitz_residual as maps_toeplitz_residual
 
 N = 40
 
@@ -64,7 +64,7 @@ def test_toeplitz_map_leaks_nothing(phi):
 
 
 def test_trf_agrees_with_the_maps_module():
-    """An independent numpy implementation (poslens.analyses.maps.toeplitz_residual) on a random causal map."""
+    """An independent numpy implementation (poslens.maps.toeplitz_residual) on a random causal map."""
     g = torch.Generator().manual_seed(0)
     m = causal(torch.randn(N, N, generator=g, dtype=torch.float64))
     for top in (5, N // 2, N - 1):

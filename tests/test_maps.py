@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from poslens.analyses.maps import (
+from poslens.maps import (
     diagonal_means,
     diagonal_normalise,
     quantile_limits,

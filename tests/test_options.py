@@ -240,7 +240,7 @@ def test_help_without_a_command_loads_no_analysis_or_plotting_library():
     """`poslens --help` (and every command module's `add_command`) stays light: no model, analysis or plot code."""
     code = ("import sys\nfrom poslens.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('matplotlib', 'transformers', 'poslens.analyses.scores', "
-            "'poslens.report.plotting', 'poslens.engine.capture', 'poslens.engine.hooks') if m in sys.modules))")
+            "'poslens.plotting', 'poslens.engine.capture', 'poslens.engine.hooks') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[]"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from poslens.report import plotting
+from poslens import plotting
 from poslens.report.render import Claim, Section, headline, verdict_counts, write_report
 
 IMG = re.compile(r"<img src='data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)'[^>]*id='([^']+)'")

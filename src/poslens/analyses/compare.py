@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
+from poslens import plotting
 from poslens.errors import UsageError, check_int
 from poslens.io.results import Run, load, run_directory, write_run
-from poslens.report import plotting
+from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 
 
 def figure5(runs: list[Run], labels: list[str], directory: Path, stem: str, layers: int = 4) -> Path:

@@ -588,7 +588,7 @@ def panel_title(letter: str, layer: int) -> str:
 def figure3(result: dict, layer: int, directory: Path, label: str) -> list[Path]:
     """The 3 x 3 grid of Figure 3: figure3.{png,pdf}. Each panel's colour limits are the 1% and 99% quantiles of
     its off-diagonal entries (the diagonal, a token with itself, is far larger in most panels and saturates)."""
-    from poslens.report import plotting
+    from poslens import plotting
 
     maps = [result[f"panel_{c}"] for c, _, _ in PANELS]
     limits = [plotting.offdiag_limits(m, (0.01, 0.99)) for m in maps]
@@ -601,7 +601,7 @@ def figure3(result: dict, layer: int, directory: Path, label: str) -> list[Path]
 def figure8(result: dict, directory: Path, label: str) -> list[Path]:
     """Every averaged layer's diagonal-normalised Q K^T * scaling: figure8.{png,pdf} (the raw maps are in the run's
     `scores` tensor)."""
-    from poslens.report import plotting
+    from poslens import plotting
 
     layers = result["score_layers"].tolist()
     titles = [f"layer {l + 1}" for l in layers]

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
+from poslens import plotting
 from poslens.engine.data import BOS_POLICIES, MODES
 from poslens.errors import UsageError, check_choice, check_int
 from poslens.io.checkpoint import load_partial, save_partial
 from poslens.io.results import check_output, sharded_run_directory, write_run
+from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.options import option
-from poslens.report import plotting
 
 DEFAULT_SEQUENCES = 1000  # the paper's count (Section 5.2)
 
@@ -209,7 +209,7 @@ def auto_groups(model, cfg: ScoresConfig, device: str, most: int = 20) -> int:
 
 def pattern_rms(m: torch.Tensor) -> float:
     """Size of the non-relative pattern of a mean score map: the RMS of its diagonal-normalised entries over keys
-    j >= 1 (key 0, the attention sink, is reported on its own; `poslens.analyses.maps.diagonal_normalise`)."""
+    j >= 1 (key 0, the attention sink, is reported on its own; `poslens.maps.diagonal_normalise`)."""
     return float(np.sqrt(np.nanmean(diagonal_normalise(m.numpy())[:, 1:] ** 2)))
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens.analyses.maps import as_numpy, rows_increasing, toeplitz_residual
+from poslens import plotting
 from poslens.io.results import write_run
-from poslens.report import plotting
+from poslens.maps import as_numpy, rows_increasing, toeplitz_residual
 from poslens.stack.config import StackConfig
 
 

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poslens.analyses.maps import as_numpy, diagonal_normalise, quantile_limits
+from poslens import plotting
 from poslens.engine.stats import Estimate, GroupedSums
-from poslens.report import plotting
+from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.report.render import Claim, Section
 
 MODEL = "smollm2-135m"

@@ -29,7 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poslens.analyses.maps import (
+from poslens import plotting
+from poslens.analyses.stackrun import score_limits
+from poslens.errors import UsageError, check_int
+from poslens.io.checkpoint import fingerprint, read_cache, write_cache
+from poslens.io.results import check_output, run_directory, write_run
+from poslens.maps import (
     as_numpy,
     diagonal_normalise,
     quantile_limits,
@@ -37,11 +42,6 @@ from poslens.analyses.maps import (
     rows_increasing,
     toeplitz_residual,
 )
-from poslens.analyses.stackrun import score_limits
-from poslens.errors import UsageError, check_int
-from poslens.io.checkpoint import fingerprint, read_cache, write_cache
-from poslens.io.results import check_output, run_directory, write_run
-from poslens.report import plotting
 from poslens.report.render import Claim, Section, headline, verdict_counts, write_report
 from poslens.stack import gramflow, theory
 from poslens.stack.config import StackConfig

@@ -22,8 +22,8 @@ import math
 
 import numpy as np
 
-from poslens.analyses.maps import rows_increasing  # noqa: F401  (re-exported: the Section 3 check)
 from poslens.errors import check_float, check_int, require
+from poslens.maps import rows_increasing  # noqa: F401  (re-exported: the Section 3 check)
 
 E = math.e
 

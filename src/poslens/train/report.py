@@ -123,7 +123,7 @@ def figures(models: dict[str, Path], m: dict, directory: Path) -> list[tuple[Pat
     """Training curves of both models and the probe's error by depth, with intervals."""
     import json
 
-    from poslens.report import plotting
+    from poslens import plotting
 
     lines: dict[str, list[tuple[float, float]]] = {}
     for pe in PE_NAMES:

@@ -1,5 +1,5 @@
 """Leakage figures: component shares by depth (real models and the parameter-free stack), removal by layer,
-attention on key 0 per head. Everything goes through poslens.report.plotting."""
+attention on key 0 per head. Everything goes through poslens.plotting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens.report import plotting
+from poslens import plotting
 
 SHARES = ("share_logit", "share_mask", "share_cross")
 LABELS = {"share_logit": "logit (residual stream)", "share_mask": "log-partition (mask)", "share_cross": "cross"}

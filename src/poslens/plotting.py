@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from poslens.analyses.maps import as_numpy, quantile_limits  # noqa: E402
+from poslens.maps import as_numpy, quantile_limits  # noqa: E402
 
 CMAP = "magma"  # close to the paper's "rocket" and available without seaborn
 
@@ -91,7 +91,7 @@ def layer_maps(scores, directory, stem: str, label: str, titles: Sequence[str], 
                normalised: bool = True, causal: bool = True, ncols: int | None = None) -> list[Path]:
     """All layers' mean scores in one grid, then (normalised=True) their diagonal-normalised maps in another
     (1%-99% quantile limits): stem.{png,pdf} and stem_normalised.{png,pdf}."""
-    from poslens.analyses.maps import diagonal_normalise
+    from poslens.maps import diagonal_normalise
 
     scores = as_numpy(scores)
     paths = save(map_grid(list(scores), titles, ncols=ncols, limits=limits,
