@@ -10,7 +10,8 @@ import pytest
 
 from poslens.engine.data import default_documents
 from poslens.errors import UsageError
-from poslens.train.tokens import dtype_for, is_validation, open_tokens, tokenize_corpus
+from poslens.io.tokenfile import dtype_for, open_tokens
+from poslens.train.tokens import is_validation, tokenize_corpus
 
 N_DOCS = 40
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from poslens.engine.pe import parse_rope_flags
 from poslens.errors import UsageError
 from poslens.train.config import PRESETS, TrainConfig, load_preset, resolve_config
 from poslens.train.data import num_blocks, step_samples
 from poslens.train.loop import check_batch, lr_at, train
-from poslens.train.model import build_model, count_parameters, rope_layers
+from poslens.train.model import build_model, count_parameters
 from poslens.train.tokens import open_tokens, tokenize_corpus
 
 MICRO = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, seq_len=32, steps=6, batch_size=8,
@@ -84,12 +85,12 @@ def test_reload_keeps_positional_encoding(pe, tmp_path):
 
 def test_per_layer_pattern(tmp_path):
     """0/1 patterns: comma or compact, tiled when a unit divides the depth; reloaded layers follow them."""
-    assert rope_layers("none", None, 3) == [0, 0, 0] and rope_layers("rope", None, 2) == [1, 1]
-    assert rope_layers("none", "0,1,1,1", 4) == [0, 1, 1, 1]
-    assert rope_layers("none", "10", 6) == [1, 0, 1, 0, 1, 0]
+    assert parse_rope_flags("000", 3) == [0, 0, 0] and parse_rope_flags([1, 1], 2) == [1, 1]
+    assert parse_rope_flags("0,1,1,1", 4) == [0, 1, 1, 1]
+    assert parse_rope_flags("10", 6) == [1, 0, 1, 0, 1, 0]
     for bad in ("0,2", "011", "abc"):
         with pytest.raises(UsageError, match="pe_layers"):
-            rope_layers("none", bad, 4)
+            parse_rope_flags(bad, 4)
     from transformers import AutoModelForCausalLM
 
     build_model(resolve_config("tiny", pe_layers="0110"), 300).save_pretrained(tmp_path)
@@ -118,9 +119,9 @@ def test_overrides_and_unknown_fields(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_command(parser.add_subparsers(dest="command"))
-    cfg = train_config(parser.parse_args(["train", "--preset", "cpu", "--steps", "7", "--pe", "rope"]))
+    cfg = train_config(parser.parse_args(["train", "--preset", "cpu", "--steps", "70", "--pe", "rope"]))
     cpu = load_preset("cpu")
-    assert cfg.steps == 7 and cfg.pe == "rope" and cfg.layers == cpu["layers"] and cfg.lr == cpu["lr"]
+    assert cfg.steps == 70 and cfg.pe == "rope" and cfg.layers == cpu["layers"] and cfg.lr == cpu["lr"]
     with pytest.raises(UsageError, match="unknown preset 'huge'"):
         resolve_config("huge")
     with pytest.raises(UsageError, match="unknown field.*depth"):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from poslens.errors import UsageError, available_memory, check_choice, check_int, gib, require
+from poslens.io.tokenfile import is_token_directory, open_tokens
 
 MODES = ("first", "pack")
 BOS_POLICIES = ("auto", "always", "never")
@@ -74,9 +75,7 @@ def iter_documents(source: str | None, text_field: str = "text") -> Iterator[str
     path = Path(source).expanduser()
     require(path.exists(), f"--data {source}: no such file or directory")
     if path.is_dir():
-        if _is_token_directory(path):
-            from poslens.train.tokens import open_tokens
-
+        if is_token_directory(path):
             return open_tokens(path).documents("val")
         if _is_saved_dataset(path):
             return _saved_dataset_documents(path, text_field)
@@ -187,14 +186,6 @@ def _parquet_rows(pf: Any, path: Path, text_field: str) -> Iterator[str]:
     for batch in pf.iter_batches(batch_size=_BATCH, columns=[text_field]):
         for value in batch.column(0).to_pylist():
             yield _as_text(value, str(path), text_field)
-
-
-def _is_token_directory(path: Path) -> bool:
-    """A directory written by `poslens tokenize` (its header.json names the format)."""
-    try:
-        return json.loads((path / "header.json").read_text()).get("format") == "poslens-tokens"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _is_saved_dataset(path: Path) -> bool:

@@ -7,8 +7,9 @@ window and the positional encoding of every layer. Nothing here imports the anal
 (`poslens.engine.models`) vets configs with `check_supported` before any weight is read.
 
 Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer,
-"rope", "partial-rope" (Phi-3's partial rotary factor) or "none". A model loaded with `pe="none"` (a Llama-like
-checkpoint trained without positional encoding, such as the paper's released NoPE model) has its rotary
+"rope", "partial-rope" (Phi-3's partial rotary factor) or "none"; the whole encoding (RoPE base and scaling,
+sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model loaded with `pe="none"` (a
+Llama-like checkpoint trained without positional encoding, such as the paper's released NoPE model) has its rotary
 embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's per-layer
 `no_rope_layers` is read from the config.
 """
@@ -20,10 +21,10 @@ from typing import Any
 
 from torch import nn
 
+from poslens.engine.pe import PE_ATTR, PositionalEncoding
 from poslens.errors import UsageError
 
 PE_CHOICES = ("auto", "none", "rope")
-PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none": the identity rotation is installed
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,7 @@ def num_layers(model_or_config: Any) -> int:
 
 def sliding_windows(config: Any) -> list[int]:
     """Per layer, the sliding window in tokens (0 = full causal attention), as the attention modules use it."""
-    n = num_layers(config)
-    window = getattr(config, "sliding_window", None) or 0
-    types = getattr(config, "layer_types", None)
-    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-        return [0] * n
-    if types is not None:
-        return [int(window) if t == "sliding_attention" else 0 for t in types]
-    return [int(window)] * n
+    return list(PositionalEncoding.of(config).windows)
 
 
 def rotary_modules(model: nn.Module) -> list[nn.Module]:
@@ -116,20 +110,14 @@ def rotary_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def positional_encoding(model_or_config: Any) -> list[str]:
-    """Per layer: "rope", "partial-rope" or "none" (a model loaded with pe="none" is "none" everywhere)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    n = num_layers(config)
-    if getattr(model_or_config, PE_ATTR, None) == "none":
-        return ["none"] * n
-    if config.model_type == "smollm3":
-        flags = getattr(config, "no_rope_layers", None) or [1] * n
-        return ["rope" if f else "none" for f in flags]
-    params = getattr(config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and "partial_rotary_factor" not in params and "sliding_attention" in params:
-        params = params.get("full_attention", {})
-    factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or \
-        getattr(config, "partial_rotary_factor", 1.0)
-    return ["partial-rope" if float(factor) < 1.0 else "rope"] * n
+    """Per layer: "rope", "partial-rope" or "none" (a model loaded with pe="none" is "none" everywhere). The whole
+    encoding (RoPE base and scaling, sliding windows, a label) is `poslens.engine.pe.PositionalEncoding.of`."""
+    return list(PositionalEncoding.of(model_or_config).rope)
+
+
+def positional_encoding_record(model_or_config: Any) -> dict[str, Any]:
+    """The model's positional encoding as run.json records it (`PositionalEncoding.record`)."""
+    return PositionalEncoding.of(model_or_config).record()
 
 
 def known_nope(spec: str) -> str | None:

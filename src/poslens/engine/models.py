@@ -459,12 +459,14 @@ def load_info(model: Any) -> dict[str, Any]:
 
 def model_record(model: Any) -> dict[str, Any]:
     """What every run directory records about its model: class, model_type, family, positional encoding per layer,
-    and what `load_model` chose (`load_info`)."""
+    the variant (`poslens.engine.pe.variant_record`: RoPE base and scaling, sliding windows, label, and how poslens
+    trained it), and what `load_model` chose (`load_info`)."""
     from poslens.engine.families import family_of, positional_encoding
+    from poslens.engine.pe import variant_record
 
     return {"class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
             "family": family_of(model.config).name, "positional_encoding": positional_encoding(model),
-            **load_info(model)}
+            "variant": variant_record(model), **load_info(model)}
 
 
 def max_positions(model_or_config: Any) -> int:

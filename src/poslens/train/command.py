@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from poslens.options import add_options, from_args, option
 from poslens.train.config import FIELDS, TrainConfig, resolve_config
@@ -65,11 +66,25 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return resolve_config(given.pop("preset", "tiny"), **given)
 
 
+def default_out(cfg: TrainConfig) -> str:
+    """``runs/train-PRESET-VARIANT``: the preset's name (a .json preset's file name without the suffix) and the
+    variant (none, rope or mixed, then any scaling, window and bos): runs/train-tiny-none, runs/train-cpu-rope-ntk-8."""
+    name = Path(cfg.preset).stem if cfg.preset.endswith(".json") else cfg.preset
+    parts = [cfg.pe if cfg.pe_layers is None else "mixed"]
+    if cfg.rope_scaling:
+        parts.append(cfg.rope_scaling.replace(":", "-"))
+    if cfg.sliding_window:
+        parts.append(f"window-{cfg.sliding_window}")
+    if cfg.bos:
+        parts.append("bos")
+    return f"runs/train-{name}-{'-'.join(parts)}"
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from poslens.train.loop import train
 
     cfg = train_config(args)
-    out = args.out or f"runs/train-{cfg.preset}-{cfg.pe if cfg.pe_layers is None else 'mixed'}"
+    out = args.out or default_out(cfg)
     metrics = train(cfg, out, force=args.force, progress=not args.quiet, stop_after=args.stop_after)
     if metrics.get("stopped"):
         print(f"stopped after step {metrics['step']}; checkpoint in {metrics['checkpoint']} (rerun to resume)")

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from poslens.engine.pe import PositionalEncoding
 from poslens.errors import UsageError, check_choice, check_float, check_int, require
 from poslens.options import option
 
@@ -41,7 +42,17 @@ class TrainConfig:
     pe_layers: str | None = option(None, help="per-layer pattern, 1 = RoPE, 0 = NoPE: 0,1,1,1 or 0111 "
                                               "(tiled if shorter; overrides --pe)")
     rope_theta: float = option(10000.0, help="RoPE base theta")
-    seq_len: int = option(128, help="context length in tokens")
+    rope_scaling: str | None = option(None, help="RoPE scaling, static: ntk:F (base theta * F^(d/(d-2))), "
+                                                 "linear:F (positions / F) or yarn:F (YaRN over the training "
+                                                 "length); default none")
+    sliding_window: int = option(0, help="sliding-window attention: each query sees itself and the W - 1 keys "
+                                         "before it (0: full causal attention)")
+    layer_types: str | None = option(None, help="which layers slide: S/F letters or sliding,full per layer, "
+                                                "tiled if shorter (SSSF: every 4th layer full); default: every "
+                                                "layer when --sliding-window is set")
+    bos: bool = option(False, help="start every training and held-out sequence with the BOS token (as Llama "
+                                   "is trained); the saved tokenizer then adds BOS by itself")
+    seq_len: int = option(128, help="context length in tokens (BOS included with --bos)")
     # optimisation
     steps: int = option(150, help="optimizer steps")
     batch_size: int = option(16, help="global batch in sequences per optimizer step (all ranks together)")
@@ -76,19 +87,22 @@ class TrainConfig:
         require(self.hidden % self.heads == 0, f"heads ({self.heads}) must divide hidden ({self.hidden})")
         require((self.hidden // self.heads) % 2 == 0, "hidden / heads (the head size) must be even for RoPE")
         check_choice("pe", self.pe, PE)
-        check_float("rope_theta", self.rope_theta, 1.0, float("inf"), hi_open=True)
-        check_int("seq_len", self.seq_len, 2)
+        check_int("seq_len", self.seq_len, 3 if self.bos else 2)
+        self.positional_encoding()
         check_int("steps", self.steps, 1)
         check_int("batch_size", self.batch_size, 1)
         check_int("micro_batch", self.micro_batch, 1)
         check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
         check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_int("warmup", self.warmup, 0)
+        require(self.warmup <= self.steps, f"warmup ({self.warmup} steps) is longer than the run ({self.steps} steps), "
+                                           f"so the learning rate would never reach lr; pass --warmup {self.steps} "
+                                           "or less, or more --steps")
         check_float("weight_decay", self.weight_decay, 0.0, 1.0)
         check_float("beta1", self.beta1, 0.0, 1.0, hi_open=True)
         check_float("beta2", self.beta2, 0.0, 1.0, hi_open=True)
         check_float("grad_clip", self.grad_clip, 0.0, float("inf"), hi_open=True)
-        check_int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0, 2**32 - 1)
         check_int("eval_every", self.eval_every, 1)
         check_int("eval_batches", self.eval_batches, 1)
         check_int("save_every", self.save_every, 0)
@@ -97,13 +111,21 @@ class TrainConfig:
         parse_tokenizer(self.tokenizer)
         return self
 
+    def positional_encoding(self) -> PositionalEncoding:
+        """The model's positional encoding (`poslens.engine.pe`), from pe, pe_layers, rope_theta, rope_scaling,
+        sliding_window and layer_types."""
+        return PositionalEncoding.build(self.layers, pe=self.pe, pe_layers=self.pe_layers, rope_theta=self.rope_theta,
+                                        rope_scaling=self.rope_scaling, sliding_window=self.sliding_window,
+                                        layer_types=self.layer_types)
+
     def model_fields(self) -> dict[str, Any]:
-        """The fields that fix the architecture (a checkpoint must agree on all of them)."""
-        names = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta")
-        return {k: getattr(self, k) for k in names}
+        """The fields that fix the architecture and the data convention (a checkpoint must agree on all of them)."""
+        return {k: getattr(self, k) for k in MODEL_FIELDS}
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+MODEL_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
+                "rope_scaling", "sliding_window", "layer_types", "bos")
 
 
 def parse_tokenizer(spec: str) -> tuple[str, int | None]:

@@ -1,10 +1,13 @@
 """Which token blocks each optimizer step, rank and micro-batch reads: a pure function of the step.
 
 The training stream is cut into blocks of ``seq_len + 1`` tokens overlapping by one (block b is
-``tokens[b*T : b*T + T + 1]``: inputs are its first T tokens, targets its last T). Epoch e visits the
-blocks in a seeded random order; step s reads the global samples ``[s*B, (s+1)*B)`` of that endless
-sequence, rank r of W the contiguous part ``[r*B/W, (r+1)*B/W)``. The data position of a run is therefore
-its step count: resuming needs nothing else, and W ranks read exactly what one process reads.
+``tokens[b*T : b*T + T + 1]``: inputs are its first T tokens, targets its last T). With a BOS id (`bos`,
+``poslens train --bos``) every block starts with it and carries T - 1 tokens of the stream after it
+(block b is ``[BOS] + tokens[b*(T-1) : b*(T-1) + T]``): the model always sees BOS at position 0 and the
+first target is the token after it. Epoch e visits the blocks in a seeded random order; step s reads the
+global samples ``[s*B, (s+1)*B)`` of that endless sequence, rank r of W the contiguous part
+``[r*B/W, (r+1)*B/W)``. The data position of a run is therefore its step count: resuming needs nothing
+else, and W ranks read exactly what one process reads.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import torch
 from poslens.errors import require
 
 
-def num_blocks(tokens: np.ndarray, seq_len: int) -> int:
-    """How many blocks of seq_len + 1 tokens (overlapping by one) the stream holds."""
-    return max(0, (len(tokens) - 1) // seq_len)
+def num_blocks(tokens: np.ndarray, seq_len: int, bos: int | None = None) -> int:
+    """How many blocks of seq_len + 1 tokens (overlapping by one; with `bos`, BOS and seq_len stream tokens) the
+    stream holds."""
+    return max(0, (len(tokens) - 1) // (seq_len - (bos is not None)))
 
 
 @functools.lru_cache(maxsize=4)
@@ -28,10 +32,14 @@ def _order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def blocks(tokens: np.ndarray, seq_len: int, index: torch.Tensor) -> torch.Tensor:
-    """Blocks number `index` as a LongTensor [len(index), seq_len + 1]."""
-    rows = [np.asarray(tokens[b * seq_len: b * seq_len + seq_len + 1], dtype=np.int64) for b in index.tolist()]
-    return torch.from_numpy(np.stack(rows))
+def blocks(tokens: np.ndarray, seq_len: int, index: torch.Tensor, bos: int | None = None) -> torch.Tensor:
+    """Blocks number `index` as a LongTensor [len(index), seq_len + 1] (with `bos`: BOS, then seq_len tokens)."""
+    body = seq_len - (bos is not None)
+    rows = [np.asarray(tokens[b * body: b * body + body + 1], dtype=np.int64) for b in index.tolist()]
+    out = torch.from_numpy(np.stack(rows))
+    if bos is not None:
+        out = torch.cat([torch.full((out.shape[0], 1), bos, dtype=torch.long), out], dim=1)
+    return out
 
 
 def step_samples(step: int, batch_size: int, rank: int, world: int, n: int, seed: int) -> torch.Tensor:
@@ -48,21 +56,21 @@ def step_samples(step: int, batch_size: int, rank: int, world: int, n: int, seed
 
 
 def train_batches(tokens: np.ndarray, seq_len: int, step: int, batch_size: int, micro_batch: int,
-                  rank: int, world: int, seed: int) -> list[torch.Tensor]:
+                  rank: int, world: int, seed: int, bos: int | None = None) -> list[torch.Tensor]:
     """The micro-batches ([micro_batch, seq_len + 1] each) that `rank` processes at `step`."""
-    n = num_blocks(tokens, seq_len)
+    n = num_blocks(tokens, seq_len, bos)
     require(n >= batch_size, f"the training tokens hold {n} sequences of seq_len {seq_len}, fewer than one batch "
                              f"(batch_size {batch_size}); use more text, a shorter --seq-len or a smaller --batch-size")
     idx = step_samples(step, batch_size, rank, world, n, seed)
-    return [blocks(tokens, seq_len, chunk) for chunk in idx.split(micro_batch)]
+    return [blocks(tokens, seq_len, chunk, bos) for chunk in idx.split(micro_batch)]
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, count: int, micro_batch: int, rank: int,
-                 world: int) -> list[torch.Tensor]:
+                 world: int, bos: int | None = None) -> list[torch.Tensor]:
     """Held-out micro-batches of `rank`: the first `count` validation blocks (fewer if the file is
     shorter), rows r, r + W, ... of them."""
-    n = min(num_blocks(tokens, seq_len), count)
+    n = min(num_blocks(tokens, seq_len, bos), count)
     require(n >= 1, f"the validation tokens ({len(tokens)}) are shorter than one sequence of seq_len {seq_len}; "
                     "tokenize with a larger --val-fraction or use a shorter --seq-len")
     idx = torch.arange(rank, n, world)
-    return [blocks(tokens, seq_len, chunk) for chunk in idx.split(micro_batch)]
+    return [blocks(tokens, seq_len, chunk, bos) for chunk in idx.split(micro_batch)]

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from poslens.errors import UsageError, require
+from poslens.errors import UsageError, check_int, require
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
 from poslens.train.data import eval_batches, num_blocks, train_batches
-from poslens.train.model import build_model, check_compatible, count_parameters, flops_per_token
+from poslens.train.model import build_model, check_compatible, check_memory_fits, count_parameters, flops_per_token
 from poslens.train.tokens import TokenFile, default_tokens, open_tokens
 
 # bf16 dense datasheet peaks (FLOP/s) used for MFU on known GPUs
@@ -264,13 +264,18 @@ def check_batch(batch_size: int, micro_batch: int, world: int) -> int:
     return max(1, per_rank // micro_batch)
 
 
+def bos_id(cfg: TrainConfig, tf: TokenFile) -> int | None:
+    """The id every sequence starts with when `cfg.bos` (the token directory's BOS), else None."""
+    return tf.bos_id("training with bos") if cfg.bos else None
+
+
 def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -> float:
     """Held-out loss: mean next-token cross-entropy over the first eval_batches x micro_batch validation blocks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)
     with torch.no_grad(), _autocast(cfg, d.device):
         for block in eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch,
-                                  d.rank, d.world):
+                                  d.rank, d.world, bos_id(cfg, tf)):
             block = block.to(d.device)
             total[0] += next_token_loss(model, block).double() * block.shape[0]
             total[1] += block.shape[0]
@@ -295,11 +300,14 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
     The output is built with `poslens.io.results.open_run` (rank 0 holds its lock): checkpoints and
     metrics.jsonl live in its work directory ``.OUT.partial/``, so a run restarted with the same
     configuration resumes from the last checkpoint and follows the uninterrupted trajectory.
-    `stop_after`: stop (as if interrupted) after that many steps, leaving checkpoint and metrics behind.
+    `stop_after`: stop (as if interrupted) after that many steps, leaving checkpoint and metrics behind. A run that
+    fails before its first checkpoint leaves nothing behind.
     """
     from poslens.io.results import open_run
 
     cfg.check()
+    if stop_after is not None:
+        check_int("stop_after", stop_after, 1)
     d = setup(cfg)
     target = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
     try:
@@ -311,7 +319,12 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
             else:
                 work, build = work_directory(target), None
             d.barrier()  # rank 0 has checked the output and cleaned leftovers
-            return _train(cfg, d, work, build, progress, stop_after)
+            try:
+                return _train(cfg, d, work, build, progress, stop_after)
+            except BaseException as e:
+                if d.main and not isinstance(e, _Stopped) and ckpt.find(work.path) is None:
+                    _discard_metrics(work)  # nothing to resume from: leave no trace of the failed run
+                raise
     except _Stopped as stopped:
         return stopped.metrics
 
@@ -320,12 +333,14 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
            stop_after: int | None) -> dict[str, Any]:
     check_batch(cfg.batch_size, cfg.micro_batch, d.world)
     tf = _tokens(cfg, d, progress)
-    n_train = num_blocks(tf.train, cfg.seq_len)
+    bos = bos_id(cfg, tf)
+    n_train = num_blocks(tf.train, cfg.seq_len, bos)
     require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} sequences of seq_len "
                                        f"{cfg.seq_len}, fewer than one batch ({cfg.batch_size}); use more text, a "
                                        "shorter --seq-len or a smaller --batch-size")
-    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1)  # fails early when the held-out text is too short
+    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos)  # fails early when the held-out text is too short
     header = {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+    check_memory_fits(cfg, tf.vocab_size, d.device, d.world)
 
     model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
                         eos_token_id=tf.header["eos_token_id"])
@@ -356,6 +371,8 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
         _truncate_metrics(work.metrics, start)
     d.barrier()
     tokenizer = tf.tokenizer() if d.main else None
+    if tokenizer is not None and cfg.bos:
+        tokenizer.add_bos_token = True  # the saved model's tokenizer starts every text with BOS, as in training
     fpt = flops_per_token(raw.config, cfg.seq_len)
     peak, peak_label = peak_flops(d.device)
     if peak is None:
@@ -376,7 +393,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
 
     from tqdm.auto import tqdm
 
-    what = f"training {cfg.preset} ({_pe_label(raw.config.no_rope_layers)}, {params['total'] / 1e6:.1f}M params)"
+    what = f"training {cfg.preset} ({cfg.positional_encoding().label()}, {params['total'] / 1e6:.1f}M params)"
     bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not (progress and d.main), unit="step")
     last: dict[str, Any] = {}
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -428,7 +445,8 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: TokenFile, cfg: TrainConfig,
           d: Dist, step: int, first: bool) -> tuple[float, float]:
     """One optimizer step: accumulate gradients over this rank's micro-batches, clip, update, schedule."""
-    micro = train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, d.rank, d.world, cfg.seed)
+    micro = train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, d.rank, d.world, cfg.seed,
+                          bos_id(cfg, tf))
     total = torch.zeros((), device=d.device)
     with oom_hint(cfg) if first else contextlib.nullcontext():
         for i, block in enumerate(micro):
@@ -488,6 +506,12 @@ def _finish(build: Path, raw: torch.nn.Module, state: dict | None, tokenizer: An
                                "metrics": metrics, "tokens": {**tf.header, "path": str(tf.path)}})
 
 
+def _discard_metrics(work: Work) -> None:
+    """Remove what a run wrote into its work directory before its first checkpoint (metrics, TensorBoard)."""
+    work.metrics.unlink(missing_ok=True)
+    shutil.rmtree(work.path / "tensorboard", ignore_errors=True)
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Keep the metrics rows of steps <= `step` (a resumed run rewrites what came after its checkpoint)."""
     if not path.exists():
@@ -496,14 +520,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if step == 0:
         keep = []
     path.write_text("".join(line + "\n" for line in keep))
-
-
-def _pe_label(flags: list[int]) -> str:
-    if all(flags):
-        return "RoPE"
-    if not any(flags):
-        return "NoPE"
-    return "RoPE layers " + "".join(map(str, flags))
 
 
 def _tensorboard(path: Path) -> Any:

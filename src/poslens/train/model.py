@@ -1,50 +1,37 @@
 """The trained decoder: a stock transformers SmolLM3 (RMSNorm, SwiGLU, grouped-query attention).
 
-SmolLM3 reads `no_rope_layers` from its config (1 = the layer applies RoPE, 0 = it does not), so a
-saved checkpoint reloads with plain ``AutoModelForCausalLM.from_pretrained(dir)``, positional encoding
-intact, with no poslens import.
+SmolLM3 reads `no_rope_layers` (1 = the layer applies RoPE, 0 = it does not), `rope_parameters`,
+`sliding_window` and `layer_types` from its config, so a saved checkpoint reloads with plain
+``AutoModelForCausalLM.from_pretrained(dir)``, positional encoding intact, with no poslens import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
-from poslens.errors import UsageError, require
+from poslens.engine.pe import CONFIG_FIELD
+from poslens.errors import UsageError
 from poslens.train.config import TrainConfig
-
-
-def rope_layers(pe: str, pattern: str | None, layers: int) -> list[int]:
-    """Per-layer RoPE flags (1 = RoPE, 0 = NoPE) from `pe` or from a pattern (``0,1,1,1`` or ``0111``).
-
-    A pattern shorter than `layers` is tiled when its length divides `layers` (``1110`` on 8 layers gives
-    1,1,1,0,1,1,1,0).
-    """
-    if pattern is None or str(pattern).strip() == "":
-        return [int(pe == "rope")] * layers
-    text = str(pattern).replace(" ", "")
-    chars = text.split(",") if "," in text else list(text)
-    require(all(c in ("0", "1") for c in chars) and chars,
-            f"pe_layers must be 0/1 flags such as 0,1,1,1 or 0111 (1 = RoPE, 0 = NoPE); got {pattern!r}")
-    require(layers % len(chars) == 0, f"pe_layers has {len(chars)} flags, which does not divide layers "
-                                      f"({layers}); give one flag per layer or a repeating unit")
-    return [int(c) for c in chars] * (layers // len(chars))
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, bos_token_id: int | None = None,
                  eos_token_id: int | None = None) -> SmolLM3Config:
-    """The SmolLM3 config of `cfg` for a vocabulary of `vocab_size` tokens."""
-    flags = rope_layers(cfg.pe, cfg.pe_layers, cfg.layers)
+    """The SmolLM3 config of `cfg` for a vocabulary of `vocab_size` tokens: its positional encoding
+    (`TrainConfig.positional_encoding`) as SmolLM3 fields, and the training convention (``poslens_variant``:
+    label, RoPE base and scaling as given, bos, seq_len) so that a reload can say how it was trained."""
+    head_dim = cfg.hidden // cfg.heads
+    pe_fields = cfg.positional_encoding().config_fields(head_dim, cfg.seq_len)
+    pe_fields[CONFIG_FIELD] = {**pe_fields[CONFIG_FIELD], "bos": cfg.bos, "seq_len": cfg.seq_len}
     return SmolLM3Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.hidden // cfg.heads, max_position_embeddings=cfg.seq_len, hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        no_rope_layers=flags, use_sliding_window=False, tie_word_embeddings=True,
+        head_dim=head_dim, max_position_embeddings=cfg.seq_len, hidden_act="silu", tie_word_embeddings=True,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None,
-        initializer_range=0.02, rms_norm_eps=1e-6, attention_dropout=0.0, use_cache=False,
+        initializer_range=0.02, rms_norm_eps=1e-6, attention_dropout=0.0, use_cache=False, **pe_fields,
     )
 
 
@@ -69,6 +56,37 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     return {"total": total, "embedding": embed, "non_embedding": total - embed}
 
 
+def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
+    """Parameters of the model `cfg` describes (tied embeddings counted once), from its shape alone."""
+    d, hd, f = cfg.hidden, cfg.hidden // cfg.heads, cfg.intermediate
+    per_layer = d * hd * (2 * cfg.heads + 2 * cfg.kv_heads) + 3 * d * f + 2 * d
+    return vocab_size * d + cfg.layers * per_layer + d
+
+
+def memory_estimate(cfg: TrainConfig, vocab_size: int, world: int = 1) -> int:
+    """A lower estimate of the bytes one rank needs to train `cfg` in float32: weights, gradients and the two AdamW
+    moments (16 bytes per parameter; sharded over the ranks with FSDP), one micro-batch's logits with their
+    gradient, and its activations (about 18 d + 4 f values per token and layer, plus the attention probabilities
+    of the math kernel)."""
+    params = parameter_count(cfg, vocab_size) * 16 / (world if cfg.parallel == "fsdp" else 1)
+    tokens = cfg.micro_batch * cfg.seq_len
+    logits = tokens * vocab_size * 4 * 2
+    acts = tokens * cfg.layers * (18 * cfg.hidden + 4 * cfg.intermediate + 2 * cfg.heads * cfg.seq_len) * 4
+    return int(params + logits + acts)
+
+
+def check_memory_fits(cfg: TrainConfig, vocab_size: int, device: torch.device, world: int = 1) -> None:
+    """Refuse, before anything is allocated, a model whose `memory_estimate` exceeds the device's free memory."""
+    from poslens.errors import check_memory
+
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    n = parameter_count(cfg, vocab_size)
+    check_memory(memory_estimate(cfg, vocab_size, world),
+                 f"training {n / 1e6:,.1f}M parameters (layers {cfg.layers}, hidden {cfg.hidden}, intermediate "
+                 f"{cfg.intermediate}, vocabulary {vocab_size:,}) with micro_batch {cfg.micro_batch} x seq_len "
+                 f"{cfg.seq_len}", "choose a smaller model (hidden, intermediate, layers) or micro_batch", free)
+
+
 def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token: 6 N (matmul weights, LM head included) + attention scores and mixing.
 
@@ -84,12 +102,14 @@ def flops_per_token(config: Any, seq_len: int) -> float:
 
 
 def check_compatible(saved: dict[str, Any], cfg: TrainConfig, what: str) -> None:
-    """One-line error if a checkpoint's configuration `saved` differs from `cfg` in a field that matters."""
+    """One-line error if a checkpoint's configuration `saved` differs from `cfg` in a field that matters (a field
+    the checkpoint's release did not have counts as its default)."""
     current = {**cfg.model_fields(), "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "steps": cfg.steps,
                "lr": cfg.lr, "warmup": cfg.warmup, "min_lr_ratio": cfg.min_lr_ratio, "seed": cfg.seed,
                "preset": cfg.preset, "weight_decay": cfg.weight_decay, "beta1": cfg.beta1, "beta2": cfg.beta2,
                "grad_clip": cfg.grad_clip}
-    diff = [k for k, v in current.items() if saved.get(k) != v]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    diff = [k for k, v in current.items() if saved.get(k, defaults.get(k)) != v]
     if diff:
         k = diff[0]
         raise UsageError(f"{what} was written for another configuration ({k}: {saved.get(k)!r} there, {current[k]!r} "
