@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_fixtures import MICRO
 
 from poslens.engine.pe import parse_rope_flags
 from poslens.errors import UsageError
@@ -20,23 +21,9 @@ from poslens.train.config import PRESETS, TrainConfig, load_preset, resolve_conf
 from poslens.train.data import num_blocks, step_samples
 from poslens.train.loop import check_batch, lr_at, train
 from poslens.train.model import build_model, count_parameters
-from poslens.train.tokens import open_tokens, tokenize_corpus
+from poslens.train.tokens import open_tokens
 
-MICRO = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, seq_len=32, steps=6, batch_size=8,
-             micro_batch=4, lr=3e-3, warmup=2, eval_every=3, eval_batches=2, save_every=0, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    """The first 300 documents of the embedded corpus (real text), tokenized with a 512-entry BPE."""
-    from poslens.engine.data import default_documents
-
-    root = tmp_path_factory.mktemp("tokens")
-    docs = root / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": d}) + "\n" for _, d in zip(range(300), default_documents())))
-    tokenize_corpus(str(docs), root / "bpe512", tokenizer="bpe:512", progress=False)
-    return root / "bpe512"
-
+pytest_plugins = ("train_fixtures",)  # the session's token directory (fixture `tokens`)
 
 def micro(tokens: Path, **kw) -> TrainConfig:
     return resolve_config("tiny", **{**MICRO, "tokens": str(tokens), **kw})

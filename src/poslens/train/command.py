@@ -1,4 +1,4 @@
-"""Command-line wiring of `poslens train` and `poslens tokenize`: ``add_command(sub)`` adds both.
+"""Command-line wiring of `poslens train`, `poslens sweep` and `poslens tokenize`: ``add_command(sub)`` adds them.
 
 Flags come from the config dataclasses (`TrainConfig`, `TokenizeConfig`). For `train`, a flag that
 is not given leaves the preset's value in place: only the flags on the command line override it.
@@ -10,10 +10,10 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from poslens.options import add_options, from_args, option
 from poslens.train.config import FIELDS, TrainConfig, resolve_config
+from poslens.train.sweep import SweepConfig
 
 
 @dataclass
@@ -36,7 +36,7 @@ def _output_args(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
-    """Add the `train` and `tokenize` subcommands to `sub` (an argparse subparsers object)."""
+    """Add the `train`, `sweep` and `tokenize` subcommands to `sub` (an argparse subparsers object)."""
     p = sub.add_parser("train", help="train a NoPE or RoPE Llama-style decoder (SmolLM3) from scratch",
                        description="Train a decoder (RMSNorm, SwiGLU, GQA) saved as a stock transformers "
                        "SmolLM3, so from_pretrained reloads its positional encoding. Start from a preset "
@@ -51,6 +51,17 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop after N steps, keeping the checkpoint (rerun the same command to resume)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sweep", help="train variants x seeds on identical data; held-out losses with between-seed "
+                                     "intervals",
+                       description="Train a matrix of positional-encoding variants x seeds (a preset, a .json file, "
+                       "or flags) on identical tokens, batches and steps; every model is cached by its full "
+                       "configuration (an interrupted sweep resumes). Writes the held-out loss of each variant with a "
+                       "t-interval over seeds, the paired difference of every two variants (paired by seed) and a "
+                       "figure. See docs/training.md, \"Sweeps\".")
+    add_options(p, SweepConfig)
+    _output_args(p, "runs/sweep")
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("tokenize", help="write a memory-mapped token file with a document-level train/val split",
                        description="Tokenize text into train.bin/val.bin (uint16 or uint32) plus header.json "
@@ -67,17 +78,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def default_out(cfg: TrainConfig) -> str:
-    """``runs/train-PRESET-VARIANT``: the preset's name (a .json preset's file name without the suffix) and the
-    variant (none, rope or mixed, then any scaling, window and bos): runs/train-tiny-none, runs/train-cpu-rope-ntk-8."""
-    name = Path(cfg.preset).stem if cfg.preset.endswith(".json") else cfg.preset
-    parts = [cfg.pe if cfg.pe_layers is None else "mixed"]
-    if cfg.rope_scaling:
-        parts.append(cfg.rope_scaling.replace(":", "-"))
-    if cfg.sliding_window:
-        parts.append(f"window-{cfg.sliding_window}")
-    if cfg.bos:
-        parts.append("bos")
-    return f"runs/train-{name}-{'-'.join(parts)}"
+    """``runs/train-SLUG`` (`poslens.train.cache.slug`): runs/train-tiny-none, runs/train-cpu-rope-ntk-8."""
+    from poslens.train.cache import slug
+
+    return f"runs/train-{slug(cfg)}"
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -96,6 +100,35 @@ def cmd_train(args: argparse.Namespace) -> None:
               "--mode pack")
 
 
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from poslens.train.sweep import run_sweep
+
+    meta = run_sweep(from_args(SweepConfig, args), args.out, force=args.force, progress=not args.quiet)
+    print(sweep_table(meta))
+    print(f"wrote {args.out} (each model's directory: run.json \"models\"; figure: figures/heldout_loss.png)")
+
+
+def _interval(e: dict) -> str:
+    if e["lo"] is None:
+        return f"{e['value']:.4f} (one seed)"
+    return f"{e['value']:.4f} [{e['lo']:.4f}, {e['hi']:.4f}]"
+
+
+def sweep_table(meta: dict) -> str:
+    """The sweep's held-out losses and paired differences as text (what `poslens sweep` prints)."""
+    m = meta["metrics"]
+    n = len(meta["config"]["seeds"])
+    level = f"{100 * meta['config']['level']:g}%"
+    lines = [f"held-out loss, mean over {n} seed(s) with the {level} t-interval over seeds:"]
+    for v, e in m["heldout_loss"].items():
+        seeds = " ".join(f"{x:.4f}" for x in e["per_seed"])
+        lines.append(f"  {v:<12} {meta['labels'][v]:<40} {_interval(e)}   per seed: {seeds}")
+    lines.append("paired differences (same seed: same data order and, where shapes agree, initial weights):")
+    for k, e in m["differences"].items():
+        lines.append(f"  {k:<25} {_interval(e)}   {e['verdict']}")
+    return "\n".join(lines)
+
+
 def cmd_tokenize(args: argparse.Namespace) -> None:
     from poslens.train.tokens import tokenize_corpus
 
@@ -108,7 +141,7 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m poslens.train train|tokenize ...`` (the same commands as ``poslens train|tokenize``)."""
+    """``python -m poslens.train train|sweep|tokenize ...`` (the same commands as ``poslens train|sweep|tokenize``)."""
     from poslens.errors import UsageError
 
     parser = argparse.ArgumentParser(prog="poslens")

@@ -294,14 +294,14 @@ class _Stopped(Exception):
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progress: bool = True,
-          stop_after: int | None = None) -> dict[str, Any]:
+          stop_after: int | None = None, label: str | None = None) -> dict[str, Any]:
     """Train `cfg` and write the finished model into `out`; returns the final metrics.
 
     The output is built with `poslens.io.results.open_run` (rank 0 holds its lock): checkpoints and
     metrics.jsonl live in its work directory ``.OUT.partial/``, so a run restarted with the same
     configuration resumes from the last checkpoint and follows the uninterrupted trajectory.
     `stop_after`: stop (as if interrupted) after that many steps, leaving checkpoint and metrics behind. A run that
-    fails before its first checkpoint leaves nothing behind.
+    fails before its first checkpoint leaves nothing behind. `label`: what the progress bar calls the run.
     """
     from poslens.io.results import open_run
 
@@ -320,7 +320,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
                 work, build = work_directory(target), None
             d.barrier()  # rank 0 has checked the output and cleaned leftovers
             try:
-                return _train(cfg, d, work, build, progress, stop_after)
+                return _train(cfg, d, work, build, progress, stop_after, label)
             except BaseException as e:
                 if d.main and not isinstance(e, _Stopped) and ckpt.find(work.path) is None:
                     _discard_metrics(work)  # nothing to resume from: leave no trace of the failed run
@@ -330,7 +330,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
 
 
 def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: bool,
-           stop_after: int | None) -> dict[str, Any]:
+           stop_after: int | None, label: str | None) -> dict[str, Any]:
     check_batch(cfg.batch_size, cfg.micro_batch, d.world)
     tf = _tokens(cfg, d, progress)
     bos = bos_id(cfg, tf)
@@ -393,7 +393,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
 
     from tqdm.auto import tqdm
 
-    what = f"training {cfg.preset} ({cfg.positional_encoding().label()}, {params['total'] / 1e6:.1f}M params)"
+    what = label or f"training {cfg.preset} ({cfg.positional_encoding().label()}, {params['total'] / 1e6:.1f}M params)"
     bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not (progress and d.main), unit="step")
     last: dict[str, Any] = {}
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -502,8 +502,11 @@ def _finish(build: Path, raw: torch.nn.Module, state: dict | None, tokenizer: An
     tensors = {"train_loss": torch.tensor([r["loss"] for r in steps], dtype=torch.float64),
                "eval_step": torch.tensor([r["step"] for r in evals], dtype=torch.int64),
                "eval_loss": torch.tensor([r["eval_loss"] for r in evals], dtype=torch.float64)}
+    from poslens.engine.pe import variant_record
+
     write_run(build, tensors, {"kind": "train", "command": "train", "config": dataclasses.asdict(cfg),
-                               "metrics": metrics, "tokens": {**tf.header, "path": str(tf.path)}})
+                               "variant": variant_record(raw), "metrics": metrics,
+                               "tokens": {**tf.header, "path": str(tf.path)}})
 
 
 def _discard_metrics(work: Work) -> None:

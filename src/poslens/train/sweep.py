@@ -1,0 +1,299 @@
+"""`poslens sweep`: a matrix of model variants x seeds, trained on identical tokens, batches and steps, and their
+held-out losses with between-seed intervals.
+
+A matrix (a JSON file, a shipped preset, or flags) has
+
+    "train":    the fields every model shares (a `TrainConfig` preset and fields on top: data, optimisation, size)
+    "variants": name -> the model fields that differ (pe, pe_layers, rope_theta, rope_scaling, sliding_window,
+                layer_types, and the shape fields); data and optimisation fields may not differ, so that every
+                variant reads the same tokens in the same batches for the same number of steps
+    "seeds":    the seeds; seed s sets the initial weights and the data order, the same for every variant, so
+                the variants of one seed start from the same weights (when their shapes agree) and see the same
+                batches: differences between variants are paired by seed
+
+Every model is trained once into the cache (`poslens.train.cache`, keyed by its full configuration and token
+directory) and reused by any later sweep, `reproduce` or `train` of the same configuration; an interrupted sweep
+resumes (finished models are read from the cache, the interrupted one resumes from its checkpoint).
+
+The sweep's run directory: run.json with each model's directory, variant, seed, label and configuration
+(``models``), the held-out loss of every variant (mean over seeds with a t-interval over seeds) and the paired
+difference of every two variants (mean over seeds of the per-seed difference, t-interval) with a verdict;
+tensors ``final_loss`` [variants, seeds], ``eval_loss`` [variants, seeds, evaluations], ``eval_step``; and
+``figures/heldout_loss.{png,pdf}``. The error bar of a training effect is the spread over seeds: each model's own
+held-out loss is one number per seed here, not an average with its own interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from poslens.errors import UsageError, check_float, require
+from poslens.options import option
+from poslens.train.config import FIELDS, TrainConfig, load_preset, resolve_config
+
+PRESETS = ("pe", "pe-quick")
+VARIANT_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
+                  "rope_scaling", "sliding_window", "layer_types")
+
+
+@dataclass
+class SweepConfig:
+    """What `poslens sweep` trains: a preset matrix, or its parts replaced by flags."""
+
+    preset: str = option("pe", help="matrix: pe (NoPE, RoPE, NTK-scaled RoPE, sliding-window RoPE, all with BOS, "
+                                    "3 seeds), pe-quick (the same, smaller), or a .json file")
+    variants: str | None = option(None, help="variants instead of the preset's: NAME:FIELD=VALUE+FIELD=VALUE,... "
+                                             "(e.g. nope:pe=none,ntk:pe=rope+rope_scaling=ntk:8)")
+    seeds: list[int] | None = option(None, help="seeds instead of the preset's (each sets the initial weights and "
+                                                "the data order of every variant)")
+    train: str | None = option(None, help="shared training fields on top of the preset's: FIELD=VALUE+... "
+                                          "(e.g. steps=300+tokens=runs/tok)")
+    level: float = option(0.95, help="confidence level of the between-seed t-intervals")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model of the matrix."""
+
+    variant: str
+    seed: int
+    config: TrainConfig
+
+    @property
+    def label(self) -> str:
+        return self.config.positional_encoding().label()
+
+
+@dataclass
+class Matrix:
+    """A resolved matrix: the shared fields, each variant's fields, the seeds, and one member per (variant, seed)."""
+
+    train: dict[str, Any]
+    variants: dict[str, dict[str, Any]]
+    seeds: list[int]
+
+    @property
+    def members(self) -> list[Member]:
+        return [Member(v, s, _config(self.train, fields, s)) for v, fields in self.variants.items() for s in self.seeds]
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+def preset_path(name: str) -> Path:
+    """The JSON file of sweep preset `name` (shipped, or a path to a .json file)."""
+    if name.endswith(".json"):
+        path = Path(name).expanduser()
+        require(path.is_file(), f"preset {name}: no such file; pass one of {', '.join(PRESETS)} or a .json file")
+        return path
+    require(name in PRESETS, f"unknown sweep preset {name!r}; use one of {', '.join(PRESETS)} or a .json file")
+    return Path(str(resources.files("poslens.train") / "presets" / f"sweep-{name}.json"))
+
+
+def _value(field: str, text: str) -> Any:
+    """A flag's text as the type of TrainConfig field `field`."""
+    default = TrainConfig.__dataclass_fields__[field].default
+    if isinstance(default, bool):
+        require(text.lower() in ("true", "false", "1", "0"), f"{field} takes true or false; got {text!r}")
+        return text.lower() in ("true", "1")
+    for kind in (int, float):
+        if isinstance(default, kind):
+            try:
+                return kind(text)
+            except ValueError:
+                raise UsageError(f"{field} takes a number; got {text!r}") from None
+    return None if text.lower() in ("", "none") and default is None else text
+
+
+def parse_fields(spec: str, what: str) -> dict[str, Any]:
+    """``FIELD=VALUE+FIELD=VALUE`` -> {field: typed value} (dashes or underscores in names)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in spec.split("+"))):
+        name, eq, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        require(bool(eq) and name in FIELDS, f"{what}: {item!r} is not FIELD=VALUE with a train field (known: "
+                                             f"{', '.join(FIELDS)})")
+        out[name] = _value(name, text.strip())
+    return out
+
+
+def parse_variants(spec: str) -> dict[str, dict[str, Any]]:
+    """``nope:pe=none,ntk:pe=rope+rope_scaling=ntk:8`` -> {"nope": {"pe": "none"}, "ntk": {...}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, colon, fields = item.partition(":")
+        require(bool(colon) and name.strip() != "", f"variants: {item!r} is not NAME:FIELD=VALUE+...; e.g. "
+                                                     "nope:pe=none,rope:pe=rope")
+        require(name.strip() not in out, f"variants: {name.strip()!r} is named twice")
+        out[name.strip()] = parse_fields(fields, f"variant {name.strip()}")
+    return out
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UsageError(f"sweep preset {path}: cannot read it ({type(e).__name__})") from None
+    require(isinstance(data, dict), f"sweep preset {path}: must hold a JSON object with train, variants, seeds")
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    unknown = sorted(set(data) - {"train", "variants", "seeds"})
+    require(not unknown, f"sweep preset {path}: unknown key(s) {', '.join(unknown)}; use train, variants, seeds")
+    return data
+
+
+def _config(train: dict[str, Any], variant: dict[str, Any], seed: int) -> TrainConfig:
+    fields = {**train, **variant, "seed": seed}
+    return resolve_config(fields.pop("preset", "tiny"), **fields)
+
+
+def resolve_matrix(cfg: SweepConfig) -> Matrix:
+    """The matrix of `cfg` (preset, then flags), every member's configuration checked before anything runs."""
+    data = _read(preset_path(cfg.preset))
+    train = dict(data.get("train") or {})
+    if cfg.train:
+        train.update(parse_fields(cfg.train, "train"))
+    variants = parse_variants(cfg.variants) if cfg.variants else data.get("variants")
+    seeds = list(cfg.seeds) if cfg.seeds is not None else data.get("seeds")
+    require(isinstance(train, dict) and isinstance(variants, dict) and len(variants) >= 1,
+            f"sweep preset {cfg.preset}: needs a train object and at least one variant")
+    require(isinstance(seeds, list) and len(seeds) >= 1 and all(isinstance(s, int) and not isinstance(s, bool)
+                                                                 for s in seeds),
+            f"seeds must be a list of integers, got {seeds!r}")
+    require(len(set(seeds)) == len(seeds), f"seeds must differ from each other, got {seeds}")
+    unknown = sorted(set(train) - set(FIELDS))
+    require(not unknown, f"sweep train fields: unknown {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    require("seed" not in train, "the seed is the sweep's: give seeds, not a train seed")
+    if "preset" in train:
+        load_preset(train["preset"])
+    for name, fields in variants.items():
+        require(isinstance(fields, dict), f"variant {name}: must be an object of fields")
+        shared = sorted(set(fields) - set(VARIANT_FIELDS))
+        require(not shared, f"variant {name}: {', '.join(shared)} must be the same for every variant (the variants "
+                            f"share tokens, batches and steps); set it under train. A variant may set: "
+                            f"{', '.join(VARIANT_FIELDS)}")
+    check_float("level", cfg.level, 0.0, 1.0, lo_open=True, hi_open=True)
+    matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds)
+    for m in matrix.members:  # every configuration checked up front
+        m.config.check()
+    return matrix
+
+
+# ---------------------------------------------------------------- statistics over seeds
+
+
+def seed_interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
+    """Mean of per-seed values with a t-interval over seeds: mean -/+ t_{n-1} sd / sqrt(n) (n >= 2; with one seed
+    the interval is undefined, None)."""
+    from poslens.engine.stats import t_quantile
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return {"value": mean, "lo": None, "hi": None, "sd": None, "n": n, "level": level,
+                "method": "t over seeds", "per_seed": list(values)}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1))
+    half = t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+    return {"value": mean, "lo": mean - half, "hi": mean + half, "sd": sd, "n": n, "level": level,
+            "method": "t over seeds", "per_seed": list(values)}
+
+
+def verdict(diff: dict[str, Any], a: str, b: str) -> str:
+    """The rule for a paired difference a - b: resolved when its interval excludes 0."""
+    lo, hi = diff["lo"], diff["hi"]
+    if lo is None or hi is None:
+        return "not resolved (one seed: no interval)"
+    if hi < 0:
+        return f"{a} lower than {b}"
+    if lo > 0:
+        return f"{a} higher than {b}"
+    return f"not resolved at {diff['n']} seeds"
+
+
+def summarise(losses: dict[str, list[float]], level: float = 0.95) -> dict[str, Any]:
+    """Held-out loss per variant (list over the same seeds) and every paired difference, with t-intervals."""
+    names = list(losses)
+    table = {v: seed_interval(losses[v], level) for v in names}
+    diffs = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            d = seed_interval([x - y for x, y in zip(losses[a], losses[b])], level)
+            diffs[f"{a} - {b}"] = {**d, "a": a, "b": b, "verdict": verdict(d, a, b)}
+    return {"heldout_loss": table, "differences": diffs}
+
+
+# ---------------------------------------------------------------- running
+
+
+def train_matrix(matrix: Matrix, progress: bool = True) -> dict[tuple[str, int], Path]:
+    """Every member's model directory: from the cache, or trained now (progress lines name the model, k of N, and the
+    time left, estimated from the models trained so far)."""
+    from poslens.train.cache import tokens_of, trained_model, trained_model_dir
+
+    members = matrix.members
+    tokens = tokens_of(members[0].config, progress)  # shared by every member (a variant cannot change the data)
+    todo = [m for m in members if not (trained_model_dir(m.config, tokens) / "run.json").is_file()]
+    out: dict[tuple[str, int], Path] = {}
+    spent, trained = 0.0, 0
+    for k, m in enumerate(members, 1):
+        head = f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}"
+        if m in todo and progress:
+            left = len(todo) - trained
+            eta = f"about {_duration(spent / trained * left)} left" if trained else "time left known after one model"
+            print(f"{head}: training {m.config.steps} steps; {left} model(s) to train, {eta}", flush=True)
+        elif progress:
+            print(f"{head}: cached", flush=True)
+        start = time.perf_counter()
+        out[(m.variant, m.seed)] = trained_model(m.config, progress, label=head, tokens=tokens)
+        if m in todo:
+            spent, trained = spent + time.perf_counter() - start, trained + 1
+    return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def run_sweep(cfg: SweepConfig, out: str | os.PathLike, force: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train (or read from the cache) every model of the matrix and write the sweep's run directory to `out`;
+    returns its run.json contents."""
+    import torch
+
+    from poslens import plotting
+    from poslens.io.results import load, open_run, write_run
+
+    matrix = resolve_matrix(cfg)
+    started = time.perf_counter()
+    with open_run(out, force) as run:
+        paths = train_matrix(matrix, progress)
+        runs = {key: load(path) for key, path in paths.items()}
+        names, seeds = list(matrix.variants), matrix.seeds
+        final = torch.tensor([[float(runs[(v, s)]["eval_loss"][-1]) for s in seeds] for v in names],
+                             dtype=torch.float64)
+        curves = torch.stack([torch.stack([runs[(v, s)]["eval_loss"] for s in seeds]) for v in names])
+        steps = runs[(names[0], seeds[0])]["eval_step"]
+        metrics = summarise({v: final[i].tolist() for i, v in enumerate(names)}, cfg.level)
+        labels = {m.variant: m.label for m in matrix.members}
+        series, errors = {}, {}
+        for i, v in enumerate(names):
+            per_step = [seed_interval(curves[i, :, e].tolist(), cfg.level) for e in range(len(steps))]
+            series[f"{v}: {labels[v]}"] = [p["value"] for p in per_step]
+            errors[f"{v}: {labels[v]}"] = [0.0 if p["hi"] is None else p["hi"] - p["value"] for p in per_step]
+        fig = plotting.line_plot(steps.tolist(), series, "step", "held-out loss (nats)",
+                                 f"mean over {len(seeds)} seed(s), {100 * cfg.level:g}% t-interval over seeds",
+                                 errors=errors)
+        plotting.save(fig, run.build / "figures", "heldout_loss")
+        models = [{"variant": m.variant, "seed": m.seed, "label": m.label, "path": str(paths[(m.variant, m.seed)]),
+                   "config": asdict(m.config)} for m in matrix.members]
+        meta = {"kind": "sweep", "command": "sweep",
+                "config": {**asdict(cfg), "train": matrix.train, "variants": matrix.variants, "seeds": seeds},
+                "models": models, "labels": labels, "metrics": metrics,
+                "timings": {"seconds": time.perf_counter() - started}}
+        write_run(run.build, {"final_loss": final, "eval_loss": curves, "eval_step": steps}, meta)
+    return meta
