@@ -238,12 +238,14 @@ def train_matrix(matrix: Matrix, progress: bool = True) -> dict[tuple[str, int],
 
     members = matrix.members
     tokens = tokens_of(members[0].config, progress)  # shared by every member (a variant cannot change the data)
-    todo = [m for m in members if not (trained_model_dir(m.config, tokens) / "run.json").is_file()]
+    targets = [trained_model_dir(m.config, tokens) for m in members]
+    todo = {t for t in targets if not (t / "run.json").is_file()}  # two variants of one configuration: one model
     out: dict[tuple[str, int], Path] = {}
     spent, trained = 0.0, 0
-    for k, m in enumerate(members, 1):
+    for k, (m, target) in enumerate(zip(members, targets), 1):
         head = f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}"
-        if m in todo and progress:
+        fresh = target in todo and not (target / "run.json").is_file()
+        if progress and fresh:
             left = len(todo) - trained
             eta = f"about {_duration(spent / trained * left)} left" if trained else "time left known after one model"
             print(f"{head}: training {m.config.steps} steps; {left} model(s) to train, {eta}", flush=True)
@@ -251,7 +253,7 @@ def train_matrix(matrix: Matrix, progress: bool = True) -> dict[tuple[str, int],
             print(f"{head}: cached", flush=True)
         start = time.perf_counter()
         out[(m.variant, m.seed)] = trained_model(m.config, progress, label=head, tokens=tokens)
-        if m in todo:
+        if fresh:
             spent, trained = spent + time.perf_counter() - start, trained + 1
     return out
 

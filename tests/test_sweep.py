@@ -1,0 +1,100 @@
+"""`poslens sweep`: the matrix, the between-seed statistics, caching, pairing and resuming, on micro models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from poslens.errors import UsageError
+from poslens.train.sweep import SweepConfig, parse_variants, resolve_matrix, run_sweep, seed_interval, summarise
+
+pytest_plugins = ("train_fixtures",)  # the session's token directory (fixture `tokens`)
+MICRO = dict(preset="tiny", layers=1, hidden=32, intermediate=64, heads=2, kv_heads=1, seq_len=16, steps=3,
+             batch_size=4, micro_batch=4, warmup=1, eval_every=3, eval_batches=1, save_every=0, bos=True)
+
+
+def _matrix_file(tmp_path, tokens, variants, seeds=(0, 1)):
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps({"train": {**MICRO, "tokens": str(tokens)}, "variants": variants,
+                                "seeds": list(seeds)}))
+    return str(path)
+
+
+def test_shipped_presets_resolve_to_the_four_variants():
+    for name in ("pe", "pe-quick"):
+        m = resolve_matrix(SweepConfig(preset=name))
+        assert list(m.variants) == ["nope", "rope", "ntk", "window"] and m.seeds == [0, 1, 2]
+        labels = {x.variant: x.label for x in m.members}
+        assert labels["nope"] == "NoPE" and labels["ntk"] == "RoPE (ntk:8)"
+        window = next(x.config for x in m.members if x.variant == "window")
+        assert 0 < window.sliding_window < window.seq_len  # the window binds during training
+        assert all(x.config.bos for x in m.members)
+
+
+def test_flags_and_bad_matrices(tmp_path, tokens):
+    m = resolve_matrix(SweepConfig(preset="pe-quick", variants="a:pe=none,b:pe=rope+rope_scaling=linear:2",
+                                   seeds=[5], train="steps=20+warmup=2"))
+    assert m.variants == {"a": {"pe": "none"}, "b": {"pe": "rope", "rope_scaling": "linear:2"}}
+    assert [(x.variant, x.seed, x.config.steps) for x in m.members] == [("a", 5, 20), ("b", 5, 20)]
+    bad = {"data field in a variant": ({"x": {"pe": "rope", "steps": 9}}, "must be the same for every variant"),
+           "unknown field": ({"x": {"pe": "rope", "depth": 3}}, "must be the same for every variant"),
+           "bad value": ({"x": {"pe": "rope", "rope_scaling": "ntk:0.5"}}, "rope_scaling factor")}
+    for variants, message in bad.values():
+        with pytest.raises(UsageError, match=message):
+            resolve_matrix(SweepConfig(preset=_matrix_file(tmp_path, tokens, variants)))
+    with pytest.raises(UsageError, match="differ from each other"):
+        resolve_matrix(SweepConfig(preset="pe-quick", seeds=[1, 1]))
+    for spec in ("nope", "a:pe", "a:pe=none,a:pe=rope"):
+        with pytest.raises(UsageError, match="variant"):
+            parse_variants(spec)
+
+
+def test_between_seed_interval_is_the_t_interval():
+    """mean -/+ t_{n-1, 0.975} sd / sqrt(n); t_{2, 0.975} = 4.302652729911275 (a table value)."""
+    e = seed_interval([1.0, 2.0, 3.0])
+    assert e["value"] == 2.0 and e["sd"] == 1.0
+    assert math.isclose(e["hi"] - 2.0, 4.302652729911275 / math.sqrt(3), rel_tol=1e-9)
+    assert seed_interval([4.0])["lo"] is None  # one seed: no interval
+    s = summarise({"a": [1.0, 2.0, 3.0], "b": [1.5, 2.4, 3.6]})
+    d = s["differences"]["a - b"]
+    assert d["per_seed"] == pytest.approx([-0.5, -0.4, -0.6]) and d["verdict"] == "a lower than b"
+
+
+def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
+    """A 2 x 2 matrix whose two variants are the same model: the second variant is read from the cache (no
+    training), so its paired differences are exactly 0; an interrupted sweep resumes, training only the models
+    it had not finished; the held-out losses are the models' own final evaluations."""
+    import poslens.train.loop as loop
+    from poslens.io.results import load
+
+    trained = []
+    original = loop.train
+
+    def counting(cfg, out, **kw):
+        trained.append((cfg.pe, cfg.seed))
+        if len(trained) == 2 and not getattr(counting, "resumed", False):
+            raise KeyboardInterrupt  # interrupted while training the second model
+        return original(cfg, out, **kw)
+
+    monkeypatch.setattr(loop, "train", counting)
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}, "rope": {"pe": "rope"},
+                                             "nope2": {"pe": "none"}})
+    cfg = SweepConfig(preset=preset)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfg, tmp_path / "sweep", progress=False)
+    assert not (tmp_path / "sweep").exists()
+    counting.resumed = True
+    meta = run_sweep(cfg, tmp_path / "sweep", progress=False)
+    # nope s0 trained before the interrupt, nope s1 interrupted and trained again, then rope s0, rope s1; nope2 cached
+    assert trained == [("none", 0), ("none", 1), ("none", 1), ("rope", 0), ("rope", 1)]
+    run = load(tmp_path / "sweep")
+    assert run["final_loss"].shape == (3, 2) and run["eval_loss"].shape == (3, 2, 2)
+    for i, m in enumerate(meta["models"]):
+        own = load(m["path"]).metrics["final_eval_loss"]
+        assert run["final_loss"].flatten()[i].item() == own
+    diffs = meta["metrics"]["differences"]
+    assert diffs["nope - nope2"]["per_seed"] == [0.0, 0.0] and diffs["nope - nope2"]["lo"] == 0.0
+    assert meta["models"][0]["path"] == meta["models"][4]["path"]  # the same configuration: one cached model
+    assert (tmp_path / "sweep" / "figures" / "heldout_loss.png").is_file()
