@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import MICRO
 
 from poslens.engine.pe import parse_rope_flags
 from poslens.errors import UsageError
@@ -24,6 +23,9 @@ from poslens.train.model import build_model, count_parameters
 from poslens.train.tokens import open_tokens
 
 pytest_plugins = ("train_fixtures",)  # the session's token directory (fixture `tokens`)
+MICRO = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, seq_len=32, steps=6, batch_size=8,
+             micro_batch=4, lr=3e-3, warmup=2, eval_every=3, eval_batches=2, save_every=0, device="cpu")
+
 
 def micro(tokens: Path, **kw) -> TrainConfig:
     return resolve_config("tiny", **{**MICRO, "tokens": str(tokens), **kw})

@@ -49,7 +49,11 @@ def bin_path(directory: str | os.PathLike, split: str) -> Path:
 
 class Corrupt(UsageError):
     """A token directory that is there but unusable (the cache rebuilds such an entry; `tokenize --force` replaces
-    it)."""
+    it). `reason` says what is wrong."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: corrupt token directory ({reason}); rerun `poslens tokenize` with --force")
+        self.reason = reason
 
 
 # ---------------------------------------------------------------- reading
@@ -86,8 +90,7 @@ class TokenFile:
         try:
             tok = AutoTokenizer.from_pretrained(self.path / TOKENIZER)
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise Corrupt(f"{self.path}: corrupt token directory (its {TOKENIZER}/ folder does not load: "
-                          f"{type(e).__name__}); rerun `poslens tokenize` with --force") from None
+            raise Corrupt(self.path, f"its {TOKENIZER}/ folder does not load: {type(e).__name__}") from None
         require(len(tok) <= self.vocab_size, f"{self.path}: the tokenizer has {len(tok)} entries but header.json says "
                                              f"vocab_size {self.vocab_size}; rerun `poslens tokenize` with --force")
         return tok
@@ -119,8 +122,7 @@ def _int_field(header: dict, key: str, path: Path, lo: int = 0, optional: bool =
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise Corrupt(f"{path}: corrupt token directory (header.json: {key} must be an integer >= {lo}, got "
-                      f"{value!r}); rerun `poslens tokenize` with --force")
+        raise Corrupt(path, f"header.json: {key} must be an integer >= {lo}, got {value!r}")
     return value
 
 
@@ -129,21 +131,17 @@ def check_header(header: Any, path: Path) -> dict[str, Any]:
     require(isinstance(header, dict) and header.get("format") == FORMAT,
             f"{path}: not a {FORMAT} directory (header.json names another format)")
     if header.get("dtype") not in DTYPES:
-        raise Corrupt(f"{path}: corrupt token directory (header.json: dtype must be uint16 or uint32, got "
-                      f"{header.get('dtype')!r}); rerun `poslens tokenize` with --force")
+        raise Corrupt(path, f"header.json: dtype must be uint16 or uint32, got {header.get('dtype')!r}")
     vocab = _int_field(header, "vocab_size", path, lo=1)
     if vocab > np.iinfo(np.dtype(header["dtype"])).max + 1:
-        raise Corrupt(f"{path}: corrupt token directory (vocab_size {vocab} does not fit {header['dtype']}); rerun "
-                      "`poslens tokenize` with --force")
+        raise Corrupt(path, f"vocab_size {vocab} does not fit {header['dtype']}")
     for key in ("separator_token_id", "bos_token_id", "eos_token_id"):
         value = _int_field(header, key, path, optional=key != "separator_token_id")
         if value is not None and value >= vocab:
-            raise Corrupt(f"{path}: corrupt token directory (header.json: {key} {value} is not below vocab_size "
-                          f"{vocab}); rerun `poslens tokenize` with --force")
+            raise Corrupt(path, f"header.json: {key} {value} is not below vocab_size {vocab}")
     for split in SPLITS:
         if not isinstance(header.get(split), dict):
-            raise Corrupt(f"{path}: corrupt token directory (header.json: no {split} counts); rerun "
-                          "`poslens tokenize` with --force")
+            raise Corrupt(path, f"header.json: no {split} counts")
         _int_field(header[split], "tokens", path)
     return header
 
@@ -164,8 +162,7 @@ def open_tokens(path: str | os.PathLike) -> TokenFile:
     try:
         header = json.loads((path / HEADER).read_text())
     except (OSError, ValueError, RecursionError) as e:
-        raise Corrupt(f"{path}: corrupt token directory (header.json: {type(e).__name__}); rerun "
-                      "`poslens tokenize` with --force") from None
+        raise Corrupt(path, f"header.json: {type(e).__name__}") from None
     check_header(header, path)
     dtype = np.dtype(header["dtype"])
     arrays = {}
@@ -174,21 +171,17 @@ def open_tokens(path: str | os.PathLike) -> TokenFile:
         try:
             size = file.stat().st_size
         except OSError as e:
-            raise Corrupt(f"{path}: corrupt token directory ({file.name}: {e.strerror}); rerun `poslens tokenize` "
-                          "with --force") from None
+            raise Corrupt(path, f"{file.name}: {e.strerror}") from None
         if size != expected:
-            raise Corrupt(f"{path}: corrupt token directory ({file.name} has {size} bytes, the header says "
-                          f"{expected}); rerun `poslens tokenize` with --force")
+            raise Corrupt(path, f"{file.name} has {size} bytes, the header says {expected}")
         arrays[split] = np.memmap(file, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
         if header["vocab_size"] > np.iinfo(dtype).max:
             continue  # every id the dtype holds is in the vocabulary
         top = _largest_id(arrays[split])
         if top >= header["vocab_size"]:
-            raise Corrupt(f"{path}: corrupt token directory ({file.name} holds id {top}, header.json says vocab_size "
-                          f"{header['vocab_size']}); rerun `poslens tokenize` with --force")
+            raise Corrupt(path, f"{file.name} holds id {top}, header.json says vocab_size {header['vocab_size']}")
     if not (path / TOKENIZER).is_dir():
-        raise Corrupt(f"{path}: corrupt token directory (no {TOKENIZER}/ folder, which decodes the ids and goes "
-                      "with every trained model); rerun `poslens tokenize` with --force")
+        raise Corrupt(path, f"no {TOKENIZER}/ folder, which decodes the ids and goes with every trained model")
     return TokenFile(path=path, header=header, train=arrays["train"], val=arrays["val"])
 
 

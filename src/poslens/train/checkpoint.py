@@ -42,14 +42,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(work: Path, model: Any, model_state: dict[str, torch.Tensor] | None, trainer: dict[str, Any],
          tokenizer: Any = None) -> Path:
-    """Write a checkpoint into `work`/checkpoint atomically (write a sibling, then rename)."""
+    """Write a checkpoint into `work`/checkpoint atomically (write a sibling, then rename). A full disk is a
+    one-line UsageError naming the file and the bytes it needed; the previous checkpoint stays."""
+    from poslens.io.space import disk_space, nbytes
+
     final = work / NAME
     tmp = work / f".{NAME}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=model_state)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    torch.save(trainer, tmp / STATE)
+    weights = model_state if model_state is not None else model.state_dict()
+    try:
+        with disk_space(tmp / "model.safetensors", nbytes(weights)):
+            model.save_pretrained(tmp, state_dict=model_state)
+        if tokenizer is not None:
+            with disk_space(tmp, 1 << 20):
+                tokenizer.save_pretrained(tmp)
+        with disk_space(tmp / STATE, nbytes(trainer)):
+            torch.save(trainer, tmp / STATE)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = work / f"{NAME}.old"
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)

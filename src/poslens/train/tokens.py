@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from poslens.errors import check_float, check_int, require
+from poslens.errors import UsageError, check_float, check_int, require
 from poslens.io.tokenfile import VERSION, TokenFile, TokenWriter, open_tokens
 from poslens.train.config import parse_tokenizer
 
@@ -90,7 +90,7 @@ def tokenize_corpus(source: str | None, out: str | os.PathLike, tokenizer: str =
     val_fraction = check_float("val_fraction", val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
     seed = check_int("seed", seed, 0, 2**32 - 1)
     docs = iter_documents(source, text_field)  # checks the source before any work
-    with run_directory(out, force) as tmp:
+    with run_directory(out, force, inputs=[source] if source is not None else []) as tmp:
         if kind == "bpe":
             tok = train_bpe(_train_documents(source, text_field, val_fraction, seed), vocab)
         else:
@@ -133,15 +133,35 @@ def _batches(items: Iterable[Any], n: int) -> Iterator[list[Any]]:
 
 
 def default_tokens(tokenizer: str, progress: bool = True) -> Path:
-    """The embedded corpus tokenized with `tokenizer`, cached under the poslens cache directory."""
+    """The embedded corpus tokenized with `tokenizer`, cached under the poslens cache directory.
+
+    Built once: a second process asking for it meanwhile waits for the first (one line says so) and uses its
+    result; a cached entry that does not open (`poslens.io.tokenfile.open_tokens`) is rebuilt, saying why.
+    """
+    import shutil
+    import sys
+
     from poslens.engine.data import default_documents
     from poslens.engine.models import cache_root
+    from poslens.io.tokenfile import Corrupt, is_token_directory
+    from poslens.train.cache import building
 
     digest = hashlib.sha256(f"{tokenizer}|v{VERSION}".encode())
     for text in default_documents():  # the key follows the text itself, so an enlarged corpus is re-tokenized
         digest.update(text.encode("utf-8", "surrogatepass"))
     key = digest.hexdigest()[:12]
     path = cache_root() / "tokens" / f"embedded-{re.sub(r'[^A-Za-z0-9]+', '-', tokenizer)}-{key}"
-    if not (path / "header.json").is_file():
+    with building(path, f"the embedded corpus tokenized with {tokenizer}"):
+        if path.exists():
+            try:
+                open_tokens(path)
+                return path
+            except Corrupt as e:
+                print(f"{path}: the cached token directory is corrupt ({e.reason}); rebuilding it", file=sys.stderr,
+                      flush=True)
+                shutil.rmtree(path)  # poslens's own cache entry (one of 0.2 has no manifest to go by)
+            except UsageError:
+                if is_token_directory(path):
+                    raise
         tokenize_corpus(None, path, tokenizer=tokenizer, force=True, progress=progress)
     return path
