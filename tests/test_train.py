@@ -88,11 +88,12 @@ def test_per_layer_pattern(tmp_path):
 
 
 def test_every_preset_parses_and_builds():
-    """Each shipped preset resolves; its model builds (paper-1.5b on the meta device only) with the paper's shape."""
+    """Each shipped preset resolves; its model builds (small and paper-1.5b on the meta device only) with the
+    paper's shape."""
     for name in PRESETS:
         cfg = resolve_config(name)
         vocab = 49_152 if cfg.tokenizer == "smollm2" else int(cfg.tokenizer.split(":")[1])
-        model = build_model(cfg, vocab, device="meta" if name == "paper-1.5b" else "cpu")
+        model = build_model(cfg, vocab, device="cpu" if name in ("tiny", "cpu") else "meta")  # 123M, 1.44B: meta
         assert model.config.num_hidden_layers == cfg.layers and model.config.no_rope_layers == [0] * cfg.layers
     paper = resolve_config("paper-1.5b")
     assert (paper.layers, paper.hidden, paper.heads, paper.kv_heads, paper.seq_len) == (22, 2048, 32, 8, 1024)
@@ -219,7 +220,7 @@ def test_corpus_smaller_than_one_batch(tokens, tmp_path):
     n = num_blocks(open_tokens(tokens).train, 32)
     with pytest.raises(UsageError, match="fewer than one batch"):
         train(micro(tokens, batch_size=4 * n, micro_batch=4 * n), tmp_path / "x", progress=False)
-    assert not (tmp_path / "x").exists()
+    assert list(tmp_path.iterdir()) == []  # no .x.partial/metrics.jsonl either
 
 
 def test_out_of_memory_on_first_step(tokens, tmp_path, monkeypatch):
@@ -232,7 +233,82 @@ def test_out_of_memory_on_first_step(tokens, tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "next_token_loss", oom)
     with pytest.raises(UsageError, match="smaller --micro-batch \\(e.g. 2\\)"):
         train(micro(tokens, eval_every=6), tmp_path / "x", progress=False)
-    assert not (tmp_path / "x").exists()
+    assert list(tmp_path.iterdir()) == []  # a run that failed before its first checkpoint leaves nothing
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
+
+
+def _refused(argv: list[str], capfd, root: Path) -> str:
+    """Run `poslens ARGV` in-process: exit status 2, one line on stderr, no traceback, nothing written under root."""
+    from poslens.cli import main
+    from poslens.io.rundir import remove_empty_parents
+
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    remove_empty_parents()  # what the process's exit does (an atexit hook)
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    return err
+
+
+def test_bad_train_input_is_refused_before_any_work(tokens, tmp_path, capfd):
+    """Each case is refused in one line before anything is allocated or written (the issue-15 cases of train)."""
+    (tmp_path / "w").mkdir()
+    base = ["train", "--tokens", str(tokens), *(f"--{k.replace('_', '-')}={v}" for k, v in MICRO.items())]
+    out = ["--out", str(tmp_path / "w" / "o")]
+    cases = {"--stop-after must be >= 1": ["--stop-after", "0"],
+             "--stop-after must be >= 1, got -3": ["--stop-after=-3"],
+             "would need about": ["--hidden", "1048576"], "--warmup (1000 steps) is longer": ["--warmup", "1000"],
+             "--seed must be in [0, 4294967295], got -1": ["--seed=-1"],
+             "--rope-scaling dynamic is the identity": ["--pe", "rope", "--rope-scaling", "dynamic:2"],
+             "--sliding-window must be >= 0": ["--sliding-window=-4"]}
+    for words, extra in cases.items():
+        assert words in _refused(base + extra + out, capfd, tmp_path), words
+    # an --out equal to the token directory, or containing it, would replace the training data
+    for target in (tokens, tokens.parent):
+        assert "input" in _refused(base + ["--out", str(target), "--force"], capfd, tokens.parent.parent)
+
+
+def test_default_out_of_a_preset_file_is_named_by_the_file(tmp_path):
+    """A .json preset names the default --out by its file name (not its whole path), variants by their fields."""
+    from poslens.train.command import default_out
+
+    preset = tmp_path / "deep" / "mine.json"
+    preset.parent.mkdir()
+    preset.write_text(json.dumps({"layers": 2}))
+    assert default_out(resolve_config(str(preset))) == "runs/train-mine-none"
+    cfg = resolve_config("cpu", pe="rope", rope_scaling="ntk:8", sliding_window=32, bos=True)
+    assert default_out(cfg) == "runs/train-cpu-rope-ntk-8-window-32-bos"
+
+
+def test_full_disk_while_checkpointing(tokens, tmp_path, monkeypatch):
+    """ENOSPC in torch.save of a checkpoint: one-line UsageError naming the file and the bytes; the previous
+    checkpoint stays (the run resumes from it once there is space) and no temporary is left."""
+    import errno
+
+    import poslens.train.checkpoint as ckpt
+
+    out = tmp_path / "run"
+    train(micro(tokens, save_every=1), out, progress=False, stop_after=1)
+    work = tmp_path / ".run.partial"
+    before = (work / "checkpoint" / "trainer.pt").read_bytes()
+    real = torch.save
+
+    def full(obj, path, *a, **kw):
+        if str(path).endswith("trainer.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(obj, path, *a, **kw)
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(UsageError, match="no space left on the device to write .*trainer.pt"):
+        train(micro(tokens, save_every=1), out, progress=False)
+    assert (work / "checkpoint" / "trainer.pt").read_bytes() == before
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoint", "metrics.jsonl"] and not out.exists()
 
 
 def _free_port() -> int:

@@ -161,10 +161,10 @@ class PositionalEncoding:
         check_float("rope_theta", rope_theta, 1.0, math.inf, hi_open=True)
         scaling = Scaling.parse(rope_scaling)
         require(scaling is None or any(flags), f"rope_scaling {scaling.spec() if scaling else ''} needs RoPE in "
-                                               "some layer; pass --pe rope or a --pe-layers pattern with a 1")
+                                               "some layer: pe rope, or a pe_layers pattern with a 1")
         window = check_int("sliding_window", sliding_window, 0)
         if layer_types not in (None, ""):
-            require(window > 0, "layer_types marks sliding layers but sliding_window is 0; pass --sliding-window W")
+            require(window > 0, "layer_types marks sliding layers but sliding_window is 0; give the window too")
             types = parse_layer_types(layer_types, layers)
         else:
             types = ["sliding_attention" if window else "full_attention"] * layers

@@ -96,8 +96,8 @@ class TrainConfig:
         check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_int("warmup", self.warmup, 0)
         require(self.warmup <= self.steps, f"warmup ({self.warmup} steps) is longer than the run ({self.steps} steps), "
-                                           f"so the learning rate would never reach lr; pass --warmup {self.steps} "
-                                           "or less, or more --steps")
+                                           "so the learning rate would never reach lr; give a warmup of at most "
+                                           "steps")
         check_float("weight_decay", self.weight_decay, 0.0, 1.0)
         check_float("beta1", self.beta1, 0.0, 1.0, hi_open=True)
         check_float("beta2", self.beta2, 0.0, 1.0, hi_open=True)
