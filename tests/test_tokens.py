@@ -102,6 +102,58 @@ def test_corrupt_and_missing(written, tmp_path):
         open_tokens(broken)
 
 
+def _copy(src, dst, header=None, skip=()):
+    """A copy of token directory `src` with header fields replaced and files left out."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n in skip])
+    if header is not None:
+        h = json.loads((src / "header.json").read_text())
+        (dst / "header.json").write_text(json.dumps({**h, **header}))
+    return dst
+
+
+def test_every_broken_token_directory_is_one_line_also_as_data(written, tmp_path):
+    """A header field of the wrong type, ids at or above vocab_size, no tokenizer/ folder: one line naming the
+    directory and what is wrong, from open_tokens and from the data layer (`intermediates --data DIR`); a missing
+    bos_token_id only where a BOS is needed."""
+    from poslens.engine.data import iter_documents
+
+    out, header, _ = written
+    top = int(max(np.asarray(open_tokens(out).train).max(), np.asarray(open_tokens(out).val).max()))
+    cases = {"vocab_size must be an integer": _copy(out, tmp_path / "abc", {"vocab_size": "abc"}),
+             f"holds id {top}": _copy(out, tmp_path / "small", {"vocab_size": top}),
+             "no tokenizer/ folder": _copy(out, tmp_path / "notok", skip=("tokenizer",)),
+             "dtype must be": _copy(out, tmp_path / "dtype", {"dtype": "float32"})}
+    for words, path in cases.items():
+        for read in (open_tokens, iter_documents):
+            with pytest.raises(UsageError, match="corrupt token directory") as e:
+                read(str(path))
+            assert words in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    nobos = open_tokens(_copy(out, tmp_path / "nobos", {"bos_token_id": None}))
+    assert list(iter_documents(str(nobos.path)))  # reading text needs no BOS
+    with pytest.raises(UsageError, match="no bos_token_id, which training with bos needs"):
+        nobos.bos_id("training with bos")
+
+
+def test_tokenize_force_replaces_its_own_output_and_keeps_its_input(corpus, tmp_path, capfd):
+    """A token directory is a run directory: `tokenize --force` replaces it; a vocabulary smaller than asked is
+    said and recorded; an --out equal to the input is refused."""
+    from poslens.cli import main
+
+    src = tmp_path / "three.jsonl"
+    src.write_text("".join(json.dumps({"text": f"abc ab{i}"}) + "\n" for i in range(12)))
+    out = tmp_path / "tok"
+    argv = ["tokenize", str(src), "--tokenizer", "bpe:100000", "--val-fraction", "0.5", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    assert "of the 100,000 asked for" in capfd.readouterr().out
+    header = open_tokens(out).header
+    assert header["vocab_requested"] == 100_000 and header["vocab_size"] < 300
+    assert main(argv) == 2 and "already exists" in capfd.readouterr().err
+    assert main(argv + ["--force"]) == 0 and open_tokens(out).header == header
+    assert main(["tokenize", str(corpus[0].parent), "--out", str(corpus[0].parent), "--force"]) == 2
+
+
 def test_bad_input(corpus, tmp_path):
     path, _ = corpus
     with pytest.raises(UsageError, match="tokenizer"):
@@ -127,3 +179,40 @@ def test_command(corpus, tmp_path, capsys):
     args.func(args)
     assert "training tokens" in capsys.readouterr().out
     assert open_tokens(out).header["val_fraction"] == 0.2
+
+
+def test_cached_tokens_are_built_once_while_a_second_process_waits_and_rebuilt_when_corrupt(tmp_path, monkeypatch,
+                                                                                            capfd):
+    """Two callers building the same cached token directory at once (threads here: each holds its own lock file
+    descriptor, as two processes do): one builds it, the other says it waits and then uses it. A cached entry
+    that no longer opens is rebuilt, saying why, instead of failing on every run."""
+    import threading
+
+    import poslens.engine.corpus as corpus
+    import poslens.train.tokens as tokens
+
+    docs = [f"document {i}: " + "the causal mask encodes position " * (i % 5 + 1) for i in range(30)]
+    monkeypatch.setattr(corpus, "documents", lambda: iter(docs))
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))
+    built, real = [], tokens.tokenize_corpus
+
+    def slow(*a, **kw):
+        built.append(1)
+        threading.Event().wait(0.3)  # long enough for the second caller to find the entry being built
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tokens, "tokenize_corpus", slow)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(tokens.default_tokens("bpe:300", progress=False)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and len(paths) == 2 and paths[0] == paths[1]
+    assert "waiting for another poslens process" in capfd.readouterr().err
+    path = paths[0]
+    (path / "val.bin").write_bytes((path / "val.bin").read_bytes()[:-2])
+    assert tokens.default_tokens("bpe:300", progress=False) == path and len(built) == 2
+    assert "cached token directory is corrupt (val.bin has" in capfd.readouterr().err
+    open_tokens(path)

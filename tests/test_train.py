@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,6 +152,19 @@ def test_data_order_is_a_permutation_split_over_ranks():
     assert check_batch(16, 4, 2) == 2
 
 
+def test_bos_blocks_start_with_bos_and_tile_the_stream():
+    """With a BOS id every block is BOS then seq_len stream tokens; consecutive blocks overlap by one token (the
+    last target of block b is the first input after BOS of block b + 1), as without BOS."""
+    from poslens.train.data import blocks
+
+    stream = np.arange(100, 200)
+    b = blocks(stream, 8, torch.arange(4), bos=7)
+    assert b.shape == (4, 9) and (b[:, 0] == 7).all()
+    assert torch.equal(b[:, 1:].flatten().unique(), torch.arange(100, 129))
+    assert all(b[k, -1] == b[k + 1, 1] for k in range(3))
+    assert num_blocks(stream, 8, bos=7) == 99 // 7 and num_blocks(stream, 8) == 99 // 8
+
+
 # ---------------------------------------------------------------- training runs
 
 
@@ -174,6 +188,35 @@ def test_run_writes_a_loadable_model_and_results(tokens, tmp_path):
     assert not (tmp_path / ".run.partial").exists()  # the work directory is gone once the model is in place
     with pytest.raises(UsageError, match="already exists"):
         train(micro(tokens), out, progress=False)
+
+
+def test_bos_run_scores_and_saves_with_bos(tokens, tmp_path):
+    """A --bos model: its held-out loss is the loss of the reloaded model on held-out blocks that start with BOS;
+    its tokenizer prepends BOS by itself (so `make_sequences(bos="auto")` and every analysis follow the training
+    convention); run.json and the model record say bos."""
+    import torch.nn.functional as F
+
+    from poslens.engine.data import make_sequences, tokenizer_adds_bos
+    from poslens.engine.models import load_model, model_record
+    from poslens.io.results import load
+    from poslens.train.data import eval_batches
+
+    out = tmp_path / "bos"
+    cfg = micro(tokens, bos=True, pe="rope", sliding_window=8)
+    train(cfg, out, progress=False)
+    model, tok = load_model(str(out), dtype="float32")
+    tf = open_tokens(tokens)
+    blocks = torch.cat(eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, 64, 0, 1,
+                                    bos=tf.header["bos_token_id"]))
+    with torch.no_grad():
+        logits = model(blocks[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten()).item()
+    assert loss == pytest.approx(load(out).metrics["final_eval_loss"], rel=1e-5)  # float32 sums in another order
+    assert tokenizer_adds_bos(tok) and make_sequences(tok, ["some text here"] * 2, 4, 1, mode="pack")[0][0, 0] == \
+        tf.header["bos_token_id"]
+    record = model_record(model)["variant"]
+    assert record["bos"] is True and record["label"] == "RoPE, window 8 in all layers"
+    assert load(out).meta["variant"] == record
 
 
 def test_quiet_run_draws_no_progress_bars(tokens, tmp_path, capfd):

@@ -135,9 +135,12 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     cfg = from_args(TokenizeConfig, args)
     header = tokenize_corpus(cfg.data, args.out, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
                              seed=cfg.seed, text_field=cfg.text_field, force=args.force, progress=not args.quiet)
+    asked = header.get("vocab_requested")
+    short = (f" (of the {asked:,} asked for: the training text has no more pairs to merge)"
+             if asked and header["vocab_size"] < asked else "")
     print(f"wrote {args.out}: {header['train']['tokens']:,} training tokens ({header['train']['documents']} "
           f"documents), {header['val']['tokens']:,} held-out tokens ({header['val']['documents']} documents), "
-          f"{header['dtype']}, vocabulary {header['vocab_size']:,}")
+          f"{header['dtype']}, vocabulary {header['vocab_size']:,}{short}")
 
 
 def main(argv: list[str] | None = None) -> int:
