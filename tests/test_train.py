@@ -20,7 +20,7 @@ from poslens.errors import UsageError
 from poslens.train.config import PRESETS, TrainConfig, load_preset, resolve_config
 from poslens.train.data import num_blocks, step_samples
 from poslens.train.loop import check_batch, lr_at, train
-from poslens.train.model import build_model, count_parameters
+from poslens.train.model import build_model, count_parameters, parameter_count
 from poslens.train.tokens import open_tokens
 
 pytest_plugins = ("train_fixtures",)  # the session's token directory (fixture `tokens`)
@@ -96,6 +96,7 @@ def test_every_preset_parses_and_builds():
         vocab = 49_152 if cfg.tokenizer == "smollm2" else int(cfg.tokenizer.split(":")[1])
         model = build_model(cfg, vocab, device="cpu" if name in ("tiny", "cpu") else "meta")  # 123M, 1.44B: meta
         assert model.config.num_hidden_layers == cfg.layers and model.config.no_rope_layers == [0] * cfg.layers
+        assert parameter_count(cfg, vocab) == count_parameters(model)["total"]  # the memory estimate's count
     paper = resolve_config("paper-1.5b")
     assert (paper.layers, paper.hidden, paper.heads, paper.kv_heads, paper.seq_len) == (22, 2048, 32, 8, 1024)
     assert paper.hidden // paper.heads == 64 and paper.lr == 3e-4

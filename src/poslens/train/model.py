@@ -63,25 +63,27 @@ def parameter_count(cfg: TrainConfig, vocab_size: int) -> int:
     return vocab_size * d + cfg.layers * per_layer + d
 
 
-def memory_estimate(cfg: TrainConfig, vocab_size: int, world: int = 1) -> int:
-    """A lower estimate of the bytes one rank needs to train `cfg` in float32: weights, gradients and the two AdamW
-    moments (16 bytes per parameter; sharded over the ranks with FSDP), one micro-batch's logits with their
-    gradient, and its activations (about 18 d + 4 f values per token and layer, plus the attention probabilities
-    of the math kernel)."""
+def memory_estimate(cfg: TrainConfig, vocab_size: int, world: int = 1, bf16: bool = False) -> int:
+    """A lower estimate of the bytes one rank needs to train `cfg`: weights, gradients and the two AdamW moments in
+    float32 (16 bytes per parameter; sharded over the ranks with FSDP), one micro-batch's float32 logits, and the
+    activations kept for the backward pass, at least 4 d + 2 f values per token and layer (2 bytes each under bf16
+    autocast, `bf16`, else 4). Meant to refuse sizes that cannot run, never one that can."""
     params = parameter_count(cfg, vocab_size) * 16 / (world if cfg.parallel == "fsdp" else 1)
     tokens = cfg.micro_batch * cfg.seq_len
-    logits = tokens * vocab_size * 4 * 2
-    acts = tokens * cfg.layers * (18 * cfg.hidden + 4 * cfg.intermediate + 2 * cfg.heads * cfg.seq_len) * 4
-    return int(params + logits + acts)
+    width = 2 if bf16 else 4
+    acts = tokens * cfg.layers * (4 * cfg.hidden + 2 * cfg.intermediate) * width
+    return int(params + tokens * vocab_size * 4 + acts)
 
 
 def check_memory_fits(cfg: TrainConfig, vocab_size: int, device: torch.device, world: int = 1) -> None:
     """Refuse, before anything is allocated, a model whose `memory_estimate` exceeds the device's free memory."""
     from poslens.errors import check_memory
 
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    free = torch.cuda.mem_get_info(device)[0] if cuda else None
     n = parameter_count(cfg, vocab_size)
-    check_memory(memory_estimate(cfg, vocab_size, world),
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+    check_memory(memory_estimate(cfg, vocab_size, world, bf16),
                  f"training {n / 1e6:,.1f}M parameters (layers {cfg.layers}, hidden {cfg.hidden}, intermediate "
                  f"{cfg.intermediate}, vocabulary {vocab_size:,}) with micro_batch {cfg.micro_batch} x seq_len "
                  f"{cfg.seq_len}", "choose a smaller model (hidden, intermediate, layers) or micro_batch", free)

@@ -1,0 +1,137 @@
+"""Benchmark: `poslens sweep` of a preset from an empty model cache (wall and CPU time, load average), and the
+attention sinks of every model it trained (run by hand, not a test).
+
+The sweep runs in this process with POSLENS_CACHE pointed at a fresh directory, into which the cached token
+directory of the preset's tokenizer is copied first (tokenizing the embedded corpus is timed apart: it happens
+once per tokenizer, not once per sweep). CPU time is this process's user + system time (`resource.getrusage`);
+on a shared machine wall time measures the load as much as the work, so the load average is printed at the start
+and the end.
+
+Sinks (Gu et al. 2025, "When attention sink emerges in language models"): for every model, the mean attention
+probability map of each (layer, head) over --sequences held-out sequences of 64 tokens starting with BOS (the
+first 63 tokens of consecutive held-out blocks), alpha_0 = mean over queries of the attention on key 0, and the
+sink rate = the share of (layer, head) pairs with alpha_0 > 0.3 (`poslens.analyses.leakage.metrics`). Under
+uniform causal attention alpha_0 = H_64 / 64 = 0.074. Per variant: the mean over seeds with a t-interval over
+seeds.
+
+    .venv/bin/python benchmarks/sweep.py --preset pe --json benchmarks/results/sweep_pe.json
+    .venv/bin/python benchmarks/sweep.py --preset pe --sinks-only --cache ~/.cache/poslens   # models already there
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def alpha0(model_dir: str, tokens: Path, sequences: int, length: int = 64) -> torch.Tensor:
+    """alpha_0 [layers, heads]: mean attention on key 0 of `sequences` held-out BOS-led sequences of `length`."""
+    import numpy as np
+
+    from poslens.analyses.leakage.metrics import first_key_attention
+    from poslens.engine.hooks import HookedModel
+    from poslens.engine.models import load_model
+    from poslens.io.tokenfile import open_tokens
+
+    model, _ = load_model(model_dir, dtype="float32")
+    tf = open_tokens(tokens)
+    body = np.asarray(tf.val[: sequences * (length - 1)], dtype=np.int64).reshape(sequences, length - 1)
+    bos = torch.full((sequences, 1), tf.bos_id("the sink measurement"))
+    ids = torch.cat([bos, torch.from_numpy(body)], dim=1)
+    hm = HookedModel(model)
+    sums: dict[int, torch.Tensor] = {}
+
+    def reader(layer: int):
+        def read(pattern, ctx):
+            sums[layer] = sums.get(layer, 0) + pattern.double().sum(0)
+        return read
+
+    with torch.no_grad():
+        for chunk in ids.split(16):
+            hm.run(chunk, hooks={f"blocks.{l}.attn.hook_pattern": reader(l) for l in range(hm.n_layers)})
+    probs = torch.stack([sums[l] / sequences for l in range(hm.n_layers)])
+    return first_key_attention(probs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="pe", help="sweep preset or .json matrix (default pe)")
+    ap.add_argument("--cache", default=None, help="POSLENS_CACHE to use as it is (default: a fresh one)")
+    ap.add_argument("--sinks-only", action="store_true", help="measure the sinks of models already in --cache")
+    ap.add_argument("--sequences", type=int, default=64, help="held-out sequences for the sink measurement")
+    ap.add_argument("--json", default=None, help="write every number here")
+    args = ap.parse_args()
+
+    source = Path(os.environ.get("POSLENS_CACHE", "~/.cache/poslens")).expanduser()
+    cache = Path(args.cache).expanduser() if args.cache else Path(tempfile.mkdtemp(prefix="poslens-sweep-bench-"))
+    os.environ["POSLENS_CACHE"] = str(cache)
+
+    from poslens.train.cache import tokens_of
+    from poslens.train.command import sweep_table
+    from poslens.train.sweep import SweepConfig, resolve_matrix, run_sweep, seed_interval, train_matrix
+
+    cfg = SweepConfig(preset=args.preset)
+    matrix = resolve_matrix(cfg)
+    first = matrix.members[0].config
+    if not args.cache:  # the token directory from the usual cache, timed apart when it is not there
+        os.environ["POSLENS_CACHE"] = str(source)
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        tokens = tokens_of(first, progress=True)
+        print(f"token directory {tokens}: {time.perf_counter() - t0:.1f} s wall, {cpu_seconds() - c0:.1f} s CPU")
+        os.environ["POSLENS_CACHE"] = str(cache)
+        (cache / "tokens").mkdir(parents=True, exist_ok=True)
+        shutil.copytree(tokens, cache / "tokens" / tokens.name)
+    tokens = tokens_of(first)
+
+    load0 = os.getloadavg()
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    if args.sinks_only:
+        paths = train_matrix(matrix, progress=False)
+        meta = None
+    else:
+        out = Path(tempfile.mkdtemp(prefix="poslens-sweep-run-")) / "sweep"
+        meta = run_sweep(cfg, out, progress=True)
+        paths = {(m["variant"], m["seed"]): m["path"] for m in meta["models"]}
+    wall, cpu, load1 = time.perf_counter() - t0, cpu_seconds() - c0, os.getloadavg()
+    print(f"sweep {args.preset}: {len(paths)} models, {wall:.0f} s wall ({wall / 60:.1f} min), {cpu:.0f} s CPU "
+          f"(user + system), load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end, "
+          f"torch threads {torch.get_num_threads()}, cache {cache}")
+    if meta is not None:
+        print(sweep_table(meta))
+
+    sinks: dict[str, dict] = {}
+    for variant in matrix.variants:
+        per_seed = {s: alpha0(str(paths[(variant, s)]), tokens, args.sequences) for s in matrix.seeds}
+        rates = [float((a > 0.3).double().mean()) for a in per_seed.values()]
+        means = [float(a.mean()) for a in per_seed.values()]
+        tops = [float(a.max()) for a in per_seed.values()]
+        sinks[variant] = {"sink_rate": seed_interval(rates), "mean_alpha0": seed_interval(means),
+                          "max_alpha0": seed_interval(tops),
+                          "alpha0": {s: a.tolist() for s, a in per_seed.items()}}
+        r, m = sinks[variant]["sink_rate"], sinks[variant]["mean_alpha0"]
+        print(f"  {variant:<8} sink rate (eps 0.3) {r['value']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]  "
+              f"mean alpha_0 {m['value']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]  largest head "
+              f"{sinks[variant]['max_alpha0']['value']:.3f}  per seed rates {', '.join(f'{x:.3f}' for x in rates)}")
+    if args.json:
+        record = {"preset": args.preset, "wall_s": wall, "cpu_s": cpu, "load_start": load0, "load_end": load1,
+                  "threads": torch.get_num_threads(), "argv": sys.argv, "sinks": sinks,
+                  "sweep": meta["metrics"] if meta else None}
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
