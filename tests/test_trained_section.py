@@ -10,7 +10,7 @@ import pytest
 from poslens.report.render import CONTEXT, VERDICTS
 from poslens.train.report import PE_NAMES, reproduce_section, trained_pair
 
-SHORT = {"steps": 6, "layers": 2, "eval_every": 3, "save_every": 0}  # a pair trained in seconds
+SHORT = {"steps": 6, "warmup": 2, "layers": 2, "eval_every": 3, "save_every": 0}  # a pair trained in seconds
 SIZE = {"fig3": (40, 20), "loss": 16, "probe": (8, 8)}
 
 
