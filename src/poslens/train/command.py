@@ -105,7 +105,10 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
     meta = run_sweep(from_args(SweepConfig, args), args.out, force=args.force, progress=not args.quiet)
     print(sweep_table(meta))
-    print(f"wrote {args.out} (each model's directory: run.json \"models\"; figure: figures/heldout_loss.png)")
+    for m in meta["models"]:
+        print(f"  model {m['variant']} seed {m['seed']}: {m['path']}")
+    print(f"wrote {args.out} (the models' directories are also in its run.json, \"models\"; figure: "
+          "figures/heldout_loss.png)")
 
 
 def _interval(e: dict) -> str:

@@ -143,14 +143,14 @@ def parse_tokenizer(spec: str) -> tuple[str, int | None]:
     raise UsageError(f"tokenizer must be smollm2 or bpe:VOCAB_SIZE (e.g. bpe:4096); got {spec!r}")
 
 
-def preset_path(name: str) -> Path:
-    """The JSON file of preset `name` (a shipped preset, or a path to a .json file)."""
+def preset_path(name: str, shipped: tuple[str, ...] = PRESETS, prefix: str = "") -> Path:
+    """The JSON file of preset `name`: one of `shipped` (``presets/PREFIXNAME.json``), or a path to a .json file."""
     if name.endswith(".json"):
         path = Path(name).expanduser()
-        require(path.is_file(), f"preset {name}: no such file; pass one of {', '.join(PRESETS)} or a .json file")
+        require(path.is_file(), f"preset {name}: no such file; pass one of {', '.join(shipped)} or a .json file")
         return path
-    require(name in PRESETS, f"unknown preset {name!r}; use one of {', '.join(PRESETS)} or a .json file")
-    return Path(str(resources.files("poslens.train") / "presets" / f"{name}.json"))
+    require(name in shipped, f"unknown preset {name!r}; use one of {', '.join(shipped)} or a .json file")
+    return Path(str(resources.files("poslens.train") / "presets" / f"{prefix}{name}.json"))
 
 
 def load_preset(name: str) -> dict[str, Any]:

@@ -30,13 +30,12 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from poslens.errors import UsageError, check_float, require
 from poslens.options import option
-from poslens.train.config import FIELDS, TrainConfig, load_preset, resolve_config
+from poslens.train.config import FIELDS, TrainConfig, load_preset, preset_path, resolve_config
 
 PRESETS = ("pe", "pe-quick")
 VARIANT_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
@@ -85,16 +84,6 @@ class Matrix:
 
 
 # ---------------------------------------------------------------- the matrix
-
-
-def preset_path(name: str) -> Path:
-    """The JSON file of sweep preset `name` (shipped, or a path to a .json file)."""
-    if name.endswith(".json"):
-        path = Path(name).expanduser()
-        require(path.is_file(), f"preset {name}: no such file; pass one of {', '.join(PRESETS)} or a .json file")
-        return path
-    require(name in PRESETS, f"unknown sweep preset {name!r}; use one of {', '.join(PRESETS)} or a .json file")
-    return Path(str(resources.files("poslens.train") / "presets" / f"sweep-{name}.json"))
 
 
 def _value(field: str, text: str) -> Any:
@@ -155,7 +144,7 @@ def _config(train: dict[str, Any], variant: dict[str, Any], seed: int) -> TrainC
 
 def resolve_matrix(cfg: SweepConfig) -> Matrix:
     """The matrix of `cfg` (preset, then flags), every member's configuration checked before anything runs."""
-    data = _read(preset_path(cfg.preset))
+    data = _read(preset_path(cfg.preset, PRESETS, "sweep-"))
     train = dict(data.get("train") or {})
     if cfg.train:
         train.update(parse_fields(cfg.train, "train"))
