@@ -1,9 +1,9 @@
 """Benchmark: `poslens sweep` of a preset from an empty model cache (wall and CPU time, load average), and the
 attention sinks of every model it trained (run by hand, not a test).
 
-The sweep runs in this process with POSLENS_CACHE pointed at a fresh directory, into which the cached token
-directory of the preset's tokenizer is copied first (tokenizing the embedded corpus is timed apart: it happens
-once per tokenizer, not once per sweep). CPU time is this process's user + system time (`resource.getrusage`);
+The sweep runs in this process with POSLENS_CACHE pointed at a fresh directory, into which the embedded corpus and
+the cached token directory of the preset's tokenizer are copied first (tokenizing the embedded corpus is timed
+apart: it happens once per tokenizer, not once per sweep). CPU time is this process's user + system time (`resource.getrusage`);
 on a shared machine wall time measures the load as much as the work, so the load average is printed at the start
 and the end.
 
@@ -95,6 +95,7 @@ def main() -> None:
         os.environ["POSLENS_CACHE"] = str(cache)
         (cache / "tokens").mkdir(parents=True, exist_ok=True)
         shutil.copytree(tokens, cache / "tokens" / tokens.name)
+        shutil.copytree(source / "corpus", cache / "corpus")  # the embedded corpus, which names the tokens
     tokens = tokens_of(first)
 
     load0 = os.getloadavg()

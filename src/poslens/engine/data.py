@@ -76,7 +76,7 @@ def iter_documents(source: str | None, text_field: str = "text") -> Iterator[str
     require(path.exists(), f"--data {source}: no such file or directory")
     if path.is_dir():
         if is_token_directory(path):
-            return open_tokens(path).documents("val")
+            return open_tokens(path, check=("val",)).documents("val")
         if _is_saved_dataset(path):
             return _saved_dataset_documents(path, text_field)
         files = _data_files(path)

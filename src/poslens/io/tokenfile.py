@@ -154,8 +154,9 @@ def _largest_id(ids: np.ndarray) -> int:
     return top
 
 
-def open_tokens(path: str | os.PathLike) -> TokenFile:
-    """Memory-map a token directory written by `poslens tokenize` after checking it (see the module docstring)."""
+def open_tokens(path: str | os.PathLike, check: tuple[str, ...] = SPLITS) -> TokenFile:
+    """Memory-map a token directory written by `poslens tokenize` after checking it (see the module docstring);
+    `check`: the splits whose ids are range-checked (a reader of the held-out text alone need not read train.bin)."""
     path = Path(path).expanduser()
     require(path.is_dir() and (path / HEADER).is_file(), f"{path}: not a token directory (no {HEADER}); write one "
                                                          "with `poslens tokenize`")
@@ -175,8 +176,8 @@ def open_tokens(path: str | os.PathLike) -> TokenFile:
         if size != expected:
             raise Corrupt(path, f"{file.name} has {size} bytes, the header says {expected}")
         arrays[split] = np.memmap(file, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
-        if header["vocab_size"] > np.iinfo(dtype).max:
-            continue  # every id the dtype holds is in the vocabulary
+        if split not in check or header["vocab_size"] > np.iinfo(dtype).max:
+            continue  # not asked for, or every id the dtype holds is in the vocabulary
         top = _largest_id(arrays[split])
         if top >= header["vocab_size"]:
             raise Corrupt(path, f"{file.name} holds id {top}, header.json says vocab_size {header['vocab_size']}")
