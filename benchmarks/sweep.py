@@ -3,9 +3,9 @@ attention sinks of every model it trained (run by hand, not a test).
 
 The sweep runs in this process with POSLENS_CACHE pointed at a fresh directory, into which the embedded corpus and
 the cached token directory of the preset's tokenizer are copied first (tokenizing the embedded corpus is timed
-apart: it happens once per tokenizer, not once per sweep). CPU time is this process's user + system time (`resource.getrusage`);
-on a shared machine wall time measures the load as much as the work, so the load average is printed at the start
-and the end.
+apart: it happens once per tokenizer, not once per sweep). CPU time is this process's user + system time
+(`resource.getrusage`); on a shared machine wall time measures the load as much as the work, so the load average
+is printed at the start and the end.
 
 Sinks (Gu et al. 2025, "When attention sink emerges in language models"): for every model, the mean attention
 probability map of each (layer, head) over --sequences held-out sequences of 64 tokens starting with BOS (the
