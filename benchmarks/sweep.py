@@ -15,6 +15,7 @@ uniform causal attention alpha_0 = H_64 / 64 = 0.074. Per variant: the mean over
 seeds.
 
     .venv/bin/python benchmarks/sweep.py --preset pe --json benchmarks/results/sweep_pe.json
+    .venv/bin/python benchmarks/sweep.py --preset pe --threads 1 --json sweep_pe_t1.json   # a shared machine
     .venv/bin/python benchmarks/sweep.py --preset pe --sinks-only --cache ~/.cache/poslens   # models already there
 """
 
@@ -73,8 +74,12 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="POSLENS_CACHE to use as it is (default: a fresh one)")
     ap.add_argument("--sinks-only", action="store_true", help="measure the sinks of models already in --cache")
     ap.add_argument("--sequences", type=int, default=64, help="held-out sequences for the sink measurement")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default torch's; on a shared machine 1 "
+                                                              "keeps one preempted OpenMP thread from stalling both)")
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     source = Path(os.environ.get("POSLENS_CACHE", "~/.cache/poslens")).expanduser()
     cache = Path(args.cache).expanduser() if args.cache else Path(tempfile.mkdtemp(prefix="poslens-sweep-bench-"))

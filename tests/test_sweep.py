@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +90,10 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     meta = run_sweep(cfg, tmp_path / "sweep", progress=False)
     # nope s0 trained before the interrupt, nope s1 interrupted and trained again, then rope s0, rope s1; nope2 cached
     assert trained == [("none", 0), ("none", 1), ("none", 1), ("rope", 0), ("rope", 1)]
+    # two worker processes train a new seed's models side by side (this process's train is not called)
+    more = run_sweep(SweepConfig(preset=preset, seeds=[0, 1, 2], jobs=2), tmp_path / "sweep3", progress=False)
+    assert len(trained) == 5 and all(Path(m["path"], "run.json").is_file() for m in more["models"])
+    assert [m["path"] for m in more["models"] if m["seed"] < 2] == [m["path"] for m in meta["models"]]  # cached
     run = load(tmp_path / "sweep")
     assert run["final_loss"].shape == (3, 2) and run["eval_loss"].shape == (3, 2, 2)
     for i, m in enumerate(meta["models"]):

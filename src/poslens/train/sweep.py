@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from poslens.errors import UsageError, check_float, require
+from poslens.errors import UsageError, check_float, check_int, require
 from poslens.options import option
 from poslens.train.config import FIELDS, TrainConfig, load_preset, preset_path, resolve_config
 
@@ -55,6 +55,8 @@ class SweepConfig:
     train: str | None = option(None, help="shared training fields on top of the preset's: FIELD=VALUE+... "
                                           "(e.g. steps=300+tokens=runs/tok)")
     level: float = option(0.95, help="confidence level of the between-seed t-intervals")
+    jobs: int = option(1, help="models trained at once, each in its own process with torch's threads shared out "
+                               "(another thread count sums in another order: weights differ at float32 rounding)")
 
 
 @dataclass(frozen=True)
@@ -220,31 +222,103 @@ def summarise(losses: dict[str, list[float]], level: float = 0.95) -> dict[str, 
 # ---------------------------------------------------------------- running
 
 
-def train_matrix(matrix: Matrix, progress: bool = True) -> dict[tuple[str, int], Path]:
-    """Every member's model directory: from the cache, or trained now (progress lines name the model, k of N, and the
-    time left, estimated from the models trained so far)."""
-    from poslens.train.cache import tokens_of, trained_model, trained_model_dir
+def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 1) -> dict[tuple[str, int], Path]:
+    """Every member's model directory: from the cache, or trained now. Progress lines name each model, k of N, and the
+    time left, estimated from the models trained so far. `jobs` > 1 trains that many models at once, each in its own
+    process with torch's threads shared out among them (small models use cores better side by side than split over
+    threads); their own progress bars are off then."""
+    from poslens.train.cache import tokens_of, trained_model_dir
 
+    jobs = check_int("jobs", jobs, 1, 64)
     members = matrix.members
     tokens = tokens_of(members[0].config, progress)  # shared by every member (a variant cannot change the data)
     targets = [trained_model_dir(m.config, tokens) for m in members]
-    todo = {t for t in targets if not (t / "run.json").is_file()}  # two variants of one configuration: one model
-    out: dict[tuple[str, int], Path] = {}
-    spent, trained = 0.0, 0
-    for k, (m, target) in enumerate(zip(members, targets), 1):
-        head = f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}"
-        fresh = target in todo and not (target / "run.json").is_file()
-        if progress and fresh:
-            left = len(todo) - trained
-            eta = f"about {_duration(spent / trained * left)} left" if trained else "time left known after one model"
-            print(f"{head}: training {m.config.steps} steps; {left} model(s) to train, {eta}", flush=True)
-        elif progress:
-            print(f"{head}: cached", flush=True)
-        start = time.perf_counter()
-        out[(m.variant, m.seed)] = trained_model(m.config, progress, label=head, tokens=tokens)
-        if fresh:
-            spent, trained = spent + time.perf_counter() - start, trained + 1
-    return out
+    heads = [f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}" for k, m in enumerate(members, 1)]
+    todo: dict[Path, int] = {}  # target -> its first member (two variants of one configuration: one model)
+    for i, t in enumerate(targets):
+        if not (t / "run.json").is_file():
+            todo.setdefault(t, i)
+    for i, t in enumerate(targets):
+        if progress and todo.get(t) != i:
+            print(f"{heads[i]}: {'cached' if t not in todo else 'the same model as ' + heads[todo[t]]}", flush=True)
+    clock = _Clock(len(todo), progress)
+    if jobs == 1:
+        for i in todo.values():
+            clock.start(heads[i], members[i].config.steps)
+            _train_member(members[i].config, tokens, None, heads[i] if progress else None)
+            clock.done(heads[i])
+    else:
+        _train_parallel([(members[i].config, heads[i]) for i in todo.values()], tokens, jobs, clock)
+    return {(m.variant, m.seed): t for m, t in zip(members, targets)}
+
+
+class _Clock:
+    """Progress lines of the models being trained, with the time left (mean wall time per model so far)."""
+
+    def __init__(self, total: int, on: bool):
+        self.total, self.on, self.finished, self.began = total, on, 0, time.perf_counter()
+
+    def left(self) -> str:
+        if not self.finished:
+            return "time left known after one model"
+        rate = (time.perf_counter() - self.began) / self.finished
+        return f"about {_duration(rate * (self.total - self.finished))} left"
+
+    def start(self, head: str, steps: int) -> None:
+        if self.on:
+            print(f"{head}: training {steps} steps; {self.total - self.finished} model(s) to train, {self.left()}",
+                  flush=True)
+
+    def done(self, head: str) -> None:
+        self.finished += 1
+        if self.on and self.finished < self.total:
+            print(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}", flush=True)
+
+
+def _train_member(cfg: TrainConfig, tokens: Path, threads: int | None, label: str | None) -> str:
+    """Train one model into the cache (in this process, or in a worker with `threads` torch threads)."""
+    from poslens.train.cache import trained_model
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return str(trained_model(cfg, progress=label is not None, label=label, tokens=tokens))
+
+
+def _ignore_interrupt() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers; each keeps its last checkpoint
+
+
+def _train_parallel(work: list[tuple[TrainConfig, str]], tokens: Path, jobs: int, clock: _Clock) -> None:
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    import torch
+
+    threads = max(1, torch.get_num_threads() // jobs)
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_ignore_interrupt)
+    pending: dict[Any, str] = {}
+    try:
+        queue = list(work)
+        while queue or pending:
+            while queue and len(pending) < jobs:
+                cfg, head = queue.pop(0)
+                clock.start(head, cfg.steps)
+                pending[pool.submit(_train_member, cfg, tokens, threads, None)] = head
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in finished:
+                f.result()  # a worker's error is raised here, as one line
+                clock.done(pending.pop(f))
+        pool.shutdown()
+    except BaseException:
+        for p in list(getattr(pool, "_processes", {}).values()):  # stop the workers now: what they checkpointed stays
+            p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
 
 
 def _duration(seconds: float) -> str:
@@ -262,7 +336,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, force: bool = False, pro
     matrix = resolve_matrix(cfg)
     started = time.perf_counter()
     with open_run(out, force) as run:
-        paths = train_matrix(matrix, progress)
+        paths = train_matrix(matrix, progress, cfg.jobs)
         runs = {key: load(path) for key, path in paths.items()}
         names, seeds = list(matrix.variants), matrix.seeds
         final = torch.tensor([[float(runs[(v, s)]["eval_loss"][-1]) for s in seeds] for v in names],
