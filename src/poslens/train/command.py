@@ -31,7 +31,8 @@ class TokenizeConfig:
 
 def _output_args(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--out", default=default, help=f"directory to write (default {default or 'see above'})")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it is a run directory poslens wrote (anything else is refused)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

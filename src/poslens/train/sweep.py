@@ -170,6 +170,7 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
                             f"share tokens, batches and steps); set it under train. A variant may set: "
                             f"{', '.join(VARIANT_FIELDS)}")
     check_float("level", cfg.level, 0.0, 1.0, lo_open=True, hi_open=True)
+    check_int("jobs", cfg.jobs, 1, 64)
     matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds)
     for m in matrix.members:  # every configuration checked up front
         m.config.check()
