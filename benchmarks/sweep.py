@@ -17,6 +17,7 @@ seeds.
     .venv/bin/python benchmarks/sweep.py --preset pe --json benchmarks/results/sweep_pe.json
     .venv/bin/python benchmarks/sweep.py --preset pe --threads 1 --json sweep_pe_t1.json   # a shared machine
     .venv/bin/python benchmarks/sweep.py --preset pe --sinks-only --cache ~/.cache/poslens   # models already there
+    .venv/bin/python benchmarks/sweep.py --measure runs/train-tiny-rope-bos runs/mine          # any trained models
 """
 
 from __future__ import annotations
@@ -74,12 +75,22 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="POSLENS_CACHE to use as it is (default: a fresh one)")
     ap.add_argument("--sinks-only", action="store_true", help="measure the sinks of models already in --cache")
     ap.add_argument("--sequences", type=int, default=64, help="held-out sequences for the sink measurement")
+    ap.add_argument("--measure", nargs="+", default=None, metavar="MODEL_DIR",
+                    help="only measure the sinks of these trained models (on their own token directories)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default torch's; on a shared machine 1 "
                                                               "keeps one preempted OpenMP thread from stalling both)")
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.measure:
+        for d in args.measure:
+            run = json.loads((Path(d) / "run.json").read_text())
+            a = alpha0(d, Path(run["tokens"]["path"]), args.sequences)
+            print(f"{d}: {run['variant']['label']}, held-out loss {run['metrics']['final_eval_loss']:.3f}; sink rate "
+                  f"{float((a > 0.3).double().mean()):.3f}, mean alpha_0 {float(a.mean()):.3f}, largest "
+                  f"{float(a.max()):.3f}; per layer and head {[[round(float(x), 2) for x in row] for row in a]}")
+        return
 
     source = Path(os.environ.get("POSLENS_CACHE", "~/.cache/poslens")).expanduser()
     cache = Path(args.cache).expanduser() if args.cache else Path(tempfile.mkdtemp(prefix="poslens-sweep-bench-"))
