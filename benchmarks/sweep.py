@@ -87,7 +87,8 @@ def main() -> None:
         for d in args.measure:
             run = json.loads((Path(d) / "run.json").read_text())
             a = alpha0(d, Path(run["tokens"]["path"]), args.sequences)
-            print(f"{d}: {run['variant']['label']}, held-out loss {run['metrics']['final_eval_loss']:.3f}; sink rate "
+            label = run.get("variant", {}).get("label", "?")  # runs of the first 0.3 commits have no variant record
+            print(f"{d}: {label}, held-out loss {run['metrics']['final_eval_loss']:.3f}; sink rate "
                   f"{float((a > 0.3).double().mean()):.3f}, mean alpha_0 {float(a.mean()):.3f}, largest "
                   f"{float(a.max()):.3f}; per layer and head {[[round(float(x), 2) for x in row] for row in a]}")
         return
