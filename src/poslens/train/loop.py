@@ -496,9 +496,13 @@ def _finish(build: Path, raw: torch.nn.Module, state: dict | None, tokenizer: An
     rows = [json.loads(line) for line in work.metrics.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    raw.save_pretrained(build, state_dict=state)
-    tokenizer.save_pretrained(build)
-    shutil.copy(work.metrics, build / "metrics.jsonl")
+    from poslens.io.space import disk_space, nbytes
+
+    with disk_space(build / "model.safetensors", nbytes(state if state is not None else raw.state_dict())):
+        raw.save_pretrained(build, state_dict=state)
+    with disk_space(build, 1 << 20):
+        tokenizer.save_pretrained(build)
+        shutil.copy(work.metrics, build / "metrics.jsonl")
     tensors = {"train_loss": torch.tensor([r["loss"] for r in steps], dtype=torch.float64),
                "eval_step": torch.tensor([r["step"] for r in evals], dtype=torch.int64),
                "eval_loss": torch.tensor([r["eval_loss"] for r in evals], dtype=torch.float64)}
