@@ -136,17 +136,21 @@ def _model(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
-def test_every_point_equals_a_float64_recomputation_with_transformer_lens_meaning(family):
+def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit_identical(family):
     model = _model(family)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=6)
-    _, cache = hm.run_with_cache(ids, hm.points, return_type=None)
-    assert list(cache) == hm.points  # every point, in forward order
+    plain = _plain_logits(model, ids)
+    logits, cache = hm.run_with_cache(ids, hm.points)  # a reader on every point
+    assert torch.equal(logits, plain)
+    assert torch.equal(_plain_logits(model, ids), plain)  # the model is left as it was
+    assert list(cache) == hm.points  # every point fired, in forward order
     ref = {"hook_embed": model.model.embed_tokens(ids).double()}
     for l in range(hm.n_layers):
         ref.update(_layer(model, family, l, cache[f"blocks.{l}.hook_resid_pre"].double()))
-    _rms("ln_final", model.model.norm, cache[f"blocks.{hm.n_layers - 1}.hook_resid_post"].double(), family in GEMMA,
-         ref)
+    final = _rms("ln_final", model.model.norm, cache[f"blocks.{hm.n_layers - 1}.hook_resid_post"].double(),
+                 family in GEMMA, ref)
+    ref["unembed.hook_in"], ref["unembed.hook_out"] = final, _linear(final, model.lm_head)  # Gemma-2: before softcap
     assert set(ref) == set(hm.points)
     _assert_matches(cache, ref)
     # the values after a gain differ from those before it (the test would not see a missing gain otherwise)
@@ -183,28 +187,11 @@ def test_writes_at_q_and_at_the_normalized_input_act_downstream_as_in_transforme
     _assert_matches(cached, ref)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_readers_on_every_point_leave_logits_bit_identical(family):
-    model = build(family)
-    ids = token_batch(2, 24)
-    plain = _plain_logits(model, ids)
-    hm = HookedModel(model)
-    seen: dict[str, tuple] = {}
-
-    def read(x, ctx):
-        seen[ctx.name] = tuple(x.shape)
-
-    out = hm.run(ids, hooks={p: read for p in hm.points}, logits=True)
-    assert torch.equal(out.logits, plain)
-    assert set(seen) == set(hm.points)  # every point fired
-    # the model is left as it was: a plain forward afterwards is unchanged too
-    assert torch.equal(_plain_logits(model, ids), plain)
-
-
 def test_run_with_cache_has_transformer_lens_keys_and_shapes_on_llama():
     """Keys and shapes written out by hand from TransformerLens 3.9's source (HookedTransformer with a Llama config:
-    RMSNorm, rotary, gated MLP, grouped-query attention with K < H, so hook_k/hook_v keep K heads) for the tiny Llama:
-    batch 2, 8 tokens, d 64, 4 query heads, 2 key/value heads, head width 16, MLP width 128, vocabulary 256."""
+    RMSNorm, rotary, gated MLP, grouped-query attention with K < H, so hook_k/hook_v keep K heads; the points that
+    fire in its forward, Unembed's hook_in/hook_out included) for the tiny Llama: batch 2, 8 tokens, d 64, 4 query
+    heads, 2 key/value heads, head width 16, MLP width 128, vocabulary 256."""
     b, t, d, h, kv, dh, m = 2, 8, 64, 4, 2, 16, 128
     block = {
         "hook_resid_pre": (b, t, d),
@@ -228,7 +215,8 @@ def test_run_with_cache_has_transformer_lens_keys_and_shapes_on_llama():
         "hook_mlp_out": (b, t, d),
         "hook_resid_post": (b, t, d),
     }
-    expected = {"hook_embed": (b, t, d), "ln_final.hook_scale": (b, t, 1), "ln_final.hook_normalized": (b, t, d)}
+    expected = {"hook_embed": (b, t, d), "ln_final.hook_scale": (b, t, 1), "ln_final.hook_normalized": (b, t, d),
+                "unembed.hook_in": (b, t, d), "unembed.hook_out": (b, t, 256)}
     expected.update({f"blocks.{l}.{k}": s for l in range(3) for k, s in block.items()})
     model = build("llama")
     hm = HookedModel(model)

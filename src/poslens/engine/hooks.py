@@ -55,6 +55,9 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           ln2_post)
     blocks.{l}.hook_resid_post          [B, T, d]     TL  the residual stream leaving layer l
     ln_final.hook_*                     as ln1        TL  the final norm (before the LM head)
+    unembed.hook_in                     [B, T, d]     TL  the LM head's input (= ln_final.hook_out)
+    unembed.hook_out                    [B, T, V]     TL  the LM head's output (Gemma-2: before its final softcap);
+                                                          hooking either runs the LM head
 
 docs/hooks.md has the details, where poslens differs from TransformerLens and why.
 """
@@ -118,8 +121,9 @@ def block_points(family: Family, qk_norm: bool) -> list[str]:
 
 
 def is_transformer_lens_name(name: str) -> bool:
-    """Whether TransformerLens 3.9 has the point (every name but poslens's own `*.hook_out`)."""
-    return not name.endswith(".hook_out")
+    """Whether TransformerLens 3.9 has the point: every name but poslens's own `*.hook_out` (unembed.hook_out is
+    TransformerLens's)."""
+    return not name.endswith(".hook_out") or name.startswith("unembed.")
 
 
 def from_factors(fn: HookFn) -> HookFn:
@@ -193,7 +197,7 @@ class HookedModel:
         attn = self.layers[0].self_attn
         names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"))
         self.points = ["hook_embed"] + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
-            norm_points("ln_final")
+            norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
         self.tl_points = [p for p in self.points if is_transformer_lens_name(p)]
         self._known = set(self.points)
         self._norms = {"ln_final": (model.base_model.norm, None)}  # point prefix -> (norm module, layer)
@@ -221,13 +225,15 @@ class HookedModel:
             if name.startswith("blocks."):
                 layer, point = _split(name)
                 per_layer.setdefault(layer, {})[point] = fns
-        run = _Run(by_point, per_layer, set(by_point), logits or not by_point, input_ids, attention_mask,
+        head = logits or any(n.startswith("unembed.") for n in by_point)  # the LM head runs
+        run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
                    position_ids)
         with torch.no_grad(), self._installed(run):
             kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False, **model_kwargs)
-            if logits:
-                return self.model(**kwargs)
+            if head:
+                out = self.model(**kwargs)
+                return out if logits else None
             try:
                 self.model.base_model(**kwargs)
             except _Stop:
@@ -306,9 +312,17 @@ class HookedModel:
         saved = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
         handles, norms = [], []
-        if "hook_embed" in run.by_point:
+        fns = run.by_point
+        if "hook_embed" in fns:
             handles.append(self.model.base_model.embed_tokens.register_forward_hook(
-                lambda module, args, out: self._fire("hook_embed", None, out, run.by_point["hook_embed"])))
+                lambda module, args, out: self._fire("hook_embed", None, out, fns["hook_embed"])))
+        head = self.model.get_output_embeddings()
+        if "unembed.hook_in" in fns:
+            handles.append(head.register_forward_pre_hook(
+                lambda module, args: (self._fire("unembed.hook_in", None, args[0], fns["unembed.hook_in"]),)))
+        if "unembed.hook_out" in fns:
+            handles.append(head.register_forward_hook(
+                lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
         for prefix, (module, layer) in self._norms.items():
             if any(p in run.by_point for p in norm_points(prefix)):
                 module.forward = functools.partial(self._norm, module, prefix, layer)
