@@ -6,8 +6,9 @@ this one process on the same model object and the same batches, interleaved (the
 
 * plain:    `model(ids)` with SDPA and logits;
 * now:      `poslens.engine.capture.Capture(model)` (the hook engine), `update()` per batch, then `result()`;
-* release:  the previous release's `capture.py`, read from git (`git show REV:src/poslens/capture.py`) and
-            imported under another module name; same calls.
+* release:  the previous release's `capture.py`, read from git (`git show REV:src/poslens/capture.py`; from 0.2
+            on `engine/capture.py` and the `engine/hooks.py` it runs on) and imported under other module names;
+            same calls.
 
 The maps of `now` and `release` are compared too (max |difference|), so the speed is for the same numbers.
 
@@ -33,17 +34,29 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def release_capture(rev: str):
-    """The previous release's capture module, imported from git under the name `poslens_release_capture`."""
-    src = subprocess.run(["git", "show", f"{rev}:src/poslens/capture.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="poslens-release-")) / "poslens_release_capture.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("poslens_release_capture", path)
+def release_module(rev: str, path: str, name: str, replace: dict[str, str] | None = None):
+    """The file `path` of git revision `rev`, imported under the module name `name` (after the text replacements)."""
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for old, new in (replace or {}).items():
+        src = src.replace(old, new)
+    target = Path(tempfile.mkdtemp(prefix="poslens-release-")) / f"{name}.py"
+    target.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, target)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
+
+
+def release_capture(rev: str):
+    """The previous release's capture module, imported from git under the name `poslens_release_capture`; from 0.2
+    on (`engine/capture.py` on the hook engine) together with that release's hook engine (`poslens_release_hooks`)."""
+    try:
+        release_module(rev, "src/poslens/engine/hooks.py", "poslens_release_hooks")
+    except subprocess.CalledProcessError:  # 0.1: a self-contained src/poslens/capture.py
+        return release_module(rev, "src/poslens/capture.py", "poslens_release_capture")
+    return release_module(rev, "src/poslens/engine/capture.py", "poslens_release_capture",
+                          {"from poslens.engine.hooks import": "from poslens_release_hooks import"})
 
 
 def main() -> None:
