@@ -29,8 +29,8 @@ def _rms(prefix, module, x, gemma, ref, flat=False):
     """TransformerLens's RMSNorm points: scale = sqrt(mean(x^2) + eps), normalized = x / scale, then the gain."""
     eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
     w = module.weight.double()
-    scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    normalized = ref.get(f"{prefix}.hook_normalized!", x / scale)  # a written value replaces the computed one
+    scale = ref.get(f"{prefix}.hook_scale!", (x.pow(2).mean(-1, keepdim=True) + eps).sqrt())  # written, or computed
+    normalized = ref.get(f"{prefix}.hook_normalized!", x / scale)
     out = normalized * ((1 + w) if gemma else w)
     for point, t in (("hook_scale", scale), ("hook_normalized", normalized), ("hook_out", out)):
         ref[f"{prefix}.{point}"] = t.reshape(-1, t.shape[-1]) if flat else t  # q/k norms: TL's [B*T*heads, .]
@@ -160,14 +160,15 @@ def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit
 @pytest.mark.parametrize("family", FAMILIES)
 def test_writes_at_q_and_at_the_normalized_input_act_downstream_as_in_transformer_lens(family):
     """A value written at attn.hook_q is q-normed and rotated before the scores; one written at ln1.hook_normalized
-    is multiplied by the gain (and projected to k and v)."""
+    is multiplied by the gain (and projected to k and v); one written at ln2.hook_scale divides the MLP's input."""
     model = _model(family)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=7)
     cfg, d = model.config, model.model.layers[1].self_attn.head_dim
     g = torch.Generator().manual_seed(8)
     written = {"ln1.hook_normalized": torch.randn(2, 16, cfg.hidden_size, generator=g),
-               "attn.hook_q": 2 * torch.randn(2, 16, cfg.num_attention_heads, d, generator=g)}
+               "attn.hook_q": 2 * torch.randn(2, 16, cfg.num_attention_heads, d, generator=g),
+               "ln2.hook_scale": 0.5 + torch.rand(2, 16, 1, generator=g)}
     cached = {}
 
     def write(point):
@@ -367,3 +368,20 @@ def test_bad_hooks_are_usage_errors():
         hm.run(ids, hooks={"blocks.0.hook_resid_pre": lambda x, c: x[:, :1]})
     # the failed run left the model usable
     assert torch.equal(_plain_logits(model, ids), hm.run(ids, logits=True).logits)
+
+
+def test_activation_norm_reads_per_head_points_and_refuses_maps():
+    """The worked statistic at attn.hook_q: the norm of each position's query projection, all heads side by side."""
+    from poslens.engine.runner import run_statistics
+    from poslens.engine.statistics import ActivationNorm
+
+    model = build("llama")
+    batches = [token_batch(2, 8, seed=11 + b) for b in range(2)]
+    stat = ActivationNorm("blocks.{l}.attn.hook_q", layers=[0], groups=2)
+    run_statistics(model, [stat], batches)
+    with torch.no_grad():
+        q = torch.stack([model.model.layers[0].self_attn.q_proj(model.model.layers[0].input_layernorm(
+            model.model.embed_tokens(x))) for x in batches])  # [batches, B, T, H * D]
+    torch.testing.assert_close(stat.result()["norm"][0], q.double().norm(dim=-1).mean((0, 1)), rtol=1e-6, atol=0)
+    with pytest.raises(UsageError, match="not laid out"):
+        ActivationNorm("blocks.{l}.attn.hook_pattern")
