@@ -11,8 +11,9 @@ token ids of the embedded text for everyone. Methods, interleaved (the order rot
 * tl:          TransformerLens's `HookedTransformer.run_with_cache(ids)`: every point, logits.
 
 Then, on the same ids: the largest relative difference max|tl - poslens| / max|tl| at every name both have (the
-same meaning), grouped by point; and the logits of both after the same write at attn.hook_q (pre-RoPE queries
-halved), ln1.hook_normalized (pre-gain input norm doubled) and attn.hook_rot_k (post-RoPE keys of head 0 zeroed).
+same meaning), grouped by point; and the logits of both `run_with_hooks` with the same TransformerLens hook writing
+at attn.hook_q (pre-RoPE queries halved), ln1.hook_normalized (pre-gain input norm doubled) and attn.hook_rot_k
+(post-RoPE keys of head 0 zeroed).
 
 TransformerLens is not a poslens dependency: install it in a venv of its own (git-ignored), CPU torch first so
 that pip does not pull a CUDA build, and run this script there with poslens on PYTHONPATH:
@@ -139,8 +140,8 @@ def main() -> None:
     only_ours = sorted({re.sub(r"^blocks\.\d+\.", "blocks.{l}.", k) for k in cache if k not in tl_cache.keys()})
     write_diffs = {}
     for label, (point, fn) in writes(hm.n_layers).items():
-        ours = hm.run(ids, hooks={point: lambda x, ctx, fn=fn: fn(x)}, logits=True).logits
-        theirs = tl.run_with_hooks(ids, fwd_hooks=[(point, lambda x, hook, fn=fn: fn(x))])
+        hook = [(point, lambda x, hook, fn=fn: fn(x))]  # the same TransformerLens hook for both
+        ours, theirs = hm.run_with_hooks(ids, fwd_hooks=hook), tl.run_with_hooks(ids, fwd_hooks=hook)
         moved = float((ours - logits).abs().max() / logits.abs().max())  # the write changes the logits
         write_diffs[label] = {"relative_difference": float((ours - theirs).abs().max() / theirs.abs().max()),
                               "logits_moved_by": moved}

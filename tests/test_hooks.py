@@ -246,6 +246,23 @@ def test_run_with_cache_filters_and_shorthand_as_transformer_lens():
     assert "blocks.0.attn.hook_k" not in cache and cache.get("k0") is None
 
 
+def test_run_with_hooks_calls_transformer_lens_hook_functions():
+    """fn(value, hook) with hook.name and hook.layer(), selected by a function of names, as in TransformerLens."""
+    model = build("llama")
+    hm = HookedModel(model)
+    ids = token_batch(2, 8, seed=12)
+    seen = []
+
+    def halve_q(q, hook):  # TransformerLens style: [batch, pos, head, d_head], before RoPE
+        seen.append((hook.name, hook.layer()))
+        return q * 0.5
+
+    logits = hm.run_with_hooks(ids, fwd_hooks=[(lambda n: n.endswith("attn.hook_q"), halve_q)])
+    assert seen == [(f"blocks.{l}.attn.hook_q", l) for l in range(3)]
+    same = hm.run(ids, hooks={f"blocks.{l}.attn.hook_q": lambda x, ctx: x * 0.5 for l in range(3)}, logits=True)
+    assert torch.equal(logits, same.logits) and not torch.equal(logits, _plain_logits(model, ids))
+
+
 def test_transformer_lens_features_without_an_equivalent_fail_in_one_line():
     hm = HookedModel(build("llama"))
     ids = token_batch(1, 6)
@@ -255,6 +272,7 @@ def test_transformer_lens_features_without_an_equivalent_fail_in_one_line():
         (lambda: hm.run_with_cache("Hello"), "token ids"),
         (lambda: hm.run_with_cache(ids, ["blocks.0.attn.hook_result"]), "TransformerLens has it"),
         (lambda: hm.to_tokens("Hello"), "to_tokens"),
+        (lambda: hm.run_with_hooks(ids, bwd_hooks=[("hook_embed", print)]), "bwd_hooks"),
         (lambda: hm.run_with_cache(ids)[1].decompose_resid(), "decompose_resid"),
     ]:
         with pytest.raises(UsageError, match=match) as err:

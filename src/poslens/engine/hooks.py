@@ -3,6 +3,7 @@
     hm = HookedModel(model)
     hm.run(input_ids, hooks={"blocks.0.attn.hook_rot_q": read, "blocks.3.attn.hook_z": patch})
     logits, cache = hm.run_with_cache(input_ids)       # as TransformerLens's HookedTransformer.run_with_cache
+    logits = hm.run_with_hooks(input_ids, fwd_hooks=[("blocks.3.attn.hook_q", fn)])   # fn(x, hook), as TL's
 
 A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward. A
 replacement takes effect downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
@@ -164,6 +165,17 @@ class HookContext:
                            "is the value at attn.hook_k ([B, T, K, D], as TransformerLens)")
 
 
+class TLHook:
+    """The `hook` argument of a TransformerLens hook function (run_with_hooks): its `name` and `layer()`."""
+
+    def __init__(self, name: str, layer: int | None) -> None:
+        self.name = name
+        self._layer = layer
+
+    def layer(self) -> int | None:
+        return self._layer
+
+
 class _Stop(Exception):
     """Raised after the last hooked point to end a forward early."""
 
@@ -247,19 +259,7 @@ class HookedModel:
         when the forward also stops after the last cached point) and the mapping name -> tensor of every point
         `names_filter` selects (None: every TransformerLens point; a name; a list of names; a callable on the
         TransformerLens names), in forward order; an ActivationCache unless `return_cache_object=False` (a dict)."""
-        if unsupported:
-            name = sorted(unsupported)[0]
-            raise NoEquivalent(f"run_with_cache: TransformerLens's {name}= has no poslens equivalent (poslens takes "
-                               "names_filter, attention_mask, return_type, device, remove_batch_dim, "
-                               "return_cache_object)")
-        if return_type not in ("logits", None):
-            raise NoEquivalent(f"run_with_cache: return_type={return_type!r} has no poslens equivalent; use "
-                               "'logits' (and compute the loss from them) or None")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point():
-            raise UsageError("run_with_cache: input_ids must be a tensor of token ids [batch, pos]; tokenize text "
-                             "with the model's tokenizer (load_model returns it)")
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
+        input_ids = self._tl_call("run_with_cache", input_ids, return_type, unsupported)
         if remove_batch_dim and input_ids.shape[0] != 1:
             raise UsageError(f"run_with_cache: remove_batch_dim needs a batch of 1, got {input_ids.shape[0]}")
         names = select_points(names_filter, self.points, self.tl_points, self._check_name)
@@ -273,12 +273,42 @@ class HookedModel:
         result = ActivationCache(ordered, self.n_layers, has_batch_dim=not remove_batch_dim)
         return (None if out is None else out.logits), (result if return_cache_object else ordered)
 
+    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks=(), bwd_hooks=(), *,
+                       attention_mask: torch.Tensor | None = None, return_type: str | None = "logits", **unsupported):
+        """TransformerLens's `run_with_hooks`: `fwd_hooks` is a list of (name, or a function of a name, hook
+        function), each hook function called as fn(value, hook) with TransformerLens's `hook.name` and `hook.layer()`
+        and returning None or a replacement. Returns the logits (None with return_type=None: the forward then stops
+        after the last hooked point)."""
+        input_ids = self._tl_call("run_with_hooks", input_ids, return_type, unsupported)
+        if bwd_hooks:
+            raise NoEquivalent("run_with_hooks: bwd_hooks have no poslens equivalent (runs are under no_grad)")
+        hooks: dict[str, list[HookFn]] = {}
+        for names_filter, fn in fwd_hooks:
+            for name in select_points(names_filter, self.points, self.tl_points, self._check_name):
+                hooks.setdefault(name, []).append(lambda x, ctx, fn=fn: fn(x, TLHook(ctx.name, ctx.layer)))
+        out = self.run(input_ids, attention_mask, hooks=hooks, logits=return_type == "logits")
+        return None if out is None else out.logits
+
+    def _tl_call(self, method: str, input_ids, return_type, unsupported: dict) -> torch.Tensor:
+        """The token ids [B, T] of a TransformerLens-style call, after refusing what has no poslens equivalent."""
+        if unsupported:
+            name = sorted(unsupported)[0]
+            raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent (see docs/hooks.md)")
+        if return_type not in ("logits", None):
+            raise NoEquivalent(f"{method}: return_type={return_type!r} has no poslens equivalent; use 'logits' "
+                               "(and compute the loss from them) or None")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point():
+            raise UsageError(f"{method}: input_ids must be a tensor of token ids [batch, pos]; tokenize text with "
+                             "the model's tokenizer (load_model returns it)")
+        return input_ids[None] if input_ids.dim() == 1 else input_ids
+
     def __getattr__(self, name: str):
         """TransformerLens's other HookedTransformer attributes fail loudly, in one line."""
         if name.startswith("_"):
             raise AttributeError(name)
         raise NoEquivalent(f"HookedModel has no {name!r}: TransformerLens's {name} has no poslens equivalent "
-                           "(poslens has run, run_with_cache, points, n_layers, model; see docs/hooks.md)")
+                           "(poslens has run, run_with_cache, run_with_hooks, points, n_layers, model; see "
+                           "docs/hooks.md)")
 
     def _check_name(self, name: str) -> None:
         if name in self._known:
