@@ -493,20 +493,20 @@ class HookedModel:
         def fire(point: str, x):
             return self._fire_at(l, point, x)
 
-        x = fire("hook_resid_pre", hidden_states)
-        a, _ = layer_mod.self_attn(hidden_states=getattr(layer_mod, fam.ln1)(x), **attn_kwargs)
-        a = fire("attn.hook_out", a)
+        x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
+        a, _ = layer_mod.self_attn(hidden_states=getattr(layer_mod, fam.ln1)(x), **attn_kwargs)  # ln1.*, attn.*
+        a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
-            a = getattr(layer_mod, fam.ln1_post)(a)
-        a = fire("hook_attn_out", a)
+            a = getattr(layer_mod, fam.ln1_post)(a)  # ln1_post.*
+        a = fire("hook_attn_out", a)  # [B, T, d] what is added
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
-        x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))
-        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(x)))
+        x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
+        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(x)))  # ln2.*, mlp.*; [B, T, d]
         if fam.layout == "sandwich":
-            m = getattr(layer_mod, fam.ln2_post)(m)
-        m = fire("hook_mlp_out", m)
+            m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
+        m = fire("hook_mlp_out", m)  # [B, T, d] what is added
         drop_mlp = getattr(layer_mod, "resid_mlp_dropout", None)
-        return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))
+        return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]
 
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):
         """Fire the attention kernel's points of one layer, then compute its output (the model's own function unless
@@ -534,8 +534,8 @@ class HookedModel:
             new = fire(point, view)
             return t if new is view else new.transpose(1, 2)
 
-        query = ctx.rot_q = fire_heads("attn.hook_rot_q", query)
-        key = ctx.rot_k = fire_heads("attn.hook_rot_k", key)
+        query = ctx.rot_q = fire_heads("attn.hook_rot_q", query)  # hook [B, T, H, D]; kernel [B, H, T, D]
+        key = ctx.rot_k = fire_heads("attn.hook_rot_k", key)  # hook [B, T, K, D]; kernel [B, K, T, D]
         score_fns = pts.get("attn.hook_attn_scores", [])
         factored = [f for f in score_fns if getattr(f, "poslens_from_factors", False)]
         dense = [f for f in score_fns if not getattr(f, "poslens_from_factors", False)]
@@ -548,7 +548,7 @@ class HookedModel:
                 self._fired(ctx.name)
         replaced = False
         if dense or pattern_fns:
-            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window)
+            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window)  # [B, H, T, T]
             new = fire("attn.hook_attn_scores", scores, dense)
             replaced |= new is not scores
             pattern = torch.softmax(new, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)
@@ -559,7 +559,7 @@ class HookedModel:
             out = torch.matmul(new_pattern, repeat_kv(value, groups)).transpose(1, 2).contiguous()
         else:
             out, _ = inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return fire("attn.hook_z", out), None
+        return fire("attn.hook_z", out), None  # [B, T, H, D]
 
 
 def _dense_scores(q, k, scaling, softcap, attention_mask, window: int) -> torch.Tensor:
