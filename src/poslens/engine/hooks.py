@@ -336,47 +336,45 @@ class HookedModel:
 
     @contextmanager
     def _installed(self, run: _Run):
+        """Everything a run needs, installed for its duration and removed after (also when it fails half-way)."""
         if self._run is not None:
             raise UsageError("this HookedModel is already running a forward (hooks cannot nest)")
         _register()
-        saved = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
-        handles, norms = [], []
+        undo: list[Callable[[], Any]] = []
         fns = run.by_point
-        if "hook_embed" in fns:
-            handles.append(self.model.base_model.embed_tokens.register_forward_hook(
-                lambda module, args, out: self._fire("hook_embed", None, out, fns["hook_embed"])))
-        head = self.model.get_output_embeddings()
-        if "unembed.hook_in" in fns:
-            handles.append(head.register_forward_pre_hook(
-                lambda module, args: (self._fire("unembed.hook_in", None, args[0], fns["unembed.hook_in"]),)))
-        if "unembed.hook_out" in fns:
-            handles.append(head.register_forward_hook(
-                lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
-        for prefix, (module, layer) in self._norms.items():
-            if any(p in run.by_point for p in norm_points(prefix)):
-                module.forward = functools.partial(self._norm, module, prefix, layer)
-                norms.append(module)
-        for l, pts in run.per_layer.items():
-            handles += self._projection_hooks(l, pts)
-        for layer in self.layers:
-            setattr(layer, _OWNER, self)
-            setattr(layer.self_attn, _OWNER, self)
-            layer.forward = types.MethodType(_block_forward, layer)
-        self._run = run
         try:
+            saved = self.model.config._attn_implementation
+            self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
+            undo.append(lambda: self.model.set_attn_implementation(saved))
+            handles = []
+            if "hook_embed" in fns:
+                handles.append(self.model.base_model.embed_tokens.register_forward_hook(
+                    lambda module, args, out: self._fire("hook_embed", None, out, fns["hook_embed"])))
+            head = self.model.get_output_embeddings()
+            if "unembed.hook_in" in fns:
+                handles.append(head.register_forward_pre_hook(
+                    lambda module, args: (self._fire("unembed.hook_in", None, args[0], fns["unembed.hook_in"]),)))
+            if "unembed.hook_out" in fns:
+                handles.append(head.register_forward_hook(
+                    lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
+            for l, pts in run.per_layer.items():
+                handles += self._projection_hooks(l, pts)
+            undo += [h.remove for h in handles]
+            for prefix, (module, layer) in self._norms.items():
+                if any(p in fns for p in norm_points(prefix)):
+                    module.forward = functools.partial(self._norm, module, prefix, layer)
+                    undo.append(lambda m=module: delattr(m, "forward"))  # back to the class's forward
+            for layer in self.layers:
+                setattr(layer, _OWNER, self)
+                setattr(layer.self_attn, _OWNER, self)
+                layer.forward = types.MethodType(_block_forward, layer)
+                undo.append(lambda m=layer: [delattr(m, "forward"), delattr(m, _OWNER), delattr(m.self_attn, _OWNER)])
+            self._run = run
             yield
         finally:
             self._run = None
-            for layer in self.layers:
-                del layer.forward  # back to the class's forward
-                delattr(layer, _OWNER)
-                delattr(layer.self_attn, _OWNER)
-            for module in norms:
-                del module.forward
-            for h in handles:
-                h.remove()
-            self.model.set_attn_implementation(saved)
+            for fn in reversed(undo):
+                fn()
 
     def _projection_hooks(self, l: int, pts: dict) -> list:
         """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj), the MLP's
