@@ -59,6 +59,24 @@ def release_capture(rev: str):
                           {"from poslens.engine.hooks import": "from poslens_release_hooks import"})
 
 
+def aten_ops(fn) -> list[str]:
+    """The aten operators `fn()` dispatches, in order, with their input shapes: equal lists mean equal tensor work
+    (a measure no other job on the machine can disturb)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            ops.append(f"{func} {shapes}")
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return ops
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--release", default="afb3a39", help="git revision of the previous release")
@@ -93,6 +111,7 @@ def main() -> None:
 
     methods = {"plain": plain, "now": lambda: capture(Capture), "release": lambda: capture(old.Capture)}
     maps = {k: methods[k]() for k in ("now", "release")}  # warm-up, and the maps to compare
+    ops = {k: aten_ops(methods[k]) for k in ("now", "release")}
     plain()
     times: dict[str, list[float]] = {k: [] for k in methods}
     cpu: dict[str, list[float]] = {k: [] for k in methods}  # CPU time of this process: less hit by other jobs
@@ -111,13 +130,15 @@ def main() -> None:
            "median_cpu_s": med_cpu, "cpu_s": cpu, "cpu_now_over_release": med_cpu["now"] / med_cpu["release"],
            "cpu_now_over_plain": med_cpu["now"] / med_cpu["plain"],
            "cpu_release_over_plain": med_cpu["release"] / med_cpu["plain"], "load_average_before": load,
+           "aten_ops": {k: len(v) for k, v in ops.items()}, "aten_ops_identical": ops["now"] == ops["release"],
            "max_abs_map_difference": float((maps["now"] - maps["release"]).nan_to_num(0).abs().max()),
            "load_average": os.getloadavg(), "threads": torch.get_num_threads(), "argv": sys.argv,
            "torch": torch.__version__}
     print(json.dumps(out, indent=1))
     print(f"now / plain {out['now_over_plain']:.3f}, release / plain {out['release_over_plain']:.3f}: "
           f"now / release = {out['now_over_release']:.3f} (bar: <= 1.05); CPU time: now / release = "
-          f"{out['cpu_now_over_release']:.3f}; maps differ by at most {out['max_abs_map_difference']:.2e}")
+          f"{out['cpu_now_over_release']:.3f}; maps differ by at most {out['max_abs_map_difference']:.2e}; aten "
+          f"operators: {out['aten_ops']} ({'the same' if out['aten_ops_identical'] else 'different'} sequences)")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
