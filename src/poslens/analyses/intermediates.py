@@ -5,19 +5,20 @@ attention layer) the statistic averages over sequences (and over heads where the
 T x T Gram matrices of the intermediates that turn causally masked attention into position-dependent scores
 (Kim et al. 2025, Section 4.2):
 
-    (a) Y Y^T, Y = norm(X)                 blocks.L.ln1.hook_normalized
-    (b) Q K^T * scaling, mean over heads   blocks.L.attn.hook_q / hook_k (after q/k norm and RoPE)
+    (a) Y Y^T, Y = norm(X)                 blocks.L.ln1.hook_out (the norm's output, with its gain)
+    (b) Q K^T * scaling, mean over heads   blocks.L.attn.hook_rot_q / hook_rot_k (after q/k norm and RoPE)
     (c) (AV)(AV)^T, mean over heads        blocks.L.attn.hook_z
-    (d) after W_O                          blocks.L.hook_attn_out
+    (d) after W_O                          blocks.L.attn.hook_out
     (e) after adding the residual          blocks.L.hook_resid_mid
-    (f) after the post-attention norm      blocks.L.ln2.hook_normalized (the norm in front of the MLP)
+    (f) after the post-attention norm      blocks.L.ln2.hook_out (the norm in front of the MLP, with its gain)
     (g) after the FFN and residual         blocks.L.hook_resid_post
-    (h) next layer's normalised input      blocks.L+1.ln1.hook_normalized
-    (i) next layer's Q K^T * scaling       blocks.L+1.attn.hook_q / hook_k
+    (h) next layer's normalised input      blocks.L+1.ln1.hook_out
+    (i) next layer's Q K^T * scaling       blocks.L+1.attn.hook_rot_q / hook_rot_k
 
 Gemma's sandwich layout (a norm after each sublayer too) maps as follows: (d) is the o_proj output before
-Gemma's `post_attention_layernorm` (hook point ln1_post); (e) adds that normed output to the residual; (f) is
-`pre_feedforward_layernorm` (ln2); (g) adds `post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
+Gemma's `post_attention_layernorm` (hook point ln1_post; hook_attn_out comes after it, as in TransformerLens); (e)
+adds that normed output to the residual; (f) is `pre_feedforward_layernorm` (ln2); (g) adds
+`post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
 softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
 
 Every per-head Gram is a head-summed GEMM: sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T, and the sum over the
@@ -67,8 +68,8 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("i", "next_qk", "next layer's Q K^T * scaling"),
 )
 # residual-stream-shaped panels: hook point (relative to the block) and which of the two layers
-_HIDDEN_POINTS = {"a": ("ln1.hook_normalized", 0), "d": ("hook_attn_out", 0), "e": ("hook_resid_mid", 0),
-                  "f": ("ln2.hook_normalized", 0), "g": ("hook_resid_post", 0), "h": ("ln1.hook_normalized", 1)}
+_HIDDEN_POINTS = {"a": ("ln1.hook_out", 0), "d": ("attn.hook_out", 0), "e": ("hook_resid_mid", 0),
+                  "f": ("ln2.hook_out", 0), "g": ("hook_resid_post", 0), "h": ("ln1.hook_out", 1)}
 
 
 class BlockOutputMismatch(UsageError):
@@ -259,7 +260,7 @@ class Intermediates(Statistic):
             add(f"blocks.{l}.attn.hook_attn_scores", from_factors(self._scores_reader(l)))
         if self.check is not None:
             add(f"blocks.{L}.hook_resid_mid", self._keep("mid"))
-            add(f"blocks.{L}.ln2.hook_normalized", self._keep("ln2"))
+            add(f"blocks.{L}.ln2.hook_out", self._keep("ln2"))
             add(f"blocks.{L}.hook_resid_post", self._check_block)
         return out
 
@@ -277,10 +278,10 @@ class Intermediates(Statistic):
         self.sums.add("panel_c", self.group, gram_sum(z.reshape(b, t, h * d)) / h, b)
 
     def _scores_reader(self, layer: int):
-        def read(_, ctx):
-            h = ctx.q.shape[1]
-            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.q, ctx.k) * (ctx.scaling / h),
-                          ctx.q.shape[0])
+        def read(_, ctx):  # ctx.rot_q [B, H, T, D], ctx.rot_k [B, K, T, D]: after q/k norm and RoPE
+            h = ctx.rot_q.shape[1]
+            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.rot_q, ctx.rot_k) * (ctx.scaling / h),
+                          ctx.rot_q.shape[0])
 
         return read
 
@@ -396,7 +397,7 @@ class Intermediates(Statistic):
         if self.check is None:
             return None
         return {**self.check, "tolerance": check_tolerance(self.dtype), "dtype": str(self.dtype).removeprefix("torch."),
-                "layer": self.layer, "recomputed": "hook_resid_mid + mlp(ln2.hook_normalized)"
+                "layer": self.layer, "recomputed": "hook_resid_mid + mlp(ln2.hook_out)"
                 + (" through post_feedforward_layernorm" if self.family.layout == "sandwich" else "")
                 + ", float64, vs hook_resid_post"}
 
@@ -569,7 +570,7 @@ def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, p
 def _hook_point(letter: str, layer: int) -> str:
     if letter in "bi":
         l = layer + (letter == "i")
-        return f"blocks.{l}.attn.hook_q x blocks.{l}.attn.hook_k * scaling"
+        return f"blocks.{l}.attn.hook_rot_q x blocks.{l}.attn.hook_rot_k * scaling"
     if letter == "c":
         return f"blocks.{layer}.attn.hook_z"
     point, step = _HIDDEN_POINTS[letter]
