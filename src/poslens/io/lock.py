@@ -90,7 +90,7 @@ class FileLock:
             with disk_space(self.path, 64):
                 return os.open(self.path, flags, 0o666)
         except FileExistsError:  # not POSIX only
-            if _alive(_read_pid(self.path)):
+            if alive(_read_pid(self.path)):
                 return None
             self.path.unlink(missing_ok=True)  # its owner died
             return self._open()
@@ -144,7 +144,7 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int | None) -> bool:
+def alive(pid: int | None) -> bool:
     """Whether process `pid` exists (unknown pid: assume alive, never take over on a guess)."""
     if pid is None or pid == os.getpid():
         return True

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from poslens.errors import UsageError
-from poslens.io.lock import FileLock, _alive, lock_path
+from poslens.io.lock import FileLock, alive, lock_path
 from poslens.io.manifest import MARKER, META, foreign, is_empty, write_manifest
 from poslens.io.space import disk_space
 
@@ -218,7 +218,7 @@ def _tmp_pid(name: str) -> int | None:
 def stale_tmp(path: Path) -> bool:
     """A `*.tmp-PID` file whose writer is gone."""
     pid = _tmp_pid(path.name)
-    return pid is not None and not _alive(pid)
+    return pid is not None and not alive(pid)
 
 
 def _restore_or_remove(old: Path, target: Path) -> None:

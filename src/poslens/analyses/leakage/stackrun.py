@@ -43,10 +43,27 @@ def check_stack_options(o) -> StackConfig:
 
 
 def run_stack_leakage(o, out: str, force: bool = False) -> Path:
-    """Exact and Monte Carlo splits of the three architectures, figures `architectures_exact` / `_monte_carlo`."""
+    """Exact and Monte Carlo splits of the three architectures, figures `architectures_exact` / `_monte_carlo`.
+    Every option is checked, and `out` taken (its lock held), before any work."""
     started = time.perf_counter()
     base = check_stack_options(o)
-    res = flow.compare(base, o.samples, ntk_scaling=o.ntk_scaling, window=o.window, groups=o.groups, seed=o.seed)
+    with run_directory(out, force) as tmp:
+        res = flow.compare(base, o.samples, ntk_scaling=o.ntk_scaling, window=o.window, groups=o.groups,
+                           seed=o.seed)
+        tensors, metrics, exact_fig, mc_fig = _collect(res)
+        architecture_figure(exact_fig, tmp / "figures", "architectures_exact", "stack, d -> inf")
+        if mc_fig:
+            architecture_figure(mc_fig, tmp / "figures", "architectures_monte_carlo",
+                                f"stack, d = {o.d}, {o.samples} samples")
+        write_run(tmp, {k: torch.as_tensor(v).float() for k, v in tensors.items()},
+                  {"kind": "leakage-stack", "config": vars(o) if not hasattr(o, "__dataclass_fields__")
+                   else {k: getattr(o, k) for k in o.__dataclass_fields__}, "metrics": metrics,
+                   "timings": {"seconds": time.perf_counter() - started}})
+    return Path(out).expanduser().absolute()
+
+
+def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
+    """From `flow.compare`'s result: the tensors, the metrics and the two figures' series (exact, Monte Carlo)."""
     tensors, metrics = {}, {"architectures": {}}
     exact_fig, mc_fig = {}, {}
     for arch, r in res.items():
@@ -68,17 +85,7 @@ def run_stack_leakage(o, out: str, force: bool = False) -> Path:
     # the same per-layer layout as `leakage` runs, for leakage-compare (exact split, all queries)
     metrics["per_layer_all"] = {f"split/{k}": {"value": res["standard"]["exact"][k].tolist()}
                                 for k in ("share_logit", "share_mask")}
-    with run_directory(out, force) as tmp:
-        architecture_figure(exact_fig, tmp / "figures", "architectures_exact",
-                            "stack, d -> inf")
-        if mc_fig:
-            architecture_figure(mc_fig, tmp / "figures", "architectures_monte_carlo",
-                                f"stack, d = {o.d}, {o.samples} samples")
-        write_run(tmp, {k: torch.as_tensor(v).float() for k, v in tensors.items()},
-                  {"kind": "leakage-stack", "config": vars(o) if not hasattr(o, "__dataclass_fields__")
-                   else {k: getattr(o, k) for k in o.__dataclass_fields__}, "metrics": metrics,
-                   "timings": {"seconds": time.perf_counter() - started}})
-    return Path(out).expanduser().absolute()
+    return tensors, metrics, exact_fig, mc_fig
 
 
 def shares(run: Run) -> dict[str, np.ndarray]:
@@ -113,15 +120,15 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         raise UsageError("runs: give at least one run directory of `poslens leakage` or `leakage-stack`")
     if labels is not None and len(labels) != len(runs):
         raise UsageError(f"labels: {len(labels)} labels for {len(runs)} runs; give one per run")
-    series = {}
-    for k, path in enumerate(runs):
-        run = load(path, tensors=False)
-        name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
-        if name in series:
-            raise UsageError(f"labels: two runs would both be labelled {name!r} (the second is {path}); give labels, "
-                             "one per run")
-        series[name] = shares(run)
     with run_directory(out, force, inputs=runs) as tmp:
+        series = {}
+        for k, path in enumerate(runs):
+            run = load(path, tensors=False)
+            name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
+            if name in series:
+                raise UsageError(f"labels: two runs would both be labelled {name!r} (the second is {path}); give "
+                                 "labels, one per run")
+            series[name] = shares(run)
         architecture_figure(series, tmp / "figures", "architectures", "all queries")
         listed = {k: {s: v.tolist() for s, v in e.items()} for k, e in series.items()}
         write_run(tmp, {}, {"kind": "leakage-compare", "config": {"runs": runs, "labels": labels},
