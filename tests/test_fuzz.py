@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from test_cli import tiny_model_dir  # noqa: F401 (a fixture)
-from test_rundir import FullDisk, safetensors_full
+from test_rundir import FullDisk, light_process, safetensors_full, tree
 
 import poslens
 from poslens.cli import main
@@ -43,15 +43,6 @@ from poslens.io import checkpoint, lock, manifest, results, rundir
 from poslens.io.results import run_directory, write_run
 
 STACK = ["--n", "6", "--d", "8", "--layers", "2"]  # small, so that a case that wrongly runs stays fast
-SRC = str(Path(poslens.__file__).parents[1])
-
-
-def tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root`, hidden ones included, with its bytes (None for a directory; a link as its target).
-    Libraries' own caches under the test's HOME (matplotlib's ~/.cache and ~/.config) are not poslens output."""
-    return {str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else None if p.is_dir()
-                                       else p.read_bytes())
-            for p in sorted(root.rglob("*")) if not {".cache", ".config"} & set(p.relative_to(root).parts)}
 
 
 def run_main(argv: list[str], capfd) -> tuple[int, str]:
@@ -450,12 +441,6 @@ def test_gram_flow_rope_kernel_in_linear_memory_equals_the_full_table(n, d, thet
 # ---------------------------------------------------------------- the shared cache and locks: real processes
 
 
-def light_process(code: str, *args: str) -> subprocess.Popen:
-    """A Python process running `code` that imports only poslens.io (no torch: about 0.1 s to start)."""
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": SRC})
-
-
 @contextlib.contextmanager
 def unprivileged():
     """Run the block without root's power over permissions (as root: effective uid and gid of nobody)."""
@@ -495,53 +480,62 @@ def test_an_unwritable_cache_directory_is_refused_before_any_work(capfd, monkeyp
             (root / "cache").chmod(0o755)
 
 
-def test_a_command_waits_for_another_process_building_the_shared_cache_and_uses_it(home, request, monkeypatch):
-    # Another process (here: this test) is building both entries `scores smollm2-135m` needs: the embedded corpus
-    # and the SmolLM2 conversion. The command waits for each in turn, saying so in one line, then uses what the
-    # other process built (a three-document corpus and a tiny model standing in for SmolLM2): nothing fails and
-    # nothing is built twice.
+HAND_OVER = """
+import os, sys, time
+from poslens.io.lock import FileLock, lock_path
+
+pairs = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # cache entry -> the finished entry to move there
+held = {entry: FileLock(lock_path(entry), "") for entry in pairs}
+for lock in held.values():
+    assert lock.acquire()
+print("holding", flush=True)
+deadline = time.monotonic() + 120
+while held and time.monotonic() < deadline:  # hand an entry over once a process waits for its lock
+    waiting = open("/proc/locks").read()
+    for entry, lock in list(held.items()):
+        if f":{os.fstat(lock.fd).st_ino} " in "".join(l for l in waiting.splitlines(True) if "->" in l):
+            os.rename(pairs[entry], entry)
+            held.pop(entry).release()
+    time.sleep(0.01)
+sys.exit(len(held))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux's /proc/locks to see a waiting process")
+def test_a_command_waits_for_another_process_building_the_shared_cache_and_uses_it(home, request, monkeypatch,
+                                                                                  capfd):
+    # Another process is building both entries `scores smollm2-135m` needs: the embedded corpus and the SmolLM2
+    # conversion; it finishes each one once a process waits for it. The command waits for each in turn, saying
+    # so in one line, then uses what the other process built (a three-document corpus and a tiny model standing
+    # in for SmolLM2): nothing fails and nothing is built twice.
     from poslens.engine import corpus, models
-    from poslens.io.lock import cache_lock
 
     tiny = request.getfixturevalue("tiny_model_dir")  # test_cli's tiny Llama with a byte tokenizer
     monkeypatch.setenv("POSLENS_CACHE", str(home / "cache"))
-    paths = {"the embedded corpus": corpus.cache_path(),
-             "the smollm2-135m conversion": models.cache_root() / "models" / "smollm2-135m"}
+    entries = {"the embedded corpus": corpus.cache_path(),
+               "the smollm2-135m conversion": models.cache_root() / "models" / "smollm2-135m"}
     docs = ["the first document of the stand-in corpus", "a second one, long enough", "and a third document"]
-
-    def build(what: str) -> None:
-        if what == "the embedded corpus":
-            corpus._write_cache(paths[what], docs, {"documents": len(docs), "sources": []})
-        else:
-            shutil.copytree(tiny, paths[what])
-            stamp = models._source_stamp(models._alias_gguf("smollm2-135m"))
-            (paths[what] / "poslens-source.json").write_text(json.dumps(stamp))
-
-    held = {what: cache_lock(path, what) for what, path in paths.items()}
-    for cm in held.values():
-        cm.__enter__()
-    cmd = subprocess.Popen([sys.executable, "-m", "poslens", "scores", "smollm2-135m", "--seq-len", "8",
-                            "--num-sequences", "2", "--batch-size", "1", "--groups", "2", "--quiet", "--out", "o"],
-                           cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": SRC})
-    try:
-        for _ in paths:
-            line = cmd.stderr.readline()
-            what = next(w for w in held if line == f"waiting for another poslens process (pid {os.getpid()}) to "
-                                                   f"finish building {w}\n")
-            build(what)
-            held.pop(what).__exit__(None, None, None)
-    finally:
-        for cm in held.values():
-            cm.__exit__(None, None, None)
-        out, err = cmd.communicate(timeout=300)
-    assert cmd.returncode == 0 and err == "", err
+    built = {what: home / f"built-{k}" for k, what in enumerate(entries)}
+    corpus._write_cache(built["the embedded corpus"], docs, {"documents": len(docs), "sources": []})
+    shutil.copytree(tiny, built["the smollm2-135m conversion"])
+    stamp = models._source_stamp(models._alias_gguf("smollm2-135m"))
+    (built["the smollm2-135m conversion"] / "poslens-source.json").write_text(json.dumps(stamp))
+    for path in entries.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    holder = light_process(HAND_OVER, *(str(p) for what in entries for p in (entries[what], built[what])))
+    assert holder.stdout.readline() == "holding\n"
+    capfd.readouterr()  # what making the tiny model printed
+    code, err = run_main(["scores", "smollm2-135m", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1",
+                          "--groups", "2", "--quiet", "--out", "o"], capfd)
+    assert holder.wait(timeout=60) == 0 and code == 0, err
+    assert err == "".join(f"waiting for another poslens process (pid {holder.pid}) to finish building {what}\n"
+                          for what in entries)  # the corpus first: scores reads its data before the model
     run = poslens.load(home / "o", tensors=False)  # on the stand-ins: 2 of the 3 documents, the tiny model's layers
-    assert run.meta["data"]["documents_read"] == 2 and run.meta["model"]["cache"] == str(paths[
-        "the smollm2-135m conversion"])
+    assert run.meta["data"]["documents_read"] == 2
+    assert run.meta["model"]["cache"] == str(entries["the smollm2-135m conversion"])
     assert len(run.meta["model"]["positional_encoding"]) == json.loads((tiny / "config.json").read_text())[
         "num_hidden_layers"]
-    assert corpus._read_cache(paths["the embedded corpus"])[0] == tuple(docs)  # not rebuilt
+    assert corpus._read_cache(entries["the embedded corpus"])[0] == tuple(docs)  # not rebuilt
 
 
 def test_a_killed_lock_holder_never_blocks_the_next_run(home, capfd):

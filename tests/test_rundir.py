@@ -27,8 +27,11 @@ from poslens.io.results import check_output, open_run, run_directory, write_run
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` (hidden ones included) with its bytes (None for a directory)."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+    """Every path under `root`, hidden ones included, with its bytes (None for a directory; a link: its target).
+    Libraries' own caches under a test's HOME (matplotlib's ~/.cache and ~/.config) are not poslens output."""
+    return {str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else None if p.is_dir()
+                                       else p.read_bytes())
+            for p in sorted(root.rglob("*")) if not {".cache", ".config"} & set(p.relative_to(root).parts)}
 
 
 def poslens_run(path: Path, value: float = 1.0) -> None:
@@ -398,8 +401,8 @@ WAITER = ("import sys\nfrom poslens.io.lock import cache_lock\n"
           "with cache_lock(sys.argv[1], 'the test entry'):\n    print(open(sys.argv[1]).read(), flush=True)\n")
 
 
-def python(code: str, *args: str) -> subprocess.Popen:
-    """A Python process running `code` (it imports only the lock module: no torch, about 0.1 s)."""
+def light_process(code: str, *args: str) -> subprocess.Popen:
+    """A Python process running `code` that imports only poslens.io (no torch: about 0.1 s to start)."""
     env = {**os.environ, "PYTHONPATH": str(Path(rundir.__file__).parents[2])}
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -408,7 +411,7 @@ def python(code: str, *args: str) -> subprocess.Popen:
 def test_a_second_process_waits_for_a_cache_entry_being_built_and_then_uses_it(tmp_path):
     entry = tmp_path / "cache" / "entry.txt"
     with cache_lock(entry, "the test entry"):
-        waiter = python(WAITER, str(entry))
+        waiter = light_process(WAITER, str(entry))
         line = waiter.stderr.readline()  # printed once, before it blocks
         assert line == f"waiting for another poslens process (pid {os.getpid()}) to finish building the test entry\n"
         time.sleep(0.2)
@@ -425,7 +428,7 @@ def test_a_killed_lock_holder_never_blocks_the_next_process(tmp_path, capsys, wh
     code = HOLDER if what == "cache" else ("import sys, time\nfrom poslens.io.rundir import open_run\n"
                                            "with open_run(sys.argv[1]):\n    print('holding', flush=True)\n"
                                            "    time.sleep(60)\n")
-    holder = python(code, str(entry))
+    holder = light_process(code, str(entry))
     assert holder.stdout.readline() == "holding\n"
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=60)
