@@ -271,6 +271,38 @@ def test_what_appears_during_a_run_is_never_replaced(tmp_path):
     assert (tmp_path / "s" / "notes.txt").read_text() == "the user's notes"
 
 
+def test_a_file_put_into_a_run_while_it_is_being_replaced_is_never_deleted(tmp_path, monkeypatch, capsys):
+    # The user writes into the old run just after the swap checked it: the check after moving it aside sees the
+    # file, puts the old run back and fails in one line. Written later still (through a directory handle held
+    # into the moved run), the file is kept, with the old run, beside the output.
+    out = tmp_path / "r"
+    poslens_run(out, 1.0)
+    real = manifest.foreign
+
+    def racing(path):
+        why = real(path)
+        if path == out and (tmp_path / ".r.partial" / "build" / manifest.NAME).exists():  # _place's check
+            (out / "notes.txt").write_text("mine")
+        return why
+
+    monkeypatch.setattr(rundir, "foreign", racing)
+    with pytest.raises(UsageError, match=r"r was changed while this run was working by something poslens did not "
+                                         r"write \(.*notes.txt was not written by poslens"):
+        poslens_run(out, 2.0)
+    assert (out / "notes.txt").read_text() == "mine" and torch.equal(poslens.load(out)["a"], torch.full((2,), 1.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    monkeypatch.undo()
+    (out / "notes.txt").unlink()
+    (tmp_path / "old").mkdir()
+    out.rename(tmp_path / "old" / "r")
+    poslens_run(out, 3.0)
+    (tmp_path / "old" / "r" / "notes.txt").write_text("mine")
+    rundir._discard(tmp_path / "old" / "r", out)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("r.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine" and (kept[0] / "run.json").exists()
+    assert f"it was kept as {kept[0]}" in capsys.readouterr().err
+
+
 def test_noreplace_rename_refuses_a_non_empty_target(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
