@@ -482,10 +482,10 @@ def test_an_unwritable_cache_directory_is_refused_before_any_work(capfd, monkeyp
 
 HAND_OVER = """
 import os, sys, time
-from poslens.io.lock import FileLock, lock_path
+from poslens.io.lock import CACHE_SUFFIX, FileLock, lock_path
 
 pairs = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # cache entry -> the finished entry to move there
-held = {entry: FileLock(lock_path(entry), "") for entry in pairs}
+held = {entry: FileLock(lock_path(entry, CACHE_SUFFIX), "") for entry in pairs}
 for lock in held.values():
     assert lock.acquire()
 print("holding", flush=True)

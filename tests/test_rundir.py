@@ -464,7 +464,8 @@ def test_a_killed_lock_holder_never_blocks_the_next_process(tmp_path, capsys, wh
     assert holder.stdout.readline() == "holding\n"
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=60)
-    assert (tmp_path / ".entry.lock").exists()  # left by the kill, with the dead pid in it
+    lock_file = tmp_path / (".entry.cache.lock" if what == "cache" else ".entry.lock")
+    assert lock_file.exists()  # left by the kill, with the dead pid in it
     started = time.monotonic()
     if what == "cache":
         with cache_lock(entry, "the test entry"):
@@ -472,7 +473,7 @@ def test_a_killed_lock_holder_never_blocks_the_next_process(tmp_path, capsys, wh
     else:
         poslens_run(entry)
     assert time.monotonic() - started < 5 and capsys.readouterr().err == ""  # no wait
-    assert not (tmp_path / ".entry.lock").exists()
+    assert not lock_file.exists()
 
 
 class FullDisk:
@@ -489,10 +490,20 @@ class FullDisk:
 @pytest.mark.parametrize("what", ["cache", "run"])
 def test_a_full_disk_when_taking_a_lock_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, what):
     monkeypatch.setattr(lock, "os", FullDisk())
-    with pytest.raises(UsageError, match=r"no space left on the device to write .*\.entry\.lock \(it needs \d+ bytes"):
+    with pytest.raises(UsageError, match=r"no space left on the device to write .*\.entry(\.cache)?\.lock \(it needs "
+                                         r"\d+ bytes"):
         with (cache_lock(tmp_path / "entry", "x") if what == "cache" else open_run(tmp_path / "entry")):
             pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_entry_can_be_written_as_a_run_directory_under_its_lock(tmp_path):
+    entry = tmp_path / "tokens" / "entry"
+    with cache_lock(entry, "x"):  # the run's own lock is another file
+        poslens_run(entry)
+        poslens_run(entry, 2.0)  # a corrupt or stale entry is replaced
+    assert torch.equal(poslens.load(entry)["a"], torch.full((2,), 2.0))
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["entry"]
 
 
 def test_an_unwritable_cache_directory_is_refused_before_any_work(tmp_path):
