@@ -34,6 +34,8 @@ import torch
 from safetensors import SafetensorError
 
 from poslens.errors import UsageError, require
+from poslens.io.lock import cache_lock
+from poslens.io.space import disk_space
 
 KINDS = ("alias", "gguf", "local", "hub", "random")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -212,9 +214,6 @@ def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
     into place, so an interrupted conversion never leaves a half-written copy; a stamp (GGUF name and size,
     cache format) marks it current. An unwritable cache and a full disk are one-line errors.
     """
-    from poslens.io.lock import cache_lock
-    from poslens.io.space import disk_space
-
     gguf = _alias_gguf(name)
     target = cache_root(cache_dir) / "models" / name
     stamp = _source_stamp(gguf)
@@ -229,7 +228,8 @@ def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
             model.hf_quantizer = None  # the weights are plain float32 tensors now; let save_pretrained write them
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
-            with disk_space(target, sum(p.nbytes for p in model.state_dict().values()) + (8 << 20)):
+            weights = sum(p.nbytes for p in model.state_dict().values())
+            with disk_space(target, weights + (8 << 20)):  # the weights, and a few MB of tokenizer and config
                 model.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
                 (tmp / "poslens-source.json").write_text(json.dumps(stamp))
