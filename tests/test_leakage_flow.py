@@ -85,7 +85,7 @@ def test_leakage_stack_and_compare_commands(tmp_path, capsys):
     from poslens import cli
 
     out = tmp_path / "stack"
-    assert cli.main(["leakage-stack", "--n", "16", "--layers", "2", "--samples", "128", "--groups", "2",
+    assert cli.main(["leakage-stack", "--n", "16", "--layers", "2", "--samples", "256", "--groups", "2",
                      "--out", str(out)]) == 0
     for stem in ("architectures_exact_logit", "architectures_monte_carlo_mask"):
         assert (out / "figures" / f"{stem}.png").exists()

@@ -80,7 +80,7 @@ def reproduce_section(ctx, quick: bool = False):
     seqs, seq_len, groups = (16, 64, 4) if quick else (32, 128, 8)
     cfg = LeakageConfig(model="smollm2-135m", seq_len=seq_len, num_sequences=seqs, batch_size=seqs // groups,
                         groups=groups, early_queries=min(32, seq_len // 2))
-    stack = StackLeakageOptions(samples=0 if quick else 512)
+    stack = StackLeakageOptions(samples=0 if quick else 512, groups=4)  # 4 blocks of 128 samples: one per group
     runs = {}
     for name, conf, make in (("leakage", cfg, lambda o, out: run_leakage(o, out, progress=ctx.progress)),
                              ("leakage-stack", stack, run_stack_leakage)):
