@@ -28,7 +28,7 @@ from poslens.stack.rope import cos_sin, rotate
 from poslens.stack.simulate import BLOCK, draw_inputs, l2_normalize, layer_norm
 
 ARCHITECTURES = ("standard", "ntk", "sliding")
-SPLIT_KEYS = ("e_logit", "e_mask", "cross", "share_logit", "share_mask", "share_cross", "fraction")
+SPLIT_KEYS = ("e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction")
 
 
 def architecture(name: str, base: StackConfig, ntk_scaling: float = 8.0, window: int | None = None) -> StackConfig:

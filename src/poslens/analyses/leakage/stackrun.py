@@ -27,12 +27,12 @@ def run_stack_leakage(o, out: str, force: bool = False) -> Path:
         entry = {"config": r["config"], "exact": {k: v.tolist() for k, v in r["exact"].items()}}
         for k, v in r["exact"].items():
             tensors[f"{arch}/exact/{k}"] = v
-        exact_fig[arch] = {k: r["exact"][k] for k in ("share_logit", "share_mask")}
+        exact_fig[arch] = {k: r["exact"][k] for k in ("share_logit", "share_partition")}
         if "monte_carlo" in r:
             mc = r["monte_carlo"]
             entry["monte_carlo"] = {k: {s: t.tolist() for s, t in v.items()} for k, v in mc.items()}
             mc_fig[arch] = {}
-            for k in ("share_logit", "share_mask"):
+            for k in ("share_logit", "share_partition"):
                 v = mc[k]
                 mc_fig[arch][k] = v["value"]
                 mc_fig[arch][f"{k}_err"] = torch.stack([v["value"] - v["lo"], v["hi"] - v["value"]]).abs()
@@ -41,7 +41,7 @@ def run_stack_leakage(o, out: str, force: bool = False) -> Path:
         metrics["architectures"][arch] = entry
     # the same per-layer layout as `leakage` runs, for leakage-compare (exact split, all queries)
     metrics["per_layer_all"] = {f"split/{k}": {"value": res["standard"]["exact"][k].tolist()}
-                                for k in ("share_logit", "share_mask")}
+                                for k in ("share_logit", "share_partition")}
     with run_directory(out, force) as tmp:
         architecture_figure(exact_fig, tmp / "figures", "architectures_exact",
                             "stack, d -> inf")
@@ -67,7 +67,7 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         per = run.metrics["per_layer_all"]
         name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
         entry = {}
-        for key in ("share_logit", "share_mask"):
+        for key in ("share_logit", "share_partition"):
             e = per[f"split/{key}"]
             entry[key] = np.asarray(e["value"], dtype=float)
             if "lo" in e:
