@@ -17,7 +17,6 @@ from poslens.analyses.leakage import metrics as lm
 from poslens.analyses.leakage.causal import METRICS, VARIANTS, Domains, LeakageMaps, relative_log_partition
 from poslens.analyses.leakage.contrast import contrast
 from poslens.engine.hooks import HookedModel
-from poslens.engine.runner import run_statistics
 from poslens.errors import UsageError
 
 T = 32
@@ -34,8 +33,9 @@ def per_sequence_maps(n: int, noise: float, plant: float, seed: int = 0) -> torc
     return s.masked_fill(~VISIBLE, -math.inf)
 
 
-def decompose(s: torch.Tensor, domain: lm.Domain = lm.Domain()) -> dict:
+def decompose(s: torch.Tensor, domain: lm.Domain | None = None) -> dict:
     """Both splits of the mean maps of per-sequence scores s [n, T, T]."""
+    domain = domain or lm.Domain()
     mean = torch.where(VISIBLE, s, 0.0).mean(0).masked_fill(~VISIBLE, math.nan)
     lp, rel = torch.logsumexp(s, -1).mean(0), relative_log_partition(s).mean(0)
     return {**lm.split(mean, lp, domain), **{f"cf/{k}": v for k, v in lm.counterfactual_split(mean, lp, rel,
