@@ -96,3 +96,15 @@ def test_leakage_stack_and_compare_commands(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "ntk_scaling" in err or "--ntk-scaling" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+def test_counterfactual_in_the_stack_layer_one_is_all_mask_and_later_layers_inherit_earlier_masks():
+    """Layer 1's scores are relative (Toeplitz input Gram, RoPE): the mask-only counterfactual is the whole
+    log-partition term and the scores add nothing (exact, d -> infinity). From layer 2 on the inputs carry the
+    position the earlier layers' masks wrote, so the scores' absolute term is positive: in the parameter-free
+    stack it is entirely earlier masks, which is why it is not called "the residual stream's own" term."""
+    for name, res in flow.compare(StackConfig(n=32, alpha=0.3, layers=3)).items():
+        e = res["exact"]
+        assert float(e["cf/absolute_scores"][0]) == pytest.approx(0.0, abs=1e-20), name
+        assert float(e["cf/mask_only_over_partition"][0]) == pytest.approx(1.0, rel=1e-12), name
+        assert torch.all(e["cf/absolute_scores"][1:] > 0), name
