@@ -37,23 +37,42 @@ ENERGIES = ("split/e_total", "split/e_logit", "split/e_partition", "cf/mask_only
 GU_TOKENS = 64  # Gu et al.'s sequence length for alpha_0
 
 
-def relative_log_partition(scores: torch.Tensor) -> torch.Tensor:
-    """l^rel [..., T] (float64) of score maps [..., T, T] with -inf where a key is hidden.
+def relative_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """l^rel [..., T] (float64) of score maps [..., T, T] with -inf where a key is hidden (`visible`: their
+    isfinite, when the caller has it).
 
     Per map: mu_d = mean of s_ij over the visible entries with i - j = d (Toeplitz projection, one value per
-    offset), l^rel_i = log sum over the visible j of exp mu_{i-j}. Relative scores (s_ij = phi(i - j) on the
-    visible entries) give l^rel = l exactly.
+    offset), l^rel_i = log sum over the visible j of exp mu_{i-j}. The visible offsets of query i must be
+    0 .. k_i - 1 (a causal mask, with or without a sliding window): then l^rel_i = logcumsumexp(mu)_{k_i - 1},
+    and offset d is seen by the queries with k_i > d. Relative scores (s_ij = phi(i - j) on the visible entries)
+    give l^rel = l exactly.
     """
     t = scores.shape[-1]
-    visible = torch.isfinite(scores)
-    offset = (torch.arange(t, device=scores.device)[:, None] - torch.arange(t, device=scores.device)).clamp(min=0)
-    code = offset.reshape(-1)
-    s = torch.where(visible, scores, 0.0).to(torch.float64).reshape(*scores.shape[:-2], t * t)
-    sums = torch.zeros(*scores.shape[:-2], t, dtype=torch.float64, device=scores.device).index_add_(-1, code, s)
-    counts = torch.zeros_like(sums).index_add_(-1, code, visible.reshape(s.shape).to(torch.float64))
-    mu = sums / counts  # mu_d; NaN for offsets no query sees (beyond a sliding window)
-    toeplitz = mu[..., offset].masked_fill(~visible, -torch.inf)  # mu_{i-j} on the visible entries
-    return torch.logsumexp(toeplitz, -1)
+    visible = torch.isfinite(scores) if visible is None else visible
+    keys = visible.sum(-1)  # k_i
+    offset = torch.arange(t, device=scores.device)[:, None] - torch.arange(t, device=scores.device)
+    if not torch.equal(visible, (offset >= 0) & (offset < keys[..., None])):
+        raise UsageError("the mask-only counterfactual needs a causal mask (with or without a sliding window): "
+                         "every query must see the keys at offsets 0 .. k - 1")
+    sums = _diagonal_sums(torch.where(visible, scores, 0.0)).to(torch.float64)
+    histogram = torch.zeros(*keys.shape[:-1], t + 1, dtype=torch.float64, device=keys.device)
+    histogram.scatter_add_(-1, keys, torch.ones_like(keys, dtype=torch.float64))  # queries by k_i
+    counts = keys.shape[-1] - histogram.cumsum(-1)[..., :t]  # #{i : k_i > d}
+    mu = (sums / counts).nan_to_num(nan=-torch.inf)  # an offset no query sees never enters a sum
+    cumulative = torch.logcumsumexp(mu, -1)  # log sum_{d' <= d} exp mu_d'
+    return cumulative.gather(-1, (keys - 1).clamp(min=0)).masked_fill(keys == 0, -torch.inf)
+
+
+def _diagonal_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] sums of x [..., T, T] over each lower diagonal: out_d = sum_k x_{d+k, k}.
+
+    Diagonal d of a row-major T x T block starts at flat index d T and steps by T + 1; past the last row it
+    runs into T (T + 1) zeros of padding, so one strided view [T, T] holds every diagonal as a row."""
+    t = x.shape[-1]
+    flat = x.reshape(-1, t * t)
+    padded = torch.nn.functional.pad(flat, (0, t * (t + 1)))
+    diagonals = padded.as_strided((flat.shape[0], t, t), (padded.stride(0), t, t + 1))
+    return diagonals.sum(-1).reshape(*x.shape[:-2], t)
 
 
 @dataclass(frozen=True)
@@ -122,13 +141,14 @@ class LeakageMaps(Statistic):
             raise UsageError("leakage maps need unpadded sequences of one length (no attention mask)")
         b, h, t, _ = s.shape
         s = s.float()
+        visible = torch.isfinite(s)
         lse = torch.logsumexp(s, -1)  # [B, H, T]: hidden keys (-inf) drop out
         probs = torch.exp(s - lse[..., None])
         L, l, g, f32 = self._layers, ctx.layer, self.group, torch.float32
         buf = self.sums.buffer
-        buf("scores", g, (L, h, t, t), dtype=f32)[l] += torch.where(torch.isfinite(s), s, 0.0).sum(0).cpu()
+        buf("scores", g, (L, h, t, t), dtype=f32)[l] += torch.where(visible, s, 0.0).sum(0).cpu()
         buf("log_partition", g, (L, h, t))[l] += lse.sum(0).double().cpu()
-        buf("relative_log_partition", g, (L, h, t))[l] += relative_log_partition(s).sum(0).cpu()
+        buf("relative_log_partition", g, (L, h, t))[l] += relative_log_partition(s, visible).sum(0).cpu()
         buf("key0", g, (L, h, t))[l] += probs[..., 0].sum(0).double().cpu()
         buf("probs", g, (L, t, t), dtype=f32)[l] += probs.sum((0, 1)).cpu() / h
         if l == L - 1:  # the deepest point read: the batch is complete

@@ -62,15 +62,18 @@ def exact_split(config: StackConfig, domain: Domain | None = None) -> dict[str, 
     vis = visible(config.n, config.mask, config.window)
     hidden = ~torch.as_tensor(vis)
     scores = torch.as_tensor(flow.scores, dtype=torch.float64)
-    return both_splits(scores.masked_fill(hidden, math.nan), log_partition(scores, vis),
-                       relative_log_partition(scores.masked_fill(hidden, -math.inf)), domain)
+    relative = None if config.mask == "none" else relative_log_partition(scores.masked_fill(hidden, -math.inf))
+    return both_splits(scores.masked_fill(hidden, math.nan), log_partition(scores, vis), relative, domain)
 
 
-def both_splits(scores: torch.Tensor, log_partition: torch.Tensor, relative: torch.Tensor,
+def both_splits(scores: torch.Tensor, log_partition: torch.Tensor, relative: torch.Tensor | None,
                 domain: Domain) -> dict[str, torch.Tensor]:
-    """metrics.split and metrics.counterfactual_split (keys prefixed "cf/") of mean maps."""
-    cf = counterfactual_split(scores, log_partition, relative, domain)
-    return {**split(scores, log_partition, domain), **{f"cf/{k}": v for k, v in cf.items()}}
+    """metrics.split and, with a causal mask (`relative` given), metrics.counterfactual_split (keys "cf/...")."""
+    out = split(scores, log_partition, domain)
+    if relative is not None:
+        cf = counterfactual_split(scores, log_partition, relative, domain)
+        out.update({f"cf/{k}": v for k, v in cf.items()})
+    return out
 
 
 def _forward(config: StackConfig, x: torch.Tensor, cos, sin, vis: torch.Tensor):
@@ -88,8 +91,9 @@ def _forward(config: StackConfig, x: torch.Tensor, cos, sin, vis: torch.Tensor):
         x = a @ y + x if config.residual else a @ y  # X' = A Y (+ X)
         scores.append(s)
         parts.append(lse)
-        relative.append(relative_log_partition(z))
-    return torch.stack(scores), torch.stack(parts), torch.stack(relative)
+        if config.mask != "none":  # the counterfactual needs a causal mask
+            relative.append(relative_log_partition(z))
+    return torch.stack(scores), torch.stack(parts), torch.stack(relative) if relative else None
 
 
 def monte_carlo(config: StackConfig, samples: int, groups: int = 10, seed: int = 0,
@@ -112,7 +116,8 @@ def monte_carlo(config: StackConfig, samples: int, groups: int = 10, seed: int =
         s, lse, rel = _forward(config, x, cos, sin, vis)
         sums.add("scores", block, s.sum(1), size)
         sums.add("log_partition", block, lse.sum(1), size)
-        sums.add("relative_log_partition", block, rel.sum(1), size)
+        if rel is not None:
+            sums.add("relative_log_partition", block, rel.sum(1), size)
     return sums
 
 
@@ -123,12 +128,14 @@ def mc_split(config: StackConfig, samples: int, domain: Domain | None = None, gr
     domain = domain or Domain(window=config.window)
     sums = monte_carlo(config, samples, groups, seed, position_offset)
 
+    keys = [k for k in SPLIT_KEYS if "relative_log_partition" in sums or not k.startswith("cf/")]
+
     def stacked(m: dict) -> torch.Tensor:
-        parts = both_splits(m["scores"], m["log_partition"], m["relative_log_partition"], domain)
-        return torch.stack([parts[k] for k in SPLIT_KEYS])
+        parts = both_splits(m["scores"], m["log_partition"], m.get("relative_log_partition"), domain)
+        return torch.stack([parts[k] for k in keys])
 
     est = sums.estimate(stacked, level=level)  # one jackknife for every key
-    return {k: {p: getattr(est, p)[i] for p in ("value", "lo", "hi", "se")} for i, k in enumerate(SPLIT_KEYS)}
+    return {k: {p: getattr(est, p)[i] for p in ("value", "lo", "hi", "se")} for i, k in enumerate(keys)}
 
 
 def compare(base: StackConfig, samples: int = 0, domain: Domain | None = None, ntk_scaling: float = 8.0,

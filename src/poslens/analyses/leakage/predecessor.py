@@ -61,7 +61,8 @@ def _design(i: torch.Tensor, j: torch.Tensor, full: bool) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _solver(n: int, test_fraction: float, seed: int) -> tuple:
-    """The train / test pairs and, per design (full, rel), the train pseudo-inverse and the test design."""
+    """Flat positions (i n + j) of the train and test pairs and, per design (full, rel), the train
+    pseudo-inverse and the test design."""
     i, j = causal_pairs(n)
     if test_fraction > 0:
         test = split_pairs(n, test_fraction, seed)
@@ -71,15 +72,15 @@ def _solver(n: int, test_fraction: float, seed: int) -> tuple:
     if int(train.sum()) < 4 or int(test.sum()) < 2:
         raise UsageError(f"seq_len {n} gives too few causal pairs for the train/test split; use a longer seq_len")
     designs = [_design(i, j, full) for full in (True, False)]
-    return train, test, [(torch.linalg.pinv(x[train]).T, x[test].T) for x in designs]
+    flat = i * n + j
+    return flat[train], flat[test], [(torch.linalg.pinv(x[train]).T, x[test].T) for x in designs]
 
 
-def _r2(y: torch.Tensor, pinv_t: torch.Tensor, x_test_t: torch.Tensor, train, test) -> torch.Tensor:
-    """Out-of-sample R^2 on `test` of the OLS fit of y [..., K] over `train` (minimum-norm solve)."""
-    coef = y[..., train] @ pinv_t  # [..., p]
-    yt = y[..., test]
-    res = yt - coef @ x_test_t
-    tot = ((yt - yt.mean(-1, keepdim=True)) ** 2).sum(-1)
+def _r2(train: torch.Tensor, test: torch.Tensor, pinv_t: torch.Tensor, x_test_t: torch.Tensor) -> torch.Tensor:
+    """Out-of-sample R^2 on the test values [..., K'] of the OLS fit of the train values (minimum-norm solve)."""
+    coef = train @ pinv_t  # [..., p]
+    res = test - coef @ x_test_t
+    tot = ((test - test.mean(-1, keepdim=True)) ** 2).sum(-1)
     return 1.0 - (res**2).sum(-1) / tot
 
 
@@ -93,9 +94,9 @@ def linear_delta_r2(scores: torch.Tensor, test_fraction: float = TEST_FRACTION, 
     check_int("n", n, 3)
     check_float("test_fraction", test_fraction, 0.0, 1.0, hi_open=True)
     train, test, ((pf, xf), (pr_, xr)) = _solver(n, float(test_fraction), int(seed))
-    i, j = causal_pairs(n)
-    y = scores[..., i, j].to(torch.float64)
-    return _r2(y, pf, xf, train, test) - _r2(y, pr_, xr, train, test)
+    flat = scores.reshape(*scores.shape[:-2], n * n)
+    y_train, y_test = flat[..., train].to(torch.float64), flat[..., test].to(torch.float64)
+    return _r2(y_train, y_test, pf, xf) - _r2(y_train, y_test, pr_, xr)
 
 
 def circular_shift(ids: torch.Tensor, shift: int | torch.Tensor, keep: int = 0) -> torch.Tensor:
@@ -244,8 +245,7 @@ class DeltaR2Rows(Statistic):
         if ctx.window and ctx.window < t:
             self._layers.append(torch.full((b, h), math.nan, dtype=torch.float64))
         else:
-            scores = torch.where(torch.isfinite(s), s.double(), 0.0).cpu()
-            self._layers.append(linear_delta_r2(scores, seed=self.seed))  # [B, H]
+            self._layers.append(linear_delta_r2(s.cpu(), seed=self.seed))  # [B, H]; only causal pairs are read
         if ctx.layer == self._n - 1:
             self.rows.append(torch.stack(self._layers, 1))
             self._layers = []
