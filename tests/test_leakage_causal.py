@@ -163,27 +163,24 @@ def test_position0_patch_finds_a_planted_first_state():
     assert torch.all(diff.hi[1, k] < 0)  # the removal is outside its interval (all queries, key 0 out)
 
 
-def test_patch_from_another_input_with_a_fixed_bos_is_a_no_op():
-    """Position 0's state depends on token 0 only: with a fixed first token, every sequence's is the same, so
-    patching it from another sequence changes nothing (a test of the code: true by causality)."""
+def test_prefix_patch_from_another_input_changes_the_scores():
+    """The negative control of the no-op tests (test_leakage_position0): with a fixed first token, patching
+    positions 0..3 from another sequence carries other tokens' states into layer 1 and changes layer 2's scores,
+    and layers before the patch are untouched."""
     model = build("llama")
     hm = HookedModel(model)
     ids = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(3))
     ids[:, 0] = 1
-    got = {}
+    plain, patched = {}, {}
 
-    def grab(tag):
-        def hook(s, ctx):
-            got[tag] = s.clone()
-        return hook
+    def readers(into: dict) -> dict:
+        return {f"blocks.{l}.attn.hook_attn_scores": lambda s, ctx: into.update({ctx.layer: s}) for l in (0, 2)}
 
-    hm.run(ids, hooks={"blocks.2.attn.hook_attn_scores": grab("plain")})
-    _, hooks, _ = iv.prepare("patch:other:1@1", model, hm, ids)
-    hm.run(ids, hooks={**hooks, "blocks.2.attn.hook_attn_scores": grab("patched")})
-    torch.testing.assert_close(got["patched"], got["plain"], rtol=0, atol=1e-6)
-    _, hooks, _ = iv.prepare("patch:other:4@1", model, hm, ids)  # the prefix carries other tokens: it changes
-    hm.run(ids, hooks={**hooks, "blocks.2.attn.hook_attn_scores": grab("prefix")})
-    assert float((got["prefix"] - got["plain"]).nan_to_num().abs().max()) > 1e-2
+    _, hooks, _ = iv.prepare("patch:other:4@1", model, hm, ids)
+    hm.run(ids, hooks=readers(plain))
+    hm.run(ids, hooks={**hooks, **readers(patched)})
+    assert torch.equal(patched[0], plain[0])
+    assert float((patched[2] - plain[2]).nan_to_num().abs().max()) > 1e-2
 
 
 def test_interventions_are_checked_against_the_model_before_any_work():

@@ -329,51 +329,49 @@ def document_windows(tokenizer: Any, documents: Iterable[str], seq_len: int, num
     min_offset = check_int("min_offset", min_offset, 1)
     max_offset = check_int("max_offset", 8 * seq_len if max_offset is None else max_offset, min_offset)
     gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
+    counts = {"documents_read": 0, "documents_skipped": 0}
     start, inside, offsets = [], [], []
-    read = skipped = 0
-    for text in documents:
-        read += 1
-        ids = leading_ids(tokenizer, text, body + max_offset)
-        if len(ids) < body + min_offset:
-            skipped += 1
-            continue
+    for ids in itertools.islice(_long_documents(tokenizer, documents, body + max_offset, body + min_offset, counts),
+                                num_sequences):
         o = int(torch.randint(min_offset, min(max_offset, len(ids) - body) + 1, (1,), generator=gen))
         start.append(ids[:body])
         inside.append(ids[o:o + body])
         offsets.append(o)
-        if len(start) == num_sequences:
-            break
     if len(start) < num_sequences:
         raise UsageError(f"the text gives only {len(start)} of {num_sequences} documents of at least "
-                         f"{body + min_offset} tokens ({read} read) for windows inside documents; use fewer "
-                         "--num-sequences, a shorter --seq-len, a smaller offset, or more text with --data")
+                         f"{body + min_offset} tokens ({counts['documents_read']} read) for windows inside "
+                         "documents; use fewer --num-sequences, a shorter --seq-len, a smaller offset, or more "
+                         "text with --data")
     bos_or_none = bos_id if prepend else None
     rows = [_with_bos(torch.tensor(r, dtype=torch.long), bos_or_none) for r in (start, inside)]
     stats = {"mode": "windows", "seq_len": seq_len, "bos": bos, "bos_prepended": prepend,
-             "bos_token_id": bos_or_none, "sequences": num_sequences, "tokens": 2 * rows[0].numel(),
-             "documents_read": read, "documents_used": num_sequences, "documents_skipped": skipped,
-             "min_offset": min_offset, "max_offset": max_offset, "offsets": offsets}
+             "bos_token_id": bos_or_none, "sequences": num_sequences, "tokens": 2 * rows[0].numel(), **counts,
+             "documents_used": num_sequences, "min_offset": min_offset, "max_offset": max_offset, "offsets": offsets}
     return rows[0], rows[1], stats
+
+
+def _long_documents(tokenizer: Any, documents: Iterable[str], n: int, need: int,
+                    counts: dict[str, int]) -> Iterator[list[int]]:
+    """The first `n` token ids of each document that has at least `need`, counting documents read and skipped."""
+    for text in documents:
+        counts["documents_read"] += 1
+        ids = leading_ids(tokenizer, text, n)
+        if len(ids) < need:
+            counts["documents_skipped"] += 1
+            continue
+        yield ids
 
 
 def _first_tokens(tokenizer: Any, documents: Iterable[str], body: int, num: int,
                   seq_len: int, minimum: int) -> tuple[torch.Tensor, dict[str, int]]:
-    rows: list[list[int]] = []
-    read = skipped = 0
-    for text in documents:
-        read += 1
-        ids = leading_ids(tokenizer, text, body)
-        if len(ids) < body:
-            skipped += 1
-            continue
-        rows.append(ids)
-        if len(rows) == num:
-            break
+    counts = {"documents_read": 0, "documents_skipped": 0}
+    rows = list(itertools.islice(_long_documents(tokenizer, documents, body, body, counts), num))
     if len(rows) < minimum:
-        raise UsageError(f"the text gives only {len(rows)} of {num} sequences in --mode first ({read} documents "
-                         f"read, {skipped} shorter than --seq-len {seq_len}); use --mode pack, fewer "
-                         "--num-sequences, a shorter --seq-len, or more text with --data")
-    counts = {"documents_read": read, "documents_used": len(rows), "documents_skipped": skipped}
+        raise UsageError(f"the text gives only {len(rows)} of {num} sequences in --mode first "
+                         f"({counts['documents_read']} documents read, {counts['documents_skipped']} shorter than "
+                         f"--seq-len {seq_len}); use --mode pack, fewer --num-sequences, a shorter --seq-len, or "
+                         "more text with --data")
+    counts["documents_used"] = len(rows)
     return torch.tensor(rows, dtype=torch.long), counts
 
 
