@@ -125,17 +125,19 @@ def summarise(saved: dict) -> dict:
     sink = alpha > 0.3
     out["sink_heads"] = int(sink.sum())
     out["alpha0_64_rate"] = float((est["alpha0_64"].value > 0.3).double().mean())
-    # contrasts: interventions against the original, the original against each null
+    energy = [METRICS.index(e) for e in ENERGIES]
+    totals = orig.sums.estimate(lambda m: orig.layer_metrics(m)[:, energy].sum(-1))  # [V, E], over layers
+    out["orig_totals"] = {v: {e: items(totals, (i, k)) for k, e in enumerate(ENERGIES)} for i, v in enumerate(variants)}
+    # every other pass against the original: removed = 1 - E(pass) / E(orig); difference = metric(pass) - orig
     out["contrasts"] = {}
-    pairs = [(name, orig, stats[name]) for name in INTERVENTIONS] + \
-            [(f"orig_vs_{n}", stats[n], orig) for n in nulls.NULLS]
-    for name, base, other in pairs:
-        c = contrast(base, other)
+    for name in (*INTERVENTIONS, *nulls.NULLS):
+        c = contrast(orig, stats[name])
+        nonzero = excludes_zero(c["difference"])
         entry = {"removed_all": {v: {e: items(c["removed_all"], (i, k)) for k, e in enumerate(ENERGIES)}
                                  for i, v in enumerate(variants)},
-                 "difference_all_layers_excluding_zero": {
-                     v: {m: int(excludes_zero(c["difference"])[i, METRICS.index(m)].sum()) for m in HEADLINE}
-                     for i, v in enumerate(variants)},
+                 "layers_up_down": {v: {m: [int((nonzero & (c["difference"].lo > 0))[i, METRICS.index(m)].sum()),
+                                            int((nonzero & (c["difference"].hi < 0))[i, METRICS.index(m)].sum())]
+                                        for m in HEADLINE} for i, v in enumerate(variants)},
                  "difference": {v: {m: items(c["difference"], (i, METRICS.index(m))) for m in HEADLINE}
                                 for i, v in enumerate(variants)},
                  "removed_per_layer": {v: {e: items(c["removed"], (i, k)) for k, e in enumerate(ENERGIES)}

@@ -19,6 +19,16 @@ from poslens.analyses.leakage.contrast import contrast
 from poslens.engine.hooks import HookedModel
 from poslens.errors import UsageError
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: a second intra-op thread only adds synchronisation (and, on a shared machine, waiting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 T = 32
 I, J = torch.arange(T)[:, None], torch.arange(T)[None]
 VISIBLE = J <= I
