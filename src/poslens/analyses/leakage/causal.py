@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from poslens.analyses.leakage.metrics import Domain, leakage_metrics
+from poslens.analyses.leakage.position0 import GU_TOKENS
 from poslens.engine.families import sliding_windows
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
 from poslens.errors import UsageError, check_int
@@ -34,7 +35,6 @@ METRICS = ("scores/trf", "scores/drift", "scores/dr2_q", "scores/dr2_k", "scores
            "cf/share_absolute_scores", "cf/share_cross", "cf/mask_only_over_partition")
 HEAD_MEAN_ONLY = ("probs/trf", "probs/drift")  # the probabilities are kept as a head mean only
 ENERGIES = ("split/e_total", "split/e_logit", "split/e_partition", "cf/mask_only", "cf/absolute_scores")
-GU_TOKENS = 64  # Gu et al.'s sequence length for alpha_0
 
 
 def relative_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
