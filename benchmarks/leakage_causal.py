@@ -10,7 +10,8 @@ the offset null (windows starting at a random offset >= 128 tokens inside the sa
 mid-document window at layers 0, 4 and 15; the first 33 positions' states -> their batch mean at layer 4). Each
 pass's sums are saved under --out (`passes.pt`), so the summary can be redone without the forwards; the summary
 (`summary.json`) holds every estimate with its 95% jackknife interval, the predecessor test with its power, and each
-piece's cost as a ratio to the plain forwards measured in the same process (with the load average).
+piece's cost as a ratio to the plain forwards measured beside it in the same process (with the load average);
+`headline.json` is the same without the per-layer lists.
 """
 
 from __future__ import annotations
@@ -194,6 +195,10 @@ def main() -> None:
     torch.set_num_threads(1)  # the summary is many small tensor operations: a second thread only contends
     summary = summarise(torch.load(out / "passes.pt", weights_only=False))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    headline = {k: v for k, v in summary.items() if k != "orig"}  # without the per-layer lists
+    headline["contrasts"] = {k: {p: c[p] for p in ("removed_all", "layers_up_down")}
+                             for k, c in summary["contrasts"].items()}
+    (out / "headline.json").write_text(json.dumps(headline, indent=1))
     print(json.dumps({k: summary[k] for k in ("cost_ratio_to_plain", "hook_ratio_to_plain", "summary_ratio_to_plain",
                                               "mask_only_over_partition_range", "heads_mean", "predecessor")},
                      indent=1))
