@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/leakage_causal.py --out runs/leakage-causal        # SmolLM2-135M, 64 x 128
     .venv/bin/python benchmarks/leakage_causal.py --out runs/leakage-causal --summarise-only
+    .venv/bin/python benchmarks/leakage_causal.py --out runs/leakage-causal --position0-only  # one batch
 
 Passes over the same 64 documents (batches of 8, group = batch index, 8 groups), each one hooked forward per batch:
 plain forwards with logits (the cost unit), the original (LeakageMaps + the predecessor's per-sequence Delta R^2),
@@ -91,6 +92,32 @@ def _timed(fn, spent: dict, key: str):
         return out
 
     return hook
+
+
+def position0_check(args) -> dict:
+    """Per layer, the cosine and norms of position 0's state (`blocks.{l}.hook_resid_pre`) when it holds the BOS and
+    when it holds a mid-document content token (the first batch's inside windows without their BOS): min and
+    max over the batch (a check of how token-specific position 0's state stays, not an estimate)."""
+    from poslens.engine.data import document_windows, iter_documents
+    from poslens.engine.hooks import HookedModel
+    from poslens.engine.models import load_model
+
+    model, tok = load_model(args.model)
+    start, inside, _ = document_windows(tok, iter_documents(None), args.seq_len, args.batch_size,
+                                       min_offset=args.min_offset, seed=args.seed, bos="always")
+    hm = HookedModel(model)
+    points = [f"blocks.{l}.hook_resid_pre" for l in range(hm.n_layers)]
+
+    def states(ids: torch.Tensor) -> torch.Tensor:
+        got: dict[str, torch.Tensor] = {}
+        hm.run(ids, hooks={p: lambda x, ctx: got.__setitem__(ctx.name, x[:, 0].double()) for p in points})
+        return torch.stack([got[p] for p in points], 1)  # [B, L, d]
+
+    bos, content = states(start), states(inside[:, 1:])
+    cos = torch.nn.functional.cosine_similarity(bos, content, dim=-1)
+    return {"layer": list(range(1, hm.n_layers + 1)), "cos_min": cos.min(0).values.tolist(),
+            "cos_max": cos.max(0).values.tolist(), "norm_bos_mean": bos.norm(dim=-1).mean(0).tolist(),
+            "norm_content_mean": content.norm(dim=-1).mean(0).tolist(), "documents": int(start.shape[0])}
 
 
 def load_stat(entry: dict, args) -> LeakageMaps:
@@ -187,9 +214,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--summarise-only", action="store_true")
+    ap.add_argument("--position0-only", action="store_true", help="only the position-0 check (position0.json)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.position0_only:
+        (out / "position0.json").write_text(json.dumps(position0_check(args), indent=1))
+        return
     if not args.summarise_only:
         torch.save(run_passes(args), out / "passes.pt")
     torch.set_num_threads(1)  # the summary is many small tensor operations: a second thread only contends
