@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_leakage_causal import one_thread  # noqa: F401 (autouse: one intra-op thread for small tensors)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -18,16 +19,6 @@ from poslens.analyses.leakage.causal import METRICS, VARIANTS, Domains, LeakageM
 from poslens.analyses.leakage.contrast import contrast, excludes_zero
 from poslens.engine.data import document_windows
 from poslens.errors import UsageError
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: a second intra-op thread only adds synchronisation (and, on a shared machine, waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 HEADS = 270  # SmolLM2-135M: 30 layers x 9 heads
 
