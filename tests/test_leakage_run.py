@@ -45,7 +45,7 @@ def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
         e = early[key]
         assert all(lo <= v <= hi for v, lo, hi in zip(e["value"], e["lo"], e["hi"]))
     # the parts of the split add up exactly, layer by layer
-    tot = [a + b + c for a, b, c in zip(early["split/e_logit"]["value"], early["split/e_mask"]["value"],
+    tot = [a + b + c for a, b, c in zip(early["split/e_logit"]["value"], early["split/e_partition"]["value"],
                                        early["split/cross"]["value"])]
     assert tot == pytest.approx(early["split/e_total"]["value"], rel=1e-9)
     iv = m["interventions"]

@@ -74,7 +74,7 @@ def cmd_leakage(args: argparse.Namespace) -> None:
         return
     m = load(path, tensors=False).metrics
     early = m["per_layer_early"]
-    for l, (lg, mk) in enumerate(zip(early["split/share_logit"]["value"], early["split/share_mask"]["value"])):
+    for l, (lg, mk) in enumerate(zip(early["split/share_logit"]["value"], early["split/share_partition"]["value"])):
         print(f"layer {l}: early queries: logit share {lg:.3f}, mask share {mk:.3f}")
     for spec, e in m["interventions"].items():
         r = e["removed_all_layers"]

@@ -20,12 +20,12 @@ def leakage_section(run: str, stack: str | None = None, headline: float = 0.40) 
     rows = []
     early = m["per_layer_early"]
     logit = early["split/e_logit"]
-    mask = early["split/e_mask"]
+    mask = early["split/e_partition"]
     both = [l for l in range(len(logit["value"])) if logit["lo"][l] > 0 and mask["lo"][l] > 0]
     rows.append({"claim": "both sources, the causal mask and the residual stream, leak absolute position",
                  "measured": f"{model}: mask and logit parts both above zero (interval) at early queries in "
                              f"{len(both)} of {len(logit['value'])} layers",
-                 "agrees": len(both) > 0, "note": "our split: e_mask and e_logit of docs/leakage.md"})
+                 "agrees": len(both) > 0, "note": "our split: e_partition and e_logit of docs/leakage.md"})
     for spec, e in m.get("interventions", {}).items():
         if spec not in ("mean", "random") and not spec.startswith("token"):
             continue

@@ -271,8 +271,8 @@ def _per_layer_metrics(means: dict, prefix: str, cfg: LeakageConfig, windows: li
 
 METRIC_NAMES = ("scores/trf", "scores/drift", "scores/dr2_q", "scores/dr2_k", "scores/dr2_abs",
                 "scores/sink_excess", "scores/early_key_slope", "log_probs/trf", "log_probs/drift", "probs/trf",
-                "probs/drift", "split/e_total", "split/e_logit", "split/e_mask", "split/cross", "split/share_logit",
-                "split/share_mask", "split/share_cross", "split/fraction")
+                "probs/drift", "split/e_total", "split/e_logit", "split/e_partition", "split/cross",
+                "split/share_logit", "split/share_partition", "split/share_cross", "split/fraction")
 
 
 def summarise(cfg: LeakageConfig, sums: GroupedSums, per_head_probs: torch.Tensor, dr2: dict,

@@ -70,12 +70,12 @@ def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
         entry = {"config": r["config"], "exact": {k: v.tolist() for k, v in r["exact"].items()}}
         for k, v in r["exact"].items():
             tensors[f"{arch}/exact/{k}"] = v
-        exact_fig[arch] = {k: r["exact"][k] for k in ("share_logit", "share_mask")}
+        exact_fig[arch] = {k: r["exact"][k] for k in ("share_logit", "share_partition")}
         if "monte_carlo" in r:
             mc = r["monte_carlo"]
             entry["monte_carlo"] = {k: {s: t.tolist() for s, t in v.items()} for k, v in mc.items()}
             mc_fig[arch] = {}
-            for k in ("share_logit", "share_mask"):
+            for k in ("share_logit", "share_partition"):
                 v = mc[k]
                 mc_fig[arch][k] = v["value"]
                 mc_fig[arch][f"{k}_err"] = torch.stack([v["value"] - v["lo"], v["hi"] - v["value"]]).abs()
@@ -84,12 +84,12 @@ def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
         metrics["architectures"][arch] = entry
     # the same per-layer layout as `leakage` runs, for leakage-compare (exact split, all queries)
     metrics["per_layer_all"] = {f"split/{k}": {"value": res["standard"]["exact"][k].tolist()}
-                                for k in ("share_logit", "share_mask")}
+                                for k in ("share_logit", "share_partition")}
     return tensors, metrics, exact_fig, mc_fig
 
 
 def shares(run: Run) -> dict[str, np.ndarray]:
-    """The logit and mask shares per layer of a `leakage` or `leakage-stack` run (all queries), with their
+    """The upstream-logit and log-partition shares per layer of a `leakage` or `leakage-stack` run (all queries), with their
     interval half-widths where the run has them; a one-line UsageError when the run holds none."""
     kind = run.meta.get("kind")
     if kind not in ("leakage", "leakage-stack"):
@@ -97,7 +97,7 @@ def shares(run: Run) -> dict[str, np.ndarray]:
                          "`poslens leakage-stack`")
     per = run.metrics.get("per_layer_all")
     entry = {}
-    for key in ("share_logit", "share_mask"):
+    for key in ("share_logit", "share_partition"):
         e = per.get(f"split/{key}") if isinstance(per, dict) else None
         try:
             value = np.asarray(e["value"], dtype=float)
@@ -115,7 +115,7 @@ def shares(run: Run) -> dict[str, np.ndarray]:
 
 
 def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, force: bool = False) -> Path:
-    """One figure of the logit and mask shares by depth of each run (`leakage` or `leakage-stack`)."""
+    """One figure of the upstream-logit and log-partition shares by depth of each run (`leakage` or `leakage-stack`)."""
     if not runs:
         raise UsageError("runs: give at least one run directory of `poslens leakage` or `leakage-stack`")
     if labels is not None and len(labels) != len(runs):
