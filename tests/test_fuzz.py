@@ -154,7 +154,7 @@ class Case(NamedTuple):
 
 
 SCORES = {"scores": torch.randn(2, 4, 4)}
-SHARES = {"per_layer_all": {"split/share_logit": {"value": [0.1, 0.2]}, "split/share_mask": {"value": [0.9, 0.8]}}}
+SHARES = {"per_layer_all": {"split/share_logit": {"value": [0.1, 0.2]}, "split/share_partition": {"value": [0.9, 0.8]}}}
 TINY = ["--seq-len", "8", "--num-sequences", "1", "--quiet"]
 
 CASES = [
