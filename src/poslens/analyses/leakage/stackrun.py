@@ -89,8 +89,8 @@ def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
 
 
 def shares(run: Run) -> dict[str, np.ndarray]:
-    """The upstream-logit and log-partition shares per layer of a `leakage` or `leakage-stack` run (all queries), with their
-    interval half-widths where the run has them; a one-line UsageError when the run holds none."""
+    """The upstream-logit and log-partition shares per layer of a `leakage` or `leakage-stack` run (all queries),
+    with their interval half-widths where the run has them; a one-line UsageError when the run holds none."""
     kind = run.meta.get("kind")
     if kind not in ("leakage", "leakage-stack"):
         raise UsageError(f"{run.path} is a {kind!r} run; leakage-compare needs runs of `poslens leakage` or "
