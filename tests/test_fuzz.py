@@ -119,16 +119,19 @@ CASES = [
     (["compare", "noscores"], "the run has no tensor 'scores'"),
     (["compare", "badjson"], "corrupt run directory"),
     # model and data inputs
-    (["scores", "short.gguf", "--seq-len", "8", "--num-sequences", "1", "--quiet"], "cannot load the GGUF metadata"),
-    (["scores", "random:heads", "--seq-len", "8", "--num-sequences", "1", "--quiet"], "cannot build the config"),
-    (["scores", "random:kvheads", "--seq-len", "8", "--num-sequences", "1", "--quiet"],
+    (["scores", "short.gguf", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"],
+     "cannot load the GGUF metadata"),
+    (["scores", "random:heads", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"],
+     "cannot build the config"),
+    (["scores", "random:kvheads", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"],
      "num_key_value_heads 3 does not divide num_attention_heads 4"),
-    (["scores", "random:smallvocab", "--seq-len", "8", "--num-sequences", "1", "--quiet"],
+    (["scores", "random:smallvocab", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"],
      "vocab_size 10 is smaller than the tokenizer's"),
-    (["scores", "random:garbagetok", "--seq-len", "8", "--num-sequences", "1", "--quiet"],
+    (["scores", "random:garbagetok", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"],
      "cannot load the tokenizer files"),
     (["scores", "random:heads", "--data", "deep.jsonl", "--seq-len", "8", "--quiet"], "JSON nested too deeply"),
-    (["scores", "smollm2-135m", "--seq-len", "8", "--num-sequences", "1", "--quiet"], "point POSLENS_CACHE at"),
+    (["scores", "smollm2-135m", "--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"],
+     "point POSLENS_CACHE at"),
 ]
 
 

@@ -19,6 +19,7 @@ from poslens import plotting
 from poslens.engine.config import ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.engine.statistics.attention_maps import AttentionMaps
+from poslens.errors import check_int
 from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.options import option
 
@@ -39,6 +40,11 @@ class Scores(Analysis):
     """The scores analysis: one pass of `AttentionMaps`."""
 
     kind = "scores"
+
+    def check(self, job: Job) -> None:
+        n = job.hm.n_layers
+        for layer in job.config.layers or []:
+            check_int("layers", layer, -n, n - 1)
 
     def memory(self, job: Job) -> dict[str, tuple[float, str]]:
         from poslens.engine.families import num_layers

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -38,7 +39,8 @@ from poslens.engine.distributed import Dist, setup
 from poslens.engine.runner import Pass, run_passes, unique
 from poslens.errors import UsageError, available_memory, gib
 
-__all__ = ["Analysis", "Job", "Output", "Pass", "documents", "inputs_of", "report_lines", "run_analysis"]
+__all__ = ["Analysis", "Job", "Output", "Pass", "checkpoint_path", "documents", "inputs_of", "report_lines",
+           "run_analysis"]
 
 
 @dataclass
@@ -139,12 +141,13 @@ def _output(config: ModelData, out: str | Path, force: bool, dist: Dist) -> Iter
         yield run
 
 
-def _checkpoint(run, out: Path, dist: Dist) -> Path:
-    """This rank's checkpoint file in --out's work directory (rank 0 created it; it goes when the run is placed)."""
+def checkpoint_path(out: str | Path, rank: int = 0, world: int = 1) -> Path:
+    """Where rank `rank` of `world` keeps the partial state of a run of `out`: in --out's work directory
+    (`poslens.io.rundir`), kept when the run stops, removed when it is placed."""
     from poslens.io.rundir import WORK_SUFFIX
 
-    work = Path(dist.broadcast(None if run is None else str(run.work)) or out.parent / f".{out.name}{WORK_SUFFIX}")
-    return work / f"pipeline-{dist.rank}-of-{dist.world}.safetensors"
+    out = Path(os.path.abspath(os.path.expanduser(out)))
+    return out.parent / f".{out.name}{WORK_SUFFIX}" / f"pipeline-{rank}-of-{world}.safetensors"
 
 
 def documents(data: str | None, text_field: str = "text") -> tuple[Iterator[str], str]:
@@ -217,7 +220,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
     config.validate()
     dist = setup(config.device)
     with _output(config, out, force, dist) as run:
-        target = Path(out).expanduser().absolute() if run is None else run.path
+        target = Path(dist.broadcast(None if run is None else str(run.path)))
         job = Job(config, dist, target)
         docs, source = documents(config.data, config.text_field)
         hf_logging.disable_progress_bar()
@@ -241,7 +244,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         job.groups = groups_used(config, len(job.sequences), sum(everyone))
         passes = analysis.passes(job)
         done = run_passes(job.hm, passes, batches, first_batch=sum(everyone[:dist.rank]),
-                          checkpoint=_checkpoint(run, target, dist),
+                          checkpoint=checkpoint_path(target, dist.rank, dist.world),
                           fingerprint={**config.fingerprint_fields(), "world": dist.world, "rank": dist.rank},
                           checkpoint_every=config.checkpoint_every, progress=analysis.kind if progress else None)
         computed = time.perf_counter() - job.started

@@ -42,7 +42,7 @@ class LeakageConfig(ModelData):
     early_queries: int = option(32, lo=2, help="'early queries': i <= this (the interventions' domain)")
     first_key: bool = option(True, help="leave key 0 (the sink column) out of the domain", flag="--no-first-key")
     interventions: list[str] = option(["mean"], help="position-0 interventions: mean, random, token:ID, nobos, "
-                                                     "freeze, shift:K (comma-separated; empty: none)")
+                                                     "freeze, shift:K (comma-separated; none: no intervention)")
     predecessor: bool = option(True, help="skip the predecessor's per-head linear Delta R^2 test (and its "
                                           "shifted-token pass)", flag="--no-predecessor")
     sink_threshold: float = option(0.3, lo=0, hi=1, open=True, help="alpha_0 above which a head counts as "
@@ -51,8 +51,13 @@ class LeakageConfig(ModelData):
     def validate(self) -> None:
         super().validate()
         check_int("early_queries", self.early_queries, 2, self.seq_len - 1)
-        for spec in self.interventions:
+        for spec in self.specs:
             iv.parse(spec)
+
+    @property
+    def specs(self) -> list[str]:
+        """The interventions to run ("none" and empty entries dropped)."""
+        return [s for s in self.interventions if s not in ("", "none")]
 
 
 def domain(cfg: LeakageConfig, n: int, early: bool = False, window: int | None = None) -> Domain:
@@ -125,11 +130,17 @@ class LeakageMaps(Statistic):
         return self.heads.sums["probs"][0] / self.heads.counts["probs"][0]
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
-        """Mean `scores`, `log_partition`, `probs` per layer with `_lo`, `_hi`, `_se` (delete-a-group jackknife)."""
+        """Mean `scores`, `log_partition`, `probs` per layer with `_lo`, `_hi`, `_se` (delete-a-group jackknife);
+        NaN above the diagonal (keys the softmax never sees)."""
         out: dict[str, torch.Tensor] = {}
         for key in self.KEYS:
-            out.update(self.sums.estimate(lambda m, k=key: m[k], level=level).as_dict(key))
-        return {k: v.float() for k, v in out.items()}
+            def seen(m, k=key):
+                x = m[k]
+                return x if k == "log_partition" else x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool)
+                                                                    .tril(), float("nan"))
+
+            out.update(self.sums.estimate(seen, level=level).as_dict(key))
+        return {**{k: v.float() for k, v in out.items()}, "layers": torch.arange(self.n_layers)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**super().state_dict(), **{f"heads/{k}": v for k, v in self.heads.state_dict().items()}}
@@ -179,7 +190,7 @@ class Leakage(Analysis):
         if cfg.bos == "always" and getattr(tok, "bos_token_id", None) is None:
             raise UsageError("bos: this tokenizer has no BOS token; use bos never (position 0 is then a content "
                              "token and the interventions replace it)", param="bos")
-        for spec in cfg.interventions:
+        for spec in cfg.specs:
             check = getattr(iv, "check", None)  # the interventions' range checks, where they exist
             if check is not None:
                 check(spec, job.model)
@@ -189,7 +200,7 @@ class Leakage(Analysis):
         cfg, c = job.config, job.model.config
         L, H, T = job.hm.n_layers, c.num_attention_heads, cfg.seq_len
         n = cfg.num_sequences or 0
-        passes = 1 + len(cfg.interventions)
+        passes = 1 + len(cfg.specs)
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "batch_size"),
                 "grouped sums of the maps": (passes * cfg.groups * L * (8 * T * T + 8 * T), "seq_len"),
                 "per-head attention": (L * H * T * T * 4, "seq_len"),
@@ -200,7 +211,7 @@ class Leakage(Analysis):
         L, G = hm.n_layers, job.groups
         out = [Pass("orig", [LeakageMaps(L, G, per_head=True, dr2=cfg.predecessor, seed=cfg.seed), Position0(G)])]
         reference = job.sequences[0]
-        for spec in cfg.interventions:
+        for spec in cfg.specs:
             out.append(Pass(spec, [LeakageMaps(L, G)],
                             prepare=lambda ids, index, spec=spec: iv.prepare(spec, model, hm, ids, reference,
                                                                               cfg.seed)))

@@ -3,8 +3,9 @@
 A statistic lives in its own module (one class, see docs/architecture.md, "Add a statistic") together with a
 `Spec`: its name, one line of help, a dataclass of its own parameters (`poslens.options.option` fields: they
 become the flags of `poslens stat NAME`) and `build(hm, options, groups)` returning the statistic. `REGISTRY`
-names the module attribute holding each spec; it is imported only when that statistic is asked for (so this
-package never imports an analysis: the analyses' statistics are named here, not loaded).
+maps a name to the "module:attribute" holding its spec, imported only when that statistic is asked for (so this
+package never imports an analysis: the analyses' statistics are named here, not loaded), or to a `Spec` itself
+(`REGISTRY["mine"] = Spec(...)` registers a statistic of your own for this process).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from poslens.errors import UsageError
 
 __all__ = ["REGISTRY", "ActivationNorm", "Spec", "spec"]
 
-REGISTRY: dict[str, str] = {
+REGISTRY: dict[str, str | Spec] = {
     "activation_norm": "poslens.engine.statistics.activation_norm:SPEC",
     "attention_maps": "poslens.engine.statistics.attention_maps:SPEC",
     "intermediates": "poslens.analyses.intermediates:SPEC",
@@ -29,5 +30,8 @@ def spec(name: str) -> Spec:
     """The registered statistic `name` (a one-line UsageError listing the names for anything else)."""
     if name not in REGISTRY:
         raise UsageError(f"statistic {name!r} is not registered; use one of {', '.join(REGISTRY)}")
-    module, attr = REGISTRY[name].split(":")
+    entry = REGISTRY[name]
+    if isinstance(entry, Spec):
+        return entry
+    module, attr = entry.split(":")
     return getattr(importlib.import_module(module), attr)
