@@ -209,3 +209,40 @@ def test_recipe_add_a_command(model_dir, tmp_path, capsys, monkeypatch):
 
 def shift_summary(meta: dict) -> list[str]:
     return [f"largest change {meta['metrics']['largest_change']:.2g}"]
+
+
+# ---------------------------------------------------------------- layering (docs/architecture.md, "Import rules")
+
+LAYERS = [("errors", "options"), ("maps", "plotting", "io"), ("stack",), ("engine",), ("train",), ("analyses",),
+          ("report",), ("cli", "__main__")]
+# imports that break the rules today, each with the change that removes it (its owner's); none may be added
+ALLOWED = {
+    ("poslens.engine.data", "poslens.train.tokens"): "the token-file format moves below both (issue 16, item 4)",
+    ("poslens.analyses.leakage.report", "poslens.report.render"): "report sections move into poslens.report",
+    ("poslens.train.report", "poslens.analyses.intermediates"): "report sections move into poslens.report",
+    ("poslens.train.report", "poslens.report.render"): "report sections move into poslens.report",
+}
+
+
+def test_imports_follow_the_layers():
+    """Every import in src/poslens (module level or inside a function) goes to the importer's layer or a lower one;
+    so the package graph has no cycle and the analyses never import the report or the command line."""
+    import ast
+
+    root = Path(poslens.__file__).parent
+    level = {name: k for k, names in enumerate(LAYERS) for name in names}
+    broken = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(("poslens", *parts)).removesuffix(".__init__")
+        if len(parts) < 1 or parts[0] not in level:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                target = name.split(".")
+                if target[0] == "poslens" and len(target) > 1 and target[1] in level and \
+                        level[target[1]] > level[parts[0]] and (module, name) not in ALLOWED:
+                    broken.append(f"{module} imports {name}")
+    assert broken == []

@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poslens import plotting
 from poslens.engine.config import ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
-from poslens.engine.statistics.attention_maps import AttentionMaps
 from poslens.errors import check_int
 from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.options import option
@@ -56,6 +54,8 @@ class Scores(Analysis):
         return {"grouped sums of the maps": (cfg.groups * n_layers * maps * heads * cfg.seq_len ** 2 * 4, "groups")}
 
     def passes(self, job: Job) -> list[Pass]:
+        from poslens.engine.statistics.attention_maps import AttentionMaps
+
         cfg = job.config
         maps = AttentionMaps(job.model, cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
                              hidden_cosine=cfg.hidden_cosine, device=job.dist.device, groups=job.groups)
@@ -163,6 +163,8 @@ def summary_lines(meta: dict) -> list[str]:
 
 def figures(result: dict, directory: Path, label: str) -> list[Path]:
     """All layers raw and diagonal-normalised (colour limits at the 1% and 99% quantiles), Figures 11-16 style."""
+    from poslens import plotting
+
     layer_ids = result.get("layers", torch.arange(len(result["scores"]))).tolist()
     return plotting.layer_maps(result["scores"], directory, "scores", label, [f"layer {i + 1}" for i in layer_ids],
                                ncols=min(8, len(layer_ids)))

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from poslens import plotting
 from poslens.engine.config import ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, report_lines, run_analysis
 from poslens.engine.statistics import REGISTRY, Spec, spec
@@ -113,6 +112,8 @@ def summary_lines(meta: dict) -> list[str]:
 def figure(tensors: dict[str, torch.Tensor], name: str, directory: Path, title: str) -> list[Path]:
     """The default figure of an estimated tensor: lines with error bars (a vector, or a table of at most
     MAX_LINES rows, one line per row), else heatmaps (one per leading index of a stack of square maps)."""
+    from poslens import plotting
+
     value = np.asarray(tensors[name].double().cpu())
     lo, hi = (np.asarray(t.double().cpu()) for t in interval(tensors, name))
     rows = [f"layer {int(i) + 1}" for i in tensors["layers"]] if "layers" in tensors else None

@@ -8,8 +8,8 @@
  2. join torchrun's process group, if any (`poslens.engine.distributed`)
  3. take --out's lock for the whole job (rank 0; the other ranks learn the outcome), refusing an --out that is
     one of the run's inputs (model directory, --data, tokenizer)
- 4. load the model; the analysis's own checks; the memory estimate of the batch and of the analysis's sums
-    (a UsageError with the estimate when it does not fit); the model's window
+ 4. load the model; the memory estimate of the batch and of the analysis's sums (a UsageError with the
+    estimate when it does not fit); the model's window; the analysis's own checks
  5. cut the sequences; the groups rule again with the true number of batches; this rank's shard
  6. the analysis's passes of statistics (`poslens.engine.runner.run_passes`): one hooked forward per pass and
     batch, checkpointed in --out's work directory every `checkpoint_every` units, resumed bit-identically
@@ -227,13 +227,13 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         job.model, job.tokenizer = load_model(config.model, dtype=config.dtype, device=str(dist.device),
                                               tokenizer=config.tokenizer, seed=config.seed, pe=config.pe)
         job.hm = HookedModel(job.model)
-        analysis.check(job)
         check_memory(config, {"one batch's forward": (_batch_bytes(config, job.model), "batch_size"),
                               **analysis.memory(job)}, dist.device)
         window = max_positions(job.model)
         if config.seq_len > window:
             raise UsageError(f"seq_len {config.seq_len} is beyond the model's window of {window} positions; use "
                              f"seq_len <= {window}", param="seq_len")
+        analysis.check(job)
         job.sequences, job.data = make_sequences(job.tokenizer, docs, config.seq_len,
                                                  config.num_sequences or DEFAULT_SEQUENCES, mode=config.mode,
                                                  bos=config.bos, minimum=1 if config.num_sequences is None else None)
@@ -246,7 +246,8 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         done = run_passes(job.hm, passes, batches, first_batch=sum(everyone[:dist.rank]),
                           checkpoint=checkpoint_path(target, dist.rank, dist.world),
                           fingerprint={**config.fingerprint_fields(), "world": dist.world, "rank": dist.rank},
-                          checkpoint_every=config.checkpoint_every, progress=analysis.kind if progress else None)
+                          checkpoint_every=config.checkpoint_every,
+                          progress=analysis.kind if progress and dist.main else None)
         computed = time.perf_counter() - job.started
         for s in unique(s for p in passes for s in p.statistics):
             s.all_reduce()

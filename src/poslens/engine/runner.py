@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from poslens.engine.hooks import HookedModel
 from poslens.engine.stats import Statistic
 from poslens.errors import UsageError, check_int
 from poslens.io.checkpoint import load_partial, save_partial
@@ -46,7 +45,7 @@ class Pass:
     meta: dict = field(default_factory=dict)  # anything the analysis wants back when it finishes
 
 
-def merged_hooks(hm: HookedModel, statistics: Sequence[Statistic], writes: dict | None = None) -> dict[str, list]:
+def merged_hooks(hm, statistics: Sequence[Statistic], writes: dict | None = None) -> dict[str, list]:
     """Point -> hooks: `writes` first (they replace values), then every statistic's readers in order."""
     hooks: dict[str, list] = {}
     for group in [writes or {}] + [s.hooks(hm) for s in statistics]:
@@ -68,6 +67,8 @@ def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch:
                progress: str | None = None) -> int:
     """Run every pass over `batches` (token-id tensors [B, T], or (input_ids, attention_mask) pairs) through
     `model` (a HookedModel or a supported causal LM); returns how many units were done before (resumed)."""
+    from poslens.engine.hooks import HookedModel  # transformers: imported when a run starts, not with a config
+
     hm = model if isinstance(model, HookedModel) else HookedModel(model)
     check_int("checkpoint_every", checkpoint_every, 1)
     check_int("first_batch", first_batch, 0)
@@ -109,7 +110,7 @@ def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch:
     return done
 
 
-def _run_unit(hm: HookedModel, step: Pass, readers: dict, batch, index: int, device: torch.device) -> None:
+def _run_unit(hm, step: Pass, readers: dict, batch, index: int, device: torch.device) -> None:
     """One batch through one pass: groups set, the batch prepared, one forward, the statistics told it ended."""
     ids, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
     ids = ids.to(device)
