@@ -274,3 +274,12 @@ def on_screen(text):
             shown = piece + shown[len(piece):]
         lines.append(shown.rstrip())
     return [x for x in lines if x]
+
+
+@pytest.mark.parametrize("argv", [["simulate"], ["reproduce"], ["leakage-stack"], ["scores", "m"],
+                                  ["intermediates", "m"], ["leakage", "m"], ["stat", "activation_norm", "m"]])
+def test_seed_has_one_rule_everywhere(argv, tmp_path, capsys):
+    """--seed >= 0 in every command that takes one, declared on the field and checked before any work."""
+    assert main([*argv, "--seed", "-1", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"poslens {argv[0]}: error: --seed must be >= 0, got -1\n"
+    assert list(tmp_path.iterdir()) == []

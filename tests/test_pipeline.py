@@ -246,3 +246,48 @@ def test_imports_follow_the_layers():
                         level[target[1]] > level[parts[0]] and (module, name) not in ALLOWED:
                     broken.append(f"{module} imports {name}")
     assert broken == []
+
+
+# ---------------------------------------------------------------- the guarantees, for every analysis on the driver
+
+SMALL = {"scores": ["--seq-len", "32"], "intermediates": ["--seq-len", "16"],
+         "leakage": ["--seq-len", "24", "--early-queries", "10", "--interventions", "none", "--no-predecessor"]}
+
+
+def small(command: str, model_dir: Path) -> list[str]:
+    return [command, str(model_dir), "--data", text_of(model_dir), "--mode", "pack", "--num-sequences", "4",
+            "--batch-size", "2", "--no-figures", "--quiet", *SMALL[command]]
+
+
+@pytest.mark.parametrize("command", list(SMALL))
+def test_the_lock_is_held_for_the_whole_run(command, model_dir, tmp_path, capsys, monkeypatch):
+    """A second run of the same --out while the first one works is refused at once, before it loads anything."""
+    from poslens.cli import main
+    from poslens.engine import models
+
+    out, seen, original = tmp_path / "out", {}, models.load_model
+
+    def load_while_a_second_run_starts(*a, **k):
+        monkeypatch.setattr(models, "load_model", lambda *a, **k: seen.setdefault("loaded", True))
+        seen["code"] = main([*small(command, model_dir), "--out", str(out)])
+        monkeypatch.setattr(models, "load_model", original)
+        return original(*a, **k)
+
+    monkeypatch.setattr(models, "load_model", load_while_a_second_run_starts)
+    assert main([*small(command, model_dir), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert seen == {"code": 2} and err.startswith(f"poslens {command}: error: another poslens run is writing")
+    assert poslens.load(out, tensors=False).meta["kind"] == command
+
+
+@pytest.mark.parametrize("command", list(SMALL))
+@pytest.mark.parametrize("which", ["model", "data"])
+def test_an_out_that_is_an_input_is_refused_even_with_force(command, which, model_dir, tmp_path, capsys):
+    from poslens.cli import main
+
+    target = model_dir if which == "model" else Path(text_of(model_dir)).parent
+    before = sorted(p.name for p in target.iterdir())
+    assert main([*small(command, model_dir), "--out", str(target), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "this run's input" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in target.iterdir()) == before

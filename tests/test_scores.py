@@ -123,8 +123,6 @@ def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
     (["scores", "{model}", "--groups", "1"], "--groups must be >= 2, got 1"),
     (["scores", "{model}", "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["scores", "{model}", "--level", "1"], "--level must be in (0, 1), got 1"),
-    (["scores", "{model}", "--out", "{model}", "--force"], "input"),  # its own model directory
-    (["scores", "{model}", "--data", "{small}", "--out", "{small}", "--force"], "input"),  # its own --data
 ])
 def test_bad_input_one_line_exit_2_nothing_written(model_dir, tmp_path, capsys, args, words):
     """In-process (no torch import per case); every refusal before the model computes anything."""
@@ -156,38 +154,6 @@ def test_a_batch_beyond_memory_is_refused_with_the_estimate(model_dir, tmp_path,
     assert err.startswith("poslens scores: error: --batch-size 100000: the run would need about ") and \
         "but 64 MiB is free on cpu; lower --batch-size" in err and "\n" not in err, err
     assert list(tmp_path.iterdir()) == []
-
-
-def test_the_lock_is_held_for_the_whole_run(model_dir, tmp_path, capsys, monkeypatch):
-    """A second run of the same --out while the first computes is refused at once, before it loads anything."""
-    from poslens.engine import models
-
-    out = tmp_path / "out"
-    seen = {}
-    original = models.load_model
-
-    def second_run_meanwhile(*a, **k):
-        loads = {"n": 0}
-
-        def counted(*a2, **k2):
-            loads["n"] += 1
-            return original(*a2, **k2)
-
-        monkeypatch.setattr(models, "load_model", counted)
-        seen["code"] = main(["scores", str(model_dir), "--seq-len", "48", "--quiet", "--out", str(out)])
-        seen["loads"] = loads["n"]
-        monkeypatch.setattr(models, "load_model", second_run_meanwhile)
-        return original(*a, **k)
-
-    monkeypatch.setattr(models, "load_model", second_run_meanwhile)
-    assert main(["scores", str(model_dir), *ARGS, "--quiet", "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert seen == {"code": 2, "loads": 0}
-    assert "another poslens run is writing" in err and err.count("\n") == 1, err
-    assert poslens.load(out).meta["kind"] == "scores"
-
-
-ARGS = ["--seq-len", str(SEQ), "--num-sequences", str(NUM), "--batch-size", str(BATCH), "--mode", "pack"]
 
 
 def test_compare_draws_figure5(model_dir, tmp_path):

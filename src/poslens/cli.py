@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poslens.errors import UsageError
-from poslens.options import Parser, add_options, add_output_args, flags, from_args, option
+from poslens.options import Parser, add_options, add_output_args, check_options, flags, from_args, option
 
 __all__ = ["COMMANDS", "Command", "Parser", "build_parser", "flag_message", "main"]
 
@@ -60,7 +60,7 @@ class MonteCarloOptions:
     """`simulate`'s sampling knobs: the keyword arguments of `poslens.stack.simulate.simulate`."""
 
     samples: int = option(100_000, help="number of sampled sequences")
-    seed: int = option(0, help="random seed")
+    seed: int = option(0, lo=0, help="random seed")
     chunk: int | None = option(None, help="samples per chunk (default: automatic; the result does not depend on it)")
     device: str = option("cpu", help="where to compute", choices=("cpu", "cuda"))
     dtype: str = option("float32", help="compute dtype (sums are float64)", choices=("float32", "float64"))
@@ -75,7 +75,7 @@ class ReproduceOptions:
 
     quick: bool = option(False, help="fewer Monte Carlo samples and model sequences")
     samples: int | None = option(None, help="Monte Carlo samples per setting (default 100000, or 10000 with --quick)")
-    seed: int = option(0, help="random seed")
+    seed: int = option(0, lo=0, help="random seed")
     models: bool = option(True, help="skip the real-model section")
 
 
@@ -276,8 +276,12 @@ def build(command: Command, p: argparse.ArgumentParser) -> None:
 
 
 def dispatch(command: Command, args: argparse.Namespace) -> None:
-    """Run `command` on its parsed arguments (the standard form, or its handler)."""
+    """Run `command` on its parsed arguments (the standard form, or its handler). The bounds and choices declared on
+    the config fields are checked first, for every command (`check_options`), before any work."""
     if command.handler:
+        if not command.keep_unset:
+            for cls, _ in command.classes():
+                check_options(from_args(cls, args))
         _load(command.handler)(args)
         return
     from poslens.engine.pipeline import report_lines

@@ -22,7 +22,7 @@ class StackLeakageOptions:
     window: int | None = option(None, help="sliding window (default n // 4)")
     samples: int = option(2048, help="Monte Carlo samples (0: exact split only)")
     groups: int = option(8, help="groups for the jackknife intervals")
-    seed: int = option(0, help="random seed")
+    seed: int = option(0, lo=0, help="random seed")
 
 
 @dataclass
