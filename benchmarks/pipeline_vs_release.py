@@ -7,7 +7,7 @@ runs share compared exactly (bit for bit, NaN where NaN), every metric of run.js
 each process (model loading and the corpus included) as the ratio current / release with its spread over
 repeats, and the load average.
 
-    python benchmarks/pipeline_vs_release.py                       # SmolLM2, defaults (scores: 100 x 256)
+    python benchmarks/pipeline_vs_release.py                       # SmolLM2 (sizes: COMMANDS below)
     python benchmarks/pipeline_vs_release.py --tiny --repeats 1    # a random 3-layer Llama: numbers only
     python benchmarks/pipeline_vs_release.py --only leakage --repeats 3
 """
@@ -30,9 +30,9 @@ RELEASE = "f934a36"  # release 0.2 (the last commit before the pipeline)
 TINY = ('random:{"model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, '
         '"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, '
         '"max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2}')
-COMMANDS = {  # name -> arguments after MODEL (the defaults of each command, but scores' 1,000 x 1,024)
-    "scores": ["--seq-len", "256", "--num-sequences", "100"],
-    "intermediates": [],
+COMMANDS = {  # name -> arguments after MODEL: leakage at its defaults (64 x 128); the paper-sized defaults of scores
+    "scores": ["--seq-len", "256", "--num-sequences", "100"],  # (1,000 x 1,024) and intermediates (1,000 x 50) take
+    "intermediates": ["--num-sequences", "200"],  # tens of minutes per run on 2 shared cores
     "leakage": [],
 }
 TINY_ARGS = {"scores": ["--seq-len", "48", "--num-sequences", "16", "--batch-size", "4", "--groups", "4"],
