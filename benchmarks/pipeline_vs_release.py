@@ -4,8 +4,8 @@ Extracts the release's `src/` from git (`git archive REF src`), then runs `posle
 `leakage` with the release's code and with this tree's, interleaved (release, current, current, release, ...) as
 separate processes on the same machine, each writing a run directory. Reports, per command: every tensor the two
 runs share compared exactly (bit for bit, NaN where NaN), every metric of run.json compared, and the wall time of
-each process (model loading and the corpus included) as the ratio current / release with its spread over
-repeats, and the load average.
+each process (model loading and the corpus included) and its CPU time (user + system: less disturbed than wall
+time by other jobs on a shared machine), as ratios current / release per repeat, and the load average.
 
     python benchmarks/pipeline_vs_release.py                       # SmolLM2 (sizes: COMMANDS below)
     python benchmarks/pipeline_vs_release.py --tiny --repeats 1    # a random 3-layer Llama: numbers only
@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,15 +49,16 @@ def release_tree(ref: str, where: Path) -> Path:
     return where / "src"
 
 
-def run(src: Path, argv: list[str], out: Path) -> float:
-    """One `poslens ...` process with the code in `src`; its wall time in seconds."""
+def run(src: Path, argv: list[str], out: Path) -> tuple[float, float]:
+    """One `poslens ...` process with the code in `src`: (wall, CPU) seconds."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    started = time.perf_counter()
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "poslens", *argv, "--quiet", "--out", str(out)], env=env,
                          capture_output=True, text=True)
+    wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} with {src} failed:\n{res.stderr[-3000:]}")
-    return time.perf_counter() - started
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -111,15 +113,18 @@ def main() -> None:
         for name in args.only or list(COMMANDS):
             model = [TINY, "--tokenizer", "smollm2-135m"] if args.tiny else [args.model]
             argv = [name, *model, *(TINY_ARGS if args.tiny else COMMANDS)[name]]
-            times: dict[str, list[float]] = {"release": [], "current": []}
+            times: dict[str, list[tuple[float, float]]] = {"release": [], "current": []}
             for r in range(args.repeats):
                 for version in (("release", "current") if r % 2 == 0 else ("current", "release")):
                     times[version].append(run(trees[version], argv, tmp / f"{name}-{version}-{r}"))
-                    print(f"{name} {version} repeat {r}: {times[version][-1]:.1f} s", file=sys.stderr, flush=True)
-            ratios = [c / rel for c, rel in zip(times["current"], times["release"])]
+                    print(f"{name} {version} repeat {r}: wall {times[version][-1][0]:.1f} s, CPU "
+                          f"{times[version][-1][1]:.1f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            ratios = {kind: [c[i] / r[i] for c, r in zip(times["current"], times["release"])]
+                      for i, kind in enumerate(("wall", "cpu"))}
             results["commands"][name] = {
-                "argv": ["poslens", *argv], "seconds": times,
-                "ratio_current_over_release": statistics.median(ratios), "ratios": ratios,
+                "argv": ["poslens", *argv], "seconds_wall_cpu": times, "ratios_current_over_release": ratios,
+                "median_ratio_wall": statistics.median(ratios["wall"]),
+                "median_ratio_cpu": statistics.median(ratios["cpu"]),
                 **compare(tmp / f"{name}-release-0", tmp / f"{name}-current-0")}
     results["load_average_after"] = os.getloadavg()
     print(json.dumps(results, indent=2))

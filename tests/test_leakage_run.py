@@ -103,6 +103,8 @@ def test_bad_input_is_a_one_line_usage_error(model_dir, tmp_path, kw, words):
     (["--sink-threshold", "2"], "--sink-threshold must be in (0, 1), got 2"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--pe", "sinusoidal"], "argument --pe: invalid choice"),
+    # sizes refused with the estimate before a sequence is cut (dense [8, 4, T, T] scores alone: 7.7 TB)
+    (["--seq-len", "100000"], "--seq-len 100000: the run would need about "),
 ])
 def test_command_line_refusals_name_the_flag_and_leave_nothing(model_dir, tmp_path, capsys, argv, line):
     """Refused before anything is loaded (no lock file, no .out.partial-* checkpoint left), the flag named."""

@@ -12,6 +12,7 @@ every head, position 0's states) are rows, gathered over torchrun ranks rather t
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split
 from poslens.engine.config import ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, dense_score_bytes, run_analysis
 from poslens.engine.statistics.spec import NoOptions, Spec
-from poslens.engine.stats import GroupedSums, Statistic
+from poslens.engine.stats import Estimate, GroupedSums, Statistic, t_quantile
 from poslens.errors import UsageError, check_int
 from poslens.options import option, option_of
 
@@ -160,7 +161,7 @@ class LeakageMaps(Statistic):
 
 class Position0(Statistic):
     """Position 0's state after the embedding and after every layer, one row per sequence (rows "states",
-    [N, L + 1, d] float32): what `position0.spread` measures."""
+    [N, L + 1, d] float32, and the group of each sequence, rows "group"): what `position0.spread` measures."""
 
     name = "position0"
 
@@ -169,9 +170,33 @@ class Position0(Statistic):
         return p0.position0_hooks(hm.n_layers, self._sink)
 
     def end_batch(self) -> None:
-        self.rows.add("states", self._sink.pop())
+        states = self._sink.pop()
+        self.rows.add("states", states)
+        self.rows.add("group", torch.full((states.shape[0],), self.group % self.sums.groups))
+
+    def spread(self, level: float = 0.95) -> Estimate:
+        """D0 per entry (embedding, then every layer) with a delete-a-group jackknife interval: `position0.spread`
+        of all sequences, and of the sequences outside each group in turn."""
+        states, group = self.rows.get("states"), self.rows.get("group")
+        value = p0.spread(states)
+        kept = group.unique().tolist()
+        if len(kept) < 2:
+            nan = torch.full_like(value, math.nan)
+            return Estimate(value, nan, nan.clone(), nan.clone(), len(kept), level, "jackknife")
+        reps = torch.stack([p0.spread(states[group != g]) for g in kept])
+        k = len(kept)
+        se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
+        t = t_quantile((1 + level) / 2, k - 1)
+        return Estimate(value, value - t * se, value + t * se, se, k, level, "jackknife")
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """`spread` [L + 1] (after the embedding, then after each layer) with `_lo`, `_hi`, `_se`."""
+        return {k: v.float() for k, v in self.spread(level).as_dict("spread").items()}
 
 
+POSITION0_SPEC = Spec("position0", "how much position 0's state varies across inputs, after the embedding and each "
+                      "layer (1 - mean pairwise cosine; 0: the same for every input)", NoOptions,
+                      lambda hm, o, groups: Position0(groups))
 MAPS_SPEC = Spec("leakage_maps", "mean head-averaged scores, log-partitions and attention probabilities of every "
                  "layer (what `poslens leakage` measures its metrics on)", NoOptions,
                  lambda hm, o, groups: LeakageMaps(hm.n_layers, groups))
@@ -201,7 +226,7 @@ class Leakage(Analysis):
         L, H, T = job.hm.n_layers, c.num_attention_heads, cfg.seq_len
         n = cfg.num_sequences or 0
         passes = 1 + len(cfg.specs)
-        return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "batch_size"),
+        return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
                 "grouped sums of the maps": (passes * cfg.groups * L * (8 * T * T + 8 * T), "seq_len"),
                 "per-head attention": (L * H * T * T * 4, "seq_len"),
                 "per-sequence rows": (n * L * (2 * 8 * H + 4 * c.hidden_size), "num_sequences")}
@@ -233,7 +258,7 @@ class Leakage(Analysis):
                 joint.counts.update({f"{prefix}/{k}": v for k, v in maps.sums.counts.items()})
         dr2 = {p.name: p.statistics[0].rows.get("dr2") for p in passes if p.name in ("orig", "null")}
         windows = [int(w or 0) for w in _windows(job.model)]
-        metrics, tensors = summarise(cfg, joint, orig.mean_heads(), dr2, position.rows.get("states"), windows,
+        metrics, tensors = summarise(cfg, joint, orig.mean_heads(), dr2, position.spread(cfg.level), windows,
                                      [p.name for p in passes])
         return Output(tensors, metrics)
 
@@ -293,7 +318,7 @@ METRIC_NAMES = ("scores/trf", "scores/drift", "scores/dr2_q", "scores/dr2_k", "s
 
 
 def summarise(cfg: LeakageConfig, sums: GroupedSums, per_head_probs: torch.Tensor, dr2: dict,
-              pos0_states: torch.Tensor, windows: list[int], passes: list[str]) -> tuple[dict, dict]:
+              spread: Estimate, windows: list[int], passes: list[str]) -> tuple[dict, dict]:
     """Estimates with intervals for run.json and the tensors to save."""
     metrics: dict = {"level": cfg.level, "groups": sums.groups, "domain": asdict(domain(cfg, cfg.seq_len)),
                      "metric_names": list(METRIC_NAMES)}
@@ -330,9 +355,11 @@ def summarise(cfg: LeakageConfig, sums: GroupedSums, per_head_probs: torch.Tenso
     metrics["sinks"] = {"rate": sinks["rate"], "tokens": sinks["tokens"], "epsilon": sinks["epsilon"],
                         "rate_64": sinks.get("rate_short"),
                         "sink_heads": p0.sink_heads(sinks["alpha0"], cfg.sink_threshold)}
-    spread = p0.spread(pos0_states)
-    tensors["position0_spread"] = spread.float()
-    metrics["position0_spread"] = spread.tolist()
+    tensors["position0_spread"] = spread.value.float()
+    tensors.update({f"position0_spread_{k}": getattr(spread, k).float() for k in ("lo", "hi", "se")})
+    metrics["position0_spread"] = spread.value.tolist()
+    metrics["position0_spread_interval"] = {"lo": spread.lo.tolist(), "hi": spread.hi.tolist(), "level": spread.level,
+                                            "groups": spread.groups}
     if dr2.get("orig") is not None and dr2.get("null") is not None:
         test = pr.paired_test(dr2["orig"], dr2["null"], seed=cfg.seed, level=cfg.level)
         for k, v in test.as_dict().items():

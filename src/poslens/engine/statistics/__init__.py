@@ -23,6 +23,7 @@ REGISTRY: dict[str, str | Spec] = {
     "attention_maps": "poslens.engine.statistics.attention_maps:SPEC",
     "intermediates": "poslens.analyses.intermediates:SPEC",
     "leakage_maps": "poslens.analyses.leakage.run:MAPS_SPEC",
+    "position0": "poslens.analyses.leakage.run:POSITION0_SPEC",
 }
 
 
