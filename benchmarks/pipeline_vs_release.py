@@ -104,12 +104,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a random 3-layer Llama (SmolLM2's tokenizer) instead")
     ap.add_argument("--only", choices=list(COMMANDS), action="append", help="only these commands")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each version per command")
+    ap.add_argument("--current", type=Path, default=ROOT / "src", help="the code to compare (default this tree's src)")
     args = ap.parse_args()
     results = {"release": args.release, "model": "tiny random Llama" if args.tiny else args.model,
                "load_average_before": os.getloadavg(), "commands": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        trees = {"release": release_tree(args.release, tmp), "current": ROOT / "src"}
+        trees = {"release": release_tree(args.release, tmp), "current": args.current}
         for name in args.only or list(COMMANDS):
             model = [TINY, "--tokenizer", "smollm2-135m"] if args.tiny else [args.model]
             argv = [name, *model, *(TINY_ARGS if args.tiny else COMMANDS)[name]]
