@@ -46,6 +46,7 @@ def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
     # with a fixed BOS the position-0 trajectory is already the same for every input: freezing it is a no-op
     assert abs(iv["freeze"]["removed_all_layers"]["value"]) < 1e-4
     assert max(abs(x) for x in m["position0_spread"]) < 1e-6
+    assert m["position0_spread_interval"]["groups"] == 4 and len(m["position0_spread_interval"]["hi"]) == 4
     # replacing the BOS embedding does change the early logit part (in either direction for random weights)
     assert abs(iv["mean"]["removed_all_layers"]["value"]) > 1e-3
     assert run["probs_per_head"].shape == (3, 4, 24, 24)
