@@ -155,7 +155,8 @@ class Case(NamedTuple):
 
 SCORES = {"scores": torch.randn(2, 4, 4)}
 SHARES = {"per_layer_all": {"split/share_logit": {"value": [0.1, 0.2]}, "split/share_partition": {"value": [0.9, 0.8]}}}
-TINY = ["--seq-len", "8", "--num-sequences", "1", "--quiet"]
+# two batches of one sequence: an interval needs 2 groups
+TINY = ["--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"]
 
 CASES = [
     # data loss: --force on what poslens did not write, on the working directory and what contains it
@@ -512,8 +513,8 @@ def test_a_command_waits_for_another_process_building_the_shared_cache_and_uses_
 
     tiny = request.getfixturevalue("tiny_model_dir")  # test_cli's tiny Llama with a byte tokenizer
     monkeypatch.setenv("POSLENS_CACHE", str(home / "cache"))
-    entries = {"the embedded corpus": corpus.cache_path(),
-               "the smollm2-135m conversion": models.cache_root() / "models" / "smollm2-135m"}
+    entries = {"the smollm2-135m conversion": models.cache_root() / "models" / "smollm2-135m",
+               "the embedded corpus": corpus.cache_path()}
     docs = ["the first document of the stand-in corpus", "a second one, long enough", "and a third document"]
     built = {what: home / f"built-{k}" for k, what in enumerate(entries)}
     corpus._write_cache(built["the embedded corpus"], docs, {"documents": len(docs), "sources": []})
@@ -529,7 +530,7 @@ def test_a_command_waits_for_another_process_building_the_shared_cache_and_uses_
                           "--groups", "2", "--quiet", "--out", "o"], capfd)
     assert holder.wait(timeout=60) == 0 and code == 0, err
     assert err == "".join(f"waiting for another poslens process (pid {holder.pid}) to finish building {what}\n"
-                          for what in entries)  # the corpus first: scores reads its data before the model
+                          for what in entries)  # the model first: the pipeline loads it before the data
     run = poslens.load(home / "o", tensors=False)  # on the stand-ins: 2 of the 3 documents, the tiny model's layers
     assert run.meta["data"]["documents_read"] == 2
     assert run.meta["model"]["cache"] == str(entries["the smollm2-135m conversion"])

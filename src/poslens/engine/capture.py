@@ -323,6 +323,21 @@ class Capture:
         self._commit(batch)
         return out
 
+    def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    group: int | None = None) -> None:
+        """For a driver that runs the forward itself with `hooks()` (poslens.engine.runner): take the batch about
+        to run (checked and aligned as `update` does); `end_batch()` after the forward counts it."""
+        _, _, batch = self._prepare(input_ids, attention_mask)
+        if group is not None:
+            self.group = check_int("group", group, 0) % self.groups
+        self._grow(batch.valid.shape[1])
+        self._batch = batch
+
+    def end_batch(self) -> None:
+        """Count the batch taken by `begin_batch` into its group."""
+        batch, self._batch = self._batch, None
+        self._commit(batch)
+
     def _prepare(self, input_ids, attention_mask):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise UsageError("input_ids must be an integer tensor of token ids [batch, seq_len]")

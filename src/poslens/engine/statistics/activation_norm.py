@@ -10,10 +10,14 @@ points ([batch, pos, heads, d_head], e.g. attn.hook_z) the vector of a position 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Statistic
 from poslens.errors import UsageError
+from poslens.options import option
 
 
 class ActivationNorm(Statistic):
@@ -56,3 +60,15 @@ class ActivationNorm(Statistic):
             out[key] = torch.stack([getattr(e, part) for e in ests])
         out["layers"] = torch.tensor([int(n[5:]) for n in names])
         return out
+
+
+@dataclass
+class ActivationNormOptions:
+    """`poslens stat activation_norm`: which point, which layers."""
+
+    point: str = option("blocks.{l}.hook_resid_pre", help="hook point with {l} for the layer index")
+    layers: list[int] | None = option(None, help="comma-separated layer indices (default all)")
+
+
+SPEC = Spec("activation_norm", "mean L2 norm of a hook point's vectors at every position, per layer",
+            ActivationNormOptions, lambda hm, o, groups: ActivationNorm(o.point, o.layers, groups))
