@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from poslens.engine.distributed import Dist
 from poslens.engine.stats import t_quantile
 from poslens.train.config import resolve_config
 from poslens.train.data import train_batches
-from poslens.train.loop import Dist, _step, gemm_flops, make_optimizer, make_scheduler, peak_flops
+from poslens.train.loop import _step, gemm_flops, make_optimizer, make_scheduler, peak_flops
 from poslens.train.model import build_model, flops_per_token
 from poslens.train.tokens import default_tokens, open_tokens
 

@@ -27,8 +27,11 @@ from poslens.io.results import check_output, open_run, run_directory, write_run
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` (hidden ones included) with its bytes (None for a directory)."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+    """Every path under `root`, hidden ones included, with its bytes (None for a directory; a link: its target).
+    Libraries' own caches under a test's HOME (matplotlib's ~/.cache and ~/.config) are not poslens output."""
+    return {str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else None if p.is_dir()
+                                       else p.read_bytes())
+            for p in sorted(root.rglob("*")) if not {".cache", ".config"} & set(p.relative_to(root).parts)}
 
 
 def poslens_run(path: Path, value: float = 1.0) -> None:
@@ -268,6 +271,38 @@ def test_what_appears_during_a_run_is_never_replaced(tmp_path):
     assert (tmp_path / "s" / "notes.txt").read_text() == "the user's notes"
 
 
+def test_a_file_put_into_a_run_while_it_is_being_replaced_is_never_deleted(tmp_path, monkeypatch, capsys):
+    # The user writes into the old run just after the swap checked it: the check after moving it aside sees the
+    # file, puts the old run back and fails in one line. Written later still (through a directory handle held
+    # into the moved run), the file is kept, with the old run, beside the output.
+    out = tmp_path / "r"
+    poslens_run(out, 1.0)
+    real = manifest.foreign
+
+    def racing(path):
+        why = real(path)
+        if path == out and (tmp_path / ".r.partial" / "build" / manifest.NAME).exists():  # _place's check
+            (out / "notes.txt").write_text("mine")
+        return why
+
+    monkeypatch.setattr(rundir, "foreign", racing)
+    with pytest.raises(UsageError, match=r"r was changed while this run was working by something poslens did not "
+                                         r"write \(.*notes.txt was not written by poslens"):
+        poslens_run(out, 2.0)
+    assert (out / "notes.txt").read_text() == "mine" and torch.equal(poslens.load(out)["a"], torch.full((2,), 1.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    monkeypatch.undo()
+    (out / "notes.txt").unlink()
+    (tmp_path / "old").mkdir()
+    out.rename(tmp_path / "old" / "r")
+    poslens_run(out, 3.0)
+    (tmp_path / "old" / "r" / "notes.txt").write_text("mine")
+    rundir._discard(tmp_path / "old" / "r", out)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("r.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine" and (kept[0] / "run.json").exists()
+    assert f"it was kept as {kept[0]}" in capsys.readouterr().err
+
+
 def test_noreplace_rename_refuses_a_non_empty_target(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
@@ -398,8 +433,8 @@ WAITER = ("import sys\nfrom poslens.io.lock import cache_lock\n"
           "with cache_lock(sys.argv[1], 'the test entry'):\n    print(open(sys.argv[1]).read(), flush=True)\n")
 
 
-def python(code: str, *args: str) -> subprocess.Popen:
-    """A Python process running `code` (it imports only the lock module: no torch, about 0.1 s)."""
+def light_process(code: str, *args: str) -> subprocess.Popen:
+    """A Python process running `code` that imports only poslens.io (no torch: about 0.1 s to start)."""
     env = {**os.environ, "PYTHONPATH": str(Path(rundir.__file__).parents[2])}
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -408,7 +443,7 @@ def python(code: str, *args: str) -> subprocess.Popen:
 def test_a_second_process_waits_for_a_cache_entry_being_built_and_then_uses_it(tmp_path):
     entry = tmp_path / "cache" / "entry.txt"
     with cache_lock(entry, "the test entry"):
-        waiter = python(WAITER, str(entry))
+        waiter = light_process(WAITER, str(entry))
         line = waiter.stderr.readline()  # printed once, before it blocks
         assert line == f"waiting for another poslens process (pid {os.getpid()}) to finish building the test entry\n"
         time.sleep(0.2)
@@ -425,11 +460,12 @@ def test_a_killed_lock_holder_never_blocks_the_next_process(tmp_path, capsys, wh
     code = HOLDER if what == "cache" else ("import sys, time\nfrom poslens.io.rundir import open_run\n"
                                            "with open_run(sys.argv[1]):\n    print('holding', flush=True)\n"
                                            "    time.sleep(60)\n")
-    holder = python(code, str(entry))
+    holder = light_process(code, str(entry))
     assert holder.stdout.readline() == "holding\n"
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=60)
-    assert (tmp_path / ".entry.lock").exists()  # left by the kill, with the dead pid in it
+    lock_file = tmp_path / (".entry.cache.lock" if what == "cache" else ".entry.lock")
+    assert lock_file.exists()  # left by the kill, with the dead pid in it
     started = time.monotonic()
     if what == "cache":
         with cache_lock(entry, "the test entry"):
@@ -437,7 +473,7 @@ def test_a_killed_lock_holder_never_blocks_the_next_process(tmp_path, capsys, wh
     else:
         poslens_run(entry)
     assert time.monotonic() - started < 5 and capsys.readouterr().err == ""  # no wait
-    assert not (tmp_path / ".entry.lock").exists()
+    assert not lock_file.exists()
 
 
 class FullDisk:
@@ -454,10 +490,20 @@ class FullDisk:
 @pytest.mark.parametrize("what", ["cache", "run"])
 def test_a_full_disk_when_taking_a_lock_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, what):
     monkeypatch.setattr(lock, "os", FullDisk())
-    with pytest.raises(UsageError, match=r"no space left on the device to write .*\.entry\.lock \(it needs \d+ bytes"):
+    with pytest.raises(UsageError, match=r"no space left on the device to write .*\.entry(\.cache)?\.lock \(it needs "
+                                         r"\d+ bytes"):
         with (cache_lock(tmp_path / "entry", "x") if what == "cache" else open_run(tmp_path / "entry")):
             pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_entry_can_be_written_as_a_run_directory_under_its_lock(tmp_path):
+    entry = tmp_path / "tokens" / "entry"
+    with cache_lock(entry, "x"):  # the run's own lock is another file
+        poslens_run(entry)
+        poslens_run(entry, 2.0)  # a corrupt or stale entry is replaced
+    assert torch.equal(poslens.load(entry)["a"], torch.full((2,), 2.0))
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["entry"]
 
 
 def test_an_unwritable_cache_directory_is_refused_before_any_work(tmp_path):

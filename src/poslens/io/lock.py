@@ -1,8 +1,9 @@
 """Exclusive locks on lock files, for run directories and for the shared cache.
 
-A lock is a file ``.NAME.lock`` beside what it guards, held with ``flock`` and holding its owner's pid. The
-kernel releases a ``flock`` when its process dies, so a killed holder never blocks anyone; the holder removes
-the file when it lets go (a waiter that then gets the lock on the removed file notices and takes the new one).
+A lock is a file ``.NAME.lock`` (``.NAME.cache.lock`` for a cache entry) beside what it guards, held with ``flock``
+and holding its owner's pid. The kernel releases a ``flock`` when its process dies, so a killed holder never
+blocks anyone; the holder removes the file when it lets go (a waiter that then gets the lock on the removed file
+notices and takes the new one).
 No lock file of size 0 outlives a failed acquisition: when the pid cannot be written (a full disk), the file
 is removed and the failure is one line naming it. Without ``flock`` (not POSIX) the file is created with
 ``O_EXCL`` and a file whose pid is no longer running is taken over.
@@ -13,6 +14,7 @@ second process wait for the first (`cache_lock`), printing one line that says so
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -29,13 +31,14 @@ except ImportError:  # not POSIX
     fcntl = None
 
 SUFFIX = ".lock"
+CACHE_SUFFIX = ".cache.lock"  # its own file: a cache entry that is a run directory has both locks
 CACHE_FIX = "point POSLENS_CACHE at a writable directory"
 
 
-def lock_path(target: str | os.PathLike) -> Path:
-    """The lock file of `target`: ``PARENT/.NAME.lock``."""
+def lock_path(target: str | os.PathLike, suffix: str = SUFFIX) -> Path:
+    """The lock file of `target`: ``PARENT/.NAME.lock`` (``.NAME.cache.lock`` for a cache entry)."""
     target = Path(target)
-    return target.parent / f".{target.name}{SUFFIX}"
+    return target.parent / f".{target.name}{suffix}"
 
 
 class FileLock:
@@ -43,10 +46,6 @@ class FileLock:
 
     def __init__(self, path: Path, fix: str):
         self.path, self.fix, self.fd = Path(path), fix, None
-
-    def holder(self) -> int | None:
-        """The pid written in the lock file (None while it is being written, or unreadable)."""
-        return _read_pid(self.path)
 
     def acquire(self, wait: Callable[[int | None], None] | None = None) -> bool:
         """Take the lock. When another process holds it: without `wait`, return False at once; with `wait`,
@@ -58,7 +57,7 @@ class FileLock:
                 if wait is None:
                     return False
                 if not told:
-                    wait(self.holder())
+                    wait(self._pid_of_holder())
                     told = True
                 time.sleep(0.5)
                 continue
@@ -90,7 +89,7 @@ class FileLock:
             with disk_space(self.path, 64):
                 return os.open(self.path, flags, 0o666)
         except FileExistsError:  # not POSIX only
-            if _alive(_read_pid(self.path)):
+            if alive(_read_pid(self.path)):
                 return None
             self.path.unlink(missing_ok=True)  # its owner died
             return self._open()
@@ -100,8 +99,9 @@ class FileLock:
             raise UsageError(f"cannot create lock file {self.path}: {e.strerror}; {self.fix}") from None
 
     def _pid_of_holder(self) -> int | None:
-        for _ in range(10):  # the holder writes its pid right after taking the lock
-            pid = self.holder()
+        """The pid in the lock file (the holder writes it right after taking the lock), or None."""
+        for _ in range(10):
+            pid = _read_pid(self.path)
             if pid is not None:
                 return pid
             time.sleep(0.02)
@@ -113,7 +113,7 @@ class FileLock:
             with disk_space(self.path, len(text)):
                 os.ftruncate(self.fd, 0)
                 if os.write(self.fd, text) != len(text):
-                    raise OSError(28, os.strerror(28), str(self.path))
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         except BaseException:
             self.release()  # removes the file: no empty lock file stays behind
             raise
@@ -144,7 +144,7 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int | None) -> bool:
+def alive(pid: int | None) -> bool:
     """Whether process `pid` exists (unknown pid: assume alive, never take over on a guess)."""
     if pid is None or pid == os.getpid():
         return True
@@ -159,11 +159,12 @@ def _alive(pid: int | None) -> bool:
 
 @contextmanager
 def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """Hold the lock of the shared cache entry `path` (``.NAME.lock`` beside it) for the block.
+    """Hold the lock of the shared cache entry `path` (``.NAME.cache.lock`` beside it) for the block.
 
     A second process waits, printing one line ("waiting for another poslens process (pid N) to finish building
     WHAT"), then runs its block: check there for the finished entry before building it. The entry's directory
-    is created; one that cannot be written is refused in one line before any work.
+    is created; one that cannot be written is refused in one line before any work. The block may write the
+    entry as a run directory (`poslens.io.rundir.run_directory(path, force=True)`): a run's lock is another file.
     """
     path = Path(path)
     try:
@@ -178,7 +179,7 @@ def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
         who = f" (pid {pid})" if pid is not None else ""
         print(f"waiting for another poslens process{who} to finish building {what}", file=sys.stderr, flush=True)
 
-    lock = FileLock(lock_path(path), CACHE_FIX)
+    lock = FileLock(lock_path(path, CACHE_SUFFIX), CACHE_FIX)
     lock.acquire(wait=waiting)
     try:
         yield

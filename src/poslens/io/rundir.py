@@ -45,13 +45,14 @@ import errno
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from poslens.errors import UsageError
-from poslens.io.lock import FileLock, _alive, lock_path
+from poslens.io.lock import FileLock, alive, lock_path
 from poslens.io.manifest import MARKER, META, foreign, is_empty, write_manifest
 from poslens.io.space import disk_space
 
@@ -131,8 +132,9 @@ def _name_limit(parent: Path) -> int:
         return 255
 
 
-def _check_inputs(path: Path, inputs: Iterable[str | os.PathLike]) -> None:
-    """Refuse an output that is one of the run's (existing) inputs or contains one, after resolving links."""
+def _check_inputs(path: Path, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """Refuse an output that is one of the run's inputs or contains one, after resolving links (an input that
+    does not exist, or None, has nothing to protect)."""
     real = Path(os.path.realpath(path))
     for given in inputs:
         if given is None or not os.path.lexists(os.path.expanduser(os.fspath(given))):
@@ -218,7 +220,7 @@ def _tmp_pid(name: str) -> int | None:
 def stale_tmp(path: Path) -> bool:
     """A `*.tmp-PID` file whose writer is gone."""
     pid = _tmp_pid(path.name)
-    return pid is not None and not _alive(pid)
+    return pid is not None and not alive(pid)
 
 
 def _restore_or_remove(old: Path, target: Path) -> None:
@@ -226,17 +228,20 @@ def _restore_or_remove(old: Path, target: Path) -> None:
     if not os.path.lexists(target):
         os.rename(old, target)
     else:
-        _discard(old)
+        _discard(old, target)
 
 
-def _discard(old: Path) -> None:
-    """Delete a replaced run, unless something poslens did not write got into it during the swap: then it is
-    kept where it is and one line says so."""
+def _discard(old: Path, target: Path) -> None:
+    """Delete the replaced run of `target`, unless something poslens did not write got into it during the swap:
+    then it is moved beside `target` as NAME.replaced-TIME-PID and one line says so."""
     why = foreign(old)
-    if why:
-        print(f"poslens: kept {old}: {why}", file=sys.stderr, flush=True)
-    else:
+    if not why:
         shutil.rmtree(old, ignore_errors=True)
+        return
+    kept = target.with_name(f"{target.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    _rename_noreplace(old, kept)
+    print(f"poslens: the run replaced at {target} held something else ({why}); it was kept as {kept}",
+          file=sys.stderr, flush=True)
 
 
 def clean_leftovers(target: Path) -> None:
@@ -325,7 +330,7 @@ def _place(run: RunDir) -> None:
                              "another --out") from None
         raise UsageError(f"cannot move the finished run to {target}: {e.strerror}; choose another --out") from None
     if moved:
-        _discard(old)
+        _discard(old, target)
 
 
 # ---------------------------------------------------------------- public API
@@ -347,6 +352,7 @@ def check_output(path: str | os.PathLike, force: bool = False, inputs: Iterable[
     what killed runs of the same output left, and creates missing parent directories (removed again at exit
     if the run leaves them empty).
     """
+    inputs = list(inputs)
     target = _resolve(path)
     _check(target, force, inputs)
     _make_parents(target)
@@ -391,7 +397,7 @@ def open_run(path: str | os.PathLike, force: bool = False,
             _ACTIVE.reset(token)
         write_manifest(run.build)
         _place(run)
-        _remove_work(run.work)
+        shutil.rmtree(run.work, ignore_errors=True)
     except BaseException:
         shutil.rmtree(run.build, ignore_errors=True)
         try:
@@ -403,17 +409,6 @@ def open_run(path: str | os.PathLike, force: bool = False,
         raise
     finally:
         lock.release()
-
-
-def _remove_work(work: Path) -> None:
-    """The work directory of a placed run: checkpoints go; a replaced run that `_discard` kept stays."""
-    for p in work.iterdir():
-        if p.name != "old":
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
-    try:
-        work.rmdir()
-    except OSError:
-        pass
 
 
 @contextmanager

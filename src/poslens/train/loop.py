@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from poslens.engine.distributed import Dist, setup
 from poslens.errors import UsageError, check_int, require
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
@@ -69,43 +70,6 @@ def next_token_loss(model: torch.nn.Module, block: torch.Tensor) -> torch.Tensor
 
 
 # ---------------------------------------------------------------- processes and devices
-
-
-@dataclasses.dataclass
-class Dist:
-    """This process's place: rank, world size, local rank, device."""
-
-    rank: int
-    world: int
-    local: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-
-def setup(cfg: TrainConfig) -> Dist:
-    """Join the torchrun process group when launched by torchrun; pick the device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    want = cfg.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    require(want == "cpu" or want.startswith("cuda"), f"device must be auto, cpu, cuda or cuda:N; got {cfg.device!r}")
-    if want.startswith("cuda"):
-        require(torch.cuda.is_available(), "device cuda requested but torch sees no GPU; use --device cpu")
-        device = torch.device("cuda", local if world > 1 else (torch.device(want).index or 0))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, world, local, device)
 
 
 def peak_flops(device: torch.device) -> tuple[float | None, str]:
@@ -308,7 +272,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
     cfg.check()
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
-    d = setup(cfg)
+    d = setup(cfg.device)
     target = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
     try:
         with contextlib.ExitStack() as stack:
