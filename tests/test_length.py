@@ -61,8 +61,8 @@ def test_attention_profile_matches_eager_weights(family):
     # windows (gemma3, gemma2), softcap (gemma2), partial RoPE (phi3): float32 agreement with the eager softmax
     model = build(family)
     ids = token_batch(2, 20, seed=3)
-    stat = AttentionProfile(groups=2)
-    run_pass(HookedModel(model), [stat], list(ids.split(1)))
+    stat, strided = AttentionProfile(groups=2), AttentionProfile(groups=2, every=3)
+    run_pass(HookedModel(model), [stat, strided], list(ids.split(1)))
     model.set_attn_implementation("eager")
     with torch.no_grad():
         att = model(input_ids=ids, output_attentions=True).attentions
@@ -73,6 +73,9 @@ def test_attention_profile_matches_eager_weights(family):
     torch.testing.assert_close(res["key0"], p[..., 0].mean((1, 2)), rtol=0, atol=2e-6)
     visible = torch.log((p > 0).sum(-1).double().clamp(min=1)).mean((1, 2))  # keys seen (window included)
     torch.testing.assert_close(res["log_keys"], visible, rtol=0, atol=1e-12)
+    every = strided.result()["entropy"]
+    torch.testing.assert_close(every[:, ::3], res["entropy"][:, ::3], rtol=0, atol=1e-12)
+    assert bool(torch.isnan(every[:, 1::3]).all())
 
 
 def _uniform_llama(seq):

@@ -79,3 +79,8 @@ def test_seed_paired_uses_the_spread_over_seeds():
     per_model = torch.stack([e.value for e in out["models"]])
     torch.testing.assert_close(out["seeds"].value, per_model.mean(0))
     torch.testing.assert_close(out["seeds"].se, per_model.std(0) / math.sqrt(3))
+    # spans of target positions give the bucket means when every sequence reaches every position
+    base, other = models[0]
+    spans = list(zip(EDGES, EDGES[1:]))
+    torch.testing.assert_close(paired_difference(base, other, spans=spans).value, out["models"][0].value)
+    torch.testing.assert_close(base.spans(spans).value, base.buckets().value)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from poslens.analyses.length.loss import PositionLoss
+from poslens.analyses.length.loss import PositionLoss, check_spans, span_means
 from poslens.engine.stats import Estimate, GroupedSums, t_quantile
 from poslens.errors import UsageError, check_float
 
@@ -38,20 +38,31 @@ def joined(parts: dict[str, GroupedSums]) -> GroupedSums:
     return out
 
 
-def _check_paired(a: PositionLoss, b: PositionLoss) -> None:
-    ca, cb = a.sums.counts.get("bucket"), b.sums.counts.get("bucket")
-    if ca is None or cb is None or ca.shape != cb.shape or not torch.equal(ca, cb) or a.edges != b.edges:
+def _check_paired(a: PositionLoss, b: PositionLoss, spans: Sequence[tuple[int, int]] | None = None) -> None:
+    """Both passes saw the same sequences in the same groups: equal bucket counts (and edges), or, for spans,
+    equal per-position counts over each span."""
+    if spans is None:
+        ca, cb = a.sums.counts.get("bucket"), b.sums.counts.get("bucket")
+        ok = ca is not None and cb is not None and ca.shape == cb.shape and torch.equal(ca, cb) and a.edges == b.edges
+    else:
+        check_spans(a, spans)
+        check_spans(b, spans)
+        ca, cb = a.sums.counts["nll"], b.sums.counts["nll"]
+        ok = all(torch.equal(ca[:, lo:hi], cb[:, lo:hi]) for lo, hi in spans)
+    if not ok:
         raise UsageError("the two passes are not paired: they saw different sequences, groups or buckets; run "
                          "both over the same batches with the same edges")
 
 
 def paired_difference(base: PositionLoss, other: PositionLoss, level: float = 0.95,
-                      curve: bool = False) -> Estimate:
-    """other - base per bucket (or, with `curve`, per target position), paired on the same sequences."""
-    _check_paired(base, other)
-    key = "nll" if curve else "bucket"
+                      spans: Sequence[tuple[int, int]] | None = None) -> Estimate:
+    """other - base per bucket, or per span [lo, hi) of target positions (the two passes may then differ in length:
+    an intervention run at T against none run at 8L, both over the same sequences), paired on the sequences."""
+    _check_paired(base, other, spans)
     gs = joined({"a": base.sums, "b": other.sums})
-    return gs.estimate(lambda m: m[f"b/{key}"] - m[f"a/{key}"], level)
+    if spans is None:
+        return gs.estimate(lambda m: m["b/bucket"] - m["a/bucket"], level)
+    return gs.estimate(lambda m: span_means(m["b/nll"], spans) - span_means(m["a/nll"], spans), level)
 
 
 def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95) -> Estimate:

@@ -112,9 +112,32 @@ class PositionLoss(Statistic):
         """Mean loss per token in each bucket [e_k, e_{k+1}), with jackknife intervals."""
         return self.sums.estimate(lambda m: m["bucket"], level)
 
+    def spans(self, spans: Sequence[tuple[int, int]], level: float = 0.95) -> Estimate:
+        """Mean loss over target positions [lo, hi) for each span, with jackknife intervals (every sequence must
+        reach every position of a span, so the mean over positions is the mean over tokens)."""
+        check_spans(self, spans)
+        return self.sums.estimate(lambda m: span_means(m["nll"], spans), level)
+
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """`loss` [T] and `bucket_loss` [K], each with `_lo`, `_hi`, `_se`; `edges` [K + 1]."""
         out = {**self.curve(level).as_dict("loss"), **self.buckets(level).as_dict("bucket_loss")}
         out["edges"] = torch.tensor(self.edges)
         return out
 
+
+
+def check_spans(stat: PositionLoss, spans: Sequence[tuple[int, int]]) -> None:
+    """Every span [lo, hi) lies in 1 .. T-1 and every group counts the same sequences at each of its positions."""
+    counts = stat.sums.counts.get("nll")
+    require(counts is not None, "no batch has been added to this statistic yet")
+    for lo, hi in spans:
+        require(1 <= lo < hi <= counts.shape[1], f"span [{lo}, {hi}) must lie in the target positions "
+                                                 f"1..{counts.shape[1] - 1}")
+        block = counts[:, lo:hi]
+        require(bool((block == block[:, :1]).all()), f"span [{lo}, {hi}): not every sequence reaches every "
+                                                     "position (padding); use spans the shortest sequence covers")
+
+
+def span_means(curve: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Means of a per-position curve over each span [lo, hi)."""
+    return torch.stack([curve[lo:hi].mean() for lo, hi in spans])
