@@ -16,6 +16,7 @@ the loss past L; attention entropy gap and key-0 share per bucket (first and las
 wall and CPU seconds per stage with the load average.
 
     PYTHONPATH=src python benchmarks/length.py /tmp/len-nope /tmp/len-rope --out /tmp/length.json
+    PYTHONPATH=src python benchmarks/length.py --shape cpu:rope --num-sequences 32   # the `cpu` preset's cost
 """
 
 from __future__ import annotations
@@ -76,13 +77,32 @@ def _est(e, i=None) -> dict:
     return {"value": pick(e.value), "lo": pick(e.lo), "hi": pick(e.hi)}
 
 
+def _shaped(preset: str, pe: str):
+    """A randomly initialised model of a training preset's shape and random token ids: for timings only."""
+    from poslens.train.config import parse_tokenizer, resolve_config
+    from poslens.train.model import build_model
+
+    cfg = resolve_config(preset, pe=pe)
+    vocab = parse_tokenizer(cfg.tokenizer)[1] or 49152
+    model = build_model(cfg, vocab).eval()
+    model.poslens_load = {"positional_encoding": ["rope" if pe == "rope" else "none"] * cfg.layers}
+    return model, vocab
+
+
 def measure(model_dir: str, args, clock: Clock) -> dict:
-    model, _ = load_model(model_dir)
-    run = json.loads((Path(model_dir) / "run.json").read_text())
-    train_len = args.train_len or max_positions(model)
-    longest = train_len * args.mult
-    tokens = args.tokens or run["tokens"]["path"]
-    ids = sequences_of(open_tokens(tokens).val, longest, args.num_sequences)
+    if args.shape:  # "preset:pe", e.g. cpu:rope: weights and text are random, only the timings mean something
+        model, vocab = _shaped(*model_dir.split(":"))
+        train_len = args.train_len or max_positions(model)
+        longest = train_len * args.mult
+        tokens = "random ids (timing only)"
+        ids = torch.randint(0, vocab, (args.num_sequences, longest), generator=torch.Generator().manual_seed(0))
+    else:
+        model, _ = load_model(model_dir)
+        run = json.loads((Path(model_dir) / "run.json").read_text())
+        train_len = args.train_len or max_positions(model)
+        longest = train_len * args.mult
+        tokens = args.tokens or run["tokens"]["path"]
+        ids = sequences_of(open_tokens(tokens).val, longest, args.num_sequences)
     check_eval_length(model, longest)
     layers = model.config.num_hidden_layers
     check_eval_memory(model, longest, args.batch_size, groups=args.groups, map_layers=layers, map_keys=3)
@@ -142,9 +162,59 @@ def measure(model_dir: str, args, clock: Clock) -> dict:
     return out
 
 
+def _ci(e: dict, signed: bool = True) -> str:
+    f = "+.3f" if signed else ".3f"
+    return f"{e['value']:{f}} [{e['lo']:{f}}, {e['hi']:{f}}]"
+
+
+def summary(results: dict) -> str:
+    """Markdown tables of a results dict (what `main` writes)."""
+    lines = []
+    for r in results["models"]:
+        name, edges = r["model"], r["edges"]
+        spans = [f"[{a}, {b})" for a, b in zip(edges, edges[1:])]
+        lines += [f"### {name} (L = {r['train_len']}, {r['sequences']} sequences, {r['groups']} groups)", "",
+                  "| pass | " + " | ".join(f"loss {s}" for s in spans) + " | effect past L (paired) |",
+                  "| --- |" + " --- |" * (len(spans) + 1)]
+        for spec, p in r["passes"].items():
+            if "buckets" in p:
+                eff = _ci(p["effect_past_L"]) if "effect_past_L" in p else ""
+                lines.append(f"| {spec} | " + " | ".join(_ci(b, False) for b in p["buckets"]) + f" | {eff} |")
+        for spec in PER_LENGTH:
+            p = r["passes"].get(spec, {})
+            if "skipped" in p:
+                lines.append(f"| {spec} | skipped: {p['skipped']} |")
+            for t, q in p.get("per_length", {}).items():
+                lines.append(f"| {spec} (F = {int(t) // r['train_len']}) at T = {t} | loss [L, T) "
+                             f"{_ci(q['loss_past_L'], False)} | effect [L, T) {_ci(q['effect_past_L'])} | "
+                             f"effect [T/2, T) {_ci(q['effect_last_bucket'])} |")
+        lines += ["", "| pass | " + " | ".join(f"gap, key0 {s} (layer 1 / last)" for s in spans) + " |",
+                  "| --- |" + " --- |" * len(spans)]
+        for spec, p in r["passes"].items():
+            if "gap_first_last_layer" in p:
+                cells = [f"{g[0]:.2f}/{g[1]:.2f}, {k[0]:.3f}/{k[1]:.3f}"
+                         for g, k in zip(p["gap_first_last_layer"], p["key0_first_last_layer"])]
+                lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+        if "maps" in r:
+            lines += ["", "| T | " + " | ".join(next(iter(r["maps"].values()))) + " (per layer) |",
+                      "| --- |" + " --- |" * len(next(iter(r["maps"].values())))]
+            for t, met in r["maps"].items():
+                lines.append(f"| {t} | " + " | ".join(", ".join(f"{e['value']:.3f}" for e in v)
+                                                         for v in met.values()) + " |")
+        lines += ["", "| stage | wall s | CPU s |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v['wall_s']:.1f} | {v['cpu_s']:.1f} |" for k, v in r["timings"].items()]
+        lines += [f"| total | {r['total']['wall_s']:.1f} | {r['total']['cpu_s']:.1f} |", ""]
+    lines.append(f"load average before {results['load_before']}, after {results['load_after']}; torch threads "
+                 f"{results['threads']}; peak RSS {results['max_rss_mib']:.0f} MiB")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("models", nargs="+", help="poslens train output directories")
+    p.add_argument("models", nargs="*", help="poslens train output directories (with --shape: PRESET:PE, e.g. "
+                                             "cpu:rope)")
+    p.add_argument("--shape", action="store_true", help="time randomly initialised models of a preset's shape on "
+                                                         "random ids (the losses mean nothing)")
     p.add_argument("--train-len", type=int, default=None, help="training length L (default: max_position_embeddings)")
     p.add_argument("--mult", type=int, default=8, help="longest evaluation length in units of L (default 8)")
     p.add_argument("--num-sequences", type=int, default=64)
@@ -154,7 +224,13 @@ def main() -> None:
     p.add_argument("--tokens", default=None, help="token directory (default: the one the model was trained on)")
     p.add_argument("--no-maps", dest="maps", action="store_false")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--summary", default=None, help="print the tables of a results JSON written before, and exit")
     args = p.parse_args()
+    if args.summary:
+        print(summary(json.loads(Path(args.summary).read_text())))
+        return
+    if not args.models:
+        p.error("give at least one model directory (or --shape PRESET:PE)")
     results = {"load_before": os.getloadavg(), "threads": torch.get_num_threads(), "models": []}
     for d in args.models:
         clock = Clock()
@@ -165,10 +241,9 @@ def main() -> None:
         print(json.dumps({"model": d, "total": r["total"]}))
     results["load_after"] = os.getloadavg()
     results["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    text = json.dumps(results, indent=1)
     if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(summary(results))
 
 
 if __name__ == "__main__":

@@ -133,8 +133,9 @@ def memory_estimate(model: nn.Module, eval_len: int, batch_size: int, groups: in
 
     forward: the largest transient of one layer in no-grad mode (hidden states, q/k/v, the MLP's inner width; SDPA
     streams its scores); readers: the chunked LM head and attention readers (a few chunks of `chunk_bytes`);
-    maps: Capture's float32 sums, `map_keys` maps of `map_layers` layers for each of `groups` groups, and one
-    float64 map per layer while finishing; mask: an explicit window mask, one byte per (query, key)."""
+    maps: Capture's float32 sums, `map_keys` maps of `map_layers` layers for each of `groups` groups, twice (the
+    metrics read a copy of the sums), and float64 means while finishing; mask: an explicit window mask, one byte per
+    (query, key)."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     item = model.get_input_embeddings().weight.element_size()
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
@@ -142,7 +143,7 @@ def memory_estimate(model: nn.Module, eval_len: int, batch_size: int, groups: in
     width = 4 * c.hidden_size + (heads + 2 * kv) * head_dim + 3 * c.intermediate_size
     parts = {"forward": batch_size * eval_len * width * item,
              "readers": 4 * chunk_bytes,
-             "maps": map_layers * (groups * map_keys * 4 + 8) * eval_len**2 if map_keys else 0,
+             "maps": map_layers * (2 * groups * map_keys * 4 + 8 * (map_keys + 1)) * eval_len**2 if map_keys else 0,
              "mask": batch_size * eval_len**2 if window_mask else 0}
     parts["total"] = sum(parts.values())
     return parts
