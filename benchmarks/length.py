@@ -41,6 +41,7 @@ from poslens.analyses.length import (
     parse,
     run_pass,
 )
+from poslens.analyses.length.loss import check_spans, span_means
 from poslens.engine.hooks import HookedModel
 from poslens.engine.models import load_model, max_positions
 from poslens.errors import UsageError
@@ -114,6 +115,8 @@ def measure(model_dir: str, args, clock: Clock) -> dict:
                  "eval_lens": lengths, "sequences": int(ids.shape[0]), "groups": args.groups,
                  "tokens": str(tokens), "edges": edges, "passes": {}}
     stats: dict[str, PositionLoss] = {}
+    # past L against the end of the training range, on the same sequences: loss [T/2, T) - loss [L/2, L)
+    ref, later = (train_len // 2, train_len), list(zip(edges[1:-1], edges[2:]))
     for spec in SINGLE:
         iv = parse(spec, train_len)
         loss, prof = PositionLoss(edges, args.groups), AttentionProfile(groups=args.groups, every=args.every)
@@ -122,6 +125,9 @@ def measure(model_dir: str, args, clock: Clock) -> dict:
         stats[spec] = loss
         att = prof.result()
         entry = {"buckets": [_est(loss.buckets(), k) for k in range(len(edges) - 1)]}
+        check_spans(loss, [ref, *later])
+        rise = loss.sums.estimate(lambda m: span_means(m["nll"], later) - span_means(m["nll"], [ref]), 0.95)
+        entry["rise_vs_late_train"] = [_est(rise, k) for k in range(len(later))]
         for name in ("gap", "key0"):
             per = []
             for lo, hi in zip(edges, edges[1:]):
@@ -180,6 +186,9 @@ def summary(results: dict) -> str:
             if "buckets" in p:
                 eff = _ci(p["effect_past_L"]) if "effect_past_L" in p else ""
                 lines.append(f"| {spec} | " + " | ".join(_ci(b, False) for b in p["buckets"]) + f" | {eff} |")
+                if "rise_vs_late_train" in p:
+                    rise = " | ".join(_ci(b) for b in p["rise_vs_late_train"])
+                    lines.append(f"| {spec}: rise over [L/2, L) | | {rise} | |")
         for spec in PER_LENGTH:
             p = r["passes"].get(spec, {})
             if "skipped" in p:

@@ -35,6 +35,7 @@ from poslens.errors import UsageError, check_int, check_memory, gib
 
 # rope types whose frequencies do not depend on max_position_embeddings during a forward
 STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
+CAPTURE_CHUNK = 1 << 28  # Capture's default chunk_bytes for per-head score blocks
 
 
 def position_table(model: nn.Module) -> tuple[str, int] | None:
@@ -134,7 +135,8 @@ def memory_estimate(model: nn.Module, eval_len: int, batch_size: int, groups: in
     forward: the largest transient of one layer in no-grad mode (hidden states, q/k/v, the MLP's inner width; SDPA
     streams its scores); readers: the chunked LM head and attention readers (a few chunks of `chunk_bytes`);
     maps: Capture's float32 sums, `map_keys` maps of `map_layers` layers for each of `groups` groups, twice (the
-    metrics read a copy of the sums), and float64 means while finishing; mask: an explicit window mask, one byte per
+    metrics read a copy of the sums), float64 means while finishing, the Toeplitz fits' pseudo-inverse (about
+    2.5 T levels squared) and Capture's chunks of per-head scores; mask: an explicit window mask, one byte per
     (query, key)."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     item = model.get_input_embeddings().weight.element_size()
@@ -143,7 +145,8 @@ def memory_estimate(model: nn.Module, eval_len: int, batch_size: int, groups: in
     width = 4 * c.hidden_size + (heads + 2 * kv) * head_dim + 3 * c.intermediate_size
     parts = {"forward": batch_size * eval_len * width * item,
              "readers": 4 * chunk_bytes,
-             "maps": map_layers * (2 * groups * map_keys * 4 + 8 * (map_keys + 1)) * eval_len**2 if map_keys else 0,
+             "maps": (map_layers * (2 * groups * map_keys * 4 + 8 * (map_keys + 1)) * eval_len**2
+                      + 3 * 8 * (5 * eval_len // 2) ** 2 + 4 * CAPTURE_CHUNK) if map_keys else 0,
              "mask": batch_size * eval_len**2 if window_mask else 0}
     parts["total"] = sum(parts.values())
     return parts
