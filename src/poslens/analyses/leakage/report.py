@@ -20,12 +20,12 @@ def leakage_section(run: str, stack: str | None = None, headline: float = 0.40) 
     rows = []
     early = m["per_layer_early"]
     logit = early["split/e_logit"]
-    mask = early["split/e_mask"]
+    mask = early["split/e_partition"]
     both = [l for l in range(len(logit["value"])) if logit["lo"][l] > 0 and mask["lo"][l] > 0]
     rows.append({"claim": "both sources, the causal mask and the residual stream, leak absolute position",
                  "measured": f"{model}: mask and logit parts both above zero (interval) at early queries in "
                              f"{len(both)} of {len(logit['value'])} layers",
-                 "agrees": len(both) > 0, "note": "our split: e_mask and e_logit of docs/leakage.md"})
+                 "agrees": len(both) > 0, "note": "our split: e_partition and e_logit of docs/leakage.md"})
     for spec, e in m.get("interventions", {}).items():
         if spec not in ("mean", "random") and not spec.startswith("token"):
             continue
@@ -80,7 +80,7 @@ def reproduce_section(ctx, quick: bool = False):
     seqs, seq_len, groups = (16, 64, 4) if quick else (32, 128, 8)
     cfg = LeakageConfig(model="smollm2-135m", seq_len=seq_len, num_sequences=seqs, batch_size=seqs // groups,
                         groups=groups, early_queries=min(32, seq_len // 2))
-    stack = StackLeakageOptions(samples=0 if quick else 512)
+    stack = StackLeakageOptions(samples=0 if quick else 512, groups=4)  # 4 blocks of 128 samples: one per group
     runs = {}
     for name, conf, make in (("leakage", cfg, lambda o, out: run_leakage(o, out, progress=ctx.progress)),
                              ("leakage-stack", stack, run_stack_leakage)):

@@ -1,0 +1,273 @@
+"""The claim ledger: what a paper says, the test poslens ran on it, and the verdict one written rule gives.
+
+A `Claim` is one row of the report. Its `tests` say what was computed and how it was decided: a statistic, its
+value (with an interval when it is an average), a threshold and the side of it the claim predicts. A verdict is
+never typed by hand: `Claim.verdict` applies the rule below to the tests, so a reader sees that every row could
+have failed.
+
+The rule (also in the README, "What the paper says and what poslens measured"):
+
+1. A `Test` passes when its value (its whole interval, when it has one) lies on the claim's side of the threshold,
+   fails when it lies on the other side, and is open otherwise (the interval straddles the threshold, or the
+   value or interval is undefined). An exact computation (no interval) passes or fails.
+2. A claim's tests are a conjunction: it passes when all pass, fails when any fails, else it is open.
+3. **holds** = passes; **contradicted** = fails; **not resolved** = open (`resolve` says what would decide it,
+   only where something could).
+4. `scope`: a claim about a larger scale than the measurement (e.g. "1.3B-parameter models") cannot be
+   contradicted by it: a failure there is **not resolved**.
+5. **ambiguous**: the paper's wording admits several readings (`readings`, each with its own tests); when they get
+   different verdicts the row says each one and its verdict is ambiguous; when they agree, that verdict.
+6. **erratum**: `errata` test a formula or number the paper prints; when one fails while the claim's own tests
+   pass (the conclusion stands), the verdict is erratum.
+7. **finding**: a measured fact the paper does not state (`finding=True`) reads finding when its tests pass, and
+   follows rule 3 otherwise.
+
+Each claim belongs to one paper (`PAPERS`); the report counts every paper's ledger apart. Facts that are true by
+construction are tests of poslens (tests/), not claims; measured facts shown beside the claims without a verdict
+are a section's `context`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+VERDICTS = ("holds", "contradicted", "ambiguous", "erratum", "not resolved", "finding")
+SIDES = (">", "<")
+
+
+@dataclass(frozen=True)
+class Paper:
+    """A paper a ledger is about: how the report names it (authors, year, title)."""
+
+    authors: str
+    year: int
+    title: str
+    ledger: str  # the ledger its claims are counted in
+
+    @property
+    def cite(self) -> str:
+        """'Kim et al. (2025), "Behind RoPE: ..."'."""
+        return f"{self.authors} ({self.year}), \u201c{self.title}\u201d"
+
+
+PAPERS: dict[str, Paper] = {
+    "kim2025": Paper("Kim et al.", 2025, "Behind RoPE: How Does Causal Mask Encode Positional Information?", "kim2025"),
+    "ruscio2026": Paper("Ruscio, Nanni & Silvestri", 2026,
+                        "Where does Absolute Position come from in decoder-only Transformers?", "ruscio2026"),
+    "haviv2022": Paper("Haviv et al.", 2022, "Transformer Language Models without Positional Encodings Still Learn "
+                       "Positional Information", "other"),
+    "kazemnejad2023": Paper("Kazemnejad et al.", 2023, "The Impact of Positional Encoding on Length Generalization "
+                            "in Transformers", "other"),
+    "poslens": Paper("poslens", 2026, "checks of poslens itself", "poslens"),
+}
+LEDGERS = {"kim2025": "Kim et al. (2025)", "ruscio2026": "Ruscio, Nanni & Silvestri (2026)",
+           "other": "other papers (Haviv et al. 2022, Kazemnejad et al. 2023)", "poslens": "poslens's own checks"}
+
+
+def num(x: float | None, digits: int = 3) -> str:
+    """A number for a row: `digits` significant digits; NaN and None (run.json's null) read 'nan'."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    return f"{x:.{digits}g}"
+
+
+def _defined(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class Test:
+    """One check: `statistic` = `value` [`lo`, `hi`] against `threshold`; the claim predicts `side` ('>' or '<').
+
+    `interval` says how lo/hi were made ("95% jackknife over 20 groups"); leave lo/hi None for an exact value
+    (a closed form, a count, a float64 computation): it then passes or fails, never open."""
+
+    __test__ = False  # not a pytest test class
+    statistic: str
+    value: float
+    side: str
+    threshold: float = 0.0
+    lo: float | None = None
+    hi: float | None = None
+    interval: str = ""
+    digits: int = 3
+
+    def __post_init__(self) -> None:
+        if self.side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {self.side!r}")
+        if (self.lo is None) != (self.hi is None):
+            raise ValueError("give both lo and hi, or neither")
+
+    @property
+    def exact(self) -> bool:
+        return self.lo is None
+
+    def outcome(self) -> str:
+        """'pass', 'fail' or 'open' (rule 1)."""
+        t = self.threshold
+        if self.exact:
+            if not _defined(self.value):
+                return "open"
+            ok = self.value > t if self.side == ">" else self.value < t
+            return "pass" if ok else "fail"
+        if not (_defined(self.lo) and _defined(self.hi)):
+            return "open"
+        above, below = self.lo > t, self.hi < t
+        if self.side == ">":
+            return "pass" if above else "fail" if below else "open"
+        return "pass" if below else "fail" if above else "open"
+
+    def key(self) -> str:
+        """The number a summary line quotes: '0.0186 [0.0099, 0.0274]' or '3' (exact)."""
+        d = self.digits
+        return num(self.value, d) if self.exact else f"{num(self.value, d)} [{num(self.lo, d)}, {num(self.hi, d)}]"
+
+    def text(self) -> str:
+        """'mean row slope = 0.0186 [0.0099, 0.0274] (95% jackknife ...); the claim needs > 0: pass'."""
+        how = f" ({self.interval})" if self.interval else "" if not self.exact else " (exact)"
+        return (f"{self.statistic} = {self.key()}{how}; the claim needs {self.side} {num(self.threshold, 4)}: "
+                f"{self.outcome()}")
+
+    def to_json(self) -> dict:
+        return {"statistic": self.statistic, "value": self.value, "lo": self.lo, "hi": self.hi,
+                "interval": self.interval or ("exact" if self.exact else ""), "side": self.side,
+                "threshold": self.threshold, "outcome": self.outcome()}
+
+
+def combine(tests: tuple[Test, ...]) -> str:
+    """Rule 2: 'pass' when every test passes, 'fail' when any fails, else 'open'."""
+    outcomes = [t.outcome() for t in tests]
+    if "fail" in outcomes:
+        return "fail"
+    return "pass" if outcomes and all(o == "pass" for o in outcomes) else "open"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading of ambiguous wording: what it takes the paper to say, and the tests of that reading."""
+
+    text: str
+    tests: tuple[Test, ...]
+
+
+_BY_OUTCOME = {"pass": "holds", "fail": "contradicted", "open": "not resolved"}
+
+
+@dataclass
+class Claim:
+    """One row: a claim of `paper` at `where`, the tests that decide it, and how to re-measure it.
+
+    id: a stable anchor, unique within a report ("kim-s3-layer2-increasing"). measured: words on what was measured
+    beyond the tests (settings, caveats). paper_number: the number the paper prints, shown beside ours. key: the
+    number of the summary line (default: the first test's). figure: the figure that shows it. command: a command
+    that re-measures the row and prints its key number. resolve: what would decide a not-resolved row."""
+
+    id: str
+    paper: str
+    where: str
+    claim: str
+    tests: tuple[Test, ...] = ()
+    measured: str = ""
+    paper_number: str = ""
+    readings: tuple[Reading, ...] = ()
+    errata: tuple[Test, ...] = ()
+    scope: str = ""
+    finding: bool = False
+    resolve: str = ""
+    figure: str = ""
+    command: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.paper not in PAPERS:
+            raise ValueError(f"paper must be one of {tuple(PAPERS)}, got {self.paper!r}")
+        self.tests = tuple(self.tests)
+        self.readings = tuple(self.readings)
+        self.errata = tuple(self.errata)
+        if not self.tests and not self.readings:
+            raise ValueError(f"claim {self.id}: a claim needs tests (or readings, each with tests)")
+        if self.readings and len(self.readings) < 2:
+            raise ValueError(f"claim {self.id}: ambiguous wording needs at least two readings")
+
+    @staticmethod
+    def _verdict(outcome: str, scope: str, finding: bool) -> str:
+        if outcome == "fail" and scope:
+            return "not resolved"  # rule 4
+        if outcome == "pass" and finding:
+            return "finding"  # rule 7
+        return _BY_OUTCOME[outcome]
+
+    def reading_verdicts(self) -> list[str]:
+        return [self._verdict(combine(r.tests), self.scope, self.finding) for r in self.readings]
+
+    @property
+    def verdict(self) -> str:
+        """The verdict the rule (module docstring) gives."""
+        if self.readings:
+            vs = self.reading_verdicts()
+            if len(set(vs)) > 1:
+                return "ambiguous"  # rule 5
+            if not self.tests:
+                return vs[0]
+        outcome = combine(self.tests)
+        if self.errata and outcome == "pass" and combine(self.errata) == "fail":
+            return "erratum"  # rule 6
+        return self._verdict(outcome, self.scope, self.finding)
+
+    def all_tests(self) -> list[tuple[str, Test]]:
+        """(role, test) for every test the verdict used: 'claim', 'printed', 'reading N'."""
+        out = [("claim", t) for t in self.tests] + [("printed", t) for t in self.errata]
+        for k, r in enumerate(self.readings, 1):
+            out += [(f"reading {k}", t) for t in r.tests]
+        return out
+
+    def key_number(self) -> str:
+        if self.key:
+            return self.key
+        first = self.tests or self.readings[0].tests
+        return first[0].key()
+
+    @property
+    def ledger(self) -> str:
+        return PAPERS[self.paper].ledger
+
+    def to_json(self, section: str = "") -> dict:
+        """The row for run.json: `paper`, `verdict` and `test` (every test, with its role) among the rest."""
+        return {"id": self.id, "section": section, "paper": self.paper, "where": self.where, "claim": self.claim,
+                "verdict": self.verdict, "key": self.key_number(),
+                "test": [{"role": role, **t.to_json()} for role, t in self.all_tests()],
+                "readings": [{"text": r.text, "verdict": v} for r, v in zip(self.readings, self.reading_verdicts())],
+                "measured": self.measured, "paper_number": self.paper_number, "scope": self.scope,
+                "resolve": self.resolve, "figure": self.figure, "command": self.command}
+
+
+@dataclass
+class LedgerCount:
+    """How many claims of one ledger got each verdict."""
+
+    name: str
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def headline(self) -> str:
+        """'Kim et al. (2025): 38 claims: 30 hold, 1 ambiguous, 2 errata, 5 not resolved' (zero counts left out)."""
+        words = {"holds": ("holds", "hold"), "erratum": ("erratum", "errata"), "finding": ("finding", "findings")}
+        parts = []
+        for v, n in self.counts.items():
+            if n:
+                one, many = words.get(v, (v, v))
+                parts.append(f"{n} {one if n == 1 else many}")
+        return f"{LEDGERS[self.name]}: {self.total} {'claim' if self.total == 1 else 'claims'}" + (
+            ": " + ", ".join(parts) if parts else "")
+
+
+def ledgers(claims: list[Claim]) -> dict[str, LedgerCount]:
+    """Verdict counts per ledger (kim2025, ruscio2026, other, poslens), in that order, empty ledgers left out."""
+    out = {name: LedgerCount(name) for name in LEDGERS}
+    for c in claims:
+        out[c.ledger].counts[c.verdict] += 1
+    return {k: v for k, v in out.items() if v.total}

@@ -1,0 +1,84 @@
+"""The claim API: the verdict rule of poslens.report.claims, applied to tests that pass, fail or stay open."""
+
+import json
+import math
+
+import pytest
+
+from poslens.report.claims import Claim, Reading, Test, combine, ledgers
+
+UP = Test("slope", 0.5, ">", 0.0, 0.2, 0.8, "95% jackknife")  # whole interval above 0
+DOWN = Test("slope", -0.5, ">", 0.0, -0.8, -0.2, "95% jackknife")  # whole interval below 0
+OPEN = Test("slope", 0.1, ">", 0.0, -0.2, 0.4, "95% jackknife")  # straddles 0
+
+
+def claim(**kw) -> Claim:
+    return Claim(**{"id": "x", "paper": "kim2025", "where": "Section 3", "claim": "c", **kw})
+
+
+def test_a_test_passes_fails_or_stays_open_by_its_interval():
+    assert (UP.outcome(), DOWN.outcome(), OPEN.outcome()) == ("pass", "fail", "open")
+    below = Test("ratio", 0.9, "<", 1.0, 0.8, 0.95)
+    assert below.outcome() == "pass" and Test("ratio", 1.1, "<", 1.0, 1.05, 1.2).outcome() == "fail"
+    # an exact value decides; an undefined interval (run.json's null) never does
+    assert Test("count", 0, "<", 0.5).outcome() == "pass" and Test("count", 3, "<", 0.5).outcome() == "fail"
+    assert Test("s", 1.0, ">", 0, None, None).outcome() == "pass"
+    assert Test("s", 1.0, ">", 0, math.nan, 2.0).outcome() == "open"
+    assert Test("s", math.nan, ">", 0).outcome() == "open"
+    with pytest.raises(ValueError, match="side"):
+        Test("s", 1.0, ">=")
+    with pytest.raises(ValueError, match="both"):
+        Test("s", 1.0, ">", 0, 0.5, None)
+
+
+def test_tests_are_a_conjunction():
+    assert combine((UP, UP)) == "pass" and combine((UP, DOWN)) == "fail" and combine((UP, OPEN)) == "open"
+    assert combine((OPEN, DOWN)) == "fail"
+
+
+def test_the_verdict_rule():
+    assert claim(tests=(UP,)).verdict == "holds"
+    assert claim(tests=(DOWN,)).verdict == "contradicted"
+    assert claim(tests=(OPEN,)).verdict == "not resolved"
+    # a measurement below the claim's scale cannot contradict it
+    assert claim(tests=(DOWN,), scope="1.3B-parameter models").verdict == "not resolved"
+    assert claim(tests=(UP,), scope="1.3B-parameter models").verdict == "holds"
+    # a printed formula that is wrong while the conclusion holds
+    assert claim(tests=(UP,), errata=(Test("printed - exact", 3.9, "<", 1e-9),)).verdict == "erratum"
+    assert claim(tests=(DOWN,), errata=(Test("printed - exact", 3.9, "<", 1e-9),)).verdict == "contradicted"
+    assert claim(tests=(UP,), errata=(Test("printed - exact", 1e-15, "<", 1e-9),)).verdict == "holds"
+    # readings that disagree make the row ambiguous; readings that agree give their common verdict
+    two = (Reading("ratio rises", (UP,)), Reading("ratio falls", (DOWN,)))
+    assert claim(readings=two).verdict == "ambiguous"
+    assert claim(readings=(Reading("a", (UP,)), Reading("b", (UP,)))).verdict == "holds"
+    # a finding is reported as one only when its test passes
+    assert claim(tests=(UP,), finding=True).verdict == "finding"
+    assert claim(tests=(OPEN,), finding=True).verdict == "not resolved"
+
+
+def test_a_claim_needs_a_known_paper_and_a_test():
+    with pytest.raises(ValueError, match="paper"):
+        claim(paper="seed004", tests=(UP,))
+    with pytest.raises(ValueError, match="needs tests"):
+        claim()
+    with pytest.raises(ValueError, match="two readings"):
+        claim(readings=(Reading("a", (UP,)),))
+
+
+def test_json_row_carries_paper_verdict_and_every_test():
+    c = claim(tests=(UP,), readings=(Reading("a", (UP,)), Reading("b", (DOWN,))), command="poslens simulate")
+    row = json.loads(json.dumps(c.to_json("S")))
+    assert row["paper"] == "kim2025" and row["verdict"] == "ambiguous" and row["section"] == "S"
+    assert [t["role"] for t in row["test"]] == ["claim", "reading 1", "reading 2"]
+    assert {"statistic", "value", "lo", "hi", "side", "threshold", "outcome", "interval"} <= set(row["test"][0])
+    assert [r["verdict"] for r in row["readings"]] == ["holds", "contradicted"]
+    assert row["key"] == "0.5 [0.2, 0.8]"
+
+
+def test_ledgers_count_each_paper_apart():
+    rows = [claim(tests=(UP,)), claim(tests=(OPEN,)), claim(paper="haviv2022", tests=(UP,)),
+            claim(paper="kazemnejad2023", tests=(DOWN,), scope="large models"), claim(paper="poslens", tests=(UP,))]
+    led = ledgers(rows)
+    assert list(led) == ["kim2025", "other", "poslens"]
+    assert led["kim2025"].headline() == "Kim et al. (2025): 2 claims: 1 holds, 1 not resolved"
+    assert led["other"].counts["holds"] == 1 and led["other"].counts["not resolved"] == 1
