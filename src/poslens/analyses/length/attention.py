@@ -1,0 +1,108 @@
+"""Attention entropy and the share on key 0 at every query position, per layer (head means), with intervals.
+
+For query i of one head, with scores s_ij over the keys it sees (the causal mask, the layer's window, an explicit
+run mask) and p_ij = softmax_j(s_ij):
+
+    H_i  = -sum_j p_ij log p_ij                                            (nats; 0 log 0 = 0)
+    a_i  = p_i0                                                            (the share on key 0, the sink)
+    u_i  = log #{j seen by i}                                              (H of uniform attention: log(i + 1)
+                                                                            under the plain causal mask)
+
+each averaged over heads and summed over sequences per group. The scores are formed a block of queries at a time
+from the queries and keys the attention kernel reads (after any q/k norm, RoPE and any write at the query point,
+e.g. the log-n scaling), so no [B, H, T, T] tensor is kept. The gap u_i - H_i >= 0 is how far the layer is from
+attending uniformly to everything it sees; attention that fades with length keeps H_i close to log(i + 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from poslens.analyses.length.masks import allowed_from, causal_allowed, right_padded
+from poslens.analyses.length.points import rotated
+from poslens.engine.hooks import from_factors
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
+from poslens.errors import check_int
+
+QUANTITIES = ("entropy", "key0", "log_keys")
+
+
+class AttentionProfile(Statistic):
+    """H_i, a_i and u_i per layer and query position (see the module docstring); `layers`: None = all; `every`: read
+    queries i = 0, k, 2k, ... only (the others are NaN), for a k-fold cheaper reader on long sequences."""
+
+    name = "attention_profile"
+
+    def __init__(self, layers: list[int] | None = None, groups: int = DEFAULT_GROUPS, every: int = 1,
+                 chunk_bytes: int = 1 << 24) -> None:
+        super().__init__(groups)
+        self.layers, self.chunk_bytes = layers, check_int("chunk_bytes", chunk_bytes, 1)
+        self.every = check_int("every", every, 1)
+        self._valid: torch.Tensor | None = None
+
+    def hooks(self, hm) -> dict:
+        layers = range(hm.n_layers) if self.layers is None else self.layers
+        return {f"blocks.{l}.attn.hook_attn_scores": from_factors(self._read) for l in layers}
+
+    def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Which queries and keys are real tokens (right padding, or none)."""
+        self._valid = None if attention_mask is None else right_padded(attention_mask)
+
+    def _read(self, _, ctx) -> None:
+        q, k = rotated(ctx)
+        b, h, n, d = q.shape
+        hkv = k.shape[1]
+        qg = q.float().unflatten(1, (hkv, h // hkv))  # [B, K, H/K, T, D]
+        kg = k.float()[:, :, None]  # [B, K, 1, T, D]
+        valid = None if self._valid is None else self._valid.to(q.device)
+        explicit = allowed_from(ctx.attention_mask, ctx)
+        queries = torch.arange(0, n, self.every, device=q.device)
+        rows = max(1, self.chunk_bytes // (4 * b * h * n))
+        sums = {name: torch.zeros(n, dtype=torch.float64, device=q.device) for name in QUANTITIES}
+        for block in queries.split(rows):
+            e = int(block[-1]) + 1
+            sc = torch.matmul(qg[..., block, :], kg[..., :e, :].transpose(-1, -2)) * ctx.scaling  # [B, K, G, r, e]
+            if ctx.softcap is not None:
+                sc = torch.tanh(sc / ctx.softcap) * ctx.softcap
+            if explicit is not None:
+                ok = explicit[:, :, block, :e].to(q.device)
+            else:
+                keys = None if valid is None else valid[:, :e]
+                ok = causal_allowed(e, int(ctx.window or 0), keys, q.device)[:, :, block]
+            ok = ok[:, :, None]  # [B or 1, 1, 1, r, e] against the scores' [B, K, G, r, e]
+            sc.masked_fill_(~ok, -math.inf)
+            sc.sub_(torch.logsumexp(sc, -1, keepdim=True)).exp_()  # the probabilities, in place
+            per = {"entropy": torch.special.entr(sc).sum(-1).mean((1, 2)), "key0": sc[..., 0].mean((1, 2)),
+                   "log_keys": torch.log(ok.sum(-1).double()).expand(b, 1, 1, len(block)).mean((1, 2))}
+            for name, x in per.items():  # x [B, r]: head means; padded queries leave the sums
+                x = x.double() if valid is None else torch.where(valid[:, block], x.double(), 0.0)
+                sums[name][block] = x.sum(0)
+        count = torch.zeros(n, dtype=torch.float64)
+        count[queries.cpu()] = float(b) if valid is None else valid[:, queries].sum(0).double().cpu()
+        for name, x in sums.items():
+            self.sums.add(f"{name}/{ctx.layer}", self.group, x.cpu(), count)
+
+    def _layers(self) -> list[int]:
+        return sorted({int(n.split("/")[1]) for n in self.sums.names()})
+
+    def estimate(self, quantity: str, level: float = 0.95) -> Estimate:
+        """[layers, T] means of one quantity: entropy, key0, log_keys, or gap (= log_keys - entropy)."""
+        layers = self._layers()
+
+        def f(m):
+            if quantity == "gap":
+                return torch.stack([m[f"log_keys/{l}"] - m[f"entropy/{l}"] for l in layers])
+            return torch.stack([m[f"{quantity}/{l}"] for l in layers])
+
+        return self.sums.estimate(f, level)
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """`entropy`, `gap`, `key0` [layers, T] with `_lo`, `_hi`, `_se`; `log_keys` [layers, T]; `layers`."""
+        out = {}
+        for q in ("entropy", "gap", "key0"):
+            out.update(self.estimate(q, level).as_dict(q))
+        out["log_keys"] = self.estimate("log_keys", level).value
+        out["layers"] = torch.tensor(self._layers())
+        return out

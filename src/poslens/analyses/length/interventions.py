@@ -1,0 +1,224 @@
+"""Interventions at evaluation time for a model trained at length L, each a pass over the same sequences.
+
+    iv = parse("ntk", train_len=128)
+    with iv.applied(hm, ids) as p:            # p.ids, p.hooks (writes), p.attention_mask, p.position_ids
+        hm.run(p.ids, p.attention_mask, hooks={**p.hooks, **readers}, position_ids=p.position_ids)
+
+Specs (`parse`):
+
+    none        the model as it is
+    logn        per-query logit scale lambda_i = max(1, log(i + 1) / log L) (Scalable-Softmax style: the softmax
+                denominator of query i sums i + 1 terms; the scale keeps its log growing like the numerator's).
+                Applied to the query after any q-norm and RoPE: s_ij = scaling * q_i . k_j is linear in q_i, so
+                lambda_i q_i multiplies row i of the scores by lambda_i exactly (masked entries stay masked; the
+                rotation is linear, so before or after RoPE is the same, but a q-norm would undo a scale written
+                before it; Gemma-2's softcap bends the scaled scores). Positions below L are left alone, so the
+                loss there is the model's own.
+    logn-all    lambda_i = log(i + 1) / log L at every position (also shrinks the scores below L; lambda_0 = 0)
+    ntk[:F]     NTK-aware base scaling theta' = theta F^(d / (d - 2)) (d: rotary dimensions), the frequencies
+                computed by the model's own rotary init function; F defaults to T / L for an evaluation length T
+    yarn[:F]    YaRN (Peng et al. 2023) by transformers' own yarn init: frequencies blended between interpolation and
+                extrapolation by wavelength, and the attention factor 0.1 ln F + 1 on cos and sin; F as ntk
+    window[:W]  sliding window: keys W or more positions back are masked (W defaults to L), by an explicit mask
+                (masks.py) on top of the model's own windows
+    freeze      position 0's whole trajectory replaced by that of a fixed first token (the leakage analysis's
+                `freeze`, reused): every sequence then shows the same key 0 in every layer
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from poslens.analyses.length.checks import rope_types
+from poslens.analyses.length.masks import model_mask, right_padded
+from poslens.analyses.length.points import query_point
+from poslens.engine.families import rotary_modules
+from poslens.errors import UsageError, check_float, check_int
+
+SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "freeze")
+
+
+@dataclass
+class Pass:
+    """What one forward of an intervention runs: ids, write hooks (point -> list), and model arguments."""
+
+    ids: torch.Tensor
+    hooks: dict[str, list] = field(default_factory=dict)
+    attention_mask: torch.Tensor | dict | None = None
+    position_ids: torch.Tensor | None = None
+
+
+class Intervention:
+    """Base: the model as it is. Subclasses change `applied`; `check` refuses a model they cannot act on."""
+
+    name = "none"
+
+    def check(self, model) -> None:
+        """A one-line UsageError when this intervention cannot act on `model` (before any work)."""
+
+    @contextmanager
+    def applied(self, hm, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[Pass]:
+        yield Pass(ids, attention_mask=attention_mask)
+
+
+def log_scale(n: int, train_len: int, clamp: bool = True) -> torch.Tensor:
+    """lambda_i = log(i + 1) / log L for i < n (float64), at least 1 when `clamp`."""
+    lam = torch.log1p(torch.arange(n, dtype=torch.float64)) / math.log(train_len)
+    return lam.clamp(min=1.0) if clamp else lam
+
+
+@dataclass
+class LogScaling(Intervention):
+    """Per-query logit scale lambda_i (module docstring, `logn` and `logn-all`)."""
+
+    train_len: int
+    clamp: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("train_len", self.train_len, 2)
+        self.name = "logn" if self.clamp else "logn-all"
+
+    @contextmanager
+    def applied(self, hm, ids, attention_mask=None):
+        lam = log_scale(ids.shape[1], self.train_len, self.clamp)
+        hooks = {}
+        for l in range(hm.n_layers):
+            point, axis = query_point(hm, l)
+            shape = [1] * 4
+            shape[axis] = -1
+
+            def scale(q, ctx, shape=tuple(shape)):
+                return q * lam.to(q.device, q.dtype).view(shape)
+
+            hooks[point] = [scale]
+        yield Pass(ids, hooks, attention_mask)
+
+
+@dataclass
+class RopeScaling(Intervention):
+    """NTK or YaRN scaling of the rotary frequencies at inference (module docstring); factor None = T / L."""
+
+    kind: str
+    train_len: int
+    factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ntk", "yarn"):
+            raise UsageError(f"rope scaling must be ntk or yarn, got {self.kind!r}")
+        check_int("train_len", self.train_len, 2)
+        if self.factor is not None:
+            check_float(f"{self.kind} factor", self.factor, 1.0, math.inf, hi_open=True)
+        self.name = self.kind if self.factor is None else f"{self.kind}:{self.factor:g}"
+
+    def check(self, model) -> None:
+        types = rope_types(model)
+        if not types:
+            raise UsageError(f"{self.name}: the model has no RoPE layer, so scaling its frequencies changes nothing")
+        if types != {"default"}:
+            raise UsageError(f"{self.name}: the model's RoPE is already scaled (rope_type {sorted(types)[0]}); "
+                             "NTK and YaRN at evaluation act on default RoPE")
+
+    @contextmanager
+    def applied(self, hm, ids, attention_mask=None):
+        self.check(hm.model)
+        factor = self.factor if self.factor is not None else max(1.0, ids.shape[1] / self.train_len)
+        saved = []
+        try:
+            for m in rotary_modules(hm.model):
+                types = m.rope_type if isinstance(m.rope_type, dict) else {None: m.rope_type}
+                for layer_type in types:
+                    prefix = "" if layer_type is None else f"{layer_type}_"
+                    old = getattr(m, f"{prefix}inv_freq"), getattr(m, f"{prefix}attention_scaling")
+                    inv, att = self.frequencies(m, factor, layer_type)
+                    saved.append((m, prefix, old))
+                    setattr(m, f"{prefix}inv_freq", inv.to(old[0].device, old[0].dtype))
+                    setattr(m, f"{prefix}attention_scaling", att)
+            yield Pass(ids, attention_mask=attention_mask)
+        finally:
+            for m, prefix, (inv, att) in saved:
+                setattr(m, f"{prefix}inv_freq", inv)
+                setattr(m, f"{prefix}attention_scaling", att)
+
+    def frequencies(self, rotary, factor: float, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+        """(inverse frequencies, attention factor) of this scaling for one rotary module, from a copy of its config
+        with the scaled rope parameters, by transformers' own init functions."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        config = copy.deepcopy(rotary.config)
+        config.standardize_rope_params()
+        params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+        current = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+        device = current.device
+        kw = {} if layer_type is None else {"layer_type": layer_type}
+        if self.kind == "ntk":
+            dim = 2 * current.numel()
+            params["rope_theta"] = params["rope_theta"] * factor ** (dim / (dim - 2))
+            return type(rotary).compute_default_rope_parameters(config, device=device, **kw)
+        params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=self.train_len)
+        return ROPE_INIT_FUNCTIONS["yarn"](config, device, **kw)
+
+
+@dataclass
+class Window(Intervention):
+    """Keys `window` or more positions back masked, on top of the model's own windows (window None = L)."""
+
+    train_len: int
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("train_len", self.train_len, 2)
+        if self.window is not None:
+            check_int("window", self.window, 1)
+        self.name = "window" if self.window is None else f"window:{self.window}"
+
+    @contextmanager
+    def applied(self, hm, ids, attention_mask=None):
+        keys = None if attention_mask is None else right_padded(attention_mask)
+        yield Pass(ids, attention_mask=model_mask(hm.model, ids.shape[1], self.window or self.train_len, keys))
+
+
+@dataclass
+class Freeze(Intervention):
+    """Position 0's trajectory fixed to that of `token` (None: the first token of the first batch seen)."""
+
+    token: int | None = None
+    name = "freeze"
+
+    @contextmanager
+    def applied(self, hm, ids, attention_mask=None):
+        from poslens.analyses.leakage.interventions import prepare
+
+        if self.token is None:
+            self.token = int(ids[0, 0])
+        # position 0 depends on token 0 alone (causality; its rotation is the identity), so one token is the reference
+        reference = torch.tensor([self.token], device=ids.device)
+        run_ids, hooks, _ = prepare("freeze", hm.model, hm, ids, reference)
+        yield Pass(run_ids, {k: [v] for k, v in hooks.items()}, attention_mask)
+
+
+def parse(spec: str, train_len: int) -> Intervention:
+    """An intervention from its spec (module docstring), e.g. "ntk", "yarn:4", "window:64"; one-line errors."""
+    name, _, arg = str(spec).strip().partition(":")
+    if name not in SPECS or (arg and name not in ("ntk", "yarn", "window")):
+        raise UsageError(f"interventions: unknown intervention {spec!r}; use none, logn, logn-all, ntk[:F], "
+                         "yarn[:F], window[:W] or freeze", param="interventions")
+    try:
+        value = float(arg) if arg else None
+    except ValueError:
+        raise UsageError(f"interventions: {spec!r} needs a number after the colon, e.g. {name}:4",
+                         param="interventions") from None
+    if name == "none":
+        return Intervention()
+    if name in ("logn", "logn-all"):
+        return LogScaling(train_len, clamp=name == "logn")
+    if name in ("ntk", "yarn"):
+        return RopeScaling(name, train_len, value)
+    if name == "window":
+        return Window(train_len, None if value is None else check_int("window", value, 1))
+    return Freeze()

@@ -1,0 +1,84 @@
+"""The averaged attention maps at an evaluation length and their leakage metrics, with intervals.
+
+The maps are poslens's `Capture` (head-mean scores, log-probabilities with the log-partition, probabilities),
+per group of sequences; the metrics are `poslens.analyses.leakage.metrics.leakage_metrics` of each layer's mean
+maps on the default domain (offsets up to T / 2, each layer's own window), with delete-one-group jackknife
+intervals over the same groups. Past `max_position_embeddings` the capture runs under
+`checks.context_limit_lifted` (the model computes positions on the fly; refused where it does not).
+
+Causality makes the map at length T the top-left T x T block of the map at any longer length (query i sees keys
+j <= i only), so the maps of several lengths can come from one capture at the longest (`metrics(n=T)`), except
+where the model or an intervention depends on the sequence's length (dynamic RoPE, an NTK factor T / L).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poslens.analyses.leakage.metrics import Domain, leakage_metrics
+from poslens.analyses.length.checks import context_limit_lifted
+from poslens.engine.capture import Capture
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums
+
+KEYS = ("scores", "log_probs", "probs")
+
+
+class LengthMaps:
+    """Capture at one model, with the leakage metrics of its mean maps: `update` per batch, then `metrics`."""
+
+    def __init__(self, model, layers: list[int] | None = None, groups: int = DEFAULT_GROUPS,
+                 probs: bool = True) -> None:
+        self.model = model
+        self.capture = Capture(model, layers, probs=probs, log_probs=True, groups=groups)
+
+    def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               group: int | None = None) -> None:
+        """Capture one batch [B, T] into `group` (default: round robin), past max_position_embeddings if need be."""
+        with context_limit_lifted(self.model, input_ids.shape[1]):
+            self.capture.update(input_ids, attention_mask, group)
+
+    def grouped(self, state: dict[str, torch.Tensor] | None = None) -> GroupedSums:
+        """The capture's per-group sums (its `state_dict`, or `state`) as a GroupedSums of head-mean maps, named
+        `KEY/LAYER` (counts: sequences times heads reaching each query row)."""
+        state = self.capture.state_dict() if state is None else state
+        heads = self.capture.num_heads
+        count = state["count"].double() * heads  # [G, T]
+        gs = GroupedSums(self.capture.groups)
+        for key in (*[k for k in KEYS if f"{k}_sum" in state], "log_partition"):
+            for slot, layer in enumerate(self.capture.layers):
+                gs.sums[f"{key}/{layer}"] = state[f"{key}_sum"][slot]
+                gs.counts[f"{key}/{layer}"] = count
+        return gs
+
+    def metrics(self, level: float = 0.95, n: int | None = None) -> dict[str, Estimate]:
+        """Every leakage metric per captured layer ([layers] each), on the top-left n x n block of the maps (default:
+        the whole length), with jackknife intervals."""
+        state = self.capture.state_dict()
+        gs = self.grouped(state)
+        windows = [int(w) for w in state["sliding_window"]]
+        layers = self.capture.layers
+        names: list[str] = []
+
+        def per_layer(m: dict[str, torch.Tensor]) -> torch.Tensor:
+            cols = []
+            for layer, w in zip(layers, windows):
+                maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
+                maps["log_partition"] = m[f"log_partition/{layer}"]
+                size = maps["scores"].shape[-1] if n is None else n
+                maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
+                vals = leakage_metrics(maps, Domain(window=w or None))
+                if not names:
+                    names.extend(sorted(vals))
+                cols.append(torch.stack([vals[k].reshape(()) for k in names]))
+            return torch.stack(cols, 1)  # [metrics, layers]
+
+        est = gs.estimate(per_layer, level)
+        return {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, est.level, est.method)
+                for i, k in enumerate(names)}
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """The capture's mean maps (with `_se`) and every metric as `metric/NAME` [layers] with `_lo`, `_hi`, `_se`."""
+        out = self.capture.result(level=level)
+        for name, est in self.metrics(level).items():
+            out.update(est.as_dict(f"metric/{name}"))
+        return out

@@ -1,0 +1,80 @@
+"""Explicit attention masks: causal, optionally windowed, in the form the model's attention function takes.
+
+transformers uses a 4-D mask [B, 1, T, T] as given (no packed-sequence detection, no window of its own), so an
+explicit mask is how to (a) run with position ids that do not start at 0 without the mask turning block-diagonal
+(transformers reads position ids that do not step by +1 as packed sequences only when no mask is passed) and
+(b) impose a window other than the model's. Models whose layers differ in their window (Gemma-2/3, Qwen2/3 and
+SmolLM3 with `layer_types`) take a dict {layer type: mask}; the others one mask for every layer.
+
+allowed(i, j) = j <= i  and  i - j < W  (W = 0: no window)  and  key j is a real token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poslens.engine.families import family_of, sliding_windows
+from poslens.errors import UsageError
+
+
+def causal_allowed(n: int, window: int = 0, keys: torch.Tensor | None = None,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """[B or 1, 1, n, n] bool: query i may attend key j (see the module docstring); `keys` [B, n] marks real tokens."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    ok = j <= i
+    if window:
+        ok = ok & (i - j < window)
+    ok = ok[None, None]
+    if keys is not None:
+        ok = ok & keys.to(device=ok.device, dtype=torch.bool)[:, None, None, :]
+    return ok
+
+
+def as_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:
+    """`allowed` in the model's attention format: bool for SDPA, additive (0 / dtype min) for eager attention."""
+    if not family_of(model.config).eager_output:
+        return allowed
+    dtype = model.get_input_embeddings().weight.dtype
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None):
+    """The explicit mask of `model` for n tokens with every layer's window capped at `window` (0: the model's own
+    windows): one tensor, or {layer type: tensor} for a model whose layers differ in their window."""
+    device = model.get_input_embeddings().weight.device
+    native = sliding_windows(model.config)
+
+    def capped(w: int) -> int:
+        return min(w, window) if w and window else (w or window)
+
+    if len(set(native)) == 1:
+        return as_model_mask(causal_allowed(n, capped(native[0]), keys, device), model)
+    types = model.config.layer_types
+    out = {}
+    for t, w in zip(types, native):
+        if t not in out:
+            out[t] = as_model_mask(causal_allowed(n, capped(w), keys, device), model)
+    return out
+
+
+def allowed_from(mask, ctx) -> torch.Tensor | None:
+    """The bool [B or 1, 1, T, T] mask an explicit run mask imposes on the hooked layer, or None when the run was
+    given a [B, T] padding mask or none (the model's causal mask and window then apply)."""
+    if isinstance(mask, dict):
+        mask = mask[ctx.module.config.layer_types[ctx.layer]]
+    if mask is None or mask.dim() != 4:
+        return None
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def right_padded(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool of real tokens; a mask whose rows are not a run of ones from position 0 is refused (position t
+    must be the t-th token of its sequence)."""
+    m = mask.bool()
+    lengths = m.sum(1, keepdim=True)
+    if not torch.equal(m, torch.arange(m.shape[1], device=m.device)[None] < lengths):
+        raise UsageError("attention_mask: length statistics need right padding (each row a run of ones from "
+                         "position 0), so that position t is the t-th token of its sequence")
+    return m
