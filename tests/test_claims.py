@@ -51,6 +51,8 @@ def test_the_verdict_rule():
     two = (Reading("ratio rises", (UP,)), Reading("ratio falls", (DOWN,)))
     assert claim(readings=two).verdict == "ambiguous"
     assert claim(readings=(Reading("a", (UP,)), Reading("b", (UP,)))).verdict == "holds"
+    # a reading the measurement cannot decide leaves the row unresolved, not ambiguous
+    assert claim(readings=(Reading("a", (UP,)), Reading("b", (OPEN,)))).verdict == "not resolved"
     # a finding is reported as one only when its test passes
     assert claim(tests=(UP,), finding=True).verdict == "finding"
     assert claim(tests=(OPEN,), finding=True).verdict == "not resolved"
