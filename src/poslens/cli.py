@@ -25,7 +25,7 @@ from poslens.options import add_options, flags, from_args, option
 COMMAND_MODULES: list[str] = [
     "poslens.analyses.intermediates_command",  # intermediates MODEL --layer L (Figure 3)
     "poslens.train.command",  # tokenize, train
-    "poslens.analyses.leakage.command",  # leakage MODEL (seed 004)
+    "poslens.analyses.leakage.command",  # leakage MODEL (Ruscio, Nanni & Silvestri 2026)
 ]
 
 

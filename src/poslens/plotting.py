@@ -26,7 +26,8 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
             one_based: bool = False):
     """Draw one [n, n] map on `ax`: NaN cells blank, key index on x, query index on y (row 0 at the top).
 
-    annotate: print each value (in `fontsize` points); one_based: label the ticks 1..n (the paper's figures)."""
+    annotate: print each value (in `fontsize` points); one_based: label every tick 1..n (small maps); otherwise a
+    few ticks, also counting positions from 1."""
     m = as_numpy(m)
     if vmin is None or vmax is None:
         lo, hi = quantile_limits(m, (0.0, 1.0))
@@ -43,10 +44,14 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
             if np.isfinite(v):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=fontsize,
                         color="white" if v < (vmin + vmax) / 2 else "black")
+    n = m.shape[-1]
     if one_based:
-        n = m.shape[-1]
         ax.set_xticks(range(n), [str(k + 1) for k in range(n)])
         ax.set_yticks(range(n), [str(k + 1) for k in range(n)])
+    else:  # positions count from 1, as in the paper: ticks at 1 and at round numbers
+        ticks = [1] + [int(t) for t in MaxNLocator(5, integer=True).tick_values(1, n) if 1 < t <= n]
+        ax.set_xticks([t - 1 for t in ticks], [str(t) for t in ticks])
+        ax.set_yticks([t - 1 for t in ticks], [str(t) for t in ticks])
     if colorbar:
         cb = ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
         cb.ax.tick_params(labelsize=7)

@@ -88,12 +88,13 @@ class Context:
     """Passed to every section's build function.
 
     root: the report being built (a temporary directory until it is placed at `target`, the --out path that row
-    commands name); parts: finished work kept until the report is written; figures: root/figures."""
+    commands name); parts: finished work kept until the report is written; figures: root/figures; draw: False
+    when only the numbers are wanted (`poslens.report.remeasure`): figure helpers then draw nothing."""
 
     def __init__(self, root: Path, target: Path, parts: Path, samples: int, seed: int, quick: bool,
-                 progress: bool):
+                 progress: bool, draw: bool = True):
         self.root, self.target, self.parts = Path(root), Path(target), Path(parts)
-        self.samples, self.seed, self.quick, self.progress = samples, seed, quick, progress
+        self.samples, self.seed, self.quick, self.progress, self.draw = samples, seed, quick, progress, draw
         self.figures = self.root / "figures"
         self.tensors: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, dict] = {}  # provenance: name -> {"path", "sha256", "how"}
@@ -153,10 +154,10 @@ class Context:
         """Save a matplotlib figure as figures/stem.png (JPEG for big grids) with a PDF beside it."""
         return plotting.save(fig, self.figures, stem, formats=("jpg", "pdf") if big else ("png", "pdf"))[0]
 
-    def record(self, name: str, path: str | os.PathLike, how: str, digest: bool = True) -> None:
+    def record(self, name: str, path: str | os.PathLike, how: str, digest: str | None = None) -> None:
         """Provenance of an input: its path, how it was obtained ('trained now', 'from the cache', 'embedded'),
-        and its SHA-256."""
-        self.inputs[name] = {"path": str(path), "how": how, "sha256": sha256(path) if digest else ""}
+        and its SHA-256 (of the file or directory at `path`, unless `digest` is given)."""
+        self.inputs[name] = {"path": str(path), "how": how, "sha256": digest or sha256(path)}
 
     def remeasure(self, claim_id: str) -> str:
         """The command that re-measures a claim of this run and prints its tests."""

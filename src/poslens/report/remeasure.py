@@ -48,7 +48,7 @@ def remeasure(run: str | Path, claim_id: str, progress: bool = False) -> Claim:
         cfg = meta["config"]
         with tempfile.TemporaryDirectory(prefix="poslens-remeasure-") as tmp:
             ctx = Context(Path(tmp) / "report", run, Path(tmp) / "parts", cfg["samples"], cfg["seed"], cfg["quick"],
-                          progress)
+                          progress, draw=False)
             ctx.parts.mkdir(parents=True)
             section = spec(name).build(ctx, dict(cfg["sizes"][name]))
         _built[key] = {c.id: c for c in section.claims}

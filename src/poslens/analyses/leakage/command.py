@@ -41,8 +41,8 @@ def add_command(sub) -> None:
     """Add `leakage`, `leakage-stack` and `leakage-compare` to the subparsers `sub`."""
     from poslens.analyses.leakage.run import LeakageConfig
 
-    p = sub.add_parser("leakage", help="absolute-position leakage of a causal LM (seed 004): metrics with intervals, "
-                       "BOS interventions, the predecessor's per-head test, sinks",
+    p = sub.add_parser("leakage", help="absolute-position leakage of a causal LM (Ruscio, Nanni & Silvestri 2026): "
+                       "metrics with intervals, BOS interventions, the predecessor's per-head test, sinks",
                        description="Absolute-position leakage in the attention of a causal LM: Toeplitz-residual "
                        "fractions, Delta R^2, the mask / logit split of the log-probabilities, drift, the sink "
                        "column, each with a jackknife interval; position-0 interventions; the predecessor's "

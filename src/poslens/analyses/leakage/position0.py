@@ -1,4 +1,4 @@
-"""Position 0 and attention sinks (seed 004's residual-stream source; Gu et al. 2025's sink metric).
+"""Position 0 and attention sinks (Ruscio et al.'s residual-stream source; Gu et al. 2025's sink metric).
 
 Position 0 attends only to itself, so its hidden state at every layer is a function of token 0 alone: with a
 fixed first token (an auto-prepended BOS) it is the same for every input up to floating-point rounding, and it
@@ -49,7 +49,7 @@ def sink_rates(probs_per_head: torch.Tensor, epsilon: float = GU_EPSILON, tokens
 
 def sink_heads(alpha0: torch.Tensor, threshold: float = GU_EPSILON) -> list[dict]:
     """The sink-reading heads: every (layer, head) whose mean attention on key 0 exceeds `threshold`, strongest
-    first. (Seed 004's own criterion is not public; this is Gu et al.'s per-head test.)"""
+    first. (Ruscio et al.'s own criterion is not public; this is Gu et al.'s per-head test.)"""
     check_float("threshold", threshold, 0.0, 1.0, lo_open=True, hi_open=True)
     alpha0 = torch.as_tensor(alpha0)
     idx = (alpha0 > threshold).nonzero().tolist()

@@ -41,7 +41,7 @@ class LeakageConfig:
     num_sequences: int = option(64, help="sequences (each a group member; at least 2 per group)")
     batch_size: int = option(8, help="sequences per forward")
     groups: int = option(8, help="groups of sequences for the jackknife intervals (batch b goes to group b mod G)")
-    bos: str = option("always", help="BOS at position 0: always (seed 004's fixed first token), auto, never",
+    bos: str = option("always", help="BOS at position 0: always (Ruscio et al.'s fixed first token), auto, never",
                       choices=("always", "auto", "never"))
     max_offset: int | None = option(None, help="largest offset i - j in the domain (default seq_len // 2)")
     early_queries: int = option(32, help="'early queries': i <= this (the interventions' domain)")

@@ -2,7 +2,7 @@
 
 The reference example of a statistic (docs/architecture.md): it declares the points it reads, adds one sum per
 (layer, group) from inside the forward, and finishes with the jackknife of `GroupedSums`. With the default point,
-`blocks.{l}.hook_resid_pre`, row 0 is the norm of position 0's residual stream, which seed 004 describes as a
+`blocks.{l}.hook_resid_pre`, row 0 is the norm of position 0's residual stream, which Ruscio et al. describe as a
 closed dynamical system driven by the first token alone.
 """
 

@@ -113,7 +113,8 @@ def build(ctx, size: dict) -> Section:
         (Test("smallest step s(i, j+1) - s(i, j), j < i", smallest, ">", 0.0),),
         measured=f"Eq. 4 at n = {N}, {WHERE}: every step of every row, the last one to the diagonal included.",
         figure="layer-2 row profiles", key=f"{smallest:.3g}"))
-    s.figures.append(figure1(ctx))
+    if ctx.draw:
+        s.figures.append(figure1(ctx))
     xs = np.arange(1, 51)
     s.figures.append(lines(ctx, "appendix_a1_h", xs, {f"alpha={a:g}": theory.h(xs, a) for a in (0.0, 0.2, 0.5, 0.8)},
                            "h(j) = ||x_j^(1)|| of Eq. 3 for several alpha: strictly decreasing in j (Appendix A.1).",

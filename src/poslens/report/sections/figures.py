@@ -35,6 +35,8 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
              warning: str = "", panel_size: float = 2.6) -> Figure:
     """A grid of heatmaps saved as figures/stem (JPEG when big) with a PDF, and returned as a report Figure whose
     panels the HTML draws interactively (interactive=False: the static image only, for very large grids)."""
+    if not ctx.draw:
+        return Figure(ctx.figures / f"{stem}.png", caption)
     panels = [Panel(p.title, as_numpy(p.values), None if p.se is None else as_numpy(p.se), limits_of(p))
               for p in panels]
     noisy = [p.title for p in panels if noise_only(p)]
@@ -52,6 +54,8 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
 def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequence[str], caption: str,
              rows: Sequence[int] | None = None, suptitle: str | None = None, ylabel: str = "score") -> Figure:
     """Score against key for a few query rows of each map, with +/- 2 SE bands (the 'increasing in j' claims)."""
+    if not ctx.draw:
+        return Figure(ctx.figures / f"{stem}.png", caption)
     n = as_numpy(maps[0]).shape[-1]
     rows = list(rows) if rows is not None else sorted({max(2, n // 4), n // 2, n - 1})
     fig = plotting.row_profiles(maps, se, rows, titles, suptitle=suptitle, ylabel=ylabel)
@@ -61,6 +65,8 @@ def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequen
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
           errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False) -> Figure:
     """A line plot (error bars optional) saved as figures/stem.png and .pdf."""
+    if not ctx.draw:
+        return Figure(ctx.figures / f"{stem}.png", caption)
     fig = plotting.line_plot(list(xs), series, xlabel, ylabel, title, logx=logx, logy=logy, errors=errors)
     if zero:
         fig.axes[0].axhline(0, color="0.3", lw=0.8)

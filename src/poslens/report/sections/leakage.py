@@ -84,8 +84,8 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None) -> tuple[li
 
 
 @section("leakage", "absolute-position leakage (Ruscio, Nanni & Silvestri)", models=True,
-         quick={"sequences": 16, "seq_len": 64, "groups": 4, "stack_samples": 0},
-         full={"sequences": 32, "seq_len": 128, "groups": 8, "stack_samples": 512})
+         quick={"sequences": 16, "seq_len": 64, "groups": 4, "stack_samples": 0, "predecessor": True},
+         full={"sequences": 32, "seq_len": 128, "groups": 8, "stack_samples": 512, "predecessor": True})
 def build(ctx, size: dict) -> Section:
     from poslens.analyses.leakage.command import StackLeakageOptions
     from poslens.analyses.leakage.run import LeakageConfig, run_leakage
@@ -94,7 +94,7 @@ def build(ctx, size: dict) -> Section:
 
     seqs, seq_len, groups = size["sequences"], size["seq_len"], size["groups"]
     cfg = LeakageConfig(model="smollm2-135m", seq_len=seq_len, num_sequences=seqs, batch_size=seqs // groups,
-                        groups=groups, early_queries=min(32, seq_len // 2))
+                        groups=groups, early_queries=min(32, seq_len // 2), predecessor=size["predecessor"])
     stack = StackLeakageOptions(samples=size["stack_samples"])
     runs = {}
     for name, conf, make in (("leakage", cfg, lambda o, out: run_leakage(o, out, progress=ctx.progress)),

