@@ -145,14 +145,20 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
 
 
 def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], titles: Sequence[str],
-                 suptitle: str | None = None, ylabel: str = "score", band: float = 2.0):
+                 suptitle: str | None = None, ylabel: str = "score", band: float = 2.0, ncols: int = 3):
     """Score against key for a few query rows of each map (one panel per map): m[i, j] for keys j < i (the
     diagonal, a token with itself, is left out: it would dwarf the rest), keys and queries numbered from 1, with a
     band of +/- `band` standard errors when `se` is given. This is what "the scores increase with j for fixed i"
     looks like, noise included."""
     n = len(maps)
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 0.8, 3.9), squeeze=False, constrained_layout=True)
+    ncols = min(ncols, n)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols + 0.8, 3.6 * nrows + 0.5), squeeze=False,
+                             constrained_layout=True)
     for k, ax in enumerate(axes.flat):
+        if k >= n:
+            ax.axis("off")
+            continue
         m = as_numpy(maps[k])
         for r, i in enumerate(rows):
             js = np.arange(1, i + 1)
@@ -163,7 +169,7 @@ def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], title
                 ax.fill_between(js, ys - e, ys + e, color=f"C{r}", alpha=0.25, lw=0)
         ax.set_title(titles[k], fontsize=11)
         ax.set_xlabel("key j", fontsize=10)
-        if k == 0:
+        if k % ncols == 0:
             ax.set_ylabel(ylabel, fontsize=10)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=9)

@@ -218,10 +218,14 @@ class Claim:
         return self._verdict(outcome, self.scope, self.finding)
 
     def all_tests(self) -> list[tuple[str, Test]]:
-        """(role, test) for every test the verdict used: 'claim', 'printed', 'reading N'."""
+        """(role, test) for every test the verdict used, each once: 'claim', 'printed', 'reading N' (a test that
+        several readings share: 'readings 1, 2')."""
         out = [("claim", t) for t in self.tests] + [("printed", t) for t in self.errata]
+        shared: dict[Test, list[int]] = {}
         for k, r in enumerate(self.readings, 1):
-            out += [(f"reading {k}", t) for t in r.tests]
+            for t in r.tests:
+                shared.setdefault(t, []).append(k)
+        out += [(f"reading{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}", t) for t, ks in shared.items()]
         return out
 
     def key_number(self) -> str:

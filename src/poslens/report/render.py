@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens.report.claims import PAPERS, Claim, ledgers
+from poslens.report.claims import PAPERS, Claim, ledgers, num
 from poslens.report.section import Figure, Panel, Section
 
 _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
@@ -214,14 +214,23 @@ def _claim_html(c: Claim) -> str:
         parts.append("<p class='note'>The wording admits several readings: " + "; ".join(
             f"({k}) {e(r.text)}: <b>{e(rv)}</b>" for k, (r, rv) in enumerate(zip(c.readings, c.reading_verdicts()), 1))
             + ".</p>")
-    parts.append(f"<ul>{tests}</ul>")
+    listed = c.all_tests()
+    if len(listed) > 6:  # many tests of one statistic (one per layer): a compact table
+        how = {t.interval for _, t in listed}
+        tests = "".join(f"<tr><td>{e(t.statistic)}</td><td>{e(t.key())}</td><td>{e(t.side)} "
+                        f"{e(num(t.threshold, 4))}</td><td>{e(t.outcome())}</td></tr>" for _, t in listed)
+        parts.append("<table class='tests'><tr><th>statistic</th><th>value [interval]</th><th>the claim needs</th>"
+                     f"<th>outcome</th></tr>{tests}</table>"
+                     + (f"<p class='note'>Intervals: {e(how.pop())}.</p>" if len(how) == 1 else ""))
+    else:
+        parts.append(f"<ul>{tests}</ul>")
     if c.measured:
         parts.append(f"<p class='note'>{e(c.measured)}</p>")
     if c.paper_number:
         parts.append(f"<p class='note'><b>The paper:</b> {e(c.paper_number)}</p>")
     if c.scope:
-        parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a measurement at this scale "
-                     "cannot contradict it.</p>")
+        parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
+                     "read not resolved, not contradicted.</p>")
     if c.resolve and v == "not resolved":
         parts.append(f"<p class='note'><b>What would resolve it:</b> {e(c.resolve)}</p>")
     tail = []
@@ -241,16 +250,14 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}"
            f".cmap{{background:linear-gradient(to right,{_gradient()})}}</style></head><body><h1>{e(title)}</h1>"]
     prov = [(k, v) for k, v in (provenance or {}).items() if v]
-    if prov:
-        out.append("<table class='prov'>" + "".join(
-            f"<tr><th>{e(k)}</th><td>{'<code>' + e(v) + '</code>' if k == 'command' else _lines(v)}</td></tr>"
-            for k, v in prov) + "</table>")
-    out.append(f"<p>{e(intro)}</p>")
+    short = [f"{k}: {v}" for k, v in prov if k in ("command", "source", "date", "total time")]
+    if short:
+        out.append(f"<p class='where'>{e(' · '.join(short))} (<a href='#provenance'>full provenance</a>)</p>")
+    out.append("<ul class='ledgers'>" + "".join(f"<li>{e(h)}</li>" for h in headlines(sections)) + "</ul>")
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out.append("<div class='banner'><b>Scale of the real-model measurements.</b> " + " ".join(map(e, scales))
                    + "</div>")
-    out.append("<ul class='ledgers'>" + "".join(f"<li>{e(h)}</li>" for h in headlines(sections)) + "</ul>")
     out.append("<div class='summary'>")
     for s in sections:
         if s.claims:
@@ -259,6 +266,11 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
                 f"<a href='#{e(c.id)}'>{e(c.claim)}</a> <span class='key'>({e(c.key_number())})</span></div>"
                 for c in s.claims))
     out.append("</div>")
+    out.append(f"<p>{e(intro)}</p>")
+    if prov:
+        out.append("<table class='prov' id='provenance'>" + "".join(
+            f"<tr><th>{e(k)}</th><td>{'<code>' + e(v) + '</code>' if k == 'command' else _lines(v)}</td></tr>"
+            for k, v in prov) + "</table>")
     for s in sections:
         out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{e(s.text)}</p>")
         if s.scale:

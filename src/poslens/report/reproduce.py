@@ -151,7 +151,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
             raise RuntimeError(f"claim ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
         total, cpu = time.perf_counter() - started, time.process_time() - cpu0
         prov = provenance(command, seed)
-        prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU (this process)"
+        prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU"
         prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (f", sha256 {i['sha256'][:16]}"
                                                                         if i["sha256"] else "")
                                    for name, i in ctx.inputs.items())

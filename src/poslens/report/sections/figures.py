@@ -11,19 +11,24 @@ from poslens import plotting
 from poslens.maps import as_numpy, quantile_limits
 from poslens.report.section import Figure, Panel
 
-NOISE_RANGE = 6  # a colour range under this many standard errors shows noise
+NOISE_STD = 2  # entries below the diagonal spread by under this many standard errors: noise, not a pattern
+VISIBLE = 20  # ... and the noise is what the colours show when the colour range is under this many standard errors
 
 
 def noise_only(panel: Panel) -> bool:
-    """Whether what a panel shows is sampling noise: its colour range spans fewer than NOISE_RANGE median standard
-    errors of its entries below the diagonal."""
+    """Whether what a panel shows is sampling noise: the entries below the diagonal spread (std) by fewer than
+    NOISE_STD median standard errors, and the colour range is narrow enough (VISIBLE standard errors) for that noise
+    to be what a reader sees."""
     if panel.se is None:
         return False
-    n = panel.se.shape[-1]
-    se = panel.se[np.tril_indices(n, -1)]
-    se = se[np.isfinite(se)]
+    low = np.tril_indices(panel.se.shape[-1], -1)
+    se, v = panel.se[low], panel.values[low]
+    ok = np.isfinite(se) & np.isfinite(v)
+    if not ok.any():
+        return False
+    noise = float(np.median(se[ok]))
     lo, hi = limits_of(panel)
-    return se.size > 0 and (hi - lo) < NOISE_RANGE * float(np.median(se))
+    return float(np.std(v[ok])) < NOISE_STD * noise and (hi - lo) < VISIBLE * noise
 
 
 def limits_of(panel: Panel) -> tuple[float, float]:
@@ -42,8 +47,8 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
     noisy = [p.title for p in panels if noise_only(p)]
     if noisy:
         warning = (warning + " " if warning else "") + (
-            f"{'This panel shows' if len(noisy) == 1 else 'These panels show'} sampling noise, not a pattern (the "
-            f"colour range is under {NOISE_RANGE} standard errors): " + "; ".join(noisy) + ".")
+            f"{'This panel shows' if len(noisy) == 1 else 'These panels show'} sampling noise, not a pattern (its "
+            f"entries spread by under {NOISE_STD} standard errors): " + "; ".join(noisy) + ".")
     fig = plotting.map_grid([p.values for p in panels], [p.title for p in panels], ncols=ncols,
                             limits=[p.limits for p in panels], suptitle=suptitle, row_labels=row_labels,
                             panel_size=panel_size)

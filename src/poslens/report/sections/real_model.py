@@ -29,7 +29,7 @@ from poslens.maps import quantile_limits
 from poslens.report.claims import Claim, Reading, Test, num
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections import measures as ms
-from poslens.report.sections.figures import heatmaps, interval_errors, lines
+from poslens.report.sections.figures import NOISE_STD, heatmaps, interval_errors, lines, noise_only
 
 MODEL = "smollm2-135m"
 LEVEL = 0.95  # family-wise over the layers (Bonferroni)
@@ -247,10 +247,9 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                      errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :32] for x in (profile.value, profile.lo,
                                                                                               profile.hi)))
                              for k in picks}, zero=True))
-    noisy = [k + 1 for k in range(layers) if (np.subtract(*quantile_limits(norm[k])[::-1]))
-             < 6 * np.nanmedian(se[k][np.tril_indices(se.shape[-1], -1)])]
-    warn = (f"Layers {', '.join(map(str, noisy))} show sampling noise at this size (colour range under 6 standard "
-            "errors), not a pattern." if noisy else "")
+    noisy = [k + 1 for k in range(layers) if noise_only(Panel("", norm[k], se[k], quantile_limits(norm[k])))]
+    warn = (f"Layers {', '.join(map(str, noisy))} show sampling noise at this size (their entries spread by under "
+            f"{NOISE_STD} standard errors), not a pattern." if noisy else "")
     for normalised in (False, True):
         grid = norm if normalised else mean
         lims = [quantile_limits(m if normalised else ms.without_sink(m)) for m in grid]
