@@ -15,9 +15,9 @@ from poslens.report.claims import PAPERS, VERDICTS
 
 SHORT = {"steps": 6, "layers": 2, "eval_every": 3, "save_every": 0}  # a NoPE/RoPE pair trained in seconds
 SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
-         "real-model": {"seq_len": 32, "sequences": 8, "batch": 2, "groups": 2},
+         "real-model": {"seq_len": 16, "sequences": 4, "batch": 1, "groups": 2},
          "trained": {"overrides": SHORT, "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
-         "leakage": {"sequences": 8, "seq_len": 32, "groups": 2, "predecessor": False}}
+         "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False}}
 SAMPLES = 400
 
 
