@@ -6,8 +6,9 @@ this one process on the same model object and the same batches, interleaved (the
 
 * plain:    `model(ids)` with SDPA and logits;
 * now:      `poslens.engine.capture.Capture(model)` (the hook engine), `update()` per batch, then `result()`;
-* release:  the previous release's `capture.py`, read from git (`git show REV:src/poslens/capture.py`) and
-            imported under another module name; same calls.
+* release:  the previous release's `capture.py`, read from git (`git show REV:src/poslens/capture.py`; from 0.2
+            on `engine/capture.py` and the `engine/hooks.py` it runs on) and imported under other module names;
+            same calls.
 
 The maps of `now` and `release` are compared too (max |difference|), so the speed is for the same numbers.
 
@@ -33,17 +34,47 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def release_capture(rev: str):
-    """The previous release's capture module, imported from git under the name `poslens_release_capture`."""
-    src = subprocess.run(["git", "show", f"{rev}:src/poslens/capture.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="poslens-release-")) / "poslens_release_capture.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("poslens_release_capture", path)
+def release_module(rev: str, path: str, name: str, replace: dict[str, str] | None = None):
+    """The file `path` of git revision `rev`, imported under the module name `name` (after the text replacements)."""
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for old, new in (replace or {}).items():
+        src = src.replace(old, new)
+    target = Path(tempfile.mkdtemp(prefix="poslens-release-")) / f"{name}.py"
+    target.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, target)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
+
+
+def release_capture(rev: str):
+    """The previous release's capture module, imported from git under the name `poslens_release_capture`; from 0.2
+    on (`engine/capture.py` on the hook engine) together with that release's hook engine (`poslens_release_hooks`)."""
+    try:
+        release_module(rev, "src/poslens/engine/hooks.py", "poslens_release_hooks")
+    except subprocess.CalledProcessError:  # 0.1: a self-contained src/poslens/capture.py
+        return release_module(rev, "src/poslens/capture.py", "poslens_release_capture")
+    return release_module(rev, "src/poslens/engine/capture.py", "poslens_release_capture",
+                          {"from poslens.engine.hooks import": "from poslens_release_hooks import"})
+
+
+def aten_ops(fn) -> list[str]:
+    """The aten operators `fn()` dispatches, in order, with their input shapes: equal lists mean equal tensor work
+    (a measure no other job on the machine can disturb)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            ops.append(f"{func} {shapes}")
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return ops
 
 
 def main() -> None:
@@ -80,24 +111,34 @@ def main() -> None:
 
     methods = {"plain": plain, "now": lambda: capture(Capture), "release": lambda: capture(old.Capture)}
     maps = {k: methods[k]() for k in ("now", "release")}  # warm-up, and the maps to compare
+    ops = {k: aten_ops(methods[k]) for k in ("now", "release")}
     plain()
     times: dict[str, list[float]] = {k: [] for k in methods}
+    cpu: dict[str, list[float]] = {k: [] for k in methods}  # CPU time of this process: less hit by other jobs
     names = list(methods)
+    load = os.getloadavg()
     for r in range(args.repeats):
         for name in names[r % 3:] + names[: r % 3]:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             methods[name]()
             times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     out = {"median_s": med, "times_s": times, "now_over_plain": med["now"] / med["plain"],
            "release_over_plain": med["release"] / med["plain"], "now_over_release": med["now"] / med["release"],
+           "median_cpu_s": med_cpu, "cpu_s": cpu, "cpu_now_over_release": med_cpu["now"] / med_cpu["release"],
+           "cpu_now_over_plain": med_cpu["now"] / med_cpu["plain"],
+           "cpu_release_over_plain": med_cpu["release"] / med_cpu["plain"], "load_average_before": load,
+           "aten_ops": {k: len(v) for k, v in ops.items()}, "aten_ops_identical": ops["now"] == ops["release"],
            "max_abs_map_difference": float((maps["now"] - maps["release"]).nan_to_num(0).abs().max()),
            "load_average": os.getloadavg(), "threads": torch.get_num_threads(), "argv": sys.argv,
            "torch": torch.__version__}
     print(json.dumps(out, indent=1))
     print(f"now / plain {out['now_over_plain']:.3f}, release / plain {out['release_over_plain']:.3f}: "
-          f"now / release = {out['now_over_release']:.3f} (bar: <= 1.05); maps differ by at most "
-          f"{out['max_abs_map_difference']:.2e}")
+          f"now / release = {out['now_over_release']:.3f} (bar: <= 1.05); CPU time: now / release = "
+          f"{out['cpu_now_over_release']:.3f}; maps differ by at most {out['max_abs_map_difference']:.2e}; aten "
+          f"operators: {out['aten_ops']} ({'the same' if out['aten_ops_identical'] else 'different'} sequences)")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

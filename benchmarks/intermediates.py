@@ -46,10 +46,11 @@ def main() -> None:
     ap.add_argument("--end-to-end", action="store_true", help="also time run_intermediates once")
     args = ap.parse_args()
 
-    from poslens.analyses.intermediates import Intermediates, IntermediatesConfig, documents, run_intermediates
+    from poslens.analyses.intermediates import Intermediates, IntermediatesConfig, run_intermediates
     from poslens.engine.data import make_sequences
     from poslens.engine.hooks import HookedModel
     from poslens.engine.models import load_model
+    from poslens.engine.pipeline import documents
 
     model, tok = load_model(args.model)
     docs, source = documents(None, "text")

@@ -1,20 +1,19 @@
 """The command line: runs write complete run directories; bad input is one line, exit 2, nothing written."""
 
-import subprocess
+import os
 import sys
 
 import numpy as np
 import pytest
+from test_pipeline import saved_tiny_llama
 
 import poslens
-from poslens.cli import COMMANDS, main, noise_text
+from poslens import cli
+from poslens.analyses.scores import noise_text
+from poslens.cli import COMMANDS, main
 from poslens.errors import UsageError
 from poslens.stack.config import StackConfig
 from poslens.stack.gramflow import gram_flow
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "poslens", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_gramflow_command_matches_library(tmp_path):
@@ -78,30 +77,53 @@ def test_bad_input(tmp_path, capsys, args, words):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_unwritable_output_is_one_line(tmp_path):
+def test_unwritable_output_is_one_line(tmp_path, capsys):
+    if os.geteuid() == 0:  # root ignores permissions: nothing to test
+        pytest.skip("running as root: directory permissions are not enforced")
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        res = cli("gramflow", "--out", str(locked / "sub" / "run"))
+        code = main(["gramflow", "--out", str(locked / "sub" / "run")])
     finally:
         locked.chmod(0o700)
-    if res.returncode == 0:  # root ignores permissions: nothing to test
-        pytest.skip("running as root: directory permissions are not enforced")
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "writable" in res.stderr
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "writable" in err
 
 
-def test_output_path_is_a_file(tmp_path):
+def test_output_path_is_a_file(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    res = cli("gramflow", "--out", str(f / "run"))
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert main(["gramflow", "--out", str(f / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_help_everywhere():
-    for sub in ([], ["simulate"], ["gramflow"], ["reproduce"], ["scores"], ["compare"]):
-        res = cli(*sub, "--help")
-        assert res.returncode == 0 and "usage: poslens" in res.stdout
+@pytest.mark.parametrize("sub", [[], *([name] for name in COMMANDS), ["stat", "activation_norm"]])
+def test_help_everywhere(sub, capsys):
+    """Every command's --help (in-process: the subprocess version paid a torch import per command)."""
+    with pytest.raises(SystemExit) as e:
+        main([*sub, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: poslens"), out
+
+
+def test_every_writing_command_gets_the_same_out_force_quiet():
+    """--out/--force/--quiet come from one place, with one meaning of --force, for every command that writes."""
+    from poslens.options import Parser, add_output_args
+
+    reference = Parser(prog="r")
+    add_output_args(reference, "x")
+    force_help = next(a.help for a in reference._actions if a.dest == "force")
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in list(sub.choices.items()) + [(f"stat {n}", q) for n, q in
+                                                 next(a for a in sub.choices["stat"]._actions
+                                                      if a.dest == "statistic").choices.items()]:
+        if name == "stat":
+            continue
+        helps = {a.dest: a.help for a in p._actions}
+        assert helps["force"] == force_help and helps["out"].startswith("run directory to write"), name
 
 
 def test_row_check_printed_only_where_it_can_mean_something(tmp_path, capsys):
@@ -139,7 +161,7 @@ def failing_command(exc):
      "command; runs with checkpoints resume where they stopped)"),
 ])
 def test_messages_after_a_progress_bar_start_on_their_own_line(monkeypatch, capsys, exc, code, line):
-    monkeypatch.setitem(COMMANDS, "gramflow", (*COMMANDS["gramflow"][:3], failing_command(exc)))
+    monkeypatch.setattr(cli, "cmd_gramflow", failing_command(exc))
     assert main(["gramflow"]) == code
     err = capsys.readouterr().err
     assert "3/10" in err  # the bar was drawn
@@ -161,26 +183,18 @@ def test_noise_text_prefers_an_interval():
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with a byte-level tokenizer, saved as a local model directory."""
-    from tiny_models import build
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    d = tmp_path_factory.mktemp("tiny-llama-cli")
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    build("llama", vocab_size=258, max_position_embeddings=128).save_pretrained(d)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(d)
-    return d
+    return saved_tiny_llama(tmp_path_factory.mktemp("tiny-llama-cli") / "model")
 
 
 def test_scores_prints_noise_beside_the_pattern_and_compare_prints_what_it_wrote(tiny_model_dir, tmp_path, capsys):
     common = ["--seq-len", "48", "--num-sequences", "8", "--batch-size", "2", "--mode", "pack", "--quiet"]
     assert main(["scores", str(tiny_model_dir), *common, "--out", str(tmp_path / "a")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    metrics = poslens.load(tmp_path / "a", tensors=False).metrics["layers"]
-    assert len(lines) == len(metrics) + 1 and lines[-1] == f"wrote {tmp_path / 'a'}"
+    meta = poslens.load(tmp_path / "a", tensors=False).meta
+    metrics = meta["metrics"]["layers"]
+    # 8 sequences in batches of 2: 4 batches, so 4 of the 20 groups asked for (the groups rule), said before "wrote"
+    assert lines[len(metrics):] == [meta["groups"]["note"], f"wrote {tmp_path / 'a'}"]
+    assert meta["groups"]["used"] == 4 == meta["metrics"]["groups"]
     for line, m in zip(lines, metrics):
         nlo, nhi = m["normalised_q01_q99"]
         assert line.startswith(f"layer {m['layer']}: ")
@@ -241,7 +255,7 @@ def test_warnings_during_a_progress_bar_get_their_own_line(monkeypatch, capsys):
             warnings.warn("something to know", UserWarning, stacklevel=1)
             bar.update(7)
 
-    monkeypatch.setitem(COMMANDS, "gramflow", (*COMMANDS["gramflow"][:3], warns))
+    monkeypatch.setattr(cli, "cmd_gramflow", warns)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         assert main(["gramflow"]) == 0
@@ -260,3 +274,12 @@ def on_screen(text):
             shown = piece + shown[len(piece):]
         lines.append(shown.rstrip())
     return [x for x in lines if x]
+
+
+@pytest.mark.parametrize("argv", [["simulate"], ["reproduce"], ["leakage-stack"], ["scores", "m"],
+                                  ["intermediates", "m"], ["leakage", "m"], ["stat", "activation_norm", "m"]])
+def test_seed_has_one_rule_everywhere(argv, tmp_path, capsys):
+    """--seed >= 0 in every command that takes one, declared on the field and checked before any work."""
+    assert main([*argv, "--seed", "-1", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"poslens {argv[0]}: error: --seed must be >= 0, got -1\n"
+    assert list(tmp_path.iterdir()) == []

@@ -96,3 +96,23 @@ def test_cache_is_written_once_complete_and_read_back(tmp_path, monkeypatch):
 def test_default_label_names_the_versions():
     label = default_label()
     assert "numpy " + metadata.version("numpy") in label and "transformers" in label
+
+
+def test_a_full_disk_while_caching_the_corpus_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from poslens.errors import UsageError
+
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path))
+    path = corpus.cache_path()
+    path.parent.mkdir(parents=True)
+    write_bytes = Path.write_bytes
+
+    def full(self, data):
+        write_bytes(self, data[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(UsageError, match=rf"^no space left on the device to write {path} \(it needs [\d,]+ bytes"):
+        corpus._write_cache(path, ["a document " * 100], {"documents": 1})
+    assert list(path.parent.iterdir()) == []

@@ -1,14 +1,20 @@
-"""poslens.engine.hooks on tiny random models of every supported family: readers change nothing, writers change
-exactly what they should, attention points match an independent float64 recomputation."""
+"""poslens.engine.hooks on tiny random models of every supported family: every point means what TransformerLens 3.9
+means (checked against a float64 recomputation from the model's own weights), writes act downstream as in
+TransformerLens, readers change nothing, and run_with_cache returns TransformerLens's keys and shapes."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
-from tiny_models import FAMILIES, build, token_batch
+from tiny_models import FAMILIES, build, randomize_norm_gains, token_batch
 
+from poslens.engine.families import sliding_windows
 from poslens.engine.hooks import HookedModel, from_factors
 from poslens.errors import UsageError
+
+GEMMA = ("gemma2", "gemma3")
 
 
 def _plain_logits(model, ids, mask=None):
@@ -16,29 +22,263 @@ def _plain_logits(model, ids, mask=None):
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
 
+# ------------------------------------------------------ a float64 recomputation under TransformerLens's meaning
+
+
+def _rms(prefix, module, x, gemma, ref, flat=False):
+    """TransformerLens's RMSNorm points: scale = sqrt(mean(x^2) + eps), normalized = x / scale, then the gain."""
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    w = module.weight.double()
+    scale = ref.get(f"{prefix}.hook_scale!", (x.pow(2).mean(-1, keepdim=True) + eps).sqrt())  # written, or computed
+    normalized = ref.get(f"{prefix}.hook_normalized!", x / scale)
+    out = normalized * ((1 + w) if gemma else w)
+    for point, t in (("hook_scale", scale), ("hook_normalized", normalized), ("hook_out", out)):
+        ref[f"{prefix}.{point}"] = t.reshape(-1, t.shape[-1]) if flat else t  # q/k norms: TL's [B*T*heads, .]
+    return out
+
+
+def _linear(x, layer):
+    return x @ layer.weight.double().T + (0 if layer.bias is None else layer.bias.double())
+
+
+def _rotate(x, cos, sin):
+    """RoPE on x [B, T, heads, D] with the model's cos, sin [B, T, R] (R < D: only the first R dimensions rotate)."""
+    r = cos.shape[-1]
+    xr, rest = x[..., :r], x[..., r:]
+    turned = torch.cat([-xr[..., r // 2:], xr[..., : r // 2]], -1)
+    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
+    return torch.cat([xr * c + turned * s, rest], -1)
+
+
+def _cos_sin(model, l, x, pos):
+    rotary, attn = model.model.rotary_emb, model.model.layers[l].self_attn
+    if not getattr(attn, "use_rope", True):  # SmolLM3's layers without RoPE
+        return None
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma-3: local and global RoPE
+        return rotary(x, pos, attn.layer_type)
+    return rotary(x, pos)
+
+
+@torch.no_grad()
+def _layer(model, family, l, x, written=None):
+    """Every point of layer l in float64 from its input x [B, T, d] and the layer's weights, with TransformerLens's
+    meanings; `written` maps a point to a value a hook wrote there (it replaces the computed value downstream)."""
+    ref = {f"{k}!": v.double() for k, v in (written or {}).items()}
+    blk, cfg, gemma = model.model.layers[l], model.config, family in GEMMA
+    attn, mlp = blk.self_attn, blk.mlp
+    b, t, _ = x.shape
+    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    ref["hook_resid_pre"] = x
+    y = _rms("ln1", blk.input_layernorm, x, gemma, ref)
+    if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
+        q, k, v = _linear(y, attn.qkv_proj).split([h * d, kv * d, kv * d], -1)
+    else:
+        q, k, v = _linear(y, attn.q_proj), _linear(y, attn.k_proj), _linear(y, attn.v_proj)
+    q, k, v = (z.unflatten(-1, (-1, d)) for z in (q, k, v))  # [B, T, heads, D]
+    q = ref["attn.hook_q"] = ref.get("attn.hook_q!", q)
+    ref["attn.hook_k"], ref["attn.hook_v"] = k, v
+    if hasattr(attn, "q_norm"):
+        q = _rms("attn.q_norm", attn.q_norm, q, gemma, ref, flat=True)
+        k = _rms("attn.k_norm", attn.k_norm, k, gemma, ref, flat=True)
+    rope = _cos_sin(model, l, x.float(), torch.arange(t)[None].expand(b, -1))
+    if rope is not None:
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+    ref["attn.hook_rot_q"], ref["attn.hook_rot_k"] = q, k
+    k, v = k.repeat_interleave(h // kv, 2), v.repeat_interleave(h // kv, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * attn.scaling
+    if family == "gemma2":
+        cap = cfg.attn_logit_softcapping
+        s = torch.tanh(s / cap) * cap
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+    window = sliding_windows(cfg)[l]
+    s = s.masked_fill(~((j <= i) & ((i - j < window) if window else True)), float("-inf"))
+    ref["attn.hook_attn_scores"] = s
+    p = ref["attn.hook_pattern"] = torch.softmax(s, -1)
+    z = ref["attn.hook_z"] = torch.einsum("bhij,bjhd->bihd", p, v)
+    a = ref["attn.hook_out"] = _linear(z.flatten(-2), attn.o_proj)
+    if gemma:
+        a = _rms("ln1_post", blk.post_attention_layernorm, a, gemma, ref)
+    ref["hook_attn_out"] = a
+    mid = ref["hook_resid_mid"] = x + a
+    f = _rms("ln2", blk.pre_feedforward_layernorm if gemma else blk.post_attention_layernorm, mid, gemma, ref)
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
+        gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)
+        act = mlp.activation_fn
+    else:
+        gate, up, act = _linear(f, mlp.gate_proj), _linear(f, mlp.up_proj), mlp.act_fn
+    ref["mlp.hook_pre"], ref["mlp.hook_pre_linear"] = gate, up
+    post = ref["mlp.hook_post"] = act(gate) * up
+    m = ref["mlp.hook_out"] = _linear(post, mlp.down_proj)
+    if gemma:
+        m = _rms("ln2_post", blk.post_feedforward_layernorm, m, gemma, ref)
+    ref["hook_mlp_out"] = m
+    ref["hook_resid_post"] = mid + m
+    return {f"blocks.{l}.{k}": v for k, v in ref.items() if not k.endswith("!")}
+
+
+def _assert_matches(got: dict, ref: dict):
+    """Each point within 2e-5 of its largest |value| (masked scores: -inf at the same places). The model computes in
+    float32 (epsilon 1.2e-7) from the same layer input: rounding in contractions of at most 128 terms and a few
+    chained operations stays near 1e-6; a wrong meaning (no RoPE, no gain, no q-norm, another layout) is off by a
+    sizeable fraction of the value."""
+    for name, r in ref.items():
+        g = got[name].double()
+        assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)}, expected {tuple(r.shape)}"
+        finite = torch.isfinite(r)
+        assert torch.equal(finite, torch.isfinite(g)), name
+        err = (g[finite] - r[finite]).abs().max() / r[finite].abs().max()
+        assert err < 2e-5, f"{name}: relative deviation {err:.2e}"
+
+
+def _model(family):
+    return randomize_norm_gains(build(family))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_readers_on_every_point_leave_logits_bit_identical(family):
-    model = build(family)
-    ids = token_batch(2, 24)
-    plain = _plain_logits(model, ids)
+@torch.no_grad()
+def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit_identical(family):
+    model = _model(family)
     hm = HookedModel(model)
-    seen: dict[str, tuple] = {}
+    ids = token_batch(2, 16, seed=6)
+    plain = _plain_logits(model, ids)
+    logits, cache = hm.run_with_cache(ids, hm.points)  # a reader on every point
+    assert torch.equal(logits, plain)
+    assert torch.equal(_plain_logits(model, ids), plain)  # the model is left as it was
+    assert list(cache) == hm.points  # every point fired, in forward order
+    ref = {"hook_embed": model.model.embed_tokens(ids).double()}
+    for l in range(hm.n_layers):
+        ref.update(_layer(model, family, l, cache[f"blocks.{l}.hook_resid_pre"].double()))
+    final = _rms("ln_final", model.model.norm, cache[f"blocks.{hm.n_layers - 1}.hook_resid_post"].double(),
+                 family in GEMMA, ref)
+    ref["unembed.hook_in"], ref["unembed.hook_out"] = final, _linear(final, model.lm_head)  # Gemma-2: before softcap
+    assert set(ref) == set(hm.points)
+    _assert_matches(cache, ref)
+    # the values after a gain differ from those before it (the test would not see a missing gain otherwise)
+    assert not torch.allclose(cache["blocks.1.ln1.hook_out"], cache["blocks.1.ln1.hook_normalized"])
 
-    def read(x, ctx):
-        seen[ctx.name] = tuple(x.shape)
 
-    out = hm.run(ids, hooks={p: read for p in hm.points}, logits=True)
-    assert torch.equal(out.logits, plain)
-    assert set(seen) == set(hm.points)  # every point fired
-    cfg = model.config
-    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, model.model.layers[0].self_attn.head_dim
-    assert seen["blocks.0.attn.hook_q"] == (2, h, 24, d)
-    assert seen["blocks.0.attn.hook_k"] == (2, hkv, 24, d)
-    assert seen["blocks.0.attn.hook_attn_scores"] == (2, h, 24, 24)
-    assert seen["blocks.0.attn.hook_z"] == (2, 24, h, d)
-    assert seen["blocks.1.hook_resid_post"] == (2, 24, cfg.hidden_size)
-    # the model is left as it was: a plain forward afterwards is unchanged too
-    assert torch.equal(_plain_logits(model, ids), plain)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_writes_at_q_and_at_the_normalized_input_act_downstream_as_in_transformer_lens(family):
+    """A value written at attn.hook_q is q-normed and rotated before the scores; one written at ln1.hook_normalized
+    is multiplied by the gain (and projected to k and v); one written at ln2.hook_scale divides the MLP's input."""
+    model = _model(family)
+    hm = HookedModel(model)
+    ids = token_batch(2, 16, seed=7)
+    cfg, d = model.config, model.model.layers[1].self_attn.head_dim
+    g = torch.Generator().manual_seed(8)
+    written = {"ln1.hook_normalized": torch.randn(2, 16, cfg.hidden_size, generator=g),
+               "attn.hook_q": 2 * torch.randn(2, 16, cfg.num_attention_heads, d, generator=g),
+               "ln2.hook_scale": 0.5 + torch.rand(2, 16, 1, generator=g)}
+    cached = {}
+
+    def write(point):
+        def hook(x, ctx):
+            return written[point]
+
+        return hook
+
+    def keep(x, ctx):
+        cached[ctx.name] = x.clone()
+
+    hooks = {f"blocks.1.{p}": [write(p), keep] for p in written}
+    later = [p for p in hm.points if p.startswith("blocks.1.") and p.removeprefix("blocks.1.") not in written]
+    hooks.update({p: keep for p in later + ["blocks.1.hook_resid_pre"]})
+    hm.run(ids, hooks=hooks)
+    ref = _layer(model, family, 1, cached["blocks.1.hook_resid_pre"].double(), written)
+    _assert_matches(cached, ref)
+
+
+def test_run_with_cache_has_transformer_lens_keys_and_shapes_on_llama():
+    """Keys and shapes written out by hand from TransformerLens 3.9's source (HookedTransformer with a Llama config:
+    RMSNorm, rotary, gated MLP, grouped-query attention with K < H, so hook_k/hook_v keep K heads; the points that
+    fire in its forward, Unembed's hook_in/hook_out included) for the tiny Llama: batch 2, 8 tokens, d 64, 4 query
+    heads, 2 key/value heads, head width 16, MLP width 128, vocabulary 256."""
+    b, t, d, h, kv, dh, m = 2, 8, 64, 4, 2, 16, 128
+    block = {
+        "hook_resid_pre": (b, t, d),
+        "ln1.hook_scale": (b, t, 1),
+        "ln1.hook_normalized": (b, t, d),
+        "attn.hook_q": (b, t, h, dh),
+        "attn.hook_k": (b, t, kv, dh),
+        "attn.hook_v": (b, t, kv, dh),
+        "attn.hook_rot_q": (b, t, h, dh),
+        "attn.hook_rot_k": (b, t, kv, dh),
+        "attn.hook_attn_scores": (b, h, t, t),
+        "attn.hook_pattern": (b, h, t, t),
+        "attn.hook_z": (b, t, h, dh),
+        "hook_attn_out": (b, t, d),
+        "hook_resid_mid": (b, t, d),
+        "ln2.hook_scale": (b, t, 1),
+        "ln2.hook_normalized": (b, t, d),
+        "mlp.hook_pre": (b, t, m),
+        "mlp.hook_pre_linear": (b, t, m),
+        "mlp.hook_post": (b, t, m),
+        "hook_mlp_out": (b, t, d),
+        "hook_resid_post": (b, t, d),
+    }
+    expected = {"hook_embed": (b, t, d), "ln_final.hook_scale": (b, t, 1), "ln_final.hook_normalized": (b, t, d),
+                "unembed.hook_in": (b, t, d), "unembed.hook_out": (b, t, 256)}
+    expected.update({f"blocks.{l}.{k}": s for l in range(3) for k, s in block.items()})
+    model = build("llama")
+    hm = HookedModel(model)
+    ids = token_batch(b, t, seed=9)
+    logits, cache = hm.run_with_cache(ids)
+    assert {k: tuple(v.shape) for k, v in cache.items()} == expected
+    assert torch.equal(logits, _plain_logits(model, ids))  # logits as TransformerLens returns them
+
+
+def test_run_with_cache_filters_and_shorthand_as_transformer_lens():
+    hm = HookedModel(build("qwen3"))
+    ids = token_batch(1, 6, seed=10)
+    logits, cache = hm.run_with_cache(ids, names_filter=lambda n: n.endswith("pattern"), return_type=None)
+    assert logits is None and list(cache) == [f"blocks.{l}.attn.hook_pattern" for l in range(3)]
+    assert cache["pattern", -1] is cache["blocks.2.attn.hook_pattern"] and cache["attn", 0] is cache["pattern", 0]
+    _, one = hm.run_with_cache(ids, "blocks.1.attn.q_norm.hook_scale")
+    assert list(one) == ["blocks.1.attn.q_norm.hook_scale"]
+    assert one["blocks.1.attn.q_norm.hook_scale"].shape == (6 * 4, 1)  # TransformerLens's [batch * pos * heads, 1]
+    _, few = hm.run_with_cache(ids, ["ln_final.hook_normalized", "blocks.0.ln1.hook_out", "hook_embed"],
+                               remove_batch_dim=True)
+    assert list(few) == ["hook_embed", "blocks.0.ln1.hook_out", "ln_final.hook_normalized"]  # forward order
+    assert few["embed"].shape == (6, 64) and few["normalized"] is few["ln_final.hook_normalized"]
+    assert few["out", 0, "ln1"] is few["blocks.0.ln1.hook_out"]
+    _, cache = hm.run_with_cache(ids, ["blocks.0.attn.hook_q", "blocks.1.ln1.hook_scale"])
+    assert cache["q0"] is cache["blocks.0.attn.hook_q"] and cache["scale1ln1"] is cache["blocks.1.ln1.hook_scale"]
+    assert "blocks.0.attn.hook_k" not in cache and cache.get("k0") is None
+
+
+def test_run_with_hooks_calls_transformer_lens_hook_functions():
+    """fn(value, hook) with hook.name and hook.layer(), selected by a function of names, as in TransformerLens."""
+    model = build("llama")
+    hm = HookedModel(model)
+    ids = token_batch(2, 8, seed=12)
+    seen = []
+
+    def halve_q(q, hook):  # TransformerLens style: [batch, pos, head, d_head], before RoPE
+        seen.append((hook.name, hook.layer()))
+        return q * 0.5
+
+    logits = hm.run_with_hooks(ids, fwd_hooks=[(lambda n: n.endswith("attn.hook_q"), halve_q)])
+    assert seen == [(f"blocks.{l}.attn.hook_q", l) for l in range(3)]
+    same = hm.run(ids, hooks={f"blocks.{l}.attn.hook_q": lambda x, ctx: x * 0.5 for l in range(3)}, logits=True)
+    assert torch.equal(logits, same.logits) and not torch.equal(logits, _plain_logits(model, ids))
+
+
+def test_transformer_lens_features_without_an_equivalent_fail_in_one_line():
+    hm = HookedModel(build("llama"))
+    ids = token_batch(1, 6)
+    for call, match in [
+        (lambda: hm.run_with_cache(ids, incl_bwd=True), "incl_bwd= has no poslens equivalent"),
+        (lambda: hm.run_with_cache(ids, return_type="loss"), "return_type='loss'"),
+        (lambda: hm.run_with_cache("Hello"), "token ids"),
+        (lambda: hm.run_with_cache(ids, ["blocks.0.attn.hook_result"]), "TransformerLens has it"),
+        (lambda: hm.to_tokens("Hello"), "to_tokens"),
+        (lambda: hm.run_with_hooks(ids, bwd_hooks=[("hook_embed", print)]), "bwd_hooks"),
+        (lambda: hm.run_with_cache(ids)[1].decompose_resid(), "decompose_resid"),
+    ]:
+        with pytest.raises(UsageError, match=match) as err:
+            call()
+        assert "\n" not in str(err.value)
+    assert not hasattr(hm, "cfg")  # an AttributeError too, so hasattr() and getattr(..., default) keep working
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -54,32 +294,6 @@ def test_resid_points_equal_the_models_hidden_states(family):
     hm.run(ids, hooks=hooks)
     for l in range(hm.n_layers):
         assert torch.equal(got[l], hidden[l]), f"layer {l}"
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_pattern_matches_float64_recomputation(family):
-    model = build(family)
-    ids = token_batch(2, 20, seed=2)
-    hm = HookedModel(model)
-    got = {}
-
-    def keep(x, ctx):
-        got[ctx.name.rsplit(".", 1)[-1]] = x.clone()
-        got["ctx"] = ctx
-
-    layer = 1 if hm.n_layers > 1 else 0
-    hm.run(ids, hooks={f"blocks.{layer}.attn.hook_attn_scores": keep, f"blocks.{layer}.attn.hook_pattern": keep})
-    ctx = got["ctx"]
-    q, k = ctx.q.double(), ctx.k.double()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = q @ k.transpose(-1, -2) * ctx.scaling
-    if ctx.softcap is not None:
-        s = torch.tanh(s / ctx.softcap) * ctx.softcap
-    i, j = torch.arange(20)[:, None], torch.arange(20)[None]
-    ok = (j <= i) & ((i - j < ctx.window) if ctx.window else True)
-    s = s.masked_fill(~ok, float("-inf"))
-    torch.testing.assert_close(got["hook_attn_scores"].double(), s, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["hook_pattern"].double(), torch.softmax(s, -1), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "smollm3"])
@@ -130,24 +344,32 @@ def test_writing_the_pattern_changes_the_output_as_the_pattern_says():
     torch.testing.assert_close(out.transpose(1, 2), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_factored_readers_get_q_and_k_and_stop_early():
+def test_factored_readers_get_rotated_q_and_k_and_stop_early():
     model = build("llama", num_hidden_layers=3)
     ids = token_batch(2, 10, seed=5)
     hm = HookedModel(model)
-    calls = []
+    calls, rot = [], {}
 
     @from_factors
     def reader(x, ctx):
-        calls.append((x, ctx.q.shape, ctx.k.shape))
+        calls.append((x, ctx.rot_q.clone(), ctx.rot_k.clone()))
+
+    def keep(x, ctx):
+        rot[ctx.name.rsplit(".", 1)[1]] = x.clone()
 
     later = []
     model.model.layers[1].mlp.register_forward_hook(lambda *a: later.append(1))
     try:
-        hm.run(ids, hooks={"blocks.1.attn.hook_attn_scores": reader})
+        hm.run(ids, hooks={"blocks.1.attn.hook_attn_scores": reader, "blocks.1.attn.hook_rot_q": keep,
+                           "blocks.1.attn.hook_rot_k": keep})
     finally:
         model.model.layers[1].mlp._forward_hooks.clear()
-    assert calls and calls[0][0] is None
+    (x, q, k), = calls
+    assert x is None
+    assert torch.equal(q.transpose(1, 2), rot["hook_rot_q"]) and torch.equal(k.transpose(1, 2), rot["hook_rot_k"])
     assert later == []  # the forward ended inside layer 1's attention
+    with pytest.raises(UsageError, match="ctx.rot_q"):  # the former name fails loudly instead of changing meaning
+        hm.run(ids, hooks={"blocks.0.attn.hook_attn_scores": from_factors(lambda x, ctx: ctx.q)})
 
 
 def test_bad_hooks_are_usage_errors():
@@ -156,9 +378,28 @@ def test_bad_hooks_are_usage_errors():
     ids = token_batch(1, 8)
     with pytest.raises(UsageError, match="no hook point"):
         hm.run(ids, hooks={"blocks.0.hook_nothing": lambda x, c: None})
+    with pytest.raises(UsageError, match="no hook point"):  # Gemma's sandwich norms only exist on Gemma
+        hm.run(ids, hooks={"blocks.0.ln1_post.hook_normalized": lambda x, c: None})
     with pytest.raises(UsageError, match="layers"):
         hm.run(ids, hooks={"blocks.99.hook_resid_pre": lambda x, c: None})
     with pytest.raises(UsageError, match="replacement"):
         hm.run(ids, hooks={"blocks.0.hook_resid_pre": lambda x, c: x[:, :1]})
     # the failed run left the model usable
     assert torch.equal(_plain_logits(model, ids), hm.run(ids, logits=True).logits)
+
+
+def test_activation_norm_reads_per_head_points_and_refuses_maps():
+    """The worked statistic at attn.hook_q: the norm of each position's query projection, all heads side by side."""
+    from poslens.engine.runner import run_statistics
+    from poslens.engine.statistics import ActivationNorm
+
+    model = build("llama")
+    batches = [token_batch(2, 8, seed=11 + b) for b in range(2)]
+    stat = ActivationNorm("blocks.{l}.attn.hook_q", layers=[0], groups=2)
+    run_statistics(model, [stat], batches)
+    with torch.no_grad():
+        q = torch.stack([model.model.layers[0].self_attn.q_proj(model.model.layers[0].input_layernorm(
+            model.model.embed_tokens(x))) for x in batches])  # [batches, B, T, H * D]
+    torch.testing.assert_close(stat.result()["norm"][0], q.double().norm(dim=-1).mean((0, 1)), rtol=1e-6, atol=0)
+    with pytest.raises(UsageError, match="not laid out"):
+        ActivationNorm("blocks.{l}.attn.hook_pattern")

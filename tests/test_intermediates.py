@@ -358,8 +358,8 @@ def test_scaled_down_nope_shape_with_pe_none_equals_rope_removed_by_hand(smollm2
     model, tok = load_model(spec, tokenizer="smollm2-135m", pe="rope")
     with torch.no_grad():
         model.model.rotary_emb.inv_freq.zero_()
-    from poslens.analyses.intermediates import documents
     from poslens.engine.data import make_sequences
+    from poslens.engine.pipeline import documents
 
     docs, _ = documents(None, "text")
     ids, _ = make_sequences(tok, docs, 16, 8)
@@ -387,13 +387,39 @@ def test_diagonal_normalisation_matches_the_maps_module():
                                equal_nan=True)
 
 
-def test_command_line_bad_layer_is_one_line_exit_2(smollm2, capsys):
+def test_command_line_bad_layer_is_one_line_exit_2(smollm2, capsys, tmp_path):
     from poslens import cli
 
-    assert "poslens.analyses.intermediates_command" in cli.COMMAND_MODULES
+    assert cli.COMMANDS["intermediates"].run == "poslens.analyses.intermediates:run_intermediates"
     small = {**NOPE_SHAPE, "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64}
     code = cli.main(["intermediates", "random:" + json.dumps(small), "--tokenizer", "smollm2-135m", "--layer", "1",
-                     "--quiet", "--out", "unused"])
+                     "--quiet", "--out", str(tmp_path / "unused")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--layer 1 has no next layer" in err and "0..0" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fewer_sequences_than_a_batch_is_refused_before_loading(tmp_path, capsys):
+    """`intermediates smollm2-135m --num-sequences 16`: one batch of 50 would be one group, no interval; refused by
+    the groups rule (poslens.engine.config) before the model loads, naming the fix."""
+    from poslens import cli
+
+    assert cli.main(["intermediates", "smollm2-135m", "--num-sequences", "16", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("poslens intermediates: error: --batch-size 50 puts all 16 sequences in one batch, and an interval "
+                   "needs 2 groups of sequences (a group is one batch or more); lower --batch-size to 8 or raise "
+                   "--num-sequences\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_summary_prints_undefined_numbers_as_nan():
+    """run.json keeps NaN as null (an interval undefined in some replicate): the summary says nan, never fails."""
+    from poslens.analyses.intermediates import summary_lines
+
+    nothing = {"value": None, "lo": None, "hi": None}
+    meta = {"metrics": {"panels": {"a": {"what": "Y Y^T", "row_slope": nothing, "offdiag_ratio": nothing}},
+                        "amplification": {"ratio": nothing, "alpha": nothing}, "level": 0.95, "groups": 2}}
+    lines = summary_lines(meta)
+    assert lines[0].endswith("row slope nan [nan, nan]  off-diagonal/diagonal nan [nan, nan]")
+    assert "nan [nan, nan] times" in lines[1] and lines[-1] == "intervals: 95% jackknife over 2 groups of sequences"

@@ -16,7 +16,7 @@ def test_first_layer_logits_are_relative_for_every_architecture():
     for name, split in flow.compare(StackConfig(n=32, alpha=0.3, layers=2)).items():
         e = split["exact"]
         assert float(e["e_logit"][0]) == pytest.approx(0.0, abs=1e-20), name
-        assert float(e["share_mask"][0]) == pytest.approx(1.0, abs=1e-12), name
+        assert float(e["share_partition"][0]) == pytest.approx(1.0, abs=1e-12), name
         assert float(e["e_logit"][1]) > 0, name  # from layer 2 on, the mask has made the hidden states positional
 
 
@@ -33,7 +33,7 @@ def test_rope_without_a_mask_leaks_only_a_boundary_term():
     np.testing.assert_allclose(gf.scores, gf.scores[:, ::-1, ::-1].transpose(0, 2, 1), rtol=0, atol=1e-12)
     causal = flow.exact_split(StackConfig(n=n, d=64, alpha=0.2, layers=3, positional="rope"))
     unmasked = flow.exact_split(none)
-    assert torch.all(unmasked["e_mask"] < 1e-3 * causal["e_mask"])
+    assert torch.all(unmasked["e_partition"] < 1e-3 * causal["e_partition"])
     assert torch.all(unmasked["e_logit"][1:] < 1e-3 * causal["e_logit"][1:])
 
 
@@ -47,7 +47,7 @@ def test_shifting_every_position_changes_nothing():
         torch.testing.assert_close(a.mean(key), b.mean(key), rtol=0, atol=1e-9, equal_nan=True)
     sa = flow.mc_split(cfg, 256, groups=4, seed=3)
     sb = flow.mc_split(cfg, 256, groups=4, seed=3, position_offset=1000)
-    for key in ("e_logit", "e_mask", "share_logit"):
+    for key in ("e_logit", "e_partition", "share_logit"):
         torch.testing.assert_close(sa[key]["value"], sb[key]["value"], rtol=1e-7, atol=1e-12)
 
 
@@ -59,7 +59,7 @@ def test_monte_carlo_approaches_the_exact_limit_as_width_grows():
     err = {}
     for d in (16, 512):
         mc = flow.mc_split(replace_d(base, d), 256, groups=4, seed=0)
-        err[d] = abs(float(mc["share_mask"]["value"][1]) - float(exact["share_mask"][1]))
+        err[d] = abs(float(mc["share_partition"]["value"][1]) - float(exact["share_partition"][1]))
     assert err[512] < err[16]
 
 
@@ -74,9 +74,9 @@ def test_sliding_window_mask_part_stops_at_the_window():
     i >= W - 1: restricted to those queries there is no mask part at all."""
     cfg = flow.architecture("sliding", StackConfig(n=40, alpha=0.2, layers=1), window=8)
     late = flow.exact_split(cfg, Domain(window=8, min_query=7))
-    assert float(late["e_mask"][0]) == pytest.approx(0.0, abs=1e-20)
+    assert float(late["e_partition"][0]) == pytest.approx(0.0, abs=1e-20)
     early = flow.exact_split(cfg, Domain(window=8))
-    assert float(early["e_mask"][0]) > 0
+    assert float(early["e_partition"][0]) > 0
 
 
 def test_leakage_stack_and_compare_commands(tmp_path, capsys):
@@ -85,9 +85,9 @@ def test_leakage_stack_and_compare_commands(tmp_path, capsys):
     from poslens import cli
 
     out = tmp_path / "stack"
-    assert cli.main(["leakage-stack", "--n", "16", "--layers", "2", "--samples", "128", "--groups", "2",
+    assert cli.main(["leakage-stack", "--n", "16", "--layers", "2", "--samples", "256", "--groups", "2",
                      "--out", str(out)]) == 0
-    for stem in ("architectures_exact_logit", "architectures_monte_carlo_mask"):
+    for stem in ("architectures_exact_logit", "architectures_monte_carlo_partition"):
         assert (out / "figures" / f"{stem}.png").exists()
     assert cli.main(["leakage-compare", str(out), "--out", str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "figures" / "architectures_logit.png").exists()
@@ -96,3 +96,15 @@ def test_leakage_stack_and_compare_commands(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "ntk_scaling" in err or "--ntk-scaling" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+def test_counterfactual_in_the_stack_layer_one_is_all_mask_and_later_layers_inherit_earlier_masks():
+    """Layer 1's scores are relative (Toeplitz input Gram, RoPE): the mask-only counterfactual is the whole
+    log-partition term and the scores add nothing (exact, d -> infinity). From layer 2 on the inputs carry the
+    position the earlier layers' masks wrote, so the scores' absolute term is positive: in the parameter-free
+    stack it is entirely earlier masks, which is why it is not called "the residual stream's own" term."""
+    for name, res in flow.compare(StackConfig(n=32, alpha=0.3, layers=3)).items():
+        e = res["exact"]
+        assert float(e["cf/absolute_scores"][0]) == pytest.approx(0.0, abs=1e-20), name
+        assert float(e["cf/mask_only_over_partition"][0]) == pytest.approx(1.0, rel=1e-12), name
+        assert torch.all(e["cf/absolute_scores"][1:] > 0), name

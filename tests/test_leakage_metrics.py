@@ -110,7 +110,7 @@ def test_planted_query_term_is_explained_by_offset_plus_query():
 
 
 def test_uniform_attention_split_is_all_mask():
-    """Constant scores c: l_i = c + log(i + 1); e_logit = cross = 0 and e_mask is the energy of the Toeplitz
+    """Constant scores c: l_i = c + log(i + 1); e_logit = cross = 0 and e_partition is the energy of the Toeplitz
     residual of -log(i + 1), computed here diagonal by diagonal."""
     c = 1.7
     scores = causal(torch.full((N, N), c, dtype=torch.float64))
@@ -119,12 +119,12 @@ def test_uniform_attention_split_is_all_mask():
     out = lm.split(scores, lp, dom)
     assert float(out["e_logit"]) == pytest.approx(0.0, abs=1e-12)
     assert float(out["cross"]) == pytest.approx(0.0, abs=1e-12)
-    assert float(out["share_mask"]) == pytest.approx(1.0, abs=1e-12)
+    assert float(out["share_partition"]) == pytest.approx(1.0, abs=1e-12)
     expected = 0.0
     for d in range(N // 2 + 1):
         vals = np.array([-math.log(i + 1) for i in range(d, N)])
         expected += np.sum((vals - vals.mean()) ** 2)
-    assert float(out["e_mask"]) == pytest.approx(expected, rel=1e-10)
+    assert float(out["e_partition"]) == pytest.approx(expected, rel=1e-10)
     assert float(out["fraction"]) == pytest.approx(float(lm.toeplitz_fraction(uniform_log_probs(N), dom)), rel=1e-10)
 
 
@@ -135,7 +135,7 @@ def test_split_identity_and_relative_logits():
     lp = torch.logsumexp(torch.nan_to_num(s, nan=-math.inf), -1)
     out = lm.split(s, lp, lm.Domain(max_query=20))
     assert float(out["e_logit"]) == pytest.approx(0.0, abs=1e-12)
-    assert float(out["share_mask"]) == pytest.approx(1.0, abs=1e-12)
+    assert float(out["share_partition"]) == pytest.approx(1.0, abs=1e-12)
     g = torch.Generator().manual_seed(2)
     s2 = causal(torch.randn(3, N, N, generator=g, dtype=torch.float64))
     lp2 = torch.logsumexp(torch.nan_to_num(s2, nan=-math.inf), -1)
@@ -143,7 +143,8 @@ def test_split_identity_and_relative_logits():
     logp = s2 - lp2[..., None]
     trf = lm.toeplitz_fraction(logp, lm.Domain())
     torch.testing.assert_close(out2["fraction"], trf, rtol=1e-10, atol=0)
-    torch.testing.assert_close(out2["e_logit"] + out2["e_mask"] + out2["cross"], out2["e_total"], rtol=1e-12, atol=0)
+    parts = out2["e_logit"] + out2["e_partition"] + out2["cross"]
+    torch.testing.assert_close(parts, out2["e_total"], rtol=1e-12, atol=0)
     assert out2["e_total"].shape == (3,)
 
 

@@ -6,13 +6,12 @@ import sys
 
 import pytest
 import torch
-from tiny_models import build
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from test_pipeline import saved_tiny_llama
 
 import poslens
 from poslens.analyses.leakage.run import LeakageConfig, run_leakage
-from poslens.analyses.scores import partial_path
+from poslens.cli import main
+from poslens.engine.pipeline import checkpoint_path
 from poslens.errors import UsageError
 from poslens.report.sections.leakage import leakage_claims
 
@@ -20,14 +19,7 @@ from poslens.report.sections.leakage import leakage_claims
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random Llama saved with a byte-level tokenizer that has a BOS token."""
-    d = tmp_path_factory.mktemp("tiny-llama-leak")
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(d)
-    build("llama", vocab_size=258, max_position_embeddings=128).save_pretrained(d)
-    return d
+    return saved_tiny_llama(tmp_path_factory.mktemp("tiny-llama-leak") / "model")
 
 
 def cfg(model_dir, **kw):
@@ -45,7 +37,7 @@ def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
         e = early[key]
         assert all(lo <= v <= hi for v, lo, hi in zip(e["value"], e["lo"], e["hi"]))
     # the parts of the split add up exactly, layer by layer
-    tot = [a + b + c for a, b, c in zip(early["split/e_logit"]["value"], early["split/e_mask"]["value"],
+    tot = [a + b + c for a, b, c in zip(early["split/e_logit"]["value"], early["split/e_partition"]["value"],
                                        early["split/cross"]["value"])]
     assert tot == pytest.approx(early["split/e_total"]["value"], rel=1e-9)
     iv = m["interventions"]
@@ -54,6 +46,7 @@ def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
     # with a fixed BOS the position-0 trajectory is already the same for every input: freezing it is a no-op
     assert abs(iv["freeze"]["removed_all_layers"]["value"]) < 1e-4
     assert max(abs(x) for x in m["position0_spread"]) < 1e-6
+    assert m["position0_spread_interval"]["groups"] == 4 and len(m["position0_spread_interval"]["hi"]) == 4
     # replacing the BOS embedding does change the early logit part (in either direction for random weights)
     assert abs(iv["mean"]["removed_all_layers"]["value"]) > 1e-3
     assert run["probs_per_head"].shape == (3, 4, 24, 24)
@@ -83,26 +76,57 @@ def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkey
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         run_leakage(cfg(model_dir, **kw), out, progress=False)
-    assert partial_path(out.absolute(), 0, 1).exists()
+    assert checkpoint_path(out).exists()
     monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
     resumed = poslens.load(run_leakage(cfg(model_dir, **kw), out, progress=False))
-    assert resumed.meta["resumed_from_batch"] == 5
+    assert resumed.meta["resumed_from_unit"] == 5
     for key in ("orig/scores", "metrics_early", "metrics_early_lo", "intervention/mean/removed", "predecessor/gap"):
         torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(groups=8), "groups"),
     (dict(early_queries=1), "early_queries"),
     (dict(max_offset=0), "max_offset"),
     (dict(interventions=["bos"]), "interventions"),
     (dict(num_sequences=1), "num_sequences"),
+    (dict(groups=1), "groups"),
 ])
 def test_bad_input_is_a_one_line_usage_error(model_dir, tmp_path, kw, words):
     with pytest.raises(UsageError, match=words) as e:
         run_leakage(cfg(model_dir, **kw), tmp_path / "bad", progress=False)
     assert "\n" not in str(e.value)
-    assert not (tmp_path / "bad").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--level", "1"], "--level must be in (0, 1), got 1"),
+    (["--sink-threshold", "2"], "--sink-threshold must be in (0, 1), got 2"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--pe", "sinusoidal"], "argument --pe: invalid choice"),
+    # sizes refused with the estimate before a sequence is cut (dense [8, 4, T, T] scores alone: 7.7 TB)
+    (["--seq-len", "100000"], "--seq-len 100000: the run would need about "),
+])
+def test_command_line_refusals_name_the_flag_and_leave_nothing(model_dir, tmp_path, capsys, argv, line):
+    """Refused before anything is loaded (no lock file, no .out.partial-* checkpoint left), the flag named."""
+    try:
+        code = main(["leakage", str(model_dir), *argv, "--quiet", "--out", str(tmp_path / "out")])
+    except SystemExit as e:  # argparse's own choices
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and line in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_groups_lowered_to_the_batches_and_said(model_dir, tmp_path, capsys):
+    """The groups rule: 8 sequences in batches of 2 keep 4 groups, not 8; run.json and stdout say so."""
+    assert main(["leakage", str(model_dir), "--seq-len", "24", "--num-sequences", "8", "--batch-size", "2",
+                 "--early-queries", "10", "--interventions", "none", "--no-predecessor", "--no-figures", "--quiet",
+                 "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    run = poslens.load(tmp_path / "run", tensors=False)
+    assert run.meta["groups"] == {"asked": 8, "used": 4, "batches": 4, "note": run.meta["groups"]["note"]}
+    assert run.metrics["groups"] == 4 and "groups lowered from 8 to 4" in out
+    assert out.splitlines()[-1] == f"wrote {tmp_path / 'run'}"
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from poslens.options import (
     from_args,
     option,
     option_fields,
+    option_of,
 )
 from poslens.stack.config import StackConfig
 
@@ -245,3 +246,58 @@ def test_help_without_a_command_loads_no_analysis_or_plotting_library():
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[]"
     assert set(COMMANDS) <= set(res.stdout.split("{")[1].split("}")[0].split(","))
+
+
+@dataclasses.dataclass
+class Bounded:
+    n: int = option(2, lo=1, help="at least 1")
+    p: float = option(0.5, lo=0, hi=1, open=True, help="in (0, 1)")
+    k: int | None = option(None, lo=0, hi=4, help="optional, in [0, 4]")
+    kind: str = option("a", choices=("a", "b"), help="a choice")
+
+
+@dataclasses.dataclass
+class Composed(Bounded):
+    n: int = option_of(Bounded, "n", 7)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(n=0), "n must be >= 1, got 0"),
+    (dict(n=1.5), "n must be an integer, got 1.5"),
+    (dict(p=1.0), "p must be in (0, 1), got 1"),
+    (dict(p=0.0), "p must be in (0, 1), got 0"),
+    (dict(k=5), "k must be in [0, 4], got 5"),
+    (dict(kind="c"), "kind must be one of a, b; got 'c'"),
+])
+def test_check_options_reads_each_bound_from_its_field(kw, words):
+    from poslens.errors import UsageError
+    from poslens.options import check_options
+
+    check_options(Bounded())  # the defaults are in bounds; None passes for an optional field
+    with pytest.raises(UsageError) as e:
+        check_options(Bounded(**kw))
+    assert str(e.value) == words and e.value.param == next(iter(kw))
+
+
+def test_option_of_changes_the_default_and_keeps_help_bounds_and_place():
+    from poslens.errors import UsageError
+    from poslens.options import check_options
+
+    assert Composed().n == 7 and [f.name for f in dataclasses.fields(Composed)] == ["n", "p", "k", "kind"]
+    p = Parser(prog="t")
+    add_options(p, Composed)
+    assert "at least 1 (default 7)" in " ".join(p.format_help().split())
+    with pytest.raises(UsageError, match="n must be >= 1"):
+        check_options(Composed(n=0))
+    with pytest.raises(TypeError, match="no option field 'm'"):
+        option_of(Bounded, "m", 1)
+
+
+def test_flag_message_maps_every_underscored_parameter():
+    names = {"batch_size": "--batch-size", "num_sequences": "--num-sequences", "groups": "--groups"}
+    message = "batch_size 20 puts all 16 sequences in one batch; lower batch_size to 8 or raise num_sequences"
+    assert flag_message(message, "batch_size", names) == ("--batch-size 20 puts all 16 sequences in one batch; "
+                                                          "lower --batch-size to 8 or raise --num-sequences")
+    # prose words are not touched (no underscore), nor names that are no parameter of the command
+    assert flag_message("two groups at blocks.0.hook_resid_pre", None, names) == \
+        "two groups at blocks.0.hook_resid_pre"

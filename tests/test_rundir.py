@@ -6,10 +6,13 @@ UsageError. Killed runs are imitated by the files they leave (a kill leaves exac
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,13 +21,17 @@ from safetensors.torch import save_file
 
 import poslens
 from poslens.errors import UsageError
-from poslens.io import checkpoint, rundir
+from poslens.io import checkpoint, lock, manifest, results, rundir, space
+from poslens.io.lock import cache_lock
 from poslens.io.results import check_output, open_run, run_directory, write_run
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` (hidden ones included) with its bytes (None for a directory)."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+    """Every path under `root`, hidden ones included, with its bytes (None for a directory; a link: its target).
+    Libraries' own caches under a test's HOME (matplotlib's ~/.cache and ~/.config) are not poslens output."""
+    return {str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else None if p.is_dir()
+                                       else p.read_bytes())
+            for p in sorted(root.rglob("*")) if not {".cache", ".config"} & set(p.relative_to(root).parts)}
 
 
 def poslens_run(path: Path, value: float = 1.0) -> None:
@@ -63,13 +70,15 @@ def test_force_refuses_a_directory_poslens_did_not_write(tmp_path):
     assert tree(tmp_path) == before
 
 
-@pytest.mark.parametrize("kind", ["marked", "older", "empty"])
+@pytest.mark.parametrize("kind", ["manifest", "release-0.2", "older", "empty"])
 def test_force_replaces_a_poslens_run_or_an_empty_directory(tmp_path, kind):
     out = tmp_path / "r"
     if kind == "empty":
         out.mkdir()
     else:
         poslens_run(out, 1.0)
+        if kind != "manifest":  # written before manifests: run.json and what that release wrote
+            (out / "poslens-manifest.json").unlink()
         if kind == "older":  # written before the marker: recognised by kind + environment.poslens
             meta = json.loads((out / "run.json").read_text())
             del meta["poslens_run"]
@@ -77,6 +86,106 @@ def test_force_replaces_a_poslens_run_or_an_empty_directory(tmp_path, kind):
     poslens_run(out, 2.0)
     assert torch.equal(poslens.load(out)["a"], torch.full((2,), 2.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_a_run_records_every_file_and_folder_it_wrote(tmp_path):
+    out = tmp_path / "r"
+    with open_run(out) as run:
+        write_run(run.build, {"a": torch.zeros(3)}, {"kind": "test"})
+        (run.build / "figures" / "deep").mkdir(parents=True)
+        (run.build / "figures" / "deep" / "x.png").write_bytes(b"png" * 10)
+        (run.build / "empty").mkdir()
+    listed = manifest.read_manifest(out)
+    assert listed == manifest.entries(out) | {manifest.NAME: {"type": "file"}}
+    assert listed["figures/deep/x.png"] == {"type": "file", "bytes": 30} and listed["empty"] == {"type": "dir"}
+    assert manifest.foreign(out) is None
+
+
+@pytest.mark.parametrize("change, first", [
+    ("file", "notes.txt"), ("folder", "mydata"), ("nested", "figures/mine.txt"), ("grown", "run.json"),
+    ("link", "tensors.safetensors"), ("manifest-dir", "poslens-manifest.json")])
+def test_force_refuses_a_run_holding_anything_not_in_its_manifest(tmp_path, change, first):
+    out = tmp_path / "r"
+    poslens_run(out)
+    (out / "figures").mkdir()
+    manifest.write_manifest(out)  # figures/ is the run's own
+    if change == "file":
+        (out / "notes.txt").write_text("mine")
+    elif change == "folder":
+        user_dir(out / "mydata")
+    elif change == "nested":
+        (out / "figures" / "mine.txt").write_text("mine")
+    elif change == "grown":
+        with open(out / "run.json", "a") as f:
+            f.write(" ")
+    elif change == "link":  # same name, but a link now: deleting it would be harmless, yet it is not what was written
+        (out / "tensors.safetensors").unlink()
+        (out / "tensors.safetensors").symlink_to(tmp_path)
+    else:
+        (out / manifest.NAME).unlink()
+        (out / manifest.NAME).mkdir()
+    before = tree(tmp_path)
+    for call in (lambda: check_output(out, force=True), lambda: poslens_run(out, 2.0)):
+        with pytest.raises(UsageError, match="replaces only a run directory written by poslens") as e:
+            call()
+        assert str(out / first) in one_line(e)
+    assert tree(tmp_path) == before
+
+
+def test_release_02_runs_are_replaced_only_when_they_hold_what_02_wrote(tmp_path):
+    # What release 0.2's commands wrote (no manifest): run.json, tensors, figures/ images, plus the report and
+    # the runs under models/ for reproduce, the Hugging Face files and metrics.jsonl for train.
+    def legacy(path: Path, kind: str, files: list[str]) -> Path:
+        poslens_run(path)
+        meta = json.loads((path / "run.json").read_text()) | {"kind": kind}
+        (path / "run.json").write_text(json.dumps(meta))
+        (path / manifest.NAME).unlink()
+        for f in files:
+            (path / f).parent.mkdir(parents=True, exist_ok=True)
+            (path / f).write_text("x")
+        return path
+
+    figures = ["figures/scores.png", "figures/scores.pdf", "figures/big.jpg"]
+    hf = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+          "chat_template.jinja", "metrics.jsonl", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    runs = {"gramflow": legacy(tmp_path / "gf", "gramflow", figures),
+            "train": legacy(tmp_path / "tr", "train", hf),
+            "reproduce": legacy(tmp_path / "rp", "reproduce", ["report.html", "report.md", *figures])}
+    legacy(runs["reproduce"] / "models" / "leakage-1234", "leakage", figures)
+    for path in runs.values():
+        assert manifest.foreign(path) is None, path
+    refused = {"gf/config.json": "config.json is not a file poslens writes into a 'gramflow' run",
+               "gf/figures/notes.txt": "notes.txt is not a file", "tr/mydata/a.txt": "mydata is not a file",
+               "rp/models/leakage-1234/notes.txt": "leakage-1234/notes.txt is not a file",
+               "rp/models/notes.txt": "models/notes.txt is not a file"}
+    for rel, words in refused.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("mine")
+        with pytest.raises(UsageError, match="replaces only") as e:
+            check_output(tmp_path / rel.split("/")[0], force=True)
+        assert words in one_line(e)
+        (tmp_path / rel).unlink()
+    poslens_run(runs["reproduce"], 2.0)  # what is left is 0.2's own: replaced
+    assert sorted(p.name for p in runs["reproduce"].iterdir()) == [manifest.NAME, "run.json", "tensors.safetensors"]
+
+
+@pytest.mark.parametrize("relation", ["same", "parent", "grandparent", "link-to-it", "file"])
+def test_a_run_never_writes_over_its_inputs(tmp_path, relation):
+    data = tmp_path / "runs" / "m"
+    poslens_run(data)
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    out = {"same": data, "parent": data.parent, "grandparent": tmp_path, "link-to-it": tmp_path / "link" / "m",
+           "file": data / "run.json"}[relation]
+    given = data / "run.json" if relation == "file" else data
+    before = tree(tmp_path)
+    for force in (False, True):
+        for call in (lambda f=force: check_output(out, f, inputs=[given]),
+                     lambda f=force: run_directory(out, f, inputs=["not-there", given]).__enter__()):
+            with pytest.raises(UsageError, match=r"this run's input .*; a run never writes over what it reads") as e:
+                call()
+            one_line(e)
+    assert tree(tmp_path) == before
+    assert check_output(data / "inside", inputs=[data]) == data / "inside"  # below an input is not over it
 
 
 def test_a_run_json_that_only_looks_like_poslens_is_not_enough(tmp_path):
@@ -160,6 +269,38 @@ def test_what_appears_during_a_run_is_never_replaced(tmp_path):
         with open_run(tmp_path / "s", force=True):
             user_dir(tmp_path / "s")
     assert (tmp_path / "s" / "notes.txt").read_text() == "the user's notes"
+
+
+def test_a_file_put_into_a_run_while_it_is_being_replaced_is_never_deleted(tmp_path, monkeypatch, capsys):
+    # The user writes into the old run just after the swap checked it: the check after moving it aside sees the
+    # file, puts the old run back and fails in one line. Written later still (through a directory handle held
+    # into the moved run), the file is kept, with the old run, beside the output.
+    out = tmp_path / "r"
+    poslens_run(out, 1.0)
+    real = manifest.foreign
+
+    def racing(path):
+        why = real(path)
+        if path == out and (tmp_path / ".r.partial" / "build" / manifest.NAME).exists():  # _place's check
+            (out / "notes.txt").write_text("mine")
+        return why
+
+    monkeypatch.setattr(rundir, "foreign", racing)
+    with pytest.raises(UsageError, match=r"r was changed while this run was working by something poslens did not "
+                                         r"write \(.*notes.txt was not written by poslens"):
+        poslens_run(out, 2.0)
+    assert (out / "notes.txt").read_text() == "mine" and torch.equal(poslens.load(out)["a"], torch.full((2,), 1.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    monkeypatch.undo()
+    (out / "notes.txt").unlink()
+    (tmp_path / "old").mkdir()
+    out.rename(tmp_path / "old" / "r")
+    poslens_run(out, 3.0)
+    (tmp_path / "old" / "r" / "notes.txt").write_text("mine")
+    rundir._discard(tmp_path / "old" / "r", out)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("r.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine" and (kept[0] / "run.json").exists()
+    assert f"it was kept as {kept[0]}" in capsys.readouterr().err
 
 
 def test_noreplace_rename_refuses_a_non_empty_target(tmp_path):
@@ -282,3 +423,156 @@ def test_a_corrupt_cache_entry_is_named_deleted_and_recomputed(tmp_path, capsys)
     assert not path.exists()
     save_file({"a": torch.ones(2)}, str(path))
     assert torch.equal(checkpoint.read_cache(path)["a"], torch.ones(2))
+
+
+# ---------------------------------------------------------------- locks of shared cache entries
+
+HOLDER = ("import sys, time\nfrom poslens.io.lock import cache_lock\n"
+          "with cache_lock(sys.argv[1], 'the test entry'):\n    print('holding', flush=True)\n    time.sleep(60)\n")
+WAITER = ("import sys\nfrom poslens.io.lock import cache_lock\n"
+          "with cache_lock(sys.argv[1], 'the test entry'):\n    print(open(sys.argv[1]).read(), flush=True)\n")
+
+
+def light_process(code: str, *args: str) -> subprocess.Popen:
+    """A Python process running `code` that imports only poslens.io (no torch: about 0.1 s to start)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(rundir.__file__).parents[2])}
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def test_a_second_process_waits_for_a_cache_entry_being_built_and_then_uses_it(tmp_path):
+    entry = tmp_path / "cache" / "entry.txt"
+    with cache_lock(entry, "the test entry"):
+        waiter = light_process(WAITER, str(entry))
+        line = waiter.stderr.readline()  # printed once, before it blocks
+        assert line == f"waiting for another poslens process (pid {os.getpid()}) to finish building the test entry\n"
+        time.sleep(0.2)
+        assert waiter.poll() is None  # still waiting
+        entry.write_text("built")
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0 and out == "built\n" and err == ""
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["entry.txt"]  # no lock file left
+
+
+@pytest.mark.parametrize("what", ["cache", "run"])
+def test_a_killed_lock_holder_never_blocks_the_next_process(tmp_path, capsys, what):
+    entry = tmp_path / "entry"
+    code = HOLDER if what == "cache" else ("import sys, time\nfrom poslens.io.rundir import open_run\n"
+                                           "with open_run(sys.argv[1]):\n    print('holding', flush=True)\n"
+                                           "    time.sleep(60)\n")
+    holder = light_process(code, str(entry))
+    assert holder.stdout.readline() == "holding\n"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=60)
+    lock_file = tmp_path / (".entry.cache.lock" if what == "cache" else ".entry.lock")
+    assert lock_file.exists()  # left by the kill, with the dead pid in it
+    started = time.monotonic()
+    if what == "cache":
+        with cache_lock(entry, "the test entry"):
+            entry.write_text("x")
+    else:
+        poslens_run(entry)
+    assert time.monotonic() - started < 5 and capsys.readouterr().err == ""  # no wait
+    assert not lock_file.exists()
+
+
+class FullDisk:
+    """`os` whose `write` finds the disk full (for the lock file's pid)."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("what", ["cache", "run"])
+def test_a_full_disk_when_taking_a_lock_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, what):
+    monkeypatch.setattr(lock, "os", FullDisk())
+    with pytest.raises(UsageError, match=r"no space left on the device to write .*\.entry(\.cache)?\.lock \(it needs "
+                                         r"\d+ bytes"):
+        with (cache_lock(tmp_path / "entry", "x") if what == "cache" else open_run(tmp_path / "entry")):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_entry_can_be_written_as_a_run_directory_under_its_lock(tmp_path):
+    entry = tmp_path / "tokens" / "entry"
+    with cache_lock(entry, "x"):  # the run's own lock is another file
+        poslens_run(entry)
+        poslens_run(entry, 2.0)  # a corrupt or stale entry is replaced
+    assert torch.equal(poslens.load(entry)["a"], torch.full((2,), 2.0))
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["entry"]
+
+
+def test_an_unwritable_cache_directory_is_refused_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match=r"cache directory .*file/corpus cannot be created: Not a directory; point "
+                                         "POSLENS_CACHE at a writable directory"):
+        with cache_lock(tmp_path / "file" / "corpus" / "entry", "x"):
+            raise AssertionError("not reached")
+
+
+# ---------------------------------------------------------------- a full disk
+
+ENOSPC_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def safetensors_full(tensors, filename, metadata=None):
+    from safetensors import SafetensorError
+
+    Path(filename).write_bytes(b"half")
+    raise SafetensorError(ENOSPC_SAFETENSORS)
+
+
+@pytest.mark.parametrize("writer", ["tensors.safetensors", "run.json", "poslens-manifest.json"])
+def test_a_full_disk_while_writing_a_run_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, writer):
+    if writer == "tensors.safetensors":
+        monkeypatch.setattr(results, "save_file", safetensors_full)
+    else:
+        write_text = Path.write_text
+
+        def full(self, text, *args, **kwargs):
+            if self.name == writer:
+                write_text(self, text[:10], *args, **kwargs)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return write_text(self, text, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(UsageError, match=rf"^no space left on the device to write \S+/{writer} \(it needs [\d,]+ "
+                                         r"bytes, .* free\); free some space or write elsewhere$"):
+        poslens_run(tmp_path / "a" / "r")
+    rundir.remove_empty_parents()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("save", ["save_partial", "write_cache"])
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, monkeypatch, save):
+    path = tmp_path / "ck.safetensors"
+    write = (lambda v: checkpoint.save_partial(path, {"s": torch.full((4,), v)}, 1, {})) if save == "save_partial" \
+        else (lambda v: checkpoint.write_cache(path, {"s": torch.full((4,), v)}))
+    write(1.0)
+    before = tree(tmp_path)
+    monkeypatch.setattr(checkpoint, "save_file", safetensors_full)
+    with pytest.raises(UsageError, match=r"no space left on the device to write .*ck\.safetensors \(it needs "):
+        write(2.0)
+    assert tree(tmp_path) == before
+
+
+def test_the_disk_space_helper_recognises_torch_save_on_a_full_disk(tmp_path, monkeypatch):
+    # torch.save's zip writer names no errno; a failed write with less free space than it needed is a full disk
+    state = {"w": torch.zeros(100_000), "step": 3}
+    failure = RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1000)
+    with pytest.raises(UsageError, match=r"write .*state\.pt \(it needs 400,\d{3} bytes, 1,000 bytes free\)"):
+        with space.disk_space(tmp_path / "state.pt", space.nbytes(state)):
+            raise failure
+    monkeypatch.setattr(space, "free_bytes", lambda path: 10**12)  # plenty of room: not a full disk
+    with pytest.raises(RuntimeError, match="file write failed"):
+        with space.disk_space(tmp_path / "state.pt", space.nbytes(state)):
+            raise failure
+    with pytest.raises(KeyError):  # other errors pass through
+        with space.disk_space(tmp_path / "state.pt", 1):
+            raise KeyError("x")

@@ -1,4 +1,5 @@
-"""`poslens scores` end to end on a local-directory model: exact maps, sharding, resume, bad input."""
+"""`poslens scores` end to end on a local-directory model: exact maps, sharding, resume, bad input (on the
+analysis pipeline, poslens.engine.pipeline)."""
 
 import json
 import os
@@ -7,15 +8,16 @@ import sys
 
 import pytest
 import torch
-from tiny_models import build
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from test_pipeline import saved_tiny_llama
 
 import poslens
-from poslens.analyses.scores import ScoresConfig, distributed, partial_path, run_scores
+from poslens.analyses.scores import ScoresConfig, run_scores
+from poslens.cli import main
 from poslens.engine.capture import attention_scores
 from poslens.engine.data import iter_documents, make_sequences
+from poslens.engine.distributed import setup
 from poslens.engine.models import load_model
+from poslens.engine.pipeline import checkpoint_path
 from poslens.errors import UsageError
 
 SEQ, NUM, BATCH = 48, 8, 2
@@ -24,16 +26,7 @@ SEQ, NUM, BATCH = 48, 8, 2
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random Llama saved with a byte-level tokenizer, loaded back through from_pretrained(dir)."""
-    d = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    model = build("llama", vocab_size=258, max_position_embeddings=128)
-    model.save_pretrained(d)
-    fast.save_pretrained(d)
-    return d
+    return saved_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
 
 
 def cfg(model_dir, **kw):
@@ -59,10 +52,10 @@ def test_scores_equal_direct_capture(model_dir, tmp_path):
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
     full = poslens.load(run_scores(cfg(model_dir), tmp_path / "full", progress=False))
-    from poslens.engine import capture as capture_mod
+    from poslens.engine import hooks as hooks_mod
 
     calls = {"n": 0}
-    original = capture_mod.Capture.update
+    original = hooks_mod.HookedModel.run
 
     def flaky(self, *a, **k):
         calls["n"] += 1
@@ -70,22 +63,23 @@ def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkey
             raise KeyboardInterrupt
         return original(self, *a, **k)
 
-    monkeypatch.setattr(capture_mod.Capture, "update", flaky)
+    monkeypatch.setattr(hooks_mod.HookedModel, "run", flaky)
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         run_scores(cfg(model_dir, checkpoint_every=1), out, progress=False)
-    assert not out.exists() and partial_path(out.absolute(), 0, 1).exists()
-    monkeypatch.setattr(capture_mod.Capture, "update", original)
+    assert not out.exists() and checkpoint_path(out).exists()
+    monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
     resumed = poslens.load(run_scores(cfg(model_dir, checkpoint_every=1), out, progress=False))
-    assert resumed.meta["resumed_from_batch"] == 2
-    assert not partial_path(out.absolute(), 0, 1).exists()
+    assert resumed.meta["resumed_from_unit"] == 2
+    assert not checkpoint_path(out).exists()
     for key in ("scores", "scores_se", "normalised_se"):
         torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=0, equal_nan=True)
 
 
 def test_corrupt_checkpoint_is_a_usage_error(model_dir, tmp_path):
     out = tmp_path / "run"
-    partial_path(out.absolute(), 0, 1).write_bytes(b"not a checkpoint")
+    checkpoint_path(out).parent.mkdir()
+    checkpoint_path(out).write_bytes(b"not a checkpoint")
     with pytest.raises(UsageError, match="corrupt"):
         run_scores(cfg(model_dir), out, progress=False)
     assert not out.exists()
@@ -110,40 +104,62 @@ def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
     """NCCL needs one GPU per process: 2 processes on a 1-GPU node fail with the fix, before any group forms."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UsageError, match=r"2 processes on this node .* 1 GPU\(s\); use --nproc-per-node 1$"):
-        distributed("cuda")
-
-
-def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "poslens", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+        setup("cuda")
 
 
 @pytest.mark.parametrize("args, words", [
-    (["scores", "/no/such/model", "--out", "{out}"], "no/such/model"),
-    (["scores", "{model}", "--seq-len", "100000", "--out", "{out}"], "window"),
-    (["scores", "{model}", "--num-sequences", "100000", "--seq-len", "48", "--out", "{out}"], "sequences"),
-    (["scores", "{model}", "--device", "cuda", "--out", "{out}"], "cuda"),
-    (["scores", "{model}", "--layers", "0,99", "--seq-len", "48", "--num-sequences", "2", "--out", "{out}"],
-     "layers"),
-    (["scores", "{model}", "--data", "/no/such/file.jsonl", "--seq-len", "48", "--out", "{out}"], "file.jsonl"),
+    (["scores", "/no/such/model"], "no/such/model"),
+    (["scores", "{model}", "--seq-len", "1000"], "--seq-len 1000 is beyond the model's window of 128"),
+    (["scores", "{model}", "--num-sequences", "50", "--seq-len", "48", "--data", "{small}"], "only"),
+    (["scores", "{model}", "--device", "cuda"], "cuda"),
+    (["scores", "{model}", "--layers", "0,99", "--seq-len", "48", "--num-sequences", "2", "--batch-size", "1"],
+     "--layers must be in [-3, 2], got 99"),
+    (["scores", "{model}", "--data", "/no/such/file.jsonl", "--seq-len", "48"], "file.jsonl"),
+    (["scores", "{model}", "--num-sequences", "1"], "--num-sequences must be >= 2"),
+    (["scores", "{model}", "--num-sequences", "16", "--batch-size", "20"], "--batch-size 20 puts all 16"),
+    (["scores", "{model}", "--groups", "1"], "--groups must be >= 2, got 1"),
+    (["scores", "{model}", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["scores", "{model}", "--level", "1"], "--level must be in (0, 1), got 1"),
 ])
-def test_bad_input_one_line_exit_2_nothing_written(model_dir, tmp_path, args, words):
+def test_bad_input_one_line_exit_2_nothing_written(model_dir, tmp_path, capsys, args, words):
+    """In-process (no torch import per case); every refusal before the model computes anything."""
+    before = sorted(os.listdir(model_dir))
+    small = tmp_path / "data"
+    small.mkdir()
+    (small / "a.txt").write_text("A few words of text. " * 20)
     out = tmp_path / "out"
-    res = run_cli(*[a.format(model=model_dir, out=out) for a in args])
-    assert res.returncode == 2, res.stderr
-    lines = [x for x in res.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    assert words in lines[0]
-    assert not out.exists() and list(tmp_path.iterdir()) == []
+    argv = [a.format(model=model_dir, small=small) for a in args]
+    code = main([*argv, "--quiet", *([] if "--out" in argv else ["--out", str(out)])])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert words in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"] and os.listdir(small) == ["a.txt"]
+    assert sorted(os.listdir(model_dir)) == before
+
+
+def test_a_batch_beyond_memory_is_refused_with_the_estimate(model_dir, tmp_path, capsys, monkeypatch):
+    """The size check runs before any sequence is cut: with 64 MiB free, batches of 1,000 sequences are refused
+    with the estimate and the parameter that lowers it."""
+    from poslens.engine import pipeline
+
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 64 << 20)
+    assert main(["scores", str(model_dir), "--batch-size", "100000", "--seq-len", "128", "--quiet",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("poslens scores: error: --batch-size 100000: the run would need about ") and \
+        "but 64 MiB is free on cpu; lower --batch-size" in err and "\n" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_compare_draws_figure5(model_dir, tmp_path):
     a = run_scores(cfg(model_dir), tmp_path / "a", progress=False)
     b = run_scores(cfg(model_dir, no_rope=True), tmp_path / "b", progress=False)
-    res = run_cli("compare", str(a), str(b), "--out", str(tmp_path / "fig5"))
-    assert res.returncode == 0, res.stderr
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "fig5")]) == 0
     meta = json.loads((tmp_path / "fig5" / "run.json").read_text())
     assert meta["config"]["labels"][1].endswith("(RoPE off)")
     assert (tmp_path / "fig5" / "figures" / "figure5.pdf").exists()

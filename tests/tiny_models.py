@@ -140,3 +140,16 @@ def token_batch(batch: int, seq_len: int, seed: int = 0, low: int = 3) -> torch.
     """Random token ids [batch, seq_len] in [low, VOCAB) (ids below `low` are pad/bos/eos)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (batch, seq_len), generator=g)
+
+
+@torch.no_grad()
+def randomize_norm_gains(model: PreTrainedModel, spread: float = 0.3, seed: int = 1) -> PreTrainedModel:
+    """Give every residual-stream RMSNorm (not the q/k norms, which `_rescale_qk` sets) a random gain around 1, so that
+    a value before a norm's gain and after it differ (a fresh model's gains are all exactly 1). Returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("RMSNorm") and not name.endswith(("q_norm", "k_norm")):
+            gain = 1 + spread * torch.randn(module.weight.shape, generator=g)
+            gemma_style = "Gemma" in type(module).__name__  # output * (1 + weight)
+            module.weight.copy_(gain - 1 if gemma_style else gain)
+    return model

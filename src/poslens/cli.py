@@ -1,10 +1,14 @@
-"""The `poslens` command line. Each subcommand parses its arguments and calls one library function.
+"""The `poslens` command line: one registry of commands, each calling one library function.
 
-Options come from the config dataclasses (`poslens.options`): a field `seq_len` of `ScoresConfig` is the flag
-`--seq-len`, with the field's default and help. Library functions raise `UsageError` naming their own parameter;
-`main` shows it as the flag (one place: `flag_message`). Bad input ends with a one-line error and exit status 2.
+A command (`Command`) is a name, a line of help, the config dataclasses whose fields are its options
+(`poslens.options`: a field `seq_len` is the flag `--seq-len`, with the field's default, bound and help), the
+library function that runs it, the function that prints its summary, and its default `--out`. `--out`, `--force`
+and `--quiet` are generated once (`poslens.options.add_output_args`). Library functions raise `UsageError` naming
+their own parameter; `main` shows it as the flag (one place: `flag_message`). Bad input ends with a one-line error
+and exit status 2, an interrupt with exit status 130.
 
-New commands live in their own modules, each with `add_command(sub)`; list them in `COMMAND_MODULES`.
+References are "module:attribute" strings, imported only when that command is built or run, so `poslens --help`
+loads no model or plotting code. Add a command: one `Command` in `COMMANDS` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -15,25 +19,37 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from poslens.errors import UsageError
-from poslens.options import add_options, flags, from_args, option
+from poslens.options import Parser, add_options, add_output_args, check_options, flags, from_args, option
 
-# Modules with `add_command(sub: argparse._SubParsersAction) -> None` (import torch only inside functions).
-COMMAND_MODULES: list[str] = [
-    "poslens.analyses.intermediates_command",  # intermediates MODEL --layer L (Figure 3)
-    "poslens.train.command",  # tokenize, train
-    "poslens.analyses.leakage.command",  # leakage MODEL (Ruscio, Nanni & Silvestri 2026)
-]
+__all__ = ["COMMANDS", "Command", "Parser", "build_parser", "flag_message", "main"]
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error message (no usage block) and exit status 2."""
+@dataclass(frozen=True)
+class Command:
+    """One `poslens` command (see the module docstring). The standard form runs `run(*configs, out, force=,
+    progress=)` -> the run directory (None on torchrun ranks other than 0) and prints `summary(run.json)`, the
+    groups note and "wrote PATH"; `handler(args)` replaces that for commands that do more."""
 
-    def error(self, message: str):  # noqa: D102
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    name: str
+    help: str
+    description: str
+    configs: tuple[str | tuple[str, str], ...] = ()  # "module:Class", or ("module:Class", "help group title")
+    run: str | None = None
+    summary: str | None = None  # summary(meta: dict) -> list[str]
+    out: str | None = None  # default --out; None: the command picks it (or writes none, with no_out)
+    quiet: bool = True  # has --quiet (a progress bar to silence)
+    handler: str | None = None  # handler(args: argparse.Namespace) -> None
+    arguments: str | None = None  # arguments(parser): command-line-only arguments besides the configs
+    keep_unset: bool = False  # flags not given leave the config's values alone (train's presets)
+    no_out: bool = False  # writes no run directory of its own (its sub-commands do)
+
+    def classes(self) -> list[tuple[type, str | None]]:
+        """The config dataclasses with their help-group titles."""
+        return [(_load(c), None) if isinstance(c, str) else (_load(c[0]), c[1]) for c in self.configs]
 
 
 # Command-level options that are arguments of a library function rather than fields of a config class. Their
@@ -44,7 +60,7 @@ class MonteCarloOptions:
     """`simulate`'s sampling knobs: the keyword arguments of `poslens.stack.simulate.simulate`."""
 
     samples: int = option(100_000, help="number of sampled sequences")
-    seed: int = option(0, help="random seed")
+    seed: int = option(0, lo=0, help="random seed")
     chunk: int | None = option(None, help="samples per chunk (default: automatic; the result does not depend on it)")
     device: str = option("cpu", help="where to compute", choices=("cpu", "cuda"))
     dtype: str = option("float32", help="compute dtype (sums are float64)", choices=("float32", "float64"))
@@ -59,7 +75,7 @@ class ReproduceOptions:
 
     quick: bool = option(False, help="fewer Monte Carlo samples and model sequences")
     samples: int | None = option(None, help="Monte Carlo samples per setting (default 100000, or 10000 with --quick)")
-    seed: int = option(0, help="random seed")
+    seed: int = option(0, lo=0, help="random seed")
     models: bool = option(True, help="skip the real-model section")
 
 
@@ -71,13 +87,7 @@ class CompareOptions:
     first: int = option(4, help="how many leading layers to show")
 
 
-def add_output_args(p: argparse.ArgumentParser, default: str, *, quiet: bool = True) -> None:
-    """`--out`, `--force` (and `--quiet` unless quiet=False): CLI-level, not part of any config."""
-    p.add_argument("--out", default=default, help=f"run directory to write (default {default})")
-    p.add_argument("--force", action="store_true",
-                   help="replace --out if it is a run directory poslens wrote (anything else is refused)")
-    if quiet:
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+# ---------------------------------------------------------------- handlers of the commands that do more
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -144,40 +154,6 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
               samples=o.samples)
 
 
-def noise_text(m: dict) -> str:
-    """What is printed beside a layer's non-relative pattern: its rms, the confidence interval of that rms when
-    the metrics carry one ({"value", "lo", "hi"[, "level"]} under a key starting "normalised_rms"), and the
-    noise rms of the normalised map (an rms of pure noise is positive, so the interval alone cannot say that a
-    pattern is resolved; the noise level beside it can)."""
-    parts = [f"rms {m['normalised_rms']:.3f}"] if "normalised_rms" in m else []
-    for key, v in m.items():
-        if key.startswith("normalised_rms") and isinstance(v, dict) and {"value", "lo", "hi"} <= v.keys():
-            level = f"{100 * v['level']:g}% " if "level" in v else ""
-            parts.append(f"{level}interval [{v['lo']:.3f}, {v['hi']:.3f}]")
-            break
-    if "normalised_noise_rms" in m:
-        parts.append(f"noise rms {m['normalised_noise_rms']:.3f}")
-    elif len(parts) < 2:
-        parts.append("no noise estimate (one batch)")
-    return ", ".join(parts)
-
-
-def cmd_scores(args: argparse.Namespace) -> None:
-    from poslens.analyses.scores import ScoresConfig, run_scores
-
-    cfg = from_args(ScoresConfig, args)
-    path = run_scores(cfg, args.out, force=args.force, progress=not args.quiet)
-    if path is not None:
-        from poslens.io.results import load
-
-        for m in load(path, tensors=False).metrics["layers"]:
-            lo, hi = m["score_q01_q99"]
-            nlo, nhi = m["normalised_q01_q99"]
-            print(f"layer {m['layer']}: scores [{lo:+.2f}, {hi:+.2f}]  non-relative pattern [{nlo:+.3f}, {nhi:+.3f}] "
-                  f"({noise_text(m)})")
-        print(f"wrote {path}")
-
-
 def cmd_compare(args: argparse.Namespace) -> None:
     from poslens.analyses.compare import compare
 
@@ -188,90 +164,167 @@ def cmd_compare(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
-def _simulate(p: argparse.ArgumentParser) -> None:
-    from poslens.stack.config import StackConfig
-
-    add_options(p, StackConfig, group="stack (paper Eq. 1)")
-    add_options(p, MonteCarloOptions, group="Monte Carlo")
-    add_output_args(p, "runs/simulate")
+def _no_figures(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-figures", action="store_true", help="write tensors and run.json only")
 
 
-def _gramflow(p: argparse.ArgumentParser) -> None:
-    from poslens.stack.config import StackConfig
-
-    add_options(p, StackConfig, group="stack (paper Eq. 1)")
-    add_output_args(p, "runs/gramflow", quiet=False)
-    p.add_argument("--no-figures", action="store_true", help="write tensors and run.json only")
-
-
-def _reproduce(p: argparse.ArgumentParser) -> None:
-    add_options(p, ReproduceOptions)
-    add_output_args(p, "poslens-out")
-
-
-def _scores(p: argparse.ArgumentParser) -> None:
-    from poslens.analyses.scores import ScoresConfig
-
-    # attn_implementation stays at its default: the capture engine picks the kernel it needs while capturing
-    add_options(p, ScoresConfig, skip=("attn_implementation",))
-    add_output_args(p, "runs/scores")
-
-
-def _compare(p: argparse.ArgumentParser) -> None:
-    add_options(p, CompareOptions)
+def _labels(p: argparse.ArgumentParser) -> None:
     # space-separated like the runs (`--labels A B`), so not a comma-separated option field
     p.add_argument("--labels", nargs="*", default=None, help="row labels, one per run (default: the model names)")
-    add_output_args(p, "runs/compare", quiet=False)
 
 
-# name: (one-line help, description, options builder, handler)
-COMMANDS: dict[str, tuple[str, str, Callable, Callable]] = {
-    "simulate": ("Monte Carlo of the parameter-free stack (paper Eq. 1, Section 4.1)",
-                 "Monte Carlo of the parameter-free stack: mean scores, probabilities and their standard errors, and "
-                 "hidden-state cosine similarity, per layer.", _simulate, cmd_simulate),
-    "gramflow": ("exact infinite-width limit of the stack (deterministic Gram recursion)",
-                 "Exact d -> infinity limit of the parameter-free stack: G' = M G M^T (docs/gramflow.md). No sampling, "
-                 "float64.", _gramflow, cmd_gramflow),
-    "reproduce": ("regenerate the paper's figures and a report of its claims",
-                  "Regenerate Figures 1, 2, 4, 6, 7, 9, 10 (and the real-model section) and write report.md and "
-                  "report.html with each claim and what was measured.", _reproduce, cmd_reproduce),
-    "scores": ("averaged attention-score maps of a Hugging Face causal LM (Section 5.2)",
-               "Mean pre-softmax attention scores q_i . k_j * scaling (after RoPE, before the mask) per layer, "
-               "averaged over sequences and heads, at the cost of a plain forward pass. Under torchrun the sequences "
-               "are sharded over ranks.", _scores, cmd_scores),
-    "compare": ("first layers of several `scores` runs side by side (Figure 5)",
-                "Diagonal-normalised maps of the first layers of several runs, one row per run.", _compare,
-                cmd_compare),
-}
+def _stop_after(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after N steps, keeping the checkpoint (rerun the same command to resume)")
+
+
+# ---------------------------------------------------------------- the registry
+
+STACK = ("poslens.stack.config:StackConfig", "stack (paper Eq. 1)")
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command("simulate", "Monte Carlo of the parameter-free stack (paper Eq. 1, Section 4.1)",
+            "Monte Carlo of the parameter-free stack: mean scores, probabilities and their standard errors, and "
+            "hidden-state cosine similarity, per layer.",
+            configs=(STACK, ("poslens.cli:MonteCarloOptions", "Monte Carlo")), out="runs/simulate",
+            handler="poslens.cli:cmd_simulate", arguments="poslens.cli:_no_figures"),
+    Command("gramflow", "exact infinite-width limit of the stack (deterministic Gram recursion)",
+            "Exact d -> infinity limit of the parameter-free stack: G' = M G M^T (docs/gramflow.md). No sampling, "
+            "float64.", configs=(STACK,), out="runs/gramflow", quiet=False, handler="poslens.cli:cmd_gramflow",
+            arguments="poslens.cli:_no_figures"),
+    Command("reproduce", "regenerate the paper's figures and a report of its claims",
+            "Regenerate Figures 1, 2, 4, 6, 7, 9, 10 (and the real-model section) and write report.md and "
+            "report.html with each claim and what was measured.",
+            configs=("poslens.cli:ReproduceOptions",), out="poslens-out", handler="poslens.cli:cmd_reproduce"),
+    Command("scores", "averaged attention-score maps of a Hugging Face causal LM (Section 5.2)",
+            "Mean pre-softmax attention scores q_i . k_j * scaling (after RoPE, before the mask) per layer, averaged "
+            "over sequences and heads, at the cost of a plain forward pass, with jackknife intervals over groups of "
+            "sequences. Under torchrun the sequences are sharded over ranks.",
+            configs=("poslens.analyses.scores:ScoresConfig",), run="poslens.analyses.scores:run_scores",
+            summary="poslens.analyses.scores:summary_lines", out="runs/scores"),
+    Command("intermediates", "Figure 3's nine Gram matrices of layers L and L+1, and Figure 8 (every layer's scores) "
+            "for any model",
+            "Averaged over sequences (and heads): (a) Y Y^T after the input norm, (b) Q K^T * scaling, (c) (AV)(AV)^T, "
+            "(d) after W_O, (e) after adding the residual, (f) after the post-attention norm, (g) after the FFN and "
+            "residual, (h) the next layer's normalised input, (i) its Q K^T * scaling; each with a jackknife interval "
+            "over groups of sequences. The block output is recomputed in float64 and checked against the model's "
+            "hidden state. Figure 8: every layer's diagonal-normalised Q K^T * scaling. Paper defaults: 1,000 "
+            "sequences of the first 50 tokens. Layers are indexed from 0 here and numbered from 1 in the figures.",
+            configs=("poslens.analyses.intermediates:IntermediatesConfig",),
+            run="poslens.analyses.intermediates:run_intermediates",
+            summary="poslens.analyses.intermediates:summary_lines", out="runs/intermediates"),
+    Command("leakage", "absolute-position leakage of a causal LM (Ruscio et al. 2026): metrics with intervals, BOS "
+            "interventions, the predecessor's per-head test, sinks",
+            "Absolute-position leakage in the attention of a causal LM (Ruscio, Nanni & Silvestri 2026, \"Where does "
+            "Absolute Position come from in decoder-only Transformers?\"): Toeplitz-residual fractions, Delta R^2, "
+            "the mask / logit split of the log-probabilities, drift, the sink column, each with a jackknife "
+            "interval; position-0 interventions; the predecessor's linear Delta R^2 per head with its "
+            "shifted-token null (docs/leakage.md).",
+            configs=("poslens.analyses.leakage.run:LeakageConfig",), run="poslens.analyses.leakage.run:run_leakage",
+            summary="poslens.analyses.leakage.command:summary_lines", out="runs/leakage"),
+    Command("stat", "any registered statistic of a causal LM over real text, with intervals and a figure",
+            "Run one statistic of poslens.engine.statistics.REGISTRY (poslens stat NAME --help lists its options) on "
+            "a model over real text: its tensors with jackknife intervals over groups of sequences, a summary and "
+            "a default figure.", handler="poslens.analyses.stat:cmd_stat",
+            arguments="poslens.analyses.stat:add_statistics", no_out=True),
+    Command("compare", "first layers of several `scores` runs side by side (Figure 5)",
+            "Diagonal-normalised maps of the first layers of several runs, one row per run.",
+            configs=("poslens.cli:CompareOptions",), out="runs/compare", quiet=False,
+            handler="poslens.cli:cmd_compare", arguments="poslens.cli:_labels"),
+    Command("leakage-stack", "the leakage split in the parameter-free stack for three architectures",
+            "Mask / logit split per layer for standard RoPE, NTK-scaled RoPE and a sliding window in the "
+            "parameter-free stack: exact (d -> infinity, Gram flow) and Monte Carlo.",
+            configs=("poslens.analyses.leakage.command:StackLeakageOptions",), out="runs/leakage-stack", quiet=False,
+            handler="poslens.analyses.leakage.command:cmd_stack"),
+    Command("leakage-compare", "component shares by depth of several leakage runs in one figure",
+            "One figure: the logit and mask shares per layer of each run.",
+            configs=("poslens.analyses.leakage.command:LeakageCompareOptions",), out="runs/leakage-compare",
+            quiet=False, handler="poslens.analyses.leakage.command:cmd_compare", arguments="poslens.cli:_labels"),
+    Command("train", "train a NoPE or RoPE Llama-style decoder (SmolLM3) from scratch",
+            "Train a decoder (RMSNorm, SwiGLU, GQA) saved as a stock transformers SmolLM3, so from_pretrained "
+            "reloads its positional encoding. Start from a preset (tiny, cpu, small, paper-1.5b) and override any "
+            "field with its flag. Under torchrun: DDP (gloo on CPU, NCCL on GPU) or FSDP2. The defaults shown are "
+            "the tiny preset's. See docs/training.md.",
+            configs=("poslens.train.config:TrainConfig",), handler="poslens.train.command:cmd_train",
+            arguments="poslens.cli:_stop_after", keep_unset=True),
+    Command("tokenize", "write a memory-mapped token file with a document-level train/val split",
+            "Tokenize text into train.bin/val.bin (uint16 or uint32) plus header.json and the tokenizer, for "
+            "`poslens train --tokens DIR`.",
+            configs=("poslens.train.command:TokenizeConfig",), out="runs/tokens",
+            handler="poslens.train.command:cmd_tokenize"),
+)}
+
+
+def _load(ref: str) -> Any:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build(command: Command, p: argparse.ArgumentParser) -> None:
+    """Give parser `p` the options of `command`: its configs' fields, its own arguments, --out/--force/--quiet."""
+    for cls, title in command.classes():
+        add_options(p, cls, group=title)
+    if command.keep_unset:  # an unset flag must not override the config's own (a preset's) value
+        names = {f for cls, _ in command.classes() for f in cls.__dataclass_fields__}
+        for action in p._actions:
+            if action.dest in names:
+                action.default = argparse.SUPPRESS
+    if command.arguments:
+        _load(command.arguments)(p)
+    if not command.no_out:
+        add_output_args(p, command.out, quiet=command.quiet)
+    p.set_defaults(func=lambda args: dispatch(command, args))
+
+
+def dispatch(command: Command, args: argparse.Namespace) -> None:
+    """Run `command` on its parsed arguments (the standard form, or its handler). The bounds and choices declared on
+    the config fields are checked first, for every command (`check_options`), before any work."""
+    if command.handler:
+        if not command.keep_unset:
+            for cls, _ in command.classes():
+                check_options(from_args(cls, args))
+        _load(command.handler)(args)
+        return
+    from poslens.engine.pipeline import report_lines
+
+    configs = [from_args(cls, args) for cls, _ in command.classes()]
+    path = _load(command.run)(*configs, args.out, force=args.force, progress=not args.quiet)
+    if path is not None:
+        print("\n".join(report_lines(path, _load(command.summary) if command.summary else None)))
 
 
 def build_parser(command: str | None = None) -> Parser:
-    """The full parser; with `command`, only that built-in command gets its options (keeps `--help` fast)."""
+    """The full parser; with `command`, only that command gets its options (keeps `--help` fast)."""
     parser = Parser(prog="poslens", description="Measure, explain and reproduce how decoder-only transformers "
                     "get positional information: causal mask, RoPE, and their interaction.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for name, (help_, description, add, func) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=description)
+    for name, c in COMMANDS.items():
+        p = sub.add_parser(name, help=c.help, description=c.description)
         if command is None or command == name:
-            add(p)
-            p.set_defaults(func=func)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).add_command(sub)
-    for p in sub.choices.values():  # for `flag_message`: each command's parameter -> flag
-        p.set_defaults(flag_names=flags(p))
+            build(c, p)
+    _flag_names(parser)
     return parser
 
 
+def _flag_names(parser: argparse.ArgumentParser) -> None:
+    """For `flag_message`: every (sub-)command's parameter -> flag, nested sub-commands included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                p.set_defaults(flag_names=flags(p))
+                _flag_names(p)
+
+
 def flag_message(message: str, param: str | None, names: dict[str, str]) -> str:
-    """A library message that starts with a parameter name (`seq_len must be >= 2`) shown with its flag
-    (`--seq-len must be >= 2`); `param` is the name the error says it is about, else the message's first word."""
+    """A library message shown with flags instead of parameter names: the parameter it starts with
+    (`seq_len must be >= 2` -> `--seq-len must be >= 2`; `param` is the name the error says it is about, else the
+    first word), and any other parameter whose name has an underscore (never a word of prose: `lower batch_size`
+    -> `lower --batch-size`)."""
     first = re.match(r"[A-Za-z_]\w*", message)
     name = param if param in names else (first.group(0) if first else None)
     if name in names and first and first.group(0) == name:
-        return names[name] + message[len(name):]
-    return message
+        message = names[name] + message[len(name):]
+    return re.sub(r"(?<![\w-])([a-z]+_[a-z_]+)\b", lambda m: names.get(m.group(1), m.group(1)), message)
 
 
 def _close_progress_bars() -> None:

@@ -11,11 +11,19 @@ class UsageError(ValueError):
     """Bad input from the user. The message names the argument and says how to fix it.
 
     `param`: the library parameter the message starts with (the CLI shows it as its flag, `seq_len` -> `--seq-len`).
+    The message is kept on one line: control characters in it (a newline in a file name) are shown as escapes.
     """
 
     def __init__(self, message: str = "", param: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(one_line(str(message)))
         self.param = param
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable (newlines, other line breaks, control characters, the
+    surrogates of undecodable file names) shown as its escape, so that it prints as one line on any terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
 
 
 def require(ok: bool, message: str) -> None:

@@ -14,6 +14,10 @@ Names: `seq_len` -> `--seq-len` (or `flag=`, plus `aliases=`). Types: bool (Fals
 whose help describes the switch), int, float (finite only), str, `X | None`, and `list[X]` / `tuple[X, ...]` written
 comma-separated (`--layers 0,1,2`; a positional list takes space-separated values). The help shows the default
 unless it is None (the help says what None means) or the text already mentions a default.
+
+A field's bounds live on it too (`option(2, lo=1, help=...)`), and `check_options(config)` checks every bound and
+choice of a config in one place (its `validate()` calls it). A config that composes another may change a default
+without restating the rest: `seq_len: int = option_of(ModelData, "seq_len", 50)`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,24 @@ from typing import Any
 _KEY = "poslens.option"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error message (no usage block) and exit status 2."""
+
+    def error(self, message: str):  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_output_args(parser: argparse.ArgumentParser, default: str | None, *, quiet: bool = True) -> None:
+    """`--out`, `--force` and (unless quiet=False) `--quiet`, the same for every command that writes a run
+    directory: command-line arguments, not config fields. `default` None: the command picks the directory."""
+    shown = default if default is not None else "chosen by the command"
+    parser.add_argument("--out", default=default, help=f"run directory to write (default {shown})")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out if everything in it was written by poslens (anything else is refused)")
+    if quiet:
+        parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """The command-line facts of one config field (stored in the field's metadata)."""
@@ -40,17 +62,64 @@ class Option:
     flag: str | None = None
     aliases: tuple[str, ...] = ()
     metavar: str | None = None
+    lo: float | None = None  # bounds checked by `check_options` (inclusive; exclusive with `open`)
+    hi: float | None = None
+    open: bool = False
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, choices: Iterable | None = None,
            positional: bool = False, flag: str | None = None, aliases: Iterable[str] = (),
-           metavar: str | None = None) -> Any:
-    """A dataclass field whose default and help also define its command-line option (no default: required)."""
+           metavar: str | None = None, lo: float | None = None, hi: float | None = None, open: bool = False) -> Any:
+    """A dataclass field whose default and help also define its command-line option (no default: required).
+
+    `lo`, `hi`: the values allowed (inclusive; both exclusive with `open=True`), checked by `check_options`."""
     meta = {_KEY: Option(help, tuple(choices) if choices is not None else None, positional, flag, tuple(aliases),
-                         metavar)}
+                         metavar, lo, hi, open)}
+    return _field(default, meta)
+
+
+def _field(default: Any, meta: dict) -> Any:
     if isinstance(default, (list, dict, set)):  # mutable: each instance gets its own copy
         return dataclasses.field(default_factory=lambda: copy.copy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def option_of(cls: type, name: str, default: Any) -> Any:
+    """Field `name` of the dataclass `cls` (help, bounds, choices, flag) with another default: how a config that
+    composes `cls` changes a default without restating the rest."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name and _KEY in f.metadata), None)
+    if f is None:
+        raise TypeError(f"{cls.__name__} has no option field {name!r}")
+    return _field(default, dict(f.metadata))
+
+
+def check_options(config: Any) -> None:
+    """Check every bound and choice declared on the option fields of `config` (a one-line UsageError naming the
+    first field out of range). None passes for an optional field; list items are checked one by one."""
+    from poslens.errors import UsageError, check_choice, check_float, check_int
+
+    for f, opt, tp in option_fields(type(config)):
+        value = getattr(config, f.name)
+        scalar, container = field_kind(tp)
+        if value is None and _optional(tp):
+            continue
+        for item in (value if container is not None and isinstance(value, (list, tuple)) else [value]):
+            if opt.choices is not None:
+                check_choice(f.name, item, opt.choices)
+            elif scalar is bool and not isinstance(item, bool):
+                raise UsageError(f"{f.name} must be True or False, got {item!r}", param=f.name)
+            elif scalar is int and (opt.lo is not None or opt.hi is not None):
+                check_int(f.name, item, -(1 << 62) if opt.lo is None else int(opt.lo) + opt.open,
+                          None if opt.hi is None else int(opt.hi) - opt.open)
+            elif scalar is float and (opt.lo is not None or opt.hi is not None):
+                check_float(f.name, item, -math.inf if opt.lo is None else opt.lo,
+                            math.inf if opt.hi is None else opt.hi, lo_open=opt.open, hi_open=opt.open)
+            elif scalar is str and not isinstance(item, str):
+                raise UsageError(f"{f.name} must be a string, got {item!r}", param=f.name)
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def option_fields(cls: type) -> list[tuple[dataclasses.Field, Option, Any]]:

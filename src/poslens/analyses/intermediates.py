@@ -5,19 +5,20 @@ attention layer) the statistic averages over sequences (and over heads where the
 T x T Gram matrices of the intermediates that turn causally masked attention into position-dependent scores
 (Kim et al. 2025, Section 4.2):
 
-    (a) Y Y^T, Y = norm(X)                 blocks.L.ln1.hook_normalized
-    (b) Q K^T * scaling, mean over heads   blocks.L.attn.hook_q / hook_k (after q/k norm and RoPE)
+    (a) Y Y^T, Y = norm(X)                 blocks.L.ln1.hook_out (the norm's output, with its gain)
+    (b) Q K^T * scaling, mean over heads   blocks.L.attn.hook_rot_q / hook_rot_k (after q/k norm and RoPE)
     (c) (AV)(AV)^T, mean over heads        blocks.L.attn.hook_z
-    (d) after W_O                          blocks.L.hook_attn_out
+    (d) after W_O                          blocks.L.attn.hook_out
     (e) after adding the residual          blocks.L.hook_resid_mid
-    (f) after the post-attention norm      blocks.L.ln2.hook_normalized (the norm in front of the MLP)
+    (f) after the post-attention norm      blocks.L.ln2.hook_out (the norm in front of the MLP, with its gain)
     (g) after the FFN and residual         blocks.L.hook_resid_post
-    (h) next layer's normalised input      blocks.L+1.ln1.hook_normalized
-    (i) next layer's Q K^T * scaling       blocks.L+1.attn.hook_q / hook_k
+    (h) next layer's normalised input      blocks.L+1.ln1.hook_out
+    (i) next layer's Q K^T * scaling       blocks.L+1.attn.hook_rot_q / hook_rot_k
 
 Gemma's sandwich layout (a norm after each sublayer too) maps as follows: (d) is the o_proj output before
-Gemma's `post_attention_layernorm` (hook point ln1_post); (e) adds that normed output to the residual; (f) is
-`pre_feedforward_layernorm` (ln2); (g) adds `post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
+Gemma's `post_attention_layernorm` (hook point ln1_post; hook_attn_out comes after it, as in TransformerLens); (e)
+adds that normed output to the residual; (f) is `pre_feedforward_layernorm` (ln2); (g) adds
+`post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
 softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
 
 Every per-head Gram is a head-summed GEMM: sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T, and the sum over the
@@ -36,21 +37,20 @@ dtype (see `check_tolerance`), else `BlockOutputMismatch`.
 from __future__ import annotations
 
 import copy
-import itertools
 import math
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from poslens.engine.config import DEFAULT_SEQUENCES, ModelData
+from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
+from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
-from poslens.errors import UsageError, check_choice, check_float, check_int
-from poslens.io.results import check_output, run_directory, write_run
-from poslens.options import option
+from poslens.errors import UsageError, check_int
+from poslens.options import option, option_of
 
-DEFAULT_SEQUENCES = 1000  # the paper's Figure 3: 1,000 sequences
-DEFAULT_SEQ_LEN = 50  # ... of the first 50 tokens of each document
+DEFAULT_SEQ_LEN = 50  # the paper's Figure 3: 1,000 sequences of the first 50 tokens of each document
 STACK_ALPHAS = tuple(k / 20 for k in range(20))  # alphas searched for the strongest parameter-free pattern
 CHECK_ULPS = 64  # block-output check tolerance, in machine epsilons of the model's dtype (see check_tolerance)
 
@@ -67,8 +67,8 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("i", "next_qk", "next layer's Q K^T * scaling"),
 )
 # residual-stream-shaped panels: hook point (relative to the block) and which of the two layers
-_HIDDEN_POINTS = {"a": ("ln1.hook_normalized", 0), "d": ("hook_attn_out", 0), "e": ("hook_resid_mid", 0),
-                  "f": ("ln2.hook_normalized", 0), "g": ("hook_resid_post", 0), "h": ("ln1.hook_normalized", 1)}
+_HIDDEN_POINTS = {"a": ("ln1.hook_out", 0), "d": ("attn.hook_out", 0), "e": ("hook_resid_mid", 0),
+                  "f": ("ln2.hook_out", 0), "g": ("hook_resid_post", 0), "h": ("ln1.hook_out", 1)}
 
 
 class BlockOutputMismatch(UsageError):
@@ -259,7 +259,7 @@ class Intermediates(Statistic):
             add(f"blocks.{l}.attn.hook_attn_scores", from_factors(self._scores_reader(l)))
         if self.check is not None:
             add(f"blocks.{L}.hook_resid_mid", self._keep("mid"))
-            add(f"blocks.{L}.ln2.hook_normalized", self._keep("ln2"))
+            add(f"blocks.{L}.ln2.hook_out", self._keep("ln2"))
             add(f"blocks.{L}.hook_resid_post", self._check_block)
         return out
 
@@ -277,10 +277,10 @@ class Intermediates(Statistic):
         self.sums.add("panel_c", self.group, gram_sum(z.reshape(b, t, h * d)) / h, b)
 
     def _scores_reader(self, layer: int):
-        def read(_, ctx):
-            h = ctx.q.shape[1]
-            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.q, ctx.k) * (ctx.scaling / h),
-                          ctx.q.shape[0])
+        def read(_, ctx):  # ctx.rot_q [B, H, T, D], ctx.rot_k [B, K, T, D]: after q/k norm and RoPE
+            h = ctx.rot_q.shape[1]
+            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.rot_q, ctx.rot_k) * (ctx.scaling / h),
+                          ctx.rot_q.shape[0])
 
         return read
 
@@ -396,7 +396,7 @@ class Intermediates(Statistic):
         if self.check is None:
             return None
         return {**self.check, "tolerance": check_tolerance(self.dtype), "dtype": str(self.dtype).removeprefix("torch."),
-                "layer": self.layer, "recomputed": "hook_resid_mid + mlp(ln2.hook_normalized)"
+                "layer": self.layer, "recomputed": "hook_resid_mid + mlp(ln2.hook_out)"
                 + (" through post_feedforward_layernorm" if self.family.layout == "sandwich" else "")
                 + ", float64, vs hook_resid_post"}
 
@@ -428,152 +428,111 @@ class Intermediates(Statistic):
             self.check = {"max_abs": float(t[0]), "max_rel": float(t[1])}
 
 
-# ---------------------------------------------------------------- the pipeline
+# ---------------------------------------------------------------- the analysis
 
 
 @dataclass
-class IntermediatesConfig:
+class IntermediatesConfig(ModelData):
     """Everything that determines an `intermediates` run (recorded in run.json and the checkpoint fingerprint)."""
 
-    model: str = option(help="hub id, local directory, .gguf file, smollm2-135m, or random:<config.json>",
-                        positional=True, metavar="MODEL")
-    layer: int = option(0, help="the first of the two consecutive layers L, L+1 (index from 0; figures number "
+    seq_len: int = option_of(ModelData, "seq_len", DEFAULT_SEQ_LEN)  # the paper: the first 50 tokens
+    num_sequences: int | None = option_of(ModelData, "num_sequences", DEFAULT_SEQUENCES)
+    batch_size: int = option_of(ModelData, "batch_size", 50)
+    layer: int = option(0, lo=0, help="the first of the two consecutive layers L, L+1 (index from 0; figures number "
                         "layers from 1, so the default shows the paper's layers 1 and 2)")
-    data: str | None = option(None, help="text file, directory, .jsonl, .parquet, a datasets.save_to_disk "
-                              "directory, or a `poslens tokenize` directory (its held-out documents; default: the "
-                              "embedded corpus)")
-    text_field: str = option("text", help="field/column holding the text")
-    seq_len: int = option(DEFAULT_SEQ_LEN, help="tokens per sequence, BOS included (the paper: the first 50)")
-    num_sequences: int = option(DEFAULT_SEQUENCES, help="sequences to average over, exactly this many or an error")
-    batch_size: int = option(50, help="sequences per forward pass")
-    groups: int = option(DEFAULT_GROUPS, help="groups of sequences for the jackknife intervals (batch b goes to "
-                         "group b mod G)")
-    level: float = option(0.95, help="confidence level of the intervals")
     all_layers: bool = option(True, help="skip Figure 8 (every layer's scores); the forward then stops in layer "
                               "L+1's attention")
-    mode: str = option("first", help="first: the first seq-len tokens of each long-enough document (the paper); "
-                       "pack: concatenate documents and cut blocks", choices=("first", "pack"))
-    bos: str = option("auto", help="auto (as the tokenizer does), always, never", choices=("auto", "always", "never"))
-    pe: str = option("auto", help="positional encoding: auto (as the checkpoint says; known NoPE checkpoints load "
-                     "without RoPE), none (remove RoPE: a checkpoint trained without it), rope",
-                     choices=("auto", "none", "rope"))
-    dtype: str = option("auto", help="auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16, "
-                        "float16")
-    device: str = option("cpu", help="cpu, cuda or cuda:N")
-    tokenizer: str | None = option(None, help="tokenizer to use (same forms as MODEL); needed for random: configs "
-                                   "without tokenizer files")
-    seed: int = option(0, help="initialisation seed of random: models")
-    figures: bool = option(True, help="write tensors and run.json only (no figures)")
-    checkpoint_every: int = option(10, help="save partial sums every N batches; rerunning the same command resumes")
-
-    def validate(self) -> None:
-        from poslens.engine.models import check_device
-
-        check_int("layer", self.layer, 0)
-        check_int("seq_len", self.seq_len, 3)
-        check_int("num_sequences", self.num_sequences, 1)
-        check_int("batch_size", self.batch_size, 1)
-        check_int("groups", self.groups, 1)
-        check_float("level", self.level, 0.0, 1.0, lo_open=True, hi_open=True)
-        check_int("checkpoint_every", self.checkpoint_every, 1)
-        check_choice("mode", self.mode, ("first", "pack"))
-        check_choice("bos", self.bos, ("auto", "always", "never"))
-        check_choice("pe", self.pe, ("auto", "none", "rope"))
-        check_device(self.device)
-
-    def fingerprint_fields(self) -> dict:
-        d = asdict(self)
-        for k in ("checkpoint_every", "device", "level", "figures"):
-            d.pop(k)
-        return d
 
 
-def documents(data: str | None, text_field: str):
-    """(documents, source label): `data` through poslens.engine.data, or the embedded corpus when None."""
-    from poslens.engine.data import iter_documents, source_label
+class IntermediatesAnalysis(Analysis):
+    """Figure 3 and Figure 8: one pass of the `Intermediates` statistic."""
 
-    if data is None:
-        from poslens.engine import corpus
+    kind = "intermediates"
 
-        return corpus.documents(), corpus.label()
-    docs = iter_documents(data, text_field)
-    first = next(docs, None)  # a bad --data fails here, before the model loads
-    if first is None:
-        raise UsageError(f"data {data}: no documents found", param="data")
-    return itertools.chain([first], docs), source_label(data)
+    def check(self, job: Job) -> None:
+        n, layer = job.hm.n_layers, job.config.layer
+        if layer > n - 2:
+            raise UsageError(f"layer {layer} has no next layer: the model has {n} layers, so use layer 0..{n - 2}",
+                             param="layer")
 
+    def memory(self, job: Job) -> dict[str, tuple[float, str]]:
+        cfg = job.config
+        maps = len(PANELS) - 2 + (job.hm.n_layers if cfg.all_layers else 2)
+        return {"grouped sums of the maps": (cfg.groups * maps * cfg.seq_len ** 2 * 8, "groups")}
 
-def partial_path(out: Path) -> Path:
-    return out.parent / f".{out.name}.partial.safetensors"
+    def passes(self, job: Job) -> list[Pass]:
+        return [Pass("intermediates", [Intermediates(job.hm, job.config.layer, groups=job.groups,
+                                                     all_layers=job.config.all_layers)])]
 
-
-def run_intermediates(cfg: IntermediatesConfig, out: str, force: bool = False, progress: bool = True) -> Path:
-    """Compute the panels and Figure 8, write the run directory `out` (figures in out/figures); returns its path."""
-    from transformers.utils import logging as hf_logging
-
-    from poslens.engine.data import make_sequences
-    from poslens.engine.families import positional_encoding
-    from poslens.engine.hooks import HookedModel
-    from poslens.engine.models import load_info, load_model, max_positions
-    from poslens.engine.runner import run_statistics
-
-    cfg.validate()
-    started = time.perf_counter()
-    target = check_output(out, force)
-    docs, source = documents(cfg.data, cfg.text_field)
-    hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer,
-                                  seed=cfg.seed, pe=cfg.pe)
-    hm = HookedModel(model)
-    if cfg.layer > hm.n_layers - 2:
-        raise UsageError(f"layer {cfg.layer} has no next layer: the model has {hm.n_layers} layers, so use "
-                         f"--layer 0..{hm.n_layers - 2}", param="layer")
-    if cfg.seq_len > max_positions(model):
-        raise UsageError(f"seq_len {cfg.seq_len} is beyond the model's window of {max_positions(model)} positions",
-                         param="seq_len")
-    stat = Intermediates(hm, cfg.layer, groups=cfg.groups, all_layers=cfg.all_layers)
-    ids, data_stats = make_sequences(tokenizer, docs, cfg.seq_len, cfg.num_sequences, mode=cfg.mode, bos=cfg.bos)
-    data_stats["source"] = source
-    batches = list(torch.split(ids, cfg.batch_size))
-    ckpt = partial_path(target)
-    # one hooked forward per batch, batch b -> group b mod G, resumable from ckpt (the shared runner)
-    done = run_statistics(hm, [stat], batches, checkpoint=ckpt, fingerprint=cfg.fingerprint_fields(),
-                   checkpoint_every=cfg.checkpoint_every, progress="intermediates" if progress else None,
-                   all_reduce=False)
-    computed = time.perf_counter() - started
-    result = stat.result(cfg.level)
-    metrics = stat.summary(cfg.level)
-    info = load_info(model)
-    name = Path(cfg.model).name if Path(cfg.model).is_dir() else cfg.model  # a local directory: its last part
-    label = name + (" (RoPE removed)" if info.get("pe") == "none" else "")
-    with run_directory(target, force) as tmp:
-        figs = []
-        if cfg.figures:
-            figs = figure3(result, cfg.layer, tmp / "figures", label)
-            figs += figure8(result, tmp / "figures", label) if cfg.all_layers else []
-        write_run(tmp, result, {
-            "kind": "intermediates", "config": asdict(cfg), "data": data_stats,
+    def finish(self, job: Job, passes: list[Pass]) -> Output:
+        stat, cfg = passes[0].statistics[0], job.config
+        return Output(stat.result(cfg.level), stat.summary(cfg.level), {
             "layer_numbering": "indices from 0 in config and tensors; figures number layers from 1",
             "panels": {letter: {"what": what, "layer": cfg.layer + (letter in "hi"),
-                                "hook_point": _hook_point(letter, cfg.layer)} for letter, _, what in PANELS},
-            "metrics": metrics, "figures": [str(p.relative_to(tmp)) for p in figs],
-            "model": {"class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
-                      "family": hm.family.name, "layout": hm.family.layout, "layers": hm.n_layers,
-                      "positional_encoding": positional_encoding(model), **info},
-            "resumed_from_batch": done,
-            "timings": {"compute_seconds": computed, "seconds": time.perf_counter() - started},
-        })
-    return target
+                                "hook_point": _hook_point(letter, cfg.layer)} for letter, _, what in PANELS}})
+
+    def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
+        paths = figure3(output.tensors, job.config.layer, directory, job.label)
+        return paths + (figure8(output.tensors, directory, job.label) if job.config.all_layers else [])
+
+
+INTERMEDIATES = IntermediatesAnalysis()
+
+
+def run_intermediates(cfg: IntermediatesConfig, out: str | Path, force: bool = False, progress: bool = True) -> Path:
+    """Compute the panels and Figure 8, write the run directory `out` (figures in out/figures); returns its path."""
+    return run_analysis(INTERMEDIATES, cfg, out, force=force, progress=progress)
+
+
+@dataclass
+class IntermediatesOptions:
+    """`poslens stat intermediates`: which pair of layers, and whether every layer's scores too."""
+
+    layer: int = option_of(IntermediatesConfig, "layer", 0)
+    all_layers: bool = option_of(IntermediatesConfig, "all_layers", True)
+
+
+SPEC = Spec("intermediates", "the Gram matrices of Figure 3 for layers L, L+1 and every layer's Q K^T (Figure 8)",
+            IntermediatesOptions, lambda hm, o, groups: Intermediates(hm, o.layer, groups, o.all_layers))
 
 
 def _hook_point(letter: str, layer: int) -> str:
     if letter in "bi":
         l = layer + (letter == "i")
-        return f"blocks.{l}.attn.hook_q x blocks.{l}.attn.hook_k * scaling"
+        return f"blocks.{l}.attn.hook_rot_q x blocks.{l}.attn.hook_rot_k * scaling"
     if letter == "c":
         return f"blocks.{layer}.attn.hook_z"
     point, step = _HIDDEN_POINTS[letter]
     return f"blocks.{layer + step}.{point}"
+
+
+def _num(x, spec: str) -> str:
+    """A number of run.json for a summary line (NaN is kept there as null: an interval undefined in a replicate)."""
+    return "nan" if x is None else format(x, spec)
+
+
+def _interval(e: dict, spec: str) -> str:
+    return f"{_num(e['value'], spec)} [{_num(e['lo'], spec)}, {_num(e['hi'], spec)}]"
+
+
+def summary_lines(meta: dict) -> list[str]:
+    """What `poslens intermediates` prints: one line per panel (row slope and off-diagonal/diagonal ratio with
+    intervals), the amplification over the parameter-free stack, the block check, and the intervals' groups."""
+    m = meta["metrics"]
+    lines = [f"({letter}) {p['what']:<32} row slope {_interval(p['row_slope'], '+.4g')}  off-diagonal/diagonal "
+             f"{_interval(p['offdiag_ratio'], '.3g')}" for letter, p in m["panels"].items()]
+    amp = m.get("amplification") or {}
+    if "ratio" in amp:
+        lines.append(f"amplification (Section 4.2): panel (i)'s pattern is {_interval(amp['ratio'], '.3g')} times "
+                     f"the parameter-free stack's at alpha {_num(amp['alpha']['value'], '.3g')} from panel (a)")
+    elif "skipped" in amp:
+        lines.append(f"amplification: not measured ({amp['skipped']})")
+    c = m.get("block_output_check")
+    if c:
+        lines.append(f"block output check (layer index {c['layer']}): max deviation {c['max_abs']:.3g}, "
+                     f"{c['max_rel']:.3g} of the largest entry (tolerance {c['tolerance']:.3g}, {c['dtype']})")
+    lines.append(f"intervals: {100 * m['level']:g}% jackknife over {m['groups']} groups of sequences")
+    return lines
 
 
 # ---------------------------------------------------------------- figures

@@ -1,210 +1,88 @@
-"""`poslens scores MODEL`: averaged attention-score maps of a causal LM over real text (paper Section 5.2).
+"""`poslens scores MODEL`: averaged attention-score maps of a causal LM over real text (Kim et al. 2025, Section 5.2).
 
-Pipeline: load the model (poslens.engine.models) -> documents to token sequences (poslens.engine.data) -> the capture
-engine (poslens.engine.capture) over batches -> one run directory. Under torchrun every rank takes its shard of
-the sequences and the sums are all-reduced; each rank saves its partial sums atomically every
-`checkpoint_every` batches and a rerun of the same command resumes from them.
+One statistic on the analysis pipeline (`poslens.engine.pipeline`): `AttentionMaps` (the capture engine) over the
+sequences, optionally with RoPE removed for the pass (`--no-rope`, an ablation of a RoPE model). The summary gives
+per layer the score range next to the size of the non-relative pattern, with its jackknife interval over groups
+of sequences and the noise level of the diagonal-normalised map.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from poslens import plotting
-from poslens.engine.data import BOS_POLICIES, MODES
-from poslens.errors import UsageError, check_choice, check_int
-from poslens.io.checkpoint import load_partial, save_partial
-from poslens.io.results import check_output, sharded_run_directory, write_run
+from poslens.engine.config import ModelData
+from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
+from poslens.errors import check_int
 from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.options import option
 
-DEFAULT_SEQUENCES = 1000  # the paper's count (Section 5.2)
-
 
 @dataclass
-class ScoresConfig:
+class ScoresConfig(ModelData):
     """Everything that determines a `scores` run (recorded in run.json and in the checkpoint fingerprint)."""
 
-    model: str = option(help="hub id, local directory, .gguf file, the alias smollm2-135m, or random:<config.json> "
-                        "for a randomly initialised model", positional=True, metavar="MODEL")
-    data: str | None = option(None, help="text file, directory of text files, .jsonl, .parquet, or a "
-                              "datasets.save_to_disk directory (default: embedded CPython documentation text)")
-    text_field: str = option("text", help="field/column holding the text")
-    seq_len: int = option(1024, help="tokens per sequence, BOS included")
-    num_sequences: int | None = option(None, help="sequences to average over; exactly this many or an error "
-                                       f"(default: as many as the text gives, up to {DEFAULT_SEQUENCES})")
-    batch_size: int = option(20, help="sequences per forward pass")
-    mode: str = option("first", help="first: the first seq-len tokens of each long-enough document (the paper); "
-                       "pack: concatenate documents and cut blocks", choices=MODES)
-    bos: str = option("auto", help="auto (as the tokenizer does), always, never", choices=BOS_POLICIES)
     layers: list[int] | None = option(None, help="comma-separated layer indices, negatives from the end (default all)")
     per_head: bool = option(False, help="also keep one map per head")
     probs: bool = option(False, help="also keep mean attention probabilities")
     log_probs: bool = option(False, help="also keep mean log-probabilities and log-partitions")
     hidden_cosine: bool = option(False, help="also keep hidden-state cosine-similarity maps")
     no_rope: bool = option(False, help="run the same model with RoPE disabled (ablation)")
-    pe: str = option("auto", help="positional encoding of the loaded model: auto (as the checkpoint says; known NoPE "
-                     "checkpoints load as NoPE), none (a checkpoint trained without RoPE), rope",
-                     choices=("auto", "none", "rope"))
-    groups: int | None = option(None, help="independent groups of sequences kept for confidence intervals (batch b "
-                                "goes to group b mod G); default 20, fewer if the sums would not fit in a quarter "
-                                "of the device's memory (at least 2)")
-    dtype: str = option("auto", help="auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16, "
-                        "float16")
-    device: str = option("cpu", help="cpu, cuda or cuda:N")
-    attn_implementation: str = option("sdpa", help="attention kernel the model is loaded with (the capture engine "
-                                      "switches to the kernel it needs while capturing)")
-    tokenizer: str | None = option(None, help="tokenizer to use (same forms as MODEL); needed for random: configs "
-                                   "without tokenizer files")
-    checkpoint_every: int = option(10, help="save partial sums every N batches; rerunning the same command resumes")
-
-    def validate(self) -> None:
-        check_int("seq_len", self.seq_len, 2)
-        if self.num_sequences is not None:
-            check_int("num_sequences", self.num_sequences, 1)
-        check_int("batch_size", self.batch_size, 1)
-        check_int("checkpoint_every", self.checkpoint_every, 1)
-        if self.groups is not None:
-            check_int("groups", self.groups, 1)
-        from poslens.engine.data import BOS_POLICIES, MODES
-        from poslens.engine.models import check_device
-
-        check_choice("mode", self.mode, MODES)
-        check_choice("bos", self.bos, BOS_POLICIES)
-        check_device(self.device)
-
-    def fingerprint_fields(self) -> dict:
-        d = asdict(self)
-        d.pop("checkpoint_every")
-        d.pop("device")
-        return d
 
 
-def distributed(device: str = "cpu") -> tuple[int, int]:
-    """(rank, world_size); initialises torch.distributed under torchrun (gloo for --device cpu, nccl for cuda)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch.distributed as dist
+class Scores(Analysis):
+    """The scores analysis: one pass of `AttentionMaps`."""
 
-    cuda = device.startswith("cuda")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if cuda and local > torch.cuda.device_count():
-        raise UsageError(f"torchrun started {local} processes on this node but torch sees "
-                         f"{torch.cuda.device_count()} GPU(s); use --nproc-per-node {torch.cuda.device_count()}")
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return dist.get_rank(), world
+    kind = "scores"
 
+    def check(self, job: Job) -> None:
+        n = job.hm.n_layers
+        for layer in job.config.layers or []:
+            check_int("layers", layer, -n, n - 1)
 
-def partial_path(out: Path, rank: int, world: int) -> Path:
-    return out.parent / f".{out.name}.partial-{rank}-of-{world}.safetensors"
+    def memory(self, job: Job) -> dict[str, tuple[float, str]]:
+        from poslens.engine.families import num_layers
 
+        cfg = job.config
+        n_layers = len(cfg.layers) if cfg.layers else num_layers(job.model)
+        maps = sum([True, cfg.probs, cfg.log_probs, cfg.hidden_cosine])
+        heads = job.model.config.num_attention_heads if cfg.per_head else 1
+        return {"grouped sums of the maps": (cfg.groups * n_layers * maps * heads * cfg.seq_len ** 2 * 4, "groups")}
 
-def run_scores(cfg: ScoresConfig, out: str, force: bool = False, progress: bool = True) -> Path | None:
-    """Compute the maps and write the run directory (rank 0); returns its path on rank 0, None elsewhere."""
-    from poslens.engine.capture import Capture
-    from poslens.engine.data import iter_documents, make_sequences, shard, shard_bounds, source_label
-    from poslens.engine.models import load_model, max_positions, model_record
+    def passes(self, job: Job) -> list[Pass]:
+        from poslens.engine.statistics.attention_maps import AttentionMaps
 
-    cfg.validate()
-    started = time.perf_counter()
-    rank, world = distributed(cfg.device)
-    target = check_output(out, force) if rank == 0 else Path(out).expanduser().absolute()
-    device = cfg.device
-    if device.startswith("cuda") and world > 1:  # one GPU per process: cuda:LOCAL_RANK
-        if device != "cuda":
-            raise UsageError(f"device {device}: under torchrun every process uses cuda:LOCAL_RANK; pass cuda")
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    documents = iter_documents(cfg.data, cfg.text_field)
-    first_doc = next(documents, None)  # a bad --data fails here, before the model loads
-    if first_doc is None:
-        raise UsageError(f"--data {cfg.data}: no documents found")
-    documents = itertools.chain([first_doc], documents)
-    from transformers.utils import logging as hf_logging
+        cfg = job.config
+        maps = AttentionMaps(job.model, cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
+                             hidden_cosine=cfg.hidden_cosine, device=job.dist.device, groups=job.groups)
+        return [Pass("scores", [maps], context=(lambda: _no_rope(job.model)) if cfg.no_rope else None)]
 
-    hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=device, pe=cfg.pe,
-                                  attn_implementation=cfg.attn_implementation, tokenizer=cfg.tokenizer)
-    window = max_positions(model)
-    if cfg.seq_len > window:
-        raise UsageError(f"--seq-len {cfg.seq_len} is beyond the model's window of {window} positions; "
-                         f"use --seq-len <= {window}")
-    groups = cfg.groups or auto_groups(model, cfg, device)
-    capture = Capture(model, layers=cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
-                      hidden_cosine=cfg.hidden_cosine, device=device, groups=groups)  # checks layers first
-    ids, data_stats = make_sequences(tokenizer, documents, cfg.seq_len,
-                                     cfg.num_sequences or DEFAULT_SEQUENCES, mode=cfg.mode, bos=cfg.bos,
-                                     minimum=1 if cfg.num_sequences is None else None)
-    data_stats["source"] = source_label(cfg.data)
-    mine = shard(ids, rank, world)
-    first_batch = shard_bounds(len(ids), rank, world)[0] // cfg.batch_size  # batch b of the run -> group b mod G
-    batches = list(torch.split(mine, cfg.batch_size)) if len(mine) else []
-    ckpt = partial_path(target, rank, world)
-    fp = {**cfg.fingerprint_fields(), "world": world, "rank": rank}
-    done = 0
-    resumed = load_partial(ckpt, fp)
-    if resumed is not None:
-        state, done = resumed
-        capture.load_state_dict(state)
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
+    def finish(self, job: Job, passes: list[Pass]) -> Output:
+        maps = passes[0].statistics[0]
+        result = maps.result(level=job.config.level)
+        result.update(noise_maps(maps.capture))
+        return Output(result, summarise_scores(result, maps.capture, job.config.level))
 
-        bar = tqdm(total=len(batches), initial=done, desc="scores", unit="batch")
-    with _no_rope(model) if cfg.no_rope else contextlib.nullcontext():
-        for b in range(done, len(batches)):
-            capture.update(batches[b].to(device), group=first_batch + b)
-            if bar is not None:
-                bar.update(1)
-            if (b + 1) % cfg.checkpoint_every == 0 and b + 1 < len(batches):
-                save_partial(ckpt, capture.state_dict(), b + 1, fp)
-    if bar is not None:
-        bar.close()
-    capture.all_reduce()
-    result = capture.result()
-    result.update(noise_maps(capture))
-    with sharded_run_directory(target, force, rank, world, ckpt) as tmp:
-        if tmp is not None:
-            metrics = summarise_scores(result, capture)
-            figures(result, tmp / "figures", cfg.model + (" (RoPE off)" if cfg.no_rope else "")
-                    + (" (NoPE)" if cfg.pe == "none" else ""))
-            write_run(tmp, result, {"kind": "scores", "config": asdict(cfg), "data": data_stats,
-                                    "world_size": world, "resumed_from_batch": done, "metrics": metrics,
-                                    "groups": groups,
-                                    "model": model_record(model),
-                                    "timings": {"seconds": time.perf_counter() - started}})
-    return target if rank == 0 else None
+    def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
+        return figures(output.tensors, directory, job.label + (" (RoPE off)" if job.config.no_rope else ""))
 
 
-def auto_groups(model, cfg: ScoresConfig, device: str, most: int = 20) -> int:
-    """How many groups of sums fit: `most`, or fewer so that the sums take at most a quarter of the device's
-    memory (at least 2; with fewer than 2 fitting, a UsageError with the estimate and the fix)."""
-    from poslens.engine.families import num_layers
+SCORES = Scores()
 
-    n_layers = len(cfg.layers) if cfg.layers else num_layers(model)
-    maps = sum([True, cfg.probs, cfg.log_probs, cfg.hidden_cosine])
-    heads = model.config.num_attention_heads if cfg.per_head else 1
-    per_group = n_layers * maps * heads * cfg.seq_len**2 * 4
-    if str(device).startswith("cuda"):
-        free = torch.cuda.mem_get_info(torch.device(device))[1]  # total memory of the GPU
-    else:
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fits = int(free // 4 // max(per_group, 1))
-    if fits < 2:
-        raise UsageError(f"the sums of two groups of maps need {2 * per_group / 2**30:.1f} GiB, more than a quarter "
-                         f"of {free / 2**30:.0f} GiB; capture fewer layers or maps, a shorter seq_len, or set groups=1 "
-                         "(no confidence intervals)")
-    return min(most, fits)
+
+def run_scores(cfg: ScoresConfig, out: str | Path, force: bool = False, progress: bool = True) -> Path | None:
+    """Compute the maps and write the run directory `out`; returns its path (on rank 0; None on other ranks)."""
+    return run_analysis(SCORES, cfg, out, force=force, progress=progress)
+
+
+def _no_rope(model) -> contextlib.AbstractContextManager:
+    from poslens.engine.ablations import no_rope
+
+    return no_rope(model)
 
 
 def pattern_rms(m: torch.Tensor) -> float:
@@ -222,12 +100,6 @@ def noise_maps(capture) -> dict[str, torch.Tensor]:
     if ests[0].groups < 2:
         return {}
     return {"normalised_se": torch.stack([e.se for e in ests]).float()}
-
-
-def _no_rope(model):
-    from poslens.engine.ablations import no_rope
-
-    return no_rope(model)
 
 
 def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
@@ -260,8 +132,39 @@ def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
     return {"layers": layers, "groups": int(result["groups"][0]) if "groups" in result else 1, "level": level}
 
 
+def noise_text(m: dict) -> str:
+    """What is printed beside a layer's non-relative pattern: its rms, the confidence interval of that rms when
+    the metrics carry one ({"value", "lo", "hi"[, "level"]} under a key starting "normalised_rms"), and the
+    noise rms of the normalised map (an rms of pure noise is positive, so the interval alone cannot say that a
+    pattern is resolved; the noise level beside it can)."""
+    parts = [f"rms {m['normalised_rms']:.3f}"] if "normalised_rms" in m else []
+    for key, v in m.items():
+        if key.startswith("normalised_rms") and isinstance(v, dict) and {"value", "lo", "hi"} <= v.keys():
+            level = f"{100 * v['level']:g}% " if "level" in v else ""
+            parts.append(f"{level}interval [{v['lo']:.3f}, {v['hi']:.3f}]")
+            break
+    if "normalised_noise_rms" in m:
+        parts.append(f"noise rms {m['normalised_noise_rms']:.3f}")
+    elif len(parts) < 2:
+        parts.append("no noise estimate (one batch)")
+    return ", ".join(parts)
+
+
+def summary_lines(meta: dict) -> list[str]:
+    """What `poslens scores` prints: one line per layer (score range, non-relative pattern and its noise)."""
+    lines = []
+    for m in meta["metrics"]["layers"]:
+        lo, hi = m["score_q01_q99"]
+        nlo, nhi = m["normalised_q01_q99"]
+        lines.append(f"layer {m['layer']}: scores [{lo:+.2f}, {hi:+.2f}]  non-relative pattern [{nlo:+.3f}, "
+                     f"{nhi:+.3f}] ({noise_text(m)})")
+    return lines
+
+
 def figures(result: dict, directory: Path, label: str) -> list[Path]:
     """All layers raw and diagonal-normalised (colour limits at the 1% and 99% quantiles), Figures 11-16 style."""
+    from poslens import plotting
+
     layer_ids = result.get("layers", torch.arange(len(result["scores"]))).tolist()
     return plotting.layer_maps(result["scores"], directory, "scores", label, [f"layer {i + 1}" for i in layer_ids],
                                ncols=min(8, len(layer_ids)))

@@ -282,8 +282,9 @@ class Capture:
     # ---- hook points read ----------------------------------------------------------------------------
 
     def hooks(self) -> dict:
-        """The hook points this capture reads: the attention scores of each captured layer, as factors q and k (no
-        [B, H, T, T] tensor is formed for the head means), and the residual stream for `hidden_cosine`."""
+        """The hook points this capture reads: the attention scores of each captured layer, as their factors (the
+        post-RoPE ctx.rot_q and ctx.rot_k; no [B, H, T, T] tensor is formed for the head means), and the residual
+        stream for `hidden_cosine`."""
         out = {}
         if self.wanted["scores"] or self.wanted["probs"] or self.wanted["log_probs"]:
             for l in self.layers:
@@ -321,6 +322,21 @@ class Capture:
             out = self.hm.run(ids, mask, hooks=self.hooks(), logits=True, **kwargs)
         self._commit(batch)
         return out
+
+    def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    group: int | None = None) -> None:
+        """For a driver that runs the forward itself with `hooks()` (poslens.engine.runner): take the batch about
+        to run (checked and aligned as `update` does); `end_batch()` after the forward counts it."""
+        _, _, batch = self._prepare(input_ids, attention_mask)
+        if group is not None:
+            self.group = check_int("group", group, 0) % self.groups
+        self._grow(batch.valid.shape[1])
+        self._batch = batch
+
+    def end_batch(self) -> None:
+        """Count the batch taken by `begin_batch` into its group."""
+        batch, self._batch = self._batch, None
+        self._commit(batch)
 
     def _prepare(self, input_ids, attention_mask):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
@@ -407,8 +423,9 @@ class Capture:
                                 device=self.device or device)
 
     def _observe(self, _, ctx) -> None:
-        """Reader of `attn.hook_attn_scores` from the factors q and k (see `hooks`)."""
-        batch, query, key, scaling, softcap = self._batch, ctx.q, ctx.k, ctx.scaling, ctx.softcap
+        """Reader of `attn.hook_attn_scores` from its factors: the queries and keys after q/k norm and RoPE, as the
+        attention kernel reads them (ctx.rot_q [B, H, T, D], ctx.rot_k [B, K, T, D]; see `hooks`)."""
+        batch, query, key, scaling, softcap = self._batch, ctx.rot_q, ctx.rot_k, ctx.scaling, ctx.softcap
         slot = self._slot[ctx.layer]
         window = int(ctx.window or 0)
         self._window[slot] = max(int(self._window[slot]), window)

@@ -33,6 +33,10 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from poslens.io.lock import cache_lock
+from poslens.io.space import disk_space
+
+WHAT = "the embedded corpus"  # for the line a process prints while it waits for another one building it
 FORMAT = 1  # bump when the extraction rules change (invalidates cached corpora)
 # pyarrow (declared for Parquet input) is not a source: adding it would change the documented corpus
 SOURCES = ("accelerate", "datasets", "gguf", "matplotlib", "numpy", "safetensors", "torch", "tqdm", "transformers")
@@ -228,41 +232,55 @@ def _read_cache(path: Path) -> tuple[tuple[str, ...], dict] | None:
 
 
 def _write_cache(path: Path, docs: list[str], manifest: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the cache file atomically (a temporary renamed into place; a full disk is one line)."""
+    data = gzip.compress(json.dumps({"documents": docs, "manifest": manifest}).encode("utf-8"), compresslevel=3)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
-        json.dump({"documents": docs, "manifest": manifest}, f)
-    tmp.replace(path)
+    try:
+        with disk_space(path, len(data)):
+            tmp.write_bytes(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @functools.lru_cache(maxsize=2)
 def load(cache_dir: str | None = None) -> tuple[tuple[str, ...], dict]:
     """(documents, manifest) of the whole corpus: from the cache when there, else built (about a minute on two
-    cores) and cached."""
+    cores) and cached. A second process building it at the same time waits for the first."""
     path = cache_path(cache_dir)
     cached = _read_cache(path)
     if cached is not None:
         return cached
-    docs, manifest = build()
-    _write_cache(path, docs, manifest)
-    return tuple(docs), manifest
+    with cache_lock(path, WHAT):
+        cached = _read_cache(path)  # built by another process while this one waited
+        if cached is None:
+            docs, manifest = build()
+            _write_cache(path, docs, manifest)
+            cached = tuple(docs), manifest
+    return cached
 
 
 def documents(cache_dir: str | None = None) -> Iterator[str]:
     """The corpus documents in their fixed order. Without a cache they are read lazily, source by source, so a
-    caller that needs only the first documents reads only the first sources; reading to the end caches it."""
+    caller that needs only the first documents reads only the first sources; reading to the end caches it.
+    A cache being built by another process is waited for; an unwritable cache directory is refused up front."""
     path = cache_path(cache_dir)
-    if path.is_file():
-        cached = _read_cache(path)
-        if cached is not None:
-            yield from cached[0]
-            return
+    cached = _read_cache(path) if path.is_file() else None
+    if cached is None:
+        with cache_lock(path, WHAT):  # waits for another builder; refuses an unwritable cache before any work
+            cached = _read_cache(path)
+    if cached is not None:
+        yield from cached[0]
+        return
     manifest: dict = {}
     docs: list[str] = []
     for doc in _sources(manifest):
         docs.append(doc)
         yield doc
-    _write_cache(path, docs, manifest)
+    with cache_lock(path, WHAT):
+        if _read_cache(path) is None:
+            _write_cache(path, docs, manifest)
 
 
 def label() -> str:

@@ -275,13 +275,9 @@ def make_sequences(tokenizer: Any, documents: Iterable[str], seq_len: int, num_s
     """
     require(tokenizer is not None, "this model has no tokenizer; pass one with --tokenizer SPEC")
     check_choice("--mode", mode, MODES)
-    check_choice("--bos", bos, BOS_POLICIES)
     num_sequences = check_int("--num-sequences", num_sequences, 1)
     minimum = num_sequences if minimum is None else min(check_int("minimum", minimum, 1), num_sequences)
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    if bos == "always":
-        require(bos_id is not None, "--bos always: this tokenizer has no BOS token; use --bos never or auto")
-    prepend = bos == "always" or (bos == "auto" and tokenizer_adds_bos(tokenizer))
+    prepend, bos_id = _bos_policy(tokenizer, bos)
     seq_len = check_int("--seq-len", seq_len, 2 if prepend else 1)
     body = seq_len - int(prepend)
 
@@ -293,30 +289,89 @@ def make_sequences(tokenizer: Any, documents: Iterable[str], seq_len: int, num_s
         sep = getattr(tokenizer, "eos_token_id", None)
         rows, counts = _packed_tokens(tokenizer, documents, body, num_sequences, sep, seq_len, minimum)
         stats["separator_token_id"] = sep
-    if prepend:
-        rows = torch.cat([torch.full((rows.shape[0], 1), bos_id, dtype=torch.long), rows], dim=1)
+    rows = _with_bos(rows, bos_id if prepend else None)
     stats.update(counts, sequences=rows.shape[0], tokens=rows.numel())
     return rows, stats
 
 
+def _bos_policy(tokenizer: Any, bos: str) -> tuple[bool, int | None]:
+    """(prepend a BOS?, its id) for a --bos policy (see make_sequences)."""
+    check_choice("--bos", bos, BOS_POLICIES)
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos == "always":
+        require(bos_id is not None, "--bos always: this tokenizer has no BOS token; use --bos never or auto")
+    return bos == "always" or (bos == "auto" and tokenizer_adds_bos(tokenizer)), bos_id
+
+
+def _with_bos(rows: torch.Tensor, bos_id: int | None) -> torch.Tensor:
+    if bos_id is None:
+        return rows
+    return torch.cat([torch.full((rows.shape[0], 1), bos_id, dtype=torch.long), rows], dim=1)
+
+
+def document_windows(tokenizer: Any, documents: Iterable[str], seq_len: int, num_sequences: int, *,
+                     min_offset: int, max_offset: int | None = None, seed: int = 0,
+                     bos: str = "auto") -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Two windows of `seq_len` tokens from each of `num_sequences` documents: its start and a window starting
+    at a random offset inside it, as LongTensors [N, seq_len] (start, inside), and stats.
+
+    The body (seq_len minus a prepended BOS) of the start window is tokens [0, body) of the document, that of
+    the inside window tokens [o, o + body), o uniform on [min_offset, min(max_offset, len - body)] (seeded
+    per document; max_offset None: 8 x seq_len); both get the same BOS policy (see make_sequences). Documents
+    with fewer than body + min_offset tokens are skipped and counted. Stats: those of make_sequences plus
+    `offsets` (a list) and min_offset, max_offset.
+    """
+    require(tokenizer is not None, "this model has no tokenizer; pass one with --tokenizer SPEC")
+    num_sequences = check_int("--num-sequences", num_sequences, 1)
+    prepend, bos_id = _bos_policy(tokenizer, bos)
+    seq_len = check_int("--seq-len", seq_len, 2 if prepend else 1)
+    body = seq_len - int(prepend)
+    min_offset = check_int("min_offset", min_offset, 1)
+    max_offset = check_int("max_offset", 8 * seq_len if max_offset is None else max_offset, min_offset)
+    gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
+    counts = {"documents_read": 0, "documents_skipped": 0}
+    start, inside, offsets = [], [], []
+    for ids in itertools.islice(_long_documents(tokenizer, documents, body + max_offset, body + min_offset, counts),
+                                num_sequences):
+        o = int(torch.randint(min_offset, min(max_offset, len(ids) - body) + 1, (1,), generator=gen))
+        start.append(ids[:body])
+        inside.append(ids[o:o + body])
+        offsets.append(o)
+    if len(start) < num_sequences:
+        raise UsageError(f"the text gives only {len(start)} of {num_sequences} documents of at least "
+                         f"{body + min_offset} tokens ({counts['documents_read']} read) for windows inside "
+                         "documents; use fewer --num-sequences, a shorter --seq-len, a smaller offset, or more "
+                         "text with --data")
+    bos_or_none = bos_id if prepend else None
+    rows = [_with_bos(torch.tensor(r, dtype=torch.long), bos_or_none) for r in (start, inside)]
+    stats = {"mode": "windows", "seq_len": seq_len, "bos": bos, "bos_prepended": prepend,
+             "bos_token_id": bos_or_none, "sequences": num_sequences, "tokens": 2 * rows[0].numel(), **counts,
+             "documents_used": num_sequences, "min_offset": min_offset, "max_offset": max_offset, "offsets": offsets}
+    return rows[0], rows[1], stats
+
+
+def _long_documents(tokenizer: Any, documents: Iterable[str], n: int, need: int,
+                    counts: dict[str, int]) -> Iterator[list[int]]:
+    """The first `n` token ids of each document that has at least `need`, counting documents read and skipped."""
+    for text in documents:
+        counts["documents_read"] += 1
+        ids = leading_ids(tokenizer, text, n)
+        if len(ids) < need:
+            counts["documents_skipped"] += 1
+            continue
+        yield ids
+
+
 def _first_tokens(tokenizer: Any, documents: Iterable[str], body: int, num: int,
                   seq_len: int, minimum: int) -> tuple[torch.Tensor, dict[str, int]]:
-    rows: list[list[int]] = []
-    read = skipped = 0
-    for text in documents:
-        read += 1
-        ids = leading_ids(tokenizer, text, body)
-        if len(ids) < body:
-            skipped += 1
-            continue
-        rows.append(ids)
-        if len(rows) == num:
-            break
+    counts = {"documents_read": 0, "documents_skipped": 0}
+    rows = list(itertools.islice(_long_documents(tokenizer, documents, body, body, counts), num))
     if len(rows) < minimum:
-        raise UsageError(f"the text gives only {len(rows)} of {num} sequences in --mode first ({read} documents "
-                         f"read, {skipped} shorter than --seq-len {seq_len}); use --mode pack, fewer "
-                         "--num-sequences, a shorter --seq-len, or more text with --data")
-    counts = {"documents_read": read, "documents_used": len(rows), "documents_skipped": skipped}
+        raise UsageError(f"the text gives only {len(rows)} of {num} sequences in --mode first "
+                         f"({counts['documents_read']} documents read, {counts['documents_skipped']} shorter than "
+                         f"--seq-len {seq_len}); use --mode pack, fewer --num-sequences, a shorter --seq-len, or "
+                         "more text with --data")
+    counts["documents_used"] = len(rows)
     return torch.tensor(rows, dtype=torch.long), counts
 
 

@@ -39,6 +39,9 @@ class Family:
     ln2_post: str | None = None  # sandwich: the norm after the MLP
     eager_output: bool = False  # the model's output comes from its own eager attention (no SDPA path)
     softcap_attr: str | None = None  # config field of an attention logit softcap passed to the attention function
+    norm_gain: str = "weight"  # RMSNorm gain: "weight" (Llama: w * normalized, cast to the model dtype first) or
+    # "1+weight" (Gemma: (1 + w) * normalized in float32, cast after); read by the hook engine's norm points
+    qk_norm_heads_first: bool = False  # the q/k norm (if any) reads [B, heads, T, D] (Gemma-3), not [B, T, heads, D]
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -48,7 +51,7 @@ class Family:
         return {"ln1": self.ln1, "ln1_post": self.ln1_post, "ln2": self.ln2_pre, "ln2_post": self.ln2_post}
 
 
-_SANDWICH = dict(layout="sandwich", ln1="input_layernorm", ln1_post="post_attention_layernorm",
+_SANDWICH = dict(layout="sandwich", norm_gain="1+weight", ln1="input_layernorm", ln1_post="post_attention_layernorm",
                  ln2_pre="pre_feedforward_layernorm", ln2_post="post_feedforward_layernorm",
                  ln2="pre_feedforward_layernorm")
 
@@ -59,7 +62,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("Mistral"),
     "phi3": Family("Phi-3"),
     "smollm3": Family("SmolLM3"),
-    "gemma3_text": Family("Gemma-3 (text)", **_SANDWICH),
+    "gemma3_text": Family("Gemma-3 (text)", qk_norm_heads_first=True, **_SANDWICH),
     "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
 }
 

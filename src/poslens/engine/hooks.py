@@ -1,39 +1,66 @@
-"""Hook points on every supported model: read or replace any intermediate, named as TransformerLens names them.
+"""Hook points on every supported model, with the names, meanings and layouts of TransformerLens 3.9.
 
     hm = HookedModel(model)
-    hm.run(input_ids, hooks={"blocks.0.hook_resid_pre": read, "blocks.3.attn.hook_z": patch})
+    hm.run(input_ids, hooks={"blocks.0.attn.hook_rot_q": read, "blocks.3.attn.hook_z": patch})
+    logits, cache = hm.run_with_cache(input_ids)       # as TransformerLens's HookedTransformer.run_with_cache
+    logits = hm.run_with_hooks(input_ids, fwd_hooks=[("blocks.3.attn.hook_q", fn)])   # fn(x, hook), as TL's
 
-A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward.
-`ctx` (a HookContext) names the point and layer and, at attention points, holds q, k, v (after RoPE and any q/k
-norm), `scaling`, `window` and `softcap`. The run ends after the last hooked point (no LM head) unless
-`logits=True`; with read-only hooks the model's outputs are bit-identical to a plain SDPA forward, and nothing a
-hook does not ask for is computed (the [B, H, T, T] scores exist only if a hook at `attn.hook_attn_scores` or
-`attn.hook_pattern` reads them as a tensor; a reader marked with `from_factors` gets None and works from ctx.q and
-ctx.k, e.g. a head-summed GEMM).
+A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward. A
+replacement takes effect downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
+has a q-norm) and rotated afterwards; one written at `ln1.hook_normalized` is multiplied by the gain. `ctx` (a
+HookContext) names the point and layer; at the attention kernel's points (`attn.hook_rot_q` to `attn.hook_z`) it also
+holds `rot_q`, `rot_k` and `v` as the kernel receives them ([B, H, T, D], heads before positions), `scaling`, `window`
+and `softcap`. The run ends after the last hooked point (no LM head) unless `logits=True`; with read-only hooks the
+model's outputs are bit-identical to a plain SDPA forward, and nothing a hook does not ask for is computed (the
+[B, H, T, T] scores exist only if a hook at `attn.hook_attn_scores` or `attn.hook_pattern` reads them as a tensor; a
+reader marked with `from_factors` gets None and works from ctx.rot_q and ctx.rot_k, e.g. a head-summed GEMM).
 
-How: while a run is active, each decoder layer's forward is poslens's block forward below (the two residual lines,
-with a hook on every intermediate), and attention goes through a registered transformers attention function that
-fires the attention points and then calls the model's own attention (SDPA, or the family's eager function).
+How: while a run is active, each decoder layer's forward is poslens's block forward below (the two residual lines);
+a norm with a hooked point runs poslens's copy of the family's RMSNorm (the same operations, with its points); the
+projections (q, k, v, gate, up, down) get module hooks; attention goes through a registered transformers attention
+function that fires the kernel's points and then calls the model's own attention (SDPA, or the family's eager one).
 
-Points (l = layer index from 0, as transformers and TransformerLens count; shapes for batch B, tokens T):
+Points, in forward order (l = layer from 0; B batch, T tokens, d width, H query heads, K key/value heads, D head
+width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name with this meaning and layout; the
+`*.hook_out` names are poslens's own, as TransformerLens 4's bridge names them):
 
-    hook_embed                          [B, T, d]      token embeddings (Gemma: after its sqrt(d) scale)
-    blocks.{l}.hook_resid_pre           [B, T, d]      the residual stream entering layer l
-    blocks.{l}.ln1.hook_normalized      [B, T, d]      input norm
-    blocks.{l}.attn.hook_q              [B, H, T, D]   queries after q-norm and RoPE
-    blocks.{l}.attn.hook_k              [B, Hkv, T, D] keys after k-norm and RoPE (not repeated for GQA)
-    blocks.{l}.attn.hook_v              [B, Hkv, T, D]
-    blocks.{l}.attn.hook_attn_scores    [B, H, T, T]   q.k * scaling (Gemma-2: after the softcap), -inf if masked
-    blocks.{l}.attn.hook_pattern        [B, H, T, T]   softmax of the scores (0 on rows with no visible key)
-    blocks.{l}.attn.hook_z              [B, T, H, D]   per-head attention output, before W_O
-    blocks.{l}.hook_attn_out            [B, T, d]      after W_O
-    blocks.{l}.ln1_post.hook_normalized [B, T, d]      Gemma only: the norm after attention (what is added)
-    blocks.{l}.hook_resid_mid           [B, T, d]      after the attention residual
-    blocks.{l}.ln2.hook_normalized      [B, T, d]      norm before the MLP (Gemma: pre_feedforward_layernorm)
-    blocks.{l}.hook_mlp_out             [B, T, d]      MLP output
-    blocks.{l}.ln2_post.hook_normalized [B, T, d]      Gemma only: the norm after the MLP (what is added)
-    blocks.{l}.hook_resid_post          [B, T, d]      the residual stream leaving layer l
-    ln_final.hook_normalized            [B, T, d]      the final norm (before the LM head)
+    hook_embed                          [B, T, d]     TL  token embeddings (Gemma: after its sqrt(d) scale)
+    blocks.{l}.hook_resid_pre           [B, T, d]     TL  the residual stream entering layer l
+    blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32)
+    blocks.{l}.ln1.hook_normalized      [B, T, d]     TL  x / scale, before the gain (float32)
+    blocks.{l}.ln1.hook_out             [B, T, d]         after the gain: what attention reads
+    blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE
+    blocks.{l}.attn.q_norm.hook_*       [B*T*H, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of q (scale [., 1],
+                                                          normalized and out [., D]; TL's flattened layout)
+    blocks.{l}.attn.hook_k              [B, T, K, D]  TL  k_proj output (K heads: not repeated for GQA, as TL)
+    blocks.{l}.attn.k_norm.hook_*       [B*T*K, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of k
+    blocks.{l}.attn.hook_v              [B, T, K, D]  TL  v_proj output
+    blocks.{l}.attn.hook_rot_q          [B, T, H, D]  TL  queries after q-norm and RoPE (as q on a layer without RoPE)
+    blocks.{l}.attn.hook_rot_k          [B, T, K, D]  TL  keys after k-norm and RoPE
+    blocks.{l}.attn.hook_attn_scores    [B, H, T, T]  TL  rot_q . rot_k * scaling (Gemma-2: after the softcap), -inf
+                                                          where masked
+    blocks.{l}.attn.hook_pattern        [B, H, T, T]  TL  softmax of the scores (0 on rows with no visible key)
+    blocks.{l}.attn.hook_z              [B, T, H, D]  TL  per-head attention output, before W_O
+    blocks.{l}.attn.hook_out            [B, T, d]         after W_O (Gemma: before its post-attention norm)
+    blocks.{l}.ln1_post.hook_*          as ln1        TL  Gemma: the norm after attention (post_attention_layernorm)
+    blocks.{l}.hook_attn_out            [B, T, d]     TL  what attention adds to the residual stream (Gemma: after
+                                                          ln1_post)
+    blocks.{l}.hook_resid_mid           [B, T, d]     TL  after the attention residual
+    blocks.{l}.ln2.hook_*               as ln1        TL  the norm before the MLP (Gemma: pre_feedforward_layernorm)
+    blocks.{l}.mlp.hook_pre             [B, T, M]     TL  gate projection, before the activation
+    blocks.{l}.mlp.hook_pre_linear      [B, T, M]     TL  up projection
+    blocks.{l}.mlp.hook_post            [B, T, M]     TL  act(pre) * pre_linear: the down projection's input
+    blocks.{l}.mlp.hook_out             [B, T, d]         the MLP's output (Gemma: before its post-MLP norm)
+    blocks.{l}.ln2_post.hook_*          as ln1        TL  Gemma: the norm after the MLP (post_feedforward_layernorm)
+    blocks.{l}.hook_mlp_out             [B, T, d]     TL  what the MLP adds to the residual stream (Gemma: after
+                                                          ln2_post)
+    blocks.{l}.hook_resid_post          [B, T, d]     TL  the residual stream leaving layer l
+    ln_final.hook_*                     as ln1        TL  the final norm (before the LM head)
+    unembed.hook_in                     [B, T, d]     TL  the LM head's input (= ln_final.hook_out)
+    unembed.hook_out                    [B, T, V]     TL  the LM head's output (Gemma-2: before its final softcap);
+                                                          hooking either runs the LM head
+
+docs/hooks.md has the details, where poslens differs from TransformerLens and why.
 """
 
 from __future__ import annotations
@@ -45,7 +72,7 @@ import math
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,25 +80,56 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from poslens.engine.families import decoder_layers, family_of
+from poslens.engine.activation_cache import ActivationCache, NoEquivalent, select_points
+from poslens.engine.families import Family, decoder_layers, family_of
 from poslens.errors import UsageError
 
 ATTN_SDPA = "poslens_hooks"
 ATTN_EAGER = "poslens_hooks_eager"
 _OWNER = "_poslens_hooked"  # attribute on the attention modules and layers of a model with a run in progress
 
-# forward order of the points inside one block (attention points are prefixed "attn.")
-BLOCK_POINTS = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v",
-                "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "hook_attn_out",
-                "ln1_post.hook_normalized", "hook_resid_mid", "ln2.hook_normalized", "hook_mlp_out",
-                "ln2_post.hook_normalized", "hook_resid_post")
-SANDWICH_ONLY = ("ln1_post.hook_normalized", "ln2_post.hook_normalized")
+NORM_POINTS = ("hook_scale", "hook_normalized", "hook_out")  # every norm's points, under its prefix
+KERNEL_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
+
+# TransformerLens names poslens has no equivalent for, and what to do instead
+TL_ONLY = {
+    "attn.hook_result": "sum attn.hook_z through W_O per head yourself (o_proj.weight split by head)",
+    "hook_attn_in": "read ln1.hook_out (the same input for every head)",
+    "hook_q_input": "read ln1.hook_out", "hook_k_input": "read ln1.hook_out", "hook_v_input": "read ln1.hook_out",
+    "hook_mlp_in": "read hook_resid_mid (or ln2.hook_out, the MLP's input)",
+    "hook_pos_embed": "these models have no positional embedding (RoPE acts in attn.hook_rot_q/rot_k)",
+    "hook_tokens": "the token ids are ctx.input_ids",
+}
 
 HookFn = Callable[[Any, "HookContext"], Any]
 
 
+def norm_points(prefix: str) -> list[str]:
+    """The points of one norm: TransformerLens's scale and normalized (before the gain), and its output."""
+    return [f"{prefix}.{p}" for p in NORM_POINTS]
+
+
+def block_points(family: Family, qk_norm: bool) -> list[str]:
+    """The points of one block (under blocks.{l}.) in forward order."""
+    sandwich = family.layout == "sandwich"
+    return ["hook_resid_pre", *norm_points("ln1"),
+            "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
+            "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
+            "attn.hook_v", *KERNEL_POINTS, "attn.hook_out", *(norm_points("ln1_post") if sandwich else []),
+            "hook_attn_out", "hook_resid_mid", *norm_points("ln2"),
+            "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "mlp.hook_out",
+            *(norm_points("ln2_post") if sandwich else []), "hook_mlp_out", "hook_resid_post"]
+
+
+def is_transformer_lens_name(name: str) -> bool:
+    """Whether TransformerLens 3.9 has the point: every name but poslens's own `*.hook_out` (unembed.hook_out is
+    TransformerLens's)."""
+    return not name.endswith(".hook_out") or name.startswith("unembed.")
+
+
 def from_factors(fn: HookFn) -> HookFn:
-    """Mark a reader of `attn.hook_attn_scores` that works from ctx.q and ctx.k: it gets None, no scores are formed."""
+    """Mark a reader of `attn.hook_attn_scores` that works from ctx.rot_q and ctx.rot_k: it gets None, no scores are
+    formed."""
     def reader(x, ctx):
         return fn(x, ctx)
 
@@ -81,20 +139,41 @@ def from_factors(fn: HookFn) -> HookFn:
 
 @dataclass
 class HookContext:
-    """What a hook sees besides the value: the point, the layer, the batch and (attention points) q, k, v."""
+    """What a hook sees besides the value: the point, the layer, the batch and (kernel points) what attention reads."""
 
     name: str
     layer: int | None
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None  # [B, T] as passed to run() (1 = real token), or None
     position_ids: torch.Tensor | None
-    q: torch.Tensor | None = None
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    rot_q: torch.Tensor | None = None  # [B, H, T, D] queries after q-norm and RoPE, as the kernel reads them
+    rot_k: torch.Tensor | None = None  # [B, K, T, D] keys after k-norm and RoPE (not repeated for GQA)
+    v: torch.Tensor | None = None  # [B, K, T, D] values
     scaling: float | None = None
     window: int = 0  # sliding window of this layer (0 = none)
     softcap: float | None = None
     module: Any = None
+
+    @property
+    def q(self):
+        raise NoEquivalent("ctx.q is now ctx.rot_q (after q-norm and RoPE, [B, H, T, D]); the projection before RoPE "
+                           "is the value at attn.hook_q ([B, T, H, D], as TransformerLens)")
+
+    @property
+    def k(self):
+        raise NoEquivalent("ctx.k is now ctx.rot_k (after k-norm and RoPE, [B, K, T, D]); the projection before RoPE "
+                           "is the value at attn.hook_k ([B, T, K, D], as TransformerLens)")
+
+
+class TLHook:
+    """The `hook` argument of a TransformerLens hook function (run_with_hooks): its `name` and `layer()`."""
+
+    def __init__(self, name: str, layer: int | None) -> None:
+        self.name = name
+        self._layer = layer
+
+    def layer(self) -> int | None:
+        return self._layer
 
 
 class _Stop(Exception):
@@ -103,24 +182,15 @@ class _Stop(Exception):
 
 @dataclass
 class _Run:
-    """One forward in progress: the hooks by point, where to stop, the batch."""
+    """One forward in progress: the hooks by point (and by layer), the points still to fire, the batch."""
 
     by_point: dict[str, list[HookFn]]
-    last: tuple[int, int] | None  # (layer, point index) after which the forward ends; None = run to the end
+    per_layer: dict[int, dict[str, list[HookFn]]]  # layer -> point under blocks.{l}. -> hooks
+    pending: set[str]  # hooked points not fired yet: the forward ends when none is left (unless to_end)
+    to_end: bool
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
-    per_layer: dict[int, dict[str, list[HookFn]]] = field(default_factory=dict)
-
-
-def _point_order(name: str, n_layers: int) -> tuple[int, int]:
-    """(layer, index) of a point in forward order; hook_embed first, ln_final last."""
-    if name == "hook_embed":
-        return (-1, 0)
-    if name == "ln_final.hook_normalized":
-        return (n_layers, 0)
-    layer, point = _split(name)
-    return (layer, BLOCK_POINTS.index(point))
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -136,10 +206,19 @@ class HookedModel:
         self.family = family_of(model.config)
         self.layers = decoder_layers(model)
         self.n_layers = len(self.layers)
-        names = [p for p in BLOCK_POINTS if self.family.layout == "sandwich" or p not in SANDWICH_ONLY]
+        attn = self.layers[0].self_attn
+        names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"))
         self.points = ["hook_embed"] + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
-            ["ln_final.hook_normalized"]
+            norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
+        self.tl_points = [p for p in self.points if is_transformer_lens_name(p)]
         self._known = set(self.points)
+        self._norms = {"ln_final": (model.base_model.norm, None)}  # point prefix -> (norm module, layer)
+        for l, layer in enumerate(self.layers):
+            for prefix, attr in self.family.norm_points.items():
+                self._norms[f"blocks.{l}.{prefix}"] = (getattr(layer, attr), l)
+            if hasattr(layer.self_attn, "q_norm"):
+                self._norms[f"blocks.{l}.attn.q_norm"] = (layer.self_attn.q_norm, l)
+                self._norms[f"blocks.{l}.attn.k_norm"] = (layer.self_attn.k_norm, l)
         self._run: _Run | None = None
 
     # ---- running ------------------------------------------------------------------------------------------
@@ -153,34 +232,102 @@ class HookedModel:
         point and returns None. `model_kwargs` go to the model's forward (e.g. output_hidden_states=True).
         """
         by_point = self._check_hooks(hooks or {})
-        last = None if logits or not by_point else max(_point_order(n, self.n_layers) for n in by_point)
-        if last is not None and last[0] >= self.n_layers:
-            last = None  # ln_final is hooked: run the base model to its end
-        run = _Run(by_point, last, input_ids, attention_mask, position_ids)
+        per_layer: dict[int, dict[str, list[HookFn]]] = {}
         for name, fns in by_point.items():
             if name.startswith("blocks."):
                 layer, point = _split(name)
-                run.per_layer.setdefault(layer, {})[point] = fns
+                per_layer.setdefault(layer, {})[point] = fns
+        head = logits or any(n.startswith("unembed.") for n in by_point)  # the LM head runs
+        run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
+                   position_ids)
         with torch.no_grad(), self._installed(run):
             kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False, **model_kwargs)
-            if logits:
-                return self.model(**kwargs)
+            if head:
+                out = self.model(**kwargs)
+                return out if logits else None
             try:
                 self.model.base_model(**kwargs)
             except _Stop:
                 pass
         return None
 
+    def run_with_cache(self, input_ids: torch.Tensor, names_filter=None, *, attention_mask: torch.Tensor | None = None,
+                       return_type: str | None = "logits", device: str | torch.device | None = None,
+                       remove_batch_dim: bool = False, return_cache_object: bool = True, **unsupported):
+        """(logits, cache) as TransformerLens's `run_with_cache`: logits [B, T, vocab] (None with return_type=None,
+        when the forward also stops after the last cached point) and the mapping name -> tensor of every point
+        `names_filter` selects (None: every TransformerLens point; a name; a list of names; a callable on the
+        TransformerLens names), in forward order; an ActivationCache unless `return_cache_object=False` (a dict)."""
+        input_ids = self._tl_call("run_with_cache", input_ids, return_type, unsupported)
+        if remove_batch_dim and input_ids.shape[0] != 1:
+            raise UsageError(f"run_with_cache: remove_batch_dim needs a batch of 1, got {input_ids.shape[0]}")
+        names = select_points(names_filter, self.points, self.tl_points, self._check_name)
+        cache: dict[str, torch.Tensor] = {}
+
+        def save(x, ctx):
+            cache[ctx.name] = x.detach() if device is None else x.detach().to(device)
+
+        out = self.run(input_ids, attention_mask, hooks={n: save for n in names}, logits=return_type == "logits")
+        ordered = {n: cache[n][0] if remove_batch_dim else cache[n] for n in names}
+        result = ActivationCache(ordered, self.n_layers, has_batch_dim=not remove_batch_dim)
+        return (None if out is None else out.logits), (result if return_cache_object else ordered)
+
+    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks=(), bwd_hooks=(), *,
+                       attention_mask: torch.Tensor | None = None, return_type: str | None = "logits", **unsupported):
+        """TransformerLens's `run_with_hooks`: `fwd_hooks` is a list of (name, or a function of a name, hook
+        function), each hook function called as fn(value, hook) with TransformerLens's `hook.name` and `hook.layer()`
+        and returning None or a replacement. Returns the logits (None with return_type=None: the forward then stops
+        after the last hooked point)."""
+        input_ids = self._tl_call("run_with_hooks", input_ids, return_type, unsupported)
+        if bwd_hooks:
+            raise NoEquivalent("run_with_hooks: bwd_hooks have no poslens equivalent (runs are under no_grad)")
+        hooks: dict[str, list[HookFn]] = {}
+        for names_filter, fn in fwd_hooks:
+            for name in select_points(names_filter, self.points, self.tl_points, self._check_name):
+                hooks.setdefault(name, []).append(lambda x, ctx, fn=fn: fn(x, TLHook(ctx.name, ctx.layer)))
+        out = self.run(input_ids, attention_mask, hooks=hooks, logits=return_type == "logits")
+        return None if out is None else out.logits
+
+    def _tl_call(self, method: str, input_ids, return_type, unsupported: dict) -> torch.Tensor:
+        """The token ids [B, T] of a TransformerLens-style call, after refusing what has no poslens equivalent."""
+        if unsupported:
+            name = sorted(unsupported)[0]
+            raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent (see docs/hooks.md)")
+        if return_type not in ("logits", None):
+            raise NoEquivalent(f"{method}: return_type={return_type!r} has no poslens equivalent; use 'logits' "
+                               "(and compute the loss from them) or None")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point():
+            raise UsageError(f"{method}: input_ids must be a tensor of token ids [batch, pos]; tokenize text with "
+                             "the model's tokenizer (load_model returns it)")
+        return input_ids[None] if input_ids.dim() == 1 else input_ids
+
+    def __getattr__(self, name: str):
+        """TransformerLens's other HookedTransformer attributes fail loudly, in one line."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise NoEquivalent(f"HookedModel has no {name!r}: TransformerLens's {name} has no poslens equivalent "
+                           "(poslens has run, run_with_cache, run_with_hooks, points, n_layers, model; see "
+                           "docs/hooks.md)")
+
+    def _check_name(self, name: str) -> None:
+        if name in self._known:
+            return
+        parts = name.split(".")
+        hint = "e.g. blocks.0.hook_resid_pre, blocks.0.attn.hook_q; see HookedModel.points"
+        if name.startswith("blocks.") and len(parts) > 2 and parts[1].isdigit():
+            if int(parts[1]) >= self.n_layers:
+                hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
+            elif ".".join(parts[2:]) in TL_ONLY:
+                hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
+        elif name in TL_ONLY:
+            hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY[name]}"
+        raise UsageError(f"hooks: no hook point {name!r} on this {self.family.name} model ({hint})")
+
     def _check_hooks(self, hooks: dict) -> dict[str, list[HookFn]]:
         out = {}
         for name, fns in hooks.items():
-            if name not in self._known:
-                hint = "e.g. blocks.0.hook_resid_pre, blocks.0.attn.hook_q; see HookedModel.points"
-                if name.startswith("blocks.") and name.split(".")[1].isdigit() and \
-                        int(name.split(".")[1]) >= self.n_layers:
-                    hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
-                raise UsageError(f"hooks: no hook point {name!r} on this {self.family.name} model ({hint})")
+            self._check_name(name)
             fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
             if not all(callable(f) for f in fns):
                 raise UsageError(f"hooks: the hook at {name!r} is not callable")
@@ -189,39 +336,72 @@ class HookedModel:
 
     @contextmanager
     def _installed(self, run: _Run):
+        """Everything a run needs, installed for its duration and removed after (also when it fails half-way)."""
         if self._run is not None:
             raise UsageError("this HookedModel is already running a forward (hooks cannot nest)")
         _register()
-        saved = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
-        handles = []
-        base = self.model.base_model
-        if "hook_embed" in run.by_point:
-            handles.append(base.embed_tokens.register_forward_hook(self._module_hook("hook_embed", None)))
-        if "ln_final.hook_normalized" in run.by_point:
-            handles.append(base.norm.register_forward_hook(self._module_hook("ln_final.hook_normalized", None)))
-        for layer in self.layers:
-            setattr(layer, _OWNER, self)
-            setattr(layer.self_attn, _OWNER, self)
-            layer.forward = types.MethodType(_block_forward, layer)
-        self._run = run
+        undo: list[Callable[[], Any]] = []
+        fns = run.by_point
         try:
+            saved = self.model.config._attn_implementation
+            self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
+            undo.append(lambda: self.model.set_attn_implementation(saved))
+            handles = []
+            if "hook_embed" in fns:
+                handles.append(self.model.base_model.embed_tokens.register_forward_hook(
+                    lambda module, args, out: self._fire("hook_embed", None, out, fns["hook_embed"])))
+            head = self.model.get_output_embeddings()
+            if "unembed.hook_in" in fns:
+                handles.append(head.register_forward_pre_hook(
+                    lambda module, args: (self._fire("unembed.hook_in", None, args[0], fns["unembed.hook_in"]),)))
+            if "unembed.hook_out" in fns:
+                handles.append(head.register_forward_hook(
+                    lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
+            for l, pts in run.per_layer.items():
+                handles += self._projection_hooks(l, pts)
+            undo += [h.remove for h in handles]
+            for prefix, (module, layer) in self._norms.items():
+                if any(p in fns for p in norm_points(prefix)):
+                    module.forward = functools.partial(self._norm, module, prefix, layer)
+                    undo.append(lambda m=module: delattr(m, "forward"))  # back to the class's forward
+            for layer in self.layers:
+                setattr(layer, _OWNER, self)
+                setattr(layer.self_attn, _OWNER, self)
+                layer.forward = types.MethodType(_block_forward, layer)
+                undo.append(lambda m=layer: [delattr(m, "forward"), delattr(m, _OWNER), delattr(m.self_attn, _OWNER)])
+            self._run = run
             yield
         finally:
             self._run = None
-            for layer in self.layers:
-                del layer.forward  # back to the class's forward
-                delattr(layer, _OWNER)
-                delattr(layer.self_attn, _OWNER)
-            for h in handles:
-                h.remove()
-            self.model.set_attn_implementation(saved)
+            for fn in reversed(undo):
+                fn()
 
-    def _module_hook(self, name: str, layer: int | None):
-        def hook(module, args, output):
-            return self._fire(name, layer, output, self._run.by_point[name])
+    def _projection_hooks(self, l: int, pts: dict) -> list:
+        """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj), the MLP's
+        gate and up (Phi-3: one fused gate_up_proj) and the down projection's input."""
+        attn, mlp, cfg = self.layers[l].self_attn, self.layers[l].mlp, self.model.config
+        d = attn.head_dim
+        qkv = [("attn.hook_q", cfg.num_attention_heads * d, d), ("attn.hook_k", cfg.num_key_value_heads * d, d),
+               ("attn.hook_v", cfg.num_key_value_heads * d, d)]
+        width = mlp.down_proj.in_features
+        gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
+        if hasattr(attn, "qkv_proj"):
+            sites = [(attn.qkv_proj, qkv)]
+        else:
+            sites = [(attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
+        if hasattr(mlp, "gate_up_proj"):
+            sites.append((mlp.gate_up_proj, gate_up))
+        else:
+            sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
+        handles = [module.register_forward_hook(self._split_hook(l, parts))
+                   for module, parts in sites if any(p in pts for p, _, _ in parts)]
+        if "mlp.hook_post" in pts:
+            def post(module, args):
+                new = self._fire_at(l, "mlp.hook_post", args[0])
+                return None if new is args[0] else (new,)
 
-        return hook
+            handles.append(mlp.down_proj.register_forward_pre_hook(post))
+        return handles
 
     # ---- firing -------------------------------------------------------------------------------------------
 
@@ -230,57 +410,113 @@ class HookedModel:
         return HookContext(name, layer, run.input_ids, run.attention_mask, run.position_ids, **attn)
 
     def _fire(self, name: str, layer: int | None, x, fns: list[HookFn] | None, ctx: HookContext | None = None):
-        """Call the hooks of one point in order; a returned tensor replaces x. Then stop if this is the last."""
-        if fns:
-            ctx = ctx or self._ctx(name, layer)
-            for fn in fns:
-                out = fn(x, ctx)
-                if out is not None:
-                    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-                        raise UsageError(f"hook at {name}: a replacement must be a tensor of shape "
-                                         f"{tuple(x.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
-                    x = out.to(x.dtype)
-            if self._run.last is not None and _point_order(name, self.n_layers) == self._run.last:
-                raise _Stop
+        """Call the hooks of one point in order; a returned tensor replaces x. Then stop if no hooked point is left."""
+        if not fns:
+            return x
+        ctx = ctx or self._ctx(name, layer)
+        for fn in fns:
+            out = fn(x, ctx)
+            if out is not None:
+                if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+                    raise UsageError(f"hook at {name}: a replacement must be a tensor of shape "
+                                     f"{tuple(x.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
+                x = out.to(x.dtype)
+        self._fired(name)
         return x
 
+    def _fired(self, name: str) -> None:
+        run = self._run
+        run.pending.discard(name)
+        if not run.pending and not run.to_end:
+            raise _Stop
+
+    def _fire_at(self, l: int, point: str, x):
+        """Fire the point `point` of layer l (a no-op when it has no hooks)."""
+        fns = self._run.per_layer.get(l, {}).get(point)
+        return self._fire(f"blocks.{l}.{point}", l, x, fns) if fns else x
+
+    def _split_hook(self, l: int, parts: list[tuple[str, int, int]]):
+        """A forward hook on a projection whose output holds `parts` side by side, each (point, width, head width or
+        0): every hooked part is fired ([B, T, heads, D] when it has heads) and written back."""
+        def hook(module, args, out):
+            pieces = out.split([w for _, w, _ in parts], -1) if len(parts) > 1 else (out,)
+            new = []
+            for (point, _, d), piece in zip(parts, pieces):
+                x = piece.unflatten(-1, (-1, d)) if d else piece
+                y = self._fire_at(l, point, x)
+                new.append(piece if y is x else y.flatten(-2) if d else y)
+            if all(a is b for a, b in zip(new, pieces)):
+                return None
+            return torch.cat(new, -1) if len(new) > 1 else new[0]
+
+        return hook
+
+    def _norm(self, module, prefix: str, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm (the model's own operations, so outputs stay bit-identical) with its points:
+        TransformerLens's scale sqrt(mean(x^2) + eps) and normalized x / scale (float32, before the gain), and the
+        output after the gain. q/k norms show TransformerLens's flattened layout [B*T*heads, .]."""
+        flat = prefix.endswith(("q_norm", "k_norm"))
+        heads_first = flat and self.family.qk_norm_heads_first  # Gemma-3 norms [B, heads, T, D]
+        fns = self._run.by_point
+
+        def fire(point: str, t: torch.Tensor) -> torch.Tensor:
+            name = f"{prefix}.{point}"
+            if name not in fns:
+                return t
+            tl = t.transpose(1, 2) if heads_first else t  # TransformerLens flattens [B, T, heads, .]
+            view = tl.reshape(-1, t.shape[-1]) if flat else t
+            new = self._fire(name, layer, view, fns[name])
+            return t if new is view else new.reshape(tl.shape).transpose(1, 2) if heads_first else new.reshape(t.shape)
+
+        x32 = x.float()
+        var = x32.pow(2).mean(-1, keepdim=True)
+        eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+        inv = torch.rsqrt(var + eps)
+        if f"{prefix}.hook_scale" in fns:
+            scale = torch.sqrt(var + eps)
+            new = fire("hook_scale", scale)
+            if new is not scale:
+                inv = 1.0 / new
+        normalized = fire("hook_normalized", x32 * inv)
+        if self.family.norm_gain == "1+weight":  # Gemma: (1 + w) in float32, then the model's dtype
+            out = (normalized * (1.0 + module.weight.float())).type_as(x)
+        else:  # Llama: the model's dtype first, then w
+            out = module.weight * normalized.to(x.dtype)
+        return fire("hook_out", out)
+
     def _block(self, layer_mod, l: int, hidden_states: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
-        """The decoder block with a hook on every intermediate (the model's own modules, in the model's order)."""
-        pts = self._run.per_layer.get(l, {})
+        """The decoder block with its residual-stream points (the model's own modules, in the model's order)."""
+        fam = self.family
 
         def fire(point: str, x):
-            fns = pts.get(point)
-            return self._fire(f"blocks.{l}.{point}", l, x, fns) if fns else x
+            return self._fire_at(l, point, x)
 
-        fam = self.family
-        x = fire("hook_resid_pre", hidden_states)
-        h = fire("ln1.hook_normalized", getattr(layer_mod, fam.ln1)(x))
-        a, _ = layer_mod.self_attn(hidden_states=h, **attn_kwargs)
-        a = fire("hook_attn_out", a)
+        x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
+        a, _ = layer_mod.self_attn(hidden_states=getattr(layer_mod, fam.ln1)(x), **attn_kwargs)  # ln1.*, attn.*
+        a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
-            a = fire("ln1_post.hook_normalized", getattr(layer_mod, fam.ln1_post)(a))
-            x = fire("hook_resid_mid", x + a)
-            m = fire("hook_mlp_out", layer_mod.mlp(fire("ln2.hook_normalized", getattr(layer_mod, fam.ln2_pre)(x))))
-            m = fire("ln2_post.hook_normalized", getattr(layer_mod, fam.ln2_post)(m))
-            return fire("hook_resid_post", x + m)
-        # pre-norm (Llama): x + attn(norm(x)), then x + mlp(norm(x)); Phi-3's residual dropouts are identities in eval
-        drop_attn = getattr(layer_mod, "resid_attn_dropout", None)
+            a = getattr(layer_mod, fam.ln1_post)(a)  # ln1_post.*
+        a = fire("hook_attn_out", a)  # [B, T, d] what is added
+        drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
+        x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
+        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(x)))  # ln2.*, mlp.*; [B, T, d]
+        if fam.layout == "sandwich":
+            m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
+        m = fire("hook_mlp_out", m)  # [B, T, d] what is added
         drop_mlp = getattr(layer_mod, "resid_mlp_dropout", None)
-        x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))
-        m = fire("hook_mlp_out", layer_mod.mlp(fire("ln2.hook_normalized", getattr(layer_mod, fam.ln2)(x))))
-        return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))
+        return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]
 
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):
-        """Fire the attention points of one layer, then compute its output (the model's own function unless a
-        hook replaced the scores or the pattern)."""
+        """Fire the attention kernel's points of one layer, then compute its output (the model's own function unless
+        a hook replaced the scores or the pattern)."""
         l = module.layer_idx
         pts = self._run.per_layer.get(l, {})
-        if not any(p.startswith("attn.") for p in pts):
+        if not any(p in pts for p in KERNEL_POINTS):
             return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if scaling is None:
             scaling = module.head_dim**-0.5
-        ctx = self._ctx("", l, q=query, k=key, v=value, scaling=scaling, window=int(kwargs.get("sliding_window") or 0),
-                        softcap=kwargs.get("softcap"), module=module)
+        ctx = self._ctx("", l, rot_q=query, rot_k=key, v=value, scaling=scaling,
+                        window=int(kwargs.get("sliding_window") or 0), softcap=kwargs.get("softcap"), module=module)
 
         def fire(point: str, x, fns=None):
             fns = pts.get(point) if fns is None else fns
@@ -289,9 +525,15 @@ class HookedModel:
             ctx.name = f"blocks.{l}.{point}"
             return self._fire(ctx.name, l, x, fns, ctx)
 
-        query = ctx.q = fire("attn.hook_q", query)
-        key = ctx.k = fire("attn.hook_k", key)
-        value = ctx.v = fire("attn.hook_v", value)
+        def fire_heads(point: str, t):  # the hook sees TransformerLens's [B, T, heads, D]; the kernel [B, heads, T, D]
+            if point not in pts:
+                return t
+            view = t.transpose(1, 2)
+            new = fire(point, view)
+            return t if new is view else new.transpose(1, 2)
+
+        query = ctx.rot_q = fire_heads("attn.hook_rot_q", query)  # hook [B, T, H, D]; kernel [B, H, T, D]
+        key = ctx.rot_k = fire_heads("attn.hook_rot_k", key)  # hook [B, T, K, D]; kernel [B, K, T, D]
         score_fns = pts.get("attn.hook_attn_scores", [])
         factored = [f for f in score_fns if getattr(f, "poslens_from_factors", False)]
         dense = [f for f in score_fns if not getattr(f, "poslens_from_factors", False)]
@@ -300,11 +542,11 @@ class HookedModel:
             ctx.name = f"blocks.{l}.attn.hook_attn_scores"
             for fn in factored:
                 fn(None, ctx)
-            if not dense and self._run.last == (l, BLOCK_POINTS.index("attn.hook_attn_scores")):
-                raise _Stop
+            if not dense:
+                self._fired(ctx.name)
         replaced = False
         if dense or pattern_fns:
-            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window)
+            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window)  # [B, H, T, T]
             new = fire("attn.hook_attn_scores", scores, dense)
             replaced |= new is not scores
             pattern = torch.softmax(new, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)
@@ -315,7 +557,7 @@ class HookedModel:
             out = torch.matmul(new_pattern, repeat_kv(value, groups)).transpose(1, 2).contiguous()
         else:
             out, _ = inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return fire("attn.hook_z", out), None
+        return fire("attn.hook_z", out), None  # [B, T, H, D]
 
 
 def _dense_scores(q, k, scaling, softcap, attention_mask, window: int) -> torch.Tensor:

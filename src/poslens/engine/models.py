@@ -34,6 +34,8 @@ import torch
 from safetensors import SafetensorError
 
 from poslens.errors import UsageError, require
+from poslens.io.lock import cache_lock
+from poslens.io.space import disk_space
 
 KINDS = ("alias", "gguf", "local", "hub", "random")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -207,42 +209,37 @@ def _is_current(target: Path, stamp: dict[str, Any]) -> bool:
 def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Directory of the safetensors copy of alias `name`, converting its GGUF first if needed.
 
-    The copy is written into a temporary directory and renamed into place, so an interrupted or
-    concurrent conversion never leaves a half-written copy; a stamp (GGUF name and size, cache format)
-    marks it current.
+    The conversion holds the cache entry's lock (`poslens.io.lock.cache_lock`): a second process waits for it,
+    saying so in one line, and then uses the copy. The copy is written into a temporary directory and renamed
+    into place, so an interrupted conversion never leaves a half-written copy; a stamp (GGUF name and size,
+    cache format) marks it current. An unwritable cache and a full disk are one-line errors.
     """
     gguf = _alias_gguf(name)
     target = cache_root(cache_dir) / "models" / name
     stamp = _source_stamp(gguf)
     if _is_current(target, stamp):
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cache directory {cache_root(cache_dir)}: {e.strerror or type(e).__name__}; point "
-                         "POSLENS_CACHE at a writable directory") from None
-    tmp = target.parent / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        model, tokenizer = _load_gguf(gguf, torch.float32, "sdpa")
-        model.hf_quantizer = None  # the weights are plain float32 tensors now; let save_pretrained write them
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "poslens-source.json").write_text(json.dumps(stamp))
-        if target.exists():
-            if _is_current(target, stamp):  # another process finished first
-                return target
-            stale = target.parent / f".{name}.stale-{uuid.uuid4().hex[:8]}"
-            os.replace(target, stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    with cache_lock(target, f"the {name} conversion"):
+        if _is_current(target, stamp):  # converted by another process while this one waited
+            return target
+        tmp = target.parent / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
+            model, tokenizer = _load_gguf(gguf, torch.float32, "sdpa")
+            model.hf_quantizer = None  # the weights are plain float32 tensors now; let save_pretrained write them
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            weights = sum(p.nbytes for p in model.state_dict().values())
+            with disk_space(target, weights + (8 << 20)):  # the weights, and a few MB of tokenizer and config
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                (tmp / "poslens-source.json").write_text(json.dumps(stamp))
+            if os.path.lexists(target):  # an older format: replaced (the cache is poslens's own)
+                stale = target.parent / f".{name}.stale-{uuid.uuid4().hex[:8]}"
+                os.replace(target, stale)
+                shutil.rmtree(stale, ignore_errors=True)
             os.replace(tmp, target)
-        except OSError:
-            if not _is_current(target, stamp):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -14,8 +14,10 @@ over the G' groups that hold data (delete-a-group jackknife; Efron & Tibshirani 
 groups (percentile interval) is available too. Sums are float64 unless asked otherwise; maps use float32 sums
 (the capture accumulates in float32 on the device) and are finished in float64.
 
-`GroupedSums` is the storage; `Statistic` is the protocol every analysis implements on top of it (hooks to read,
-`state_dict`/`load_state_dict` to resume, `merge` and `all_reduce` to combine shards, `result` to finalise).
+`GroupedSums` is the storage; `Rows` keeps per-sequence values that are gathered rather than summed (one row per
+sequence, e.g. a per-head statistic whose test needs every sequence); `Statistic` is the protocol every analysis
+implements on top of them (hooks to read, `state_dict`/`load_state_dict` to resume, `merge` and `all_reduce` to
+combine shards, `result` to finalise).
 """
 
 from __future__ import annotations
@@ -261,18 +263,65 @@ class GroupedSums:
                 store[name] = x.to(t.device)
 
 
+class Rows:
+    """Per-sequence values, one row per sequence in sequence order: `add(name, rows)` per batch, `get(name)` the
+    rows so far. Shards are gathered (rank order is sequence order, since each rank holds a contiguous block), not
+    summed. Kept on the CPU."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, name: str, rows: torch.Tensor) -> None:
+        """Append `rows` [batch, ...] under `name`."""
+        self.parts.setdefault(name, []).append(rows.detach().cpu())
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """All rows of `name` [sequences, ...], or None when there are none."""
+        parts = self.parts.get(name)
+        return torch.cat(parts) if parts else None
+
+    def names(self) -> list[str]:
+        return list(self.parts)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The rows by name (`rows/NAME`)."""
+        return {f"rows/{k}": self.get(k) for k in self.parts if self.parts[k]}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` wrote (other keys are ignored)."""
+        self.parts = {k[5:]: [v.clone()] for k, v in state.items() if k.startswith("rows/")}
+
+    def merge(self, other: Rows) -> None:
+        """Append another shard's rows (the shard that follows this one)."""
+        for k, parts in other.parts.items():
+            self.parts.setdefault(k, []).extend(parts)
+
+    def all_gather(self, group=None) -> None:
+        """Every rank's rows, in rank order, on every rank (no-op without a process group)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, {k: self.get(k) for k in self.parts}, group=group)
+        names = sorted(set().union(*gathered))
+        self.parts = {k: [g[k] for g in gathered if g.get(k) is not None] for k in names}
+
+
 class Statistic:
     """An average over sequences computed from hook points: subclass, declare `hooks`, finish in `result`.
 
-    The runner (`poslens.engine.runner.run_statistics`) sets `self.group` before each batch and calls `hooks(hm)`
-    once per run; each hook adds to `self.sums` (a GroupedSums). Persistence and combination come from the sums; a
-    statistic with other state overrides them.
+    The runner (`poslens.engine.runner`) sets `self.group` before each batch, calls `begin_batch(input_ids,
+    attention_mask)` and `end_batch()` around its forward when the statistic has them, and calls `hooks(hm)` once
+    per run; each hook adds to `self.sums` (a GroupedSums) or, for values kept per sequence, to `self.rows` (Rows).
+    Persistence and combination come from the sums and rows; a statistic with other state overrides them.
     """
 
     name = "statistic"
 
     def __init__(self, groups: int = DEFAULT_GROUPS, device: str | torch.device | None = None) -> None:
         self.sums = GroupedSums(groups, device)
+        self.rows = Rows()
         self.group = 0
 
     def hooks(self, hm) -> dict[str, Callable]:
@@ -284,13 +333,17 @@ class Statistic:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.sums.state_dict()
+        return {**self.sums.state_dict(), **self.rows.state_dict()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.sums.load_state_dict(state)
+        self.rows.load_state_dict(state)
 
     def merge(self, other: Statistic) -> None:
         self.sums.merge(other.sums)
+        self.rows.merge(other.rows)
 
     def all_reduce(self, group=None) -> None:
+        """Sum the sums and gather the rows over torch.distributed ranks (no-op without a process group)."""
         self.sums.all_reduce(group)
+        self.rows.all_gather(group)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from poslens.errors import UsageError
 from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory, share
+from poslens.io.space import disk_space
 
 __all__ = ["META", "TENSORS", "Run", "check_output", "environment", "jsonable", "load", "open_run",
            "run_directory", "sharded_run_directory", "write_run"]
@@ -94,15 +95,19 @@ def jsonable(x):
 
 
 def write_run(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Write tensors (safetensors, on the CPU, contiguous) and run.json (meta + environment) into `directory`."""
+    """Write tensors (safetensors, on the CPU, contiguous) and run.json (meta + environment) into `directory`.
+    A full disk is a one-line UsageError naming the file and its size (the caller's build directory goes)."""
     directory = Path(directory)
     cpu = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).detach().cpu().contiguous()
            for k, v in tensors.items()}
-    save_file(cpu, str(directory / TENSORS))
+    with disk_space(directory / TENSORS, sum(t.nbytes for t in cpu.values()) + 1024):
+        save_file(cpu, str(directory / TENSORS))
     share(directory / TENSORS)  # safetensors writes 0600; results are as shareable as the umask says
     rest = {k: v for k, v in meta.items() if k != MARKER}  # the marker is poslens's to set, first in the file
     meta = {MARKER: 1, **rest, "environment": {**environment(), **meta.get("environment", {})}}
-    (directory / META).write_text(json.dumps(jsonable(meta), indent=2, sort_keys=False) + "\n")
+    text = json.dumps(jsonable(meta), indent=2, sort_keys=False) + "\n"
+    with disk_space(directory / META, len(text.encode())):
+        (directory / META).write_text(text)
 
 
 def load(path: str | os.PathLike, tensors: bool = True) -> Run:

@@ -12,23 +12,28 @@ For an output directory ``PARENT/NAME`` a run uses, beside it:
 
 Guarantees:
 
-* ``force`` replaces only a directory poslens wrote (its ``run.json`` has ``"poslens_run": 1``, or is an
-  older poslens run with ``kind`` and ``environment.poslens``) or an empty directory; never the current
-  directory, a parent of it, the home directory or ``/``, a symbolic link or a file.
+* A run records what it wrote: ``poslens-manifest.json`` lists every file and folder of the build when it is
+  placed (`poslens.io.manifest`). ``force`` replaces only an empty directory or one whose every entry is in
+  its manifest, with the size it was written with (a run of release 0.2, which wrote no manifest: only the
+  files 0.2 wrote, see `poslens.io.manifest.LEGACY`); never the current directory, a parent of it, the home
+  directory or ``/``, a symbolic link or a file. A refusal names the first foreign entry.
+* A run never writes over its inputs: an output equal to one of `inputs` or containing one (compared after
+  resolving links) is refused, with or without ``force``.
 * Two runs with the same output at once: the second is refused (one-line `UsageError`) while the first
   holds the lock. The final placement is a no-replace rename (``renameat2(RENAME_NOREPLACE)`` on Linux;
   elsewhere ``rename``, which can only replace an empty directory), so whatever appeared at NAME during
-  the run is never replaced without ``force``, and with ``force`` only if poslens wrote it.
+  the run is never replaced without ``force``, and with ``force`` only if poslens wrote all of it.
 * Temporaries live in ``.NAME.partial/build`` and are removed on every exit Python sees; what a killed
   run leaves (``build/``, ``old/``, ``*.tmp-*`` files, the older layout's ``.NAME.tmp-*`` and
   ``.NAME.old-*``) is cleaned by the next run of the same output, and a run killed in the middle of a swap
   gets its previous result back. Parent directories created for a run that then fails are removed if empty.
+  A full disk is one line naming the file and the bytes it needed (`poslens.io.space`).
 * Directories and files get the user's umask permissions (safetensors alone writes 0600).
 
 Use `open_run` for a run that checkpoints (training, long Monte Carlo), `run_directory` for a plain one:
 
-    with open_run("runs/train", force=False) as run:   # run.build: write here; run.checkpoint("state")
-        ...
+    with open_run("runs/train", force=False, inputs=[data_dir]) as run:   # run.build: write here
+        ...                                                                # run.checkpoint("state")
 """
 
 from __future__ import annotations
@@ -37,26 +42,24 @@ import atexit
 import contextvars
 import ctypes
 import errno
-import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from poslens.errors import UsageError
+from poslens.io.lock import FileLock, alive, lock_path
+from poslens.io.manifest import MARKER, META, foreign, is_empty, write_manifest
+from poslens.io.space import disk_space
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: an O_EXCL lock file with the owner's pid
-    fcntl = None
+__all__ = ["MARKER", "META", "RunDir", "check_output", "current_run", "open_run", "remove_empty_parents",
+           "run_directory", "share", "sharded_run_directory", "stale_tmp", "umask_mode"]
 
-MARKER = "poslens_run"  # run.json field that says "poslens wrote this directory"
-META = "run.json"
 WORK_SUFFIX = ".partial"
-LOCK_SUFFIX = ".lock"
 NAME_MARGIN = 48  # characters poslens adds to NAME for its work files (".NAME.partial-0-of-1.safetensors.tmp-PID")
 
 
@@ -90,23 +93,6 @@ def current_run() -> RunDir | None:
 # ---------------------------------------------------------------- what may be replaced
 
 
-def is_poslens_run(path: str | os.PathLike) -> bool:
-    """True when `path` is a directory holding a run.json that poslens wrote."""
-    meta_path = Path(path) / META
-    try:
-        if not meta_path.is_file() or meta_path.stat().st_size > 64 << 20:
-            return False
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    if not isinstance(meta, dict):
-        return False
-    if meta.get(MARKER) == 1:
-        return True
-    env = meta.get("environment")  # runs written before the marker existed
-    return isinstance(meta.get("kind"), str) and isinstance(env, dict) and "poslens" in env
-
-
 def _protected(path: Path) -> str | None:
     """Why `path` may never be an output directory (cwd, a parent of it, home, /), or None."""
     real = Path(os.path.realpath(path))
@@ -136,15 +122,6 @@ def _resolve(path: str | os.PathLike) -> Path:
     return Path(os.path.abspath(os.path.expanduser(text)))
 
 
-def _empty(path: Path) -> bool:
-    """An empty directory (one that cannot be listed counts as not empty)."""
-    try:
-        with os.scandir(path) as entries:
-            return next(entries, None) is None
-    except OSError:
-        return False
-
-
 def _name_limit(parent: Path) -> int:
     probe = parent
     while not probe.exists() and probe != probe.parent:
@@ -155,11 +132,26 @@ def _name_limit(parent: Path) -> int:
         return 255
 
 
-def _check(path: Path, force: bool) -> None:
+def _check_inputs(path: Path, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """Refuse an output that is one of the run's inputs or contains one, after resolving links (an input that
+    does not exist, or None, has nothing to protect)."""
+    real = Path(os.path.realpath(path))
+    for given in inputs:
+        if given is None or not os.path.lexists(os.path.expanduser(os.fspath(given))):
+            continue
+        p = Path(os.path.realpath(os.path.expanduser(os.fspath(given))))
+        if real == p or real in p.parents:
+            how = "is" if real == p else "contains"
+            raise UsageError(f"--out {path} {how} this run's input {given}; a run never writes over what it reads, "
+                             "choose another --out")
+
+
+def _check(path: Path, force: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Everything about `path` that can be checked without writing (see the module docstring)."""
     why = _protected(path)
     if why:
         raise UsageError(f"--out {path}: {why}; poslens never writes over it, choose a new directory")
+    _check_inputs(path, inputs)
     limit = _name_limit(path.parent) - NAME_MARGIN
     if len(os.fsencode(path.name)) > limit:
         raise UsageError(f"--out name is {len(os.fsencode(path.name))} bytes long; at most {limit} fit here "
@@ -173,9 +165,10 @@ def _check(path: Path, force: bool) -> None:
         if not force:
             raise UsageError(f"output directory {path} already exists; pass --force to overwrite or choose "
                              "another --out")
-        if not is_poslens_run(path) and not _empty(path):
-            raise UsageError(f"--force replaces only a run directory written by poslens, and {path} has no "
-                             f"poslens {META} (it may hold your files); choose another --out or remove it yourself")
+        why = foreign(path)
+        if why:
+            raise UsageError(f"--force replaces only a run directory written by poslens, and {why}; choose another "
+                             "--out (poslens deletes nothing of yours)")
     ancestor = path.parent
     while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -215,98 +208,6 @@ def remove_empty_parents() -> None:
 atexit.register(remove_empty_parents)
 
 
-# ---------------------------------------------------------------- lock
-
-
-class _Lock:
-    """An exclusive lock on `.NAME.lock` beside the output (flock; O_EXCL + pid where there is no flock)."""
-
-    def __init__(self, target: Path):
-        self.target, self.path, self.fd = target, target.parent / f".{target.name}{LOCK_SUFFIX}", None
-
-    def _busy(self) -> UsageError:
-        return UsageError(f"another poslens run is writing {self.target} right now (it holds {self.path}); wait "
-                          "for it to finish or choose another --out")
-
-    def acquire(self) -> _Lock:
-        for _ in range(20):
-            if fcntl is None:
-                if self._acquire_excl():
-                    return self
-                continue
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError as e:
-                raise UsageError(f"cannot create lock file {self.path}: {e.strerror}; choose a writable --out") \
-                    from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                raise self._busy() from None
-            try:  # the file may have been unlinked by its last holder between our open and flock
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self.fd = fd
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
-                return self
-            os.close(fd)
-        raise self._busy()
-
-    def _acquire_excl(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            if _alive(_read_pid(self.path)):
-                raise self._busy() from None
-            self.path.unlink(missing_ok=True)  # its owner died
-            return False
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-        return True
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)  # while still held: a waiter re-checks the inode and retries
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = None
-
-    def __enter__(self) -> _Lock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(pid: int | None) -> bool:
-    """Whether process `pid` exists (unknown pid: assume alive, never delete on a guess)."""
-    if pid is None:
-        return True
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 # ---------------------------------------------------------------- leftovers
 
 
@@ -319,15 +220,28 @@ def _tmp_pid(name: str) -> int | None:
 def stale_tmp(path: Path) -> bool:
     """A `*.tmp-PID` file whose writer is gone."""
     pid = _tmp_pid(path.name)
-    return pid is not None and not _alive(pid)
+    return pid is not None and not alive(pid)
 
 
 def _restore_or_remove(old: Path, target: Path) -> None:
-    """A replaced run left by a kill mid-swap: put it back if nothing took its place, else delete it."""
-    if not os.path.lexists(target) and is_poslens_run(old):
+    """A replaced run left by a kill mid-swap: put it back if nothing took its place, else discard it."""
+    if not os.path.lexists(target):
         os.rename(old, target)
     else:
+        _discard(old, target)
+
+
+def _discard(old: Path, target: Path) -> None:
+    """Delete the replaced run of `target`, unless something poslens did not write got into it during the swap:
+    then it is moved beside `target` as NAME.replaced-TIME-PID and one line says so."""
+    why = foreign(old)
+    if not why:
         shutil.rmtree(old, ignore_errors=True)
+        return
+    kept = target.with_name(f"{target.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    _rename_noreplace(old, kept)
+    print(f"poslens: the run replaced at {target} held something else ({why}); it was kept as {kept}",
+          file=sys.stderr, flush=True)
 
 
 def clean_leftovers(target: Path) -> None:
@@ -343,7 +257,7 @@ def clean_leftovers(target: Path) -> None:
         for p in work.iterdir():
             if ".tmp-" in p.name and p.is_file():
                 p.unlink(missing_ok=True)
-        if _empty(work):  # no checkpoint to resume from
+        if is_empty(work):  # no checkpoint to resume from
             work.rmdir()
     for p in parent.glob(f".{_glob_escape(name)}.*"):
         rest = p.name[len(name) + 2:]
@@ -396,11 +310,16 @@ def _place(run: RunDir) -> None:
         if not run.force:
             raise UsageError(f"{target} appeared while this run was working and was left as it is; rerun with "
                              "another --out (or --force if poslens wrote it)")
-        if os.path.islink(target) or not target.is_dir() or not (is_poslens_run(target) or _empty(target)):
-            raise UsageError(f"{target} was replaced while this run was working by something poslens did not "
-                             "write; it was left as it is, rerun with another --out")
-        os.rename(target, old)
-        moved = True
+        why = "it is not a directory" if os.path.islink(target) or not target.is_dir() else foreign(target)
+        if not why:
+            os.rename(target, old)
+            moved = True
+            why = foreign(old)  # checked again once moved aside: nothing can be added to it unseen any more
+            if why:
+                os.rename(old, target)
+        if why:
+            raise UsageError(f"{target} was changed while this run was working by something poslens did not write "
+                             f"({why}); it was left as it is, rerun with another --out")
     try:
         _rename_noreplace(run.build, target)
     except OSError as e:
@@ -410,50 +329,73 @@ def _place(run: RunDir) -> None:
             raise UsageError(f"{target} appeared while this run was working and was left as it is; rerun with "
                              "another --out") from None
         raise UsageError(f"cannot move the finished run to {target}: {e.strerror}; choose another --out") from None
+    if moved:
+        _discard(old, target)
 
 
 # ---------------------------------------------------------------- public API
 
 
-def check_output(path: str | os.PathLike, force: bool = False) -> Path:
+def _lock(target: Path) -> FileLock:
+    """The lock of output `target`, taken; a one-line UsageError when another run holds it."""
+    lock = FileLock(lock_path(target), fix="choose a writable --out")
+    if not lock.acquire():
+        raise UsageError(f"another poslens run is writing {target} right now (it holds {lock.path}); wait for it to "
+                         "finish or choose another --out")
+    return lock
+
+
+def check_output(path: str | os.PathLike, force: bool = False, inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """Fail fast (before any compute) if `path` cannot become a run directory; returns it absolute.
 
-    Cleans what killed runs of the same output left, and creates missing parent directories (removed
-    again at exit if the run leaves them empty).
+    `inputs`: files and directories the run reads; an output equal to one or containing one is refused. Cleans
+    what killed runs of the same output left, and creates missing parent directories (removed again at exit
+    if the run leaves them empty).
     """
+    inputs = list(inputs)
     target = _resolve(path)
-    _check(target, force)
+    _check(target, force, inputs)
     _make_parents(target)
-    with _Lock(target):
+    lock = _lock(target)
+    try:
         clean_leftovers(target)
-        _check(target, force)
+        _check(target, force, inputs)
+    finally:
+        lock.release()
     return target
 
 
 @contextmanager
-def open_run(path: str | os.PathLike, force: bool = False) -> Iterator[RunDir]:
+def open_run(path: str | os.PathLike, force: bool = False,
+             inputs: Iterable[str | os.PathLike] = ()) -> Iterator[RunDir]:
     """Build a run directory that can be resumed: yields a `RunDir` whose `build` becomes `path` on success.
 
-    The lock is held throughout. On any error (or interrupt) the build is removed, checkpoints stay in
-    `work` for the next attempt, and parents created for this run are removed if empty.
+    `inputs`: files and directories the run reads (model directory, data, compared runs); an output equal to
+    one or containing one is refused, with or without `force`. The lock is held throughout: enter this before
+    loading anything. On success the build gets its manifest and is placed. On any error (or interrupt) the
+    build is removed, checkpoints stay in `work` for the next attempt, and parents created for this run are
+    removed if empty.
     """
+    inputs = list(inputs)
     target = _resolve(path)
-    _check(target, force)
+    _check(target, force, inputs)
     _make_parents(target)
-    lock = _Lock(target).acquire()
+    lock = _lock(target)
     run = RunDir(path=target, work=target.parent / f".{target.name}{WORK_SUFFIX}", force=force)
     try:
         clean_leftovers(target)
-        _check(target, force)
+        _check(target, force, inputs)
         if os.path.islink(run.work) or (os.path.lexists(run.work) and not run.work.is_dir()):
             raise UsageError(f"{run.work} is not a poslens work directory; move it away or choose another --out")
-        run.work.mkdir(exist_ok=True)
-        run.build.mkdir()
+        with disk_space(run.build, 8192):
+            run.work.mkdir(exist_ok=True)
+            run.build.mkdir()
         token = _ACTIVE.set(run)
         try:
             yield run
         finally:
             _ACTIVE.reset(token)
+        write_manifest(run.build)
         _place(run)
         shutil.rmtree(run.work, ignore_errors=True)
     except BaseException:
@@ -470,19 +412,21 @@ def open_run(path: str | os.PathLike, force: bool = False) -> Iterator[RunDir]:
 
 
 @contextmanager
-def run_directory(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield the directory to write a run into; on success it becomes `path`, on any error it is removed."""
-    with open_run(path, force) as run:
+def run_directory(path: str | os.PathLike, force: bool = False,
+                  inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+    """Yield the directory to write a run into; on success it becomes `path`, on any error it is removed
+    (`inputs`: as `open_run`)."""
+    with open_run(path, force, inputs) as run:
         yield run.build
 
 
 @contextmanager
-def sharded_run_directory(path: str | os.PathLike, force: bool, rank: int, world: int,
-                          partial: Path) -> Iterator[Path | None]:
+def sharded_run_directory(path: str | os.PathLike, force: bool, rank: int, world: int, partial: Path,
+                          inputs: Iterable[str | os.PathLike] = ()) -> Iterator[Path | None]:
     """The end of a run sharded over `world` ranks: rank 0 gets the directory to write (as `run_directory`), the
     others None; then every rank waits for rank 0 and removes its own partial-sums file `partial`."""
     if rank == 0:
-        with run_directory(path, force) as tmp:
+        with run_directory(path, force, inputs) as tmp:
             yield tmp
     else:
         yield None

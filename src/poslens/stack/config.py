@@ -71,10 +71,11 @@ class StackConfig:
                         f"rope_theta {theta:g} with rope_scaling {scaling:g} gives an infinite RoPE base; "
                         "use a smaller rope_scaling")
         if self.mask == "sliding":
-            require(self.window is not None, "mask 'sliding' needs a window: pass --window W with W >= 1")
-            set_(self, "window", check_int("window", self.window, 1))
+            if self.window is None:
+                raise UsageError("window is required with mask 'sliding' (a number of keys >= 1)", param="window")
+            set_(self, "window", check_window(self.window, self.n))
         elif self.window is not None:
-            raise UsageError(f"window is only used with mask 'sliding', got mask {self.mask!r}; drop --window")
+            raise UsageError(f"window is only used with mask 'sliding', got mask {self.mask!r}", param="window")
 
     @property
     def score_divisor(self) -> float:
@@ -88,6 +89,15 @@ class StackConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_window(window: int, n: int) -> int:
+    """A sliding window of W keys (i - W < j <= i) for sequences of n tokens: 1 <= W <= n."""
+    window = check_int("window", window, 1)
+    if window > n:
+        raise UsageError(f"window must be at most the sequence length n = {n} (a window of n keys already sees "
+                         f"every earlier token), got {window}", param="window")
+    return window
 
 
 def visible(n: int, mask: str = "causal", window: int | None = None) -> np.ndarray:

@@ -9,8 +9,9 @@ import numpy as np
 
 from poslens import plotting
 
-SHARES = ("share_logit", "share_mask", "share_cross")
-LABELS = {"share_logit": "logit (residual stream)", "share_mask": "log-partition (mask)", "share_cross": "cross"}
+SHARES = ("share_logit", "share_partition", "share_cross")
+LABELS = {"share_logit": "upstream logit term", "share_partition": "this layer's log-partition term",
+          "share_cross": "cross term"}
 
 
 def _errors(entry: dict) -> list[np.ndarray]:
@@ -50,11 +51,11 @@ def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -
 def architecture_figure(results: dict[str, dict], directory: Path, stem: str = "architectures",
                         title: str = "leakage components") -> list[Path]:
     """Component shares by depth per architecture: `results` maps an architecture (or model) name to
-    {"share_logit": [L], "share_mask": [L]} (optionally "<key>_err": [2, L] error bars); one figure per component,
-    stem_logit and stem_mask (depths may differ: shorter series end early)."""
+    {"share_logit": [L], "share_partition": [L]} (optionally "<key>_err": [2, L] error bars); one figure per component,
+    stem_logit and stem_partition (depths may differ: shorter series end early)."""
     paths: list[Path] = []
     depth = max(len(np.asarray(r["share_logit"])) for r in results.values())
-    for key, short in (("share_logit", "logit"), ("share_mask", "mask")):
+    for key, short in (("share_logit", "logit"), ("share_partition", "partition")):
         series, errors = {}, {}
         for arch, shares in results.items():
             v = np.asarray(shares[key], dtype=float)
@@ -63,6 +64,6 @@ def architecture_figure(results: dict[str, dict], directory: Path, stem: str = "
                 e = np.asarray(shares[f"{key}_err"], dtype=float)
                 errors[arch] = np.pad(e, ((0, 0), (0, depth - e.shape[1])), constant_values=np.nan)
         fig = plotting.line_plot(np.arange(depth), series, "layer", f"{LABELS[key]} share",
-                                 f"{title}: {short} part", errors=errors or None)
+                                 f"{title}: {LABELS[key]}", errors=errors or None)
         paths += plotting.save(fig, directory, f"{stem}_{short}")
     return paths

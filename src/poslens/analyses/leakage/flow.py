@@ -4,11 +4,14 @@ Standard RoPE, NTK-scaled RoPE (a larger base) and sliding-window attention, eac
 
 * Monte Carlo (`monte_carlo`): the stack run on random inputs drawn exactly as `poslens.stack.simulate` draws
   them (`draw_inputs`, block-seeded), in float64, keeping per layer the sums of the scores s_ij and of the
-  log-partition l_i = log sum_{j seen by i} exp s_ij for G groups of blocks, so every share gets a jackknife
-  interval (`poslens.engine.stats.GroupedSums`). `position_offset` runs every position shifted by a constant.
+  log-partition l_i = log sum_{j seen by i} exp s_ij (and the mask-only counterfactual's l^rel_i,
+  `causal.relative_log_partition`) for G groups of blocks, so every share gets a jackknife interval
+  (`poslens.engine.stats.GroupedSums`). `position_offset` runs every position shifted by a constant.
 * The infinite-width limit (`exact_split`): as d -> infinity the scores of the Gram flow
   (`poslens.stack.gramflow`, docs/gramflow.md) are deterministic, so the log-partition is exactly the
-  logsumexp of the Gram-flow scores over the visible keys and the split (metrics.split) is exact.
+  logsumexp of the Gram-flow scores over the visible keys and the split (metrics.split) is exact, and so is the
+  counterfactual split (metrics.counterfactual_split, keys "cf/..."): with one deterministic map per layer the
+  per-sequence Toeplitz projection is that of the map.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from poslens.analyses.leakage.metrics import Domain, split
+from poslens.analyses.leakage.causal import relative_log_partition
+from poslens.analyses.leakage.metrics import Domain, counterfactual_split, split
 from poslens.engine.stats import GroupedSums
 from poslens.errors import check_choice, check_float, check_int
 from poslens.stack.config import StackConfig, visible
@@ -28,7 +32,9 @@ from poslens.stack.rope import cos_sin, rotate
 from poslens.stack.simulate import BLOCK, draw_inputs, l2_normalize, layer_norm
 
 ARCHITECTURES = ("standard", "ntk", "sliding")
-SPLIT_KEYS = ("e_logit", "e_mask", "cross", "share_logit", "share_mask", "share_cross", "fraction")
+SPLIT_KEYS = ("e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction",
+              "cf/mask_only", "cf/absolute_scores", "cf/cross", "cf/share_mask_only", "cf/share_absolute_scores",
+              "cf/mask_only_over_partition")
 
 
 def architecture(name: str, base: StackConfig, ntk_scaling: float = 8.0, window: int | None = None) -> StackConfig:
@@ -50,17 +56,30 @@ def log_partition(scores: np.ndarray | torch.Tensor, vis: np.ndarray) -> torch.T
 
 
 def exact_split(config: StackConfig, domain: Domain | None = None) -> dict[str, torch.Tensor]:
-    """The split per layer ([L] tensors, keys of metrics.split) in the d -> infinity limit (Gram flow)."""
+    """The split and the counterfactual split ("cf/...") per layer ([L] tensors) in the d -> infinity limit."""
     domain = domain or Domain(window=config.window)
     flow = gram_flow(config)
     vis = visible(config.n, config.mask, config.window)
+    hidden = ~torch.as_tensor(vis)
     scores = torch.as_tensor(flow.scores, dtype=torch.float64)
-    return split(scores, log_partition(np.where(vis, flow.scores, 0.0), vis), domain)
+    relative = None if config.mask == "none" else relative_log_partition(scores.masked_fill(hidden, -math.inf))
+    return both_splits(scores.masked_fill(hidden, math.nan), log_partition(scores, vis), relative, domain)
+
+
+def both_splits(scores: torch.Tensor, log_partition: torch.Tensor, relative: torch.Tensor | None,
+                domain: Domain) -> dict[str, torch.Tensor]:
+    """metrics.split and, with a causal mask (`relative` given), metrics.counterfactual_split (keys "cf/...")."""
+    out = split(scores, log_partition, domain)
+    if relative is not None:
+        cf = counterfactual_split(scores, log_partition, relative, domain)
+        out.update({f"cf/{k}": v for k, v in cf.items()})
+    return out
 
 
 def _forward(config: StackConfig, x: torch.Tensor, cos, sin, vis: torch.Tensor):
-    """Scores [L, B, n, n] and log-partitions [L, B, n] of the stack on inputs x [B, n, d] (float64)."""
-    scores, parts = [], []
+    """Scores [L, B, n, n], log-partitions and counterfactual log-partitions [L, B, n] of the stack on inputs
+    x [B, n, d] (float64)."""
+    scores, parts, relative = [], [], []
     y, norm = torch.empty_like(x), torch.empty(*x.shape[:-1], 1, dtype=x.dtype)
     for _ in range(config.layers):
         (l2_normalize if config.norm == "l2" else layer_norm)(x, y, norm)  # Y = Norm(X)
@@ -72,13 +91,16 @@ def _forward(config: StackConfig, x: torch.Tensor, cos, sin, vis: torch.Tensor):
         x = a @ y + x if config.residual else a @ y  # X' = A Y (+ X)
         scores.append(s)
         parts.append(lse)
-    return torch.stack(scores), torch.stack(parts)
+        if config.mask != "none":  # the counterfactual needs a causal mask
+            relative.append(relative_log_partition(z))
+    return torch.stack(scores), torch.stack(parts), torch.stack(relative) if relative else None
 
 
 def monte_carlo(config: StackConfig, samples: int, groups: int = 10, seed: int = 0,
                 position_offset: int = 0) -> GroupedSums:
-    """Sums of the scores ("scores" [L, n, n]) and log-partitions ("log_partition" [L, n]) over `samples`
-    inputs, block b of BLOCK samples into group b mod `groups`. Positions run from `position_offset`."""
+    """Sums of the scores ("scores" [L, n, n]), log-partitions ("log_partition" [L, n]) and counterfactual
+    log-partitions ("relative_log_partition" [L, n]) over `samples` inputs, block b of BLOCK samples into group
+    b mod `groups`. Positions run from `position_offset`."""
     samples = check_int("samples", samples, 1)
     check_int("position_offset", position_offset, 0)
     n = config.n
@@ -91,9 +113,11 @@ def monte_carlo(config: StackConfig, samples: int, groups: int = 10, seed: int =
     for block in range(-(-samples // BLOCK)):
         size = min(BLOCK, samples - block * BLOCK)
         x = draw_inputs(config, seed, block, size, dtype=torch.float64)
-        s, lse = _forward(config, x, cos, sin, vis)
+        s, lse, rel = _forward(config, x, cos, sin, vis)
         sums.add("scores", block, s.sum(1), size)
         sums.add("log_partition", block, lse.sum(1), size)
+        if rel is not None:
+            sums.add("relative_log_partition", block, rel.sum(1), size)
     return sums
 
 
@@ -103,11 +127,15 @@ def mc_split(config: StackConfig, samples: int, domain: Domain | None = None, gr
     {key: {"value", "lo", "hi", "se"}} with [L] tensors."""
     domain = domain or Domain(window=config.window)
     sums = monte_carlo(config, samples, groups, seed, position_offset)
-    out = {}
-    for key in SPLIT_KEYS:
-        est = sums.estimate(lambda m, k=key: split(m["scores"], m["log_partition"], domain)[k], level=level)
-        out[key] = {"value": est.value, "lo": est.lo, "hi": est.hi, "se": est.se}
-    return out
+
+    keys = [k for k in SPLIT_KEYS if "relative_log_partition" in sums or not k.startswith("cf/")]
+
+    def stacked(m: dict) -> torch.Tensor:
+        parts = both_splits(m["scores"], m["log_partition"], m.get("relative_log_partition"), domain)
+        return torch.stack([parts[k] for k in keys])
+
+    est = sums.estimate(stacked, level=level)  # one jackknife for every key
+    return {k: {p: getattr(est, p)[i] for p in ("value", "lo", "hi", "se")} for i, k in enumerate(keys)}
 
 
 def compare(base: StackConfig, samples: int = 0, domain: Domain | None = None, ntk_scaling: float = 8.0,

@@ -184,17 +184,62 @@ def delta_r2(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
 
 
 def split(scores: torch.Tensor, log_partition: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
-    """Exact split of the non-relative part of the mean log-probabilities (notes C3, our construction).
+    """Exact algebraic split of the non-relative part of the mean log-probabilities (a descriptive identity).
 
     Mean log-probabilities are L = S - l 1^T exactly (S: mean scores [..., n, n], l: mean log-partition
     [..., n], l_i = mean log sum_{j seen by i} exp s_ij). The Toeplitz residual P is linear, so
     P L = P S - P(l 1^T) and
-        e_total = ||P L||^2 = e_logit + e_mask + cross,
-        e_logit = ||P S||^2              (residual stream: scores that are not a function of i - j)
-        e_mask  = ||P(l 1^T)||^2         (log-partition: the softmax denominator of each query)
-        cross   = -2 <P S, P(l 1^T)>     (negative when the logits partly cancel the denominator).
-    Also their shares of e_total and `fraction` = e_total / V_tot(L) (the TRF of L).
+        e_total     = ||P L||^2 = e_logit + e_partition + cross,
+        e_logit     = ||P S||^2            (upstream logit term: the scores this layer reads from the residual
+                                            stream are not a function of i - j)
+        e_partition = ||P(l 1^T)||^2       (this layer's log-partition term: each query's softmax denominator)
+        cross       = -2 <P S, P(l 1^T)>   (negative when the logits partly cancel the denominator).
+    Also their shares of e_total and `fraction` = e_total / V_tot(L) (the TRF of L). The terms are not causes:
+    a query term g(i) added to the scores moves e_logit and e_partition and cancels in the cross term
+    (`counterfactual_split` separates what the mask alone would do).
     """
+    s, part, ix = _scores_and_partition(scores, log_partition, domain)
+    ps, pm = toeplitz_residual(s, ix), toeplitz_residual(part, ix)
+    e_logit, e_part, cross = (ps**2).sum(-1), (pm**2).sum(-1), -2.0 * (ps * pm).sum(-1)
+    total = e_logit + e_part + cross
+    return {"e_total": total, "e_logit": e_logit, "e_partition": e_part, "cross": cross,
+            "share_logit": e_logit / total, "share_partition": e_part / total, "share_cross": cross / total,
+            "fraction": total / _centred_ss(s - part)}
+
+
+def counterfactual_split(scores: torch.Tensor, log_partition: torch.Tensor, relative_log_partition: torch.Tensor,
+                         domain: Domain) -> dict[str, torch.Tensor]:
+    """The non-relative part of the mean log-probabilities split into the mask-only counterfactual and what the
+    scores' absolute content adds (docs/leakage.md, "The mask-only counterfactual").
+
+    `relative_log_partition` is the mean over sequences of l^rel_i = log sum_{j seen by i} exp mu_{i-j}, with mu
+    the per-sequence Toeplitz projection of that sequence's scores (causal.relative_log_partition). The
+    counterfactual log-probabilities mu_{i-j} - l^rel_i keep this layer's mask and relative profile and drop
+    the absolute content of its scores; mu is Toeplitz, so P of their mean is -P(l^rel 1^T) and
+        P L = -P(l^rel 1^T) + [P S - P((l - l^rel) 1^T)]
+        e_total = mask_only + absolute_scores + cross,
+        mask_only       = ||P(l^rel 1^T)||^2                  (the mask alone, on relative scores)
+        absolute_scores = ||P S - P((l - l^rel) 1^T)||^2      (the scores' absolute content, through numerator
+                                                               and denominator)
+        cross           = -2 <P(l^rel 1^T), P S - P((l - l^rel) 1^T)>.
+    Also their shares of e_total and `mask_only_over_partition` = mask_only / e_partition (how far the split's
+    log-partition term is from the mask's own effect).
+    """
+    s, part, ix = _scores_and_partition(scores, log_partition, domain)
+    _, rel, _ = _scores_and_partition(scores, relative_log_partition, domain)
+    pm = toeplitz_residual(rel, ix)  # P(l^rel 1^T)
+    pa = toeplitz_residual(s - (part - rel), ix)  # P S - P((l - l^rel) 1^T)
+    mask, absolute, cross = (pm**2).sum(-1), (pa**2).sum(-1), -2.0 * (pm * pa).sum(-1)
+    total = mask + absolute + cross
+    e_part = (toeplitz_residual(part, ix) ** 2).sum(-1)
+    return {"mask_only": mask, "absolute_scores": absolute, "cross": cross, "share_mask_only": mask / total,
+            "share_absolute_scores": absolute / total, "share_cross": cross / total,
+            "mask_only_over_partition": mask / e_part}
+
+
+def _scores_and_partition(scores: torch.Tensor, log_partition: torch.Tensor,
+                          domain: Domain) -> tuple[torch.Tensor, torch.Tensor, _Index]:
+    """Scores on Omega and the log-partition l_i broadcast to each entry (i, j) of Omega, float64."""
     s, ix = values(scores, domain)
     lp = torch.as_tensor(log_partition).to(torch.float64).cpu()
     if lp.shape[-1] != ix.n or lp.shape[:-1] != s.shape[:-1]:
@@ -202,12 +247,7 @@ def split(scores: torch.Tensor, log_partition: torch.Tensor, domain: Domain) -> 
     part = lp[..., ix.i]  # l_i on each entry of Omega
     if not bool(torch.isfinite(part).all()):
         raise UsageError("log_partition is undefined (NaN) at a query in the domain; lower max_query")
-    ps, pm = toeplitz_residual(s, ix), toeplitz_residual(part, ix)
-    e_logit, e_mask, cross = (ps**2).sum(-1), (pm**2).sum(-1), -2.0 * (ps * pm).sum(-1)
-    total = e_logit + e_mask + cross
-    return {"e_total": total, "e_logit": e_logit, "e_mask": e_mask, "cross": cross,
-            "share_logit": e_logit / total, "share_mask": e_mask / total, "share_cross": cross / total,
-            "fraction": total / _centred_ss(s - part)}
+    return s, part, ix
 
 
 def drift(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
@@ -272,7 +312,8 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
     """Every smooth metric of this module from a dict of mean maps, flat names -> tensors over leading axes.
 
     Uses what is there: "scores" (TRF, Delta R^2, drift, key profile), with "log_partition" also the split,
-    "log_probs" and "probs" (their TRF and drift). The engine's jackknife evaluates this on each replicate.
+    with "relative_log_partition" also the counterfactual split ("cf/..."), "log_probs" and "probs" (their TRF
+    and drift). The engine's jackknife evaluates this on each replicate.
     """
     out: dict[str, torch.Tensor] = {}
     for name in ("scores", "log_probs", "probs"):
@@ -291,4 +332,8 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
     if "scores" in means and "log_partition" in means:
         for k, v in split(means["scores"], means["log_partition"], domain).items():
             out[f"split/{k}"] = v
+        if "relative_log_partition" in means:
+            cf = counterfactual_split(means["scores"], means["log_partition"], means["relative_log_partition"],
+                                      domain)
+            out.update({f"cf/{k}": v for k, v in cf.items()})
     return out

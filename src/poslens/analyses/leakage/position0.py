@@ -1,9 +1,10 @@
-"""Position 0 and attention sinks (Ruscio et al.'s residual-stream source; Gu et al. 2025's sink metric).
+"""Position 0 and attention sinks (the residual-stream source Ruscio et al. 2026 name; Gu et al. 2025's sink metric).
 
 Position 0 attends only to itself, so its hidden state at every layer is a function of token 0 alone: with a
 fixed first token (an auto-prepended BOS) it is the same for every input up to floating-point rounding, and it
 varies when token 0 varies. `spread` measures that per layer: D0 = 1 - mean over pairs of inputs n < n' of
-cos(h0^(n), h0^(n')) (0 = deterministic).
+cos(h0^(n), h0^(n')) (0 = deterministic). With a fixed first token a spread of 0 is true by causality: it is a
+test of the code (tests/test_leakage_position0.py), not evidence about a model.
 """
 
 from __future__ import annotations

@@ -7,24 +7,34 @@ R^2 is scale-free) are fitted by ordinary least squares with an intercept on
 on a random 70% of the pairs, and scored by R^2 on the other 30%: Delta R^2 = R^2_full - R^2_rel.
 The null re-runs the model on the same tokens circularly shifted by a random k; per head, the gap is the mean
 over sequences of Delta R^2 (real) - Delta R^2 (null), with a percentile bootstrap interval (2,000 resamples),
-a one-sided sign-flip permutation p-value (5,000 flips; H1: real > null) and Benjamini-Hochberg control of
-the false discovery rate over all heads (q = 0.05). The linear design cannot see non-linear absolute terms
-such as -log(i + 1); `metrics.delta_r2` is the one-hot generalisation.
+a one-sided sign-flip permutation p-value (H1: real > null) and Benjamini-Hochberg control of the false
+discovery rate over all heads (q = 0.05). The linear design cannot see non-linear absolute terms such as
+-log(i + 1); `metrics.delta_r2` is the one-hot generalisation.
+
+Power. With R random sign flips the smallest attainable p is 1/(R + 1), and with N sequences no p falls below
+2^-N (there are only 2^N sign vectors; when 2^N <= R they are enumerated and p is exact). Benjamini-Hochberg's
+first threshold over m tests is q/m: unless the smallest attainable p is below it, not one test can be
+significant, whatever the data. The predecessor's 5,000 flips fail that at m = 270 (1/5,001 > 0.05/270); here
+R = `permutations_for(m, q)` = ceil(2 m / q) - 1 (10,799 at m = 270), so the smallest p is half BH's first
+threshold, and every result states its power (`power`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
+from poslens.engine.stats import Statistic
 from poslens.errors import UsageError, check_float, check_int
 
 TEST_FRACTION = 0.3
 BOOTSTRAP = 2000
-PERMUTATIONS = 5000
 FDR = 0.05
+MARGIN = 2  # the smallest attainable p is 1/MARGIN of Benjamini-Hochberg's first threshold
+CHUNK = 512  # sign vectors or bootstrap resamples evaluated at once
 
 
 def causal_pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +61,8 @@ def _design(i: torch.Tensor, j: torch.Tensor, full: bool) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _solver(n: int, test_fraction: float, seed: int) -> tuple:
-    """The train / test pairs and, per design (full, rel), the train pseudo-inverse and the test design."""
+    """Flat positions (i n + j) of the train and test pairs and, per design (full, rel), the train
+    pseudo-inverse and the test design."""
     i, j = causal_pairs(n)
     if test_fraction > 0:
         test = split_pairs(n, test_fraction, seed)
@@ -61,15 +72,15 @@ def _solver(n: int, test_fraction: float, seed: int) -> tuple:
     if int(train.sum()) < 4 or int(test.sum()) < 2:
         raise UsageError(f"seq_len {n} gives too few causal pairs for the train/test split; use a longer seq_len")
     designs = [_design(i, j, full) for full in (True, False)]
-    return train, test, [(torch.linalg.pinv(x[train]).T, x[test].T) for x in designs]
+    flat = i * n + j
+    return flat[train], flat[test], [(torch.linalg.pinv(x[train]).T, x[test].T) for x in designs]
 
 
-def _r2(y: torch.Tensor, pinv_t: torch.Tensor, x_test_t: torch.Tensor, train, test) -> torch.Tensor:
-    """Out-of-sample R^2 on `test` of the OLS fit of y [..., K] over `train` (minimum-norm solve)."""
-    coef = y[..., train] @ pinv_t  # [..., p]
-    yt = y[..., test]
-    res = yt - coef @ x_test_t
-    tot = ((yt - yt.mean(-1, keepdim=True)) ** 2).sum(-1)
+def _r2(train: torch.Tensor, test: torch.Tensor, pinv_t: torch.Tensor, x_test_t: torch.Tensor) -> torch.Tensor:
+    """Out-of-sample R^2 on the test values [..., K'] of the OLS fit of the train values (minimum-norm solve)."""
+    coef = train @ pinv_t  # [..., p]
+    res = test - coef @ x_test_t
+    tot = ((test - test.mean(-1, keepdim=True)) ** 2).sum(-1)
     return 1.0 - (res**2).sum(-1) / tot
 
 
@@ -83,9 +94,9 @@ def linear_delta_r2(scores: torch.Tensor, test_fraction: float = TEST_FRACTION, 
     check_int("n", n, 3)
     check_float("test_fraction", test_fraction, 0.0, 1.0, hi_open=True)
     train, test, ((pf, xf), (pr_, xr)) = _solver(n, float(test_fraction), int(seed))
-    i, j = causal_pairs(n)
-    y = scores[..., i, j].to(torch.float64)
-    return _r2(y, pf, xf, train, test) - _r2(y, pr_, xr, train, test)
+    flat = scores.reshape(*scores.shape[:-2], n * n)
+    y_train, y_test = flat[..., train].to(torch.float64), flat[..., test].to(torch.float64)
+    return _r2(y_train, y_test, pf, xf) - _r2(y_train, y_test, pr_, xr)
 
 
 def circular_shift(ids: torch.Tensor, shift: int | torch.Tensor, keep: int = 0) -> torch.Tensor:
@@ -99,10 +110,66 @@ def circular_shift(ids: torch.Tensor, shift: int | torch.Tensor, keep: int = 0) 
     return torch.cat([ids[:, :keep], body.gather(1, idx)], 1)
 
 
+def permutations_for(tests: int, fdr: float = FDR, margin: int = MARGIN) -> int:
+    """The number of sign flips R whose smallest attainable p, 1/(R + 1), is BH's first threshold q/m divided
+    by `margin`: R = ceil(margin m / q) - 1."""
+    check_int("tests", tests, 1)
+    check_float("fdr", fdr, 0.0, 1.0, lo_open=True)
+    return math.ceil(check_int("margin", margin, 1) * tests / fdr) - 1
+
+
+def power(sequences: int, permutations: int, tests: int, fdr: float = FDR) -> dict:
+    """What a sign-flip test with these sizes can detect at all: the smallest attainable p (1/(R + 1), or 2^-N
+    when the 2^N sign vectors are enumerated), BH's first threshold q/m, and whether the first is at most the
+    second (otherwise no test can be significant, whatever the data)."""
+    exact = 2.0**sequences <= permutations
+    smallest = 2.0**-sequences if exact else 1.0 / (permutations + 1)
+    first = fdr / tests
+    return {"sequences": sequences, "permutations": permutations, "exact": exact, "tests": tests, "fdr": fdr,
+            "smallest_p": smallest, "bh_first_threshold": first, "detectable": smallest <= first}
+
+
+def sign_flip_p(diff: torch.Tensor, permutations: int, generator: torch.Generator) -> torch.Tensor:
+    """One-sided p-values of mean(diff) > 0 per trailing index of diff [N, ...] under sign flips of whole rows.
+
+    2^N <= permutations: every sign vector (the identity included), p = #{mean(s diff) >= mean(diff)} / 2^N,
+    exact. Otherwise R random sign vectors, p = (1 + #{...}) / (R + 1) (valid: P(p <= a) <= a under H0).
+    """
+    n = diff.shape[0]
+    flat = diff.reshape(n, -1)
+    gap = flat.mean(0)
+    exact = 2**n <= permutations
+    total = 2**n if exact else permutations
+    exceed = torch.zeros_like(gap)
+    for start in range(0, total, CHUNK):
+        count = min(CHUNK, total - start)
+        if exact:
+            codes = torch.arange(start, start + count)[:, None]
+            bits = (codes >> torch.arange(n)) & 1
+        else:
+            bits = torch.randint(0, 2, (count, n), generator=generator)
+        signs = bits.to(torch.float64) * 2 - 1
+        exceed += ((signs @ flat) / n >= gap - 1e-12 * gap.abs()).sum(0)  # ties (the identity) count
+    p = exceed / total if exact else (exceed + 1) / (permutations + 1)
+    return p.reshape(diff.shape[1:])
+
+
+def bootstrap_interval(diff: torch.Tensor, resamples: int, level: float,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Percentile bootstrap interval of mean(diff) over rows (sequences), per trailing index."""
+    n = diff.shape[0]
+    means = []
+    for start in range(0, resamples, CHUNK):
+        idx = torch.randint(n, (min(CHUNK, resamples - start), n), generator=generator)
+        means.append(diff[idx].mean(1))
+    means = torch.cat(means)
+    return torch.quantile(means, (1 - level) / 2, dim=0), torch.quantile(means, (1 + level) / 2, dim=0)
+
+
 @dataclass
 class PairedTest:
     """Per head: gap = mean (real - null), its bootstrap interval [lo, hi], the sign-flip p-value and whether
-    it survives Benjamini-Hochberg at `fdr` over all heads."""
+    it survives Benjamini-Hochberg at `fdr` over all heads; `power` says what the test could detect at all."""
 
     gap: torch.Tensor
     lo: torch.Tensor
@@ -111,10 +178,11 @@ class PairedTest:
     significant: torch.Tensor
     fdr: float
     level: float
+    power: dict
 
     def as_dict(self) -> dict:
         return {"gap": self.gap, "lo": self.lo, "hi": self.hi, "p": self.p, "significant": self.significant,
-                "fdr": self.fdr, "level": self.level}
+                "fdr": self.fdr, "level": self.level, "power": self.power}
 
 
 def benjamini_hochberg(p: torch.Tensor, q: float = FDR) -> torch.Tensor:
@@ -131,28 +199,78 @@ def benjamini_hochberg(p: torch.Tensor, q: float = FDR) -> torch.Tensor:
 
 
 def paired_test(real: torch.Tensor, null: torch.Tensor, bootstrap: int = BOOTSTRAP,
-                permutations: int = PERMUTATIONS, level: float = 0.95, fdr: float = FDR,
+                permutations: int | None = None, level: float = 0.95, fdr: float = FDR,
                 seed: int = 0) -> PairedTest:
-    """Compare per-sequence statistics real [N, ...] with null [N, ...] (paired by sequence), per trailing index."""
+    """Compare per-sequence statistics real [N, ...] with null [N, ...] (paired by sequence), per trailing index.
+
+    permutations None: `permutations_for` the number of tests (trailing indices) at `fdr`."""
     real, null = torch.as_tensor(real, dtype=torch.float64), torch.as_tensor(null, dtype=torch.float64)
     if real.shape != null.shape:
         raise UsageError(f"real and null must have the same shape, got {tuple(real.shape)} and {tuple(null.shape)}")
     n = real.shape[0]
     if n < 2:
         raise UsageError(f"the paired test needs at least 2 sequences, got {n}; raise num_sequences")
+    tests = math.prod(real.shape[1:])
+    permutations = permutations_for(tests, fdr) if permutations is None else permutations
     check_int("bootstrap", bootstrap, 1)
     check_int("permutations", permutations, 1)
     check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
     g = torch.Generator().manual_seed(int(seed))
     diff = real - null
-    gap = diff.mean(0)
-    means = torch.stack([diff[torch.randint(n, (n,), generator=g)].mean(0) for _ in range(bootstrap)])
-    lo = torch.quantile(means, (1 - level) / 2, dim=0)
-    hi = torch.quantile(means, (1 + level) / 2, dim=0)
-    exceed = torch.zeros_like(gap)
-    for _ in range(permutations):
-        signs = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
-        flipped = (diff * signs.view(-1, *[1] * (diff.dim() - 1))).mean(0)
-        exceed += (flipped >= gap).to(torch.float64)
-    p = (exceed + 1) / (permutations + 1)
-    return PairedTest(gap, lo, hi, p, benjamini_hochberg(p, fdr), fdr, level)
+    lo, hi = bootstrap_interval(diff, bootstrap, level, g)
+    p = sign_flip_p(diff, permutations, g)
+    return PairedTest(diff.mean(0), lo, hi, p, benjamini_hochberg(p, fdr), fdr, level,
+                      power(n, permutations, tests, fdr))
+
+
+class DeltaR2Rows(Statistic):
+    """Per sequence, layer and head, the linear Delta R^2 of the post-RoPE scores (`linear_delta_r2`): rows
+    [N, L, H] kept in order (a per-sequence statistic, not a grouped sum; the paired test needs the rows).
+    Layers whose sliding window is shorter than the sequence get NaN (the design assumes every causal pair)."""
+
+    name = "delta_r2_rows"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(1)
+        self.seed = seed
+        self.rows: list[torch.Tensor] = []
+        self._layers: list[torch.Tensor] = []
+
+    def hooks(self, hm) -> dict:
+        self._n = hm.n_layers
+        return {f"blocks.{l}.attn.hook_attn_scores": self._read for l in range(hm.n_layers)}
+
+    def _read(self, s: torch.Tensor, ctx) -> None:
+        b, h, t, _ = s.shape
+        if ctx.window and ctx.window < t:
+            self._layers.append(torch.full((b, h), math.nan, dtype=torch.float64))
+        else:
+            self._layers.append(linear_delta_r2(s.cpu(), seed=self.seed))  # [B, H]; only causal pairs are read
+        if ctx.layer == self._n - 1:
+            self.rows.append(torch.stack(self._layers, 1))
+            self._layers = []
+
+    def values(self) -> torch.Tensor:
+        """[N, L, H] float64."""
+        return torch.cat(self.rows)
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        return {"delta_r2": self.values()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"rows": self.values()} if self.rows else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.rows = [state["rows"]] if "rows" in state else []
+
+    def merge(self, other: DeltaR2Rows) -> None:
+        self.rows += other.rows
+
+    def all_reduce(self, group=None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self.values(), group=group)
+        self.rows = list(gathered)

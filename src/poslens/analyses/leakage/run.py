@@ -1,18 +1,18 @@
 """`poslens leakage MODEL`: every leakage metric of a real model with intervals, the BOS interventions, the
 predecessor's per-head test, position 0 and sinks; one run directory (docs/leakage.md).
 
-Passes over the same sequences: "orig" (as they are), one per intervention, and "null" (the predecessor's
-circular token shift) when `predecessor` is on. Every pass reads the dense scores of every layer through
-`attn.hook_attn_scores` and adds, per group of sequences (batch b -> group b mod G), the head-mean scores,
-log-partitions and probabilities; the metrics are functions of those means, with delete-one-group jackknife
-intervals (poslens.engine.stats). Partial sums are checkpointed and a rerun resumes; under torchrun each rank
-takes its shard and the sums are all-reduced.
+An analysis on the pipeline (`poslens.engine.pipeline`), in passes over the same sequences: "orig" (as they are),
+one per intervention (`interventions.prepare`: the batch changed, or a value written, before the forward), and
+"null" (the predecessor's circular token shift) when `predecessor` is on. `LeakageMaps` reads the dense scores of
+every layer through `attn.hook_attn_scores` and adds, per group of sequences (batch b -> group b mod G), the
+head-mean scores, log-partitions and probabilities; the metrics are functions of those means, with
+delete-one-group jackknife intervals (poslens.engine.stats). Per-sequence values (the predecessor's Delta R^2 of
+every head, position 0's states) are rows, gathered over torchrun ranks rather than summed.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,58 +22,43 @@ from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage import position0 as p0
 from poslens.analyses.leakage import predecessor as pr
 from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split
-from poslens.engine.stats import GroupedSums
-from poslens.errors import UsageError, check_choice, check_int
-from poslens.io.checkpoint import load_partial, save_partial
-from poslens.io.results import check_output, sharded_run_directory, write_run
-from poslens.options import option
+from poslens.engine.config import ModelData
+from poslens.engine.pipeline import Analysis, Job, Output, Pass, dense_score_bytes, run_analysis
+from poslens.engine.statistics.spec import NoOptions, Spec
+from poslens.engine.stats import Estimate, GroupedSums, Statistic, t_quantile
+from poslens.errors import UsageError, check_int
+from poslens.options import option, option_of
 
 
 @dataclass
-class LeakageConfig:
+class LeakageConfig(ModelData):
     """Everything that determines a `leakage` run."""
 
-    model: str = option(help="hub id, directory, .gguf, smollm2-135m or random:CONFIG", positional=True)
-    data: str | None = option(None, help="text: .txt/.md file, directory, .jsonl, .parquet or a saved dataset "
-                                         "(default: the embedded Python documentation)")
-    text_field: str = option("text", help="column or JSON field holding the text")
-    seq_len: int = option(128, help="tokens per sequence, BOS included")
-    num_sequences: int = option(64, help="sequences (each a group member; at least 2 per group)")
-    batch_size: int = option(8, help="sequences per forward")
-    groups: int = option(8, help="groups of sequences for the jackknife intervals (batch b goes to group b mod G)")
-    bos: str = option("always", help="BOS at position 0: always (Ruscio et al.'s fixed first token), auto, never",
-                      choices=("always", "auto", "never"))
-    max_offset: int | None = option(None, help="largest offset i - j in the domain (default seq_len // 2)")
-    early_queries: int = option(32, help="'early queries': i <= this (the interventions' domain)")
+    seq_len: int = option_of(ModelData, "seq_len", 128)
+    num_sequences: int | None = option_of(ModelData, "num_sequences", 64)
+    batch_size: int = option_of(ModelData, "batch_size", 8)
+    groups: int = option_of(ModelData, "groups", 8)
+    bos: str = option_of(ModelData, "bos", "always")  # Ruscio et al.'s fixed first token
+    max_offset: int | None = option(None, lo=0, help="largest offset i - j in the domain (default seq_len // 2)")
+    early_queries: int = option(32, lo=2, help="'early queries': i <= this (the interventions' domain)")
     first_key: bool = option(True, help="leave key 0 (the sink column) out of the domain", flag="--no-first-key")
     interventions: list[str] = option(["mean"], help="position-0 interventions: mean, random, token:ID, nobos, "
-                                                     "freeze, shift:K (comma-separated; empty: none)")
+                                                     "freeze, shift:K (comma-separated; none: no intervention)")
     predecessor: bool = option(True, help="skip the predecessor's per-head linear Delta R^2 test (and its "
                                           "shifted-token pass)", flag="--no-predecessor")
-    sink_threshold: float = option(0.3, help="alpha_0 above which a head counts as sink-reading (Gu et al.)")
-    level: float = option(0.95, help="confidence level of the intervals")
-    dtype: str = option("auto", help="model dtype (auto: float32 on the CPU)")
-    device: str = option("cpu", help="cpu or cuda")
-    tokenizer: str | None = option(None, help="tokenizer spec for a random:CONFIG model")
-    seed: int = option(0, help="seed of the random interventions, the null shifts and the tests")
-    checkpoint_every: int = option(4, help="batches between saved partial sums")
+    sink_threshold: float = option(0.3, lo=0, hi=1, open=True, help="alpha_0 above which a head counts as "
+                                   "sink-reading (Gu et al.)")
 
     def validate(self) -> None:
-        check_int("seq_len", self.seq_len, 8)
-        check_int("num_sequences", self.num_sequences, 2)
-        check_int("batch_size", self.batch_size, 1)
-        check_int("groups", self.groups, 2)
+        super().validate()
         check_int("early_queries", self.early_queries, 2, self.seq_len - 1)
-        check_choice("bos", self.bos, ("always", "auto", "never"))
-        check_int("checkpoint_every", self.checkpoint_every, 1)
-        for spec in self.interventions:
+        for spec in self.specs:
             iv.parse(spec)
-        batches = -(-self.num_sequences // self.batch_size)
-        if batches < self.groups:
-            raise UsageError(f"groups: {self.groups} groups need at least {self.groups} batches, got {batches} "
-                             f"({self.num_sequences} sequences of batch_size {self.batch_size}); lower --groups or "
-                             "--batch-size, or raise --num-sequences")
-        domain(self, self.seq_len)  # too few entries for a fit: fail before loading anything
+
+    @property
+    def specs(self) -> list[str]:
+        """The interventions to run ("none" and empty entries dropped)."""
+        return [s for s in self.interventions if s not in ("", "none")]
 
 
 def domain(cfg: LeakageConfig, n: int, early: bool = False, window: int | None = None) -> Domain:
@@ -85,51 +70,221 @@ def domain(cfg: LeakageConfig, n: int, early: bool = False, window: int | None =
     return dom
 
 
-class _Accumulator:
-    """Hooks of one pass: head-mean scores, log-partitions and probabilities per layer into GroupedSums, plus
-    (orig) per-head probabilities and (orig, null) per-sequence linear Delta R^2 of every head."""
+# ---------------------------------------------------------------- statistics
 
-    def __init__(self, sums: GroupedSums, n_layers: int, prefix: str, per_head: torch.Tensor | None,
-                 dr2: list | None, seed: int) -> None:
-        self.sums, self.n_layers, self.prefix = sums, n_layers, prefix
-        self.per_head, self.dr2, self.seed = per_head, dr2, seed
-        self.group, self._rows = 0, []
 
-    def hooks(self) -> dict:
+class LeakageMaps(Statistic):
+    """One pass's attention, read as dense scores [B, H, T, T] at every layer: head-mean scores, log-partitions and
+    probabilities per layer into the grouped sums (`maps`), the per-head probabilities summed over all sequences
+    (`per_head`, in `self.heads`), and every sequence's linear Delta R^2 of every head (`dr2`, rows "dr2")."""
+
+    name = "leakage_maps"
+    KEYS = ("scores", "log_partition", "probs")
+
+    def __init__(self, n_layers: int, groups: int, *, maps: bool = True, per_head: bool = False, dr2: bool = False,
+                 seed: int = 0) -> None:
+        super().__init__(groups)
+        self.n_layers, self.maps, self.per_head, self.dr2, self.seed = n_layers, maps, per_head, dr2, seed
+        self.heads = GroupedSums(1)  # per-head probabilities: one total over every sequence
+        self._rows: list[torch.Tensor] = []
+        self._batch = 0
+
+    def hooks(self, hm) -> dict:
         return {f"blocks.{l}.attn.hook_attn_scores": self._hook(l) for l in range(self.n_layers)}
 
     def _hook(self, l: int):
         def hook(s, ctx):
             b, h, t, _ = s.shape
+            self._batch = b
             s = s.float()
             lse = torch.logsumexp(s, -1)  # [B, H, T]: -inf keys drop out
             probs = torch.exp(s - lse[..., None])
-            finite = torch.isfinite(s)
-            scores = torch.where(finite, s, 0.0)
-            L = self.n_layers
-            g = self.group
-            # maps: float32 sums of float32 values (as the capture engine); the log-partition vector in float64
-            f32 = torch.float32
-            self.sums.buffer(f"{self.prefix}/scores", g, (L, t, t), dtype=f32)[l] += scores.sum((0, 1)).cpu() / h
-            self.sums.buffer(f"{self.prefix}/log_partition", g, (L, t))[l] += lse.sum((0, 1)).double().cpu() / h
-            self.sums.buffer(f"{self.prefix}/probs", g, (L, t, t), dtype=f32)[l] += probs.sum((0, 1)).cpu() / h
-            if self.per_head is not None:
-                self.per_head[l] += probs.sum(0).cpu()
-            if self.dr2 is not None:
+            scores = torch.where(torch.isfinite(s), s, 0.0)
+            L, g, f32 = self.n_layers, self.group, torch.float32
+            if self.maps:  # maps: float32 sums of float32 values (as the capture engine); log-partitions in float64
+                self.sums.buffer("scores", g, (L, t, t), dtype=f32)[l] += scores.sum((0, 1)).cpu() / h
+                self.sums.buffer("log_partition", g, (L, t))[l] += lse.sum((0, 1)).double().cpu() / h
+                self.sums.buffer("probs", g, (L, t, t), dtype=f32)[l] += probs.sum((0, 1)).cpu() / h
+            if self.per_head:
+                self.heads.buffer("probs", 0, (L, h, t, t), dtype=f32)[l] += probs.sum(0).cpu()
+            if self.dr2:
                 if ctx.window and ctx.window < t:  # the predecessor's design assumes every causal pair is seen
                     self._rows.append(torch.full((b, h), float("nan"), dtype=torch.float64))
                 else:
                     self._rows.append(pr.linear_delta_r2(scores.double().cpu(), seed=self.seed))  # [B, H]
                 if l == L - 1:
-                    self.dr2.append(torch.stack(self._rows, 1))  # [B, L, H]
+                    self.rows.add("dr2", torch.stack(self._rows, 1))  # [B, L, H]
                     self._rows = []
             return None
 
         return hook
 
-    def count(self, batch: int) -> None:
-        for key in ("scores", "log_partition", "probs"):
-            self.sums.count_buffer(f"{self.prefix}/{key}", self.group).add_(batch)
+    def end_batch(self) -> None:
+        if self.maps:
+            for key in self.KEYS:
+                self.sums.count_buffer(key, self.group).add_(self._batch)
+        if self.per_head:
+            self.heads.count_buffer("probs", 0).add_(self._batch)
+
+    def mean_heads(self) -> torch.Tensor:
+        """Mean attention probabilities per layer and head [L, H, T, T] (float32, over every sequence)."""
+        return self.heads.sums["probs"][0] / self.heads.counts["probs"][0]
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """Mean `scores`, `log_partition`, `probs` per layer with `_lo`, `_hi`, `_se` (delete-a-group jackknife);
+        NaN above the diagonal (keys the softmax never sees)."""
+        out: dict[str, torch.Tensor] = {}
+        for key in self.KEYS:
+            def seen(m, k=key):
+                x = m[k]
+                return x if k == "log_partition" else x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool)
+                                                                    .tril(), float("nan"))
+
+            out.update(self.sums.estimate(seen, level=level).as_dict(key))
+        return {**{k: v.float() for k, v in out.items()}, "layers": torch.arange(self.n_layers)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**super().state_dict(), **{f"heads/{k}": v for k, v in self.heads.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        self.heads.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("heads/")})
+
+    def merge(self, other: LeakageMaps) -> None:
+        super().merge(other)
+        self.heads.merge(other.heads)
+
+    def all_reduce(self, group=None) -> None:
+        super().all_reduce(group)
+        self.heads.all_reduce(group)
+
+
+class Position0(Statistic):
+    """Position 0's state after the embedding and after every layer, one row per sequence (rows "states",
+    [N, L + 1, d] float32, and the group of each sequence, rows "group"): what `position0.spread` measures."""
+
+    name = "position0"
+
+    def hooks(self, hm) -> dict:
+        self._sink: list[torch.Tensor] = []
+        return p0.position0_hooks(hm.n_layers, self._sink)
+
+    def end_batch(self) -> None:
+        states = self._sink.pop()
+        self.rows.add("states", states)
+        self.rows.add("group", torch.full((states.shape[0],), self.group % self.sums.groups))
+
+    def spread(self, level: float = 0.95) -> Estimate:
+        """D0 per entry (embedding, then every layer) with a delete-a-group jackknife interval: `position0.spread`
+        of all sequences, and of the sequences outside each group in turn."""
+        states, group = self.rows.get("states"), self.rows.get("group")
+        value = p0.spread(states)
+        kept = group.unique().tolist()
+        if len(kept) < 2:
+            nan = torch.full_like(value, math.nan)
+            return Estimate(value, nan, nan.clone(), nan.clone(), len(kept), level, "jackknife")
+        reps = torch.stack([p0.spread(states[group != g]) for g in kept])
+        k = len(kept)
+        se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
+        t = t_quantile((1 + level) / 2, k - 1)
+        return Estimate(value, value - t * se, value + t * se, se, k, level, "jackknife")
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """`spread` [L + 1] (after the embedding, then after each layer) with `_lo`, `_hi`, `_se`."""
+        return {k: v.float() for k, v in self.spread(level).as_dict("spread").items()}
+
+
+POSITION0_SPEC = Spec("position0", "how much position 0's state varies across inputs, after the embedding and each "
+                      "layer (1 - mean pairwise cosine; 0: the same for every input)", NoOptions,
+                      lambda hm, o, groups: Position0(groups))
+MAPS_SPEC = Spec("leakage_maps", "mean head-averaged scores, log-partitions and attention probabilities of every "
+                 "layer (what `poslens leakage` measures its metrics on)", NoOptions,
+                 lambda hm, o, groups: LeakageMaps(hm.n_layers, groups))
+
+
+# ---------------------------------------------------------------- the analysis
+
+
+class Leakage(Analysis):
+    """Passes orig, one per intervention, and the predecessor's null; metrics with intervals on rank 0."""
+
+    kind = "leakage"
+
+    def check(self, job: Job) -> None:
+        cfg, tok = job.config, job.tokenizer
+        if cfg.bos == "always" and getattr(tok, "bos_token_id", None) is None:
+            raise UsageError("bos: this tokenizer has no BOS token; use bos never (position 0 is then a content "
+                             "token and the interventions replace it)", param="bos")
+        iv.check(cfg.specs, job.model, cfg.seq_len, cfg.batch_size)  # every intervention's range, before any forward
+        domain(cfg, cfg.seq_len)  # too few entries for a fit: refused before any sequence is cut
+
+    def memory(self, job: Job) -> dict[str, tuple[float, str]]:
+        cfg, c = job.config, job.model.config
+        L, H, T = job.hm.n_layers, c.num_attention_heads, cfg.seq_len
+        n = cfg.num_sequences or 0
+        passes = 1 + len(cfg.specs)
+        return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
+                "grouped sums of the maps": (passes * cfg.groups * L * (8 * T * T + 8 * T), "seq_len"),
+                "per-head attention": (L * H * T * T * 4, "seq_len"),
+                "per-sequence rows": (n * L * (2 * 8 * H + 4 * c.hidden_size), "num_sequences")}
+
+    def passes(self, job: Job) -> list[Pass]:
+        cfg, model, hm = job.config, job.model, job.hm
+        L, G = hm.n_layers, job.groups
+        out = [Pass("orig", [LeakageMaps(L, G, per_head=True, dr2=cfg.predecessor, seed=cfg.seed), Position0(G)])]
+        reference = job.sequences[0]
+        for spec in cfg.specs:
+            out.append(Pass(spec, [LeakageMaps(L, G)],
+                            prepare=lambda ids, index, spec=spec: iv.prepare(spec, model, hm, ids, reference,
+                                                                              cfg.seed)))
+        if cfg.predecessor:
+            keep = 1 if job.data.get("bos_prepended") else 0
+            out.append(Pass("null", [LeakageMaps(L, G, maps=False, dr2=True, seed=cfg.seed)],
+                            prepare=lambda ids, index: (null_ids(ids, index, cfg.seed, keep), {}, None)))
+        return out
+
+    def finish(self, job: Job, passes: list[Pass]) -> Output:
+        cfg = job.config
+        orig, position = passes[0].statistics
+        joint = GroupedSums(job.groups)  # every pass's sums under one roof: joint jackknife replicates
+        for p in passes:
+            maps = p.statistics[0]
+            if maps.maps:
+                prefix = "orig" if p.name == "orig" else f"iv/{p.name}"
+                joint.sums.update({f"{prefix}/{k}": v for k, v in maps.sums.sums.items()})
+                joint.counts.update({f"{prefix}/{k}": v for k, v in maps.sums.counts.items()})
+        dr2 = {p.name: p.statistics[0].rows.get("dr2") for p in passes if p.name in ("orig", "null")}
+        windows = [int(w or 0) for w in _windows(job.model)]
+        metrics, tensors = summarise(cfg, joint, orig.mean_heads(), dr2, position.spread(cfg.level), windows,
+                                     [p.name for p in passes])
+        return Output(tensors, metrics)
+
+    def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
+        from poslens.analyses.leakage.figures import leakage_figures
+
+        return leakage_figures(output.metrics, output.tensors, directory, job.label)
+
+
+LEAKAGE = Leakage()
+
+
+def run_leakage(cfg: LeakageConfig, out: str | Path, force: bool = False, progress: bool = True) -> Path | None:
+    """Compute everything and write the run directory on rank 0 (returns its path there, None elsewhere)."""
+    return run_analysis(LEAKAGE, cfg, out, force=force, progress=progress)
+
+
+def null_ids(ids: torch.Tensor, index: int, seed: int, keep: int) -> torch.Tensor:
+    """The predecessor's null input for batch `index` of the run: each sequence circularly shifted by a random
+    offset (seeded by the run's seed and the batch index), the first `keep` positions (a BOS) in place."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    shifts = torch.randint(1, ids.shape[1] - keep, (ids.shape[0],), generator=g)
+    return pr.circular_shift(ids.cpu(), shifts, keep).to(ids.device)
+
+
+def _windows(model) -> list[int]:
+    from poslens.engine.families import sliding_windows
+
+    return sliding_windows(model.config)
 
 
 def _early_logit(means: dict, name: str, cfg: LeakageConfig, windows: list[int]) -> torch.Tensor:
@@ -138,122 +293,6 @@ def _early_logit(means: dict, name: str, cfg: LeakageConfig, windows: list[int])
     n = s.shape[-1]
     e = torch.stack([split(s[l], lp[l], domain(cfg, n, True, w or None))["e_logit"] for l, w in enumerate(windows)])
     return torch.cat([e, e.sum()[None]])
-
-
-def run_leakage(cfg: LeakageConfig, out: str, force: bool = False, progress: bool = True) -> Path | None:
-    """Compute everything and write the run directory on rank 0 (returns its path there, None elsewhere)."""
-    from poslens.analyses.scores import distributed, partial_path
-    from poslens.engine.data import iter_documents, make_sequences, shard, source_label
-    from poslens.engine.families import sliding_windows
-    from poslens.engine.hooks import HookedModel
-    from poslens.engine.models import load_model, max_positions, model_record
-
-    cfg.validate()
-    started = time.perf_counter()
-    rank, world = distributed(cfg.device)
-    target = check_output(out, force) if rank == 0 else Path(out).expanduser().absolute()
-    documents = iter_documents(cfg.data, cfg.text_field)
-    first = next(documents, None)
-    if first is None:
-        raise UsageError(f"data {cfg.data}: no documents found")
-    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer)
-    if cfg.seq_len > max_positions(model):
-        raise UsageError(f"seq_len {cfg.seq_len} is beyond the model's {max_positions(model)} positions")
-    bos_id = getattr(tok, "bos_token_id", None) if tok is not None else None
-    if cfg.bos == "always" and bos_id is None:
-        raise UsageError("bos: this tokenizer has no BOS token; use --bos never (position 0 is then a content "
-                         "token and the interventions replace it)")
-    ids, data_stats = make_sequences(tok, itertools.chain([first], documents), cfg.seq_len, cfg.num_sequences,
-                                     bos=cfg.bos)
-    data_stats["source"] = source_label(cfg.data)
-    hm = HookedModel(model)
-    L = hm.n_layers
-    windows = [int(w or 0) for w in sliding_windows(model.config)]
-    mine = shard(ids, rank, world)
-    batches = list(torch.split(mine, cfg.batch_size))
-    offset = sum(-(-len(shard(ids, r, world)) // cfg.batch_size) for r in range(rank))  # global batch index
-    passes = ["orig"] + list(cfg.interventions) + (["null"] if cfg.predecessor else [])
-    sums = GroupedSums(cfg.groups)
-    heads = model.config.num_attention_heads
-    per_head = torch.zeros(L, heads, cfg.seq_len, cfg.seq_len)  # float32 sums, as the head-mean maps
-    dr2: dict[str, list] = {"orig": [], "null": []}
-    pos0: list = []
-    fp = {**asdict(cfg), "world": world, "rank": rank}
-    fp.pop("checkpoint_every")
-    fp.pop("device")
-    ckpt = partial_path(target, rank, world)
-    done = 0
-    resumed = load_partial(ckpt, fp)
-    if resumed is not None:
-        state, done = resumed
-        sums.load_state_dict({k: v for k, v in state.items() if k.startswith(("sum/", "count/"))})
-        per_head = state["per_head"].clone()
-        for k in ("orig", "null", "pos0"):
-            if f"list/{k}" in state:
-                (pos0 if k == "pos0" else dr2[k]).append(state[f"list/{k}"])
-    units = [(p, b) for p in passes for b in range(len(batches))]
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(units), initial=done, desc="leakage", unit="batch")
-    reference = ids[0]
-    for u in range(done, len(units)):
-        name, b = units[u]
-        batch = batches[b].to(cfg.device)
-        prefix = name
-        if name == "null":
-            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + offset + b)
-            keep = 1 if data_stats.get("bos_prepended") else 0
-            shifts = torch.randint(1, batch.shape[1] - keep, (batch.shape[0],), generator=g)
-            run_ids, hooks, pos = pr.circular_shift(batch.cpu(), shifts, keep).to(cfg.device), {}, None
-        elif name == "orig":
-            run_ids, hooks, pos = batch, {}, None
-        else:
-            prefix = f"iv/{name}"
-            run_ids, hooks, pos = iv.prepare(name, model, hm, batch, reference, cfg.seed)
-        acc = _Accumulator(sums, L, prefix, per_head if name == "orig" else None,
-                           dr2[name] if (cfg.predecessor and name in dr2) else None, cfg.seed)
-        acc.group = (offset + b) % cfg.groups
-        all_hooks: dict[str, list] = {}
-        extra = [hooks, p0.position0_hooks(L, pos0) if name == "orig" else {}, acc.hooks()]
-        for group in extra:  # interventions write first, readers see the result
-            for k, fn in group.items():
-                all_hooks.setdefault(k, []).append(fn)
-        hm.run(run_ids, hooks=all_hooks, position_ids=pos)
-        acc.count(batch.shape[0])
-        if bar is not None:
-            bar.update(1)
-        if (u + 1) % cfg.checkpoint_every == 0 and u + 1 < len(units):
-            state = {**sums.state_dict(), "per_head": per_head}
-            for k, rows in (("orig", dr2["orig"]), ("null", dr2["null"]), ("pos0", pos0)):
-                if rows:
-                    state[f"list/{k}"] = torch.cat(rows)
-            save_partial(ckpt, state, u + 1, fp)
-    if bar is not None:
-        bar.close()
-    cat = {k: torch.cat(v) if v else None for k, v in dr2.items()}
-    pos0_states = torch.cat(pos0)
-    if world > 1:
-        import torch.distributed as dist
-
-        sums.all_reduce()
-        dist.all_reduce(per_head)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (cat, pos0_states))
-        cat = {k: None if gathered[0][0][k] is None else torch.cat([g[0][k] for g in gathered]) for k in cat}
-        pos0_states = torch.cat([g[1] for g in gathered])
-    with sharded_run_directory(target, force, rank, world, ckpt) as tmp:
-        if tmp is not None:
-            from poslens.analyses.leakage.figures import leakage_figures
-
-            metrics, tensors = summarise(cfg, sums, per_head / len(ids), cat, pos0_states, windows, passes)
-            leakage_figures(metrics, tensors, tmp / "figures", cfg.model)
-            write_run(tmp, tensors, {"kind": "leakage", "config": asdict(cfg), "data": data_stats,
-                                     "world_size": world, "resumed_from_batch": done, "metrics": metrics,
-                                     "model": model_record(model),
-                                     "timings": {"seconds": time.perf_counter() - started}})
-    return target if rank == 0 else None
 
 
 def _per_layer_metrics(means: dict, prefix: str, cfg: LeakageConfig, windows: list[int], early: bool) -> torch.Tensor:
@@ -271,14 +310,14 @@ def _per_layer_metrics(means: dict, prefix: str, cfg: LeakageConfig, windows: li
 
 METRIC_NAMES = ("scores/trf", "scores/drift", "scores/dr2_q", "scores/dr2_k", "scores/dr2_abs",
                 "scores/sink_excess", "scores/early_key_slope", "log_probs/trf", "log_probs/drift", "probs/trf",
-                "probs/drift", "split/e_total", "split/e_logit", "split/e_mask", "split/cross", "split/share_logit",
-                "split/share_mask", "split/share_cross", "split/fraction")
+                "probs/drift", "split/e_total", "split/e_logit", "split/e_partition", "split/cross",
+                "split/share_logit", "split/share_partition", "split/share_cross", "split/fraction")
 
 
 def summarise(cfg: LeakageConfig, sums: GroupedSums, per_head_probs: torch.Tensor, dr2: dict,
-              pos0_states: torch.Tensor, windows: list[int], passes: list[str]) -> tuple[dict, dict]:
+              spread: Estimate, windows: list[int], passes: list[str]) -> tuple[dict, dict]:
     """Estimates with intervals for run.json and the tensors to save."""
-    metrics: dict = {"level": cfg.level, "groups": cfg.groups, "domain": asdict(domain(cfg, cfg.seq_len)),
+    metrics: dict = {"level": cfg.level, "groups": sums.groups, "domain": asdict(domain(cfg, cfg.seq_len)),
                      "metric_names": list(METRIC_NAMES)}
     tensors: dict[str, torch.Tensor] = {}
     for name in ("scores", "log_partition", "probs"):
@@ -313,9 +352,11 @@ def summarise(cfg: LeakageConfig, sums: GroupedSums, per_head_probs: torch.Tenso
     metrics["sinks"] = {"rate": sinks["rate"], "tokens": sinks["tokens"], "epsilon": sinks["epsilon"],
                         "rate_64": sinks.get("rate_short"),
                         "sink_heads": p0.sink_heads(sinks["alpha0"], cfg.sink_threshold)}
-    spread = p0.spread(pos0_states)
-    tensors["position0_spread"] = spread.float()
-    metrics["position0_spread"] = spread.tolist()
+    tensors["position0_spread"] = spread.value.float()
+    tensors.update({f"position0_spread_{k}": getattr(spread, k).float() for k in ("lo", "hi", "se")})
+    metrics["position0_spread"] = spread.value.tolist()
+    metrics["position0_spread_interval"] = {"lo": spread.lo.tolist(), "hi": spread.hi.tolist(), "level": spread.level,
+                                            "groups": spread.groups}
     if dr2.get("orig") is not None and dr2.get("null") is not None:
         test = pr.paired_test(dr2["orig"], dr2["null"], seed=cfg.seed, level=cfg.level)
         for k, v in test.as_dict().items():

@@ -2,16 +2,22 @@
 
 The reference example of a statistic (docs/architecture.md): it declares the points it reads, adds one sum per
 (layer, group) from inside the forward, and finishes with the jackknife of `GroupedSums`. With the default point,
-`blocks.{l}.hook_resid_pre`, row 0 is the norm of position 0's residual stream, which Ruscio et al. describe as a
-closed dynamical system driven by the first token alone.
+`blocks.{l}.hook_resid_pre`, row 0 is the norm of position 0's residual stream, which Ruscio, Nanni & Silvestri
+(2026, "Where does Absolute Position come from in decoder-only Transformers?") describe as a closed dynamical
+system driven by the first token alone. Any point laid out [batch, pos, ...] works (docs/hooks.md); at per-head
+points ([batch, pos, heads, d_head], e.g. attn.hook_z) the vector of a position is all its heads side by side.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Statistic
 from poslens.errors import UsageError
+from poslens.options import option
 
 
 class ActivationNorm(Statistic):
@@ -24,6 +30,10 @@ class ActivationNorm(Statistic):
         super().__init__(groups)
         if "{l}" not in point:
             raise UsageError(f"point must contain {{l}} for the layer, e.g. blocks.{{l}}.hook_resid_pre; got {point!r}")
+        if point.endswith(("hook_attn_scores", "hook_pattern")) or "_norm." in point:
+            raise UsageError(f"point {point!r} is not laid out [batch, pos, ...] (attention maps are [batch, head, "
+                             "query, key]; q/k norm points flatten batch, pos and heads); choose a point of "
+                             "docs/hooks.md with pos second")
         self.point, self.layers = point, layers
         self._valid: torch.Tensor | None = None
 
@@ -35,9 +45,9 @@ class ActivationNorm(Statistic):
         """Which tokens are real (padding never enters a mean)."""
         self._valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
 
-    def _read(self, x: torch.Tensor, ctx) -> None:
+    def _read(self, x: torch.Tensor, ctx) -> None:  # x [B, T, ...]
         valid = self._valid.to(x.device) if self._valid is not None else torch.ones(x.shape[:2], dtype=torch.bool)
-        norms = torch.linalg.vector_norm(x.double(), dim=-1) * valid  # [B, T]
+        norms = torch.linalg.vector_norm(x.double().flatten(2), dim=-1) * valid  # [B, T]
         self.sums.add(f"layer{ctx.layer}", self.group, norms.sum(0), valid.sum(0).double())
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
@@ -50,3 +60,15 @@ class ActivationNorm(Statistic):
             out[key] = torch.stack([getattr(e, part) for e in ests])
         out["layers"] = torch.tensor([int(n[5:]) for n in names])
         return out
+
+
+@dataclass
+class ActivationNormOptions:
+    """`poslens stat activation_norm`: which point, which layers."""
+
+    point: str = option("blocks.{l}.hook_resid_pre", help="hook point with {l} for the layer index")
+    layers: list[int] | None = option(None, help="comma-separated layer indices (default all)")
+
+
+SPEC = Spec("activation_norm", "mean L2 norm of a hook point's vectors at every position, per layer",
+            ActivationNormOptions, lambda hm, o, groups: ActivationNorm(o.point, o.layers, groups))

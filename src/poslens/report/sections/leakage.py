@@ -34,7 +34,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None) -> tuple[li
     level = m.get("level", 0.95)
     interval = f"{100 * level:g}% jackknife over {m.get('groups')} groups"
     early = m["per_layer_early"]
-    logit, mask = early["split/e_logit"], early["split/e_mask"]
+    logit, mask = early["split/e_logit"], early["split/e_partition"]
     layers = len(logit["value"])
     both = [k for k in range(layers) if logit["lo"][k] > 0 and mask["lo"][k] > 0]
     claims, context = [], []
@@ -45,7 +45,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None) -> tuple[li
                         len(both), ">", 0.5),),
         measured=f"{model}, {r.meta.get('data', {}).get('sequences')} sequences of {r.config.get('seq_len')} tokens: "
                  f"both parts above 0 in {len(both)} of {layers} layers ({interval}); the split is poslens's "
-                 "reconstruction (docs/leakage.md: e_mask and e_logit).",
+                 "reconstruction (docs/leakage.md: e_partition and e_logit).",
         figure="leakage_sources", key=f"{len(both)} of {layers} layers"))
     for spec, e in m.get("interventions", {}).items():
         if spec not in ("mean", "random") and not spec.startswith("token"):
@@ -95,7 +95,7 @@ def build(ctx, size: dict) -> Section:
     seqs, seq_len, groups = size["sequences"], size["seq_len"], size["groups"]
     cfg = LeakageConfig(model="smollm2-135m", seq_len=seq_len, num_sequences=seqs, batch_size=seqs // groups,
                         groups=groups, early_queries=min(32, seq_len // 2), predecessor=size["predecessor"])
-    stack = StackLeakageOptions(samples=size["stack_samples"])
+    stack = StackLeakageOptions(samples=size["stack_samples"], groups=4)
     runs = {}
     for name, conf, make in (("leakage", cfg, lambda o, out: run_leakage(o, out, progress=ctx.progress)),
                              ("leakage-stack", stack, run_stack_leakage)):
@@ -126,15 +126,14 @@ def build(ctx, size: dict) -> Section:
               "studied 3B-7B models (Llama, Qwen, Mistral, per its abstract and a summary).")
     m = load(runs["leakage"], tensors=False).metrics["per_layer_early"]
     xs = np.arange(1, len(m["split/e_logit"]["value"]) + 1)
+    names = {"log-partition term (e_partition)": "split/e_partition", "upstream logit term (e_logit)": "split/e_logit"}
     s.figures.append(lines(
-        ctx, "leakage_sources", xs, {"mask part (log-partition)": m["split/e_mask"]["value"],
-                                     "logit part (residual stream)": m["split/e_logit"]["value"]},
-        "Energy of the non-relative part of the mean log-probabilities at early queries, split into the mask part "
-        "and the logit part (docs/leakage.md), per layer from 1, with 95% jackknife intervals: the 'both sources' "
-        "row.", "layer", "non-relative energy (early queries)", "SmolLM2-135M: the two sources of absolute position",
-        errors={"mask part (log-partition)": interval_errors(*(m["split/e_mask"][k] for k in ("value", "lo", "hi"))),
-                "logit part (residual stream)": interval_errors(*(m["split/e_logit"][k] for k in ("value", "lo",
-                                                                                                  "hi")))},
+        ctx, "leakage_sources", xs, {label: m[key]["value"] for label, key in names.items()},
+        "Energy of the non-relative part of the mean log-probabilities at early queries, in the exact split's two "
+        "terms (docs/leakage.md: a descriptive identity, not a split into causes), per layer from 1, with 95% "
+        "jackknife intervals.", "layer", "non-relative energy (early queries)",
+        "SmolLM2-135M: the exact split of the non-relative energy",
+        errors={label: interval_errors(*(m[key][k] for k in ("value", "lo", "hi"))) for label, key in names.items()},
         logy=True))
     a = load(runs["leakage-stack"], tensors=False).metrics["architectures"]
     xs = np.arange(1, len(a["standard"]["exact"]["share_logit"]) + 1)

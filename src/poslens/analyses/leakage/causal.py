@@ -1,0 +1,219 @@
+"""The leakage maps of one pass over sequences, with the mask-only counterfactual, as an engine Statistic.
+
+`LeakageMaps` reads the dense scores of every layer (`blocks.{l}.attn.hook_attn_scores`) and adds, per group of
+sequences, per layer and head:
+
+    scores                  s_ij                              (mean map; float32 sums)
+    log_partition           l_i = log sum_{j seen by i} exp s_ij
+    relative_log_partition  l^rel_i = log sum_{j seen by i} exp mu_{i-j}   (the mask-only counterfactual)
+    key0                    A_i0 (attention on key 0: Gu et al.'s alpha_0 is its mean over queries)
+and, over heads, the mean probabilities A_ij. mu is the Toeplitz projection of that sequence's and head's scores:
+mu_d = mean of s_ij over the entries with i - j = d that i can see (`relative_log_partition`). Every metric is a
+smooth function of these means, so `result` gives each one a delete-one-group jackknife interval, per layer
+(head-mean maps) and per head, on four domains: all queries or early ones, key 0 in or out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from poslens.analyses.leakage.metrics import Domain, leakage_metrics
+from poslens.analyses.leakage.position0 import GU_TOKENS
+from poslens.engine.families import sliding_windows
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
+from poslens.errors import UsageError, check_int
+
+# (name, early queries only, key 0 in the domain): every metric is reported on each
+VARIANTS = (("all", False, True), ("all_no_key0", False, False), ("early", True, True),
+            ("early_no_key0", True, False))
+METRICS = ("scores/trf", "scores/drift", "scores/dr2_q", "scores/dr2_k", "scores/dr2_abs", "scores/sink_excess",
+           "scores/early_key_slope", "log_probs/trf", "log_probs/drift", "split/e_total", "split/e_logit",
+           "split/e_partition", "split/cross", "split/share_logit", "split/share_partition", "split/share_cross",
+           "split/fraction", "cf/mask_only", "cf/absolute_scores", "cf/cross", "cf/share_mask_only",
+           "cf/share_absolute_scores", "cf/share_cross", "cf/mask_only_over_partition")
+HEAD_MEAN_ONLY = ("probs/trf", "probs/drift")  # the probabilities are kept as a head mean only
+ENERGIES = ("split/e_total", "split/e_logit", "split/e_partition", "cf/mask_only", "cf/absolute_scores")
+
+
+def relative_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """l^rel [..., T] (float64) of score maps [..., T, T] with -inf where a key is hidden (`visible`: their
+    isfinite, when the caller has it).
+
+    Per map: mu_d = mean of s_ij over the visible entries with i - j = d (Toeplitz projection, one value per
+    offset), l^rel_i = log sum over the visible j of exp mu_{i-j}. The visible offsets of query i must be
+    0 .. k_i - 1 (a causal mask, with or without a sliding window): then l^rel_i = logcumsumexp(mu)_{k_i - 1},
+    and offset d is seen by the queries with k_i > d. Relative scores (s_ij = phi(i - j) on the visible entries)
+    give l^rel = l exactly.
+    """
+    t = scores.shape[-1]
+    visible = torch.isfinite(scores) if visible is None else visible
+    keys = visible.sum(-1)  # k_i
+    offset = torch.arange(t, device=scores.device)[:, None] - torch.arange(t, device=scores.device)
+    if not torch.equal(visible, (offset >= 0) & (offset < keys[..., None])):
+        raise UsageError("the mask-only counterfactual needs a causal mask (with or without a sliding window): "
+                         "every query must see the keys at offsets 0 .. k - 1")
+    sums = _diagonal_sums(torch.where(visible, scores, 0.0)).to(torch.float64)
+    histogram = torch.zeros(*keys.shape[:-1], t + 1, dtype=torch.float64, device=keys.device)
+    histogram.scatter_add_(-1, keys, torch.ones_like(keys, dtype=torch.float64))  # queries by k_i
+    counts = keys.shape[-1] - histogram.cumsum(-1)[..., :t]  # #{i : k_i > d}
+    mu = (sums / counts).nan_to_num(nan=-torch.inf)  # an offset no query sees never enters a sum
+    cumulative = torch.logcumsumexp(mu, -1)  # log sum_{d' <= d} exp mu_d'
+    return cumulative.gather(-1, (keys - 1).clamp(min=0)).masked_fill(keys == 0, -torch.inf)
+
+
+def _diagonal_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] sums of x [..., T, T] over each lower diagonal: out_d = sum_k x_{d+k, k}.
+
+    Diagonal d of a row-major T x T block starts at flat index d T and steps by T + 1; past the last row it
+    runs into T (T + 1) zeros of padding, so one strided view [T, T] holds every diagonal as a row."""
+    t = x.shape[-1]
+    flat = x.reshape(-1, t * t)
+    padded = torch.nn.functional.pad(flat, (0, t * (t + 1)))
+    diagonals = padded.as_strided((flat.shape[0], t, t), (padded.stride(0), t, t + 1))
+    return diagonals.sum(-1).reshape(*x.shape[:-2], t)
+
+
+@dataclass(frozen=True)
+class Domains:
+    """The domain settings every pass shares: largest offset (None: n // 2) and the early queries (i <= this)."""
+
+    max_offset: int | None = None
+    early_queries: int = 32
+    early_keys: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_offset is not None:
+            check_int("max_offset", self.max_offset, 1)
+        check_int("early_queries", self.early_queries, 2)
+        check_int("early_keys", self.early_keys, 2)
+
+    def of(self, n: int, early: bool, first_key: bool, window: int = 0) -> Domain:
+        """The domain for maps of size n (a sliding-window layer keeps offsets below its window)."""
+        top = None if self.max_offset is None else min(self.max_offset, n - 1)
+        return Domain(max_offset=top, first_key=first_key, max_query=min(self.early_queries, n - 1) if early else None,
+                      window=window or None)
+
+
+def evaluate(means: dict[str, torch.Tensor], domains: Domains, windows: list[int],
+             names: tuple[str, ...] = METRICS) -> torch.Tensor:
+    """Metrics `names` of mean maps over the VARIANTS: [V, M, L, ...] float64 (maps [L, ..., n, n]; layer l
+    uses windows[l]). `means`: scores, log_partition, relative_log_partition and optionally probs."""
+    n = means["scores"].shape[-1]
+    maps = dict(means)
+    maps["log_probs"] = maps["scores"] - maps["log_partition"][..., None]
+    by_window: dict[int, list[int]] = {}
+    for l, w in enumerate(windows):
+        by_window.setdefault(w, []).append(l)
+    out = torch.empty(len(VARIANTS), len(names), *means["scores"].shape[:-2], dtype=torch.float64)
+    for v, (_, early, first_key) in enumerate(VARIANTS):
+        for w, layers in by_window.items():  # layers that share a window share a domain: one vectorised call
+            vals = leakage_metrics({k: x[layers] for k, x in maps.items()}, domains.of(n, early, first_key, w),
+                                   domains.early_keys)
+            out[v][:, layers] = torch.stack([vals[k] for k in names])
+    return out
+
+
+def head_mean(means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-head means [L, H, ...] averaged over heads (the probabilities are already a head mean)."""
+    return {k: v if k == "probs" else v.mean(1) for k, v in means.items() if k != "key0"}
+
+
+class LeakageMaps(Statistic):
+    """Mean maps of one pass (see the module docstring) and every leakage metric with its interval."""
+
+    name = "leakage_maps"
+    KEYS = ("scores", "log_partition", "relative_log_partition", "key0", "probs")
+
+    def __init__(self, groups: int = DEFAULT_GROUPS, domains: Domains | None = None) -> None:
+        super().__init__(groups)
+        self.domains = domains or Domains()
+        self.windows: list[int] = []
+
+    def hooks(self, hm) -> dict:
+        self.windows = [int(w or 0) for w in sliding_windows(hm.model.config)]
+        self._layers = hm.n_layers
+        return {f"blocks.{l}.attn.hook_attn_scores": self._read for l in range(hm.n_layers)}
+
+    def _read(self, s: torch.Tensor, ctx) -> None:
+        if ctx.attention_mask is not None:
+            raise UsageError("leakage maps need unpadded sequences of one length (no attention mask)")
+        b, h, t, _ = s.shape
+        s = s.float()
+        visible = torch.isfinite(s)
+        lse = torch.logsumexp(s, -1)  # [B, H, T]: hidden keys (-inf) drop out
+        probs = torch.exp(s - lse[..., None])
+        L, l, g, f32 = self._layers, ctx.layer, self.group, torch.float32
+        buf = self.sums.buffer
+        buf("scores", g, (L, h, t, t), dtype=f32)[l] += torch.where(visible, s, 0.0).sum(0).cpu()
+        buf("log_partition", g, (L, h, t))[l] += lse.sum(0).double().cpu()
+        buf("relative_log_partition", g, (L, h, t))[l] += relative_log_partition(s, visible).sum(0).cpu()
+        buf("key0", g, (L, h, t))[l] += probs[..., 0].sum(0).double().cpu()
+        buf("probs", g, (L, t, t), dtype=f32)[l] += probs.sum((0, 1)).cpu() / h
+        if l == L - 1:  # the deepest point read: the batch is complete
+            for key in self.KEYS:
+                self.sums.count_buffer(key, g).add_(b)
+
+    def windows_for(self, n_layers: int) -> list[int]:
+        return self.windows or [0] * n_layers
+
+    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        """Head-mean metrics `metrics` [V, M, L] (VARIANTS x METRICS + HEAD_MEAN_ONLY), per-head metrics
+        `metrics_heads` [V, M, L, H] (METRICS), `alpha0` [L, H] and `alpha0_64` (first 64 queries), each with
+        `_lo`/`_hi`/`_se`, and the mean maps (float32)."""
+        return {**self.estimates(level)[0], **self.maps()}
+
+    def estimates(self, level: float = 0.95) -> tuple[dict[str, torch.Tensor], dict[str, Estimate]]:
+        """(tensors for the results format, the Estimates by name)."""
+        ests = {"metrics": self.sums.estimate(self.layer_metrics, level=level),
+                "metrics_heads": self.sums.estimate(self.head_metrics, level=level),
+                "alpha0": self.sums.estimate(lambda m: alpha0(m["key0"]), level=level),
+                "alpha0_64": self.sums.estimate(lambda m: alpha0(m["key0"], GU_TOKENS), level=level)}
+        out = {}
+        for name, e in ests.items():
+            out.update(e.as_dict(name))
+        return out, ests
+
+    def layer_metrics(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[V, M, L] on head-mean maps: METRICS then HEAD_MEAN_ONLY."""
+        return evaluate(head_mean(means), self.domains, self.windows_for(means["scores"].shape[0]),
+                        METRICS + HEAD_MEAN_ONLY)
+
+    def head_metrics(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[V, M, L, H] per head (METRICS)."""
+        m = {k: means[k] for k in ("scores", "log_partition", "relative_log_partition")}
+        return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]))
+
+    def maps(self) -> dict[str, torch.Tensor]:
+        """The head-mean mean maps and per-head attention on key 0, float32."""
+        means = {k: self.sums.mean(k) for k in self.KEYS}
+        out = {f"maps/{k}": v.float() for k, v in head_mean(means).items()}
+        out["maps/key0"] = means["key0"].float()
+        return out
+
+
+def alpha0(key0: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+    """Gu et al.'s alpha_0 per layer and head from mean attention on key 0 [L, H, T]: its mean over queries
+    (the first `tokens` queries: exactly what sequences of that length give, by causality)."""
+    return (key0 if tokens is None else key0[..., :tokens]).mean(-1)
+
+
+def joint(statistics: dict[str, LeakageMaps]) -> GroupedSums:
+    """One GroupedSums over several passes, names prefixed by the pass (`orig/scores`, ...), sharing storage,
+    so that a function of two passes gets a paired jackknife (the passes must share groups and sequences)."""
+    groups = {s.sums.groups for s in statistics.values()}
+    if len(groups) != 1:
+        raise UsageError(f"passes with different numbers of groups cannot be compared: {sorted(groups)}")
+    out = GroupedSums(groups.pop())
+    for prefix, stat in statistics.items():
+        for k, v in stat.sums.sums.items():
+            out.sums[f"{prefix}/{k}"] = v
+            out.counts[f"{prefix}/{k}"] = stat.sums.counts[k]
+    return out
+
+
+def unprefix(means: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The means of one pass out of a `joint` dict."""
+    p = f"{prefix}/"
+    return {k[len(p):]: v for k, v in means.items() if k.startswith(p)}

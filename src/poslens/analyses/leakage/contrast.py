@@ -1,0 +1,58 @@
+"""Paired comparison of two passes over the same sequences: an intervention against the original, the original
+against a null (docs/leakage.md, "Nulls" and "Interventions").
+
+Both passes keep their sums in the same groups of the same sequences, so a function of the two is re-evaluated
+on each leave-one-group-out pair of means: the jackknife interval of a difference or a ratio is paired.
+
+    difference  = metric(other) - metric(base)                     every metric, [V, M, L] (or [V, M, L, H])
+    removed     = 1 - E(other) / E(base)                           the energies (causal.ENERGIES), per layer
+    removed_all = 1 - sum_l E(other) / sum_l E(base)               over all layers (and heads)
+
+A difference is called non-zero when its interval excludes 0 (`excludes_zero`); that is the whole rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, joint, unprefix
+from poslens.engine.stats import Estimate
+
+
+def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: bool = False) -> dict[str, Estimate]:
+    """`difference`, `removed`, `removed_all` of `other` against `base` (see the module docstring), head-mean
+    maps per layer or (heads=True) per layer and head."""
+    sums = joint({"base": base, "other": other})
+    energy = [METRICS.index(k) for k in ENERGIES]
+    shapes: list[tuple[int, ...]] = []
+
+    def metric(stat: LeakageMaps, means: dict) -> torch.Tensor:
+        return stat.head_metrics(means) if heads else stat.layer_metrics(means)
+
+    def fn(means: dict) -> torch.Tensor:
+        a, b = metric(base, unprefix(means, "base")), metric(other, unprefix(means, "other"))
+        ea, eb = a[:, energy], b[:, energy]
+        parts = [b - a, 1.0 - eb / ea, 1.0 - eb.flatten(2).sum(-1) / ea.flatten(2).sum(-1)]
+        shapes[:] = [tuple(p.shape) for p in parts]
+        return torch.cat([p.reshape(-1) for p in parts])
+
+    est = sums.estimate(fn, level=level)
+    return dict(zip(("difference", "removed", "removed_all"), _unflatten(est, shapes)))
+
+
+def _unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:
+    """A flat Estimate cut back into estimates of the given shapes."""
+    out, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        cut = [getattr(est, k)[start:start + size].reshape(shape) for k in ("value", "lo", "hi", "se")]
+        out.append(Estimate(*cut, est.groups, est.level, est.method))
+        start += size
+    return out
+
+
+def excludes_zero(est: Estimate) -> torch.Tensor:
+    """The decision rule for a difference: its interval lies entirely above or entirely below 0."""
+    return (est.lo > 0) | (est.hi < 0)

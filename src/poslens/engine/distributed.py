@@ -1,0 +1,102 @@
+"""Where this process runs: rank, world size, local rank and device, one set-up for every job.
+
+One process, or any number under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK in the environment): gloo on the
+CPU, NCCL on GPUs, one GPU per process (cuda:LOCAL_RANK). `setup` joins the process group once; the analysis
+driver and the training loop both take their `Dist` from it.
+
+    d = setup("cuda")           # Dist(rank=1, world=4, local=1, device=cuda:1) on the second process
+    mine = d.shard(sequences)   # this rank's contiguous block of rows
+    first = sum(d.batches(len(sequences), 20)[:d.rank])   # run-wide index of its first batch of 20
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from poslens.errors import UsageError, check_int, require
+
+
+@dataclass
+class Dist:
+    """This process's place: rank, world size, local rank, device."""
+
+    rank: int
+    world: int
+    local: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the process that writes the run directory."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (any picklable object)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """Rows [start, stop) of `n` that this rank takes: contiguous blocks in rank order, sizes differing by at
+        most one, every rank at least one row."""
+        require(n >= self.world, f"{n} sequences cannot be split over {self.world} ranks; use more --num-sequences "
+                                 "or fewer processes")
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
+    def shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's block of `rows` (see `bounds`)."""
+        start, stop = self.bounds(rows.shape[0])
+        return rows[start:stop]
+
+    def batches(self, n: int, batch_size: int) -> list[int]:
+        """How many batches of `batch_size` each rank cuts its block of `n` rows into. The run-wide index of this
+        rank's first batch is the sum over earlier ranks, so batch b of the run lands in group b mod G whatever
+        the number of processes when the blocks are whole batches."""
+        check_int("batch_size", batch_size, 1)
+        starts = [r * n // self.world for r in range(self.world + 1)]
+        return [-(-(starts[r + 1] - starts[r]) // batch_size) for r in range(self.world)]
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the torchrun process group when launched by torchrun (once per process) and pick the device.
+
+    `device`: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N. Under torchrun with a GPU every
+    process takes cuda:LOCAL_RANK, so only "cuda" (or auto) is accepted there."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    want = "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    require(isinstance(want, str) and (want == "cpu" or want.startswith("cuda")),
+            f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if want.startswith("cuda"):
+        require(torch.cuda.is_available(), f"device {want}: torch sees no GPU here; use --device cpu")
+        if world > 1:
+            if want != "cuda":
+                raise UsageError(f"device {want}: under torchrun every process uses cuda:LOCAL_RANK; pass cuda",
+                                 param="device")
+            here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            if here > torch.cuda.device_count():
+                raise UsageError(f"torchrun started {here} processes on this node but torch sees "
+                                 f"{torch.cuda.device_count()} GPU(s); use --nproc-per-node "
+                                 f"{torch.cuda.device_count()}")
+            where = torch.device("cuda", local)
+        else:
+            where = torch.device(want if ":" in want else "cuda:0")
+            require(where.index < torch.cuda.device_count(),
+                    f"device {want}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        torch.cuda.set_device(where)
+    else:
+        where = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if where.type == "cuda" else "gloo")
+    return Dist(rank, world, local, where)

@@ -1,0 +1,283 @@
+"""One driver for every analysis of a real model: a config in, one run directory out.
+
+    path = run_analysis(MyAnalysis(), MyConfig(model="smollm2-135m"), "runs/mine")
+
+`run_analysis`, step by step:
+
+ 1. validate the config: every bound and choice, the groups rule (`poslens.engine.config`); nothing is loaded
+ 2. join torchrun's process group, if any (`poslens.engine.distributed`)
+ 3. take --out's lock for the whole job (rank 0; the other ranks learn the outcome), refusing an --out that is
+    one of the run's inputs (model directory, --data, tokenizer)
+ 4. load the model; the memory estimate of the batch and of the analysis's sums (a UsageError with the
+    estimate when it does not fit); the model's window; the analysis's own checks
+ 5. cut the sequences; the groups rule again with the true number of batches; this rank's shard
+ 6. the analysis's passes of statistics (`poslens.engine.runner.run_passes`): one hooked forward per pass and
+    batch, checkpointed in --out's work directory every `checkpoint_every` units, resumed bit-identically
+ 7. sums all-reduced and per-sequence rows gathered over ranks
+ 8. rank 0: the analysis finishes (tensors, metrics), draws its figures, and the run directory is written with
+    the full config, the data, the groups, one model record and the versions
+
+An analysis (subclass `Analysis`) says what is specific to it: `check`, `memory`, `passes`, `finish`, `figures`.
+The driver owns everything else, so every analysis gets the same guarantees (lock, resume, shards, intervals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poslens.engine.config import DEFAULT_SEQUENCES, ModelData, groups_used
+from poslens.engine.distributed import Dist, setup
+from poslens.engine.runner import Pass, run_passes, unique
+from poslens.errors import UsageError, available_memory, gib
+
+__all__ = ["Analysis", "Job", "Output", "Pass", "checkpoint_path", "documents", "inputs_of", "report_lines",
+           "run_analysis"]
+
+
+@dataclass
+class Job:
+    """What an analysis sees of the run in progress."""
+
+    config: ModelData
+    dist: Dist
+    out: Path  # where the run directory goes
+    model: Any = None
+    tokenizer: Any = None
+    hm: Any = None  # the model's HookedModel
+    sequences: torch.Tensor | None = None  # every sequence of the run [N, seq_len] (each rank holds them all)
+    data: dict = field(default_factory=dict)  # how the sequences were cut (make_sequences' stats, the source)
+    groups: int = 0  # groups of sequences kept (the groups rule)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def label(self) -> str:
+        """The model's name for figure titles: a local directory's last part, "(RoPE removed)" when loaded so."""
+        from poslens.engine.models import load_info
+
+        spec = self.config.model
+        name = Path(spec).name if Path(spec).expanduser().is_dir() else spec
+        return name + (" (RoPE removed)" if load_info(self.model).get("pe") == "none" else "")
+
+
+@dataclass
+class Output:
+    """What an analysis finishes with: tensors to save, metrics for run.json, other run.json fields."""
+
+    tensors: dict[str, torch.Tensor]
+    metrics: dict
+    meta: dict = field(default_factory=dict)
+
+
+class Analysis:
+    """What an analysis adds to the driver. `kind` names it in run.json; override what applies."""
+
+    kind = "analysis"
+
+    def check(self, job: Job) -> None:
+        """Checks that need the loaded model (a layer index in range, a BOS token), before any sequence is cut."""
+
+    def memory(self, job: Job) -> dict[str, tuple[float, str]]:
+        """Bytes the analysis holds besides the model's forward: part -> (bytes, what lowers it)."""
+        return {}
+
+    def passes(self, job: Job) -> list[Pass]:
+        """The passes of statistics over the batches (`poslens.engine.runner.Pass`)."""
+        raise NotImplementedError
+
+    def finish(self, job: Job, passes: list[Pass]) -> Output:
+        """Tensors and metrics from the combined statistics (rank 0, after all ranks are reduced)."""
+        raise NotImplementedError
+
+    def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
+        """Figures of the finished run, written into `directory` (through poslens.plotting)."""
+        return []
+
+
+# ---------------------------------------------------------------- inputs and outputs
+
+
+def inputs_of(config: ModelData) -> list[str]:
+    """The files and directories a run reads (never its --out): a local model, its tokenizer, --data."""
+    from poslens.engine.models import resolve
+
+    found = []
+    for spec in (config.model, config.tokenizer):
+        if spec is not None:
+            ms = resolve(spec)
+            if ms.kind in ("local", "gguf", "random") and ms.path:
+                found.append(ms.path)
+    if config.data is not None:
+        found.append(config.data)
+    return found
+
+
+@contextlib.contextmanager
+def _output(config: ModelData, out: str | Path, force: bool, dist: Dist) -> Iterator[Any]:
+    """--out's run directory, locked for the whole job by rank 0 (yielded there; None elsewhere). A refusal on
+    rank 0 is raised on every rank."""
+    from poslens.io.rundir import open_run
+
+    with contextlib.ExitStack() as stack:
+        run, error = None, None
+        if dist.main:
+            try:
+                run = stack.enter_context(open_run(out, force, inputs=inputs_of(config)))
+            except UsageError as e:
+                error = e
+        shared = dist.broadcast(None if error is None else (str(error), error.param))
+        if error is not None:
+            raise error
+        if shared is not None:
+            raise UsageError(*shared)
+        yield run
+
+
+def checkpoint_path(out: str | Path, rank: int = 0, world: int = 1) -> Path:
+    """Where rank `rank` of `world` keeps the partial state of a run of `out`: in --out's work directory
+    (`poslens.io.rundir`), kept when the run stops, removed when it is placed."""
+    from poslens.io.rundir import WORK_SUFFIX
+
+    out = Path(os.path.abspath(os.path.expanduser(out)))
+    return out.parent / f".{out.name}{WORK_SUFFIX}" / f"pipeline-{rank}-of-{world}.safetensors"
+
+
+def documents(data: str | None, text_field: str = "text") -> tuple[Iterator[str], str]:
+    """(documents, source label) of `data` (poslens.engine.data), or of the embedded corpus when None; a source
+    without a single document is refused here, before the model loads."""
+    from poslens.engine.data import iter_documents, source_label
+
+    if data is None:
+        from poslens.engine import corpus
+
+        return corpus.documents(), corpus.label()
+    docs = iter_documents(data, text_field)
+    first = next(docs, None)
+    if first is None:
+        raise UsageError(f"data {data}: no documents found", param="data")
+    return itertools.chain([first], docs), source_label(data)
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def _batch_bytes(config: ModelData, model) -> float:
+    """Memory of one batch's forward: the residual stream, attention and MLP activations of one layer held at
+    once, in the model's dtype, plus float32 query/key copies for the readers (an upper estimate)."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    d = c.hidden_size
+    ffn = getattr(c, "intermediate_size", 4 * d) or 4 * d
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or d // heads
+    rows = min(config.batch_size, config.num_sequences or DEFAULT_SEQUENCES) * config.seq_len
+    elem = next(model.parameters()).element_size()
+    return rows * (elem * (8 * d + 3 * ffn) + 4 * 3 * heads * head_dim)
+
+
+def dense_score_bytes(config: ModelData, model, copies: int = 6) -> float:
+    """Memory of a reader of the dense [B, H, T, T] scores of one layer in float32 (`copies` tensors of that
+    size at once: scores, mask, probabilities, ...)."""
+    rows = min(config.batch_size, config.num_sequences or DEFAULT_SEQUENCES)
+    return copies * rows * model.config.num_attention_heads * config.seq_len ** 2 * 4
+
+
+def check_memory(config: ModelData, parts: dict[str, tuple[float, str]], device: torch.device) -> None:
+    """Refuse, before any work, a run whose parts (name -> (bytes, the parameter that lowers it)) do not fit in the
+    memory free on `device`; the message gives the estimate part by part and names the largest part's parameter."""
+    total = sum(b for b, _ in parts.values())
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if free is None or total <= free:
+        return
+    ranked = sorted(parts.items(), key=lambda kv: -kv[1][0])
+    param = ranked[0][1][1]
+    listed = ", ".join(f"{name} {gib(b)}" for name, (b, _) in ranked if b >= 2**20)
+    raise UsageError(f"{param} {getattr(config, param)}: the run would need about {gib(total)} of memory ({listed}) "
+                     f"but {gib(free)} is free on {device}; lower {param}", param=param)
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, force: bool = False,
+                 progress: bool = True) -> Path | None:
+    """Run `analysis` on `config` into the run directory `out` (the steps in the module docstring); returns its
+    path on rank 0, None on the other ranks."""
+    from transformers.utils import logging as hf_logging
+
+    from poslens.engine.data import make_sequences
+    from poslens.engine.hooks import HookedModel
+    from poslens.engine.models import load_model, max_positions, model_record
+    from poslens.io.results import write_run
+
+    config.validate()
+    dist = setup(config.device)
+    with _output(config, out, force, dist) as run:
+        target = Path(dist.broadcast(None if run is None else str(run.path)))
+        job = Job(config, dist, target)
+        docs, source = documents(config.data, config.text_field)
+        hf_logging.disable_progress_bar()
+        job.model, job.tokenizer = load_model(config.model, dtype=config.dtype, device=str(dist.device),
+                                              tokenizer=config.tokenizer, seed=config.seed, pe=config.pe)
+        job.hm = HookedModel(job.model)
+        check_memory(config, {"one batch's forward": (_batch_bytes(config, job.model), "batch_size"),
+                              **analysis.memory(job)}, dist.device)
+        window = max_positions(job.model)
+        if config.seq_len > window:
+            raise UsageError(f"seq_len {config.seq_len} is beyond the model's window of {window} positions; use "
+                             f"seq_len <= {window}", param="seq_len")
+        analysis.check(job)
+        job.sequences, job.data = make_sequences(job.tokenizer, docs, config.seq_len,
+                                                 config.num_sequences or DEFAULT_SEQUENCES, mode=config.mode,
+                                                 bos=config.bos, minimum=1 if config.num_sequences is None else None)
+        job.data["source"] = source
+        mine = dist.shard(job.sequences)
+        batches = list(torch.split(mine, config.batch_size))
+        everyone = dist.batches(len(job.sequences), config.batch_size)
+        job.groups = groups_used(config, len(job.sequences), sum(everyone))
+        passes = analysis.passes(job)
+        done = run_passes(job.hm, passes, batches, first_batch=sum(everyone[:dist.rank]),
+                          checkpoint=checkpoint_path(target, dist.rank, dist.world),
+                          fingerprint={**config.fingerprint_fields(), "world": dist.world, "rank": dist.rank},
+                          checkpoint_every=config.checkpoint_every,
+                          progress=analysis.kind if progress and dist.main else None)
+        computed = time.perf_counter() - job.started
+        for s in unique(s for p in passes for s in p.statistics):
+            s.all_reduce()
+        if run is None:
+            return None
+        output = analysis.finish(job, passes)
+        figures = analysis.figures(job, output, run.build / "figures") if config.figures else []
+        write_run(run.build, output.tensors, {
+            "kind": analysis.kind, "config": asdict(config), "data": job.data,
+            "groups": _groups_record(config, job.groups, sum(everyone)), "world_size": dist.world,
+            "resumed_from_unit": done, "model": model_record(job.model), "metrics": output.metrics, **output.meta,
+            "figures": [str(p.relative_to(run.build)) for p in figures],
+            "timings": {"compute_seconds": computed, "seconds": time.perf_counter() - job.started}})
+    return target
+
+
+def report_lines(path: str | Path, summary: Callable[[dict], list[str]] | None = None) -> list[str]:
+    """What a command prints after a run: its `summary(run.json)` lines, the groups note when the groups were
+    lowered, and "wrote PATH"."""
+    from poslens.io.results import load
+
+    meta = load(path, tensors=False).meta
+    note = (meta.get("groups") or {}).get("note") if isinstance(meta.get("groups"), dict) else None
+    return [*(summary(meta) if summary else []), *([note] if note else []), f"wrote {path}"]
+
+
+def _groups_record(config: ModelData, used: int, batches: int) -> dict:
+    """run.json's "groups": asked, used, and why they differ (the groups rule of poslens.engine.config)."""
+    record = {"asked": config.groups, "used": used, "batches": batches}
+    if used < config.groups:
+        record["note"] = (f"groups lowered from {config.groups} to {used}: the run has {batches} batches and a group "
+                          "is one batch or more")
+    return record

@@ -1,0 +1,92 @@
+"""A full disk as one line: `disk_space` turns the failure of a write into a `UsageError` naming the path and
+the bytes it needed.
+
+Writers report a full disk in three ways: Python and the OS raise ``OSError`` with ``ENOSPC`` (or ``EDQUOT``,
+over a quota); safetensors raises ``SafetensorError('... I/O error: No space left on device (os error 28)')``;
+``torch.save`` raises a ``RuntimeError`` from its zip writer that names no error number, so a failed
+``torch.save`` counts as a full disk when the file system has less free space than the write needed. The
+caller keeps its own rule for what is left behind (a temporary removed, a build directory discarded):
+
+    with disk_space(path, nbytes(state)):
+        torch.save(state, tmp)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from poslens.errors import UsageError, gib
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+_MESSAGES = ("os error 28", "os error 122", "no space left", "quota exceeded")  # errno 28 ENOSPC, 122 EDQUOT
+_WRITER_FAILURES = ("inline_container", "pytorchstreamwriter", "file write failed", "i/o error")
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes an unprivileged process may still write on the file system holding `path` (or its nearest existing
+    ancestor); None when unknown."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def nbytes(obj: object) -> int:
+    """What writing `obj` takes, at least: the bytes of its tensors, arrays, strings and bytes, in nested dicts,
+    lists and tuples (a lower bound for torch.save, safetensors and JSON)."""
+    if isinstance(obj, dict):
+        return sum(nbytes(k) + nbytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, str):
+        return len(obj.encode("utf-8", "surrogatepass"))
+    size = getattr(obj, "nbytes", None)  # torch tensors and numpy arrays
+    return int(size) if isinstance(size, int) else 8
+
+
+def is_disk_full(e: BaseException, path: str | os.PathLike, need: int) -> bool:
+    """Whether exception `e`, raised while writing `need` bytes to `path`, means the disk (or quota) is full."""
+    if isinstance(e, OSError) and e.errno in FULL:
+        return True
+    text = str(e).lower()
+    if any(m in text for m in _MESSAGES):
+        return True
+    if isinstance(e, (RuntimeError, OSError)) or type(e).__name__ == "SafetensorError":
+        free = free_bytes(path)
+        return any(m in text for m in _WRITER_FAILURES) and free is not None and free < need
+    return False
+
+
+def full_message(path: str | os.PathLike, need: int) -> str:
+    """The one line for a full disk: the path, the bytes needed and what is free."""
+    free = free_bytes(path)
+    have = f", {size(free)} free" if free is not None else ""
+    return (f"no space left on the device to write {path} (it needs {size(need)}{have}); free some space or write "
+            "elsewhere")
+
+
+def size(n: int) -> str:
+    """A byte count for a message: '612 bytes', '3 MiB', '1.2 GiB'."""
+    return f"{n:,} bytes" if n < 2**20 else gib(n)
+
+
+@contextmanager
+def disk_space(path: str | os.PathLike, need: int) -> Iterator[None]:
+    """Inside the block, a write to `path` that fails for lack of space (`need`: bytes it writes) becomes a
+    one-line `UsageError` naming the path and the bytes; any other error passes through unchanged."""
+    try:
+        yield
+    except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError
+        if isinstance(e, UsageError) or not is_disk_full(e, path, need):
+            raise
+        raise UsageError(full_message(path, need)) from None

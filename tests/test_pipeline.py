@@ -1,0 +1,293 @@
+"""The analysis pipeline (poslens.engine.pipeline): the composed config and its groups rule, per-sequence rows, and
+the recipes of docs/architecture.md, "Add an analysis" and "Add a command", followed to the letter on a tiny
+Llama and checked against an eager recomputation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import build
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import poslens
+from poslens.engine.config import ModelData, groups_used
+from poslens.engine.distributed import Dist
+from poslens.engine.stats import Rows
+from poslens.errors import UsageError
+
+TEXT = "Position is not given to a model without a positional encoding; the causal mask gives it. " * 40
+
+
+def saved_tiny_llama(directory: Path) -> Path:
+    """A tiny random Llama (3 layers, 128 positions) saved with a byte-level tokenizer that has BOS and EOS, and a
+    text file to read: what the command-line tests run on without building the embedded corpus."""
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+    build("llama", vocab_size=258, max_position_embeddings=128).save_pretrained(directory)
+    (directory.parent / f"{directory.name}.txt").write_text(TEXT)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return saved_tiny_llama(tmp_path_factory.mktemp("pipeline") / "tiny")
+
+
+def text_of(model_dir: Path) -> str:
+    return str(model_dir.parent / f"{model_dir.name}.txt")
+
+
+# ---------------------------------------------------------------- the composed config
+
+
+@pytest.mark.parametrize("sequences, batch_size, groups, used", [(64, 8, 20, 8), (64, 8, 4, 4), (16, 8, 20, 2)])
+def test_groups_rule_lowers_to_the_batches(sequences, batch_size, groups, used):
+    cfg = ModelData(model="m", batch_size=batch_size, groups=groups)
+    assert groups_used(cfg, sequences, math.ceil(sequences / batch_size)) == used
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(num_sequences=16, batch_size=50), "batch_size 50 puts all 16 sequences in one batch"),
+    (dict(num_sequences=1), "num_sequences must be >= 2"),
+    (dict(groups=1), "groups must be >= 2, got 1"),
+    (dict(seq_len=1), "seq_len must be >= 2, got 1"),
+    (dict(seed=-1), "seed must be >= 0, got -1"),
+    (dict(level=1.0), "level must be in (0, 1), got 1"),
+    (dict(dtype="int8"), "dtype must be one of auto, float32, bfloat16, float16; got 'int8'"),
+])
+def test_model_data_refuses_before_loading(kw, words):
+    with pytest.raises(UsageError) as e:
+        ModelData(model="no-such-model-is-ever-loaded", **kw).validate()
+    assert str(e.value).startswith(words)
+
+
+def test_each_analysis_config_composes_the_model_data_fields_once():
+    """Every analysis config has the model-and-data fields with their help and bounds from ModelData; only the
+    defaults the analysis chose differ."""
+    from poslens.analyses.intermediates import IntermediatesConfig
+    from poslens.analyses.leakage.run import LeakageConfig
+    from poslens.analyses.scores import ScoresConfig
+    from poslens.analyses.stat import StatConfig
+
+    base = {f.name: f for f in dataclasses.fields(ModelData)}
+    defaults = {}
+    for cls in (ScoresConfig, IntermediatesConfig, LeakageConfig, StatConfig):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert list(fields)[:len(base)] == list(base)
+        for name, f in base.items():
+            assert fields[name].metadata == f.metadata, (cls.__name__, name)
+        defaults[cls.__name__] = (fields["seq_len"].default, fields["batch_size"].default, fields["groups"].default)
+    assert defaults["ScoresConfig"][0] == 1024 and defaults["IntermediatesConfig"][0] == 50
+    assert defaults["LeakageConfig"] == (128, 8, 8)
+
+
+# ---------------------------------------------------------------- rows and shards
+
+
+def test_rows_merge_in_shard_order_and_resume():
+    a, b = Rows(), Rows()
+    a.add("x", torch.arange(6.0).reshape(3, 2))
+    b.add("x", torch.arange(6.0, 10.0).reshape(2, 2))
+    restored = Rows()
+    restored.load_state_dict(a.state_dict())
+    restored.merge(b)
+    assert torch.equal(restored.get("x"), torch.arange(10.0).reshape(5, 2)) and restored.get("y") is None
+
+
+@pytest.mark.parametrize("n, world, batch_size", [(64, 1, 8), (64, 2, 8), (10, 3, 2), (7, 2, 3)])
+def test_shards_cover_every_sequence_once_and_number_batches_run_wide(n, world, batch_size):
+    ranks = [Dist(r, world, r, torch.device("cpu")) for r in range(world)]
+    blocks = [d.bounds(n) for d in ranks]
+    assert blocks[0][0] == 0 and blocks[-1][1] == n and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    counts = ranks[0].batches(n, batch_size)
+    assert counts == [math.ceil((b - a) / batch_size) for a, b in blocks]
+
+
+# ---------------------------------------------------------------- recipe: add an analysis (docs/architecture.md)
+
+from poslens.engine.pipeline import Analysis, Output, Pass, run_analysis  # noqa: E402  (the recipe's imports)
+from poslens.engine.statistics import ActivationNorm  # noqa: E402
+from poslens.engine.stats import GroupedSums  # noqa: E402
+from poslens.options import option  # noqa: E402
+
+
+@dataclasses.dataclass
+class ShiftConfig(ModelData):
+    shift: int = option(100, lo=1, help="how far every position id moves")
+
+
+class ShiftAnalysis(Analysis):
+    """Do the last layer's residual norms change when every position id moves by `shift`? (RoPE: no.)"""
+
+    kind = "shift"
+
+    def passes(self, job):
+        last = [job.hm.n_layers - 1]
+        point = "blocks.{l}.hook_resid_post"
+
+        def moved(ids, index):  # an intervention: (input ids, write hooks, position ids)
+            return ids, {}, torch.arange(ids.shape[1], device=ids.device).expand_as(ids) + job.config.shift
+
+        return [Pass("orig", [ActivationNorm(point, last, job.groups)]),
+                Pass("moved", [ActivationNorm(point, last, job.groups)], prepare=moved)]
+
+    def finish(self, job, passes):
+        orig, moved = (p.statistics[0].sums for p in passes)
+        joint = GroupedSums(job.groups)  # both passes' sums: one jackknife over the same groups
+        for prefix, sums in (("orig", orig), ("moved", moved)):
+            joint.sums.update({f"{prefix}/{k}": v for k, v in sums.sums.items()})
+            joint.counts.update({f"{prefix}/{k}": v for k, v in sums.counts.items()})
+        name = orig.names()[0]
+        ratio = joint.estimate(lambda m: m[f"moved/{name}"] / m[f"orig/{name}"], job.config.level)
+        norms = {f"norm_{p}": joint.mean(f"{p}/{name}") for p in ("orig", "moved")}
+        return Output({**ratio.as_dict("ratio"), **norms}, {"largest_change": float((ratio.value - 1).abs().max())})
+
+
+def run_shift(cfg: ShiftConfig, out, force=False, progress=True):
+    return run_analysis(ShiftAnalysis(), cfg, out, force=force, progress=progress)
+
+
+def test_recipe_add_an_analysis(model_dir, tmp_path):
+    cfg = ShiftConfig(model=str(model_dir), data=text_of(model_dir), mode="pack", seq_len=32, num_sequences=8,
+                      batch_size=2, groups=4, shift=100)
+    run = poslens.load(run_shift(cfg, tmp_path / "shift", progress=False))
+    assert run.meta["kind"] == "shift" and run.meta["groups"]["used"] == 4
+    # reference without poslens's hooks: the same sequences through the plain model, a torch forward hook on the
+    # last decoder layer, positions moved by hand
+    from poslens.engine.data import iter_documents, make_sequences
+    from poslens.engine.models import load_model
+
+    model, tok = load_model(str(model_dir))
+    ids, _ = make_sequences(tok, iter_documents(cfg.data), 32, 8, mode="pack")
+    kept = {}
+    for s in (0, 100):
+        handle = model.model.layers[-1].register_forward_hook(
+            lambda m, args, out, s=s: kept.__setitem__(s, (out[0] if isinstance(out, tuple) else out).double()
+                                                       .norm(dim=-1).mean(0)))
+        with torch.no_grad():
+            model(ids, position_ids=torch.arange(32).expand_as(ids) + s)
+        handle.remove()
+    assert run["ratio"].shape == (32,)
+    # the same float32 forwards (read-only hooks leave the forward bit-identical); the means differ only by the
+    # order of float64 sums over groups: 1e-12 relative
+    torch.testing.assert_close(run["norm_orig"], kept[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(run["norm_moved"], kept[100], rtol=1e-12, atol=0)
+    # RoPE depends on i - j only: moving every position changes the norms by float32 rounding alone (1e-5 relative)
+    assert run.metrics["largest_change"] < 1e-5
+    assert bool((run["ratio_lo"] <= run["ratio"]).all() and (run["ratio"] <= run["ratio_hi"]).all())
+
+
+# ---------------------------------------------------------------- recipe: add a command (docs/architecture.md)
+
+
+def test_recipe_add_a_command(model_dir, tmp_path, capsys, monkeypatch):
+    from poslens import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "shift", cli.Command(
+        "shift", "how much moving every position id changes the last layer's residual norms",
+        "Runs the shift analysis of docs/architecture.md.", configs=("test_pipeline:ShiftConfig",),
+        run="test_pipeline:run_shift", summary="test_pipeline:shift_summary", out="runs/shift"))
+    out = tmp_path / "cmd"
+    assert cli.main(["shift", str(model_dir), "--data", text_of(model_dir), "--mode", "pack", "--seq-len", "32",
+                     "--num-sequences", "8", "--batch-size", "2", "--shift", "7", "--quiet", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    run = poslens.load(out)
+    assert run.config["shift"] == 7 and run.config["groups"] == 20 and run.meta["groups"]["used"] == 4
+    assert lines == [f"largest change {run.metrics['largest_change']:.2g}", run.meta["groups"]["note"],
+                     f"wrote {out}"]
+    assert cli.main(["shift", str(model_dir), "--shift", "0", "--out", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.strip() == "poslens shift: error: --shift must be >= 1, got 0"
+
+
+def shift_summary(meta: dict) -> list[str]:
+    return [f"largest change {meta['metrics']['largest_change']:.2g}"]
+
+
+# ---------------------------------------------------------------- layering (docs/architecture.md, "Import rules")
+
+LAYERS = [("errors", "options"), ("maps", "plotting", "io"), ("stack",), ("engine",), ("train",), ("analyses",),
+          ("report",), ("cli", "__main__")]
+# imports that break the rules today, each with the change that removes it (its owner's); none may be added
+ALLOWED = {
+    ("poslens.engine.data", "poslens.train.tokens"): "the token-file format moves below both (issue 16, item 4)",
+    ("poslens.analyses.leakage.report", "poslens.report.render"): "report sections move into poslens.report",
+    ("poslens.train.report", "poslens.analyses.intermediates"): "report sections move into poslens.report",
+    ("poslens.train.report", "poslens.report.render"): "report sections move into poslens.report",
+}
+
+
+def test_imports_follow_the_layers():
+    """Every import in src/poslens (module level or inside a function) goes to the importer's layer or a lower one;
+    so the package graph has no cycle and the analyses never import the report or the command line."""
+    import ast
+
+    root = Path(poslens.__file__).parent
+    level = {name: k for k, names in enumerate(LAYERS) for name in names}
+    broken = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(("poslens", *parts)).removesuffix(".__init__")
+        if len(parts) < 1 or parts[0] not in level:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                target = name.split(".")
+                if target[0] == "poslens" and len(target) > 1 and target[1] in level and \
+                        level[target[1]] > level[parts[0]] and (module, name) not in ALLOWED:
+                    broken.append(f"{module} imports {name}")
+    assert broken == []
+
+
+# ---------------------------------------------------------------- the guarantees, for every analysis on the driver
+
+SMALL = {"scores": ["--seq-len", "32"], "intermediates": ["--seq-len", "16"],
+         "leakage": ["--seq-len", "24", "--early-queries", "10", "--interventions", "none", "--no-predecessor"]}
+
+
+def small(command: str, model_dir: Path) -> list[str]:
+    return [command, str(model_dir), "--data", text_of(model_dir), "--mode", "pack", "--num-sequences", "4",
+            "--batch-size", "2", "--no-figures", "--quiet", *SMALL[command]]
+
+
+@pytest.mark.parametrize("command", list(SMALL))
+def test_the_lock_is_held_for_the_whole_run(command, model_dir, tmp_path, capsys, monkeypatch):
+    """A second run of the same --out while the first one works is refused at once, before it loads anything."""
+    from poslens.cli import main
+    from poslens.engine import models
+
+    out, seen, original = tmp_path / "out", {}, models.load_model
+
+    def load_while_a_second_run_starts(*a, **k):
+        monkeypatch.setattr(models, "load_model", lambda *a, **k: seen.setdefault("loaded", True))
+        seen["code"] = main([*small(command, model_dir), "--out", str(out)])
+        monkeypatch.setattr(models, "load_model", original)
+        return original(*a, **k)
+
+    monkeypatch.setattr(models, "load_model", load_while_a_second_run_starts)
+    assert main([*small(command, model_dir), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert seen == {"code": 2} and err.startswith(f"poslens {command}: error: another poslens run is writing")
+    assert poslens.load(out, tensors=False).meta["kind"] == command
+
+
+@pytest.mark.parametrize("command", list(SMALL))
+@pytest.mark.parametrize("which", ["model", "data"])
+def test_an_out_that_is_an_input_is_refused_even_with_force(command, which, model_dir, tmp_path, capsys):
+    from poslens.cli import main
+
+    target = model_dir if which == "model" else Path(text_of(model_dir)).parent
+    before = sorted(p.name for p in target.iterdir())
+    assert main([*small(command, model_dir), "--out", str(target), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "this run's input" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in target.iterdir()) == before

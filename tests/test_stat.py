@@ -1,0 +1,116 @@
+"""`poslens stat NAME MODEL`: every registered statistic to a run directory with intervals and a figure, and the
+recipe of docs/architecture.md, "Add a statistic", followed to the letter and checked against an eager forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pipeline import saved_tiny_llama, text_of
+
+import poslens
+from poslens.analyses.stat import StatConfig, run_stat
+from poslens.cli import main
+from poslens.engine.statistics import REGISTRY
+
+SMALL = ["--seq-len", "32", "--num-sequences", "8", "--batch-size", "2", "--groups", "4", "--mode", "pack", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return saved_tiny_llama(tmp_path_factory.mktemp("stat") / "tiny")
+
+
+def eager_sequences(model_dir, attn_implementation="eager"):
+    """The model loaded as transformers runs it (no poslens hook) and the sequences a run of SMALL reads."""
+    from poslens.engine.data import iter_documents, make_sequences
+    from poslens.engine.models import load_model
+
+    model, tok = load_model(str(model_dir), attn_implementation=attn_implementation)
+    ids, _ = make_sequences(tok, iter_documents(text_of(model_dir)), 32, 8, mode="pack")
+    return model, ids
+
+
+# ---------------------------------------------------------------- recipe: add a statistic (docs/architecture.md)
+
+from poslens.engine.statistics import Spec  # noqa: E402  (the recipe's imports, as a user writes them)
+from poslens.engine.statistics.spec import NoOptions  # noqa: E402
+from poslens.engine.stats import Statistic  # noqa: E402
+
+
+class AttentionToKey0(Statistic):
+    """Mean attention of every query on key 0, per layer (heads averaged)."""
+
+    name = "attention_to_key0"
+
+    def hooks(self, hm):
+        return {f"blocks.{l}.attn.hook_pattern": self._read for l in range(hm.n_layers)}
+
+    def _read(self, pattern, ctx):  # [B, H, T, T]
+        self.sums.add(f"layer{ctx.layer}", self.group, pattern[..., 0].double().mean(1).sum(0), pattern.shape[0])
+
+    def result(self, level=0.95):
+        names = sorted(self.sums.names(), key=lambda n: int(n[5:]))
+        return self.sums.estimate(lambda m: torch.stack([m[n] for n in names]), level).as_dict("key0")
+
+
+SPEC = Spec("attention_to_key0", "mean attention on key 0 per layer and query", NoOptions,
+            lambda hm, options, groups: AttentionToKey0(groups))
+
+
+def test_recipe_add_a_statistic(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "attention_to_key0", "test_stat:SPEC")
+    api = poslens.load(run_stat("attention_to_key0", StatConfig(
+        model=str(model_dir), data=text_of(model_dir), seq_len=32, num_sequences=8, batch_size=2, groups=4,
+        mode="pack"), out=tmp_path / "api", progress=False))
+    assert main(["stat", "attention_to_key0", str(model_dir), "--data", text_of(model_dir), *SMALL,
+                 "--out", str(tmp_path / "cli")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cli = poslens.load(tmp_path / "cli")
+    model, ids = eager_sequences(model_dir)
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions  # the eager softmax, per layer [B, H, T, T]
+    eager = torch.stack([a[..., 0].double().mean((0, 1)) for a in attentions])
+    # both softmaxes are float32 of the same scores (poslens's from q.k * scaling, eager's own): 1e-6 absolute
+    for run in (api, cli):
+        torch.testing.assert_close(run["key0"], eager, rtol=0, atol=1e-6)
+        assert bool((run["key0_lo"] <= run["key0"]).all() and (run["key0"] <= run["key0_hi"]).all())
+    assert torch.equal(api["key0_se"], cli["key0_se"]) and cli.meta["statistic"]["name"] == "attention_to_key0"
+    assert lines[0].startswith("key0 [3 x 32]: mean ") and lines[-1] == f"wrote {tmp_path / 'cli'}"
+    assert (tmp_path / "cli" / "figures" / "key0.png").is_file()
+
+
+# ---------------------------------------------------------------- the registered statistics
+
+
+def test_activation_norm_equals_an_eager_forward(model_dir, tmp_path, capsys):
+    out = tmp_path / "norm"
+    assert main(["stat", "activation_norm", str(model_dir), "--data", text_of(model_dir), *SMALL,
+                 "--point", "blocks.{l}.hook_resid_pre", "--out", str(out)]) == 0
+    run = poslens.load(out)
+    model, ids = eager_sequences(model_dir, "sdpa")
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states  # entering each layer, then the final norm
+    eager = torch.stack([h.double().norm(dim=-1).mean(0) for h in states[:-1]])
+    # the same float32 residual stream (the hooked forward is bit-identical to the plain SDPA one), norms in
+    # float64; means over groups summed in another order: 1e-12 relative
+    torch.testing.assert_close(run["norm"], eager, rtol=1e-12, atol=0)
+    assert run.metrics["groups"] == 4 and run.meta["model"]["model_type"] == "llama"
+    assert {"norm.png", "norm.pdf"} <= {p.name for p in (out / "figures").iterdir()}
+
+
+@pytest.mark.parametrize("name", [n for n in REGISTRY if n != "activation_norm"])
+def test_every_registered_statistic_writes_intervals_and_a_figure(name, model_dir, tmp_path, capsys):
+    out = tmp_path / name
+    assert main(["stat", name, str(model_dir), "--data", text_of(model_dir), *SMALL, "--out", str(out)]) == 0
+    run = poslens.load(out)
+    estimates = run.metrics["estimates"]
+    assert estimates and all(e["widest_half_width"] is not None for e in estimates.values()), estimates
+    assert len(list((out / "figures").glob("*.png"))) == len(estimates)
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
+
+
+def test_an_unknown_statistic_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["stat", "no_such_statistic", "model"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'no_such_statistic'" in err
