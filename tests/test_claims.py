@@ -51,6 +51,8 @@ def test_the_verdict_rule():
     two = (Reading("ratio rises", (UP,)), Reading("ratio falls", (DOWN,)))
     assert claim(readings=two).verdict == "ambiguous"
     assert claim(readings=(Reading("a", (UP,)), Reading("b", (UP,)))).verdict == "holds"
+    # a reading the measurement cannot decide leaves the row unresolved, not ambiguous
+    assert claim(readings=(Reading("a", (UP,)), Reading("b", (OPEN,)))).verdict == "not resolved"
     # a finding is reported as one only when its test passes
     assert claim(tests=(UP,), finding=True).verdict == "finding"
     assert claim(tests=(OPEN,), finding=True).verdict == "not resolved"
@@ -70,6 +72,8 @@ def test_json_row_carries_paper_verdict_and_every_test():
     row = json.loads(json.dumps(c.to_json("S")))
     assert row["paper"] == "kim2025" and row["verdict"] == "ambiguous" and row["section"] == "S"
     assert [t["role"] for t in row["test"]] == ["claim", "reading 1", "reading 2"]
+    both = claim(readings=(Reading("a", (UP,)), Reading("a and b", (UP, DOWN))))
+    assert [role for role, _ in both.all_tests()] == ["readings 1, 2", "reading 2"]  # a shared test listed once
     assert {"statistic", "value", "lo", "hi", "side", "threshold", "outcome", "interval"} <= set(row["test"][0])
     assert [r["verdict"] for r in row["readings"]] == ["holds", "contradicted"]
     assert row["key"] == "0.5 [0.2, 0.8]"

@@ -9,11 +9,11 @@ import torch
 from test_pipeline import saved_tiny_llama
 
 import poslens
-from poslens.analyses.leakage.report import leakage_section
 from poslens.analyses.leakage.run import LeakageConfig, run_leakage
 from poslens.cli import main
 from poslens.engine.pipeline import checkpoint_path
 from poslens.errors import UsageError
+from poslens.report.sections.leakage import leakage_claims
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +53,9 @@ def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
     assert len(m["predecessor"]["significant_heads_per_layer"]) == 3
     for f in ("shares_by_layer_early.png", "removed_by_layer.png", "alpha0.png"):
         assert (tmp_path / "run" / "figures" / f).exists()
-    rows = leakage_section(tmp_path / "run")
-    determinism = next(r for r in rows if r["claim"].startswith("position 0"))
-    assert determinism["agrees"] is True  # fixed BOS: the position-0 fingerprint is the same for every input
-    assert any("mean replacement" in r["measured"] for r in rows)
+    claims, context = leakage_claims(tmp_path / "run")
+    assert any(c.id == "ruscio-bos-replacement-mean" for c in claims)
+    assert any(what.startswith("position 0") for what, _ in context)
 
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):

@@ -215,13 +215,7 @@ def shift_summary(meta: dict) -> list[str]:
 
 LAYERS = [("errors", "options"), ("maps", "plotting", "io"), ("stack",), ("engine",), ("train",), ("analyses",),
           ("report",), ("cli", "__main__")]
-# imports that break the rules today, each with the change that removes it (its owner's); none may be added
-ALLOWED = {
-    ("poslens.engine.data", "poslens.train.tokens"): "the token-file format moves below both (issue 16, item 4)",
-    ("poslens.analyses.leakage.report", "poslens.report.render"): "report sections move into poslens.report",
-    ("poslens.train.report", "poslens.analyses.intermediates"): "report sections move into poslens.report",
-    ("poslens.train.report", "poslens.report.render"): "report sections move into poslens.report",
-}
+ALLOWED: dict[tuple[str, str], str] = {}  # imports that break the rules, each with the change that removes it
 
 
 def test_imports_follow_the_layers():

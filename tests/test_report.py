@@ -1,17 +1,27 @@
-"""report.md / report.html: verdict kinds and headline, provenance header, embedded images that decode."""
+"""report.md / report.html: ledgers and the summary block, provenance, embedded images and heatmap data that
+decode, figure helpers, and the "add a report section" recipe of docs/architecture.md followed step by step."""
 
 import base64
 import io
+import json
 import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import poslens.report.sections  # noqa: F401  (registers the real sections before the recipe test patches the registry)
 from poslens import plotting
-from poslens.report.render import Claim, Section, headline, verdict_counts, write_report
+from poslens.report import section as registry_module
+from poslens.report.claims import Claim, Test
+from poslens.report.render import headlines, write_report
+from poslens.report.section import Figure, Panel, Section
+from poslens.report.sections.figures import heatmaps, noise_only
 
 IMG = re.compile(r"<img src='data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)'[^>]*id='([^']+)'")
+HEATMAP = re.compile(r"<script type='application/json'>(.*?)</script>")
 
 
 def html_images(page: str) -> list[tuple[str, Image.Image]]:
@@ -25,9 +35,18 @@ def html_images(page: str) -> list[tuple[str, Image.Image]]:
     return out
 
 
+def heatmap_values(spec: dict, key: str = "v") -> np.ndarray:
+    """An interactive heatmap's data as the page's script reads it: float16 entries j <= i, row by row."""
+    n = spec["n"]
+    tri = np.frombuffer(base64.b64decode(spec[key]), dtype="<f2").astype(np.float64)
+    out = np.full((n, n), np.nan)
+    out[np.tril_indices(n)] = tri
+    return out
+
+
 def check_report_images(directory) -> list[str]:
-    """Every <img> in report.html decodes, each figure is embedded exactly once, and every figure file the
-    report lists is there; returns the ids."""
+    """Every <img> in report.html decodes and is embedded once, every heatmap's data decodes to a square map, and
+    every figure the Markdown links is there; returns the image ids."""
     page = (directory / "report.html").read_text()
     images = html_images(page)
     assert page.count("<img ") == len(images)
@@ -35,44 +54,73 @@ def check_report_images(directory) -> list[str]:
     assert len(ids) == len(set(ids)), [i for i in ids if ids.count(i) > 1]
     for i, img in images:
         assert img.width > 50 and img.height > 50, i
+    for spec in map(json.loads, HEATMAP.findall(page)):
+        assert heatmap_values(spec).shape == (spec["n"], spec["n"]) and spec["lo"] < spec["hi"]
     md = (directory / "report.md").read_text()
     for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
         assert (directory / link).is_file(), link
     return ids
 
 
-def test_claim_rejects_an_unknown_verdict():
-    with pytest.raises(ValueError, match="verdict"):
-        Claim("c", "s", "m", "does not hold")
+def _ctx(tmp_path):
+    fig = tmp_path / "figures"
+
+    def save(f, stem, big=False):
+        return plotting.save(f, fig, stem, formats=("jpg", "pdf") if big else ("png", "pdf"))[0]
+
+    return SimpleNamespace(figures=fig, save=save, draw=True)
 
 
-def test_headline_counts_each_kind_and_skips_context():
-    s = Section("t", claims=[Claim("a", "s", "m", "holds"), Claim("b", "s", "m", "erratum"),
-                             Claim("c", "s", "m", "not resolved"), Claim("d", "s", "m", "holds"),
-                             Claim("e", "s", "m")])
-    assert verdict_counts([s]) == {"holds": 2, "contradicted": 0, "erratum": 1, "not resolved": 1}
-    assert headline([s]).startswith("4 claims checked: 2 hold, 0 contradicted, 1 erratum")
-
-
-def test_report_embeds_each_real_figure_once_with_provenance(tmp_path):
+def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     rng = np.random.default_rng(0)
     m = np.tril(rng.random((12, 12)))
-    small = plotting.save(plotting.map_grid([m, m], ["layer 1", "layer 2"]), tmp_path / "figures", "small")[0]
-    big = plotting.save(plotting.map_grid([m] * 12, [f"layer {k}" for k in range(1, 13)], ncols=6),
-                        tmp_path / "figures", "big", formats=("jpg", "pdf"))[0]
-    sec = Section("S", "text", [(small, "small grid"), (big, "big grid")],
-                  [Claim("x < 1", "Section 1", "x = 0.5", "holds", "small", "poslens something --flag")])
-    prov = {"command": "poslens reproduce --quick", "versions": "poslens 0.1.0", "seed": "0", "date": "d",
-            "machine": "m"}
-    write_report(tmp_path, "T", "intro", [sec], prov, wide={"big"})
-    assert check_report_images(tmp_path) == ["small", "big"]
+    m[np.triu_indices(12, 1)] = np.nan
+    static = plotting.save(plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "x", "y"), tmp_path / "figures", "line")[0]
+    interactive = heatmaps(_ctx(tmp_path), "maps", [Panel("layer 1", m, m / 100)], "two maps")
+    claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x"),
+              Claim("haviv-y", "haviv2022", "Section 4", "y > 0", (Test("y", 0.1, ">", 0.0, -0.1, 0.3),)),
+              Claim("poslens-z", "poslens", "docs", "z", (Test("z", 2.0, ">", 1.0),))]
+    sec = Section("S", "text", claims, [Figure(static, "a line"), interactive], [("context", "measured")],
+                  scale="Measured on a small model; the paper's is 8B.", name="s")
+    prov = {"command": "poslens reproduce --quick", "source": "git abc", "versions": "poslens 0.2.0",
+            "inputs": "model: from the cache\ncorpus: embedded"}
+    write_report(tmp_path, "T", "intro", [sec], prov)
+    assert check_report_images(tmp_path) == ["line"]
     page = (tmp_path / "report.html").read_text()
-    for value in prov.values():
-        assert value in page
-    assert "<div class='wide'><img src='data:image/jpeg" in page  # big grid at its own size
-    assert "1 claims checked: 1 hold" in page
+    assert headlines([sec]) == ["Kim et al. (2025): 1 claim: 1 holds",
+                                "other papers (Haviv et al. 2022, Kazemnejad et al. 2023): 1 claim: 1 not resolved",
+                                "poslens's own checks: 1 claim: 1 holds"]
+    for text in headlines([sec]) + ["Measured on a small model", "git abc", "model: from the cache<br>corpus"]:
+        assert text.replace("'", "&#x27;") in page, text
+    for c in claims:  # a summary line linking to the row, and the row
+        assert f"href='#{c.id}'" in page and f"id='{c.id}'" in page
+    assert page.index("href='#kim-x'") < page.index("id='kim-x'")  # the summary comes first
+    spec = json.loads(HEATMAP.findall(page)[0])
+    low = np.tril(np.ones((12, 12), dtype=bool))
+    assert np.allclose(heatmap_values(spec)[low], m[low], rtol=1e-3)  # float16: 3 significant digits
+    assert np.allclose(heatmap_values(spec, "se")[low], m[low] / 100, rtol=1e-3)
+    assert "http" not in page.split("<body>")[1]  # offline: no link to fetch anything
     md = (tmp_path / "report.md").read_text()
-    assert "`poslens reproduce --quick`" in md and "(figures/big.jpg)" in md and "(figures/big.pdf)" in md
+    assert "`poslens x`" in md and "(figures/maps.png)" in md and "(figures/maps.pdf)" in md
+
+
+def test_a_panel_of_noise_gets_a_warning(tmp_path):
+    rng = np.random.default_rng(1)
+    se = np.full((20, 20), 0.1)
+    noise = np.tril(rng.normal(0, 0.1, (20, 20)))
+    pattern = np.tril(np.arange(20)[None, :] * np.ones((20, 1)))
+    assert noise_only(Panel("noise", noise, se, (-0.2, 0.2))) and not noise_only(Panel("p", pattern, se, (0, 19)))
+    fig = heatmaps(_ctx(tmp_path), "w", [Panel("layer 1", noise, se), Panel("layer 2", pattern, se)], "c")
+    assert "sampling noise" in fig.warning and "layer 1" in fig.warning and "layer 2" not in fig.warning
+
+
+def test_line_plots_are_large_and_log_axes_label_each_width_once():
+    fig = plotting.line_plot([16, 64, 256, 1024], {"a": [1, 0.3, 0.1, 0.05]}, "d", "dev", logx=True, logy=True)
+    w, h = fig.get_size_inches() * plotting.DPI
+    assert w >= 700 and h >= 450
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels(minor=True)]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["16", "64", "256", "1024"] and not any(labels)
+    plotting.plt.close(fig)
 
 
 def test_offdiag_limits_ignore_a_constant_diagonal():
@@ -82,3 +130,26 @@ def test_offdiag_limits_ignore_a_constant_diagonal():
     m[np.triu_indices(6, 1)] = np.nan
     lo, hi = plotting.offdiag_limits(m)
     assert (lo, hi) == pytest.approx((0.1, 0.14))
+
+
+def test_add_a_report_section_recipe(tmp_path, monkeypatch):
+    """docs/architecture.md, "Add a report section", followed step by step: a function returning a Section with
+    one Claim, registered with @section; reproduce walks the registry and the row lands in run.json."""
+    from poslens.report import reproduce as rep
+
+    monkeypatch.setattr(registry_module, "REGISTRY", [])  # only the section below (the real ones stay imported)
+
+    @registry_module.section("demo", "a demo section", quick={"n": 8}, full={"n": 50})
+    def build(ctx, size: dict) -> Section:
+        value = float(np.arange(size["n"]).mean())
+        return Section("Demo", "What it measures.", [Claim(
+            "poslens-demo-mean", "poslens", "docs/architecture.md", "the mean of 0..n-1 is (n-1)/2",
+            (Test("mean - (n-1)/2", abs(value - (size["n"] - 1) / 2), "<", 1e-12),),
+            command=ctx.remeasure("poslens-demo-mean"))])
+
+    out = rep.reproduce(out=str(tmp_path / "r"), quick=True, progress=False)
+    meta = json.loads((Path(out) / "run.json").read_text())
+    (row,) = meta["metrics"]["claims"]
+    assert (row["id"], row["verdict"], row["section_name"]) == ("poslens-demo-mean", "holds", "demo")
+    assert meta["config"]["sizes"] == {"demo": {"n": 8}}
+    assert "poslens-demo-mean" in (Path(out) / "report.html").read_text()

@@ -1,74 +1,129 @@
-"""`poslens reproduce` on small settings: every figure, a claims table, resumable, nothing half-written."""
+"""`poslens reproduce` on small settings: every figure, a ledger of claims with their tests, every row's command
+re-measuring its number, resumable, nothing half-written, bad input refused before any work."""
 
 import json
+import shlex
 
 import pytest
 from test_report import check_report_images
 
+from poslens import cli
 from poslens.errors import UsageError
-from poslens.report import render
+from poslens.report import context, remeasure
 from poslens.report import reproduce as rep
+from poslens.report.claims import PAPERS, VERDICTS
+
+SHORT = {"steps": 6, "warmup": 2, "layers": 2, "eval_every": 3, "save_every": 0}  # a NoPE/RoPE pair trained in seconds
+SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
+         "real-model": {"seq_len": 16, "sequences": 4, "batch": 1, "groups": 2},
+         "trained": {"overrides": SHORT, "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
+         "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False}}
+SAMPLES = 400
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, smollm2):
+    out = tmp_path_factory.mktemp("reproduce") / "report"
+    rep.reproduce(out=str(out), quick=True, progress=False, samples=SAMPLES, sizes=SIZES)
+    return out
 
 
 @pytest.mark.slow
-def test_reproduce_writes_every_figure_and_claim(tmp_path, smollm2, monkeypatch, capsys):
-    out = tmp_path / "report"
-    rep.reproduce(out=str(out), quick=True, progress=False, samples=400, model_size=(64, 8, 2, 2))
-    figs = {p.stem for p in (out / "figures").glob("*.pdf")}
-    for stem in ("figure1", "figure2", "figure4", "figure5", "figure6", "figure7", "figure9", "figure10",
-                 "convergence", "appendix_a1_h", "model_pattern_share", "model_rope_normalised",
-                 "model_norope_normalised"):
+def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys):
+    figs = {p.stem for p in (report / "figures").glob("*.pdf")}
+    for stem in ("figure1", "figure2", "figure2_profiles", "figure3", "figure3_profiles", "figure4", "figure5",
+                 "figure6", "figure7", "figure8", "figure9", "figure10", "convergence", "appendix_a1_h",
+                 "layer2_profiles", "model_pattern_power", "model_key_profile", "model_rope_normalised",
+                 "training_curves", "position_probe", "leakage_sources", "leakage_architectures"):
         assert stem in figs, stem
-    ids = check_report_images(out)
-    assert "figure1" in ids and "model_rope_scores" in ids
-    html = (out / "report.html").read_text()
-    assert len(html) < 8_000_000  # a few MB: PNG at 100 dpi, JPEG for the 30-layer grids
-    md = (out / "report.md").read_text()
-    assert "| claim | source | measured | verdict | figure | re-measure |" in md
-    meta = json.loads((out / "run.json").read_text())
-    assert set(meta["provenance"]) == {"command", "versions", "seed", "date", "machine"}
-    for value in meta["provenance"].values():
-        assert value in html
+    check_report_images(report)
+    page = (report / "report.html").read_text()
+    assert len(page) < 8_000_000
+    meta = json.loads((report / "run.json").read_text())
     claims = meta["metrics"]["claims"]
-    assert sum(meta["metrics"]["verdicts"].values()) == len([c for c in claims if c["verdict"] != "context"])
-    scored = [c for c in claims if c["verdict"] != render.CONTEXT]
-    assert all(c["verdict"] in render.VERDICTS and c["command"] for c in scored)
-    exact = {c["claim"]: c["verdict"] for c in claims if c["section"].startswith("Closed forms")}
-    # exact, sample-free claims hold whatever the sample count
-    assert exact["h(j) is strictly decreasing in j"] == "holds"
-    assert exact["Gram flow (infinite width) equals the closed form g(i)/(h(i)h(j)) at layer 2"] == "holds"
-    # the printed appendix polynomials are wrong (measured; see docs/gramflow.md) but h still decreases
-    assert exact["the printed polynomial for h(j+1)^2 - h(j)^2 is exact"] == "erratum"
-    model = [c for c in claims if c["section"].startswith("RoPE LLM") and c["verdict"] != "context"]
-    assert len(model) == 1 and model[0]["verdict"] in ("holds", "not resolved")  # RoPE off: a context row
-    assert not any(p.name.startswith(".report") for p in tmp_path.iterdir())  # parts cache removed
+    for c in claims:  # every row: a known paper, one of the six verdicts, the tests behind it, a command
+        assert c["paper"] in PAPERS and c["verdict"] in VERDICTS and c["test"] and c["command"], c["id"]
+        assert all({"statistic", "value", "side", "threshold", "outcome"} <= set(t) for t in c["test"])
+        assert f"id='{c['id']}'" in page and f"href='#{c['id']}'" in page  # a row and its summary line
+    ledgers = meta["metrics"]["ledgers"]
+    assert list(ledgers) == ["kim2025", "ruscio2026", "other", "poslens"]
+    assert sum(sum(v.values()) for v in ledgers.values()) == len(claims)
+    rows = {c["id"]: c for c in claims}
+    # exact, sample-free rows are decided whatever the sample count
+    assert rows["kim-s3-layer2-increasing"]["verdict"] == "holds"
+    assert rows["kim-a1-h-decreasing"]["verdict"] == "erratum"  # the printed polynomial is wrong, h decreases
+    assert rows["kim-41-dips-infinite-width"]["verdict"] == "finding"
+    for key in ("command", "source", "versions", "total time", "inputs"):
+        assert meta["provenance"][key], key
+    assert "trained now" in meta["provenance"]["inputs"] or "from the cache" in meta["provenance"]["inputs"]
+    for word in ("seed 004", "seed-004", "/seeds/"):  # the papers are named by their authors and titles
+        assert word not in page and word not in (report / "report.md").read_text()
+    assert not any(p.name.startswith(".report") for p in report.parent.iterdir())  # parts removed
     # the same command again: nothing recomputed, the report is up to date
-    monkeypatch.setattr(rep, "simulate", lambda *a, **k: pytest.fail("recomputed"))
+    monkeypatch.setattr(context, "simulate", lambda *a, **k: pytest.fail("recomputed"))
     capsys.readouterr()
-    assert rep.reproduce(out=str(out), quick=True, progress=False, samples=400, model_size=(64, 8, 2, 2)) == out
+    assert rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES, sizes=SIZES) == report
     assert "up to date" in capsys.readouterr().out
     with pytest.raises(UsageError, match="other settings.*--force"):
-        rep.reproduce(out=str(out), quick=True, progress=False, samples=401, model_size=(64, 8, 2, 2))
+        rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES + 1, sizes=SIZES)
+
+
+@pytest.mark.slow
+def test_every_row_command_remeasures_its_number(report, tmp_path, monkeypatch, capsys):
+    """Each row's command, run as written (in-process: `poslens ...` through the CLI, `python -m
+    poslens.report.remeasure ...` through its main), prints the row's key number: the sections are rebuilt from
+    scratch with the report's settings (one build per section serves all its rows)."""
+    monkeypatch.chdir(tmp_path)  # stock commands write runs/... where they are run
+    claims = json.loads((report / "run.json").read_text())["metrics"]["claims"]
+    by_command: dict[str, list] = {}
+    for c in claims:
+        by_command.setdefault(c["command"], []).append(c)
+    capsys.readouterr()
+    for command, rows in by_command.items():
+        argv = shlex.split(command)
+        if argv[:3] == ["python", "-m", "poslens.report.remeasure"]:
+            assert remeasure.main(argv[3:]) == 0
+        else:
+            assert argv[0] == "poslens" and cli.main(argv[1:]) == 0, command
+        out = capsys.readouterr().out
+        for c in rows:
+            assert c["key"] in out, (c["id"], c["key"], out[-800:])
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
+    """Issue 15: `reproduce --seed -1` left `.o.parts/`; every argument is checked before anything is written."""
+    out = tmp_path / "o"
+    for argv, flag in ((["--seed", "-1"], "--seed"), (["--samples", "0"], "--samples")):
+        assert cli.main(["reproduce", *argv, "--out", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("poslens reproduce: error:") and flag in err and "\n" not in err
+    with pytest.raises(UsageError, match="no report section named"):
+        rep.reproduce(out=str(out), sizes={"no-such-section": {}})
+    with pytest.raises(UsageError, match="has no size"):
+        rep.reproduce(out=str(out), sizes={"real-model": {"tokens": 5}})
+    assert list(tmp_path.iterdir()) == []  # no out, no .o.parts, no lock left
 
 
 def test_interrupted_reproduce_resumes_from_parts(tmp_path, monkeypatch):
     out = tmp_path / "report"
     calls = {"n": 0}
-    real = rep.simulate
+    real = context.simulate
+    per_setting = 2 * context.MC_GROUPS  # sub-runs of one Monte Carlo setting
 
     def flaky(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 4:
+        if calls["n"] == 3 * per_setting + 1:  # in the fourth setting
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(rep, "simulate", flaky)
+    monkeypatch.setattr(context, "simulate", flaky)
+    small = {"convergence": {"widths": (16, 64), "samples": 200}}
     with pytest.raises(KeyboardInterrupt):
-        rep.reproduce(out=str(out), quick=True, models=False, progress=False, samples=200)
+        rep.reproduce(out=str(out), quick=True, models=False, progress=False, samples=200, sizes=small)
     assert not out.exists()
-    parts = list((tmp_path / ".report.parts").glob("*.safetensors"))
-    assert len(parts) == 3  # finished Monte Carlo runs are kept
-    calls["n"] = -1000  # no more interruptions; count what is recomputed
-    rep.reproduce(out=str(out), quick=True, models=False, progress=False, samples=200)
+    assert len(list((tmp_path / ".report.parts").glob("mc-*.safetensors"))) == 3  # finished settings are kept
+    calls["n"] = -10**6  # no more interruptions; count what is recomputed
+    rep.reproduce(out=str(out), quick=True, models=False, progress=False, samples=200, sizes=small)
     assert (out / "report.html").exists()
-    assert calls["n"] + 1000 == 18 - 3  # 18 distinct Monte Carlo settings (12 figures + 6 convergence), 3 reused
+    settings = 9 + 3 + 2 * 2  # NoPE figures, RoPE figures, convergence (2 widths x 2 settings)
+    assert calls["n"] + 10**6 == (settings - 3) * per_setting

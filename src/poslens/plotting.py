@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator  # noqa: E402
 
 from poslens.maps import as_numpy, quantile_limits  # noqa: E402
 
@@ -26,7 +26,8 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
             one_based: bool = False):
     """Draw one [n, n] map on `ax`: NaN cells blank, key index on x, query index on y (row 0 at the top).
 
-    annotate: print each value (in `fontsize` points); one_based: label the ticks 1..n (the paper's figures)."""
+    annotate: print each value (in `fontsize` points); one_based: label every tick 1..n (small maps); otherwise a
+    few ticks, also counting positions from 1."""
     m = as_numpy(m)
     if vmin is None or vmax is None:
         lo, hi = quantile_limits(m, (0.0, 1.0))
@@ -43,12 +44,19 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
             if np.isfinite(v):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=fontsize,
                         color="white" if v < (vmin + vmax) / 2 else "black")
+    n = m.shape[-1]
     if one_based:
-        n = m.shape[-1]
         ax.set_xticks(range(n), [str(k + 1) for k in range(n)])
         ax.set_yticks(range(n), [str(k + 1) for k in range(n)])
+    else:  # positions count from 1, as in the paper: ticks at 1 and at round numbers
+        ticks = [1] + [int(t) for t in MaxNLocator(5, integer=True).tick_values(1, n) if 1 < t <= n]
+        ax.set_xticks([t - 1 for t in ticks], [str(t) for t in ticks])
+        ax.set_yticks([t - 1 for t in ticks], [str(t) for t in ticks])
     if colorbar:
-        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        cb = ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        cb.ax.tick_params(labelsize=7)
+        cb.formatter = FuncFormatter(lambda v, _: f"{v:.3g}")  # short labels: none cut
+        cb.update_ticks()
     return im
 
 
@@ -103,25 +111,71 @@ def layer_maps(scores, directory, stem: str, label: str, titles: Sequence[str], 
     return paths
 
 
+LINE_SIZE = (7.6, 4.8)  # inches: 760 x 480 px at DPI, readable in the report at full width
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str | None) -> None:
+    ax.set_xlabel(xlabel, fontsize=11)
+    ax.set_ylabel(ylabel, fontsize=11)
+    ax.tick_params(labelsize=10)
+    if title:
+        ax.set_title(title, fontsize=12)
+    ax.legend(fontsize=9)
+    ax.grid(alpha=0.3)
+
+
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
               logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None):
-    """Lines with optional error bars, one per named series."""
-    fig, ax = plt.subplots(figsize=(4.8, 3.4), constrained_layout=True)
+    """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. Integer x
+    values get integer ticks; on a log x-axis the ticks are the x values themselves (no overlapping labels)."""
+    fig, ax = plt.subplots(figsize=LINE_SIZE, constrained_layout=True)
     for name, ys in series.items():
         err = None if errors is None else errors.get(name)
-        ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=name)
-    if all(float(x).is_integer() for x in xs) and not logx:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=3, label=name)
     if logx:
         ax.set_xscale("log")
+        ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+        ax.xaxis.set_minor_locator(NullLocator())
+    elif all(float(x).is_integer() for x in xs):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if logy:
         ax.set_yscale("log")
-    if title:
-        ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    _finish(ax, xlabel, ylabel, title)
+    return fig
+
+
+def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], titles: Sequence[str],
+                 suptitle: str | None = None, ylabel: str = "score", band: float = 2.0, ncols: int = 3):
+    """Score against key for a few query rows of each map (one panel per map): m[i, j] for keys j < i (the
+    diagonal, a token with itself, is left out: it would dwarf the rest), keys and queries numbered from 1, with a
+    band of +/- `band` standard errors when `se` is given. This is what "the scores increase with j for fixed i"
+    looks like, noise included."""
+    n = len(maps)
+    ncols = min(ncols, n)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols + 0.8, 3.6 * nrows + 0.5), squeeze=False,
+                             constrained_layout=True)
+    for k, ax in enumerate(axes.flat):
+        if k >= n:
+            ax.axis("off")
+            continue
+        m = as_numpy(maps[k])
+        for r, i in enumerate(rows):
+            js = np.arange(1, i + 1)
+            ys = m[i, :i]
+            ax.plot(js, ys, lw=1.2, color=f"C{r}", label=f"query i = {i + 1}")
+            if se is not None:
+                e = band * as_numpy(se[k])[i, :i]
+                ax.fill_between(js, ys - e, ys + e, color=f"C{r}", alpha=0.25, lw=0)
+        ax.set_title(titles[k], fontsize=11)
+        ax.set_xlabel("key j", fontsize=10)
+        if k % ncols == 0:
+            ax.set_ylabel(ylabel, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=9)
+    axes.flat[0].legend(fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle + (f" (bands: +/- {band:g} SE)" if se is not None else ""), fontsize=12)
     return fig
 
 
@@ -129,21 +183,16 @@ def curves(series: dict[str, Sequence[tuple[float, float]]], xlabel: str, ylabel
            markers: Sequence[str] = ()):
     """(x, y) curves by name; names in `markers` drawn as dots joined by lines, the others as thin lines. Names
     that share their first word share a colour (e.g. "NoPE train" and "NoPE held-out")."""
-    fig, ax = plt.subplots(figsize=(4.8, 3.4), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=LINE_SIZE, constrained_layout=True)
     colours: dict[str, str] = {}
     for name, points in series.items():
         xs, ys = zip(*points)
         colour = colours.setdefault(name.split()[0], f"C{len(colours)}")
         if name in markers:
-            ax.plot(xs, ys, marker="o", ms=3, color=colour, label=name)
+            ax.plot(xs, ys, marker="o", ms=4, color=colour, label=name)
         else:
-            ax.plot(xs, ys, lw=0.8, alpha=0.5, color=colour, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+            ax.plot(xs, ys, lw=0.9, alpha=0.5, color=colour, label=name)
+    _finish(ax, xlabel, ylabel, title)
     return fig
 
 

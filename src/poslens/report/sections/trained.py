@@ -1,0 +1,406 @@
+"""Kim et al. (2025), Section 4.2 (Figures 3 and 8) on models poslens trains: NoPE against RoPE.
+
+The paper trained a 1.5B decoder without positional encoding and read Figures 3 and 8 from it. Here two decoders
+of one preset (`cpu`, or `tiny` with --quick) are trained on the embedded corpus with the same data, seed and
+architecture, one without positional encoding and one with RoPE, and cached under the poslens cache directory
+(trained once; an interrupted training resumes). Then, each number with a 95% interval:
+
+  Figure 3 and Figure 8 of the NoPE model (`poslens intermediates` on held-out text), with the panel statistics
+  the paper reads ((a) near-orthogonal, (a)->(b), (c), (c)->(d), (e) like (d), (f), (g) inverted, (h), (i),
+  amplification over the parameter-free stack); held-out loss of NoPE against RoPE; a linear probe of absolute
+  position by depth (Haviv et al. 2022; Kazemnejad et al. 2023).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from poslens.report.claims import Claim, Reading, Test, num
+from poslens.report.section import Figure, Panel, Section, section
+from poslens.report.sections.figures import heatmaps, lines, profiles
+from poslens.train.config import TrainConfig, resolve_config
+
+CACHE_VERSION = 1  # bump when training changes what a cached model would be
+PE_NAMES = {"none": "NoPE", "rope": "RoPE"}
+PERPLEXITY_TOLERANCE = 1.05  # "comparable" = NoPE's held-out perplexity within 5% of RoPE's
+NEAR_ORTHOGONAL = 0.1  # (a) is "the alpha = 0 case": its alpha closer to 0 than to 0.2, the paper's next alpha
+SAME_TREND = 0.9  # "(e) almost identical to (d)": their off-diagonal entries correlate above 0.9
+PANELS = "abcdefghi"
+
+
+def trained_model_dir(cfg: TrainConfig, tokens: Path) -> Path:
+    """Where the cache keeps the model trained with `cfg` on `tokens` (keyed by both)."""
+    from poslens.engine.models import cache_root
+    from poslens.io.checkpoint import fingerprint
+
+    key = fingerprint({**asdict(cfg), "tokens": tokens.name, "cache_version": CACHE_VERSION})[:10]
+    return cache_root() / "trained" / f"{cfg.preset}-{cfg.pe}-{key}"
+
+
+def trained_pair(preset: str, progress: bool = True, **overrides) -> dict[str, Path]:
+    """The NoPE and RoPE models of `preset` (with `overrides` of its fields) on the embedded corpus: trained now,
+    or read from the cache. Returns their directories, the token directory ("tokens") and, under "trained", the
+    models trained by this call."""
+    from poslens.train.loop import train
+    from poslens.train.tokens import default_tokens
+
+    cfgs = {pe: resolve_config(preset, **{**overrides, "pe": pe}) for pe in PE_NAMES}
+    tokens = default_tokens(cfgs["none"].tokenizer, progress)
+    out, trained = {}, []
+    for k, (pe, cfg) in enumerate(cfgs.items(), 1):
+        target = trained_model_dir(cfg, tokens)
+        if not (target / "run.json").is_file():
+            if progress:
+                print(f"  training {k}/2: the {PE_NAMES[pe]} model of preset {preset} ({cfg.steps} steps of "
+                      f"{cfg.batch_size} x {cfg.seq_len} tokens), cached in {target}", flush=True)
+            train(cfg, target, progress=progress)
+            trained.append(pe)
+        out[pe] = target
+    out["tokens"] = tokens
+    out["trained"] = trained
+    return out
+
+
+def intermediates_config(models: dict, size: dict):
+    from poslens.analyses.intermediates import IntermediatesConfig
+
+    num_seq, seq = size["fig3"]
+    return IntermediatesConfig(model=str(models["none"]), data=str(models["tokens"]), mode="pack", seq_len=seq,
+                               num_sequences=num_seq, batch_size=max(1, num_seq // 20), groups=20)
+
+
+def panel_statistics(cfg) -> dict:
+    """Statistics of Figure 3's panels that `poslens intermediates` does not print, each with its jackknife
+    interval: the Intermediates statistic run over the same batches as the run (same config, same groups)."""
+    from poslens.analyses.intermediates import Intermediates, documents
+    from poslens.engine.data import make_sequences
+    from poslens.engine.hooks import HookedModel
+    from poslens.engine.models import load_model
+    from poslens.engine.runner import run_statistics
+
+    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer, seed=cfg.seed,
+                            pe=cfg.pe)
+    hm = HookedModel(model)
+    stat = Intermediates(hm, cfg.layer, groups=cfg.groups, all_layers=False, check=False)
+    docs, _ = documents(cfg.data, cfg.text_field)
+    ids, _ = make_sequences(tok, docs, cfg.seq_len, cfg.num_sequences, mode=cfg.mode, bos=cfg.bos)
+    run_statistics(hm, [stat], list(torch.split(ids, cfg.batch_size)), all_reduce=False)
+
+    def c_stats(m):
+        c = stat.panel_map("c", m).double()
+        n = c.shape[-1]
+        diag = torch.diagonal(c)[1:]  # position 1 (the first token) left out with the sink column
+        i = torch.arange(1, n, dtype=torch.float64)
+        slope = ((i - i.mean()) * (diag - diag.mean())).sum() / ((i - i.mean()) ** 2).sum() / diag.mean()
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
+        mask[:, 0] = False
+        off = c[mask]
+        return torch.stack([slope, (off.std() / off.mean()) / (diag.std() / diag.mean())])
+
+    def de_corr(m):
+        d, e = (stat.panel_map(x, m).double().numpy() for x in "de")
+        d[:, 0] = e[:, 0] = np.nan  # the sink column
+        keep = np.isfinite(d) & np.isfinite(e) & np.tril(np.ones(d.shape, dtype=bool), -1)
+        return torch.as_tensor(np.corrcoef(d[keep], e[keep])[0, 1])
+
+    est = stat.sums.estimate(c_stats, cfg.level)
+    corr = stat.sums.estimate(de_corr, cfg.level)
+    return {"c_diag_slope": _item(est, 0), "c_uniformity": _item(est, 1), "de_correlation": _item(corr)}
+
+
+def _item(est, k: int | None = None) -> dict:
+    pick = (lambda t: float(t)) if k is None else (lambda t: float(t[k]))
+    return {"value": pick(est.value), "lo": pick(est.lo), "hi": pick(est.hi), "level": est.level,
+            "groups": est.groups}
+
+
+def measure(models: dict, size: dict, parts: Path, progress: bool) -> dict:
+    """Every Section 4.2 number of the trained pair at `size`; the intermediates run and the extra panel
+    statistics are kept in `parts` under a fingerprint of their settings."""
+    from poslens.analyses.intermediates import run_intermediates
+    from poslens.engine.models import load_model
+    from poslens.io.checkpoint import fingerprint
+    from poslens.train.probe import heldout_losses, loss_comparison, position_probe, sequences_of
+    from poslens.train.tokens import open_tokens
+
+    icfg = intermediates_config(models, size)
+    key = fingerprint(icfg.fingerprint_fields())[:8]
+    run = parts / f"intermediates-trained-{key}"
+    if not run.exists():
+        run_intermediates(icfg, str(run), progress=progress)
+    extra_path = parts / f"intermediates-extra-{key}.json"
+    if not extra_path.is_file():
+        extra_path.write_text(json.dumps(panel_statistics(icfg)))
+    extra = json.loads(extra_path.read_text())
+    nets = {pe: load_model(str(models[pe]), dtype="float32")[0] for pe in PE_NAMES}
+    context = nets["none"].config.max_position_embeddings
+    val = open_tokens(models["tokens"]).val
+    fit_n, test_n = size["probe"]
+    loss_n = min(size["loss"], len(val) // context)
+    losses = loss_comparison(heldout_losses(nets, sequences_of(val, context, loss_n)))
+    fit, test = sequences_of(val, context, fit_n), sequences_of(val, context, test_n, offset=fit_n)
+    probes = {pe: position_probe(nets[pe], fit, test) for pe in PE_NAMES}
+    nope = probes["none"]
+    last = len(nope.mae) - 1
+    return {"intermediates": run, "config": icfg, "extra": extra, "losses": losses, "loss_blocks": loss_n,
+            "context": context, "probe": {pe: {"mae": [e.item() for e in p.mae], "chance": p.chance.item()}
+                                          for pe, p in probes.items()},
+            "probe_blocks": (fit_n, test_n), "probe_depth": nope.difference(1, last).item(),
+            "probe_first": nope.difference(0, 1).item()}
+
+
+def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
+    """A Test from a run.json estimate {"value", "lo", "hi", "level", "groups", ["method"]} (null bounds: open)."""
+    nan = float("nan")
+    lo, hi = (nan if e.get(k) is None else e[k] for k in ("lo", "hi"))
+    how = f"{100 * e.get('level', 0.95):g}% {e.get('method', 'jackknife')} over {e.get('groups')} groups"
+    return Test(statistic, nan if e["value"] is None else e["value"], side, threshold, lo, hi, how)
+
+
+def _printed_slope(e: dict) -> str:
+    """A row slope as `poslens intermediates` prints it."""
+    return f"row slope {e['value']:+.4g} [{e['lo']:+.4g}, {e['hi']:+.4g}]"
+
+
+def _printed_ratio(e: dict) -> str:
+    return f"off-diagonal/diagonal {e['value']:.3g} [{e['lo']:.3g}, {e['hi']:.3g}]"
+
+
+def _fmt(e: dict, digits: int = 3) -> str:
+    return f"{num(e['value'], digits)} [{num(e['lo'], digits)}, {num(e['hi'], digits)}]"
+
+
+@section("trained", "Section 4.2 on trained NoPE and RoPE models (Figures 3 and 8)", models=True,
+         quick={"preset": "tiny", "fig3": (200, 50), "loss": 128, "probe": (48, 48), "overrides": {}},
+         full={"preset": "cpu", "fig3": (1000, 50), "loss": 512, "probe": (128, 128), "overrides": {}})
+def build(ctx, size: dict) -> Section:
+    from poslens.io.results import load
+
+    preset, overrides = size["preset"], dict(size["overrides"])
+    models = trained_pair(preset, ctx.progress, **overrides)
+    for pe in PE_NAMES:
+        ctx.record(f"{PE_NAMES[pe]} model ({preset})", models[pe] / "model.safetensors",
+                   "trained now" if pe in models["trained"] else "from the cache")
+    ctx.record("training tokens", models["tokens"] / "train.bin", "from the cache (tokenized embedded corpus)")
+    m = measure(models, size, Path(ctx.parts), ctx.progress)
+    run_dir = Path(ctx.root) / "models" / "intermediates-trained-nope"
+    shutil.copytree(m["intermediates"], run_dir)
+    run = load(run_dir)
+    im, data, icfg = run.metrics, run.meta["data"], m["config"]
+    cfg = resolve_config(preset, **overrides)
+    params = sum(p.numel() for p in _load(models["none"]).parameters())
+    int_cmd = (f"poslens intermediates {models['none']} --data {models['tokens']} --mode pack --seq-len "
+               f"{icfg.seq_len} --num-sequences {icfg.num_sequences} --batch-size {icfg.batch_size} --groups "
+               f"{icfg.groups} --out runs/remeasure-intermediates-trained-nope")
+    s = Section(
+        "No positional encoding in a trained model: Figure 3, Figure 8 and what training does (Kim et al., "
+        "Section 4.2)",
+        f"Two decoders trained by poslens on the embedded corpus (preset {preset}: {cfg.layers} layers, "
+        f"d = {cfg.hidden}, {cfg.heads} heads of size {cfg.hidden // cfg.heads}, {cfg.kv_heads} KV heads, context "
+        f"{cfg.seq_len}, {cfg.steps} steps of {cfg.batch_size} sequences, BPE vocabulary "
+        f"{cfg.tokenizer.split(':')[-1]}), the same data, seed and architecture, one without positional encoding "
+        "(NoPE) and one with RoPE; trained once and cached (`poslens train --preset "
+        f"{preset} --pe none` and `--pe rope`). Figures 3 and 8 use {data['sequences']} held-out sequences of "
+        f"{icfg.seq_len} tokens cut from the validation documents (too few documents to take the first tokens of "
+        "each, as the paper does). Intervals: 95%, delete-one-group jackknife over 20 groups (shares of rows: "
+        "bootstrap over groups).",
+        scale=f"Section 4.2 is measured on a {params / 1e6:.1f}M-parameter NoPE/RoPE pair poslens trains on "
+              f"{cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M tokens of embedded text; the paper's NoPE model "
+              "has 1.5B parameters trained on 20B FineWeb-Edu tokens.")
+    s.claims += figure3_claims(ctx, im, m["extra"], int_cmd)
+    s.claims += haviv_claims(ctx, m, cfg)
+    c = im["block_output_check"]
+    s.claims.append(Claim(
+        "poslens-block-output-check", "poslens", "anchor procedure of Figure 3 (g)",
+        "panel (g), recomputed in float64 from (e) and the layer's own MLP, equals the model's next hidden state",
+        (Test("largest |recomputed - hook_resid_post| / largest |entry|", c["max_rel"], "<", c["tolerance"]),),
+        measured=f"largest absolute deviation {c['max_abs']:.3g} ({c['dtype']}; tolerance {CHECK_NOTE}).",
+        figure="Figure 3 (g)", command=ctx.remeasure("poslens-block-output-check")))
+    nope, rope = m["probe"]["none"], m["probe"]["rope"]
+    s.context += [("embeddings of the NoPE model carry no position (true by construction: a probe check)",
+                   f"probe error at the embeddings {_fmt(nope['mae'][0])} tokens; chance (always the mean position) "
+                   f"{_fmt(nope['chance'])}"),
+                  ("the RoPE model for comparison (RoPE rotates queries and keys; it adds no position to the hidden "
+                   "states)", "probe error by hidden state: " + ", ".join(_fmt(e) for e in rope["mae"]) + " tokens")]
+    if ctx.draw:
+        s.figures += figures(ctx, run, models, m, preset)
+    return s
+
+
+CHECK_NOTE = "64 machine epsilons of the model's dtype"
+
+
+def _load(path: Path):
+    from poslens.engine.models import load_model
+
+    return load_model(str(path), dtype="float32")[0]
+
+
+def figure3_claims(ctx, im: dict, extra: dict, int_cmd: str) -> list[Claim]:
+    p, ch, amp = im["panels"], im["changes"], im["amplification"]
+    out = []
+
+    def claim(cid, where, text, tests, key="", command=int_cmd, **kw):
+        out.append(Claim(cid, "kim2025", where, text, tests, key=key, figure="Figure 3 " + where.split("Figure 3 ")[-1],
+                         command=command or ctx.remeasure(cid), **kw))
+
+    claim("kim-42-a-near-orthogonal", "Section 4.2, Figure 3 (a)",
+          "most embeddings are nearly orthogonal: after LayerNorm their inner products are close to zero except on "
+          "the diagonal (the alpha = 0 case)",
+          (_test("off-diagonal/diagonal ratio of (a) (the stack's alpha)", p["a"]["offdiag_ratio"], "<",
+                 NEAR_ORTHOGONAL),),
+          key=_printed_ratio(p["a"]["offdiag_ratio"]),
+          measured=f"'close to zero' read as: alpha closer to 0 than to 0.2, the paper's next simulated alpha "
+                   f"(threshold {NEAR_ORTHOGONAL:g}).")
+    claim("kim-42-a-to-b", "Section 4.2, Figure 3 (a), (b)",
+          "from (a) to (b) the ratio of off-diagonal to diagonal values increases substantially (W_Q, W_K act like a "
+          "larger alpha)", (_test("change of the off-diagonal/diagonal ratio, (b) - (a)",
+                                  ch["offdiag_ratio_b_minus_a"], ">"),),
+          measured=f"(a) {_fmt(p['a']['offdiag_ratio'])}, (b) {_fmt(p['b']['offdiag_ratio'])}.", command="")
+    e = extra
+    claim("kim-42-c", "Section 4.2, Figure 3 (c)",
+          "in (c) the diagonal values decrease with i, while the off-diagonal values remain nearly uniform",
+          (_test("slope of the diagonal of (c) in i, over its mean (per position)", e["c_diag_slope"], "<"),
+           _test("coefficient of variation of the off-diagonal entries of (c) over that of its diagonal",
+                 e["c_uniformity"], "<", 1.0)),
+          measured="key 1 (the sink column) and position 1 left out; 'nearly uniform' read as: more uniform than the "
+                   "diagonal, the contrast the paper draws.", command="")
+    cd = ch["offdiag_ratio_d_minus_c"]
+    out.append(Claim(
+        "kim-42-c-to-d", "kim2025", "Section 4.2, Figure 3 (c), (d)",
+        "in (d) the ratio between the diagonal and the off-diagonal elements is significantly increased compared "
+        "to (c): the effect of W_O, 'analogous to the relationship between (a) and (b)'",
+        readings=(Reading("the diagonal/off-diagonal ratio rises (the sentence's own words): off-diagonal/diagonal "
+                          "falls", (_test("change of the off-diagonal/diagonal ratio, (d) - (c)", cd, "<"),)),
+                  Reading("analogous to (a) -> (b), where off-diagonal/diagonal rose",
+                          (_test("change of the off-diagonal/diagonal ratio, (d) - (c)", cd, ">"),))),
+        measured=f"off-diagonal/diagonal: (c) {_fmt(p['c']['offdiag_ratio'])}, (d) {_fmt(p['d']['offdiag_ratio'])}.",
+        figure="Figure 3 (c), (d)", command=ctx.remeasure("kim-42-c-to-d")))
+    claim("kim-42-e-like-d", "Section 4.2, Figure 3 (d), (e)",
+          "after adding the residual (e), the trend is almost identical to (d)",
+          (_test("correlation of the off-diagonal entries of (d) and (e)", e["de_correlation"], ">", SAME_TREND),),
+          measured=f"'almost identical trend' read as: correlation above {SAME_TREND} (key 1, the sink, left out).",
+          command="")
+    for letter, where, text in (
+            ("f", "Section 4.2, Figure 3 (f)", "after the post-attention LayerNorm (f), the Gram matrix increases "
+                                               "with j for fixed i, as the theory and the simulation say"),
+            ("i", "Section 4.2, Figure 3 (i)", "in the second layer's Q K^T (i) the scores clearly increase with j "
+                                               "for fixed i")):
+        claim(f"kim-42-{letter}-increasing", where, text,
+              (_test(f"mean row slope of ({letter}) over keys 2 <= j < i", p[letter]["row_slope"], ">"),
+               _test(f"share of rows of ({letter}) increasing in j", p[letter]["rows_increasing"], ">", 0.5)),
+              key=_printed_slope(p[letter]["row_slope"]),
+              measured="rows with at least two keys 2 <= j < i (key 1, the sink, left out); the row profiles with "
+                       "their error bands are drawn below.")
+    claim("kim-42-g-inverts", "Section 4.2, Figure 3 (g)",
+          "the feed-forward network and residual (g) laterally invert the pattern",
+          (_test("mean row slope of (g) over keys 2 <= j < i", p["g"]["row_slope"], "<"),),
+          key=_printed_slope(p["g"]["row_slope"]))
+    claim("kim-42-h-restores", "Section 4.2, Figure 3 (h)", "the next LayerNorm (h) restores the pattern",
+          (_test("mean row slope of (h) over keys 2 <= j < i", p["h"]["row_slope"], ">"),),
+          key=_printed_slope(p["h"]["row_slope"]))
+    if "ratio" in amp:
+        r = amp["ratio"]
+        claim("kim-42-amplified", "Section 4.2, Figure 3 (i)",
+              "training amplifies the pattern: (i) shows a much stronger, i-independent pattern than the "
+              "parameter-free stack at the model's alpha",
+              (_test("strength of (i) over the stack's at the alpha of (a)", r, ">", 1.0),),
+              key=f"{num(r['value'])}x [{num(r['lo'])}, {num(r['hi'])}]",
+              measured=f"strength = mean row slope / mean diagonal; alpha from (a) {_fmt(amp['alpha'])}; model "
+                       f"{_fmt(amp['model_strength'])}, stack {_fmt(amp['stack_strength'])}; against the strongest "
+                       f"stack over alpha ({amp['strongest_stack']['alpha']:.2f}): "
+                       f"{_fmt(amp['ratio_to_strongest_stack'])}.")
+    return out
+
+
+def haviv_claims(ctx, m: dict, cfg: TrainConfig) -> list[Claim]:
+    loss, pr = m["losses"], m["losses"]["perplexity_ratio"]
+    nope = m["probe"]["none"]
+    last = len(nope["mae"]) - 1
+    tokens = f"{cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M training tokens"
+    return [
+        Claim("haviv-comparable-perplexity", "haviv2022", "as cited by Kim et al., Sections 1-2",
+              "a decoder without positional encoding models language about as well as one with it",
+              (_test("held-out perplexity ratio NoPE / RoPE", pr, "<", PERPLEXITY_TOLERANCE),),
+              measured=f"held-out loss NoPE {_fmt(loss['loss_none'], 4)}, RoPE {_fmt(loss['loss_rope'], 4)} nats; "
+                       f"{m['loss_blocks']} paired held-out sequences of {m['context']} tokens; 'about as well' read "
+                       f"as within {PERPLEXITY_TOLERANCE - 1:.0%}.",
+              paper_number="perplexity 13.10 (NoPE) vs 13.05 (with positions) at 1.3B parameters",
+              scope=f"1.3B-parameter models (this pair: {tokens})",
+              resolve="a model near the claim's scale (preset paper-1.5b on a GPU cluster)",
+              figure="training curves", command=ctx.remeasure("haviv-comparable-perplexity")),
+        Claim("kazemnejad-position-after-layer-1", "kazemnejad2023", "as cited by Kim et al., Section 2",
+              "without positional encoding, the first layer can already recover absolute position",
+              (_test("probe error after layer 1 - at the embeddings (tokens)", m["probe_first"], "<"),),
+              measured=f"ridge probe of the absolute position, error after layer 1 {_fmt(nope['mae'][1])} tokens vs "
+                       f"{_fmt(nope['mae'][0])} at the embeddings (chance {_fmt(nope['chance'])}).",
+              figure="position probe", command=ctx.remeasure("kazemnejad-position-after-layer-1")),
+        Claim("haviv-probe-improves-with-depth", "haviv2022", "probing experiments",
+              "absolute position becomes more predictable with depth in a model without positional encoding",
+              (_test(f"probe error after layer {last} - after layer 1 (tokens)", m["probe_depth"], "<"),),
+              measured=f"after layer 1 {_fmt(nope['mae'][1])}, after layer {last} {_fmt(nope['mae'][last])} tokens; "
+                       f"the last layer is {100 * (1 - nope['mae'][last]['value'] / nope['chance']['value']):.1f}% "
+                       "below chance, far from the near-exact positions a two-layer probe decodes from a 1.3B model.",
+              paper_number="error ~340 tokens at layer 0, under 100 by layer 4, 15-20 by layer 12 of 24 "
+                           "(context 1,024)",
+              scope=f"1.3B-parameter models (this pair: {tokens})", figure="position probe",
+              command=ctx.remeasure("haviv-probe-improves-with-depth"))]
+
+
+def figures(ctx, run, models: dict, m: dict, preset: str) -> list[Figure]:
+    from poslens import plotting
+    from poslens.analyses.intermediates import PANELS as WHAT
+
+    label = f"trained NoPE model (preset {preset})"
+    titles = {c: f"({c}) {w}, layer {1 + (c in 'hi')}" for c, _, w in WHAT}
+    panels = []
+    for c in PANELS:
+        v = run[f"panel_{c}"].double().numpy()
+        se = run[f"panel_{c}_se"].double().numpy()
+        panels.append(Panel(titles[c], v, se, plotting.offdiag_limits(v, (0.01, 0.99))))
+    out = [heatmaps(ctx, "figure3", panels, "Figure 3 style: the trained NoPE model, layers 1 and 2, held-out text; "
+                    "each panel's colour limits at the 1% and 99% quantiles of its off-diagonal entries (the diagonal "
+                    "saturates). Hover: value and standard error.", ncols=3, suptitle=f"Figure 3: {label}, "
+                    "Gram matrices of the intermediates of layers 1 and 2", panel_size=3.0)]
+    out.append(profiles(ctx, "figure3_profiles", [panels[5].values, panels[8].values], [panels[5].se, panels[8].se],
+                        [titles["f"], titles["i"]], "Rows of panels (f) and (i) against the key j < i for three "
+                        "queries (the diagonal left out), with bands of +/- 2 standard errors: the 'increasing in j' "
+                        "claims.",
+                        suptitle="Figure 3 (f) and (i): scores against the key"))
+    scores, se = run["scores"].double().numpy(), run["scores_se"].double().numpy()
+    layers = run["score_layers"].tolist()
+    f8 = [Panel(f"layer {k + 1}", scores[i], se[i], plotting.offdiag_limits(scores[i], (0.01, 0.99)))
+          for i, k in enumerate(layers)]
+    out.append(heatmaps(ctx, "figure8", f8, "Figure 8 style: every layer's Q K^T * scaling of the trained NoPE model, "
+                        "averaged over sequences and heads, drawn like Figure 3 (colour limits at the 1% and 99% "
+                        "quantiles of the off-diagonal entries); the diagonal-normalised maps are in the run's "
+                        "tensors.", ncols=min(6, len(f8)), suptitle=f"Figure 8: {label}, Q K^T * scaling per layer"))
+    curves = {}
+    for pe in PE_NAMES:
+        rows = [json.loads(line) for line in (models[pe] / "metrics.jsonl").read_text().splitlines() if line]
+        curves[f"{PE_NAMES[pe]} train"] = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        curves[f"{PE_NAMES[pe]} held-out"] = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig = plotting.curves(curves, "step", "next-token loss (nats)", "training: NoPE and RoPE, same data and seed",
+                          markers=[k for k in curves if k.endswith("held-out")])
+    out.append(Figure(ctx.save(fig, "training_curves"), "Training loss (per step) and held-out loss (dots) of the two "
+                      "trained models."))
+    series, errors = {}, {}
+    for pe in PE_NAMES:
+        maes = m["probe"][pe]["mae"]
+        series[PE_NAMES[pe]] = [e["value"] for e in maes]
+        errors[PE_NAMES[pe]] = [e["value"] - e["lo"] for e in maes]
+    n = len(series["NoPE"])
+    series["chance"] = [m["probe"]["none"]["chance"]["value"]] * n
+    out.append(lines(ctx, "position_probe", range(n), series,
+                     "Mean absolute error of a ridge probe of the absolute position, fitted per hidden state on "
+                     f"{m['probe_blocks'][0]} held-out sequences of {m['context']} tokens and scored on "
+                     f"{m['probe_blocks'][1]} others; bars: 95% jackknife intervals over the test sequences.",
+                     "hidden state (0 = embeddings, l = after layer l)", "position probe error (tokens)",
+                     "linear probe of absolute position, held out", errors=errors))
+    return out
