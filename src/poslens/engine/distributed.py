@@ -11,6 +11,7 @@ driver and the training loop both take their `Dist` from it.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -99,4 +100,12 @@ def setup(device: str = "auto") -> Dist:
         where = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if where.type == "cuda" else "gloo")
+        atexit.register(_leave)
     return Dist(rank, world, local, where)
+
+
+def _leave() -> None:
+    """Leave the process group before the interpreter shuts down: a gloo group torn down by the interpreter's
+    own finalisation can abort the process ("terminate called without an active exception") after a good run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

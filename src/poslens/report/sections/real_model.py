@@ -237,15 +237,16 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                         "layers 1-4 (Figure 5 style)"))
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
         :, FROM_QUERY:, :], axis=1)))
-    keys = np.arange(1, 33)
+    width = min(32, profile.value.shape[-1])  # the first 32 keys, or every key of shorter sequences
+    keys = np.arange(1, width + 1)
     picks = sorted({1, 2, layers // 2, layers - 1})
     out.append(lines(ctx, "model_key_profile", keys,
-                     {f"layer {k + 1}": profile.value.numpy()[k, :32] for k in picks},
+                     {f"layer {k + 1}": profile.value.numpy()[k, :width] for k in picks},
                      f"Mean diagonal-normalised score of each key j (over queries i >= {FROM_QUERY + 1}; the sink "
                      "column kept) for a few layers, with 95% jackknife intervals: the first keys against the rest.",
                      "key j", "mean diagonal-normalised score", "SmolLM2-135M: scores of the first keys",
-                     errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :32] for x in (profile.value, profile.lo,
-                                                                                              profile.hi)))
+                     errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :width]
+                                                                 for x in (profile.value, profile.lo, profile.hi)))
                              for k in picks}, zero=True))
     noisy = [k + 1 for k in range(layers) if noise_only(Panel("", norm[k], se[k], quantile_limits(norm[k])))]
     warn = (f"Layers {', '.join(map(str, noisy))} show sampling noise at this size (their entries spread by under "

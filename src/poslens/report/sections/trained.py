@@ -78,10 +78,11 @@ def intermediates_config(models: dict, size: dict):
 def panel_statistics(cfg) -> dict:
     """Statistics of Figure 3's panels that `poslens intermediates` does not print, each with its jackknife
     interval: the Intermediates statistic run over the same batches as the run (same config, same groups)."""
-    from poslens.analyses.intermediates import Intermediates, documents
+    from poslens.analyses.intermediates import Intermediates
     from poslens.engine.data import make_sequences
     from poslens.engine.hooks import HookedModel
     from poslens.engine.models import load_model
+    from poslens.engine.pipeline import documents
     from poslens.engine.runner import run_statistics
 
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer, seed=cfg.seed,
