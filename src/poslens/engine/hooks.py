@@ -72,7 +72,7 @@ import math
 import types
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -191,6 +191,7 @@ class _Run:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
+    hidden: dict = field(default_factory=dict)  # (Tq, Tk, window, device) -> [Tq, Tk] keys the implicit mask hides
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -546,10 +547,14 @@ class HookedModel:
                 self._fired(ctx.name)
         replaced = False
         if dense or pattern_fns:
-            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window)  # [B, H, T, T]
+            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window,
+                                   self._run.hidden)  # [B, H, T, T]
             new = fire("attn.hook_attn_scores", scores, dense)
             replaced |= new is not scores
-            pattern = torch.softmax(new, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)
+            pattern = torch.softmax(new, dim=-1, dtype=torch.float32)
+            if attention_mask is not None:  # a padded query sees no key: its row is NaN, and TransformerLens's 0
+                pattern = pattern.nan_to_num_(0.0)
+            pattern = pattern.to(query.dtype)
             new_pattern = fire("attn.hook_pattern", pattern, pattern_fns)
             replaced |= new_pattern is not pattern
         if replaced:  # a hook changed the scores or the pattern: the output follows from the pattern
@@ -560,22 +565,29 @@ class HookedModel:
         return fire("attn.hook_z", out), None  # [B, T, H, D]
 
 
-def _dense_scores(q, k, scaling, softcap, attention_mask, window: int) -> torch.Tensor:
-    """[B, H, Tq, Tk] scores q.k * scaling (softcapped), -inf where the model's mask hides a key."""
+def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: dict | None = None) -> torch.Tensor:
+    """[B, H, Tq, Tk] scores q.k * scaling (softcapped), -inf where the model's mask hides a key. `hidden` keeps the
+    implicit causal (and window) mask of one forward, built once for all its layers. Every step after the GEMM works
+    in place: reading the scores of every layer costs one [B, H, T, T] tensor per layer, not four."""
     groups = q.shape[1] // k.shape[1]
-    s = torch.matmul(q, repeat_kv(k, groups).transpose(-1, -2)) * scaling
+    s = torch.matmul(q, repeat_kv(k, groups).transpose(-1, -2)).mul_(scaling)
     if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
+        s = s.div_(softcap).tanh_().mul_(softcap)
     n, m = s.shape[-2:]
     if attention_mask is None:  # SDPA's implicit causal mask (and the window, when there is one)
-        i = torch.arange(n, device=s.device)[:, None] + (m - n)
-        j = torch.arange(m, device=s.device)[None]
-        allowed = (j <= i) & ((i - j < window) if window else True)
+        key = (n, m, window, s.device)
+        hides = None if hidden is None else hidden.get(key)
+        if hides is None:
+            i = torch.arange(n, device=s.device)[:, None] + (m - n)
+            j = torch.arange(m, device=s.device)[None]
+            hides = (j > i) | ((i - j >= window) if window else False)
+            if hidden is not None:
+                hidden[key] = hides
     elif attention_mask.dtype == torch.bool:
-        allowed = attention_mask[..., :m]
+        hides = ~attention_mask[..., :m]
     else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
-        allowed = attention_mask[..., :m] == 0
-    return s.masked_fill(~allowed, -math.inf)
+        hides = attention_mask[..., :m] != 0
+    return s.masked_fill_(hides, -math.inf)
 
 
 @functools.cache
