@@ -191,7 +191,7 @@ class _Run:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
-    hidden: dict = field(default_factory=dict)  # (Tq, Tk, window, device) -> [Tq, Tk] keys the implicit mask hides
+    hidden: dict = field(default_factory=dict)  # -> [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores)
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -566,28 +566,39 @@ class HookedModel:
 
 
 def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: dict | None = None) -> torch.Tensor:
-    """[B, H, Tq, Tk] scores q.k * scaling (softcapped), -inf where the model's mask hides a key. `hidden` keeps the
-    implicit causal (and window) mask of one forward, built once for all its layers. Every step after the GEMM works
-    in place: reading the scores of every layer costs one [B, H, T, T] tensor per layer, not four."""
-    groups = q.shape[1] // k.shape[1]
-    s = torch.matmul(q, repeat_kv(k, groups).transpose(-1, -2)).mul_(scaling)
+    """[B, H, Tq, Tk] scores q.k * scaling (softcapped), -inf where the model's mask hides a key.
+
+    The scaling goes on the queries (a tensor T / d times smaller than the scores), and the implicit causal mask
+    (no padding, no softcap) is added as a 0 / -inf bias in place: the scores are one GEMM and one pass, not three.
+    `hidden` keeps that bias for all the layers of one forward."""
+    n, m = q.shape[-2], k.shape[-2]
+    if attention_mask is None and softcap is None:  # SDPA's implicit causal mask (and the window, if any)
+        key = (n, m, window, q.device, q.dtype)
+        bias = None if hidden is None else hidden.get(key)
+        if bias is None:
+            bias = torch.zeros(n, m, dtype=q.dtype, device=q.device).masked_fill_(_hidden_keys(n, m, window, q.device),
+                                                                                   -math.inf)
+            if hidden is not None:
+                hidden[key] = bias
+        s = torch.matmul(q * scaling, repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2))
+        return s.add_(bias)
+    s = torch.matmul(q, repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2)).mul_(scaling)
     if softcap is not None:
         s = s.div_(softcap).tanh_().mul_(softcap)
-    n, m = s.shape[-2:]
-    if attention_mask is None:  # SDPA's implicit causal mask (and the window, when there is one)
-        key = (n, m, window, s.device)
-        hides = None if hidden is None else hidden.get(key)
-        if hides is None:
-            i = torch.arange(n, device=s.device)[:, None] + (m - n)
-            j = torch.arange(m, device=s.device)[None]
-            hides = (j > i) | ((i - j >= window) if window else False)
-            if hidden is not None:
-                hidden[key] = hides
+    if attention_mask is None:
+        hides = _hidden_keys(n, m, window, s.device)
     elif attention_mask.dtype == torch.bool:
         hides = ~attention_mask[..., :m]
     else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
         hides = attention_mask[..., :m] != 0
     return s.masked_fill_(hides, -math.inf)
+
+
+def _hidden_keys(n: int, m: int, window: int, device) -> torch.Tensor:
+    """[n, m] True where query i (the last n of m positions) cannot see key j: j > i, or i - j >= window."""
+    i = torch.arange(n, device=device)[:, None] + (m - n)
+    j = torch.arange(m, device=device)[None]
+    return (j > i) | ((i - j >= window) if window else False)
 
 
 @functools.cache
