@@ -1,5 +1,5 @@
-"""`poslens leakage` end to end on a tiny local-directory Llama: run directory (both splits, contrasts and nulls with key 0
-in and out side by side, the predecessor's power), resume, torchrun, bad input."""
+"""`poslens leakage` end to end on a tiny local-directory Llama: run directory (both splits, contrasts and nulls with
+key 0 in and out side by side, the predecessor's power), resume, torchrun, bad input."""
 
 import os
 import subprocess

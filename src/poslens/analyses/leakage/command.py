@@ -31,7 +31,7 @@ class LeakageCompareOptions:
                              metavar="RUN")
 
 
-FRACTIONS = ("scores/trf", "log_probs/trf", "split/fraction")  # printed as differences for every contrast
+FRACTIONS = ("scores/trf", "split/fraction")  # residual fractions of the scores and of log A (= log_probs/trf)
 
 
 def _est(e: dict) -> str:

@@ -106,9 +106,9 @@ def describe(spec: str) -> str:
     s = parse(spec)
     if s.name == "patch":
         where = "position 1" if s.value == 1 else f"positions 1-{s.value}"
-        source = {"other": "another sequence of the batch", "mean": "the batch's mean state",
+        source = {"other": "another sequence of the batch", "mean": "the batch's mean",
                   "inside": "a window starting inside the same document (a content token first, no BOS)"}[s.source]
-        return f"the residual stream entering layer {s.layer + 1} at {where} replaced by {source}'s"
+        return f"the residual stream entering layer {s.layer + 1} at {where} replaced by the states of {source}"
     return {"mean": "position 1's embedding replaced by the mean token embedding",
             "random": "position 1's embedding replaced by a random direction of the same norm",
             "token": f"position 1's embedding replaced by token {s.value}'s",
