@@ -245,7 +245,8 @@ def test_imports_follow_the_layers():
 # ---------------------------------------------------------------- the guarantees, for every analysis on the driver
 
 SMALL = {"scores": ["--seq-len", "32"], "intermediates": ["--seq-len", "16"],
-         "leakage": ["--seq-len", "24", "--early-queries", "10", "--interventions", "none", "--no-predecessor"]}
+         "leakage": ["--seq-len", "24", "--early-queries", "10", "--interventions", "none", "--nulls", "none",
+                     "--no-predecessor"]}
 
 
 def small(command: str, model_dir: Path) -> list[str]:
