@@ -236,7 +236,14 @@ class Leakage(Analysis):
     def finish(self, job: Job, passes: list[Pass]) -> Output:
         from poslens.analyses.leakage.summary import summarise
 
-        return summarise(job, passes)
+        # many small tensor operations: one intra-op thread (a second only synchronises; on a shared machine it
+        # made them 10-25 times slower in CPU time: docs/leakage.md, "Defaults and cost")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return summarise(job, passes)
+        finally:
+            torch.set_num_threads(threads)
 
     def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
         from poslens.analyses.leakage.figures import leakage_figures
