@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from test_leakage_causal import one_thread  # noqa: F401 (autouse: one intra-op thread for small tensors)
 from test_pipeline import saved_tiny_llama
 
 import poslens
