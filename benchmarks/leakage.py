@@ -1,60 +1,102 @@
-"""Benchmark: `poslens leakage MODEL` with default settings (every metric, the BOS intervention, the predecessor's
-null) against plain forwards over the same sequences (run by hand, not a test).
+"""Benchmark: `poslens leakage MODEL` at the defaults (every pass: the original, the interventions, the nulls, the
+predecessor's rows; the summary with every contrast and the predecessor's test) against plain forwards over the same
+sequences (run by hand, not a test; the bar: under 10 minutes for SmolLM2-135M on 2 CPU cores).
 
-    .venv/bin/python benchmarks/leakage.py                       # smollm2-135m, defaults
-    .venv/bin/python benchmarks/leakage.py --model smollm2-135m --seq-len 256
+    .venv/bin/python benchmarks/leakage.py                                   # smollm2-135m, defaults, the bar
+    .venv/bin/python benchmarks/leakage.py --num-sequences 16 --groups 2     # a small check that it works
+    .venv/bin/python benchmarks/leakage.py --out benchmarks/results/cpu-DATE-leakage/timing.json
 
-Prints the leakage wall time, the time of one plain forward (`model(ids)`, SDPA, logits) over every batch of the
-same sequences, and their ratio; writes the run to a temporary directory (deleted afterwards). Both are measured in
-one process, plain forwards first, so the ratio is meaningful on a loaded machine where absolute times are not.
+Plain forwards first (`model(ids)`, SDPA, logits; one warm-up batch not timed) over exactly the sequences the
+command cuts (windows inside documents when the defaults need them), then the command itself in the same process
+(`poslens.cli.main`: loading, passes, summary, figures, run.json, the printed summary). Prints and writes the wall
+times, their ratio, the command's own split (passes_s: loading, cutting and the passes; after_passes_s: estimates,
+contrasts, tests, figures), the load average and the threads: on a loaded machine only the ratio means anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+BAR_SECONDS = 600
+
 
 def main() -> None:
-    from poslens.analyses.leakage.run import LeakageConfig, run_leakage
-    from poslens.engine.data import iter_documents, make_sequences
+    from poslens.analyses.leakage.run import LeakageConfig
+    from poslens.cli import main as poslens_main
+    from poslens.engine.data import document_windows, iter_documents, make_sequences
     from poslens.engine.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--num-sequences", type=int, default=None, help="default: the command's")
+    ap.add_argument("--groups", type=int, default=None, help="default: the command's")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
+    ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = LeakageConfig(model=args.model)
-    if args.seq_len:
-        cfg.seq_len = args.seq_len
+    flags = []
+    if args.num_sequences:
+        cfg.num_sequences = args.num_sequences
+        flags += ["--num-sequences", str(args.num_sequences)]
+    if args.groups:
+        cfg.groups = args.groups
+        flags += ["--groups", str(args.groups)]
     model, tok = load_model(cfg.model)
-    ids, _ = make_sequences(tok, iter_documents(None), cfg.seq_len, cfg.num_sequences, bos=cfg.bos)
-    started = time.perf_counter()
+    if cfg.windows:
+        ids, _, _ = document_windows(tok, iter_documents(None), cfg.seq_len, cfg.num_sequences,
+                                     min_offset=cfg.min_offset, seed=cfg.seed, bos=cfg.bos)
+    else:
+        ids, _ = make_sequences(tok, iter_documents(None), cfg.seq_len, cfg.num_sequences, bos=cfg.bos)
+    batches = torch.split(ids, cfg.batch_size)
     with torch.no_grad():
-        for batch in torch.split(ids, cfg.batch_size):
+        model(input_ids=batches[0], use_cache=False)  # warm-up
+        started = time.perf_counter()
+        for batch in batches:
             model(input_ids=batch, use_cache=False)
     plain = time.perf_counter() - started
+    del model
     out = tempfile.mkdtemp(prefix="leakage-bench-")
     try:
+        printed = io.StringIO()
         started = time.perf_counter()
-        path = run_leakage(cfg, os.path.join(out, "run"), progress=False)
+        with contextlib.redirect_stdout(printed):
+            code = poslens_main(["leakage", cfg.model, *flags, "--quiet", "--out", os.path.join(out, "run")])
         wall = time.perf_counter() - started
-        metrics = json.loads((path / "run.json").read_text())["metrics"]
+        meta = json.loads((Path(out) / "run" / "run.json").read_text()) if code == 0 else {}
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    passes = 1 + len(cfg.interventions) + int(cfg.predecessor)
-    print(json.dumps({"model": cfg.model, "seq_len": cfg.seq_len, "sequences": cfg.num_sequences,
-                      "batch_size": cfg.batch_size, "passes": passes, "threads": torch.get_num_threads(),
-                      "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-                      "plain_forward_s": round(plain, 2), "leakage_s": round(wall, 2),
-                      "ratio": round(wall / plain, 2), "ratio_per_pass": round(wall / plain / passes, 2),
-                      "removed_mean": metrics["interventions"]["mean"]["removed_all_layers"]}, indent=1))
+    if code != 0:
+        raise SystemExit(f"poslens leakage exited with {code}")
+    passes = 1 + len(cfg.specs) + len(cfg.null_passes)
+    timings = meta["timings"]
+    result = {"model": cfg.model, "command": " ".join(["poslens leakage", cfg.model, *flags]),
+              "seq_len": cfg.seq_len, "sequences": meta["data"]["sequences"], "batch_size": cfg.batch_size,
+              "groups": meta["groups"]["used"], "passes": passes, "interventions": cfg.specs,
+              "nulls": cfg.null_passes, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "load_average": os.getloadavg(), "plain_forward_s": round(plain, 2), "leakage_s": round(wall, 2),
+              "passes_s": round(timings["compute_seconds"], 2),
+              "after_passes_s": round(timings["seconds"] - timings["compute_seconds"], 2),
+              "ratio": round(wall / plain, 2), "ratio_per_pass": round(wall / plain / passes, 2),
+              "under_bar": wall < BAR_SECONDS, "bar_s": BAR_SECONDS,
+              "predecessor_power": meta["metrics"].get("predecessor", {}).get("power"),
+              "summary_lines": len(printed.getvalue().splitlines())}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`poslens leakage` end to end on a tiny local-directory Llama: run directory, nulls, resume, bad input."""
+"""`poslens leakage` end to end on a tiny local-directory Llama: run directory (both splits, contrasts and nulls with
+key 0 in and out side by side, the predecessor's power), resume, torchrun, bad input."""
 
 import os
 import subprocess
@@ -6,9 +7,12 @@ import sys
 
 import pytest
 import torch
+from test_leakage_causal import one_thread  # noqa: F401 (autouse: one intra-op thread for small tensors)
 from test_pipeline import saved_tiny_llama
 
 import poslens
+from poslens.analyses.leakage import predecessor as pr
+from poslens.analyses.leakage.command import summary_lines
 from poslens.analyses.leakage.run import LeakageConfig, run_leakage
 from poslens.cli import main
 from poslens.engine.pipeline import checkpoint_path
@@ -24,42 +28,90 @@ def model_dir(tmp_path_factory):
 
 def cfg(model_dir, **kw):
     base = dict(model=str(model_dir), seq_len=24, num_sequences=8, batch_size=2, groups=4, early_queries=10,
-                interventions=["mean", "shift:50", "freeze", "nobos"])
+                interventions=["mean", "shift:50", "freeze", "nobos", "patch:inside:1@1"])
     return LeakageConfig(**{**base, **kw})
 
 
-def test_run_directory_with_intervals_and_nulls(model_dir, tmp_path):
+def sides(entry: dict, layers: int | None) -> None:
+    """key 0 in and key 0 out side by side, each an interval around its value (per layer: L of them)."""
+    assert set(entry) == {"key0_in", "key0_out"}
+    for e in entry.values():
+        v, lo, hi = (e[k] if layers is None else e[k] for k in ("value", "lo", "hi"))
+        if layers is not None:
+            assert len(v) == len(lo) == len(hi) == layers
+        else:
+            v, lo, hi = [v], [lo], [hi]
+        assert all(a <= b <= c for a, b, c in zip(lo, v, hi) if b is not None)
+
+
+def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_out(model_dir, tmp_path):
     run = poslens.load(run_leakage(cfg(model_dir), tmp_path / "run", progress=False))
     m = run.metrics
-    assert run.meta["kind"] == "leakage"
-    early = m["per_layer_early"]
-    for key in ("split/share_logit", "scores/trf", "log_probs/drift"):
-        e = early[key]
-        assert all(lo <= v <= hi for v, lo, hi in zip(e["value"], e["lo"], e["hi"]))
-    # the parts of the split add up exactly, layer by layer
-    tot = [a + b + c for a, b, c in zip(early["split/e_logit"]["value"], early["split/e_partition"]["value"],
-                                       early["split/cross"]["value"])]
-    assert tot == pytest.approx(early["split/e_total"]["value"], rel=1e-9)
+    assert run.meta["kind"] == "leakage" and m["layers"] == 3
+    names = m["metric_names"]
+    for section in ("per_layer", "over_layers"):
+        for scope in ("all", "early"):
+            assert set(m["original"][section][scope]) == set(names)
+            for n in names:
+                sides(m["original"][section][scope][n], 3 if section == "per_layer" else None)
+    assert set(m["interventions"]) == {"mean", "shift:50", "freeze", "nobos", "patch:inside:1@1"}
+    assert set(m["nulls"]) == {"offset", "circular"}
+    for c in (*m["interventions"].values(), *m["nulls"].values()):
+        for section in ("per_layer", "over_layers"):
+            for part, keys in (("pass", names), ("difference", names), ("removed", m["energies"])):
+                for scope in ("all", "early"):
+                    assert set(c[section][part][scope]) == set(keys)
+                    for n in keys:
+                        sides(c[section][part][scope][n], 3 if section == "per_layer" else None)
+    # both splits add up exactly, layer by layer, on every domain
+    for scope in ("all", "early"):
+        o = m["original"]["per_layer"][scope]
+        for k in ("key0_in", "key0_out"):
+            total = o["split/e_total"][k]["value"]
+            assert [a + b + c for a, b, c in zip(*(o[f"split/{t}"][k]["value"] for t in ("e_logit", "e_partition",
+                                                                                          "cross")))] == \
+                pytest.approx(total, rel=1e-9)
+            assert [a + b + c for a, b, c in zip(*(o[f"cf/{t}"][k]["value"] for t in ("mask_only", "absolute_scores",
+                                                                                       "cross")))] == \
+                pytest.approx(total, rel=1e-9)
     iv = m["interventions"]
-    # shifting every position id leaves a RoPE model's scores unchanged up to float32 rounding: nothing removed
-    assert abs(iv["shift:50"]["removed_all_layers"]["value"]) < 1e-4
-    # with a fixed BOS the position-0 trajectory is already the same for every input: freezing it is a no-op
-    assert abs(iv["freeze"]["removed_all_layers"]["value"]) < 1e-4
+    # rows true by construction (tests of the code, not findings): shifting every position id leaves a RoPE model's
+    # scores unchanged up to float32 rounding; with a fixed BOS freezing position 0's trajectory is a no-op
+    for spec in ("shift:50", "freeze"):
+        for scope in ("all", "early"):
+            for k in ("key0_in", "key0_out"):
+                assert abs(iv[spec]["over_layers"]["removed"][scope]["split/e_total"][k]["value"]) < 1e-4
+    assert abs(iv["shift:50"]["removed_all_layers"]["value"]) < 1e-4  # the previous layout's number is kept
     assert max(abs(x) for x in m["position0_spread"]) < 1e-6
     assert m["position0_spread_interval"]["groups"] == 4 and len(m["position0_spread_interval"]["hi"]) == 4
-    # replacing the BOS embedding does change the early logit part (in either direction for random weights)
-    assert abs(iv["mean"]["removed_all_layers"]["value"]) > 1e-3
-    assert run["probs_per_head"].shape == (3, 4, 24, 24)
-    assert len(m["predecessor"]["significant_heads_per_layer"]) == 3
-    for f in ("shares_by_layer_early.png", "removed_by_layer.png", "alpha0.png"):
-        assert (tmp_path / "run" / "figures" / f).exists()
-    claims, context = leakage_claims(tmp_path / "run")
+    # a patch at layer 2 leaves layer 1 as it was: its difference there is exactly 0 on every domain
+    diff = iv["patch:inside:1@1"]["per_layer"]["difference"]
+    assert all(diff[s][n][k]["value"][0] == 0 for s in ("all", "early") for n in m["energies"]
+               for k in ("key0_in", "key0_out"))
+    # replacing the BOS embedding does change the scores' absolute term (in either direction for random weights)
+    assert abs(iv["mean"]["over_layers"]["removed"]["early"]["cf/absolute_scores"]["key0_in"]["value"]) > 1e-3
+    pred = m["predecessor"]
+    # 12 heads: BH's first threshold 0.05 / 12 = 4.2e-3; 8 sequences: the 256 sign vectors enumerated (fewer than
+    # the 479 flips BH asks for), smallest p 1/256 = 3.9e-3, so a head can be detected, just
+    assert pred["power"]["permutations"] == pr.permutations_for(12) == 479
+    assert pred["power"]["exact"] and pred["power"]["smallest_p"] == 2.0**-8 and pred["power"]["detectable"]
+    assert len(pred["significant_heads_per_layer"]) == 3 and pred["heads"] == 12
+    assert run["original/metrics"].shape == (4, len(names), 3) and run["original/alpha0"].shape == (3, 4)
+    assert run["mean/removed_all"].shape == (4, len(m["energies"]))
+    for f in ("shares_by_layer_early", "energies_by_layer_all", "removed_by_layer", "fractions_against_nulls",
+              "alpha0"):
+        assert (tmp_path / "run" / "figures" / f"{f}.png").exists()
+    lines = summary_lines(run.meta)
+    assert any(line.strip().startswith("cf/absolute_scores") for line in lines)
+    assert any("key 0 in" in line and "key 0 out" in line for line in lines)
+    assert any(line.startswith("predecessor: ") and line.endswith("detectable)") for line in lines)
+    claims, context = leakage_claims(tmp_path / "run")  # the report section still reads the run
     assert any(c.id == "ruscio-bos-replacement-mean" for c in claims)
     assert any(what.startswith("position 0") for what, _ in context)
 
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
-    kw = dict(interventions=["mean"], checkpoint_every=1)
+    kw = dict(interventions=["mean"], checkpoint_every=1, figures=False)
     full = poslens.load(run_leakage(cfg(model_dir, **kw), tmp_path / "full", progress=False))
     from poslens.engine import hooks as hooks_mod
 
@@ -80,7 +132,8 @@ def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkey
     monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
     resumed = poslens.load(run_leakage(cfg(model_dir, **kw), out, progress=False))
     assert resumed.meta["resumed_from_unit"] == 5
-    for key in ("orig/scores", "metrics_early", "metrics_early_lo", "intervention/mean/removed", "predecessor/gap"):
+    for key in ("maps/scores", "original/metrics", "original/metrics_lo", "mean/removed", "offset/difference_hi",
+                "circular/removed_all", "predecessor/gap", "position0_spread"):
         torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=0, equal_nan=True)
 
 
@@ -88,6 +141,9 @@ def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkey
     (dict(early_queries=1), "early_queries"),
     (dict(max_offset=0), "max_offset"),
     (dict(interventions=["bos"]), "interventions"),
+    (dict(interventions=["patch:inside:1@3"]), "interventions: patch:inside:1@3: layer 3 is outside"),
+    (dict(nulls=["shuffle"]), "nulls: unknown null 'shuffle'"),
+    (dict(mode="pack"), "mode pack: the offset null"),
     (dict(num_sequences=1), "num_sequences"),
     (dict(groups=1), "groups"),
 ])
@@ -146,5 +202,6 @@ def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     sharded = poslens.load(tmp_path / "sharded")
     assert sharded.meta["world_size"] == 2
-    for key in ("orig/scores", "metrics_all", "metrics_all_lo", "intervention/mean/removed", "predecessor/gap"):
+    for key in ("maps/scores", "original/metrics", "original/metrics_lo", "mean/removed", "offset/difference_hi",
+                "predecessor/gap"):
         torch.testing.assert_close(sharded[key], single[key], rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -109,6 +109,16 @@ def test_shards_cover_every_sequence_once_and_number_batches_run_wide(n, world, 
     assert blocks[0][0] == 0 and blocks[-1][1] == n and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
     counts = ranks[0].batches(n, batch_size)
     assert counts == [math.ceil((b - a) / batch_size) for a, b in blocks]
+    # Job.batch_rows: run-wide batch index -> the rows that rank cut into that batch (what a Pass's prepare gets)
+    from poslens.engine.pipeline import Job
+
+    rows = torch.arange(n)
+    job = Job(ModelData(model="m", batch_size=batch_size), ranks[0], Path("."), sequences=rows)
+    index = 0
+    for d in ranks:
+        for batch in torch.split(d.shard(rows), batch_size):
+            assert torch.equal(rows[job.batch_rows(index)], batch)
+            index += 1
 
 
 # ---------------------------------------------------------------- recipe: add an analysis (docs/architecture.md)
@@ -245,7 +255,8 @@ def test_imports_follow_the_layers():
 # ---------------------------------------------------------------- the guarantees, for every analysis on the driver
 
 SMALL = {"scores": ["--seq-len", "32"], "intermediates": ["--seq-len", "16"],
-         "leakage": ["--seq-len", "24", "--early-queries", "10", "--interventions", "none", "--no-predecessor"]}
+         "leakage": ["--seq-len", "24", "--early-queries", "10", "--interventions", "none", "--nulls", "none",
+                     "--no-predecessor"]}
 
 
 def small(command: str, model_dir: Path) -> list[str]:

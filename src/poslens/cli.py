@@ -212,13 +212,15 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             configs=("poslens.analyses.intermediates:IntermediatesConfig",),
             run="poslens.analyses.intermediates:run_intermediates",
             summary="poslens.analyses.intermediates:summary_lines", out="runs/intermediates"),
-    Command("leakage", "absolute-position leakage of a causal LM (Ruscio et al. 2026): metrics with intervals, BOS "
-            "interventions, the predecessor's per-head test, sinks",
+    Command("leakage", "absolute-position leakage of a causal LM (Ruscio et al. 2026): both splits with key 0 in "
+            "and out, interventions and nulls as paired contrasts, the predecessor's per-head test",
             "Absolute-position leakage in the attention of a causal LM (Ruscio, Nanni & Silvestri 2026, \"Where does "
             "Absolute Position come from in decoder-only Transformers?\"): Toeplitz-residual fractions, Delta R^2, "
-            "the mask / logit split of the log-probabilities, drift, the sink column, each with a jackknife "
-            "interval; position-0 interventions; the predecessor's linear Delta R^2 per head with its "
-            "shifted-token null (docs/leakage.md).",
+            "drift, the sink column, the exact split of the log-probabilities (a descriptive identity) and the "
+            "mask-only counterfactual, per layer on all and early queries with key 0 in and out, each with a "
+            "jackknife interval; position-0 interventions and residual-stream patches, and the offset and circular "
+            "nulls, as paired contrasts with the original; the predecessor's linear Delta R^2 per head against the "
+            "circular null with its power (docs/leakage.md).",
             configs=("poslens.analyses.leakage.run:LeakageConfig",), run="poslens.analyses.leakage.run:run_leakage",
             summary="poslens.analyses.leakage.command:summary_lines", out="runs/leakage"),
     Command("stat", "any registered statistic of a causal LM over real text, with intervals and a figure",

@@ -10,14 +10,16 @@
     one of the run's inputs (model directory, --data, tokenizer)
  4. load the model; the memory estimate of the batch and of the analysis's sums (a UsageError with the
     estimate when it does not fit); the model's window; the analysis's own checks
- 5. cut the sequences; the groups rule again with the true number of batches; this rank's shard
+ 5. cut the sequences (the analysis's `sequences`); the groups rule again with the true number of batches;
+    this rank's shard
  6. the analysis's passes of statistics (`poslens.engine.runner.run_passes`): one hooked forward per pass and
     batch, checkpointed in --out's work directory every `checkpoint_every` units, resumed bit-identically
  7. sums all-reduced and per-sequence rows gathered over ranks
  8. rank 0: the analysis finishes (tensors, metrics), draws its figures, and the run directory is written with
     the full config, the data, the groups, one model record and the versions
 
-An analysis (subclass `Analysis`) says what is specific to it: `check`, `memory`, `passes`, `finish`, `figures`.
+An analysis (subclass `Analysis`) says what is specific to it: `check`, `memory`, `sequences`, `passes`, `finish`,
+`figures`.
 The driver owns everything else, so every analysis gets the same guarantees (lock, resume, shards, intervals).
 """
 
@@ -56,7 +58,20 @@ class Job:
     sequences: torch.Tensor | None = None  # every sequence of the run [N, seq_len] (each rank holds them all)
     data: dict = field(default_factory=dict)  # how the sequences were cut (make_sequences' stats, the source)
     groups: int = 0  # groups of sequences kept (the groups rule)
+    inputs: dict = field(default_factory=dict)  # other per-sequence tensors cut with the sequences (rows aligned)
     started: float = field(default_factory=time.perf_counter)
+
+    def batch_rows(self, index: int) -> slice:
+        """The rows of `sequences` (and of each `inputs` tensor) in batch `index` of the run: the run-wide batch
+        index a Pass's `prepare` gets, the same under torchrun as in one process."""
+        n, size = len(self.sequences), self.config.batch_size
+        counts = self.dist.batches(n, size)
+        for rank, count in enumerate(counts):
+            if index < count:
+                start = rank * n // self.dist.world + index * size
+                return slice(start, min(start + size, (rank + 1) * n // self.dist.world))
+            index -= count
+        raise IndexError("batch index past the run's batches")
 
     @property
     def label(self) -> str:
@@ -84,6 +99,17 @@ class Analysis:
 
     def check(self, job: Job) -> None:
         """Checks that need the loaded model (a layer index in range, a BOS token), before any sequence is cut."""
+
+    def sequences(self, job: Job, documents: Iterator[str]) -> tuple[torch.Tensor, dict]:
+        """Every sequence of the run [N, seq_len] and how they were cut (`make_sequences`' stats); an analysis
+        that needs more per sequence (windows inside the same documents) cuts it here and keeps it in
+        `job.inputs`, rows aligned with the sequences."""
+        from poslens.engine.data import make_sequences
+
+        config = job.config
+        return make_sequences(job.tokenizer, documents, config.seq_len, config.num_sequences or DEFAULT_SEQUENCES,
+                              mode=config.mode, bos=config.bos,
+                              minimum=1 if config.num_sequences is None else None)
 
     def memory(self, job: Job) -> dict[str, tuple[float, str]]:
         """Bytes the analysis holds besides the model's forward: part -> (bytes, what lowers it)."""
@@ -212,7 +238,6 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
     path on rank 0, None on the other ranks."""
     from transformers.utils import logging as hf_logging
 
-    from poslens.engine.data import make_sequences
     from poslens.engine.hooks import HookedModel
     from poslens.engine.models import load_model, max_positions, model_record
     from poslens.io.results import write_run
@@ -234,9 +259,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
             raise UsageError(f"seq_len {config.seq_len} is beyond the model's window of {window} positions; use "
                              f"seq_len <= {window}", param="seq_len")
         analysis.check(job)
-        job.sequences, job.data = make_sequences(job.tokenizer, docs, config.seq_len,
-                                                 config.num_sequences or DEFAULT_SEQUENCES, mode=config.mode,
-                                                 bos=config.bos, minimum=1 if config.num_sequences is None else None)
+        job.sequences, job.data = analysis.sequences(job, docs)
         job.data["source"] = source
         mine = dist.shard(job.sequences)
         batches = list(torch.split(mine, config.batch_size))

@@ -37,6 +37,14 @@ HEAD_MEAN_ONLY = ("probs/trf", "probs/drift")  # the probabilities are kept as a
 ENERGIES = ("split/e_total", "split/e_logit", "split/e_partition", "cf/mask_only", "cf/absolute_scores")
 
 
+def over_layers(values: torch.Tensor, names: tuple[str, ...] = METRICS + HEAD_MEAN_ONLY) -> torch.Tensor:
+    """[V, M] from metrics [V, M, L, ...] (M = len(names), or the first len(values[1]) of them): the energies
+    (ENERGIES) summed over layers (and heads), every other metric averaged (NaN where a layer's value is)."""
+    flat = values.flatten(2)
+    summed = torch.tensor([n in ENERGIES for n in names[: values.shape[1]]], device=values.device)
+    return torch.where(summed[None], flat.sum(-1), flat.mean(-1))
+
+
 def relative_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
     """l^rel [..., T] (float64) of score maps [..., T, T] with -inf where a key is hidden (`visible`: their
     isfinite, when the caller has it).

@@ -31,20 +31,60 @@ class LeakageCompareOptions:
                              metavar="RUN")
 
 
+FRACTIONS = ("scores/trf", "split/fraction")  # residual fractions of the scores and of log A (= log_probs/trf)
+
+
+def _est(e: dict) -> str:
+    v, lo, hi = e["value"], e["lo"], e["hi"]
+    if v is None:
+        return "undefined"
+    return f"{v:.4g} [{lo:.4g}, {hi:.4g}]" if lo is not None else f"{v:.4g}"
+
+
+def _table(by_scope: dict, names, scopes: dict, indent: str = "  ") -> list[str]:
+    """Per scope, one row per metric: key 0 in and key 0 out side by side."""
+    width = max(len(n) for n in names) + 2
+    lines = []
+    for scope, title in scopes.items():
+        lines.append(f"{indent}{title:<{width}}  {'key 0 in':<32}  key 0 out")
+        for n in names:
+            cell = by_scope[scope][n]
+            lines.append(f"{indent}  {n:<{width - 2}}  {_est(cell['key0_in']):<32}  {_est(cell['key0_out'])}")
+    return lines
+
+
 def summary_lines(meta: dict) -> list[str]:
-    """What `poslens leakage` prints: per layer the early-query logit and mask shares, what each intervention
-    removes (with its interval), the sink rate."""
+    """What `poslens leakage` prints: every metric of the original pass over layers, key 0 in and out side by
+    side; for every intervention and null the share of each energy it removes and the change of the fractions;
+    the predecessor's test with its power; sinks and position 0."""
     m = meta["metrics"]
-    early = m["per_layer_early"]
-    lines = [f"layer {l + 1}: early queries: logit share {lg:.3f}, mask share {mk:.3f}" for l, (lg, mk) in
-             enumerate(zip(early["split/share_logit"]["value"], early["split/share_partition"]["value"]))]
-    for spec, e in m["interventions"].items():
-        r = e["removed_all_layers"]
-        lines.append(f"intervention {spec}: removes {r['value']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] of the early "
-                     "logit part")
-    lines.append(f"sink rate {m['sinks']['rate']:.3f} (threshold {m['sinks']['epsilon']}), "
-                 f"{len(m['sinks']['sink_heads'])} sink-reading heads")
-    lines.append(f"intervals: {100 * m['level']:g}% jackknife over {m['groups']} groups of sequences")
+    scopes = {"early": f"early queries (i <= {m['domains']['early_queries']})", "all": "all queries"}
+    lines = [f"original pass, over layers (energies summed over the {m['layers']} layers, other metrics averaged):"]
+    lines += _table(m["original"]["over_layers"], m["metric_names"], scopes)
+    for kind in ("interventions", "nulls"):
+        for name, c in m[kind].items():
+            lines.append(f"{kind[:-1]} {name}: {c['what']}")
+            lines.append("  share of each energy removed, 1 - sum over layers E(pass) / E(original):")
+            lines += _table(c["over_layers"]["removed"], m["energies"], scopes, "    ")
+            lines.append("  change of the residual fractions, pass - original (layer mean):")
+            lines += _table(c["over_layers"]["difference"], FRACTIONS, scopes, "    ")
+    pred = m.get("predecessor")
+    if pred:
+        pw = pred["power"]
+        how = "exact" if pw["exact"] else f"{pw['permutations']:,} sign flips"
+        lines.append(f"predecessor: {pred['significant']} of {pred['heads']} heads significant at BH {pred['fdr']} "
+                     f"against the circular null ({how}, {pw['sequences']} sequences: smallest attainable p "
+                     f"{pw['smallest_p']:.2g} vs BH's first threshold {pw['bh_first_threshold']:.2g}, "
+                     f"{'detectable' if pw['detectable'] else 'NO head can be significant'})")
+    s = m["sinks"]
+    short = "" if s.get("rate_64") is None else f", {s['rate_64']:.3f} at 64 tokens"
+    lines.append(f"sink rate {s['rate']:.3f} at {s['tokens']} tokens{short} (threshold {s['epsilon']}), "
+                 f"{len(s['sink_heads'])} sink-reading heads")
+    spread = max((abs(x) for x in m["position0_spread"] if x is not None), default=float("nan"))
+    lines.append(f"position 0's spread across inputs: at most {spread:.2g} over layers (0 by causality with a fixed "
+                 "first token: a check, not a finding)")
+    lines.append(f"intervals: {100 * m['level']:g}% jackknife over {m['groups']} groups of sequences, paired between "
+                 "passes; run.json has every metric per layer")
     return lines
 
 

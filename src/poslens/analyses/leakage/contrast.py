@@ -4,9 +4,12 @@ against a null (docs/leakage.md, "Nulls" and "Interventions").
 Both passes keep their sums in the same groups of the same sequences, so a function of the two is re-evaluated
 on each leave-one-group-out pair of means: the jackknife interval of a difference or a ratio is paired.
 
-    difference  = metric(other) - metric(base)                     every metric, [V, M, L] (or [V, M, L, H])
+    pass        = metric(other)                                    every metric, [V, M, L] (or [V, M, L, H])
+    difference  = metric(other) - metric(base)
     removed     = 1 - E(other) / E(base)                           the energies (causal.ENERGIES), per layer
     removed_all = 1 - sum_l E(other) / sum_l E(base)               over all layers (and heads)
+    pass_over_layers, difference_over_layers                       [V, M]: `causal.over_layers` of the two
+                                                                   (energies summed, other metrics averaged)
 
 A difference is called non-zero when its interval excludes 0 (`excludes_zero`); that is the whole rule.
 """
@@ -17,13 +20,13 @@ import math
 
 import torch
 
-from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, joint, unprefix
+from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, joint, over_layers, unprefix
 from poslens.engine.stats import Estimate
 
 
 def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: bool = False) -> dict[str, Estimate]:
-    """`difference`, `removed`, `removed_all` of `other` against `base` (see the module docstring), head-mean
-    maps per layer or (heads=True) per layer and head."""
+    """`pass`, `difference`, `removed`, `removed_all`, `pass_over_layers`, `difference_over_layers` of `other`
+    against `base` (see the module docstring), head-mean maps per layer or (heads=True) per layer and head."""
     sums = joint({"base": base, "other": other})
     energy = [METRICS.index(k) for k in ENERGIES]
     shapes: list[tuple[int, ...]] = []
@@ -34,15 +37,17 @@ def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: 
     def fn(means: dict) -> torch.Tensor:
         a, b = metric(base, unprefix(means, "base")), metric(other, unprefix(means, "other"))
         ea, eb = a[:, energy], b[:, energy]
-        parts = [b - a, 1.0 - eb / ea, 1.0 - eb.flatten(2).sum(-1) / ea.flatten(2).sum(-1)]
+        oa, ob = over_layers(a), over_layers(b)
+        parts = [b, b - a, 1.0 - eb / ea, 1.0 - eb.flatten(2).sum(-1) / ea.flatten(2).sum(-1), ob, ob - oa]
         shapes[:] = [tuple(p.shape) for p in parts]
         return torch.cat([p.reshape(-1) for p in parts])
 
     est = sums.estimate(fn, level=level)
-    return dict(zip(("difference", "removed", "removed_all"), _unflatten(est, shapes)))
+    return dict(zip(("pass", "difference", "removed", "removed_all", "pass_over_layers", "difference_over_layers"),
+                    unflatten(est, shapes)))
 
 
-def _unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:
+def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:
     """A flat Estimate cut back into estimates of the given shapes."""
     out, start = [], 0
     for shape in shapes:

@@ -1,5 +1,6 @@
-"""Leakage figures: component shares by depth (real models and the parameter-free stack), removal by layer,
-attention on key 0 per head. Everything goes through poslens.plotting."""
+"""Leakage figures: component shares and energies by depth, removal by layer, residual fractions against their
+nulls, attention on key 0 per head (real models and the parameter-free stack). Everything goes through
+poslens.plotting."""
 
 from __future__ import annotations
 
@@ -19,28 +20,57 @@ def _errors(entry: dict) -> list[np.ndarray]:
     return np.stack([v - lo, hi - v])
 
 
+TERMS = {"split/e_logit": "upstream logit term", "split/e_partition": "this layer's log-partition term",
+         "cf/mask_only": "mask-only counterfactual", "cf/absolute_scores": "absolute content of the scores"}
+KEY0 = {"key0_in": "key 0 in", "key0_out": "key 0 out"}
+
+
 def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -> list[Path]:
-    """shares_by_layer (all and early queries), removed_by_layer (each intervention), alpha0 (layer x head)."""
+    """shares_by_layer_{all,early} (the exact split's shares, key 0 in), energies_by_layer_{all,early} (both
+    splits' terms, key 0 in and out), removed_by_layer (each intervention and null: the share of the scores'
+    absolute term it removes at early queries, key 0 in and out), fractions_against_nulls (the residual fraction
+    of the scores, original and each null), alpha0 (layer x head). Layers from 1."""
     paths: list[Path] = []
+    layers = np.arange(1, metrics["layers"] + 1)
     for scope in ("all", "early"):
         per = metrics[f"per_layer_{scope}"]
-        layers = np.arange(len(per["split/share_logit"]["value"]))
         series = {LABELS[k]: per[f"split/{k}"]["value"] for k in SHARES}
         errors = {LABELS[k]: _errors(per[f"split/{k}"]) for k in SHARES}
         fig = plotting.line_plot(layers, series, "layer", "share of ||P log A||^2",
-                                 f"{label}: leakage components ({scope} queries)", errors=errors)
+                                 f"{label}: the exact split's shares ({scope} queries, key 0 in)", errors=errors)
         paths += plotting.save(fig, directory, f"shares_by_layer_{scope}")
-    if metrics.get("interventions"):
+        per = metrics["original"]["per_layer"][scope]
         series, errors = {}, {}
-        for spec, entry in metrics["interventions"].items():
-            series[spec] = entry["removed_per_layer"]["value"]
-            errors[spec] = _errors(entry["removed_per_layer"])
-        layers = np.arange(len(next(iter(series.values()))))
-        fig = plotting.line_plot(layers, series, "layer", "removed share of the early logit part",
-                                 f"{label}: position-0 interventions", errors=errors)
+        for term, name in TERMS.items():
+            for k, key0 in KEY0.items():
+                series[f"{name}, {key0}"] = per[term][k]["value"]
+                errors[f"{name}, {key0}"] = _errors(per[term][k])
+        fig = plotting.line_plot(layers, series, "layer", "non-relative energy of log A",
+                                 f"{label}: energies by layer ({scope} queries)", errors=errors, logy=True)
+        paths += plotting.save(fig, directory, f"energies_by_layer_{scope}")
+    contrasts = {**metrics.get("interventions", {}), **metrics.get("nulls", {})}
+    if contrasts:
+        series, errors = {}, {}
+        for name, entry in contrasts.items():
+            for k, key0 in KEY0.items():
+                e = entry["per_layer"]["removed"]["early"]["cf/absolute_scores"][k]
+                series[f"{name}, {key0}"], errors[f"{name}, {key0}"] = e["value"], _errors(e)
+        fig = plotting.line_plot(layers, series, "layer", "removed share of the scores' absolute term",
+                                 f"{label}: interventions and nulls (early queries)", errors=errors)
         paths += plotting.save(fig, directory, "removed_by_layer")
-    alpha = np.asarray(tensors["alpha0"], dtype=float)
-    fig = plotting.map_grid([alpha], [f"{label}: mean attention on key 0 (layer x head)"], limits=(0.0, 1.0))
+    if metrics.get("nulls"):
+        series, errors = {}, {}
+        for k, key0 in KEY0.items():
+            e = metrics["original"]["per_layer"]["all"]["scores/trf"][k]
+            series[f"original, {key0}"], errors[f"original, {key0}"] = e["value"], _errors(e)
+            for name, entry in metrics["nulls"].items():
+                e = entry["per_layer"]["pass"]["all"]["scores/trf"][k]
+                series[f"{name} null, {key0}"], errors[f"{name} null, {key0}"] = e["value"], _errors(e)
+        fig = plotting.line_plot(layers, series, "layer", "Toeplitz-residual fraction of the scores",
+                                 f"{label}: residual fraction against its nulls (all queries)", errors=errors)
+        paths += plotting.save(fig, directory, "fractions_against_nulls")
+    alpha = np.asarray(tensors["original/alpha0"], dtype=float)
+    fig = plotting.map_grid([alpha], [f"{label}: mean attention on key 0 (layer x head, from 0)"], limits=(0.0, 1.0))
     for ax in fig.axes[:1]:
         ax.set_xlabel("head")
         ax.set_ylabel("layer")

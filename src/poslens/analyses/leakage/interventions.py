@@ -101,6 +101,23 @@ def check(specs: list[str], model_or_config, seq_len: int, batch_size: int | Non
     return out
 
 
+def describe(spec: str) -> str:
+    """One line on what intervention `spec` changes (layers numbered from 1, positions from 1)."""
+    s = parse(spec)
+    if s.name == "patch":
+        where = "position 1" if s.value == 1 else f"positions 1-{s.value}"
+        source = {"other": "another sequence of the batch", "mean": "the batch's mean",
+                  "inside": "a window starting inside the same document (a content token first, no BOS)"}[s.source]
+        return f"the residual stream entering layer {s.layer + 1} at {where} replaced by the states of {source}"
+    return {"mean": "position 1's embedding replaced by the mean token embedding",
+            "random": "position 1's embedding replaced by a random direction of the same norm",
+            "token": f"position 1's embedding replaced by token {s.value}'s",
+            "nobos": "position 1 dropped (maps one position shorter)",
+            "freeze": "position 1's trajectory replaced by a reference sequence's (a no-op with a fixed first token)",
+            "shift": f"every position id moved by {s.value} (a no-op for RoPE without length-dependent scaling)"
+            }[s.name]
+
+
 def _embedding_matrix(model) -> torch.Tensor:
     return model.get_input_embeddings().weight
 

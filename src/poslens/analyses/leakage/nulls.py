@@ -21,6 +21,16 @@ from poslens.errors import UsageError
 NULLS = ("offset", "circular")
 
 
+def describe(name: str, min_offset: int = 128) -> str:
+    """One line on what null `name` changes."""
+    if name == "offset":
+        return (f"windows of the same documents starting at a random offset of at least {min_offset} tokens inside "
+                "them (content position no longer token position)")
+    if name == "circular":
+        return "each sequence's tokens after the BOS rolled by a random shift (the predecessor's null)"
+    raise UsageError(f"nulls: unknown null {name!r}; use {' or '.join(NULLS)}")
+
+
 def prepare(name: str, ids: torch.Tensor, *, inside: torch.Tensor | None = None, batch_index: int = 0,
             seed: int = 0, bos_prepended: bool = True) -> tuple[torch.Tensor, dict, None]:
     """(input ids, hooks, position ids) of the null pass `name` on a batch `ids` [B, T] (global batch index

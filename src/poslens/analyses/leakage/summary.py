@@ -1,0 +1,136 @@
+"""run.json's metrics and the tensors of a `poslens leakage` run, from its passes (layout: docs/leakage.md,
+"run.json layout").
+
+Every estimate is a smooth function of grouped means with a delete-one-group jackknife interval; a function of two
+passes (a contrast) is re-evaluated on each leave-one-group-out pair of means, so its interval is paired. Each
+metric appears on the four domains of `causal.VARIANTS`, written as scope (all / early queries) x key 0 (in / out),
+per layer and over layers (`causal.over_layers`: energies summed, every other metric averaged).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from poslens.analyses.leakage import interventions as iv
+from poslens.analyses.leakage import nulls as nl
+from poslens.analyses.leakage import position0 as p0
+from poslens.analyses.leakage import predecessor as pr
+from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, VARIANTS, alpha0, over_layers
+from poslens.analyses.leakage.contrast import contrast, unflatten
+from poslens.engine.pipeline import Job, Output, Pass
+from poslens.engine.stats import Estimate
+
+NAMES = METRICS + HEAD_MEAN_ONLY
+SCOPES = {"all": "every query", "early": "queries i <= early_queries"}
+KEY0 = {"key0_in": "key 0 (the sink column) in the domain", "key0_out": "key 0 left out of the domain"}
+# VARIANTS index of (scope, key 0)
+VARIANT = {(name.removesuffix("_no_key0"), "key0_in" if first_key else "key0_out"): v
+           for v, (name, _, first_key) in enumerate(VARIANTS)}
+
+
+def leaf(est: Estimate, index: tuple) -> dict:
+    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes)."""
+    return {k: getattr(est, k)[index].tolist() for k in ("value", "lo", "hi")}
+
+
+def by_domain(est: Estimate, names: tuple[str, ...]) -> dict:
+    """{scope: {metric: {"key0_in": EST, "key0_out": EST}}} from an Estimate [V, M, ...] with metrics `names`."""
+    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m)) for k in KEY0} for m, name in enumerate(names)}
+            for scope in SCOPES}
+
+
+def summarise(job: Job, passes: list[Pass]) -> Output:
+    """Tensors and run.json metrics of the finished passes (rank 0)."""
+    cfg = job.config
+    level = cfg.level
+    stats = {p.name: p.statistics for p in passes}
+    orig, *orig_rest = stats["original"]
+    tensors: dict[str, torch.Tensor] = {**orig.maps()}
+    metrics: dict = {"level": level, "groups": job.groups, "layers": job.hm.n_layers,
+                     "domains": {"max_offset": cfg.max_offset, "early_queries": cfg.early_queries,
+                                 "early_keys": orig.domains.early_keys},
+                     "scopes": SCOPES, "key0": KEY0, "metric_names": list(NAMES), "energies": list(ENERGIES),
+                     "over_layers": {n: "sum" if n in ENERGIES else "mean" for n in NAMES},
+                     "variants": [v[0] for v in VARIANTS]}
+
+    # the original pass: every metric per layer and over layers, per head, attention on key 0
+    shapes: list[tuple[int, ...]] = []
+
+    def layered(means: dict) -> torch.Tensor:
+        x = orig.layer_metrics(means)
+        parts = [x, over_layers(x)]
+        shapes[:] = [tuple(p.shape) for p in parts]
+        return torch.cat([p.reshape(-1) for p in parts])
+
+    per_layer, summed = unflatten(orig.sums.estimate(layered, level=level), shapes)
+    ests = {"original/metrics": per_layer, "original/over_layers": summed,
+            "original/metrics_heads": orig.sums.estimate(orig.head_metrics, level=level),
+            "original/alpha0": orig.sums.estimate(lambda m: alpha0(m["key0"]), level=level),
+            "original/alpha0_64": orig.sums.estimate(lambda m: alpha0(m["key0"], p0.GU_TOKENS), level=level)}
+    metrics["original"] = {"per_layer": by_domain(per_layer, NAMES), "over_layers": by_domain(summed, NAMES)}
+
+    # every other pass against the original
+    metrics["interventions"], metrics["nulls"] = {}, {}
+    for p in passes[1:]:
+        c = contrast(orig, p.statistics[0], level=level)
+        for key, est in c.items():
+            ests[f"{p.name}/{key}"] = est
+        kind = "null" if p.name in nl.NULLS else "intervention"
+        what = nl.describe(p.name, cfg.min_offset) if kind == "null" else iv.describe(p.name)
+        entry = {"kind": kind, "what": what,
+                 "per_layer": {"pass": by_domain(c["pass"], NAMES), "difference": by_domain(c["difference"], NAMES),
+                               "removed": by_domain(c["removed"], ENERGIES)},
+                 "over_layers": {"pass": by_domain(c["pass_over_layers"], NAMES),
+                                 "difference": by_domain(c["difference_over_layers"], NAMES),
+                                 "removed": by_domain(c["removed_all"], ENERGIES)}}
+        if kind == "intervention":  # the previous layout's number, kept for its readers
+            entry["removed_all_layers"] = entry["over_layers"]["removed"]["early"]["split/e_logit"]["key0_in"]
+        metrics["interventions" if kind == "intervention" else "nulls"][p.name] = entry
+    for name, est in ests.items():
+        tensors.update({k: v.float() for k, v in est.as_dict(name).items()})
+
+    # compatibility with the previous layout (the report section, leakage-compare): key 0 in, per layer
+    for scope in SCOPES:
+        metrics[f"per_layer_{scope}"] = {n: v["key0_in"] for n, v in metrics["original"]["per_layer"][scope].items()}
+
+    # sinks, position 0, the predecessor
+    metrics["sinks"] = sinks(ests["original/alpha0"].value, ests["original/alpha0_64"].value, cfg.sink_threshold,
+                             cfg.seq_len)
+    position = next(s for s in orig_rest if s.name == "position0")
+    spread = position.spread(level)
+    tensors.update({k: v.float() for k, v in spread.as_dict("position0_spread").items()})
+    metrics["position0_spread"] = spread.value.tolist()
+    metrics["position0_spread_interval"] = {"lo": spread.lo.tolist(), "hi": spread.hi.tolist(), "level": spread.level,
+                                            "groups": spread.groups}
+    rows = [s for s in orig_rest if s.name == "delta_r2_rows"]
+    if rows and "circular" in stats:
+        test = pr.paired_test(rows[0].values(), stats["circular"][1].values(), seed=cfg.seed, level=level)
+        for k, v in test.as_dict().items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"predecessor/{k}"] = v.float()
+        metrics["predecessor"] = predecessor_record(test)
+    return Output(tensors, metrics)
+
+
+def sinks(a0: torch.Tensor, a0_64: torch.Tensor, threshold: float, seq_len: int) -> dict:
+    """Gu et al.'s sink rate at seq_len tokens and at 64 (None when seq_len < 64) and the sink-reading heads."""
+    rate_64 = float((a0_64 > threshold).double().mean()) if seq_len >= p0.GU_TOKENS else None
+    heads = [{"layer": h["layer"] + 1, "head": h["head"] + 1, "index": [h["layer"], h["head"]], "alpha0": h["alpha0"]}
+             for h in p0.sink_heads(a0, threshold)]
+    return {"rate": float((a0 > threshold).double().mean()), "tokens": seq_len, "epsilon": threshold,
+            "rate_64": rate_64, "sink_heads": heads}
+
+
+def predecessor_record(test: pr.PairedTest, k: int = 10) -> dict:
+    """run.json's predecessor entry: power, significant heads per layer, the k largest gaps."""
+    order = torch.argsort(test.gap.reshape(-1).nan_to_num(nan=-math.inf), descending=True)[:k]
+    h = test.gap.shape[-1]
+    top = [{"layer": int(i) // h + 1, "head": int(i) % h + 1, "index": [int(i) // h, int(i) % h],
+            "gap": float(test.gap.reshape(-1)[i]), "lo": float(test.lo.reshape(-1)[i]),
+            "hi": float(test.hi.reshape(-1)[i]), "p": float(test.p.reshape(-1)[i]),
+            "significant": bool(test.significant.reshape(-1)[i])} for i in order]
+    return {"null": "circular", "power": test.power, "significant_heads_per_layer": test.significant.sum(-1).tolist(),
+            "significant": int(test.significant.sum()), "heads": int(test.significant.numel()), "fdr": test.fdr,
+            "top": top}
