@@ -257,6 +257,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "the tiny preset's. See docs/training.md.",
             configs=("poslens.train.config:TrainConfig",), handler="poslens.train.command:cmd_train",
             arguments="poslens.cli:_stop_after", keep_unset=True),
+    Command("sweep", "train variants x seeds on identical data; held-out losses with between-seed intervals",
+            "Train a matrix of positional-encoding variants x seeds (a preset, a .json file, or flags) on identical "
+            "tokens, batches and steps; every model is cached by its full configuration (an interrupted sweep "
+            "resumes). Writes the held-out loss of each variant with a t-interval over seeds, the paired difference "
+            "of every two variants (paired by seed) and a figure. See docs/training.md, \"Sweeps\".",
+            configs=("poslens.train.sweep:SweepConfig",), out="runs/sweep", handler="poslens.train.command:cmd_sweep"),
     Command("tokenize", "write a memory-mapped token file with a document-level train/val split",
             "Tokenize text into train.bin/val.bin (uint16 or uint32) plus header.json and the tokenizer, for "
             "`poslens train --tokens DIR`.",
