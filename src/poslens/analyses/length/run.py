@@ -157,7 +157,7 @@ class Length(Analysis):
                 iv.check(model)
             except UsageError as e:
                 if spec in explicit:
-                    raise UsageError(str(e), param="interventions") from None
+                    raise UsageError(f"interventions: {e}", param="interventions") from None
                 self.skipped[spec] = str(e).split(": ", 1)[-1]
                 continue
             chosen.append(spec)
