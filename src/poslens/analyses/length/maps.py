@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from poslens.analyses.leakage.metrics import Domain, leakage_metrics
+from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split, toeplitz_fraction
 from poslens.analyses.length.checks import context_limit_lifted
 from poslens.engine.capture import Capture
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
 
 KEYS = ("scores", "log_probs", "probs")
+SPLIT = ("e_total", "e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction")
+LEAN = ("scores/trf", "log_probs/trf", *(f"split/{k}" for k in SPLIT))  # no fit beyond diagonal means
+
+
+def lean_metrics(maps: dict[str, torch.Tensor], domain: Domain) -> dict[str, torch.Tensor]:
+    """The Toeplitz-residual fractions of the scores and log-probabilities and the split of the latter (the
+    leakage terms), which need only diagonal means (no pseudo-inverse): `leakage_metrics`'s values for these names."""
+    out = {f"{k}/trf": toeplitz_fraction(maps[k], domain) for k in ("scores", "log_probs") if k in maps}
+    out.update({f"split/{k}": v for k, v in split(maps["scores"], maps["log_partition"], domain).items()})
+    return out
 
 
 class LengthMaps(Statistic):
@@ -95,7 +105,8 @@ class LengthMaps(Statistic):
                 maps["log_partition"] = m[f"log_partition/{layer}"]
                 size = maps["scores"].shape[-1] if n is None else n
                 maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
-                vals = leakage_metrics(maps, Domain(window=w or None))
+                lean = names is not None and set(names) <= set(LEAN)
+                vals = (lean_metrics if lean else leakage_metrics)(maps, Domain(window=w or None))
                 if not keys:
                     keys.extend(sorted(vals) if names is None else [k for k in names if k in vals])
                 cols.append(torch.stack([vals[k].reshape(()) for k in keys]))

@@ -39,7 +39,7 @@ from poslens.analyses.length.checks import (
     rope_types,
 )
 from poslens.analyses.length.compare import over_seeds, paired_difference
-from poslens.analyses.length.interventions import Freeze, RopeScaling, parse
+from poslens.analyses.length.interventions import Freeze, RopeScaling, Window, parse
 from poslens.analyses.length.loss import PositionLoss, span_means
 from poslens.analyses.length.maps import LengthMaps
 from poslens.engine.config import ModelData
@@ -49,8 +49,8 @@ from poslens.errors import UsageError, check_int
 from poslens.options import option, option_of
 
 ALL = ("logn", "ntk", "yarn", "window", "freeze")  # what "all" runs (logn-all on request)
-MAP_METRICS = ("scores/trf", "scores/sink_excess", "log_probs/trf", "split/fraction", "split/share_partition",
-               "split/share_logit", "split/e_partition", "split/e_logit")
+MAP_METRICS = ("scores/trf", "log_probs/trf", "split/fraction", "split/share_partition", "split/share_logit",
+               "split/share_cross", "split/e_partition", "split/e_logit")  # the lean set (maps.LEAN): no fits
 BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
 
 
@@ -138,6 +138,7 @@ class Length(Analysis):
 
     def __init__(self) -> None:
         self.skipped: dict[str, str] = {}
+        self.explicit: set[str] = set()
         self.current: list[int] = [0]  # which model's weights the loaded model holds
         self.weights: dict[int, dict] = {}
 
@@ -148,7 +149,9 @@ class Length(Analysis):
         if cfg.maps:
             with context_limit_lifted(model, cfg.seq_len):  # a rope type that reads the limit: refused here
                 pass
-        explicit = [s for s in cfg.interventions if s != "all"]
+        from poslens.engine.families import sliding_windows
+
+        self.explicit = {s for s in cfg.interventions if s != "all"}
         self.skipped = {}
         chosen = []
         for spec in cfg.specs():
@@ -156,9 +159,15 @@ class Length(Analysis):
             try:
                 iv.check(model)
             except UsageError as e:
-                if spec in explicit:
+                if spec in self.explicit:
                     raise UsageError(f"interventions: {e}", param="interventions") from None
                 self.skipped[spec] = str(e).split(": ", 1)[-1]
+                continue
+            native = sliding_windows(model.config)
+            if isinstance(iv, Window) and spec not in self.explicit and all(0 < w <= (iv.window or cfg.train_len)
+                                                                               for w in native):
+                self.skipped[spec] = (f"every layer already attends to at most {max(native)} keys, so a window of "
+                                      f"{iv.window or cfg.train_len} is the identity")
                 continue
             chosen.append(spec)
         cfg.interventions = chosen
@@ -179,7 +188,7 @@ class Length(Analysis):
         n_layers = len(cfg.map_layers) if cfg.map_layers else job.hm.n_layers
         window = any(s.startswith("window") for s in cfg.interventions)
         est = memory_estimate(job.model, cfg.seq_len, cfg.batch_size, groups=cfg.groups, map_layers=n_layers,
-                              map_keys=3 if cfg.maps else 0, window_mask=window)
+                              map_keys=2 if cfg.maps else 0, window_mask=window)
         models = 1 + len(cfg.seed_models)
         weights = sum(p.numel() * p.element_size() for p in job.model.parameters())
         return {"averaged maps at the longest length": (models * est["maps"], "eval_lens"),
@@ -194,8 +203,13 @@ class Length(Analysis):
         L, lens, T, G = cfg.train_len, cfg.eval_lens, cfg.seq_len, job.groups
         reference = int(job.sequences[0, 0])
         if "freeze" in cfg.interventions and bool((job.sequences[:, 0] == reference).all()):
-            job.data["freeze_note"] = (f"every sequence starts with token {reference}: freezing position 0 to it is "
-                                       "the identity (causality), so its effect is exactly 0")
+            why = (f"every sequence starts with token {reference}: freezing position 0 to it is the identity by "
+                   "causality (its effect is 0 up to float rounding)")
+            if "freeze" in self.explicit:
+                job.data["freeze_note"] = why
+            else:
+                self.skipped["freeze"] = why
+                cfg.interventions = [s for s in cfg.interventions if s != "freeze"]
         out: list[Pass] = []
         models = 1 + len(cfg.seed_models)
         for k in range(models):
@@ -205,7 +219,7 @@ class Length(Analysis):
                 s = [PositionLoss(edges_of(L, [t for t in lens if t <= n] or [n]), G),
                      AttentionProfile(groups=G, every=cfg.profile_every)]
                 if maps:
-                    s.append(LengthMaps(job.model, cfg.map_layers, groups=G))
+                    s.append(LengthMaps(job.model, cfg.map_layers, groups=G, probs=False))
                 return s
 
             use = self._use(job, k)
