@@ -92,6 +92,13 @@ class LengthMaps(Statistic):
                 ) -> dict[str, Estimate]:
         """Every leakage metric (or those in `names`) per captured layer ([layers] each), on the top-left n x n block
         of the maps (default: the whole length), with jackknife intervals."""
+        size = self.capture.state_dict()["count"].shape[-1] if n is None else n
+        return self.metrics_at([size], level, names)[size]
+
+    def metrics_at(self, lengths: list[int], level: float = 0.95, names: tuple[str, ...] | None = None
+                   ) -> dict[int, dict[str, Estimate]]:
+        """`metrics` at several lengths (top-left blocks), from one jackknife over the groups (each replicate's
+        means are formed once for every length). Names in `LEAN` only: no fit beyond diagonal means."""
         state = self.capture.state_dict()
         gs = self.grouped(state)
         windows = [int(w) for w in state["sliding_window"]]
@@ -99,22 +106,25 @@ class LengthMaps(Statistic):
         keys: list[str] = []
 
         def per_layer(m: dict[str, torch.Tensor]) -> torch.Tensor:
-            cols = []
-            for layer, w in zip(layers, windows):
-                maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
-                maps["log_partition"] = m[f"log_partition/{layer}"]
-                size = maps["scores"].shape[-1] if n is None else n
-                maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
-                lean = names is not None and set(names) <= set(LEAN)
-                vals = (lean_metrics if lean else leakage_metrics)(maps, Domain(window=w or None))
-                if not keys:
-                    keys.extend(sorted(vals) if names is None else [k for k in names if k in vals])
-                cols.append(torch.stack([vals[k].reshape(()) for k in keys]))
-            return torch.stack(cols, 1)  # [metrics, layers]
+            out = []
+            for size in lengths:
+                cols = []
+                for layer, w in zip(layers, windows):
+                    maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
+                    maps["log_partition"] = m[f"log_partition/{layer}"]
+                    maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
+                    lean = names is not None and set(names) <= set(LEAN)
+                    vals = (lean_metrics if lean else leakage_metrics)(maps, Domain(window=w or None))
+                    if not keys:
+                        keys.extend(sorted(vals) if names is None else [k for k in names if k in vals])
+                    cols.append(torch.stack([vals[k].reshape(()) for k in keys]))
+                out.append(torch.stack(cols, 1))  # [metrics, layers]
+            return torch.stack(out)  # [lengths, metrics, layers]
 
         est = gs.estimate(per_layer, level)
-        return {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, est.level, est.method)
-                for i, k in enumerate(keys)}
+        return {size: {k: Estimate(est.value[a, i], est.lo[a, i], est.hi[a, i], est.se[a, i], est.groups, est.level,
+                                   est.method) for i, k in enumerate(keys)}
+                for a, size in enumerate(lengths)}
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """The capture's mean maps (with `_se`) and every metric as `metric/NAME` [layers] with `_lo`, `_hi`, `_se`."""

@@ -51,6 +51,8 @@ from poslens.options import option, option_of
 ALL = ("logn", "ntk", "yarn", "window", "freeze")  # what "all" runs (logn-all on request)
 MAP_METRICS = ("scores/trf", "log_probs/trf", "split/fraction", "split/share_partition", "split/share_logit",
                "split/share_cross", "split/e_partition", "split/e_logit")  # the lean set (maps.LEAN): no fits
+PROFILED = ("logn", "window")  # passes that also read the attention profile (besides none): they change the
+# softmax's denominator or the keys it sums over; the others are measured by their loss
 BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
 
 
@@ -215,9 +217,10 @@ class Length(Analysis):
         for k in range(models):
             tag = f"m{k}/" if models > 1 else ""
 
-            def stats(n: int, maps: bool = False, k=k) -> list:
-                s = [PositionLoss(edges_of(L, [t for t in lens if t <= n] or [n]), G),
-                     AttentionProfile(groups=G, every=cfg.profile_every)]
+            def stats(n: int, maps: bool = False, profile: bool = True, k=k) -> list:
+                s = [PositionLoss(edges_of(L, [t for t in lens if t <= n] or [n]), G)]
+                if profile:
+                    s.append(AttentionProfile(groups=G, every=cfg.profile_every))
                 if maps:
                     s.append(LengthMaps(job.model, cfg.map_layers, groups=G, probs=False))
                 return s
@@ -231,12 +234,14 @@ class Length(Analysis):
                     pairs = [(T, iv.factor)] if iv.factor is not None else [(t, t / L) for t in lens if t > L]
                     for t, factor in pairs:
                         name = f"{tag}{spec}" if iv.factor is not None else f"{tag}{spec}@{t}"
-                        out.append(Pass(name, stats(t), prepare=self._plain(job, t), context=_both(use, iv, hm, factor),
+                        out.append(Pass(name, stats(t, profile=False), prepare=self._plain(job, t),
+                                        context=_both(use, iv, hm, factor),
                                         meta={"model": k, "spec": spec, "length": t, "factor": factor}))
                     continue
                 if isinstance(iv, Freeze):
                     iv.token = reference
-                out.append(Pass(f"{tag}{spec}", stats(T), prepare=self._applied(job, iv), context=use,
+                profile = spec.startswith(PROFILED)
+                out.append(Pass(f"{tag}{spec}", stats(T, profile=profile), prepare=self._applied(job, iv), context=use,
                                 meta={"model": k, "spec": spec, "length": T}))
         return out
 
@@ -402,19 +407,18 @@ def summarise_model(cfg: LengthConfig, base: Pass, passes: list[Pass], level: fl
                                                     "loss": _item(other.spans([(L, t)], level), 0)}
         if t_pass == T and "@" not in p.name or p.name.endswith(f"@{T}"):
             tensors.update(binned(other, L, t_pass, level).as_dict(f"loss_binned/{spec}"))
-            prof = p.statistics[1].result(level)
-            tensors.update({f"profile/{spec}/{k}": v for k, v in prof.items()})
+            if len(p.statistics) > 1:
+                prof = p.statistics[1].result(level)
+                tensors.update({f"profile/{spec}/{k}": v for k, v in prof.items()})
     entry["effects"] = effects
     prof = profile.result(level)
     tensors.update({f"profile/none/{k}": v for k, v in prof.items()})
     entry["profile"] = profile_buckets(profile, edges, level)
     if len(base.statistics) > 2:
         maps: LengthMaps = base.statistics[2]
-        entry["maps"] = {}
-        for t in lens:
-            met = maps.metrics(level, n=t, names=MAP_METRICS)
-            entry["maps"][str(t)] = {k: {"value": e.value.tolist(), "lo": e.lo.tolist(), "hi": e.hi.tolist()}
-                                     for k, e in met.items()}
+        entry["maps"] = {str(t): {k: {"value": e.value.tolist(), "lo": e.lo.tolist(), "hi": e.hi.tolist()}
+                                  for k, e in met.items()}
+                         for t, met in maps.metrics_at(lens, level, MAP_METRICS).items()}
         res = maps.capture.result(level=level)
         tensors.update({"maps/scores": res["scores"].float(), "maps/scores_se": res["scores_se"].float(),
                         "maps/layers": torch.as_tensor(maps.capture.layers)})
