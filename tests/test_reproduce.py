@@ -19,7 +19,7 @@ SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
          "trained": {"overrides": SHORT, "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
          "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False},
          "length": {"sweep_train": "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0",
-                    "sweep_seeds": [0, 1], "sequences": 4, "groups": 2}}
+                    "sweep_seeds": [0, 1], "sequences": 4, "groups": 2, "variants": ["nope", "rope"]}}
 SAMPLES = 400
 
 
