@@ -226,7 +226,8 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                                                else (0.0, 0.0) for b in last]).T
     edges = runs[next(iter(runs))].metrics["edges"]
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
-                     "log(i + 1) - attention entropy of the last layer, averaged over the queries of each bucket ("
+                     "log(keys seen) - attention entropy of the last layer (log(i + 1) under the causal mask, "
+                     "log(min(i + 1, W)) under a window W), averaged over the queries of each bucket ("
                      + ", ".join(f"{k + 1}: [{a}, {b})" for k, (a, b) in enumerate(zip(edges, edges[1:])))
                      + "), mean over seeds with 95% t-intervals: how far attention is from uniform over the keys "
                        "seen.", "position bucket", "entropy gap (nats)", "Attention entropy against log(i + 1)",
