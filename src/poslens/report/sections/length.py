@@ -206,8 +206,10 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         series[f"{v}: {sw.labels[v]}"], errors[f"{v}: {sw.labels[v]}"] = mean, half
     out.append(lines(ctx, "length_loss", xs, series,
                      f"Held-out loss against target position (bins of {L // 4}) to 8L = {T}, each variant's mean over "
-                     f"its seeds with 95% t-intervals over seeds; trained at L = {L} (dashed).",
-                     "target position", "next-token loss (nats)", "Loss past the training length, by variant"))
+                     f"its seeds with 95% t-intervals over seeds; trained at L = {L}. Every variant reads the same "
+                     "sequences, so the curves share the text's ups and downs; the paired effects below remove them.",
+                     "target position", "next-token loss (nats)", "Loss past the training length, by variant",
+                     errors=errors))
     specs = sorted({s for r in runs.values() for s in r.metrics["seeds"]["effects"]})
     t = str(T)
     series, errors = {}, {}
