@@ -30,7 +30,7 @@ from poslens.report.sections.figures import heatmaps, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
 
 # variants: the sweep's variants to evaluate (None: all; the tests take nope and rope)
-SIZES_QUICK = {**SWEEP_QUICK, "sequences": 8, "groups": 4, "profile_every": 8, "maps": True, "variants": None}
+SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None}
 SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None}
 NAMES = {"logn": "log-n scaling", "logn-all": "log-n scaling at every position", "ntk": "NTK at T/L",
          "yarn": "YaRN at T/L", "window": "window of L", "freeze": "position 0 frozen"}
