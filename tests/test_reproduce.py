@@ -17,7 +17,9 @@ SHORT = {"steps": 6, "warmup": 2, "layers": 2, "eval_every": 3, "save_every": 0}
 SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
          "real-model": {"seq_len": 16, "sequences": 4, "batch": 1, "groups": 2},
          "trained": {"overrides": SHORT, "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
-         "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False}}
+         "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False},
+         "length": {"sweep_train": "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0",
+                    "sweep_seeds": [0, 1], "sequences": 4, "groups": 2, "variants": ["nope", "rope"]}}
 SAMPLES = 400
 
 

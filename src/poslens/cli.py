@@ -46,6 +46,7 @@ class Command:
     arguments: str | None = None  # arguments(parser): command-line-only arguments besides the configs
     keep_unset: bool = False  # flags not given leave the config's values alone (train's presets)
     no_out: bool = False  # writes no run directory of its own (its sub-commands do)
+    skip: tuple[str, ...] = ()  # config fields that are not options of this command (the analysis settles them)
 
     def classes(self) -> list[tuple[type, str | None]]:
         """The config dataclasses with their help-group titles."""
@@ -223,6 +224,16 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "circular null with its power (docs/leakage.md).",
             configs=("poslens.analyses.leakage.run:LeakageConfig",), run="poslens.analyses.leakage.run:run_leakage",
             summary="poslens.analyses.leakage.command:summary_lines", out="runs/leakage"),
+    Command("length", "a model past its training length: loss by position, attention entropy and key-0 share, maps "
+            "and leakage terms, and interventions (log-n scaling, NTK, YaRN, window, position-0 freeze)",
+            "Evaluate a model trained at length L at L, 2L, 4L, 8L (--eval-lens) on held-out text: next-token loss by "
+            "position bucket, attention entropy against log(i + 1) and the share on key 0 by query, the averaged "
+            "maps and their leakage terms at each length, and interventions at evaluation time (per-query logit "
+            "scaling by log(i + 1) / log L, NTK and YaRN base scaling, a sliding window of L, position-0 freezing), "
+            "each measured by the loss past L against no intervention on the same sequences, with jackknife "
+            "intervals over groups of sequences; with --seed-models, also over seeds (docs/length.md).",
+            configs=("poslens.analyses.length.run:LengthConfig",), run="poslens.analyses.length.run:run_length",
+            summary="poslens.analyses.length.run:summary_lines", out="runs/length", skip=("seq_len",)),
     Command("stat", "any registered statistic of a causal LM over real text, with intervals and a figure",
             "Run one statistic of poslens.engine.statistics.REGISTRY (poslens stat NAME --help lists its options) on "
             "a model over real text: its tensors with jackknife intervals over groups of sequences, a summary and "
@@ -270,7 +281,7 @@ def _load(ref: str) -> Any:
 def build(command: Command, p: argparse.ArgumentParser) -> None:
     """Give parser `p` the options of `command`: its configs' fields, its own arguments, --out/--force/--quiet."""
     for cls, title in command.classes():
-        add_options(p, cls, group=title)
+        add_options(p, cls, group=title, skip=command.skip)
     if command.keep_unset:  # an unset flag must not override the config's own (a preset's) value
         names = {f for cls, _ in command.classes() for f in cls.__dataclass_fields__}
         for action in p._actions:

@@ -73,6 +73,11 @@ class ModelData:
         if self.num_sequences is not None:
             groups_used(self, self.num_sequences, -(-self.num_sequences // self.batch_size))
 
+    def more_models(self) -> list[str]:
+        """Models the run reads besides `model` (an analysis of several seeds of one variant): inputs that --out may
+        not be."""
+        return []
+
     def fingerprint_fields(self) -> dict:
         """The fields that decide the numbers (a checkpoint resumes only under the same ones)."""
         return {k: v for k, v in asdict(self).items() if k not in RUN_ONLY}

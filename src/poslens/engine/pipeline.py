@@ -8,8 +8,9 @@
  2. join torchrun's process group, if any (`poslens.engine.distributed`)
  3. take --out's lock for the whole job (rank 0; the other ranks learn the outcome), refusing an --out that is
     one of the run's inputs (model directory, --data, tokenizer)
- 4. load the model; the memory estimate of the batch and of the analysis's sums (a UsageError with the
-    estimate when it does not fit); the model's window; the analysis's own checks
+ 4. load the model; the analysis settles what depends on it (`configure`); the memory estimate of the batch and
+    of the analysis's sums (a UsageError with the estimate when it does not fit); the model's window (the
+    analysis's `window`); the analysis's own checks
  5. cut the sequences (the analysis's `sequences`); the groups rule again with the true number of batches;
     this rank's shard
  6. the analysis's passes of statistics (`poslens.engine.runner.run_passes`): one hooked forward per pass and
@@ -18,8 +19,8 @@
  8. rank 0: the analysis finishes (tensors, metrics), draws its figures, and the run directory is written with
     the full config, the data, the groups, one model record and the versions
 
-An analysis (subclass `Analysis`) says what is specific to it: `check`, `memory`, `sequences`, `passes`, `finish`,
-`figures`.
+An analysis (subclass `Analysis`) says what is specific to it: `configure`, `window`, `check`, `memory`,
+`sequences`, `passes`, `finish`, `figures`.
 The driver owns everything else, so every analysis gets the same guarantees (lock, resume, shards, intervals).
 """
 
@@ -97,6 +98,17 @@ class Analysis:
 
     kind = "analysis"
 
+    def configure(self, job: Job) -> None:
+        """Settle config fields that depend on the loaded model (a length read from its config), before the sizes
+        are checked; they are then recorded in run.json and the checkpoint's fingerprint as settled."""
+
+    def window(self, job: Job) -> int:
+        """The longest seq_len the analysis runs the model at (default: its max_position_embeddings). An analysis
+        that evaluates past it (positions computed on the fly) says so and makes its own checks in `configure`."""
+        from poslens.engine.models import max_positions
+
+        return max_positions(job.model)
+
     def check(self, job: Job) -> None:
         """Checks that need the loaded model (a layer index in range, a BOS token), before any sequence is cut."""
 
@@ -136,7 +148,7 @@ def inputs_of(config: ModelData) -> list[str]:
     from poslens.engine.models import resolve
 
     found = []
-    for spec in (config.model, config.tokenizer):
+    for spec in (config.model, config.tokenizer, *config.more_models()):
         if spec is not None:
             ms = resolve(spec)
             if ms.kind in ("local", "gguf", "random") and ms.path:
@@ -239,7 +251,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
     from transformers.utils import logging as hf_logging
 
     from poslens.engine.hooks import HookedModel
-    from poslens.engine.models import load_model, max_positions, model_record
+    from poslens.engine.models import load_model, model_record
     from poslens.io.results import write_run
 
     config.validate()
@@ -252,9 +264,10 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         job.model, job.tokenizer = load_model(config.model, dtype=config.dtype, device=str(dist.device),
                                               tokenizer=config.tokenizer, seed=config.seed, pe=config.pe)
         job.hm = HookedModel(job.model)
+        analysis.configure(job)
         check_memory(config, {"one batch's forward": (_batch_bytes(config, job.model), "batch_size"),
                               **analysis.memory(job)}, dist.device)
-        window = max_positions(job.model)
+        window = analysis.window(job)
         if config.seq_len > window:
             raise UsageError(f"seq_len {config.seq_len} is beyond the model's window of {window} positions; use "
                              f"seq_len <= {window}", param="seq_len")

@@ -6,8 +6,10 @@
         s.result()
 
 A `Pass` is a name, the statistics it feeds and, optionally, `prepare(input_ids, index)` -> (input_ids, write
-hooks, position_ids) (an intervention: the batch changed before the forward, or hooks that replace a value, or
-moved positions) and `context()`, entered around the pass's forwards (an ablation such as `ablations.no_rope`).
+hooks, position_ids) or (input_ids, write hooks, position_ids, attention_mask) (an intervention: the batch changed
+before the forward, or hooks that replace a value, or moved positions, or an explicit mask for the forward, e.g. a
+window; the statistics still see the batch's own padding mask) and `context()`, entered around the pass's forwards
+(an ablation such as `ablations.no_rope`).
 `run_passes` runs every pass over every batch, pass by pass; one batch through one pass is a unit of work.
 
 Every statistic's hooks are merged into one `HookedModel.run` per unit (writes first, so readers see the result;
@@ -31,7 +33,7 @@ from poslens.engine.stats import Statistic
 from poslens.errors import UsageError, check_int
 from poslens.io.checkpoint import load_partial, save_partial
 
-Prepared = tuple[torch.Tensor, dict, "torch.Tensor | None"]
+Prepared = tuple  # (input_ids, write hooks, position_ids[, attention mask for the forward])
 
 
 @dataclass
@@ -114,20 +116,22 @@ def _run_unit(hm, step: Pass, readers: dict, batch, index: int, device: torch.de
     """One batch through one pass: groups set, the batch prepared, one forward, the statistics told it ended."""
     ids, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
     ids = ids.to(device)
-    hooks, positions = readers, None
+    hooks, positions, run_mask = readers, None, None if mask is None else mask.to(device)
     if step.prepare is not None:
         if mask is not None:
             raise UsageError(f"pass {step.name!r} prepares its batches and needs unpadded ones (attention_mask None)")
-        ids, writes, positions = step.prepare(ids, index)
+        prepared = step.prepare(ids, index)
+        ids, writes, positions = prepared[:3]
+        run_mask = prepared[3] if len(prepared) > 3 else None
         hooks = {k: list(v) for k, v in readers.items()}
         for name, fn in writes.items():  # the intervention writes before any reader of its point
-            hooks[name] = [fn] + hooks.get(name, [])
+            hooks[name] = (list(fn) if isinstance(fn, (list, tuple)) else [fn]) + hooks.get(name, [])
     for s in step.statistics:
         s.group = index
         begin = getattr(s, "begin_batch", None)
         if begin is not None:
             begin(ids, mask)
-    hm.run(ids, None if mask is None else mask.to(device), hooks=hooks, position_ids=positions)
+    hm.run(ids, run_mask, hooks=hooks, position_ids=positions)
     for s in step.statistics:
         end = getattr(s, "end_batch", None)
         if end is not None:

@@ -126,8 +126,14 @@ class RopeScaling(Intervention):
 
     @contextmanager
     def applied(self, hm, ids, attention_mask=None):
-        self.check(hm.model)
         factor = self.factor if self.factor is not None else max(1.0, ids.shape[1] / self.train_len)
+        with self.scaled(hm, factor):
+            yield Pass(ids, attention_mask=attention_mask)
+
+    @contextmanager
+    def scaled(self, hm, factor: float):
+        """The model's rotary frequencies (and attention factor) scaled by `factor` inside the block, restored after."""
+        self.check(hm.model)
         saved = []
         try:
             for m in rotary_modules(hm.model):
@@ -139,7 +145,7 @@ class RopeScaling(Intervention):
                     saved.append((m, prefix, old))
                     setattr(m, f"{prefix}inv_freq", inv.to(old[0].device, old[0].dtype))
                     setattr(m, f"{prefix}attention_scaling", att)
-            yield Pass(ids, attention_mask=attention_mask)
+            yield
         finally:
             for m, prefix, (inv, att) in saved:
                 setattr(m, f"{prefix}inv_freq", inv)

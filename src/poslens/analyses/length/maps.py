@@ -15,21 +15,59 @@ from __future__ import annotations
 
 import torch
 
-from poslens.analyses.leakage.metrics import Domain, leakage_metrics
+from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split, toeplitz_fraction
 from poslens.analyses.length.checks import context_limit_lifted
 from poslens.engine.capture import Capture
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
 
 KEYS = ("scores", "log_probs", "probs")
+SPLIT = ("e_total", "e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction")
+LEAN = ("scores/trf", "log_probs/trf", *(f"split/{k}" for k in SPLIT))  # no fit beyond diagonal means
 
 
-class LengthMaps:
-    """Capture at one model, with the leakage metrics of its mean maps: `update` per batch, then `metrics`."""
+def lean_metrics(maps: dict[str, torch.Tensor], domain: Domain) -> dict[str, torch.Tensor]:
+    """The Toeplitz-residual fractions of the scores and log-probabilities and the split of the latter (the
+    leakage terms), which need only diagonal means (no pseudo-inverse): `leakage_metrics`'s values for these names."""
+    out = {f"{k}/trf": toeplitz_fraction(maps[k], domain) for k in ("scores", "log_probs") if k in maps}
+    out.update({f"split/{k}": v for k, v in split(maps["scores"], maps["log_partition"], domain).items()})
+    return out
+
+
+class LengthMaps(Statistic):
+    """Capture at one model, with the leakage metrics of its mean maps: a Statistic for the runner (its hooks, its
+    `begin_batch` past max_position_embeddings), or `update` per batch with Capture's own forward; then `metrics`."""
+
+    name = "length_maps"
 
     def __init__(self, model, layers: list[int] | None = None, groups: int = DEFAULT_GROUPS,
                  probs: bool = True) -> None:
+        super().__init__(groups)
         self.model = model
         self.capture = Capture(model, layers, probs=probs, log_probs=True, groups=groups)
+
+    # ---- the Statistic protocol (poslens.engine.runner)
+
+    def hooks(self, hm) -> dict:
+        return self.capture.hooks()
+
+    def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        with context_limit_lifted(self.model, input_ids.shape[1]):  # the guard reads the config here, only here
+            self.capture.begin_batch(input_ids, attention_mask, group=self.group)
+
+    def end_batch(self) -> None:
+        self.capture.end_batch()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.capture.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.capture.load_state_dict(state)
+
+    def merge(self, other: LengthMaps) -> None:
+        self.capture.merge(other.capture)
+
+    def all_reduce(self, group=None) -> None:
+        self.capture.all_reduce(group)
 
     def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                group: int | None = None) -> None:
@@ -50,31 +88,43 @@ class LengthMaps:
                 gs.counts[f"{key}/{layer}"] = count
         return gs
 
-    def metrics(self, level: float = 0.95, n: int | None = None) -> dict[str, Estimate]:
-        """Every leakage metric per captured layer ([layers] each), on the top-left n x n block of the maps (default:
-        the whole length), with jackknife intervals."""
+    def metrics(self, level: float = 0.95, n: int | None = None, names: tuple[str, ...] | None = None
+                ) -> dict[str, Estimate]:
+        """Every leakage metric (or those in `names`) per captured layer ([layers] each), on the top-left n x n block
+        of the maps (default: the whole length), with jackknife intervals."""
+        size = self.capture.state_dict()["count"].shape[-1] if n is None else n
+        return self.metrics_at([size], level, names)[size]
+
+    def metrics_at(self, lengths: list[int], level: float = 0.95, names: tuple[str, ...] | None = None
+                   ) -> dict[int, dict[str, Estimate]]:
+        """`metrics` at several lengths (top-left blocks), from one jackknife over the groups (each replicate's
+        means are formed once for every length). Names in `LEAN` only: no fit beyond diagonal means."""
         state = self.capture.state_dict()
         gs = self.grouped(state)
         windows = [int(w) for w in state["sliding_window"]]
         layers = self.capture.layers
-        names: list[str] = []
+        keys: list[str] = []
 
         def per_layer(m: dict[str, torch.Tensor]) -> torch.Tensor:
-            cols = []
-            for layer, w in zip(layers, windows):
-                maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
-                maps["log_partition"] = m[f"log_partition/{layer}"]
-                size = maps["scores"].shape[-1] if n is None else n
-                maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
-                vals = leakage_metrics(maps, Domain(window=w or None))
-                if not names:
-                    names.extend(sorted(vals))
-                cols.append(torch.stack([vals[k].reshape(()) for k in names]))
-            return torch.stack(cols, 1)  # [metrics, layers]
+            out = []
+            for size in lengths:
+                cols = []
+                for layer, w in zip(layers, windows):
+                    maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
+                    maps["log_partition"] = m[f"log_partition/{layer}"]
+                    maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
+                    lean = names is not None and set(names) <= set(LEAN)
+                    vals = (lean_metrics if lean else leakage_metrics)(maps, Domain(window=w or None))
+                    if not keys:
+                        keys.extend(sorted(vals) if names is None else [k for k in names if k in vals])
+                    cols.append(torch.stack([vals[k].reshape(()) for k in keys]))
+                out.append(torch.stack(cols, 1))  # [metrics, layers]
+            return torch.stack(out)  # [lengths, metrics, layers]
 
         est = gs.estimate(per_layer, level)
-        return {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, est.level, est.method)
-                for i, k in enumerate(names)}
+        return {size: {k: Estimate(est.value[a, i], est.lo[a, i], est.hi[a, i], est.se[a, i], est.groups, est.level,
+                                   est.method) for i, k in enumerate(keys)}
+                for a, size in enumerate(lengths)}
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """The capture's mean maps (with `_se`) and every metric as `metric/NAME` [layers] with `_lo`, `_hi`, `_se`."""

@@ -10,3 +10,4 @@ from poslens.report.sections import convergence  # noqa: F401
 from poslens.report.sections import real_model  # noqa: F401
 from poslens.report.sections import trained  # noqa: F401
 from poslens.report.sections import leakage  # noqa: F401
+from poslens.report.sections import length  # noqa: F401

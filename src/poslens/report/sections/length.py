@@ -1,0 +1,276 @@
+"""Past the training length, on the sweep's models: does the causal mask's position signal decide length
+generalisation here?
+
+The sweep (`poslens sweep`, preset pe-quick with --quick, pe in the full run: NoPE, RoPE, NTK-scaled RoPE and RoPE
+with a sliding window of 32, trained at L = 128 on the embedded corpus with a BOS first, 3 seeds each, the same
+tokens, batches and initial weights for every variant of a seed) is evaluated by `poslens length` at L, 2L, 4L, 8L
+on the held-out split of the training tokens, each variant's three seeds in one run on the same sequences. Every
+number is a mean over the seeds with a Student t interval over them (the error bar of a training effect); a
+difference between variants is taken seed by seed (seed s of every variant shares its initial weights and data
+order) before the interval.
+
+The question is operational, and each row says which test decides it: NoPE's only position signal is the causal
+mask (Kim et al.), which reaches a query through its softmax denominator, a sum over i + 1 keys that keeps growing
+past L. If that signal decides length generalisation, NoPE degrades past L and a correction of the denominator's
+term (per-query logit scaling by log(i + 1) / log L, which keeps the numerator's growth in step with the
+denominator's) restores it; for RoPE the same correction helps more than rescaling its frequencies (NTK at T / L).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from poslens.report.claims import Claim, Test, num
+from poslens.report.section import Panel, Section, section
+from poslens.report.sections.figures import heatmaps, lines
+from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
+
+# variants: the sweep's variants to evaluate (None: all; the tests take nope and rope)
+SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None}
+SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None}
+NAMES = {"logn": "log-n scaling", "logn-all": "log-n scaling at every position", "ntk": "NTK at T/L",
+         "yarn": "YaRN at T/L", "window": "window of L", "freeze": "position 0 frozen"}
+
+
+def _t(values: list[float], level: float = 0.95) -> dict:
+    from poslens.train.sweep import seed_interval
+
+    return seed_interval(values, level)
+
+
+def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
+    return Test(statistic, e["value"], side, threshold, e.get("lo"), e.get("hi"),
+                f"95% t-interval over {e.get('n', len(e.get('per_seed', e.get('per_model', []))))} seeds")
+
+
+def _ci(e: dict) -> str:
+    return f"{num(e['value'])} [{num(e.get('lo'))}, {num(e.get('hi'))}]"
+
+
+def length_runs(ctx, size: dict) -> tuple[object, dict[str, Path], int]:
+    """One `poslens length` run per variant of the sweep (its seeds together), from the report's parts when done;
+    returns the sweep, run directory per variant (in the parts) and L."""
+    from poslens.analyses.length.run import LengthConfig, run_length
+    from poslens.io.checkpoint import fingerprint
+
+    sw = sweep_models(ctx, size)
+    L = sw.matrix.members[0].config.seq_len
+    groups = size["groups"]
+    runs = {}
+    for v in [v for v in sw.variants if size.get("variants") is None or v in size["variants"]]:
+        paths = [str(sw.path(v, s)) for s in sw.seeds]
+        cfg = LengthConfig(model=paths[0], seed_models=paths[1:], data=str(sw.tokens), bos="always", train_len=L,
+                           eval_lens=[L, 2 * L, 4 * L, 8 * L], num_sequences=size["sequences"],
+                           batch_size=max(1, size["sequences"] // groups), groups=groups, interventions=["all"],
+                           maps=size["maps"], profile_every=size["profile_every"], figures=False)
+        key = fingerprint(asdict(cfg))[:10]
+        runs[v] = Path(ctx.parts) / f"length-{v}-{key}"
+        if not (runs[v] / "run.json").exists():
+            if ctx.progress:
+                print(f"  poslens length: {v} ({len(paths)} seeds) to {8 * L} tokens", flush=True)
+            run_length(cfg, runs[v], force=runs[v].exists(), progress=ctx.progress)
+    return sw, runs, L
+
+
+@section("length", "past the training length (the sweep's models)", models=True, quick=SIZES_QUICK,
+         full=SIZES_FULL)
+def build(ctx, size: dict) -> Section:
+    from poslens.io.results import load
+
+    sw, dirs, L = length_runs(ctx, size)
+    T = 8 * L
+    runs = {v: load(d, tensors=False) for v, d in dirs.items()}
+    for v, d in dirs.items():  # run.json only: the maps' tensors stay in the parts (tens of MB per variant)
+        dest = Path(ctx.root) / "models" / f"length-{v}"
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(d / "run.json", dest / "run.json")
+    seeds = {v: r.metrics["seeds"] for v, r in runs.items()}
+    per = {v: r.metrics["models"] for v, r in runs.items()}
+    t = str(T)
+
+    def rise(v):
+        return seeds[v]["rise"][t]
+
+    def effect(v, spec):
+        return seeds[v]["effects"].get(spec, {}).get(t)
+
+    def paired(a, b, what):  # seed by seed: a - b
+        xs = [x["rise"][t]["value"] if what == "rise" else x["effects"][what][t]["value"] for x in per[a]]
+        ys = [y["rise"][t]["value"] if what == "rise" else y["effects"][what][t]["value"] for y in per[b]]
+        return _t([x - y for x, y in zip(xs, ys)])
+
+    claims: list[Claim] = []
+    scale = (f"{sw.describe()}; evaluated on {size['sequences']} held-out sequences of {T} tokens per model")
+    here = f"at this scale only ({sw.describe()})"
+    variants = list(runs)
+    if "nope" in variants and "rope" in variants and effect("rope", "window") and effect("nope", "window"):
+        claims.append(Claim(
+            "kazemnejad-nope-extrapolates", "kazemnejad2023", "abstract",
+            "a decoder without positional encoding generalises past its training length better than one with RoPE",
+            (_test(f"how much more RoPE gains than NoPE from cutting each query's context to its last {L} keys: "
+                   f"window-of-L effect, RoPE minus NoPE, per seed (loss over [{L}, {T}), nats)",
+                   paired_effects(per["rope"], "window", "nope", t, other=per["nope"]), "<"),),
+            measured=f"the window-of-L effect (loss with the context cut to the last L keys minus with the full "
+                     f"context, same tokens) is below 0 when context past L hurts: NoPE "
+                     f"{_ci(effect('nope', 'window'))}, RoPE {_ci(effect('rope', 'window'))} (mean over seeds, 95% "
+                     "t-interval); the rise over the last "
+                     f"doubling (different text at different positions, so not a test): NoPE {_ci(rise('nope'))}, RoPE "
+                     f"{_ci(rise('rope'))}. The paper's models were ~100M-parameter decoders on synthetic tasks; these "
+                     f"are language models {here}.",
+            scope="~100M-parameter decoders on synthetic reasoning and arithmetic tasks",
+            figure="length_effects", command=ctx.remeasure("kazemnejad-nope-extrapolates")))
+    if "nope" in variants and effect("nope", "logn") is not None and effect("nope", "window") is not None:
+        claims.append(Claim(
+            "length-mask-decides-nope", "poslens", "this report (length question)",
+            "the mask's position signal decides NoPE's length generalisation here: the model whose only position "
+            "signal is the causal mask is hurt by context past L, and rescaling the mask's denominator term (query "
+            "i's logits times log(i + 1) / log L, so that the numerator grows with the denominator's i + 1 terms) "
+            "lowers its loss past L",
+            (_test(f"NoPE: the window of L's paired effect on the loss over [{L}, {T}) (nats; below 0: context past "
+                   "L hurts)", effect("nope", "window"), "<"),
+             _test(f"NoPE: log-n scaling's paired effect on the loss over [{L}, {T}) (nats)", effect("nope", "logn"),
+                   "<")),
+            measured=f"{here}. Both effects are paired on the same tokens (intervention minus none), so the text's "
+                     "variation cancels; the window keeps every query's denominator to as many keys as in training.",
+            finding=True, figure="length_effects", command=ctx.remeasure("length-mask-decides-nope")))
+    if "rope" in variants and effect("rope", "logn") is not None and effect("rope", "ntk") is not None:
+        claims.append(Claim(
+            "length-mask-or-frequencies-rope", "poslens", "this report (length question)",
+            "RoPE's loss past L is lowered more by correcting the mask's denominator term (log-n scaling) than by "
+            "rescaling the rotary frequencies (NTK at T/L)",
+            (_test(f"RoPE: log-n scaling's effect minus NTK's on the loss over [{L}, {T}), per seed (nats)",
+                   paired_effects(per["rope"], "logn", "ntk", t), "<"),),
+            measured=f"{here}; effects against no intervention, paired on the same sequences, then differenced seed "
+                     f"by seed: log-n {_ci(effect('rope', 'logn'))}, NTK {_ci(effect('rope', 'ntk'))}. Contradicted "
+                     "means the frequencies' rescaling helps more.",
+            finding=True, figure="length_effects", command=ctx.remeasure("length-mask-or-frequencies-rope")))
+    for v in variants:
+        for spec in ("ntk", "yarn", "window"):
+            e = effect(v, spec)
+            if v == "rope" and e is not None:
+                claims.append(Claim(
+                    f"length-{spec}-helps-rope", "poslens", "this report (interventions)",
+                    f"{NAMES[spec]} at evaluation time lowers RoPE's loss past L",
+                    (_test(f"RoPE: {NAMES[spec]}'s paired effect on the loss over [{L}, {T}) (nats)", e, "<"),),
+                    measured=here, finding=True, figure="length_effects",
+                    command=ctx.remeasure(f"length-{spec}-helps-rope")))
+    context = [(f"{v} ({sw.labels[v]}): rise of the loss past L and each intervention's effect on the loss over "
+                f"[{L}, {T}) (nats, mean over seeds, 95% t-interval)",
+                f"rise {_ci(rise(v))}; " + "; ".join(f"{NAMES.get(s.split(':')[0], s)} {_ci(e[t])}"
+                                                     for s, e in seeds[v]["effects"].items() if t in e))
+               for v in variants]
+    for v, r in runs.items():
+        for spec, why in r.metrics.get("skipped", {}).items():
+            context.append((f"{v}: {NAMES.get(spec, spec)} not run", why))
+        for note in r.metrics.get("notes", []):
+            context.append((f"{v}: note", note))
+    s = Section(
+        "Past the training length: does the causal mask's position signal decide length generalisation here?",
+        __doc__.split("\n\n", 1)[1].replace("\n", " ") + " The runs: " + "; ".join(
+            f"`poslens length {sw.path(v, sw.seeds[0])} --seed-models "
+            f"{','.join(str(sw.path(v, x)) for x in sw.seeds[1:])} --data {sw.tokens} --bos always --train-len {L} "
+            f"--num-sequences {size['sequences']} --batch-size {max(1, size['sequences'] // size['groups'])} "
+            f"--groups {size['groups']} --profile-every {size['profile_every']}`" for v in variants[:1])
+        + " (and likewise for each variant); the sweep: `" + sw.command + "`.",
+        claims=claims, context=context,
+        scale=f"The length section measures {scale}; its verdicts are for that scale only.")
+    s.figures += figures(ctx, sw, runs, dirs, L)
+    return s
+
+
+def paired_effects(models: list[dict], a: str, b: str, t: str, other: list[dict] | None = None) -> dict:
+    """Effect of intervention a minus that of b, seed by seed, with the t-interval over seeds; with `other` (another
+    variant's models, seed for seed), intervention a's effect in `models` minus its effect in `other` (b unused)."""
+    if other is not None:
+        return _t([m["effects"][a][t]["value"] - o["effects"][a][t]["value"] for m, o in zip(models, other)])
+    return _t([m["effects"][a][t]["value"] - m["effects"][b][t]["value"] for m in models])
+
+
+def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
+    from poslens.analyses.length.figures import bin_centres
+    from poslens.io.results import load
+
+    T = 8 * L
+    out = []
+    xs = bin_centres(L, T)
+    series, errors = {}, {}
+    for v, r in runs.items():  # the mean over seeds of each bin, with the t-interval over seeds
+        tensors = load(dirs[v]).tensors
+        k = len(r.metrics["models"])
+        curves = np.stack([tensors[f"m{i}/loss_binned"].double().numpy() for i in range(k)])
+        mean = curves.mean(0)
+        half = np.array([(lambda e: (e["hi"] - e["value"]) if e["hi"] is not None else 0.0)(_t(list(c)))
+                         for c in curves.T])
+        series[f"{v}: {sw.labels[v]}"], errors[f"{v}: {sw.labels[v]}"] = mean, half
+    out.append(lines(ctx, "length_loss", xs, series,
+                     f"Held-out loss against target position (bins of {L // 4}) to 8L = {T}, each variant's mean over "
+                     f"its seeds with 95% t-intervals over seeds; trained at L = {L}. Every variant reads the same "
+                     "sequences, so the curves share the text's ups and downs; the paired effects below remove them.",
+                     "target position", "next-token loss (nats)", "Loss past the training length, by variant",
+                     errors=errors))
+    specs = sorted({s for r in runs.values() for s in r.metrics["seeds"]["effects"]})
+    t = str(T)
+    series, errors = {}, {}
+    for spec in specs:
+        vals, errs = [], []
+        for r in runs.values():
+            e = r.metrics["seeds"]["effects"].get(spec, {}).get(t)
+            vals.append(np.nan if e is None else e["value"])
+            errs.append((0.0, 0.0) if e is None or e["lo"] is None else (e["value"] - e["lo"], e["hi"] - e["value"]))
+        series[NAMES.get(spec, spec)] = vals
+        errors[NAMES.get(spec, spec)] = np.array(errs).T
+    out.append(lines(ctx, "length_effects", list(range(1, len(runs) + 1)), series,
+                     "Each intervention's paired effect on the loss over [L, 8L) (intervention minus none on the same "
+                     "sequences), by variant (" + ", ".join(f"{i + 1} = {v}" for i, v in enumerate(runs))
+                     + "), mean over seeds with 95% t-intervals; below 0 the intervention helps; an intervention "
+                       "that does not apply to a variant has no point there.",
+                     "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
+                     errors=errors, zero=True))
+    series, errors = {}, {}
+    for v, r in runs.items():
+        prof = r.metrics["seeds"]["profile"]["gap"]
+        last = prof[-1]
+        series[f"{v}, last layer"] = [b["value"] for b in last]
+        errors[f"{v}, last layer"] = np.array([(b["value"] - b["lo"], b["hi"] - b["value"]) if b["lo"] is not None
+                                               else (0.0, 0.0) for b in last]).T
+    edges = runs[next(iter(runs))].metrics["edges"]
+    out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
+                     "log(keys seen) - attention entropy of the last layer (log(i + 1) under the causal mask, "
+                     "log(min(i + 1, W)) under a window W), averaged over the queries of each bucket ("
+                     + ", ".join(f"{k + 1}: [{a}, {b})" for k, (a, b) in enumerate(zip(edges, edges[1:])))
+                     + "), mean over seeds with 95% t-intervals: how far attention is from uniform over the keys "
+                       "seen.", "position bucket", "entropy gap (nats)", "Attention entropy against log(i + 1)",
+                     errors=errors))
+    panels = []
+    for v in [x for x in ("nope", "rope") if x in runs]:
+        maps = load(dirs[v]).tensors
+        if "m0/maps/scores" in maps:
+            m, se = maps["m0/maps/scores"].double().numpy(), maps["m0/maps/scores_se"].double().numpy()
+            panels += [Panel(f"{v}, layer {i + 1}", m[i], se[i]) for i in range(m.shape[0])]
+    if panels:
+        out.append(heatmaps(ctx, "length_maps", panels, f"Mean attention scores at 8L = {T} tokens of seed "
+                            f"{sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer; hover for the value "
+                            "and its standard error.", ncols=len(panels) // 2 or 1, big=True, interactive=False,
+                            suptitle=f"Maps past the training length (L = {L}, shown to {T})"))
+    series, errors = {}, {}
+    lens = runs[next(iter(runs))].metrics["eval_lens"]
+    for v, r in runs.items():
+        if "maps" not in r.metrics["models"][0]:
+            continue
+        per_t = [_t([m["maps"][str(n)]["split/share_partition"]["value"][-1] for m in r.metrics["models"]])
+                 for n in lens]
+        series[v] = [e["value"] for e in per_t]
+        errors[v] = np.array([(e["value"] - e["lo"], e["hi"] - e["value"]) if e["lo"] is not None else (0.0, 0.0)
+                              for e in per_t]).T
+    if series:
+        out.append(lines(ctx, "length_leakage", lens, series,
+                         "Share of this layer's log-partition term (e_partition, the softmax denominator's) in the "
+                         "non-relative energy of the mean log-probabilities of the last layer, on the maps at each "
+                         "evaluation length (offsets up to T/2; docs/leakage.md: a descriptive identity), mean over "
+                         "seeds with 95% t-intervals.", "evaluation length T (tokens)", "log-partition share",
+                         "The mask's term past the training length", errors=errors, logx=True))
+    return out

@@ -1,0 +1,142 @@
+"""The sweep's trained models for report sections: one shared, cached way to get them.
+
+`poslens sweep`'s matrix (variants x seeds trained on identical tokens, batches and steps; `poslens.train.sweep`)
+is what the report's sections judge training effects on: each section that needs it calls `sweep_models`, which
+trains what the model cache lacks (progress lines name each model, k of N, and the time left) and reads the
+rest from the cache, so the first section pays and every later call (another section, a re-measure, another
+reproduce) is free. How to call it from a section:
+
+    from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
+
+    @section("length", "...", models=True, quick={**SWEEP_QUICK, "n": 8}, full={**SWEEP_FULL, "n": 50})
+    def build(ctx, size):
+        sw = sweep_models(ctx, size)            # size["sweep"]: preset pe-quick (--quick) or pe (full run)
+        for variant in sw.variants:             # nope, rope, ntk, window (the preset's order)
+            for seed in sw.seeds:               # 0, 1, 2
+                path = sw.path(variant, seed)   # a model directory: load_model(str(path)), data=str(sw.tokens)
+        sw.heldout("rope")                      # held-out loss per seed (the sweep's last evaluation)
+        sw.command                              # `poslens sweep ...` that trains (or lists) the same models
+
+The size keys (`SWEEP_QUICK`, `SWEEP_FULL`; tests override them through `reproduce(sizes=...)`):
+
+    sweep        the matrix: a preset of `poslens sweep` (pe, pe-quick) or a .json file
+    sweep_train  shared training fields on top of the preset's, FIELD=VALUE+... (None: the preset's); a test
+                 trains a tiny sweep with e.g. "steps=6+warmup=2+layers=2+eval_every=3+save_every=0+tokens=DIR"
+    sweep_seeds  the seeds instead of the preset's (None: the preset's)
+
+Every model is recorded in the report's provenance (`ctx.record`: its directory, 'trained now' or 'from the
+cache', SHA-256). Two sections that ask for the same matrix get the same `SweepModels` (kept on the context).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from poslens.train.sweep import Matrix, SweepConfig, resolve_matrix, seed_interval
+
+SWEEP_QUICK = {"sweep": "pe-quick", "sweep_train": None, "sweep_seeds": None}
+SWEEP_FULL = {"sweep": "pe", "sweep_train": None, "sweep_seeds": None}
+
+
+@dataclass
+class SweepModels:
+    """The trained models of one matrix: `paths[(variant, seed)]`, the token directory they were trained on (its
+    held-out split is the text to analyse), the matrix, and what each model's run.json says."""
+
+    config: SweepConfig
+    matrix: Matrix
+    paths: dict[tuple[str, int], Path]
+    tokens: Path
+    trained: list[tuple[str, int]] = field(default_factory=list)  # the members this call trained (not cached)
+
+    @property
+    def variants(self) -> list[str]:
+        return list(self.matrix.variants)
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(self.matrix.seeds)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """variant -> its positional encoding in words ('RoPE (NTK x8)', ...)."""
+        return {m.variant: m.label for m in self.matrix.members}
+
+    def path(self, variant: str, seed: int) -> Path:
+        return self.paths[(variant, seed)]
+
+    def run(self, variant: str, seed: int) -> dict:
+        """The model's training run.json (config, metrics, tokens)."""
+        import json
+
+        return json.loads((self.path(variant, seed) / "run.json").read_text())
+
+    def heldout(self, variant: str) -> list[float]:
+        """Final held-out loss of `variant`, one per seed (in `seeds` order)."""
+        return [float(self.run(variant, s)["metrics"]["final_eval_loss"]) for s in self.seeds]
+
+    def heldout_interval(self, variant: str, level: float = 0.95) -> dict:
+        """Mean held-out loss over seeds with its t-interval over seeds (`poslens.train.sweep.seed_interval`)."""
+        return seed_interval(self.heldout(variant), level)
+
+    @property
+    def command(self) -> str:
+        """The `poslens sweep` command that trains (or, when cached, lists) these models."""
+        argv = ["poslens", "sweep", "--preset", self.config.preset]
+        if self.config.train:
+            argv += ["--train", self.config.train]
+        if self.config.seeds is not None:
+            argv += ["--seeds", ",".join(map(str, self.config.seeds))]
+        return shlex.join(argv + ["--out", "runs/sweep"])
+
+    def describe(self) -> str:
+        """'4 variants (nope: NoPE, ...) x 3 seeds, 300 steps of 16 x 128 tokens, BOS first'."""
+        c = self.matrix.members[0].config
+        return (f"{len(self.variants)} variants ({', '.join(f'{v}: {k}' for v, k in self.labels.items())}) x "
+                f"{len(self.seeds)} seeds, {c.layers} layers, d = {c.hidden}, {c.heads} heads, {c.steps} steps of "
+                f"{c.batch_size} x {c.seq_len} tokens{', BOS first' if c.bos else ''}")
+
+
+def sweep_config(size: dict) -> SweepConfig:
+    """The `SweepConfig` of a section's sizes (keys `sweep`, `sweep_train`, `sweep_seeds`; module docstring)."""
+    seeds = size.get("sweep_seeds")
+    return SweepConfig(preset=size.get("sweep", "pe"), train=size.get("sweep_train"),
+                       seeds=None if seeds is None else [int(s) for s in seeds])
+
+
+def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) -> SweepModels:
+    """The trained models of the sweep named by `size` (a section's sizes, or a `SweepConfig`): trained now into the
+    model cache where it lacks them, else read from it; kept on `ctx`, so a second call is free. Progress lines
+    (`ctx.progress` unless `progress` says otherwise) name the matrix, then each model trained."""
+    from poslens.io.checkpoint import fingerprint
+    from poslens.train.cache import tokens_of
+    from poslens.train.sweep import train_matrix
+
+    cfg = size if isinstance(size, SweepConfig) else sweep_config(size)
+    progress = ctx.progress if progress is None else progress
+    memo = ctx.__dict__.setdefault("_sweeps", {})
+    matrix = resolve_matrix(cfg)
+    key = fingerprint({"train": matrix.train, "variants": matrix.variants, "seeds": matrix.seeds})
+    if key in memo:
+        return memo[key]
+    tokens = tokens_of(matrix.members[0].config, progress)
+    cached = {(m.variant, m.seed) for m in matrix.members if _done(m.config, tokens)}
+    if progress:
+        n = len(matrix.members)
+        print(f"  sweep {cfg.preset}: {len(matrix.variants)} variants x {len(matrix.seeds)} seeds = {n} models, "
+              f"{len(cached)} in the model cache, {n - len(cached)} to train", flush=True)
+    paths = train_matrix(matrix, progress=progress, jobs=cfg.jobs)
+    out = SweepModels(cfg, matrix, paths, tokens, [k for k in paths if k not in cached])
+    for (variant, seed), path in paths.items():
+        ctx.record(f"sweep {variant} seed {seed}", path,
+                   "trained now" if (variant, seed) in out.trained else "from the cache")
+    memo[key] = out
+    return out
+
+
+def _done(cfg, tokens: Path) -> bool:
+    from poslens.train.cache import trained_model_dir
+
+    return (trained_model_dir(cfg, tokens) / "run.json").is_file()

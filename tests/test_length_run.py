@@ -1,0 +1,153 @@
+"""`poslens length` end to end on tiny local-directory Llamas trained at no length (random weights, 16 positions):
+the run directory past max_position_embeddings, interventions that must be the identity, seeds, resume with
+seeds, and bad input as one line with exit status 2 and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_pipeline import saved_tiny_llama
+from tiny_models import build
+
+import poslens
+from poslens.analyses.length.run import LengthConfig, run_length
+from poslens.cli import main
+from poslens.engine.pipeline import checkpoint_path
+
+L = 16
+
+
+def saved(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama with 16 positions (weights of `seed`) and the byte-level tokenizer of the pipeline tests."""
+    saved_tiny_llama(directory)
+    build("llama", seed=seed, vocab_size=258, max_position_embeddings=L, **overrides).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-length")
+    return {"a": saved(root / "a"), "b": saved(root / "b", seed=1), "wide": saved(root / "wide", seed=2,
+                                                                                 num_key_value_heads=4)}
+
+
+def text(model: Path) -> str:
+    return str(model.parent / f"{model.name}.txt")
+
+
+def args(model: Path, out: Path, *extra: str) -> list[str]:
+    return ["length", str(model), "--data", text(model), "--train-len", str(L), "--eval-lens", "16,32,64",
+            "--num-sequences", "8", "--batch-size", "2", "--groups", "4", "--out", str(out), "--quiet", *extra]
+
+
+def test_command_past_max_position_embeddings(models, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(args(models["a"], out, "--interventions", "logn,ntk:1,ntk,window,freeze")) == 0
+    printed = capsys.readouterr().out
+    assert "effect" in printed and f"wrote {out}" in printed
+    run = poslens.load(out)
+    m = run.metrics
+    assert run.meta["kind"] == "length" and run.config["seq_len"] == 64 and m["edges"] == [1, 16, 32, 64]
+    entry = m["models"][0]
+    assert len(entry["buckets"]) == 3 and set(entry["rise"]) == {"32", "64"}
+    for b in entry["buckets"]:
+        assert b["lo"] <= b["value"] <= b["hi"]
+    # NTK with factor 1 is the identity: the paired effect is exactly 0 with a zero-width interval
+    for t in ("32", "64"):
+        e = entry["effects"]["ntk:1"][t]
+        assert e["value"] == e["lo"] == e["hi"] == 0.0
+    # ntk without a factor: one pass per length past L (factor T / L), each with its own effect
+    assert set(entry["effects"]["ntk"]) == {"32", "64"}
+    # logn leaves queries below L alone: the loss over [1, L) is bit-identical to none's
+    first = run["loss_binned"][:4]
+    assert torch.equal(run["loss_binned/logn"][:4], first)
+    assert not torch.equal(run["loss_binned/logn"][4:], run["loss_binned"][4:])
+    # a tokenizer without BOS: position 0 differs between sequences, so freezing it is a real intervention
+    assert entry["effects"]["freeze"]["64"]["value"] != 0.0
+    # the maps at each evaluation length, past max_position_embeddings (16)
+    assert set(entry["maps"]) == {"16", "32", "64"} and run["maps/scores"].shape == (3, 64, 64)
+    assert len(entry["maps"]["64"]["split/share_partition"]["value"]) == 3
+    # attention on the keys seen: log(i + 1) under the plain causal mask, capped at the window under window
+    logk = torch.log1p(torch.arange(64, dtype=torch.float64))
+    torch.testing.assert_close(run["profile/none/log_keys"].double(), logk.expand(3, 64), rtol=0, atol=1e-6)
+    capped = torch.log(torch.clamp(torch.arange(64, dtype=torch.float64) + 1, max=L))
+    torch.testing.assert_close(run["profile/window/log_keys"].double(), capped.expand(3, 64), rtol=0, atol=1e-6)
+    for f in ("loss_by_position.png", "attention_gap_by_position.png", "attention_key0_by_position.png",
+              "maps_at_longest.jpg"):
+        assert (out / "figures" / f).exists()
+
+
+def test_seeds_give_a_t_interval_and_resume_swaps_the_right_weights(models, tmp_path, monkeypatch):
+    cfg = dict(model=str(models["a"]), data=text(models["a"]), train_len=L, eval_lens=[16, 32], num_sequences=4,
+               batch_size=2, groups=2, interventions=["logn"], seed_models=[str(models["b"])], maps=False,
+               checkpoint_every=1, figures=False)
+    full = poslens.load(run_length(LengthConfig(**cfg), tmp_path / "full", progress=False))
+    s = full.metrics["seeds"]
+    per = [m["rise"]["32"]["value"] for m in full.metrics["models"]]
+    assert s["rise"]["32"]["per_model"] == per and s["rise"]["32"]["n"] == 2
+    assert s["rise"]["32"]["lo"] < s["rise"]["32"]["value"] < s["rise"]["32"]["hi"]
+    assert per[0] != per[1]  # two seeds, two models
+    # interrupted in the second model's passes, resumed: the same numbers (the swap is redone on resume)
+    from poslens.engine import hooks as hooks_mod
+
+    original = hooks_mod.HookedModel.run
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:  # units: a/none, a/logn (2 batches each), then b/none's second batch
+            raise KeyboardInterrupt
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(hooks_mod.HookedModel, "run", flaky)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        run_length(LengthConfig(**cfg), out, progress=False)
+    assert checkpoint_path(out).exists()
+    monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
+    resumed = poslens.load(run_length(LengthConfig(**cfg), out, progress=False))
+    assert resumed.meta["resumed_from_unit"] == 5
+    assert json.dumps(resumed.metrics) == json.dumps(full.metrics)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--eval-lens", "8,16"], "--eval-lens 8,16: the longest must be above --train-len 16"),
+    (["--interventions", "shift"], "--interventions: unknown intervention 'shift'"),
+    (["--profile-every", "0"], "--profile-every must be >= 1"),
+    (["--seed-models", "WIDE"], "--seed-models: WIDE is not another seed"),
+    (["--seed-models", "B", "--out", "B"], "is this run's input"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, extra, words):
+    out = tmp_path / "run"
+    line = [{"WIDE": str(models["wide"]), "B": str(models["b"])}.get(x, x) for x in extra]
+    argv = args(models["a"], out)
+    if "--out" in line:
+        out = models["b"]
+        i = argv.index("--out")
+        del argv[i:i + 2]
+    if "--eval-lens" in line:
+        i = argv.index("--eval-lens")
+        del argv[i:i + 2]
+    assert main(argv + line) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words.replace("WIDE", str(models["wide"])) in err
+    assert not out.exists() or out == models["b"] and not (out / "run.json").exists()
+
+
+def test_ntk_on_a_nope_model_and_memory_are_refused_up_front(tmp_path, capsys, monkeypatch):
+    nope = saved(tmp_path / "nope")
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(nope).model_type == "llama"
+    out = tmp_path / "run"
+    # --pe none: the checkpoint read without RoPE; "all" skips NTK and YaRN with a note, naming them is refused
+    assert main(args(nope, out, "--pe", "none", "--interventions", "ntk")) == 2
+    assert "--interventions: ntk: the model has no RoPE layer" in capsys.readouterr().err
+    monkeypatch.setattr("poslens.engine.pipeline.available_memory", lambda: 1 << 20)
+    assert main(args(nope, out, "--pe", "none")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "averaged maps at the longest length" in err and "lower --eval-lens" in err
+    assert not out.exists()
