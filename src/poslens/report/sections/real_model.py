@@ -39,6 +39,11 @@ FIRST_KEYS = 4  # "the first few keys"
 FROM_QUERY = 16  # rows whose first keys are compared (i >= 17: enough keys per row)
 
 
+def first_query(seq_len: int) -> int:
+    """The first query row (from 0) of the first-keys comparison: FROM_QUERY, or half of a shorter sequence."""
+    return min(FROM_QUERY, seq_len // 2)
+
+
 def capture_groups(model, ids: torch.Tensor, batch: int, groups: int, desc: str, progress: bool) -> GroupedSums:
     """Mean score maps of every layer, kept per (group, half): batch b -> group b % G, half (b // G) % 2."""
     from poslens.engine.capture import Capture
@@ -203,13 +208,14 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
                  f"ratio ({NOT_NEGLIGIBLE:g}).",
         paper_number="patterns in [-1, 1] against scores in [-10, 10] (8B models, 1,024 tokens): a ratio of about 0.1",
         figure="Figure 5", command=ctx.remeasure("kim-52-not-negligible")))
+    q = first_query(mean.shape[-1])
     readings = []
     for text, sink, keys in (("keys 1..4 including key 1, the attention sink", False, slice(0, FIRST_KEYS)),
                              ("keys 2..5, the sink left out", True, slice(1, FIRST_KEYS + 1))):
         est = sums.estimate(lambda m, sink=sink, keys=keys: ms.block_mean(
-            (m["a"] + m["b"]) / 2, slice(FROM_QUERY, None), keys, sink=sink)[1:].mean())
+            (m["a"] + m["b"]) / 2, slice(q, None), keys, sink=sink)[1:].mean())
         readings.append(Reading(text, (Test(f"mean diagonal-normalised score over {text.split(',')[0]}, queries "
-                                            f"i >= {FROM_QUERY + 1}, layers 2..{layers}", float(est.value), ">", 0.0,
+                                            f"i >= {q + 1}, layers 2..{layers}", float(est.value), ">", 0.0,
                                             float(est.lo), float(est.hi), f"95% jackknife over {est.groups} groups"),)))
     out.append(Claim(
         "kim-52-first-keys", "kim2025", "Section 5.2",
@@ -235,14 +241,15 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                         "column (key 1) blank; colour limits at the 1% and 99% quantiles. Hover: value and the "
                         "standard error of the entry.", suptitle="SmolLM2-135M: diagonal-normalised mean scores, "
                         "layers 1-4 (Figure 5 style)"))
+    q = first_query(mean.shape[-1])
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
-        :, FROM_QUERY:, :], axis=1)))
+        :, q:, :], axis=1)))
     width = min(32, profile.value.shape[-1])  # the first 32 keys, or every key of shorter sequences
     keys = np.arange(1, width + 1)
     picks = sorted({1, 2, layers // 2, layers - 1})
     out.append(lines(ctx, "model_key_profile", keys,
                      {f"layer {k + 1}": profile.value.numpy()[k, :width] for k in picks},
-                     f"Mean diagonal-normalised score of each key j (over queries i >= {FROM_QUERY + 1}; the sink "
+                     f"Mean diagonal-normalised score of each key j (over queries i >= {q + 1}; the sink "
                      "column kept) for a few layers, with 95% jackknife intervals: the first keys against the rest.",
                      "key j", "mean diagonal-normalised score", "SmolLM2-135M: scores of the first keys",
                      errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :width]
