@@ -29,13 +29,14 @@ from poslens.maps import quantile_limits
 from poslens.report.claims import Claim, Reading, Test, num
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections import measures as ms
-from poslens.report.sections.figures import NOISE_STD, heatmaps, interval_errors, lines, noise_only
+from poslens.report.sections.figures import heatmaps, interval_errors, lines
 
 MODEL = "smollm2-135m"
 LEVEL = 0.95  # family-wise over the layers (Bonferroni)
 FIRST_LAYER = 0.1  # "except for the first layer": its power under a tenth of the later layers' mean
 NOT_NEGLIGIBLE = 0.05  # the pattern's range over the scores' range: at least half the paper's printed 0.1
 FIRST_KEYS = 4  # "the first few keys"
+NOISY = 0.5  # a drawn map is flagged when its noise mean square is at least half its pattern's
 FROM_QUERY = 16  # rows whose first keys are compared (i >= 17: enough keys per row)
 
 
@@ -226,6 +227,29 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
     return out
 
 
+def noisy_layers(sums: GroupedSums) -> list[int]:
+    """Layers (from 1) whose diagonal-normalised map, as drawn, carries sampling noise of at least NOISY times the
+    pattern's mean square: noise from the two halves' difference, E[((P(m_a) - P(m_b)) / 2)^2], pattern from their
+    product, E[P(m_a) P(m_b)] (sink column left out)."""
+    a, b = sums.mean("a").double(), sums.mean("b").double()
+    noise, power = ms.noise_power(a, b, sink=True).numpy(), ms.pattern_power(a, b, sink=True).numpy()
+    return [k + 1 for k in range(len(noise)) if not noise[k] < NOISY * power[k]]
+
+
+def noise_warning(layers: list[int], sums: GroupedSums, of: int | None = None) -> str:
+    """The warning above a figure whose panels of `layers` are largely sampling noise ('' when none are); `of`: how
+    many layers the figure shows, when every one of them is flagged."""
+    if not layers:
+        return ""
+    n = int(sums.counts["a"].sum() + sums.counts["b"].sum())
+    which = ("Every layer" if len(layers) == of else
+             f"{'Layer' if len(layers) == 1 else 'Layers'} {', '.join(map(str, layers))}")
+    return (f"{which}: the sampling noise of the drawn map is at least {NOISY:g} times the pattern's own mean square "
+            f"(both measured from two independent halves of the {n} sequences), so much of what is drawn, the "
+            "stripes along keys in particular, is the keys' text averaged over too few sequences, not a positional "
+            "pattern. The noise's mean square shrinks as 1/sequences.")
+
+
 def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: GroupedSums) -> list:
     xs = np.arange(1, layers + 1)
     v, lo, hi = st["power"]
@@ -236,11 +260,12 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                  "SmolLM2-135M: non-relative pattern per layer", errors={"RoPE on (as trained)":
                                                                           interval_errors(v, lo, hi)}, zero=True)]
     norm = ms.normalised(mean, sink=True)
+    noisy = noisy_layers(sums)
     panels = [Panel(f"layer {k + 1}, diagonal-normalised", norm[k], se[k], quantile_limits(norm[k])) for k in range(4)]
     out.append(heatmaps(ctx, "figure5", panels, "Figure 5 style: layers 1-4, diagonal-normalised, attention-sink "
                         "column (key 1) blank; colour limits at the 1% and 99% quantiles. Hover: value and the "
                         "standard error of the entry.", suptitle="SmolLM2-135M: diagonal-normalised mean scores, "
-                        "layers 1-4 (Figure 5 style)"))
+                        "layers 1-4 (Figure 5 style)", warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
     q = first_query(mean.shape[-1])
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
         :, q:, :], axis=1)))
@@ -255,9 +280,7 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                      errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :width]
                                                                  for x in (profile.value, profile.lo, profile.hi)))
                              for k in picks}, zero=True))
-    noisy = [k + 1 for k in range(layers) if noise_only(Panel("", norm[k], se[k], quantile_limits(norm[k])))]
-    warn = (f"Layers {', '.join(map(str, noisy))} show sampling noise at this size (their entries spread by under "
-            f"{NOISE_STD} standard errors), not a pattern." if noisy else "")
+    warn = noise_warning(noisy, sums, layers)
     for normalised in (False, True):
         grid = norm if normalised else mean
         lims = [quantile_limits(m if normalised else ms.without_sink(m)) for m in grid]
