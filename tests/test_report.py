@@ -153,3 +153,26 @@ def test_add_a_report_section_recipe(tmp_path, monkeypatch):
     assert (row["id"], row["verdict"], row["section_name"]) == ("poslens-demo-mean", "holds", "demo")
     assert meta["config"]["sizes"] == {"demo": {"n": 8}}
     assert "poslens-demo-mean" in (Path(out) / "report.html").read_text()
+
+
+def test_real_model_maps_flag_layers_where_noise_rivals_the_pattern():
+    """Section 5.2's figures warn where the drawn map's noise (from the two halves' difference) is at least half
+    the pattern's mean square (from their product): a non-relative pattern with little noise is not flagged, a
+    relative map with noise is."""
+    import torch
+
+    from poslens.engine.stats import GroupedSums
+    from poslens.report.sections.real_model import noise_warning, noisy_layers
+
+    n, rng = 16, np.random.default_rng(0)
+    pattern = np.tril(np.add.outer(np.zeros(n), np.linspace(0, 1, n)) ** 2)  # depends on j alone: not relative
+    relative = np.tril(np.subtract.outer(np.arange(n), np.arange(n)) * 0.1)
+    sums = GroupedSums(2)
+    for half in "ab":
+        for g in range(2):
+            maps = np.stack([pattern + rng.normal(0, 0.01, (n, n)), relative + rng.normal(0, 0.3, (n, n))])
+            sums.add(half, g, torch.as_tensor(maps * 4), 4)
+    assert noisy_layers(sums) == [2]
+    warn = noise_warning([2], sums, 2)
+    assert warn.startswith("Layer 2:") and "16 sequences" in warn
+    assert noise_warning([1, 2], sums, 2).startswith("Every layer") and noise_warning([], sums) == ""

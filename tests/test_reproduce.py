@@ -129,3 +129,14 @@ def test_interrupted_reproduce_resumes_from_parts(tmp_path, monkeypatch):
     assert (out / "report.html").exists()
     settings = 9 + 3 + 2 * 2  # NoPE figures, RoPE figures, convergence (2 widths x 2 settings)
     assert calls["n"] + 10**6 == (settings - 3) * per_setting
+
+
+def test_provenance_quotes_the_command_line_given(tmp_path, monkeypatch):
+    """The report header quotes `poslens reproduce ...` as given to the CLI (not the arguments of whatever program
+    called it, e.g. pytest's)."""
+    seen = {}
+    monkeypatch.setattr(rep, "reproduce", lambda **kw: seen.update(kw))
+    argv = ["reproduce", "--quick", "--out", str(tmp_path / "o"), "--quiet"]
+    assert cli.main(argv) == 0
+    assert seen["command"] == shlex.join(["poslens", *argv])
+    assert rep.provenance(None, 0)["command"] == "poslens.report.reproduce.reproduce(...)"

@@ -104,11 +104,13 @@ def test_layer1_scores_are_the_input_gram():
                                rtol=0, atol=1e-6)
 
 
-def test_layer1_off_diagonal_mean_is_alpha():
+@pytest.mark.parametrize("alpha, pe", [(0.3, "none"), (0.0, "rope")])
+def test_layer1_off_diagonal_mean_is_alpha(alpha, pe):
     # E<x_i, x_j> = alpha (Eq. 2), up to an O(1/d) bias from normalising (about -0.002 at d = 64, alpha =
-    # 0.3): at 1000 samples the SE is about 0.005, so every off-diagonal entry is within 4 SE of alpha.
-    alpha = 0.3
-    r = sim.simulate(StackConfig(n=10, d=64, alpha=alpha, layers=1), 1000, seed=5)
+    # 0.3): at 1000 samples the SE is about 0.005, so every off-diagonal entry is within 4 SE of alpha. With RoPE
+    # and independent inputs (alpha = 0) the rotated inner products are 0 in expectation too (Barbero et al.; the
+    # report's layer-1 context line of Kim et al. Sections 4.1 and 5.1 rests on this test).
+    r = sim.simulate(StackConfig(n=10, d=64, alpha=alpha, layers=1, positional=pe), 1000, seed=5)
     low = torch.tril(torch.ones(10, 10, dtype=torch.bool), -1)
     z = (r.scores_mean[0][low] - alpha) / r.scores_se[0][low]
     assert z.abs().max() < 4, z

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -152,7 +153,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
     o = from_args(ReproduceOptions, args)
     reproduce(out=args.out, quick=o.quick, force=args.force, models=o.models, progress=not args.quiet, seed=o.seed,
-              samples=o.samples)
+              samples=o.samples, command=shlex.join(["poslens", *args.argv]))
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
@@ -374,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), "")
     parser = build_parser(command)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (a report's provenance quotes it)
     shown, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         args.func(args)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import platform
-import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -40,10 +38,7 @@ def provenance(command: str | None, seed: int) -> dict[str, str]:
 
     from poslens import __version__
 
-    if command is None:
-        cli = bool(sys.argv) and Path(sys.argv[0]).name in ("poslens", "__main__.py")
-        command = shlex.join(["poslens", *sys.argv[1:]]) if cli else "poslens.report.reproduce.reproduce(...)"
-    return {"command": command,
+    return {"command": command or "poslens.report.reproduce.reproduce(...)",
             "source": source_revision(),
             "versions": f"poslens {__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
                         f"numpy {np.__version__}, Python {platform.python_version()}",
@@ -105,7 +100,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
 
     samples: Monte Carlo samples per setting (default 100,000; 10,000 with quick). sizes: per-section overrides of
     the quick/full sizes, e.g. {"real-model": {"sequences": 48}} (names and keys in each SectionSpec). command: the
-    command line to print in the report header (default: sys.argv when run as `poslens`). When `out` already holds
+    command line to print in the report header (`poslens reproduce` passes its own). When `out` already holds
     a report made with the same settings, nothing is recomputed (force=True recomputes); a report with other
     settings needs force or another `out`. Every argument is checked before any work.
     """

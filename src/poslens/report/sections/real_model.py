@@ -29,14 +29,20 @@ from poslens.maps import quantile_limits
 from poslens.report.claims import Claim, Reading, Test, num
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections import measures as ms
-from poslens.report.sections.figures import NOISE_STD, heatmaps, interval_errors, lines, noise_only
+from poslens.report.sections.figures import heatmaps, interval_errors, lines
 
 MODEL = "smollm2-135m"
 LEVEL = 0.95  # family-wise over the layers (Bonferroni)
 FIRST_LAYER = 0.1  # "except for the first layer": its power under a tenth of the later layers' mean
 NOT_NEGLIGIBLE = 0.05  # the pattern's range over the scores' range: at least half the paper's printed 0.1
 FIRST_KEYS = 4  # "the first few keys"
+NOISY = 0.5  # a drawn map is flagged when its noise mean square is at least half its pattern's
 FROM_QUERY = 16  # rows whose first keys are compared (i >= 17: enough keys per row)
+
+
+def first_query(seq_len: int) -> int:
+    """The first query row (from 0) of the first-keys comparison: FROM_QUERY, or half of a shorter sequence."""
+    return min(FROM_QUERY, seq_len // 2)
 
 
 def capture_groups(model, ids: torch.Tensor, batch: int, groups: int, desc: str, progress: bool) -> GroupedSums:
@@ -91,9 +97,14 @@ def statistics(sums: GroupedSums, layers: int) -> dict:
             "groups": est.groups}
 
 
+# Full size: every layer after the first is resolved at 256 sequences of 256 tokens (layer 2, the weakest, is not
+# at 128 or 192; scripts/section52_sizes.py, 2026-11-25), and the estimates move with the documents (the corpus is
+# ordered by source); 512 = 8 blocks of 16 batches of 4 (both halves hold 256 sequences) doubles the smallest count
+# that resolved every layer, within the full run's 25-minute budget (README, "What the paper says and what poslens
+# measured").
 @section("real-model", "real model: SmolLM2-135M (Section 5.2)", models=True,
          quick={"seq_len": 256, "sequences": 32, "batch": 2, "groups": 8},
-         full={"seq_len": 256, "sequences": 384, "batch": 4, "groups": 16})
+         full={"seq_len": 256, "sequences": 512, "batch": 4, "groups": 16})
 def build(ctx, size: dict) -> Section:
     from poslens.engine import corpus
     from poslens.engine.data import make_sequences
@@ -203,13 +214,14 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
                  f"ratio ({NOT_NEGLIGIBLE:g}).",
         paper_number="patterns in [-1, 1] against scores in [-10, 10] (8B models, 1,024 tokens): a ratio of about 0.1",
         figure="Figure 5", command=ctx.remeasure("kim-52-not-negligible")))
+    q = first_query(mean.shape[-1])
     readings = []
     for text, sink, keys in (("keys 1..4 including key 1, the attention sink", False, slice(0, FIRST_KEYS)),
                              ("keys 2..5, the sink left out", True, slice(1, FIRST_KEYS + 1))):
         est = sums.estimate(lambda m, sink=sink, keys=keys: ms.block_mean(
-            (m["a"] + m["b"]) / 2, slice(FROM_QUERY, None), keys, sink=sink)[1:].mean())
+            (m["a"] + m["b"]) / 2, slice(q, None), keys, sink=sink)[1:].mean())
         readings.append(Reading(text, (Test(f"mean diagonal-normalised score over {text.split(',')[0]}, queries "
-                                            f"i >= {FROM_QUERY + 1}, layers 2..{layers}", float(est.value), ">", 0.0,
+                                            f"i >= {q + 1}, layers 2..{layers}", float(est.value), ">", 0.0,
                                             float(est.lo), float(est.hi), f"95% jackknife over {est.groups} groups"),)))
     out.append(Claim(
         "kim-52-first-keys", "kim2025", "Section 5.2",
@@ -218,6 +230,29 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
                  "after the first; the key profile figure shows it per layer.",
         figure="model_key_profile", command=ctx.remeasure("kim-52-first-keys")))
     return out
+
+
+def noisy_layers(sums: GroupedSums) -> list[int]:
+    """Layers (from 1) whose diagonal-normalised map, as drawn, carries sampling noise of at least NOISY times the
+    pattern's mean square: noise from the two halves' difference, E[((P(m_a) - P(m_b)) / 2)^2], pattern from their
+    product, E[P(m_a) P(m_b)] (sink column left out)."""
+    a, b = sums.mean("a").double(), sums.mean("b").double()
+    noise, power = ms.noise_power(a, b, sink=True).numpy(), ms.pattern_power(a, b, sink=True).numpy()
+    return [k + 1 for k in range(len(noise)) if not noise[k] < NOISY * power[k]]
+
+
+def noise_warning(layers: list[int], sums: GroupedSums, of: int | None = None) -> str:
+    """The warning above a figure whose panels of `layers` are largely sampling noise ('' when none are); `of`: how
+    many layers the figure shows, when every one of them is flagged."""
+    if not layers:
+        return ""
+    n = int(sums.counts["a"].sum() + sums.counts["b"].sum())
+    which = ("Every layer" if len(layers) == of else
+             f"{'Layer' if len(layers) == 1 else 'Layers'} {', '.join(map(str, layers))}")
+    return (f"{which}: the sampling noise of the drawn map is at least {NOISY:g} times the pattern's own mean square "
+            f"(both measured from two independent halves of the {n} sequences), so much of what is drawn, the "
+            "stripes along keys in particular, is the keys' text averaged over too few sequences, not a positional "
+            "pattern. The noise's mean square shrinks as 1/sequences.")
 
 
 def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: GroupedSums) -> list:
@@ -230,27 +265,27 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                  "SmolLM2-135M: non-relative pattern per layer", errors={"RoPE on (as trained)":
                                                                           interval_errors(v, lo, hi)}, zero=True)]
     norm = ms.normalised(mean, sink=True)
+    noisy = noisy_layers(sums)
     panels = [Panel(f"layer {k + 1}, diagonal-normalised", norm[k], se[k], quantile_limits(norm[k])) for k in range(4)]
     out.append(heatmaps(ctx, "figure5", panels, "Figure 5 style: layers 1-4, diagonal-normalised, attention-sink "
                         "column (key 1) blank; colour limits at the 1% and 99% quantiles. Hover: value and the "
                         "standard error of the entry.", suptitle="SmolLM2-135M: diagonal-normalised mean scores, "
-                        "layers 1-4 (Figure 5 style)"))
+                        "layers 1-4 (Figure 5 style)", warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
+    q = first_query(mean.shape[-1])
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
-        :, FROM_QUERY:, :], axis=1)))
+        :, q:, :], axis=1)))
     width = min(32, profile.value.shape[-1])  # the first 32 keys, or every key of shorter sequences
     keys = np.arange(1, width + 1)
     picks = sorted({1, 2, layers // 2, layers - 1})
     out.append(lines(ctx, "model_key_profile", keys,
                      {f"layer {k + 1}": profile.value.numpy()[k, :width] for k in picks},
-                     f"Mean diagonal-normalised score of each key j (over queries i >= {FROM_QUERY + 1}; the sink "
+                     f"Mean diagonal-normalised score of each key j (over queries i >= {q + 1}; the sink "
                      "column kept) for a few layers, with 95% jackknife intervals: the first keys against the rest.",
                      "key j", "mean diagonal-normalised score", "SmolLM2-135M: scores of the first keys",
                      errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :width]
                                                                  for x in (profile.value, profile.lo, profile.hi)))
                              for k in picks}, zero=True))
-    noisy = [k + 1 for k in range(layers) if noise_only(Panel("", norm[k], se[k], quantile_limits(norm[k])))]
-    warn = (f"Layers {', '.join(map(str, noisy))} show sampling noise at this size (their entries spread by under "
-            f"{NOISE_STD} standard errors), not a pattern." if noisy else "")
+    warn = noise_warning(noisy, sums, layers)
     for normalised in (False, True):
         grid = norm if normalised else mean
         lims = [quantile_limits(m if normalised else ms.without_sink(m)) for m in grid]

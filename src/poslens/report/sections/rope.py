@@ -8,7 +8,7 @@ from poslens.report.context import joint, setting, test_of
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps
-from poslens.report.sections.nope import offdiag_note, pattern_limits
+from poslens.report.sections.nope import layer1_context, offdiag_note, pattern_limits
 from poslens.stack.config import StackConfig
 
 NO_PATTERN = 0.01  # "no such pattern without the mask": under 1% of the masked stack's non-relative power
@@ -44,13 +44,7 @@ def build(ctx, size: dict) -> Section:
     c0, c5, enc = (StackConfig(positional="rope"), StackConfig(positional="rope", alpha=0.5),
                    StackConfig(positional="rope", mask="none"))
     mc, gf = ctx.mc(c0), ctx.gf(c0).scores
-    z = ms.bonferroni_z(c0.n * (c0.n - 1) // 2)
-    s.claims.append(Claim(
-        "kim-51-layer1", "kim2025", "Section 5.1, Figure 4",
-        "layer 1: with independent inputs RoPE alone does not change the inner products (Barbero et al.)",
-        (Test("largest |off-diagonal mean score| / its SE, layer 1", ms.max_offdiag_z(mc.mean[0], mc.se[0]), "<", z),),
-        measured=f"the Bonferroni bound {z:.2f} is what noise alone reaches over the 1,225 entries at 95%.",
-        figure="Figure 4", command=ctx.remeasure("kim-51-layer1")))
+    s.context.append(layer1_context(mc, "RoPE, alpha = 0", "Section 5.1, Figure 4, after Barbero et al."))
     rel = mc.pooled(ms.relative_size)
     grow = mc.pooled(lambda m: ms.relative_size(m)[1:3] - ms.relative_size(m)[0:2])
     s.claims.append(Claim(
