@@ -570,8 +570,11 @@ def test_concurrent_runs_with_the_same_out_give_one_result_and_one_clear_error(h
     # without --force, is refused in one line and touches nothing. Interrupted, the first leaves no result and
     # no lock; the next run of the same output cleans up after it and writes the one result.
     args = ["simulate", "--n", "4", "--d", "4", "--layers", "1", "--maps", "scores", "--quiet", "--no-figures"]
+    # SIGINT back to its default in the child: a suite started in the background of a shell script inherits it
+    # ignored, and Python then never turns it into KeyboardInterrupt.
     endless = subprocess.Popen([sys.executable, "-m", "poslens", *args, "--samples", str(10**12), "--out", "r"],
-                               cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (home / ".r.lock").exists():  # the first run holds the output
@@ -582,7 +585,10 @@ def test_concurrent_runs_with_the_same_out_give_one_result_and_one_clear_error(h
                     capfd, busy="work/.r.partial")
     finally:
         endless.send_signal(signal.SIGINT)
-        _, err = endless.communicate(timeout=120)
+        try:
+            _, err = endless.communicate(timeout=120)
+        finally:
+            endless.kill()  # never left running, whatever failed above
     assert endless.returncode == 130 and "Traceback" not in err, err
     assert not (home / "r").exists() and not (home / ".r.lock").exists()
     assert main([*args, "--samples", "100", "--out", "r"]) == 0
