@@ -81,7 +81,10 @@ def _over_seeds(values: list[float]) -> dict:
 
 
 def _test(statistic: str, e: dict, side: str = ">", threshold: float = 0.0) -> Test:
-    return Test(statistic, e["value"], side, threshold, e["lo"], e["hi"], f"95% t-interval over {e['n']} seeds")
+    """A test on a mean over seeds; with one seed there is no interval, and the test stays open (not exact)."""
+    nan = float("nan")
+    lo, hi = (nan, nan) if e["lo"] is None else (e["lo"], e["hi"])
+    return Test(statistic, e["value"], side, threshold, lo, hi, f"95% t-interval over {e['n']} seeds")
 
 
 def _ci(e: dict) -> str:
