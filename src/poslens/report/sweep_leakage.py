@@ -21,7 +21,7 @@ from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
 ENERGY = "cf/absolute_scores"  # the scores' absolute content: the residual stream's term (docs/leakage.md)
-INTERVENTIONS = ["mean", "patch:inside:1@0"]
+INTERVENTIONS = ["mean"]  # what the sweep's rows read: the BOS replacement and the original pass (two passes)
 HEADLINE = 0.40  # the paper's printed share of the residual-stream component a BOS replacement removes
 
 
@@ -44,8 +44,8 @@ def sweep_leakage_runs(ctx, sw, size: dict) -> dict[tuple[str, int], Path]:
     for (variant, seed), path in sw.paths.items():
         cfg = LeakageConfig(model=str(path), data=str(sw.tokens), seq_len=L, num_sequences=seqs,
                             batch_size=max(1, seqs // groups), groups=groups, early_queries=min(32, L // 2),
-                            max_offset=common_max_offset(sw), interventions=INTERVENTIONS, nulls=["offset", "circular"],
-                            min_offset=L, predecessor=False, figures=False)
+                            max_offset=common_max_offset(sw), interventions=INTERVENTIONS, nulls=["none"],
+                            predecessor=False, figures=False)
         run = Path(ctx.parts) / f"leakage-{variant}-s{seed}-{fingerprint(asdict(cfg))[:10]}"
         if not (run / "run.json").exists():
             if ctx.progress:

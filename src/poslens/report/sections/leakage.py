@@ -181,7 +181,7 @@ def build(ctx, size: dict) -> Section:
         f"token; freezing it; shifting every position id of a RoPE model) are tests of poslens, not rows. The runs: "
         f"`{maps}`; on the sweep, for each model: `poslens leakage MODEL --data {sw.tokens} --seq-len {L} "
         f"--num-sequences {size['sweep_sequences']} --groups {size['sweep_groups']} --max-offset {offset} "
-        f"--min-offset {L} --interventions {','.join(sl.INTERVENTIONS)} --no-predecessor`; the sweep: "
+        f"--interventions {','.join(sl.INTERVENTIONS)} --nulls none --no-predecessor`; the sweep: "
         f"`{sw.command}`.",
         claims=claims, context=context,
         scale=f"The leakage section measures SmolLM2-135M over {seqs} sequences of {seq_len} tokens and the sweep's "
