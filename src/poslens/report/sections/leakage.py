@@ -30,7 +30,7 @@ from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
 RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the "both sources" row reads, first found
 # models whose tokenizer names a BOS it never adds: the model was not trained with it first
 UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer names BOS but never adds (a chat-turn "
-                                 "token; SmolLM2 was not trained with a fixed first token)"}
+                                 "token, not one SmolLM2 was trained to see first)"}
 
 
 def _interval(e: dict, digits: int = 3) -> str:
