@@ -16,6 +16,7 @@ every input with a fixed first token; `freeze`; `shift:K` in a RoPE model) are t
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,9 @@ def _interval(e: dict, digits: int = 3) -> str:
 
 
 def _test(statistic: str, e: dict, side: str, threshold: float, interval: str) -> Test:
-    return Test(statistic, e["value"], side, threshold, e["lo"], e["hi"], interval)
+    """A test on an estimate with its interval; an undefined bound (run.json's null) leaves it open, not exact."""
+    lo, hi = (math.nan if e[k] is None else e[k] for k in ("lo", "hi"))
+    return Test(statistic, math.nan if e["value"] is None else e["value"], side, threshold, lo, hi, interval)
 
 
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
