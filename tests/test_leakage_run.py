@@ -17,6 +17,7 @@ from poslens.analyses.leakage.run import LeakageConfig, run_leakage
 from poslens.cli import main
 from poslens.engine.pipeline import checkpoint_path
 from poslens.errors import UsageError
+from poslens.report.claims import VERDICTS
 from poslens.report.sections.leakage import leakage_claims
 
 
@@ -105,9 +106,13 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     assert any(line.strip().startswith("cf/absolute_scores") for line in lines)
     assert any("key 0 in" in line and "key 0 out" in line for line in lines)
     assert any(line.startswith("predecessor: ") and line.endswith("detectable)") for line in lines)
-    claims, context = leakage_claims(tmp_path / "run")  # the report section still reads the run
-    assert any(c.id == "ruscio-bos-replacement-mean" for c in claims)
-    assert any(what.startswith("position 0") for what, _ in context)
+    claims, context = leakage_claims(tmp_path / "run")  # the report section reads the run
+    both = next(c for c in claims if c.id == "ruscio-both-sources")  # on causal terms: the mask-only term, the
+    assert "cf/mask_only" in both.tests[0].statistic and "removed by mean" in both.tests[2].statistic  # intervention
+    assert "offset null" in both.tests[-1].statistic and both.verdict in VERDICTS
+    assert not any("split/" in t.statistic for t in both.tests)  # the exact split is context, not a test
+    assert any(what.startswith("the exact split") for what, _ in context)
+    assert not any(what.startswith("position 0") for what, _ in context)  # true by construction: asserted above
 
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):

@@ -14,12 +14,14 @@ from poslens.report import reproduce as rep
 from poslens.report.claims import PAPERS, VERDICTS
 
 SHORT = {"steps": 6, "warmup": 2, "layers": 2, "eval_every": 3, "save_every": 0}  # a NoPE/RoPE pair trained in seconds
+TINY_SWEEP = "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0"  # one sweep for leakage and length
 SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
          "real-model": {"seq_len": 16, "sequences": 4, "batch": 1, "groups": 2},
          "trained": {"overrides": SHORT, "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
-         "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False},
-         "length": {"sweep_train": "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0",
-                    "sweep_seeds": [0, 1], "sequences": 4, "groups": 2, "variants": ["nope", "rope"]}}
+         "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False, "sweep_train": TINY_SWEEP,
+                     "sweep_seeds": [0, 1], "sweep_sequences": 4, "sweep_groups": 2},
+         "length": {"sweep_train": TINY_SWEEP, "sweep_seeds": [0, 1], "sequences": 4, "groups": 2,
+                    "variants": ["nope", "rope"]}}
 SAMPLES = 400
 
 
@@ -36,7 +38,8 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     for stem in ("figure1", "figure2", "figure2_profiles", "figure3", "figure3_profiles", "figure4", "figure5",
                  "figure6", "figure7", "figure8", "figure9", "figure10", "convergence", "appendix_a1_h",
                  "layer2_profiles", "model_pattern_power", "model_key_profile", "model_rope_normalised",
-                 "training_curves", "position_probe", "leakage_sources", "leakage_architectures"):
+                 "training_curves", "position_probe", "leakage_sources", "leakage_exact_split",
+                 "leakage_architectures"):
         assert stem in figs, stem
     check_report_images(report)
     page = (report / "report.html").read_text()
@@ -55,6 +58,12 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     assert rows["kim-s3-layer2-increasing"]["verdict"] == "holds"
     assert rows["kim-a1-h-decreasing"]["verdict"] == "erratum"  # the printed polynomial is wrong, h decreases
     assert rows["kim-41-dips-infinite-width"]["verdict"] == "finding"
+    # Ruscio et al.'s rows on causal terms and on the tiny sweep (both seeds of each variant): built, decided
+    for rid, n in (("ruscio-both-sources", 6), ("ruscio-bos-replacement", 2), ("ruscio-architectures", 4)):
+        assert rows[rid]["paper"] == "ruscio2026" and len(rows[rid]["test"]) == n, rid
+    assert not any("split/" in t["statistic"] for r in rows.values() if r["paper"] == "ruscio2026" for t in r["test"])
+    assert all("2 seeds" in t["interval"] for rid in ("ruscio-bos-replacement", "ruscio-architectures")
+               for t in rows[rid]["test"])
     for key in ("command", "source", "versions", "total time", "inputs"):
         assert meta["provenance"][key], key
     assert "trained now" in meta["provenance"]["inputs"] or "from the cache" in meta["provenance"]["inputs"]
