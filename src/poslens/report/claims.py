@@ -136,6 +136,18 @@ class Test:
                 "threshold": self.threshold, "outcome": self.outcome()}
 
 
+def estimate_test(statistic: str, e: dict, side: str, threshold: float = 0.0, interval: str = "") -> Test:
+    """A Test on a run.json estimate {"value", "lo", "hi", ...}: a null value or bound (too few groups or seeds for
+    an interval) leaves the test open, never exact."""
+    lo, hi = (math.nan if e.get(k) is None else e[k] for k in ("lo", "hi"))
+    return Test(statistic, math.nan if e["value"] is None else e["value"], side, threshold, lo, hi, interval)
+
+
+def interval_text(e: dict, digits: int = 3) -> str:
+    """'value [lo, hi]' of a run.json estimate (null reads 'nan')."""
+    return f"{num(e['value'], digits)} [{num(e.get('lo'), digits)}, {num(e.get('hi'), digits)}]"
+
+
 def combine(tests: tuple[Test, ...]) -> str:
     """Rule 2: 'pass' when every test passes, 'fail' when any fails, else 'open'."""
     outcomes = [t.outcome() for t in tests]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from poslens.report.claims import Claim, Test, num
+from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
@@ -80,15 +80,9 @@ def _over_seeds(values: list[float]) -> dict:
     return seed_interval([float("nan") if v is None else v for v in values])
 
 
-def _test(statistic: str, e: dict, side: str = ">", threshold: float = 0.0) -> Test:
-    """A test on a mean over seeds; with one seed there is no interval, and the test stays open (not exact)."""
-    nan = float("nan")
-    lo, hi = (nan, nan) if e["lo"] is None else (e["lo"], e["hi"])
-    return Test(statistic, e["value"], side, threshold, lo, hi, f"95% t-interval over {e['n']} seeds")
-
-
-def _ci(e: dict) -> str:
-    return f"{num(e['value'])} [{num(e['lo'])}, {num(e['hi'])}]"
+def _test(statistic: str, e: dict) -> Test:
+    """'> 0' on a mean over seeds; with one seed there is no interval, and the test stays open (not exact)."""
+    return estimate_test(statistic, e, ">", 0.0, f"95% t-interval over {e['n']} seeds")
 
 
 def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean",
@@ -112,8 +106,8 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  "token embedding with the mask and every other position kept; the residual-stream component is "
                  "the scores' absolute term (docs/leakage.md: what the absolute content of the scores each layer "
                  "reads adds). Other variants trained with a BOS: "
-                 + ("; ".join(f"{labels[v]} key 0 in {_ci(share(v, 'key0_in'))}, out {_ci(share(v, 'key0_out'))}"
-                              for v in others) or "none") + ".",
+                 + ("; ".join(f"{labels[v]} key 0 in {interval_text(share(v, 'key0_in'))}, "
+                              f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + ".",
         paper_number=f"{HEADLINE:.0%} removed at early queries (a 3B Llama, per a summary)",
         resolve="more seeds (the interval is the spread over seeds), or the same measurement on a model of the "
                 "paper's scale trained with a BOS (e.g. Gemma-3, which is, where its GGUF is installed)")
@@ -151,7 +145,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                    for v in labels if _seeds(metrics, v)}
     context = [(f"{labels[v]}: absolute-scores energy per layer (all queries, offsets <= {max_offset}, key 0 in; "
                 "mean over seeds, 95% t-interval)" + (" (the control: no rotary encoding)" if v == "nope" else ""),
-                "; ".join(f"layer {i + 1} {_ci(e)}" for i, e in enumerate(per_variant[v]["key0_in"])))
+                "; ".join(f"layer {i + 1} {interval_text(e)}" for i, e in enumerate(per_variant[v]["key0_in"])))
                for v in per_variant]
     claim = Claim(
         "ruscio-architectures", "ruscio2026", "abstract",

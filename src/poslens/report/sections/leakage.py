@@ -16,14 +16,13 @@ every input with a fixed first token; `freeze`; `shift:K` in a RoPE model) are t
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from poslens.io.results import load
-from poslens.report.claims import Claim, Test, num
+from poslens.report.claims import Claim, estimate_test, interval_text, num
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
@@ -32,16 +31,6 @@ RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the 
 # models whose tokenizer names a BOS it never adds: the model was not trained with it first
 UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer names BOS but never adds (a chat-turn "
                                  "token, not one SmolLM2 was trained to see first)"}
-
-
-def _interval(e: dict, digits: int = 3) -> str:
-    return f"{num(e['value'], digits)} [{num(e['lo'], digits)}, {num(e['hi'], digits)}]"
-
-
-def _test(statistic: str, e: dict, side: str, threshold: float, interval: str) -> Test:
-    """A test on an estimate with its interval; an undefined bound (run.json's null) leaves it open, not exact."""
-    lo, hi = (math.nan if e[k] is None else e[k] for k in ("lo", "hi"))
-    return Test(statistic, math.nan if e["value"] is None else e["value"], side, threshold, lo, hi, interval)
 
 
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
@@ -63,23 +52,25 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
         gone = m["interventions"][spec]["over_layers"]["removed"]["early"]
         tests = []
         for k in ("key0_in", "key0_out"):
-            tests.append(_test(f"mask's denominator counterfactual: cf/mask_only energy, early queries, summed over "
-                               f"layers, key 0 {k[5:]}", over["cf/mask_only"][k], ">", 0.0, interval))
+            tests.append(estimate_test(f"mask's denominator counterfactual: cf/mask_only energy, early queries, "
+                                       f"summed over layers, key 0 {k[5:]}", over["cf/mask_only"][k], ">", 0.0,
+                                       interval))
         for k in ("key0_in", "key0_out"):
-            tests.append(_test(f"residual stream: share of the early-query absolute-scores term (cf/absolute_scores, "
-                               f"summed over layers, key 0 {k[5:]}) removed by {spec} (position 0's state replaced, "
-                               "the mask fixed)", gone["cf/absolute_scores"][k], ">", 0.0, interval))
+            tests.append(estimate_test(f"residual stream: share of the early-query absolute-scores term "
+                                       f"(cf/absolute_scores, summed over layers, key 0 {k[5:]}) removed by {spec} "
+                                       "(position 0's state replaced, the mask fixed)", gone["cf/absolute_scores"][k],
+                                       ">", 0.0, interval))
         nulls = ""
         if offset is not None:
             kept = offset["over_layers"]["removed"]["early"]["cf/absolute_scores"]
             for k in ("key0_in", "key0_out"):
-                tests.append(_test(f"against the offset null (windows inside documents): share of the early-query "
-                                   f"absolute-scores term (key 0 {k[5:]}) that follows content position rather than "
-                                   "token position (below 1: token position carries part of it)", kept[k], "<", 1.0,
-                                   interval))
+                tests.append(estimate_test(f"against the offset null (windows inside documents): share of the "
+                                           f"early-query absolute-scores term (key 0 {k[5:]}) that follows content "
+                                           "position rather than token position (below 1: token position carries "
+                                           "part of it)", kept[k], "<", 1.0, interval))
             nulls = "; the nulls' removed shares of the absolute-scores term (key 0 in / out): " + "; ".join(
-                f"{n} {_interval(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_in'])} / "
-                f"{_interval(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_out'])}"
+                f"{n} {interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_in'])} / "
+                f"{interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_out'])}"
                 for n, c in m["nulls"].items())
         claims.append(Claim(
             "ruscio-both-sources", "ruscio2026", "abstract",
@@ -93,12 +84,13 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "effect and a document-start effect are not told apart (docs/leakage.md).",
             resolve="more sequences (each interval is a jackknife over groups of sequences), or the intervention on "
                     "windows inside documents, which tells a BOS effect from a document-start effect",
-            figure="leakage_sources", key=f"{spec} removes {_interval(gone['cf/absolute_scores']['key0_in'])} "
-                                          f"(key 0 in) / {_interval(gone['cf/absolute_scores']['key0_out'])} (out)"))
+            figure="leakage_sources",
+            key=f"{spec} removes {interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
+                f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
     context.append(("the exact split of the non-relative energy (a descriptive identity, not causes): this layer's "
                     "log-partition term split/e_partition and the upstream logit term split/e_logit, early queries, "
                     "summed over layers, key 0 in / out",
-                    "; ".join(f"{t} {_interval(over[t]['key0_in'])} / {_interval(over[t]['key0_out'])}"
+                    "; ".join(f"{t} {interval_text(over[t]['key0_in'])} / {interval_text(over[t]['key0_out'])}"
                               for t in ("split/e_partition", "split/e_logit"))))
     for s, e in m.get("interventions", {}).items():
         if s in ("mean", "random") or s.startswith("token"):
@@ -107,7 +99,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             context.append((f"{name}: BOS replacement ({s}), share of the early-query absolute-scores term removed, "
                             "key 0 in / out" + (f"; its first token is {first}, so not comparable with a model "
                                                 "trained with a BOS (the sweep's row above)" if first else ""),
-                            f"{_interval(gone['key0_in'])} / {_interval(gone['key0_out'])} ({interval})"))
+                            f"{interval_text(gone['key0_in'])} / {interval_text(gone['key0_out'])} ({interval})"))
     s = m["sinks"]
     context.append(("attention sinks (Gu et al.'s per-head test; the paper's criterion is not public)",
                     f"sink rate {s['rate']:.3f} at {s['tokens']} tokens, {len(s['sink_heads'])} heads with attention "

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poslens.report.claims import Claim, Reading, Test, num
+from poslens.report.claims import Claim, Reading, Test, estimate_test, num
 from poslens.report.section import Figure, Panel, Section, section
 from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps, lines, profiles
@@ -165,10 +165,8 @@ def measure(models: dict, size: dict, parts: Path, progress: bool) -> dict:
 
 def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
     """A Test from a run.json estimate {"value", "lo", "hi", "level", "groups", ["method"]} (null bounds: open)."""
-    nan = float("nan")
-    lo, hi = (nan if e.get(k) is None else e[k] for k in ("lo", "hi"))
     how = f"{100 * e.get('level', 0.95):g}% {e.get('method', 'jackknife')} over {e.get('groups')} groups"
-    return Test(statistic, nan if e["value"] is None else e["value"], side, threshold, lo, hi, how)
+    return estimate_test(statistic, e, side, threshold, how)
 
 
 def _printed_slope(e: dict) -> str:
@@ -327,7 +325,7 @@ def figure3_claims(ctx, im: dict, extra: dict, int_cmd: str) -> list[Claim]:
                        f"stack over alpha ({amp['strongest_stack']['alpha']:.2f}): "
                        f"{_fmt(amp['ratio_to_strongest_stack'])}. 'i-independent' read as for the stack at alpha "
                        f"= 0.2 (Section 4.1): the key alone explains more than {I_INDEPENDENT:.0%} (key 1, the sink, "
-                       "left out).", command="")
+                       "left out).", command=None)
     return out
 
 
