@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens.report.claims import Claim, Test, num
+from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections.figures import heatmaps, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
@@ -43,12 +43,12 @@ def _t(values: list[float], level: float = 0.95) -> dict:
 
 
 def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
-    return Test(statistic, e["value"], side, threshold, e.get("lo"), e.get("hi"),
-                f"95% t-interval over {e.get('n', len(e.get('per_seed', e.get('per_model', []))))} seeds")
+    """A test on a mean over seeds; with one seed there is no interval, and the test stays open (not exact)."""
+    return estimate_test(statistic, e, side, threshold,
+                         f"95% t-interval over {e.get('n', len(e.get('per_seed', e.get('per_model', []))))} seeds")
 
 
-def _ci(e: dict) -> str:
-    return f"{num(e['value'])} [{num(e.get('lo'))}, {num(e.get('hi'))}]"
+_ci = interval_text  # 'value [lo, hi]' of an estimate
 
 
 def length_runs(ctx, size: dict) -> tuple[object, dict[str, Path], int]:
