@@ -82,7 +82,7 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     monkeypatch.setattr(loop, "train", counting)
     preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}, "rope": {"pe": "rope"},
                                              "nope2": {"pe": "none"}})
-    cfg = SweepConfig(preset=preset)
+    cfg = SweepConfig(preset=preset, jobs=1)  # in this process, where `counting` sees each training
     with pytest.raises(KeyboardInterrupt):
         run_sweep(cfg, tmp_path / "sweep", progress=False)
     assert not (tmp_path / "sweep").exists()
@@ -103,3 +103,16 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     assert diffs["nope - nope2"]["per_seed"] == [0.0, 0.0] and diffs["nope - nope2"]["lo"] == 0.0
     assert meta["models"][0]["path"] == meta["models"][4]["path"]  # the same configuration: one cached model
     assert (tmp_path / "sweep" / "figures" / "heldout_loss.png").is_file()
+
+
+def test_auto_jobs_is_one_model_per_cpu_thread_and_one_on_a_gpu(monkeypatch):
+    """0 jobs = one model per torch thread on the CPU, never more models than there are, and one on a GPU."""
+    import torch
+
+    from poslens.train.config import resolve_config
+    from poslens.train.sweep import auto_jobs
+
+    cpu = resolve_config("tiny", device="cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert auto_jobs([cpu] * 12) == 4 and auto_jobs([cpu] * 3) == 3 and auto_jobs([cpu]) == 1
+    assert auto_jobs([cpu, resolve_config("tiny", device="cuda")]) == 1

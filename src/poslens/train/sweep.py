@@ -55,8 +55,9 @@ class SweepConfig:
     train: str | None = option(None, help="shared training fields on top of the preset's: FIELD=VALUE+... "
                                           "(e.g. steps=300+tokens=runs/tok)")
     level: float = option(0.95, help="confidence level of the between-seed t-intervals")
-    jobs: int = option(1, help="models trained at once, each in its own process with torch's threads shared out "
-                               "(another thread count sums in another order: weights differ at float32 rounding)")
+    jobs: int = option(0, help="models trained at once, each in its own process with torch's threads shared out; 0: "
+                               "one per torch thread on the CPU, 1 on a GPU (another thread count sums in another "
+                               "order: weights differ at float32 rounding)")
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
                             f"share tokens, batches and steps); set it under train. A variant may set: "
                             f"{', '.join(VARIANT_FIELDS)}")
     check_float("level", cfg.level, 0.0, 1.0, lo_open=True, hi_open=True)
-    check_int("jobs", cfg.jobs, 1, 64)
+    check_int("jobs", cfg.jobs, 0, 64)
     matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds)
     for m in matrix.members:  # every configuration checked up front
         m.config.check()
@@ -223,34 +224,54 @@ def summarise(losses: dict[str, list[float]], level: float = 0.95) -> dict[str, 
 # ---------------------------------------------------------------- running
 
 
-def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 1) -> dict[tuple[str, int], Path]:
-    """Every member's model directory: from the cache, or trained now. Progress lines name each model, k of N, and the
-    time left, estimated from the models trained so far. `jobs` > 1 trains that many models at once, each in its own
-    process with torch's threads shared out among them (small models use cores better side by side than split over
-    threads); their own progress bars are off then."""
+def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 0) -> dict[tuple[str, int], Path]:
+    """Every member's model directory: from the cache, or trained now (`train_models`). Progress lines name each
+    model, k of N, and the time left, estimated from the models trained so far."""
+    members = matrix.members
+    heads = [f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}" for k, m in enumerate(members, 1)]
+    paths = train_models([(m.config, h) for m, h in zip(members, heads)], progress, jobs)
+    return {(m.variant, m.seed): t for m, t in zip(members, paths)}
+
+
+def auto_jobs(cfgs: list[TrainConfig]) -> int:
+    """How many of these models to train at once: on the CPU one per torch thread (small models use two cores
+    better side by side than split over threads: 1.3x on two cores, BENCHMARKS.md "Sweep"), at most one per
+    model; one where any trains on a GPU."""
+    import torch
+
+    gpu = any(c.device.startswith("cuda") or (c.device == "auto" and torch.cuda.is_available()) for c in cfgs)
+    return 1 if gpu else max(1, min(len(cfgs), torch.get_num_threads()))
+
+
+def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, jobs: int = 0) -> list[Path]:
+    """The model directory of each (configuration, progress label): from the cache, or trained now into it. The
+    configurations share one token directory (the first's). `jobs` > 1 trains that many models at once, each in its
+    own process with torch's threads shared out among them; their own progress bars are off then; 0 picks
+    `auto_jobs`."""
     from poslens.train.cache import tokens_of, trained_model_dir
 
-    jobs = check_int("jobs", jobs, 1, 64)
-    members = matrix.members
-    tokens = tokens_of(members[0].config, progress)  # shared by every member (a variant cannot change the data)
-    targets = [trained_model_dir(m.config, tokens) for m in members]
-    heads = [f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}" for k, m in enumerate(members, 1)]
-    todo: dict[Path, int] = {}  # target -> its first member (two variants of one configuration: one model)
+    jobs = check_int("jobs", jobs, 0, 64)
+    cfgs = [c for c, _ in work]
+    tokens = tokens_of(cfgs[0], progress)  # shared by every model (a variant cannot change the data)
+    targets = [trained_model_dir(c, tokens) for c in cfgs]
+    heads = [h for _, h in work]
+    todo: dict[Path, int] = {}  # target -> its first entry (two entries of one configuration: one model)
     for i, t in enumerate(targets):
         if not (t / "run.json").is_file():
             todo.setdefault(t, i)
     for i, t in enumerate(targets):
         if progress and todo.get(t) != i:
             print(f"{heads[i]}: {'cached' if t not in todo else 'the same model as ' + heads[todo[t]]}", flush=True)
+    jobs = min(jobs or auto_jobs([cfgs[i] for i in todo.values()] or cfgs), max(1, len(todo)))
     clock = _Clock(len(todo), progress)
     if jobs == 1:
         for i in todo.values():
-            clock.start(heads[i], members[i].config.steps)
-            _train_member(members[i].config, tokens, None, heads[i] if progress else None)
+            clock.start(heads[i], cfgs[i].steps)
+            _train_member(cfgs[i], tokens, None, heads[i] if progress else None)
             clock.done(heads[i])
     else:
-        _train_parallel([(members[i].config, heads[i]) for i in todo.values()], tokens, jobs, clock)
-    return {(m.variant, m.seed): t for m, t in zip(members, targets)}
+        _train_parallel([(cfgs[i], heads[i]) for i in todo.values()], tokens, jobs, clock)
+    return targets
 
 
 class _Clock:

@@ -1,7 +1,7 @@
 """Past the training length, on the sweep's models: does the causal mask's position signal decide length
 generalisation here?
 
-The sweep (`poslens sweep`, preset pe-quick with --quick, pe in the full run: NoPE, RoPE, NTK-scaled RoPE and RoPE
+The sweep (`poslens sweep`, preset pe-quick in the quick and the full run: NoPE, RoPE, NTK-scaled RoPE and RoPE
 with a sliding window of 32, trained at L = 128 on the embedded corpus with a BOS first, 3 seeds each, the same
 tokens, batches and initial weights for every variant of a seed) is evaluated by `poslens length` at L, 2L, 4L, 8L
 on the held-out split of the training tokens, each variant's three seeds in one run on the same sequences. Every

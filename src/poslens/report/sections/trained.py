@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,6 @@ from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps, lines, profiles
 from poslens.train.config import TrainConfig, resolve_config
 
-CACHE_VERSION = 1  # bump when training changes what a cached model would be
 PE_NAMES = {"none": "NoPE", "rope": "RoPE"}
 PERPLEXITY_TOLERANCE = 1.05  # "comparable" = NoPE's held-out perplexity within 5% of RoPE's
 NEAR_ORTHOGONAL = 0.1  # (a) is "the alpha = 0 case": its alpha closer to 0 than to 0.2, the paper's next alpha
@@ -36,37 +34,22 @@ I_INDEPENDENT = 0.9  # "an i-independent pattern" in (i): the key j alone explai
 PANELS = "abcdefghi"
 
 
-def trained_model_dir(cfg: TrainConfig, tokens: Path) -> Path:
-    """Where the cache keeps the model trained with `cfg` on `tokens` (keyed by both)."""
-    from poslens.engine.models import cache_root
-    from poslens.io.checkpoint import fingerprint
-
-    key = fingerprint({**asdict(cfg), "tokens": tokens.name, "cache_version": CACHE_VERSION})[:10]
-    return cache_root() / "trained" / f"{cfg.preset}-{cfg.pe}-{key}"
-
-
 def trained_pair(preset: str, progress: bool = True, **overrides) -> dict[str, Path]:
-    """The NoPE and RoPE models of `preset` (with `overrides` of its fields) on the embedded corpus: trained now,
-    or read from the cache. Returns their directories, the token directory ("tokens") and, under "trained", the
-    models trained by this call."""
-    from poslens.train.loop import train
-    from poslens.train.tokens import default_tokens
+    """The NoPE and RoPE models of `preset` (with `overrides` of its fields) on the embedded corpus: trained now
+    (side by side where the machine allows, `poslens.train.sweep.auto_jobs`), or read from the model cache. Returns
+    their directories, the token directory ("tokens") and, under "trained", the models trained by this call."""
+    from poslens.train.cache import tokens_of, trained_model_dir
+    from poslens.train.sweep import train_models
 
     cfgs = {pe: resolve_config(preset, **{**overrides, "pe": pe}) for pe in PE_NAMES}
-    tokens = default_tokens(cfgs["none"].tokenizer, progress)
-    out, trained = {}, []
-    for k, (pe, cfg) in enumerate(cfgs.items(), 1):
-        target = trained_model_dir(cfg, tokens)
-        if not (target / "run.json").is_file():
-            if progress:
-                print(f"  training {k}/2: the {PE_NAMES[pe]} model of preset {preset} ({cfg.steps} steps of "
-                      f"{cfg.batch_size} x {cfg.seq_len} tokens), cached in {target}", flush=True)
-            train(cfg, target, progress=progress)
-            trained.append(pe)
-        out[pe] = target
-    out["tokens"] = tokens
-    out["trained"] = trained
-    return out
+    tokens = tokens_of(cfgs["none"], progress)
+    trained = [pe for pe, cfg in cfgs.items() if not (trained_model_dir(cfg, tokens) / "run.json").is_file()]
+    if progress and trained:
+        print(f"  training {' and '.join(PE_NAMES[pe] for pe in trained)} of preset {preset} "
+              f"({cfgs['none'].steps} steps of {cfgs['none'].batch_size} x {cfgs['none'].seq_len} tokens) into the "
+              f"model cache", flush=True)
+    paths = train_models([(cfg, f"  {PE_NAMES[pe]} ({preset})") for pe, cfg in cfgs.items()], progress)
+    return {**dict(zip(cfgs, paths)), "tokens": tokens, "trained": trained}
 
 
 def intermediates_config(models: dict, size: dict):
