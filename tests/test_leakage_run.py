@@ -115,6 +115,30 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     assert not any(what.startswith("position 0") for what, _ in context)  # true by construction: asserted above
 
 
+def test_per_head_contrasts_of_a_one_head_model_are_its_layer_contrasts(tmp_path, capsys):
+    """With one head per layer the head mean is that head, so every intervention's per-head removed share equals its
+    per-layer one (float32 accumulation of the same sums: 1e-5 relative); the command prints the per-head lines."""
+    one = saved_tiny_llama(tmp_path / "one-head", num_attention_heads=1, num_key_value_heads=1, head_dim=64)
+    run = poslens.load(run_leakage(cfg(one, interventions=["mean", "nobos"], predecessor=False), tmp_path / "run",
+                                   progress=False))
+    m = run.metrics
+    for name in ("mean", "nobos"):
+        heads, layers = run[f"{name}/heads/removed"], run[f"{name}/removed"]
+        assert heads.shape == (*layers.shape, 1)
+        assert torch.allclose(heads[..., 0], layers, rtol=1e-5, atol=1e-6)
+        entry = m["interventions"][name]["heads"]
+        assert entry["energy"] == "cf/absolute_scores" and entry["key0_in"]["heads"] == 3
+        for key0 in ("key0_in", "key0_out"):
+            e = entry[key0]
+            per_layer = m["interventions"][name]["per_layer"]["removed"]["early"]["cf/absolute_scores"][key0]
+            for cell in e["largest"]:
+                assert cell["value"] == pytest.approx(per_layer["value"][cell["layer"] - 1], rel=1e-5, abs=1e-6)
+            assert e["removed"] == sum(lo > 0 for lo in per_layer["lo"])
+            assert e["added"] == sum(hi < 0 for hi in per_layer["hi"])
+    lines = summary_lines(run.meta)
+    assert sum(line.strip().startswith("per head, share of cf/absolute_scores removed") for line in lines) == 2
+
+
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
     kw = dict(interventions=["mean"], checkpoint_every=1, figures=False)
     full = poslens.load(run_leakage(cfg(model_dir, **kw), tmp_path / "full", progress=False))

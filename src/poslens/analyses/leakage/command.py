@@ -68,6 +68,8 @@ def summary_lines(meta: dict) -> list[str]:
             lines += _table(c["over_layers"]["removed"], m["energies"], scopes, "    ")
             lines.append("  change of the residual fractions, pass - original (layer mean):")
             lines += _table(c["over_layers"]["difference"], FRACTIONS, scopes, "    ")
+            if "heads" in c:
+                lines += _head_lines(c["heads"], scopes)
     pred = m.get("predecessor")
     if pred:
         pw = pred["power"]
@@ -85,6 +87,21 @@ def summary_lines(meta: dict) -> list[str]:
                  "first token: a check, not a finding)")
     lines.append(f"intervals: {100 * m['level']:g}% jackknife over {m['groups']} groups of sequences, paired between "
                  "passes; run.json has every metric per layer")
+    return lines
+
+
+def _head_lines(h: dict, scopes: dict) -> list[str]:
+    """An intervention's per-head contrast: heads whose removed share is resolved, the largest, the sink heads."""
+    lines = [f"  per head, share of {h['energy']} removed ({scopes[h['scope']]}; an interval above 0 = removed, "
+             "below 0 = added):"]
+    for key0, title in (("key0_in", "key 0 in"), ("key0_out", "key 0 out")):
+        c = h[key0]
+        top = ", ".join(f"L{x['layer']}H{x['head']} {_est(x)}" for x in c["largest"][:3])
+        lines.append(f"    {title}: {c['removed']} of {c['heads']} heads removed, {c['added']} added; largest {top}")
+        if c["sink_heads"]:
+            sinks = ", ".join(f"L{x['layer']}H{x['head']} (alpha_0 {x['alpha0']:.2f}) {_est(x)}"
+                              for x in c["sink_heads"])
+            lines.append(f"      sink heads: {sinks}")
     return lines
 
 

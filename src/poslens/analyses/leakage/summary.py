@@ -87,6 +87,9 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
                                  "removed": by_domain(c["removed_all"], ENERGIES)}}
         if kind == "intervention":  # the previous layout's number, kept for its readers
             entry["removed_all_layers"] = entry["over_layers"]["removed"]["early"]["split/e_logit"]["key0_in"]
+            removed_heads = contrast(orig, p.statistics[0], level=level, heads=True)["removed"]  # [V, E, L, H]
+            ests[f"{p.name}/heads/removed"] = removed_heads
+            entry["heads"] = head_record(removed_heads, ests["original/alpha0"].value, cfg.sink_threshold)
         metrics["interventions" if kind == "intervention" else "nulls"][p.name] = entry
     for name, est in ests.items():
         tensors.update({k: v.float() for k, v in est.as_dict(name).items()})
@@ -121,6 +124,32 @@ def sinks(a0: torch.Tensor, a0_64: torch.Tensor, threshold: float, seq_len: int)
              for h in p0.sink_heads(a0, threshold)]
     return {"rate": float((a0 > threshold).double().mean()), "tokens": seq_len, "epsilon": threshold,
             "rate_64": rate_64, "sink_heads": heads}
+
+
+HEAD_ENERGY, HEAD_SCOPE = "cf/absolute_scores", "early"  # the residual stream's term, where the BOS claim is made
+
+
+def head_record(removed: Estimate, a0: torch.Tensor, threshold: float, k: int = 5) -> dict:
+    """run.json's per-head entry of an intervention: the share of the early queries' absolute-scores energy it
+    removes in each (layer, head) [L, H] (key 0 in and out), how many heads' intervals lie above or below 0, the k
+    largest, and every sink-reading head (alpha_0 > threshold) beside it."""
+    e = ENERGIES.index(HEAD_ENERGY)
+    out: dict = {"energy": HEAD_ENERGY, "scope": HEAD_SCOPE, "level": removed.level, "groups": removed.groups}
+    for key0 in KEY0:
+        at = (VARIANT[HEAD_SCOPE, key0], e)
+        value, lo, hi = removed.value[at], removed.lo[at], removed.hi[at]  # [L, H]
+        order = torch.argsort(value.reshape(-1).nan_to_num(nan=-math.inf), descending=True)[:k]
+        width = value.shape[-1]
+        out[key0] = {"heads": int(value.numel()), "removed": int((lo > 0).sum()), "added": int((hi < 0).sum()),
+                     "largest": [_head_cell(value, lo, hi, int(i) // width, int(i) % width) for i in order],
+                     "sink_heads": [{**_head_cell(value, lo, hi, h["layer"], h["head"]), "alpha0": h["alpha0"]}
+                                    for h in p0.sink_heads(a0, threshold)]}
+    return out
+
+
+def _head_cell(value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, l: int, h: int) -> dict:
+    return {"layer": l + 1, "head": h + 1, "index": [l, h], "value": float(value[l, h]), "lo": float(lo[l, h]),
+            "hi": float(hi[l, h])}
 
 
 def predecessor_record(test: pr.PairedTest, k: int = 10) -> dict:
