@@ -123,6 +123,19 @@ def test_line_plots_are_large_and_log_axes_label_each_width_once():
     plotting.plt.close(fig)
 
 
+def test_categories_label_the_ticks_and_leave_points_unjoined():
+    """Variants on the x axis are categories: their names on the ticks, no line drawn from one to the next, and two
+    series side by side rather than on top of each other."""
+    fig = plotting.line_plot([1, 2, 3], {"a": [0.1, 0.2, 0.3], "b": [0.1, 0.2, 0.3]}, "variant", "effect",
+                             categories=["nope", "rope", "ntk"])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["nope", "rope", "ntk"]
+    drawn = [line for line in ax.get_lines() if len(line.get_xdata()) == 3]
+    assert len(drawn) == 2 and all(line.get_linestyle() == "None" for line in drawn)
+    assert all(a < b for a, b in zip(drawn[0].get_xdata(), drawn[1].get_xdata()))
+    plotting.plt.close(fig)
+
+
 def test_offdiag_limits_ignore_a_constant_diagonal():
     """An l2-normalised map has 1 on the diagonal; its pattern lives off it, so the limits must too."""
     m = np.tril(np.full((6, 6), 0.1) + 0.01 * np.arange(6)[None, :])

@@ -125,14 +125,22 @@ def _finish(ax, xlabel: str, ylabel: str, title: str | None) -> None:
 
 
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
-              logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None):
+              logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None,
+              categories: Sequence[str] | None = None):
     """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. Integer x
-    values get integer ticks; on a log x-axis the ticks are the x values themselves (no overlapping labels)."""
+    values get integer ticks; on a log x-axis the ticks are the x values themselves (no overlapping labels). With
+    `categories` (one label per x) the x values are categories: ticks carry the labels, the points of a series
+    are not joined, and each series is shifted a little sideways so that error bars do not hide each other."""
     fig, ax = plt.subplots(figsize=LINE_SIZE, constrained_layout=True)
-    for name, ys in series.items():
+    shift = 0.25 / max(1, len(series))
+    for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
-        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=3, label=name)
-    if logx:
+        at = xs if categories is None else [x + (k - (len(series) - 1) / 2) * shift for x in xs]
+        ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name,
+                    linestyle="-" if categories is None else "none")
+    if categories is not None:
+        ax.set_xticks(list(xs), list(categories))
+    elif logx:
         ax.set_xscale("log")
         ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
         ax.xaxis.set_minor_locator(NullLocator())

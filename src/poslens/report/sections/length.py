@@ -225,11 +225,10 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         errors[NAMES.get(spec, spec)] = np.array(errs).T
     out.append(lines(ctx, "length_effects", list(range(1, len(runs) + 1)), series,
                      "Each intervention's paired effect on the loss over [L, 8L) (intervention minus none on the same "
-                     "sequences), by variant (" + ", ".join(f"{i + 1} = {v}" for i, v in enumerate(runs))
-                     + "), mean over seeds with 95% t-intervals; below 0 the intervention helps; an intervention "
-                       "that does not apply to a variant has no point there.",
+                     "sequences), by variant, mean over seeds with 95% t-intervals; below 0 the intervention helps; "
+                     "an intervention that does not apply to a variant has no point there.",
                      "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
-                     errors=errors, zero=True))
+                     errors=errors, zero=True, categories=list(runs)))
     series, errors = {}, {}
     for v, r in runs.items():
         prof = r.metrics["seeds"]["profile"]["gap"]
