@@ -47,8 +47,10 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
     noisy = [p.title for p in panels if noise_only(p)]
     if noisy:
         warning = (warning + " " if warning else "") + (
-            f"{'This panel shows' if len(noisy) == 1 else 'These panels show'} sampling noise, not a pattern (its "
-            f"entries spread by under {NOISE_STD} standard errors): " + "; ".join(noisy) + ".")
+            f"What {'this panel shows' if len(noisy) == 1 else 'these panels show'} entry by entry is mostly "
+            f"sampling noise (the entries spread by under {NOISE_STD} of their standard errors): "
+            + "; ".join(noisy) + ". A statistic over many entries (a row slope, a ratio) can still be resolved: "
+            "read its interval in the rows, not the picture.")
     fig = plotting.map_grid([p.values for p in panels], [p.title for p in panels], ncols=ncols,
                             limits=[p.limits for p in panels], suptitle=suptitle, row_labels=row_labels,
                             panel_size=panel_size)
