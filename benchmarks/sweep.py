@@ -3,8 +3,9 @@ attention sinks of every model it trained (run by hand, not a test).
 
 The sweep runs in this process with POSLENS_CACHE pointed at a fresh directory, into which the embedded corpus and
 the cached token directory of the preset's tokenizer are copied first (tokenizing the embedded corpus is timed
-apart: it happens once per tokenizer, not once per sweep). CPU time is this process's user + system time
-(`resource.getrusage`); on a shared machine wall time measures the load as much as the work, so the load average
+apart: it happens once per tokenizer, not once per sweep). CPU time is the user + system time of this process and
+its worker processes (`resource.getrusage`); models are trained side by side as `poslens sweep` does by default
+(`auto_jobs`); on a shared machine wall time measures the load as much as the work, so the load average
 is printed at the start and the end.
 
 Sinks (Gu et al. 2025, "When attention sink emerges in language models"): for every model, the mean attention
@@ -36,8 +37,9 @@ import torch
 
 
 def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """User + system time of this process and of its finished children (the sweep's worker processes)."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def alpha0(model_dir: str, tokens: Path, sequences: int, length: int = 64) -> torch.Tensor:
@@ -99,7 +101,7 @@ def main() -> None:
 
     from poslens.train.cache import tokens_of
     from poslens.train.command import sweep_table
-    from poslens.train.sweep import SweepConfig, resolve_matrix, run_sweep, seed_interval, train_matrix
+    from poslens.train.sweep import SweepConfig, auto_jobs, resolve_matrix, run_sweep, seed_interval, train_matrix
 
     cfg = SweepConfig(preset=args.preset)
     matrix = resolve_matrix(cfg)
@@ -146,7 +148,8 @@ def main() -> None:
               f"{sinks[variant]['max_alpha0']['value']:.3f}  per seed rates {', '.join(f'{x:.3f}' for x in rates)}")
     if args.json:
         record = {"preset": args.preset, "wall_s": wall, "cpu_s": cpu, "load_start": load0, "load_end": load1,
-                  "threads": torch.get_num_threads(), "argv": sys.argv, "sinks": sinks,
+                  "threads": torch.get_num_threads(), "jobs": cfg.jobs or auto_jobs([m.config for m in matrix.members]),
+                  "argv": sys.argv, "sinks": sinks,
                   "sweep": meta["metrics"] if meta else None}
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 
