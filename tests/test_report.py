@@ -95,6 +95,8 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     for c in claims:  # a summary line linking to the row, and the row
         assert f"href='#{c.id}'" in page and f"id='{c.id}'" in page
     assert page.index("href='#kim-x'") < page.index("id='kim-x'")  # the summary comes first
+    assert "\u201cBehind RoPE: How Does Causal Mask Encode Positional Information?\u201d" in page  # beside its ledger
+    assert "Rows: query i, columns: key j, both from 1." in page  # the interactive maps have no axes: the caption says
     spec = json.loads(HEATMAP.findall(page)[0])
     low = np.tril(np.ones((12, 12), dtype=bool))
     assert np.allclose(heatmap_values(spec)[low], m[low], rtol=1e-3)  # float16: 3 significant digits
@@ -120,6 +122,22 @@ def test_line_plots_are_large_and_log_axes_label_each_width_once():
     assert w >= 700 and h >= 450
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels(minor=True)]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["16", "64", "256", "1024"] and not any(labels)
+    plotting.plt.close(fig)
+
+
+def test_line_plots_tick_from_the_first_value_name_categories_and_keep_the_legend_off_the_data():
+    """A layer axis from 1 shows no tick 0; categories are named on the axis, not decoded in a caption; the legend
+    sits below the axes, so it hides no line or error bar."""
+    layers = list(range(1, 31))
+    fig = plotting.line_plot(layers, {f"series {k}": [k + x for x in layers] for k in range(4)}, "layer", "y")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert ax.get_xticks()[0] == 1 and min(ax.get_xticks()) >= 1
+    assert not ax.get_legend() and len(fig.legends) == 1
+    assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0
+    plotting.plt.close(fig)
+    fig = plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "variant", "y", xticklabels=["nope", "rope", "ntk"])
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["nope", "rope", "ntk"]
     plotting.plt.close(fig)
 
 

@@ -68,11 +68,13 @@ def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequen
 
 
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
-          errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False) -> Figure:
-    """A line plot (error bars optional) saved as figures/stem.png and .pdf."""
+          errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False,
+          xticklabels: Sequence[str] | None = None) -> Figure:
+    """A line plot (error bars optional; xticklabels: a name for each x) saved as figures/stem.png and .pdf."""
     if not ctx.draw:
         return Figure(ctx.figures / f"{stem}.png", caption)
-    fig = plotting.line_plot(list(xs), series, xlabel, ylabel, title, logx=logx, logy=logy, errors=errors)
+    fig = plotting.line_plot(list(xs), series, xlabel, ylabel, title, logx=logx, logy=logy, errors=errors,
+                             xticklabels=xticklabels)
     if zero:
         fig.axes[0].axhline(0, color="0.3", lw=0.8)
     return Figure(ctx.save(fig, stem), caption)

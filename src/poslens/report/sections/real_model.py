@@ -181,7 +181,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
                  + f". The weakest lower bound is layer {weakest + 1}'s: {num(float(v[weakest]))} "
                    f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: figure "
                    "model_pattern_power and run.json.",
-        resolve=resolve, figure="model_pattern_power, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
+        resolve=resolve, figure="non-relative pattern per layer, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
         key=f"{layers - 1 - len(unresolved)} of {layers - 1} layers; weakest {num(float(lo[weakest]))}")]
     ratio = sums.estimate(lambda m: (lambda p: p[0] / p[1:].mean())(ms.pattern_power(m["a"], m["b"], sink=True)))
     out.append(Claim(
@@ -191,7 +191,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
               float(ratio.lo), float(ratio.hi), f"95% jackknife over {ratio.groups} groups"),),
         measured=f"'except the first' read as: layer 1's pattern is under a tenth of the later layers' (an exactly "
                  f"zero pattern cannot be shown by an interval). Layer 1: {num(float(v[0]))} [{num(float(lo[0]))}, "
-                 f"{num(float(hi[0]))}] (Bonferroni bounds).", figure="model_pattern_power",
+                 f"{num(float(hi[0]))}] (Bonferroni bounds).", figure="non-relative pattern per layer",
         command=ctx.remeasure("kim-52-first-layer")))
 
     def range_ratio(m):
@@ -228,7 +228,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         "the pattern non-uniformly emphasises the first few keys", readings=tuple(readings),
         measured="'emphasises' read as: those keys score above their diagonals' mean, on average over the layers "
                  "after the first; the key profile figure shows it per layer.",
-        figure="model_key_profile", command=ctx.remeasure("kim-52-first-keys")))
+        figure="scores of the first keys", command=ctx.remeasure("kim-52-first-keys")))
     return out
 
 
