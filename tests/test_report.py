@@ -136,6 +136,12 @@ def test_line_plots_tick_from_the_first_value_name_categories_and_keep_the_legen
     assert not ax.get_legend() and len(fig.legends) == 1
     assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0
     plotting.plt.close(fig)
+    long = {f"the scores' absolute term (cf/absolute_scores), key 0 {k}": layers for k in ("in", "out", "a")}
+    fig = plotting.line_plot(layers, long, "layer", "y")
+    fig.canvas.draw()
+    box = fig.legends[0].get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width  # long labels in one column: none cut at the figure's edge
+    plotting.plt.close(fig)
     fig = plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "variant", "y", xticklabels=["nope", "rope", "ntk"])
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["nope", "rope", "ntk"]
     plotting.plt.close(fig)

@@ -116,16 +116,17 @@ LINE_SIZE = (7.6, 4.8)  # inches: 760 x 480 px at DPI, readable in the report at
 
 def _finish(ax, xlabel: str, ylabel: str, title: str | None) -> None:
     """Labels, title, grid and the legend: below the axes (outside them, so it never hides a line or an error bar),
-    in two columns when there are more than two series."""
+    in two columns when there are more than two series with short enough labels."""
     ax.set_xlabel(xlabel, fontsize=11)
     ax.set_ylabel(ylabel, fontsize=11)
     ax.tick_params(labelsize=10)
     if title:
         ax.set_title(title, fontsize=12)
-    n = len(ax.get_legend_handles_labels()[1])
-    if n:
-        ax.figure.legend(*ax.get_legend_handles_labels(), fontsize=9, loc="outside lower center",
-                         ncols=1 if n <= 2 else 2, frameon=False)
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:  # two columns fit the figure's width for labels up to about 40 characters
+        two = len(labels) > 2 and max(map(len, labels)) <= 40
+        ax.figure.legend(handles, labels, fontsize=9, loc="outside lower center", ncols=2 if two else 1,
+                         frameon=False)
     ax.grid(alpha=0.3)
 
 

@@ -121,7 +121,7 @@ padding:2px 6px;font-size:12px;border-radius:3px;display:none;z-index:9}
 # Heatmaps: data are float16 (IEEE half, little endian) of the entries j <= i, row by row, base64; NaN is blank.
 SCRIPT = """
 (function(){
-var LABEL=36;
+var LABEL=30;
 var tip=document.createElement('div');tip.className='tip';document.body.appendChild(tip);
 var lut=[];var hex=document.getElementById('poslens-cmap').textContent;
 for(var k=0;k<256;k++)lut.push([parseInt(hex.substr(6*k,2),16),parseInt(hex.substr(6*k+2,2),16),
@@ -146,13 +146,15 @@ document.querySelectorAll('.hm').forEach(function(el){
  function draw(){var px=cv.clientWidth*(window.devicePixelRatio||1)|0;cv.width=px;cv.height=px;
   cx.imageSmoothingEnabled=false;cx.fillStyle='#fff';cx.fillRect(0,0,px,px);
   cx.drawImage(img,view.x,view.y,view.s,view.s,0,0,px,px);
-  var c=px/view.s;if(c<LABEL)return;
-  cx.font=Math.round(Math.min(c/4,16*(window.devicePixelRatio||1)))+'px sans-serif';cx.textAlign='center';
-  cx.textBaseline='middle';
+  var c=px/view.s,dpr=window.devicePixelRatio||1;if(c<LABEL*dpr)return;var cells=[],w=0,fs=Math.min(c/3,15*dpr);
+  cx.font=fs+'px sans-serif';cx.textAlign='center';cx.textBaseline='middle';
   for(var i=Math.floor(view.y);i<Math.min(n,Math.ceil(view.y+view.s));i++)
    for(var j=Math.floor(view.x);j<=Math.min(i,Math.ceil(view.x+view.s)-1);j++){var v=val[i*n+j];
-    if(!isFinite(v))continue;cx.fillStyle=(v-d.lo)/((d.hi-d.lo)||1)<0.5?'#fff':'#000';
-    cx.fillText(v.toPrecision(3),(j-view.x+0.5)*c,(i-view.y+0.5)*c);}}
+    if(!isFinite(v))continue;var s=Number(v.toPrecision(3)).toString();w=Math.max(w,cx.measureText(s).width);
+    cells.push([i,j,v,s]);}
+  if(w>0.9*c)cx.font=(fs*0.9*c/w)+'px sans-serif';
+  cells.forEach(function(q){cx.fillStyle=(q[2]-d.lo)/((d.hi-d.lo)||1)<0.5?'#fff':'#000';
+   cx.fillText(q[3],(q[1]-view.x+0.5)*c,(q[0]-view.y+0.5)*c);});}
  function cell(ev){var r=cv.getBoundingClientRect();return [view.y+(ev.clientY-r.top)/r.height*view.s,
   view.x+(ev.clientX-r.left)/r.width*view.s];}
  cv.addEventListener('mousemove',function(ev){

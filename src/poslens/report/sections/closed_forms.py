@@ -184,5 +184,5 @@ def figure1(ctx):
                   "Figure 1: the mechanism for n = 8, alpha = 0 (computed, not typed); positions from 1. In (c) and "
                   "(d) the colour scale spans the off-diagonal entries (the diagonal, h(i)^2 in (c) and 1 in (d), is "
                   "drawn at the top of the scale); the printed numbers are exact.",
-                  [Panel(t, m, None, lim) for t, m, lim in zip(titles, maps, lims)], ncols=2)
+                  [Panel(t, m, None, lim) for t, m, lim in zip(titles, maps, lims)], ncols=4)
 
