@@ -50,6 +50,7 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
         assert c["paper"] in PAPERS and c["verdict"] in VERDICTS and c["test"] and c["command"], c["id"]
         assert all({"statistic", "value", "side", "threshold", "outcome"} <= set(t) for t in c["test"])
         assert f"id='{c['id']}'" in page and f"href='#{c['id']}'" in page  # a row and its summary line
+        assert "_" not in (c["figure"] or ""), c["id"]  # a figure named as its title says, not by its file's stem
     ledgers = meta["metrics"]["ledgers"]
     assert list(ledgers) == ["kim2025", "ruscio2026", "other", "poslens"]
     assert sum(sum(v.values()) for v in ledgers.values()) == len(claims)
