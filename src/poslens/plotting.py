@@ -145,9 +145,11 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     x-axis the ticks are the x values themselves (no overlapping labels); xticklabels names each x (categories,
     such as variants or position ranges, instead of numbers decoded in a caption)."""
     fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
-    for name, ys in series.items():
+    for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
-        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=3, label=name)
+        # named categories: each series a little apart, so that error bars at one x do not hide each other
+        at = xs if xticklabels is None else [x + 0.06 * (k - (len(series) - 1) / 2) for x in xs]
+        ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name)
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))
     elif logx:

@@ -19,6 +19,7 @@ denominator's) restores it; for RoPE the same correction helps more than rescali
 from __future__ import annotations
 
 import shutil
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -229,7 +230,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                      "sequences), by variant, mean over seeds with 95% t-intervals; below 0 the intervention helps; "
                      "an intervention that does not apply to a variant has no point there.",
                      "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
-                     errors=errors, zero=True, xticklabels=[f"{v}\n{sw.labels[v]}" for v in runs]))
+                     errors=errors, zero=True, xticklabels=[f"{v}\n{textwrap.fill(sw.labels[v], 16)}" for v in runs]))
     series, errors = {}, {}
     for v, r in runs.items():
         prof = r.metrics["seeds"]["profile"]["gap"]
