@@ -268,9 +268,9 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
     noisy = noisy_layers(sums)
     panels = [Panel(f"layer {k + 1}, diagonal-normalised", norm[k], se[k], quantile_limits(norm[k])) for k in range(4)]
     out.append(heatmaps(ctx, "figure5", panels, "Figure 5 style: layers 1-4, diagonal-normalised, attention-sink "
-                        "column (key 1) blank; colour limits at the 1% and 99% quantiles. Hover: value and the "
-                        "standard error of the entry.", suptitle="SmolLM2-135M: diagonal-normalised mean scores, "
-                        "layers 1-4 (Figure 5 style)", warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
+                        "column (key 1) blank; colour limits at the 1% and 99% quantiles.",
+                        suptitle="SmolLM2-135M: diagonal-normalised mean scores, layers 1-4 (Figure 5 style)",
+                        warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
     q = first_query(mean.shape[-1])
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
         :, q:, :], axis=1)))

@@ -359,7 +359,7 @@ def figures(ctx, run, models: dict, m: dict, preset: str) -> list[Figure]:
         panels.append(Panel(titles[c], v, se, plotting.offdiag_limits(v, (0.01, 0.99))))
     out = [heatmaps(ctx, "figure3", panels, "Figure 3 style: the trained NoPE model, layers 1 and 2, held-out text; "
                     "each panel's colour limits at the 1% and 99% quantiles of its off-diagonal entries (the diagonal "
-                    "saturates). Hover: value and standard error.", ncols=3, suptitle=f"Figure 3: {label}, "
+                    "saturates).", ncols=3, suptitle=f"Figure 3: {label}, "
                     "Gram matrices of the intermediates of layers 1 and 2", panel_size=3.0)]
     out.append(profiles(ctx, "figure3_profiles", [panels[5].values, panels[8].values], [panels[5].se, panels[8].se],
                         [titles["f"], titles["i"]], "Rows of panels (f) and (i) against the key j < i for three "
