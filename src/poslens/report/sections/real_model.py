@@ -179,10 +179,11 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         measured=f"resolved (lower bound above 0) in {layers - 1 - len(unresolved)} of {layers - 1} layers after the "
                  "first" + (f"; not in layers {', '.join(map(str, unresolved))}" if unresolved else "")
                  + f". The weakest lower bound is layer {weakest + 1}'s: {num(float(v[weakest]))} "
-                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: figure "
-                   "model_pattern_power and run.json.",
+                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: the figure "
+                   "'non-relative pattern per layer' and run.json.",
         resolve=resolve, figure="non-relative pattern per layer, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
-        key=f"{layers - 1 - len(unresolved)} of {layers - 1} layers; weakest {num(float(lo[weakest]))}")]
+        key=f"resolved in {layers - 1 - len(unresolved)} of {layers - 1} layers; weakest lower bound "
+            f"{num(float(lo[weakest]))} (layer {weakest + 1})")]
     ratio = sums.estimate(lambda m: (lambda p: p[0] / p[1:].mean())(ms.pattern_power(m["a"], m["b"], sink=True)))
     out.append(Claim(
         "kim-52-first-layer", "kim2025", "Section 5.2, Figure 5",
