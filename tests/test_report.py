@@ -16,7 +16,7 @@ import poslens.report.sections  # noqa: F401  (registers the real sections befor
 from poslens import plotting
 from poslens.report import section as registry_module
 from poslens.report.claims import Claim, Test
-from poslens.report.render import headlines, write_report
+from poslens.report.render import figure_of, headlines, write_report
 from poslens.report.section import Figure, Panel, Section
 from poslens.report.sections.figures import heatmaps, noise_only
 
@@ -77,11 +77,12 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     m[np.triu_indices(12, 1)] = np.nan
     static = plotting.save(plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "x", "y"), tmp_path / "figures", "line")[0]
     interactive = heatmaps(_ctx(tmp_path), "maps", [Panel("layer 1", m, m / 100)], "two maps")
-    claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x"),
+    claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x",
+                    figure="a line plot, Figure 2"),
               Claim("haviv-y", "haviv2022", "Section 4", "y > 0", (Test("y", 0.1, ">", 0.0, -0.1, 0.3),)),
               Claim("poslens-z", "poslens", "docs", "z", (Test("z", 2.0, ">", 1.0),))]
-    sec = Section("S", "text", claims, [Figure(static, "a line"), interactive], [("context", "measured")],
-                  scale="Measured on a small model; the paper's is 8B.", name="s")
+    sec = Section("S", "text", claims, [Figure(static, "a line", title="A line plot"), interactive],
+                  [("context", "measured")], scale="Measured on a small model; the paper's is 8B.", name="s")
     prov = {"command": "poslens reproduce --quick", "source": "git abc", "versions": "poslens 0.2.0",
             "inputs": "model: from the cache\ncorpus: embedded"}
     write_report(tmp_path, "T", "intro", [sec], prov)
@@ -95,6 +96,9 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     for c in claims:  # a summary line linking to the row, and the row
         assert f"href='#{c.id}'" in page and f"id='{c.id}'" in page
     assert page.index("href='#kim-x'") < page.index("id='kim-x'")  # the summary comes first
+    assert "figure: <a href='#fig-line'>a line plot, Figure 2</a>" in page  # a row links to the figure it quotes
+    assert figure_of("Figure 1", [Figure(static, "Figure 10: x"), Figure(static, "Figure 1 style: y")]).caption \
+        == "Figure 1 style: y"
     assert "\u201cBehind RoPE: How Does Causal Mask Encode Positional Information?\u201d" in page  # beside its ledger
     assert "Rows: query i, columns: key j, both from 1." in page  # the interactive maps have no axes: the caption says
     spec = json.loads(HEATMAP.findall(page)[0])

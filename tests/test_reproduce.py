@@ -52,6 +52,8 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
         assert all({"statistic", "value", "side", "threshold", "outcome"} <= set(t) for t in c["test"])
         assert f"id='{c['id']}'" in page and f"href='#{c['id']}'" in page  # a row and its summary line
         assert "_" not in (c["figure"] or ""), c["id"]  # a figure named as its title says, not by its file's stem
+        row = page[page.index(f"id='{c['id']}'"):]
+        assert not c["figure"] or "figure: <a href='#fig-" in row[:row.index("</div>")], c["id"]  # ... and linked
     for caption in re.findall(r"<figcaption>(.*?)</figcaption>", page):  # the page says once how to read a map
         assert caption.lower().count("hover") <= 1, caption
     ledgers = meta["metrics"]["ledgers"]

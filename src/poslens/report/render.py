@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -221,7 +222,19 @@ def _figure_html(f: Figure, root: Path) -> str:
             "</figure>")
 
 
-def _claim_html(c: Claim) -> str:
+def figure_of(ref: str, figures: list[Figure]) -> Figure | None:
+    """The figure a claim's `figure` reference points to: 'Figure N...' is the figure whose caption opens with
+    'Figure N' (the paper's numbering); any other reference quotes a figure's title (up to its first comma)."""
+    paper = re.match(r"Figure (\d+)\b", ref)
+    for f in figures:
+        if paper and re.match(rf"Figure {paper.group(1)}\b", f.caption):
+            return f
+        if not paper and ref and ref.split(", ")[0].lower() in f.title.lower():
+            return f
+    return None
+
+
+def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
     v = c.verdict
     tests = "".join(f"<li>{'' if role == 'claim' else '<i>' + e(role) + ':</i> '}{e(t.text())}</li>"
                     for role, t in c.all_tests())
@@ -253,7 +266,8 @@ def _claim_html(c: Claim) -> str:
         parts.append(f"<p class='note'><b>What would resolve it:</b> {e(c.resolve)}</p>")
     tail = []
     if c.figure:
-        tail.append(f"figure: {e(c.figure)}")
+        f = figure_of(c.figure, list(figures))
+        tail.append(f"figure: <a href='#fig-{e(f.stem)}'>{e(c.figure)}</a>" if f else f"figure: {e(c.figure)}")
     if c.command:
         tail.append(f"re-measure: <code>{e(c.command)}</code>")
     if tail:
@@ -295,7 +309,7 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
         out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{e(s.text)}</p>")
         if s.scale:
             out.append(f"<p class='banner'>{e(s.scale)}</p>")
-        out += [_claim_html(c) for c in s.claims]
+        out += [_claim_html(c, s.figures) for c in s.claims]
         if s.context:
             out.append("<p><b>Also measured</b> (shown beside the claims, no verdict):</p><ul>"
                        + "".join(f"<li>{e(a)}: {e(b)}</li>" for a, b in s.context) + "</ul>")

@@ -112,7 +112,7 @@ def build(ctx, size: dict) -> Section:
         "j = i - 1 included: <y_i, y_{i-1}> < 1)",
         (Test("smallest step s(i, j+1) - s(i, j), j < i", smallest, ">", 0.0),),
         measured=f"Eq. 4 at n = {N}, {WHERE}: every step of every row, the last one to the diagonal included.",
-        figure="layer-2 row profiles", key=f"{smallest:.3g}"))
+        figure="layer-2 scores against the key", key=f"{smallest:.3g}"))
     if ctx.draw:
         s.figures.append(figure1(ctx))
     xs = np.arange(1, 51)

@@ -86,7 +86,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "effect and a document-start effect are not told apart (docs/leakage.md).",
             resolve="more sequences (each interval is a jackknife over groups of sequences), or the intervention on "
                     "windows inside documents, which tells a BOS effect from a document-start effect",
-            figure="the mask's term and the scores' absolute term per layer",
+            figure="the mask's term and the scores' absolute term",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
                 f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
