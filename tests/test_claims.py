@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from poslens.report.claims import Claim, Reading, Test, combine, ledgers
+from poslens.report.claims import Claim, Reading, Test, combine, estimate_test, ledgers
 
 UP = Test("slope", 0.5, ">", 0.0, 0.2, 0.8, "95% jackknife")  # whole interval above 0
 DOWN = Test("slope", -0.5, ">", 0.0, -0.8, -0.2, "95% jackknife")  # whole interval below 0
@@ -29,6 +29,11 @@ def test_a_test_passes_fails_or_stays_open_by_its_interval():
         Test("s", 1.0, ">=")
     with pytest.raises(ValueError, match="both"):
         Test("s", 1.0, ">", 0, 0.5, None)
+
+
+def test_an_estimate_without_an_interval_reads_so_not_nan():
+    t = estimate_test("probe error", {"value": 0.213, "lo": None, "hi": None}, "<", 0.0, "95% jackknife over 2 groups")
+    assert t.outcome() == "open" and t.key() == "0.213 (no interval)" and "nan" not in t.text()
 
 
 def test_tests_are_a_conjunction():

@@ -16,7 +16,7 @@ import poslens.report.sections  # noqa: F401  (registers the real sections befor
 from poslens import plotting
 from poslens.report import section as registry_module
 from poslens.report.claims import Claim, Test
-from poslens.report.render import headlines, write_report
+from poslens.report.render import figure_of, headlines, write_report
 from poslens.report.section import Figure, Panel, Section
 from poslens.report.sections.figures import heatmaps, noise_only
 
@@ -77,11 +77,12 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     m[np.triu_indices(12, 1)] = np.nan
     static = plotting.save(plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "x", "y"), tmp_path / "figures", "line")[0]
     interactive = heatmaps(_ctx(tmp_path), "maps", [Panel("layer 1", m, m / 100)], "two maps")
-    claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x"),
+    claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x",
+                    figure="a line plot, Figure 2"),
               Claim("haviv-y", "haviv2022", "Section 4", "y > 0", (Test("y", 0.1, ">", 0.0, -0.1, 0.3),)),
               Claim("poslens-z", "poslens", "docs", "z", (Test("z", 2.0, ">", 1.0),))]
-    sec = Section("S", "text", claims, [Figure(static, "a line"), interactive], [("context", "measured")],
-                  scale="Measured on a small model; the paper's is 8B.", name="s")
+    sec = Section("S", "text", claims, [Figure(static, "a line", title="A line plot"), interactive],
+                  [("context", "measured")], scale="Measured on a small model; the paper's is 8B.", name="s")
     prov = {"command": "poslens reproduce --quick", "source": "git abc", "versions": "poslens 0.2.0",
             "inputs": "model: from the cache\ncorpus: embedded"}
     write_report(tmp_path, "T", "intro", [sec], prov)
@@ -95,6 +96,11 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     for c in claims:  # a summary line linking to the row, and the row
         assert f"href='#{c.id}'" in page and f"id='{c.id}'" in page
     assert page.index("href='#kim-x'") < page.index("id='kim-x'")  # the summary comes first
+    assert "figure: <a href='#fig-line'>a line plot, Figure 2</a>" in page  # a row links to the figure it quotes
+    assert figure_of("Figure 1", [Figure(static, "Figure 10: x"), Figure(static, "Figure 1 style: y")]).caption \
+        == "Figure 1 style: y"
+    assert "\u201cBehind RoPE: How Does Causal Mask Encode Positional Information?\u201d" in page  # beside its ledger
+    assert "Rows: query i, columns: key j, both from 1." in page  # the interactive maps have no axes: the caption says
     spec = json.loads(HEATMAP.findall(page)[0])
     low = np.tril(np.ones((12, 12), dtype=bool))
     assert np.allclose(heatmap_values(spec)[low], m[low], rtol=1e-3)  # float16: 3 significant digits
@@ -123,16 +129,38 @@ def test_line_plots_are_large_and_log_axes_label_each_width_once():
     plotting.plt.close(fig)
 
 
-def test_categories_label_the_ticks_and_leave_points_unjoined():
+def test_unordered_categories_leave_points_unjoined():
     """Variants on the x axis are categories: their names on the ticks, no line drawn from one to the next, and two
     series side by side rather than on top of each other."""
     fig = plotting.line_plot([1, 2, 3], {"a": [0.1, 0.2, 0.3], "b": [0.1, 0.2, 0.3]}, "variant", "effect",
-                             categories=["nope", "rope", "ntk"])
+                             xticklabels=["nope", "rope", "ntk"], joined=False)
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["nope", "rope", "ntk"]
     drawn = [line for line in ax.get_lines() if len(line.get_xdata()) == 3]
     assert len(drawn) == 2 and all(line.get_linestyle() == "None" for line in drawn)
     assert all(a < b for a, b in zip(drawn[0].get_xdata(), drawn[1].get_xdata()))
+    plotting.plt.close(fig)
+
+
+def test_line_plots_tick_from_the_first_value_name_categories_and_keep_the_legend_off_the_data():
+    """A layer axis from 1 shows no tick 0; categories are named on the axis, not decoded in a caption; the legend
+    sits below the axes, so it hides no line or error bar."""
+    layers = list(range(1, 31))
+    fig = plotting.line_plot(layers, {f"series {k}": [k + x for x in layers] for k in range(4)}, "layer", "y")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert ax.get_xticks()[0] == 1 and min(ax.get_xticks()) >= 1
+    assert not ax.get_legend() and len(fig.legends) == 1
+    assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0
+    plotting.plt.close(fig)
+    long = {f"the scores' absolute term (cf/absolute_scores), key 0 {k}": layers for k in ("in", "out", "a")}
+    fig = plotting.line_plot(layers, long, "layer", "y")
+    fig.canvas.draw()
+    box = fig.legends[0].get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width  # long labels in one column: none cut at the figure's edge
+    plotting.plt.close(fig)
+    fig = plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "variant", "y", xticklabels=["nope", "rope", "ntk"])
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["nope", "rope", "ntk"]
     plotting.plt.close(fig)
 
 

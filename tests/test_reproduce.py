@@ -2,6 +2,7 @@
 re-measuring its number, resumable, nothing half-written, bad input refused before any work."""
 
 import json
+import re
 import shlex
 
 import pytest
@@ -50,6 +51,11 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
         assert c["paper"] in PAPERS and c["verdict"] in VERDICTS and c["test"] and c["command"], c["id"]
         assert all({"statistic", "value", "side", "threshold", "outcome"} <= set(t) for t in c["test"])
         assert f"id='{c['id']}'" in page and f"href='#{c['id']}'" in page  # a row and its summary line
+        assert "_" not in (c["figure"] or ""), c["id"]  # a figure named as its title says, not by its file's stem
+        row = page[page.index(f"id='{c['id']}'"):]
+        assert not c["figure"] or "figure: <a href='#fig-" in row[:row.index("</div>")], c["id"]  # ... and linked
+    for caption in re.findall(r"<figcaption>(.*?)</figcaption>", page):  # the page says once how to read a map
+        assert caption.lower().count("hover") <= 1, caption
     ledgers = meta["metrics"]["ledgers"]
     assert list(ledgers) == ["kim2025", "ruscio2026", "other", "poslens"]
     assert sum(sum(v.values()) for v in ledgers.values()) == len(claims)

@@ -115,37 +115,50 @@ LINE_SIZE = (7.6, 4.8)  # inches: 760 x 480 px at DPI, readable in the report at
 
 
 def _finish(ax, xlabel: str, ylabel: str, title: str | None) -> None:
+    """Labels, title, grid and the legend: below the axes (outside them, so it never hides a line or an error bar),
+    in two columns when there are more than two series with short enough labels."""
     ax.set_xlabel(xlabel, fontsize=11)
     ax.set_ylabel(ylabel, fontsize=11)
     ax.tick_params(labelsize=10)
     if title:
         ax.set_title(title, fontsize=12)
-    ax.legend(fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:  # two columns fit the figure's width for labels up to about 40 characters
+        two = len(labels) > 2 and max(map(len, labels)) <= 40
+        ax.figure.legend(handles, labels, fontsize=9, loc="outside lower center", ncols=2 if two else 1,
+                         frameon=False)
     ax.grid(alpha=0.3)
+
+
+def integer_ticks(xs) -> list[int]:
+    """Ticks for integer x values counted from their first one (layers and positions from 1): the first value,
+    then round numbers up to the last (never a tick before the first value, such as a layer 0)."""
+    first, last = int(min(xs)), int(max(xs))
+    return [first] + [int(t) for t in MaxNLocator(8, integer=True).tick_values(first, last) if first < t <= last]
 
 
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
               logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None,
-              categories: Sequence[str] | None = None):
+              xticklabels: Sequence[str] | None = None, joined: bool = True):
     """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. Integer x
-    values get integer ticks; on a log x-axis the ticks are the x values themselves (no overlapping labels). With
-    `categories` (one label per x) the x values are categories: ticks carry the labels, the points of a series
-    are not joined, and each series is shifted a little sideways so that error bars do not hide each other."""
-    fig, ax = plt.subplots(figsize=LINE_SIZE, constrained_layout=True)
-    shift = 0.25 / max(1, len(series))
+    values get integer ticks from the first value (`integer_ticks`: a layer axis from 1 shows no 0); on a log
+    x-axis the ticks are the x values themselves (no overlapping labels); xticklabels names each x (categories,
+    such as variants or position ranges, instead of numbers decoded in a caption); joined=False leaves a series'
+    points unjoined (categories without an order, such as variants)."""
+    fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
-        at = xs if categories is None else [x + (k - (len(series) - 1) / 2) * shift for x in xs]
-        ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name,
-                    linestyle="-" if categories is None else "none")
-    if categories is not None:
-        ax.set_xticks(list(xs), list(categories))
+        # named categories: each series a little apart, so that error bars at one x do not hide each other
+        at = xs if xticklabels is None else [x + 0.06 * (k - (len(series) - 1) / 2) for x in xs]
+        ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name, linestyle="-" if joined else "none")
+    if xticklabels is not None:
+        ax.set_xticks(list(xs), list(xticklabels))
     elif logx:
         ax.set_xscale("log")
         ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
         ax.xaxis.set_minor_locator(NullLocator())
-    elif all(float(x).is_integer() for x in xs):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    elif len(xs) and all(float(x).is_integer() for x in xs):
+        ax.set_xticks(integer_ticks(xs))
     if logy:
         ax.set_yscale("log")
     _finish(ax, xlabel, ylabel, title)
@@ -191,7 +204,7 @@ def curves(series: dict[str, Sequence[tuple[float, float]]], xlabel: str, ylabel
            markers: Sequence[str] = ()):
     """(x, y) curves by name; names in `markers` drawn as dots joined by lines, the others as thin lines. Names
     that share their first word share a colour (e.g. "NoPE train" and "NoPE held-out")."""
-    fig, ax = plt.subplots(figsize=LINE_SIZE, constrained_layout=True)
+    fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
     colours: dict[str, str] = {}
     for name, points in series.items():
         xs, ys = zip(*points)

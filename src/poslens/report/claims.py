@@ -120,9 +120,14 @@ class Test:
         return "pass" if below else "fail" if above else "open"
 
     def key(self) -> str:
-        """The number a summary line quotes: '0.0186 [0.0099, 0.0274]' or '3' (exact)."""
+        """The number a summary line quotes: '0.0186 [0.0099, 0.0274]', '3' (exact) or '0.2 (no interval)' (too
+        few groups or seeds for one: the test stays open)."""
         d = self.digits
-        return num(self.value, d) if self.exact else f"{num(self.value, d)} [{num(self.lo, d)}, {num(self.hi, d)}]"
+        if self.exact:
+            return num(self.value, d)
+        if not (_defined(self.lo) and _defined(self.hi)):
+            return f"{num(self.value, d)} (no interval)"
+        return f"{num(self.value, d)} [{num(self.lo, d)}, {num(self.hi, d)}]"
 
     def text(self) -> str:
         """'mean row slope = 0.0186 [0.0099, 0.0274] (95% jackknife ...); the claim needs > 0: pass'."""

@@ -5,8 +5,8 @@ paper's, one headline per ledger (each paper counted apart) and a summary block:
 section, with its verdict, key number and a link to its row. Then each section: its text, its claims (the tests
 behind each verdict, the paper's printed number beside ours, the command that re-measures it), context and
 figures. Heatmaps with data are drawn by a small inline script (no network): zoom with the mouse wheel, drag to
-pan, double-click to reset, hover for the value and its standard error. Static images stay for the Markdown and
-the PDFs.
+pan, double-click to reset, hover for the value and its standard error; cells large enough (a small map, or
+zoomed in) print their value. Static images stay for the Markdown and the PDFs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,11 @@ def all_claims(sections: list[Section]) -> list[Claim]:
 def headlines(sections: list[Section]) -> list[str]:
     """One line per ledger: 'Kim et al. (2025): 40 claims: 30 hold, ...'."""
     return [led.headline() for led in ledgers(all_claims(sections)).values()]
+
+
+def titles(ledger: str) -> str:
+    """The titles of the papers a ledger counts, quoted ('' for poslens's own checks), shown beside its headline."""
+    return "; ".join(f"\u201c{p.title}\u201d" for p in PAPERS.values() if p.ledger == ledger and ledger != "poslens")
 
 
 def _where(c: Claim) -> str:
@@ -57,7 +63,8 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out += ["**Scale.** " + " ".join(scales), ""]
-    out += [f"- **{h}**" for h in headlines(sections)] + [""]
+    out += [f"- **{led.headline()}** {titles(name)}".rstrip()
+            for name, led in ledgers(all_claims(sections)).items()] + [""]
     for s in sections:
         if not s.claims:
             continue
@@ -98,7 +105,8 @@ vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;wo
 .banner{background:#fff7e0;border:1px solid #e8c36a;padding:.6em 1em;margin:1em 0}
 .summary{background:#f7f7f7;border:1px solid #ddd;padding:.5em 1em;margin:1em 0;font-size:.92em}
 .summary h3{font-size:1em;margin:.7em 0 .2em}.summary div{margin:.1em 0}.summary .key{color:#333}
-.ledgers li{font-weight:600}.claim{border-left:4px solid #ccc;padding:.3em .8em;margin:.9em 0}
+.ledgers li{font-weight:600}.ledgers .title{font-weight:400;color:#444}
+.claim{border-left:4px solid #ccc;padding:.3em .8em;margin:.9em 0}
 .claim.c-holds{border-color:#4a4}.claim.c-contradicted{border-color:#c33}.claim.c-erratum{border-color:#c90}
 .claim.c-ambiguous{border-color:#a5c}.claim.c-finding{border-color:#38c}.claim p{margin:.25em 0}
 .claim ul{margin:.2em 0 .2em 1.2em;padding:0}.where{color:#555;font-size:.9em}.note{color:#333;font-size:.93em}
@@ -114,6 +122,7 @@ padding:2px 6px;font-size:12px;border-radius:3px;display:none;z-index:9}
 # Heatmaps: data are float16 (IEEE half, little endian) of the entries j <= i, row by row, base64; NaN is blank.
 SCRIPT = """
 (function(){
+var LABEL=30;
 var tip=document.createElement('div');tip.className='tip';document.body.appendChild(tip);
 var lut=[];var hex=document.getElementById('poslens-cmap').textContent;
 for(var k=0;k<256;k++)lut.push([parseInt(hex.substr(6*k,2),16),parseInt(hex.substr(6*k+2,2),16),
@@ -137,7 +146,16 @@ document.querySelectorAll('.hm').forEach(function(el){
  var cv=el.querySelector('canvas'),cx=cv.getContext('2d'),view={x:0,y:0,s:n},drag=null;
  function draw(){var px=cv.clientWidth*(window.devicePixelRatio||1)|0;cv.width=px;cv.height=px;
   cx.imageSmoothingEnabled=false;cx.fillStyle='#fff';cx.fillRect(0,0,px,px);
-  cx.drawImage(img,view.x,view.y,view.s,view.s,0,0,px,px);}
+  cx.drawImage(img,view.x,view.y,view.s,view.s,0,0,px,px);
+  var c=px/view.s,dpr=window.devicePixelRatio||1;if(c<LABEL*dpr)return;var cells=[],w=0,fs=Math.min(c/3,15*dpr);
+  cx.font=fs+'px sans-serif';cx.textAlign='center';cx.textBaseline='middle';
+  for(var i=Math.floor(view.y);i<Math.min(n,Math.ceil(view.y+view.s));i++)
+   for(var j=Math.floor(view.x);j<=Math.min(i,Math.ceil(view.x+view.s)-1);j++){var v=val[i*n+j];
+    if(!isFinite(v))continue;var s=Number(v.toPrecision(3)).toString();w=Math.max(w,cx.measureText(s).width);
+    cells.push([i,j,v,s]);}
+  if(w>0.9*c)cx.font=(fs*0.9*c/w)+'px sans-serif';
+  cells.forEach(function(q){cx.fillStyle=(q[2]-d.lo)/((d.hi-d.lo)||1)<0.5?'#fff':'#000';
+   cx.fillText(q[3],(q[1]-view.x+0.5)*c,(q[0]-view.y+0.5)*c);});}
  function cell(ev){var r=cv.getBoundingClientRect();return [view.y+(ev.clientY-r.top)/r.height*view.s,
   view.x+(ev.clientX-r.left)/r.width*view.s];}
  cv.addEventListener('mousemove',function(ev){
@@ -191,8 +209,9 @@ def _figure_html(f: Figure, root: Path) -> str:
         cols = min(f.ncols, len(f.panels))
         body = (f"<div class='hm-grid' style='grid-template-columns:repeat({cols},minmax(0,1fr))'>"
                 + "".join(_panel_html(p) for p in f.panels) + "</div>")
-        how = (" Interactive: wheel to zoom, drag to pan, double-click to reset, hover for the value and its "
-               f"standard error. Static image: {rel} (and .pdf).")
+        how = (" Rows: query i, columns: key j, both from 1. Interactive: wheel to zoom (cells large enough "
+               "print their value), drag to pan, double-click to reset, hover for the value and its standard error. "
+               f"Static image: {rel} (and .pdf).")
     else:
         data = base64.b64encode(path.read_bytes()).decode()
         box = " class='wide'" if f.wide else ""
@@ -203,7 +222,19 @@ def _figure_html(f: Figure, root: Path) -> str:
             "</figure>")
 
 
-def _claim_html(c: Claim) -> str:
+def figure_of(ref: str, figures: list[Figure]) -> Figure | None:
+    """The figure a claim's `figure` reference points to: 'Figure N...' is the figure whose caption opens with
+    'Figure N' (the paper's numbering); any other reference quotes a figure's title (up to its first comma)."""
+    paper = re.match(r"Figure (\d+)\b", ref)
+    for f in figures:
+        if paper and re.match(rf"Figure {paper.group(1)}\b", f.caption):
+            return f
+        if not paper and ref and ref.split(", ")[0].lower() in f.title.lower():
+            return f
+    return None
+
+
+def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
     v = c.verdict
     tests = "".join(f"<li>{'' if role == 'claim' else '<i>' + e(role) + ':</i> '}{e(t.text())}</li>"
                     for role, t in c.all_tests())
@@ -235,7 +266,8 @@ def _claim_html(c: Claim) -> str:
         parts.append(f"<p class='note'><b>What would resolve it:</b> {e(c.resolve)}</p>")
     tail = []
     if c.figure:
-        tail.append(f"figure: {e(c.figure)}")
+        f = figure_of(c.figure, list(figures))
+        tail.append(f"figure: <a href='#fig-{e(f.stem)}'>{e(c.figure)}</a>" if f else f"figure: {e(c.figure)}")
     if c.command:
         tail.append(f"re-measure: <code>{e(c.command)}</code>")
     if tail:
@@ -253,7 +285,9 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
     short = [f"{k}: {v}" for k, v in prov if k in ("command", "source", "date", "total time")]
     if short:
         out.append(f"<p class='where'>{e(' · '.join(short))} (<a href='#provenance'>full provenance</a>)</p>")
-    out.append("<ul class='ledgers'>" + "".join(f"<li>{e(h)}</li>" for h in headlines(sections)) + "</ul>")
+    out.append("<ul class='ledgers'>" + "".join(
+        f"<li>{e(led.headline())} <span class='title'>{e(titles(name))}</span></li>"
+        for name, led in ledgers(all_claims(sections)).items()) + "</ul>")
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out.append("<div class='banner'><b>Scale of the real-model measurements.</b> " + " ".join(map(e, scales))
@@ -275,7 +309,7 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
         out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{e(s.text)}</p>")
         if s.scale:
             out.append(f"<p class='banner'>{e(s.scale)}</p>")
-        out += [_claim_html(c) for c in s.claims]
+        out += [_claim_html(c, s.figures) for c in s.claims]
         if s.context:
             out.append("<p><b>Also measured</b> (shown beside the claims, no verdict):</p><ul>"
                        + "".join(f"<li>{e(a)}: {e(b)}</li>" for a, b in s.context) + "</ul>")

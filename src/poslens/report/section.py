@@ -35,7 +35,8 @@ class Figure:
 
     panels: the same maps as data, drawn in the HTML report as heatmaps a reader can zoom and hover (value and
     standard error); the static image stays for the PDF and Markdown. wide: show the image at its own size in a
-    scrolling box (large grids). warning: shown above the caption (e.g. 'noise only at this size')."""
+    scrolling box (large grids). warning: shown above the caption (e.g. 'noise only at this size'). title: the
+    title drawn on the image, which a claim's `figure` reference may quote (the row then links to the figure)."""
 
     path: Path
     caption: str
@@ -43,6 +44,7 @@ class Figure:
     ncols: int = 4
     wide: bool = False
     warning: str = ""
+    title: str = ""
 
     @property
     def stem(self) -> str:

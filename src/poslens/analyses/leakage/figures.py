@@ -70,7 +70,7 @@ def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -
                                  f"{label}: residual fraction against its nulls (all queries)", errors=errors)
         paths += plotting.save(fig, directory, "fractions_against_nulls")
     alpha = np.asarray(tensors["original/alpha0"], dtype=float)
-    fig = plotting.map_grid([alpha], [f"{label}: mean attention on key 0 (layer x head, from 0)"], limits=(0.0, 1.0))
+    fig = plotting.map_grid([alpha], [f"{label}: mean attention on key 0 (layer x head, from 1)"], limits=(0.0, 1.0))
     for ax in fig.axes[:1]:
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
@@ -93,7 +93,7 @@ def architecture_figure(results: dict[str, dict], directory: Path, stem: str = "
             if f"{key}_err" in shares:
                 e = np.asarray(shares[f"{key}_err"], dtype=float)
                 errors[arch] = np.pad(e, ((0, 0), (0, depth - e.shape[1])), constant_values=np.nan)
-        fig = plotting.line_plot(np.arange(depth), series, "layer", f"{LABELS[key]} share",
+        fig = plotting.line_plot(np.arange(1, depth + 1), series, "layer", f"{LABELS[key]} share",
                                  f"{title}: {LABELS[key]}", errors=errors or None)
         paths += plotting.save(fig, directory, f"{stem}_{short}")
     return paths

@@ -112,7 +112,7 @@ def build(ctx, size: dict) -> Section:
         "j = i - 1 included: <y_i, y_{i-1}> < 1)",
         (Test("smallest step s(i, j+1) - s(i, j), j < i", smallest, ">", 0.0),),
         measured=f"Eq. 4 at n = {N}, {WHERE}: every step of every row, the last one to the diagonal included.",
-        figure="layer-2 row profiles", key=f"{smallest:.3g}"))
+        figure="layer-2 scores against the key", key=f"{smallest:.3g}"))
     if ctx.draw:
         s.figures.append(figure1(ctx))
     xs = np.arange(1, 51)
@@ -184,5 +184,5 @@ def figure1(ctx):
                   "Figure 1: the mechanism for n = 8, alpha = 0 (computed, not typed); positions from 1. In (c) and "
                   "(d) the colour scale spans the off-diagonal entries (the diagonal, h(i)^2 in (c) and 1 in (d), is "
                   "drawn at the top of the scale); the printed numbers are exact.",
-                  [Panel(t, m, None, lim) for t, m, lim in zip(titles, maps, lims)], ncols=2)
+                  [Panel(t, m, None, lim) for t, m, lim in zip(titles, maps, lims)], ncols=4)
 

@@ -39,7 +39,8 @@ def build(ctx, size: dict) -> Section:
             measured="largest deviation by d: " + ", ".join(f"d = {d}: {v:.4f}" for d, v in zip(ds, devs))
                      + f" (largest SE at d = {ds[-1]}: {ses[-1]:.1e}). Threshold: a 1/d bias shrinks "
                        f"{ds[-1] // ds[0]}-fold over these widths; {SHRINK:g}-fold leaves room for the noise floor.",
-            figure="convergence", command=ctx.remeasure(cid), key=f"{devs[0] / devs[-1]:.1f}-fold"))
+            figure="convergence to the infinite-width limit", command=ctx.remeasure(cid),
+            key=f"{devs[0] / devs[-1]:.1f}-fold"))
     s.figures.append(lines(ctx, "convergence", ds, {k: v[0] for k, v in rows.items()},
                            "Largest deviation of the Monte Carlo maps from the Gram flow (n = 24, 3 layers) against "
                            "the hidden size d; error bars: the largest Monte Carlo standard error.",

@@ -55,7 +55,8 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
                             limits=[p.limits for p in panels], suptitle=suptitle, row_labels=row_labels,
                             panel_size=panel_size)
     path = ctx.save(fig, stem, big=big)
-    return Figure(path, caption, panels if interactive else [], ncols=ncols, wide=big, warning=warning)
+    return Figure(path, caption, panels if interactive else [], ncols=ncols, wide=big, warning=warning,
+                  title=suptitle or "")
 
 
 def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequence[str], caption: str,
@@ -66,21 +67,21 @@ def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequen
     n = as_numpy(maps[0]).shape[-1]
     rows = list(rows) if rows is not None else sorted({max(2, n // 4), n // 2, n - 1})
     fig = plotting.row_profiles(maps, se, rows, titles, suptitle=suptitle, ylabel=ylabel)
-    return Figure(ctx.save(fig, stem), caption)
+    return Figure(ctx.save(fig, stem), caption, title=suptitle or "")
 
 
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
           errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False,
-          categories: list[str] | None = None) -> Figure:
-    """A line plot (error bars optional; `categories`: one label per x, points not joined) saved as
-    figures/stem.png and .pdf."""
+          xticklabels: Sequence[str] | None = None, joined: bool = True) -> Figure:
+    """A line plot (error bars optional; xticklabels: a name for each x; joined=False: points of a series not
+    joined, for categories without an order) saved as figures/stem.png and .pdf."""
     if not ctx.draw:
         return Figure(ctx.figures / f"{stem}.png", caption)
     fig = plotting.line_plot(list(xs), series, xlabel, ylabel, title, logx=logx, logy=logy, errors=errors,
-                             categories=categories)
+                             xticklabels=xticklabels, joined=joined)
     if zero:
         fig.axes[0].axhline(0, color="0.3", lw=0.8)
-    return Figure(ctx.save(fig, stem), caption)
+    return Figure(ctx.save(fig, stem), caption, title=title)
 
 
 def interval_errors(value, lo, hi) -> np.ndarray:

@@ -28,6 +28,8 @@ from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
 
 RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the "both sources" row reads, first found
+RESIDUAL_WORDS = {"patch:inside:1@0": "position 0's state replaced by a content token's",
+                  "mean": "the BOS embedding replaced by the mean embedding"}  # for the summary line
 # models whose tokenizer names a BOS it never adds: the model was not trained with it first
 UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer names BOS but never adds (a chat-turn "
                                  "token, not one SmolLM2 was trained to see first)"}
@@ -84,8 +86,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "effect and a document-start effect are not told apart (docs/leakage.md).",
             resolve="more sequences (each interval is a jackknife over groups of sequences), or the intervention on "
                     "windows inside documents, which tells a BOS effect from a document-start effect",
-            figure="leakage_sources",
-            key=f"{spec} removes {interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
+            figure="the mask's term and the scores' absolute term",
+            key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
+                f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
                 f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
     context.append(("the exact split of the non-relative energy (a descriptive identity, not causes): this layer's "
                     "log-partition term split/e_partition and the upstream logit term split/e_logit, early queries, "

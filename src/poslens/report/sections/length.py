@@ -19,6 +19,7 @@ denominator's) restores it; for RoPE the same correction helps more than rescali
 from __future__ import annotations
 
 import shutil
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
 # variants: the sweep's variants to evaluate (None: all; the tests take nope and rope)
 SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None}
 SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None}
+EFFECTS = "which intervention helps which variant"  # the figure the rows point to (its title)
 NAMES = {"logn": "log-n scaling", "logn-all": "log-n scaling at every position", "ntk": "NTK at T/L",
          "yarn": "YaRN at T/L", "window": "window of L", "freeze": "position 0 frozen"}
 
@@ -122,7 +124,7 @@ def build(ctx, size: dict) -> Section:
                      f"{_ci(rise('rope'))}. The paper's models were ~100M-parameter decoders on synthetic tasks; these "
                      f"are language models {here}.",
             scope="~100M-parameter decoders on synthetic reasoning and arithmetic tasks",
-            figure="length_effects", command=ctx.remeasure("kazemnejad-nope-extrapolates")))
+            figure=EFFECTS, command=ctx.remeasure("kazemnejad-nope-extrapolates")))
     if "nope" in variants and effect("nope", "logn") is not None and effect("nope", "window") is not None:
         claims.append(Claim(
             "length-mask-decides-nope", "poslens", "this report (length question)",
@@ -136,7 +138,7 @@ def build(ctx, size: dict) -> Section:
                    "<")),
             measured=f"{here}. Both effects are paired on the same tokens (intervention minus none), so the text's "
                      "variation cancels; the window keeps every query's denominator to as many keys as in training.",
-            finding=True, figure="length_effects", command=ctx.remeasure("length-mask-decides-nope")))
+            finding=True, figure=EFFECTS, command=ctx.remeasure("length-mask-decides-nope")))
     if "rope" in variants and effect("rope", "logn") is not None and effect("rope", "ntk") is not None:
         claims.append(Claim(
             "length-mask-or-frequencies-rope", "poslens", "this report (length question)",
@@ -147,7 +149,7 @@ def build(ctx, size: dict) -> Section:
             measured=f"{here}; effects against no intervention, paired on the same sequences, then differenced seed "
                      f"by seed: log-n {_ci(effect('rope', 'logn'))}, NTK {_ci(effect('rope', 'ntk'))}. Contradicted "
                      "means the frequencies' rescaling helps more.",
-            finding=True, figure="length_effects", command=ctx.remeasure("length-mask-or-frequencies-rope")))
+            finding=True, figure=EFFECTS, command=ctx.remeasure("length-mask-or-frequencies-rope")))
     for v in variants:
         for spec in ("ntk", "yarn", "window"):
             e = effect(v, spec)
@@ -156,7 +158,7 @@ def build(ctx, size: dict) -> Section:
                     f"length-{spec}-helps-rope", "poslens", "this report (interventions)",
                     f"{NAMES[spec]} at evaluation time lowers RoPE's loss past L",
                     (_test(f"RoPE: {NAMES[spec]}'s paired effect on the loss over [{L}, {T}) (nats)", e, "<"),),
-                    measured=here, finding=True, figure="length_effects",
+                    measured=here, finding=True, figure=EFFECTS,
                     command=ctx.remeasure(f"length-{spec}-helps-rope")))
     context = [(f"{v} ({sw.labels[v]}): rise of the loss past L and each intervention's effect on the loss over "
                 f"[{L}, {T}) (nats, mean over seeds, 95% t-interval)",
@@ -228,7 +230,8 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                      "sequences), by variant, mean over seeds with 95% t-intervals; below 0 the intervention helps; "
                      "an intervention that does not apply to a variant has no point there.",
                      "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
-                     errors=errors, zero=True, categories=list(runs)))
+                     errors=errors, zero=True, xticklabels=[f"{v}\n{textwrap.fill(sw.labels[v], 16)}" for v in runs],
+                     joined=False))
     series, errors = {}, {}
     for v, r in runs.items():
         prof = r.metrics["seeds"]["profile"]["gap"]
@@ -239,11 +242,10 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
     edges = runs[next(iter(runs))].metrics["edges"]
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
                      "log(keys seen) - attention entropy of the last layer (log(i + 1) under the causal mask, "
-                     "log(min(i + 1, W)) under a window W), averaged over the queries of each bucket ("
-                     + ", ".join(f"{k + 1}: [{a}, {b})" for k, (a, b) in enumerate(zip(edges, edges[1:])))
-                     + "), mean over seeds with 95% t-intervals: how far attention is from uniform over the keys "
-                       "seen.", "position bucket", "entropy gap (nats)", "Attention entropy against log(i + 1)",
-                     errors=errors))
+                     "log(min(i + 1, W)) under a window W), averaged over the queries of each range of positions, "
+                     "mean over seeds with 95% t-intervals: how far attention is from uniform over the keys seen.",
+                     "query positions", "entropy gap (nats)", "Attention entropy against log(i + 1)",
+                     errors=errors, xticklabels=[f"[{a}, {b})" for a, b in zip(edges, edges[1:])]))
     panels = []
     for v in [x for x in ("nope", "rope") if x in runs]:
         maps = load(dirs[v]).tensors
@@ -252,8 +254,8 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
             panels += [Panel(f"{v}, layer {i + 1}", m[i], se[i]) for i in range(m.shape[0])]
     if panels:
         out.append(heatmaps(ctx, "length_maps", panels, f"Mean attention scores at 8L = {T} tokens of seed "
-                            f"{sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer; hover for the value "
-                            "and its standard error.", ncols=len(panels) // 2 or 1, big=True, interactive=False,
+                            f"{sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer (rows: query i, "
+                            "columns: key j, from 1).", ncols=len(panels) // 2 or 1, big=True, interactive=False,
                             suptitle=f"Maps past the training length (L = {L}, shown to {T})"))
     series, errors = {}, {}
     lens = runs[next(iter(runs))].metrics["eval_lens"]

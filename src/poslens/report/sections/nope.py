@@ -28,7 +28,7 @@ SATURATION_KEY = 5  # the rise share reached by key 5 of 50 measures how fast a 
 
 def offdiag_note() -> str:
     return ("Colour limits per panel span the off-diagonal entries (the constant diagonal would otherwise stretch "
-            "the scale); the diagonal is drawn saturated. Hover a cell for its value and standard error.")
+            "the scale); the diagonal is drawn saturated.")
 
 
 def pattern_limits(m, exact, config: StackConfig | None = None) -> tuple[float, float]:

@@ -179,10 +179,11 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         measured=f"resolved (lower bound above 0) in {layers - 1 - len(unresolved)} of {layers - 1} layers after the "
                  "first" + (f"; not in layers {', '.join(map(str, unresolved))}" if unresolved else "")
                  + f". The weakest lower bound is layer {weakest + 1}'s: {num(float(v[weakest]))} "
-                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: figure "
-                   "model_pattern_power and run.json.",
-        resolve=resolve, figure="model_pattern_power, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
-        key=f"{layers - 1 - len(unresolved)} of {layers - 1} layers; weakest {num(float(lo[weakest]))}")]
+                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: the figure "
+                   "'non-relative pattern per layer' and run.json.",
+        resolve=resolve, figure="non-relative pattern per layer, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
+        key=f"resolved in {layers - 1 - len(unresolved)} of {layers - 1} layers; weakest lower bound "
+            f"{num(float(lo[weakest]))} (layer {weakest + 1})")]
     ratio = sums.estimate(lambda m: (lambda p: p[0] / p[1:].mean())(ms.pattern_power(m["a"], m["b"], sink=True)))
     out.append(Claim(
         "kim-52-first-layer", "kim2025", "Section 5.2, Figure 5",
@@ -191,7 +192,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
               float(ratio.lo), float(ratio.hi), f"95% jackknife over {ratio.groups} groups"),),
         measured=f"'except the first' read as: layer 1's pattern is under a tenth of the later layers' (an exactly "
                  f"zero pattern cannot be shown by an interval). Layer 1: {num(float(v[0]))} [{num(float(lo[0]))}, "
-                 f"{num(float(hi[0]))}] (Bonferroni bounds).", figure="model_pattern_power",
+                 f"{num(float(hi[0]))}] (Bonferroni bounds).", figure="non-relative pattern per layer",
         command=ctx.remeasure("kim-52-first-layer")))
 
     def range_ratio(m):
@@ -228,7 +229,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         "the pattern non-uniformly emphasises the first few keys", readings=tuple(readings),
         measured="'emphasises' read as: those keys score above their diagonals' mean, on average over the layers "
                  "after the first; the key profile figure shows it per layer.",
-        figure="model_key_profile", command=ctx.remeasure("kim-52-first-keys")))
+        figure="scores of the first keys", command=ctx.remeasure("kim-52-first-keys")))
     return out
 
 
@@ -268,9 +269,9 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
     noisy = noisy_layers(sums)
     panels = [Panel(f"layer {k + 1}, diagonal-normalised", norm[k], se[k], quantile_limits(norm[k])) for k in range(4)]
     out.append(heatmaps(ctx, "figure5", panels, "Figure 5 style: layers 1-4, diagonal-normalised, attention-sink "
-                        "column (key 1) blank; colour limits at the 1% and 99% quantiles. Hover: value and the "
-                        "standard error of the entry.", suptitle="SmolLM2-135M: diagonal-normalised mean scores, "
-                        "layers 1-4 (Figure 5 style)", warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
+                        "column (key 1) blank; colour limits at the 1% and 99% quantiles.",
+                        suptitle="SmolLM2-135M: diagonal-normalised mean scores, layers 1-4 (Figure 5 style)",
+                        warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
     q = first_query(mean.shape[-1])
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
         :, q:, :], axis=1)))

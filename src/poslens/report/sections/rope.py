@@ -26,8 +26,9 @@ def figure(ctx, stem: str, cfg: StackConfig, caption: str):
                for k in range(cfg.layers)]
     ctx.keep(f"rope/{stem}", {"scores_mean": mc.mean, "scores_se": mc.se})
     name = stem.replace("figure", "Figure ")
-    return heatmaps(ctx, stem, panels, caption + " Bottom row: each diagonal minus its mean (a relative map "
-                    "normalises to 0); colour limits at its 1% and 99% quantiles. " + offdiag_note(),
+    return heatmaps(ctx, stem, panels, caption + " Top row: the mean scores. " + offdiag_note() + " Bottom row: "
+                    "each diagonal minus its mean (a relative map normalises to 0); colour limits at its 1% and 99% "
+                    "quantiles.",
                     suptitle=f"{name}: {setting(cfg)}", row_labels=["mean scores", "diagonal-normalised"])
 
 

@@ -327,13 +327,13 @@ def haviv_claims(ctx, m: dict, cfg: TrainConfig) -> list[Claim]:
               paper_number="perplexity 13.10 (NoPE) vs 13.05 (with positions) at 1.3B parameters",
               scope=f"1.3B-parameter models (this pair: {tokens})",
               resolve="a model near the claim's scale (preset paper-1.5b on a GPU cluster)",
-              figure="training curves", command=ctx.remeasure("haviv-comparable-perplexity")),
+              figure="training: NoPE and RoPE", command=ctx.remeasure("haviv-comparable-perplexity")),
         Claim("kazemnejad-position-after-layer-1", "kazemnejad2023", "as cited by Kim et al., Section 2",
               "without positional encoding, the first layer can already recover absolute position",
               (_test("probe error after layer 1 - at the embeddings (tokens)", m["probe_first"], "<"),),
               measured=f"ridge probe of the absolute position, error after layer 1 {_fmt(nope['mae'][1])} tokens vs "
                        f"{_fmt(nope['mae'][0])} at the embeddings (chance {_fmt(nope['chance'])}).",
-              figure="position probe", command=ctx.remeasure("kazemnejad-position-after-layer-1")),
+              figure="linear probe of absolute position", command=ctx.remeasure("kazemnejad-position-after-layer-1")),
         Claim("haviv-probe-improves-with-depth", "haviv2022", "probing experiments",
               "absolute position becomes more predictable with depth in a model without positional encoding",
               (_test(f"probe error after layer {last} - after layer 1 (tokens)", m["probe_depth"], "<"),),
@@ -342,7 +342,7 @@ def haviv_claims(ctx, m: dict, cfg: TrainConfig) -> list[Claim]:
                        "below chance, far from the near-exact positions a two-layer probe decodes from a 1.3B model.",
               paper_number="error ~340 tokens at layer 0, under 100 by layer 4, 15-20 by layer 12 of 24 "
                            "(context 1,024)",
-              scope=f"1.3B-parameter models (this pair: {tokens})", figure="position probe",
+              scope=f"1.3B-parameter models (this pair: {tokens})", figure="linear probe of absolute position",
               command=ctx.remeasure("haviv-probe-improves-with-depth"))]
 
 
@@ -359,7 +359,7 @@ def figures(ctx, run, models: dict, m: dict, preset: str) -> list[Figure]:
         panels.append(Panel(titles[c], v, se, plotting.offdiag_limits(v, (0.01, 0.99))))
     out = [heatmaps(ctx, "figure3", panels, "Figure 3 style: the trained NoPE model, layers 1 and 2, held-out text; "
                     "each panel's colour limits at the 1% and 99% quantiles of its off-diagonal entries (the diagonal "
-                    "saturates). Hover: value and standard error.", ncols=3, suptitle=f"Figure 3: {label}, "
+                    "saturates).", ncols=3, suptitle=f"Figure 3: {label}, "
                     "Gram matrices of the intermediates of layers 1 and 2", panel_size=3.0)]
     out.append(profiles(ctx, "figure3_profiles", [panels[5].values, panels[8].values], [panels[5].se, panels[8].se],
                         [titles["f"], titles["i"]], "Rows of panels (f) and (i) against the key j < i for three "
@@ -379,10 +379,11 @@ def figures(ctx, run, models: dict, m: dict, preset: str) -> list[Figure]:
         rows = [json.loads(line) for line in (models[pe] / "metrics.jsonl").read_text().splitlines() if line]
         curves[f"{PE_NAMES[pe]} train"] = [(r["step"], r["loss"]) for r in rows if "loss" in r]
         curves[f"{PE_NAMES[pe]} held-out"] = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig = plotting.curves(curves, "step", "next-token loss (nats)", "training: NoPE and RoPE, same data and seed",
+    title = "training: NoPE and RoPE, same data and seed"
+    fig = plotting.curves(curves, "step", "next-token loss (nats)", title,
                           markers=[k for k in curves if k.endswith("held-out")])
     out.append(Figure(ctx.save(fig, "training_curves"), "Training loss (per step) and held-out loss (dots) of the two "
-                      "trained models."))
+                      "trained models.", title=title))
     series, errors = {}, {}
     for pe in PE_NAMES:
         maes = m["probe"][pe]["mae"]
