@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import poslens
 from poslens.analyses.leakage.run import LeakageConfig, run_leakage
+from poslens.report.claims import combine
 
 BOS = 256  # the saved tokenizer's <s>
 
@@ -107,12 +108,13 @@ def test_planted_position0_term_is_found_in_the_scores_and_not_in_the_mask_term(
     assert abs(early["cf/mask_only"]["key0_in"]["value"]) < 0.1 * abs(early["cf/absolute_scores"]["key0_in"]["value"])
 
 
-def test_both_sources_row_holds_on_a_planted_bos_and_is_contradicted_when_position0_adds_the_term(
+def test_both_sources_row_holds_on_a_planted_bos_and_fails_when_position0_adds_the_term(
         uniform, planted, tmp_path):
     """The report's "both sources" row (Ruscio et al.) on causal terms can go either way. Planted BOS state:
     the mask-only term is there, patching position 0 removes the scores' absolute term (share 1), and the offset
     null (all content tokens alike) removes none of it: holds. Uniform stream with a random position-0 embedding
-    (`random`): the intervention creates the absolute term instead of removing it: contradicted."""
+    (`random`): the intervention creates the absolute term instead of removing it: its test fails, and since the
+    claim is about 3B-7B models a tiny model leaves the row not resolved (the rule's scope), not contradicted."""
     from poslens.report.sections.leakage import leakage_claims
 
     run(planted, tmp_path / "planted", interventions=["patch:inside:1@0"], nulls=["offset"])
@@ -124,4 +126,4 @@ def test_both_sources_row_holds_on_a_planted_bos_and_is_contradicted_when_positi
     claims, _ = leakage_claims(tmp_path / "uniform", residual=("random",))
     both = next(c for c in claims if c.id == "ruscio-both-sources")
     assert [t.outcome() for t in both.tests[:2]] == ["pass", "pass"]  # the mask's term is there
-    assert both.tests[2].outcome() == "fail" and both.verdict == "contradicted"
+    assert both.tests[2].outcome() == "fail" and combine(both.tests) == "fail" and both.verdict == "not resolved"

