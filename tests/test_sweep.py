@@ -106,7 +106,8 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
 
 
 def test_auto_jobs_is_one_model_per_cpu_thread_and_one_on_a_gpu(monkeypatch):
-    """0 jobs = one model per torch thread on the CPU, never more models than there are, and one on a GPU."""
+    """0 jobs = one model per torch thread on the CPU, never more models than there are, one on a GPU, and one
+    for models too small to pay for starting a worker."""
     import torch
 
     from poslens.train.config import resolve_config
@@ -116,3 +117,4 @@ def test_auto_jobs_is_one_model_per_cpu_thread_and_one_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert auto_jobs([cpu] * 12) == 4 and auto_jobs([cpu] * 3) == 3 and auto_jobs([cpu]) == 1
     assert auto_jobs([cpu, resolve_config("tiny", device="cuda")]) == 1
+    assert auto_jobs([resolve_config("tiny", device="cpu", steps=6, warmup=2)] * 4) == 1  # a test's few steps: inline

@@ -233,14 +233,19 @@ def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 0) -> dict[t
     return {(m.variant, m.seed): t for m, t in zip(members, paths)}
 
 
+MIN_SIDE_BY_SIDE_TOKENS = 100_000  # a worker process takes seconds to start: a model below this trains faster inline
+
+
 def auto_jobs(cfgs: list[TrainConfig]) -> int:
     """How many of these models to train at once: on the CPU one per torch thread (small models use two cores
     better side by side than split over threads: 1.3x on two cores, BENCHMARKS.md "Sweep"), at most one per
-    model; one where any trains on a GPU."""
+    model; one where any trains on a GPU, or where every model trains on fewer than MIN_SIDE_BY_SIDE_TOKENS tokens
+    (a test's few steps: starting the workers would cost more than it saves)."""
     import torch
 
     gpu = any(c.device.startswith("cuda") or (c.device == "auto" and torch.cuda.is_available()) for c in cfgs)
-    return 1 if gpu else max(1, min(len(cfgs), torch.get_num_threads()))
+    small = all(c.steps * c.batch_size * c.seq_len < MIN_SIDE_BY_SIDE_TOKENS for c in cfgs)
+    return 1 if gpu or small else max(1, min(len(cfgs), torch.get_num_threads()))
 
 
 def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, jobs: int = 0) -> list[Path]:
