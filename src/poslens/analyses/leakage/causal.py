@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poslens.analyses.leakage.metrics import Domain, leakage_metrics
+from poslens.analyses.leakage.metrics import Domain, energy_metrics, leakage_metrics
 from poslens.analyses.leakage.position0 import GU_TOKENS
 from poslens.engine.families import sliding_windows
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
@@ -105,9 +105,10 @@ class Domains:
 
 
 def evaluate(means: dict[str, torch.Tensor], domains: Domains, windows: list[int],
-             names: tuple[str, ...] = METRICS) -> torch.Tensor:
+             names: tuple[str, ...] = METRICS, metrics=leakage_metrics) -> torch.Tensor:
     """Metrics `names` of mean maps over the VARIANTS: [V, M, L, ...] float64 (maps [L, ..., n, n]; layer l
-    uses windows[l]). `means`: scores, log_partition, relative_log_partition and optionally probs."""
+    uses windows[l]). `means`: scores, log_partition, relative_log_partition and optionally probs. `metrics`: the
+    function that computes them (`metrics.energy_metrics` when only energies are asked for)."""
     n = means["scores"].shape[-1]
     maps = dict(means)
     maps["log_probs"] = maps["scores"] - maps["log_partition"][..., None]
@@ -117,8 +118,8 @@ def evaluate(means: dict[str, torch.Tensor], domains: Domains, windows: list[int
     out = torch.empty(len(VARIANTS), len(names), *means["scores"].shape[:-2], dtype=torch.float64)
     for v, (_, early, first_key) in enumerate(VARIANTS):
         for w, layers in by_window.items():  # layers that share a window share a domain: one vectorised call
-            vals = leakage_metrics({k: x[layers] for k, x in maps.items()}, domains.of(n, early, first_key, w),
-                                   domains.early_keys)
+            vals = metrics({k: x[layers] for k, x in maps.items()}, domains.of(n, early, first_key, w),
+                           domains.early_keys)
             out[v][:, layers] = torch.stack([vals[k] for k in names])
     return out
 
@@ -192,6 +193,11 @@ class LeakageMaps(Statistic):
         """[V, M, L, H] per head (METRICS)."""
         m = {k: means[k] for k in ("scores", "log_partition", "relative_log_partition")}
         return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]))
+
+    def head_energies(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[V, E, L, H] the energies (ENERGIES) per head, and nothing else (the per-head contrasts' cost)."""
+        m = {k: means[k] for k in ("scores", "log_partition", "relative_log_partition")}
+        return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]), ENERGIES, energy_metrics)
 
     def maps(self) -> dict[str, torch.Tensor]:
         """The head-mean mean maps and per-head attention on key 0, float32."""

@@ -8,6 +8,7 @@ on each leave-one-group-out pair of means: the jackknife interval of a differenc
     difference  = metric(other) - metric(base)
     removed     = 1 - E(other) / E(base)                           the energies (causal.ENERGIES), per layer
     removed_all = 1 - sum_l E(other) / sum_l E(base)               over all layers (and heads)
+    removed_by_head                                                `removed` per head, the energies alone
     pass_over_layers, difference_over_layers                       [V, M]: `causal.over_layers` of the two
                                                                    (energies summed, other metrics averaged)
 
@@ -45,6 +46,17 @@ def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: 
     est = sums.estimate(fn, level=level)
     return dict(zip(("pass", "difference", "removed", "removed_all", "pass_over_layers", "difference_over_layers"),
                     unflatten(est, shapes)))
+
+
+def removed_by_head(base: LeakageMaps, other: LeakageMaps, level: float = 0.95) -> Estimate:
+    """`removed` = 1 - E(other) / E(base) of every energy per variant, layer and head [V, E, L, H], paired
+    jackknife; only the energies are evaluated on each replicate, not every metric of `contrast(heads=True)`."""
+    sums = joint({"base": base, "other": other})
+
+    def fn(means: dict) -> torch.Tensor:
+        return 1.0 - other.head_energies(unprefix(means, "other")) / base.head_energies(unprefix(means, "base"))
+
+    return sums.estimate(fn, level=level)
 
 
 def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:

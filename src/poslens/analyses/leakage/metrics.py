@@ -329,6 +329,14 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
             prof = key_profile(m, domain, early_keys)
             out["scores/sink_excess"] = prof["sink_excess"]
             out["scores/early_key_slope"] = prof["early_key_slope"]
+    out.update(energy_metrics(means, domain))
+    return out
+
+
+def energy_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
+    """Only the two splits of the non-relative energy (`split/...`, with "relative_log_partition" also `cf/...`):
+    what a removed share needs, without the fits of the other metrics (`early_keys` unused, for the same call)."""
+    out: dict[str, torch.Tensor] = {}
     if "scores" in means and "log_partition" in means:
         for k, v in split(means["scores"], means["log_partition"], domain).items():
             out[f"split/{k}"] = v

@@ -18,7 +18,7 @@ from poslens.analyses.leakage import nulls as nl
 from poslens.analyses.leakage import position0 as p0
 from poslens.analyses.leakage import predecessor as pr
 from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, VARIANTS, alpha0, over_layers
-from poslens.analyses.leakage.contrast import contrast, unflatten
+from poslens.analyses.leakage.contrast import contrast, removed_by_head, unflatten
 from poslens.engine.pipeline import Job, Output, Pass
 from poslens.engine.stats import Estimate
 
@@ -87,7 +87,7 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
                                  "removed": by_domain(c["removed_all"], ENERGIES)}}
         if kind == "intervention":  # the previous layout's number, kept for its readers
             entry["removed_all_layers"] = entry["over_layers"]["removed"]["early"]["split/e_logit"]["key0_in"]
-            removed_heads = contrast(orig, p.statistics[0], level=level, heads=True)["removed"]  # [V, E, L, H]
+            removed_heads = removed_by_head(orig, p.statistics[0], level=level)  # [V, E, L, H]
             ests[f"{p.name}/heads/removed"] = removed_heads
             entry["heads"] = head_record(removed_heads, ests["original/alpha0"].value, cfg.sink_threshold)
         metrics["interventions" if kind == "intervention" else "nulls"][p.name] = entry
