@@ -236,18 +236,18 @@ def _scale(cfg: TrainConfig) -> str:
     return f"{cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M training tokens"
 
 
-def figure3_claims(ctx, im: dict, extra: dict, int_cmd: str, scale: str = "") -> list[Claim]:
+def figure3_claims(ctx, im: dict, extra: dict, int_cmd: str, scale: str) -> list[Claim]:
     """The rows of Figure 3. Each is a claim about the paper's 1.5B-parameter NoPE model trained on 20B tokens, so
     a model of this scale cannot contradict it (the verdict rule's scope: a failure reads not resolved); the W_O
     row is ambiguous in its wording whatever the scale, and keeps both readings without a scope."""
     p, ch, amp = im["panels"], im["changes"], im["amplification"]
     out = []
-    scope = f"the paper's 1.5B-parameter NoPE model trained on 20B tokens (this model: {scale})" if scale else ""
+    scope = f"the paper's 1.5B-parameter NoPE model trained on 20B tokens (this model: {scale})"
 
     def claim(cid, where, text, tests, key="", command=int_cmd, **kw):
         out.append(Claim(cid, "kim2025", where, text, tests, key=key, figure="Figure 3 " + where.split("Figure 3 ")[-1],
                          command=command or ctx.remeasure(cid), scope=scope,
-                         resolve="a model near the paper's scale (preset paper-1.5b on a GPU cluster)" if scope else "",
+                         resolve="a model near the paper's scale (preset paper-1.5b on a GPU cluster)",
                          **kw))
 
     claim("kim-42-a-near-orthogonal", "Section 4.2, Figure 3 (a)",
