@@ -12,13 +12,19 @@ Sinks (Gu et al. 2025, "When attention sink emerges in language models"): for ev
 probability map of each (layer, head) over --sequences held-out sequences of 64 tokens starting with BOS (the
 first 63 tokens of consecutive held-out blocks), alpha_0 = mean over queries of the attention on key 0, and the
 sink rate = the share of (layer, head) pairs with alpha_0 > 0.3 (`poslens.analyses.leakage.metrics`). Under
-uniform causal attention alpha_0 = H_64 / 64 = 0.074. Per variant: the mean over seeds with a t-interval over
-seeds.
+uniform causal attention alpha_0 = H_64 / 64 = 0.074. A layer with a sliding window of W < 64 keys hides key 0 from
+queries i >= W, so its alpha_0 is the mean over queries 0 .. W - 1 (uniform attention: H_W / W, 0.127 at W = 32).
+Per variant: the mean over seeds with a t-interval over seeds.
 
     .venv/bin/python benchmarks/sweep.py --preset pe --json benchmarks/results/sweep_pe.json
     .venv/bin/python benchmarks/sweep.py --preset pe --threads 1 --json sweep_pe_t1.json   # a shared machine
     .venv/bin/python benchmarks/sweep.py --preset pe --sinks-only --cache ~/.cache/poslens   # models already there
     .venv/bin/python benchmarks/sweep.py --measure runs/train-tiny-rope-bos runs/mine          # any trained models
+    python3 benchmarks/sweep.py --preset pe --train steps=6000+batch_size=32+micro_batch=32 --jobs 4 --judge  # a GPU
+
+--judge then runs `poslens leakage` on every model as `poslens reproduce` does (`poslens.report.sweep_leakage`: the
+held-out split, the common domain, the BOS replacement, no nulls) and prints Ruscio, Nanni & Silvestri's two
+claims judged on these models by the report's rule (verdict, each test's statistic, interval and threshold).
 """
 
 from __future__ import annotations
@@ -67,8 +73,45 @@ def alpha0(model_dir: str, tokens: Path, sequences: int, length: int = 64) -> to
     with torch.no_grad():
         for chunk in ids.split(16):
             hm.run(chunk, hooks={f"blocks.{l}.attn.hook_pattern": reader(l) for l in range(hm.n_layers)})
-    probs = torch.stack([sums[l] / sequences for l in range(hm.n_layers)])
-    return first_key_attention(probs)
+    # a sliding window of W keys hides key 0 from queries i >= W: alpha_0 of such a layer is its mean over the
+    # queries that can see key 0 (0 .. W - 1), whose uniform-attention value is H_W / W (0.127 at W = 32)
+    windows = [sliding_window(model.config, l) for l in range(hm.n_layers)]
+    return torch.stack([first_key_attention(sums[l][:, :w, :w] / sequences if w else sums[l] / sequences)
+                        for l, w in enumerate(min(w, length) if w else 0 for w in windows)])
+
+
+def sliding_window(config, layer: int) -> int:
+    """The sliding window (keys a query sees, itself included) of `layer` of a transformers config; 0: none."""
+    kinds = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None) or 0
+    return window if kinds is None or kinds[layer] == "sliding_attention" else 0
+
+
+def judge(cfg, paths: dict, tokens: Path, sequences: int, cache: Path) -> list[dict]:
+    """The report's two sweep claims (BOS replacement, architectures) judged on these models: one `poslens
+    leakage` run per model as `poslens reproduce` makes it (`poslens.report.sweep_leakage`), then the claims' rows."""
+    from types import SimpleNamespace
+
+    from poslens.report import sweep_leakage as sl
+    from poslens.report.sweep import SweepModels
+    from poslens.train.sweep import resolve_matrix
+
+    sw = SweepModels(cfg, resolve_matrix(cfg), {k: Path(v) for k, v in paths.items()}, tokens)
+    ctx = SimpleNamespace(parts=cache / "judge", progress=True)
+    ctx.parts.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, {"sweep_sequences": sequences,
+                                                                "sweep_groups": min(8, sequences)}))
+    claims = [sl.bos_claim(metrics, sw.labels, sw.describe()),
+              sl.architecture_claim(metrics, sw.labels, sw.describe(), sl.common_max_offset(sw))[0]]
+    print(f"leakage runs on {len(metrics)} models: {time.perf_counter() - t0:.0f} s")
+    for c in claims:
+        print(f"{c.id}: {c.verdict}")
+        for role, t in c.all_tests():
+            j = t.to_json()
+            print(f"  [{role}] {j['statistic']}: {j['value']:.4g} [{j['lo']:.4g}, {j['hi']:.4g}] {j['side']} "
+                  f"{j['threshold']}: {j['outcome']}")
+    return [c.to_json("sweep") for c in claims]
 
 
 def main() -> None:
@@ -79,6 +122,11 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=64, help="held-out sequences for the sink measurement")
     ap.add_argument("--measure", nargs="+", default=None, metavar="MODEL_DIR",
                     help="only measure the sinks of these trained models (on their own token directories)")
+    ap.add_argument("--train", default=None, help="shared training fields on top of the preset's (FIELD=VALUE+...)")
+    ap.add_argument("--seeds", default=None, help="seeds instead of the preset's (N,N,...)")
+    ap.add_argument("--jobs", type=int, default=0, help="models trained at once (default 0: poslens sweep's auto_jobs)")
+    ap.add_argument("--judge", action="store_true", help="judge the sweep claims of the report on the trained models")
+    ap.add_argument("--leakage-sequences", type=int, default=32, help="held-out sequences per model for --judge")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default torch's; on a shared machine 1 "
                                                               "keeps one preempted OpenMP thread from stalling both)")
     ap.add_argument("--json", default=None, help="write every number here")
@@ -103,7 +151,8 @@ def main() -> None:
     from poslens.train.command import sweep_table
     from poslens.train.sweep import SweepConfig, auto_jobs, resolve_matrix, run_sweep, seed_interval, train_matrix
 
-    cfg = SweepConfig(preset=args.preset)
+    cfg = SweepConfig(preset=args.preset, train=args.train, jobs=args.jobs,
+                      seeds=[int(x) for x in args.seeds.split(",")] if args.seeds else None)
     matrix = resolve_matrix(cfg)
     first = matrix.members[0].config
     if not args.cache:  # the token directory from the usual cache, timed apart when it is not there
@@ -146,8 +195,11 @@ def main() -> None:
         print(f"  {variant:<8} sink rate (eps 0.3) {r['value']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]  "
               f"mean alpha_0 {m['value']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]  largest head "
               f"{sinks[variant]['max_alpha0']['value']:.3f}  per seed rates {', '.join(f'{x:.3f}' for x in rates)}")
+    judged = judge(cfg, paths, tokens, args.leakage_sequences, cache) if args.judge else None
     if args.json:
-        record = {"preset": args.preset, "wall_s": wall, "cpu_s": cpu, "load_start": load0, "load_end": load1,
+        record = {"preset": args.preset, "train": args.train, "judged": judged,
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  "wall_s": wall, "cpu_s": cpu, "load_start": load0, "load_end": load1,
                   "threads": torch.get_num_threads(), "jobs": cfg.jobs or auto_jobs([m.config for m in matrix.members]),
                   "argv": sys.argv, "sinks": sinks,
                   "sweep": meta["metrics"] if meta else None}

@@ -24,7 +24,7 @@ def _matrix_file(tmp_path, tokens, variants, seeds=(0, 1)):
 
 
 def test_shipped_presets_resolve_to_the_four_variants():
-    for name in ("pe", "pe-quick"):
+    for name in ("pe", "pe-quick", "pe-sinks"):
         m = resolve_matrix(SweepConfig(preset=name))
         assert list(m.variants) == ["nope", "rope", "ntk", "window"] and m.seeds == [0, 1, 2]
         labels = {x.variant: x.label for x in m.members}

@@ -10,7 +10,7 @@ reproduce) is free. How to call it from a section:
 
     @section("length", "...", models=True, quick={**SWEEP_QUICK, "n": 8}, full={**SWEEP_FULL, "n": 50})
     def build(ctx, size):
-        sw = sweep_models(ctx, size)            # size["sweep"]: preset pe-quick (both runs; see SWEEP_FULL)
+        sw = sweep_models(ctx, size)            # size["sweep"]: pe-quick (--quick) or pe-sinks (the full run)
         for variant in sw.variants:             # nope, rope, ntk, window (the preset's order)
             for seed in sw.seeds:               # 0, 1, 2
                 path = sw.path(variant, seed)   # a model directory: load_model(str(path)), data=str(sw.tokens)
@@ -37,10 +37,10 @@ from pathlib import Path
 from poslens.train.sweep import Matrix, SweepConfig, resolve_matrix, seed_interval
 
 SWEEP_QUICK = {"sweep": "pe-quick", "sweep_train": None, "sweep_seeds": None}
-# the full run trains the 300-step matrix too: the 1,000-step `pe` alone takes 24 min on two cores, past the full
-# run's 25-minute budget (BENCHMARKS.md "Sweep"); `poslens sweep --preset pe` trains it, and a section reads it
-# with reproduce(sizes={"leakage": {"sweep": "pe"}, "length": {"sweep": "pe"}})
-SWEEP_FULL = {"sweep": "pe-quick", "sweep_train": None, "sweep_seeds": None}
+# the full run trains `pe-sinks` (2,000 steps of 8 x 64 tokens at lr 0.02: 10.8 min on two cores, the cheapest size
+# at which RoPE models of this shape formed sink heads on a GPU; BENCHMARKS.md "Sweep"); the 1,000-step `pe` takes
+# 24 min and forms none. Another matrix: reproduce(sizes={"leakage": {"sweep": "pe"}, "length": {"sweep": "pe"}})
+SWEEP_FULL = {"sweep": "pe-sinks", "sweep_train": None, "sweep_seeds": None}
 
 
 @dataclass

@@ -37,7 +37,7 @@ from poslens.errors import UsageError, check_float, check_int, require
 from poslens.options import option
 from poslens.train.config import FIELDS, TrainConfig, load_preset, preset_path, resolve_config
 
-PRESETS = ("pe", "pe-quick")
+PRESETS = ("pe", "pe-quick", "pe-sinks")
 VARIANT_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
                   "rope_scaling", "sliding_window", "layer_types")
 
@@ -47,7 +47,8 @@ class SweepConfig:
     """What `poslens sweep` trains: a preset matrix, or its parts replaced by flags."""
 
     preset: str = option("pe", help="matrix: pe (NoPE, RoPE, NTK-scaled RoPE, sliding-window RoPE, all with BOS, "
-                                    "3 seeds), pe-quick (the same, smaller), or a .json file")
+                                    "3 seeds), pe-quick (the same, smaller), pe-sinks (the same, 2,000 steps of 8 x 64 "
+                                    "at lr 0.02, where RoPE models formed sinks on a GPU), or a .json file")
     variants: str | None = option(None, help="variants instead of the preset's: NAME:FIELD=VALUE+FIELD=VALUE,... "
                                              "(e.g. nope:pe=none,ntk:pe=rope+rope_scaling=ntk:8)")
     seeds: list[int] | None = option(None, help="seeds instead of the preset's (each sets the initial weights and "

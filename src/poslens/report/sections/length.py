@@ -1,13 +1,13 @@
 """Past the training length, on the sweep's models: does the causal mask's position signal decide length
 generalisation here?
 
-The sweep (`poslens sweep`, preset pe-quick in the quick and the full run: NoPE, RoPE, NTK-scaled RoPE and RoPE
-with a sliding window of 32, trained at L = 128 on the embedded corpus with a BOS first, 3 seeds each, the same
-tokens, batches and initial weights for every variant of a seed) is evaluated by `poslens length` at L, 2L, 4L, 8L
-on the held-out split of the training tokens, each variant's three seeds in one run on the same sequences. Every
-number is a mean over the seeds with a Student t interval over them (the error bar of a training effect); a
-difference between variants is taken seed by seed (seed s of every variant shares its initial weights and data
-order) before the interval.
+The sweep (`poslens sweep`, preset pe-quick in the quick run, trained at L = 128, and pe-sinks in the full run,
+trained at L = 64: NoPE, RoPE, NTK-scaled RoPE and RoPE with a sliding window of 32, on the embedded corpus with a
+BOS first, 3 seeds each, the same tokens, batches and initial weights for every variant of a seed) is evaluated by
+`poslens length` at L, 2L, 4L, 8L on the held-out split of the training tokens, each variant's three seeds in one
+run on the same sequences. Every number is a mean over the seeds with a Student t interval over them (the error bar
+of a training effect); a difference between variants is taken seed by seed (seed s of every variant shares its
+initial weights and data order) before the interval.
 
 The question is operational, and each row says which test decides it: NoPE's only position signal is the causal
 mask (Kim et al.), which reaches a query through its softmax denominator, a sum over i + 1 keys that keeps growing
