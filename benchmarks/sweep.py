@@ -52,7 +52,8 @@ def alpha0(model_dir: str, tokens: Path, sequences: int, length: int = 64) -> to
     """alpha_0 [layers, heads]: mean attention on key 0 of `sequences` held-out BOS-led sequences of `length`."""
     import numpy as np
 
-    from poslens.analyses.leakage.metrics import first_key_attention
+    from poslens.analyses.leakage.causal import alpha0 as alpha0_of
+    from poslens.engine.families import sliding_windows
     from poslens.engine.hooks import HookedModel
     from poslens.engine.models import load_model
     from poslens.io.tokenfile import open_tokens
@@ -73,18 +74,9 @@ def alpha0(model_dir: str, tokens: Path, sequences: int, length: int = 64) -> to
     with torch.no_grad():
         for chunk in ids.split(16):
             hm.run(chunk, hooks={f"blocks.{l}.attn.hook_pattern": reader(l) for l in range(hm.n_layers)})
-    # a sliding window of W keys hides key 0 from queries i >= W: alpha_0 of such a layer is its mean over the
-    # queries that can see key 0 (0 .. W - 1), whose uniform-attention value is H_W / W (0.127 at W = 32)
-    windows = [sliding_window(model.config, l) for l in range(hm.n_layers)]
-    return torch.stack([first_key_attention(sums[l][:, :w, :w] / sequences if w else sums[l] / sequences)
-                        for l, w in enumerate(min(w, length) if w else 0 for w in windows)])
-
-
-def sliding_window(config, layer: int) -> int:
-    """The sliding window (keys a query sees, itself included) of `layer` of a transformers config; 0: none."""
-    kinds = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None) or 0
-    return window if kinds is None or kinds[layer] == "sliding_attention" else 0
+    # alpha_0 of a sliding-window layer of W keys: over the queries that see key 0 (0 .. W - 1; leakage.causal.alpha0)
+    key0 = torch.stack([sums[l][:, :, 0] / sequences for l in range(hm.n_layers)])  # [L, H, T]
+    return alpha0_of(key0, windows=[int(w or 0) for w in sliding_windows(model.config)])
 
 
 def judge(cfg, paths: dict, tokens: Path, sequences: int, cache: Path) -> list[dict]:

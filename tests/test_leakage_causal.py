@@ -14,7 +14,7 @@ from tiny_models import build
 
 from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage import metrics as lm
-from poslens.analyses.leakage.causal import METRICS, VARIANTS, Domains, LeakageMaps, relative_log_partition
+from poslens.analyses.leakage.causal import METRICS, VARIANTS, Domains, LeakageMaps, alpha0, relative_log_partition
 from poslens.analyses.leakage.contrast import contrast
 from poslens.engine.hooks import HookedModel
 from poslens.errors import UsageError
@@ -206,3 +206,19 @@ def test_interventions_are_checked_against_the_model_before_any_work():
         with pytest.raises(UsageError, match=words) as e:
             iv.check([spec], cfg, 128, 1 if "other" in spec else 8)
         assert "\n" not in str(e.value) and spec in str(e.value)
+
+
+def test_alpha0_of_a_sliding_window_layer_is_over_the_queries_that_see_key_0():
+    # uniform causal attention: A_i0 = 1 / (i + 1) for a full layer; a window of W keys hides key 0 from i >= W
+    T, W = 64, 32
+    i = torch.arange(T, dtype=torch.float64)
+    full = 1.0 / (i + 1)
+    window = torch.where(i < W, full, torch.zeros(()))
+    key0 = torch.stack([full, window])[:, None, :]  # [L = 2, H = 1, T]
+    harmonic = lambda n: float((1.0 / torch.arange(1, n + 1, dtype=torch.float64)).sum())  # noqa: E731
+    a = alpha0(key0, windows=[0, W])
+    assert a.shape == (2, 1)
+    assert a[0, 0].item() == pytest.approx(harmonic(T) / T, rel=1e-12)  # 0.074 (Gu et al.'s uniform value)
+    assert a[1, 0].item() == pytest.approx(harmonic(W) / W, rel=1e-12)  # 0.127, not H_W / T
+    assert torch.equal(alpha0(key0), key0.mean(-1))  # no windows: every query
+    assert alpha0(key0, 16, [0, W])[1, 0].item() == pytest.approx(harmonic(16) / 16, rel=1e-12)  # W > tokens

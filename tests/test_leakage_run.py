@@ -75,6 +75,14 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
             assert [a + b + c for a, b, c in zip(*(o[f"cf/{t}"][k]["value"] for t in ("mask_only", "absolute_scores",
                                                                                        "cross")))] == \
                 pytest.approx(total, rel=1e-9)
+    # every energy also carries its debiased value (the jackknife's bias correction: the sampling-noise term of an
+    # energy of a mean map removed), never above the plug-in value for equal groups (a quadratic of the group means)
+    for scope in ("all", "early"):
+        for n in m["energies"]:
+            for k in ("key0_in", "key0_out"):
+                e = m["original"]["per_layer"][scope][n][k]
+                assert all(d <= v * (1 + 1e-9) + 1e-12 for d, v in zip(e["debiased"], e["value"]))
+    assert "debiased" not in m["original"]["per_layer"]["all"]["scores/trf"]["key0_in"]  # only the energies
     iv = m["interventions"]
     # rows true by construction (tests of the code, not findings): shifting every position id leaves a RoPE model's
     # scores unchanged up to float32 rounding; with a fixed BOS freezing position 0's trajectory is a no-op

@@ -74,6 +74,10 @@ class Estimate:
     groups: int  # groups that held data (G')
     level: float
     method: str
+    # jackknife only: the bias-corrected point estimate G' f(all) - (G' - 1) mean_g f(all but g); for a quadratic
+    # function of the group means (an energy ||P mean||^2) with equal groups it is the unbiased U-statistic
+    # sum_{g != h} <P m_g, P m_h> / (G' (G' - 1)): the plug-in's noise term tr(P Sigma P) / N removed
+    debiased: torch.Tensor | None = None
 
     def as_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """Tensors named `prefix`, `prefix_lo`, `prefix_hi`, `prefix_se` (the results format)."""
@@ -198,7 +202,8 @@ class GroupedSums:
             k = len(groups)
             se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
             t = t_quantile((1 + level) / 2, k - 1)
-            return Estimate(value, value - t * se, value + t * se, se, k, level, method)
+            debiased = k * value - (k - 1) * reps.mean(0)
+            return Estimate(value, value - t * se, value + t * se, se, k, level, method, debiased)
         gen = torch.Generator().manual_seed(seed)
         idx = torch.tensor(groups)
         reps = []

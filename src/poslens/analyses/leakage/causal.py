@@ -177,8 +177,8 @@ class LeakageMaps(Statistic):
         """(tensors for the results format, the Estimates by name)."""
         ests = {"metrics": self.sums.estimate(self.layer_metrics, level=level),
                 "metrics_heads": self.sums.estimate(self.head_metrics, level=level),
-                "alpha0": self.sums.estimate(lambda m: alpha0(m["key0"]), level=level),
-                "alpha0_64": self.sums.estimate(lambda m: alpha0(m["key0"], GU_TOKENS), level=level)}
+                "alpha0": self.sums.estimate(lambda m: alpha0(m["key0"], windows=self.windows), level=level),
+                "alpha0_64": self.sums.estimate(lambda m: alpha0(m["key0"], GU_TOKENS, self.windows), level=level)}
         out = {}
         for name, e in ests.items():
             out.update(e.as_dict(name))
@@ -207,10 +207,14 @@ class LeakageMaps(Statistic):
         return out
 
 
-def alpha0(key0: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+def alpha0(key0: torch.Tensor, tokens: int | None = None, windows: list[int] | None = None) -> torch.Tensor:
     """Gu et al.'s alpha_0 per layer and head from mean attention on key 0 [L, H, T]: its mean over queries
-    (the first `tokens` queries: exactly what sequences of that length give, by causality)."""
-    return (key0 if tokens is None else key0[..., :tokens]).mean(-1)
+    (the first `tokens` queries: exactly what sequences of that length give, by causality). A sliding-window layer
+    of W keys (`windows[l]`, 0: none) hides key 0 from queries i >= W: its mean is over queries 0 .. W - 1."""
+    key0 = key0 if tokens is None else key0[..., :tokens]
+    if not windows or not any(windows):
+        return key0.mean(-1)
+    return torch.stack([key0[l, ..., : (w or key0.shape[-1])].mean(-1) for l, w in enumerate(windows)])
 
 
 def joint(statistics: dict[str, LeakageMaps]) -> GroupedSums:

@@ -65,7 +65,8 @@ def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:
     for shape in shapes:
         size = math.prod(shape)
         cut = [getattr(est, k)[start:start + size].reshape(shape) for k in ("value", "lo", "hi", "se")]
-        out.append(Estimate(*cut, est.groups, est.level, est.method))
+        debiased = None if est.debiased is None else est.debiased[start:start + size].reshape(shape)
+        out.append(Estimate(*cut, est.groups, est.level, est.method, debiased))
         start += size
     return out
 

@@ -30,15 +30,20 @@ VARIANT = {(name.removesuffix("_no_key0"), "key0_in" if first_key else "key0_out
            for v, (name, _, first_key) in enumerate(VARIANTS)}
 
 
-def leaf(est: Estimate, index: tuple) -> dict:
-    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes)."""
-    return {k: getattr(est, k)[index].tolist() for k in ("value", "lo", "hi")}
+def leaf(est: Estimate, index: tuple, debiased: bool = False) -> dict:
+    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes); with `debiased`
+    also the jackknife's bias-corrected value (an energy without its sampling-noise term; `Estimate.debiased`)."""
+    out = {k: getattr(est, k)[index].tolist() for k in ("value", "lo", "hi")}
+    if debiased and est.debiased is not None:
+        out["debiased"] = est.debiased[index].tolist()
+    return out
 
 
 def by_domain(est: Estimate, names: tuple[str, ...]) -> dict:
-    """{scope: {metric: {"key0_in": EST, "key0_out": EST}}} from an Estimate [V, M, ...] with metrics `names`."""
-    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m)) for k in KEY0} for m, name in enumerate(names)}
-            for scope in SCOPES}
+    """{scope: {metric: {"key0_in": EST, "key0_out": EST}}} from an Estimate [V, M, ...] with metrics `names`;
+    the energies (ENERGIES) also carry their debiased value."""
+    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m), name in ENERGIES) for k in KEY0}
+                    for m, name in enumerate(names)} for scope in SCOPES}
 
 
 def summarise(job: Job, passes: list[Pass]) -> Output:
@@ -67,8 +72,9 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
     per_layer, summed = unflatten(orig.sums.estimate(layered, level=level), shapes)
     ests = {"original/metrics": per_layer, "original/over_layers": summed,
             "original/metrics_heads": orig.sums.estimate(orig.head_metrics, level=level),
-            "original/alpha0": orig.sums.estimate(lambda m: alpha0(m["key0"]), level=level),
-            "original/alpha0_64": orig.sums.estimate(lambda m: alpha0(m["key0"], p0.GU_TOKENS), level=level)}
+            "original/alpha0": orig.sums.estimate(lambda m: alpha0(m["key0"], windows=orig.windows), level=level),
+            "original/alpha0_64": orig.sums.estimate(lambda m: alpha0(m["key0"], p0.GU_TOKENS, orig.windows),
+                                                     level=level)}
     metrics["original"] = {"per_layer": by_domain(per_layer, NAMES), "over_layers": by_domain(summed, NAMES)}
 
     # every other pass against the original
