@@ -16,7 +16,7 @@ import poslens.report.sections  # noqa: F401  (registers the real sections befor
 from poslens import plotting
 from poslens.report import section as registry_module
 from poslens.report.claims import Claim, Test
-from poslens.report.render import figure_of, headlines, write_report
+from poslens.report.render import figure_of, headlines, prose, write_report
 from poslens.report.section import Figure, Panel, Section
 from poslens.report.sections.figures import heatmaps, noise_only
 
@@ -217,3 +217,10 @@ def test_real_model_maps_flag_layers_where_noise_rivals_the_pattern():
     warn = noise_warning([2], sums, 2)
     assert warn.startswith("Layer 2:") and "16 sequences" in warn
     assert noise_warning([1, 2], sums, 2).startswith("Every layer") and noise_warning([], sums) == ""
+
+
+def test_code_spans_of_the_text_are_code_in_html():
+    # the sections' texts name commands in backticks (Markdown); in HTML they are <code>, everything else escaped
+    want = "run <code>poslens sweep --out a&lt;b</code> then &lt;x&gt;"
+    assert prose("run `poslens sweep --out a<b` then <x>") == want
+    assert prose("no code here") == "no code here"

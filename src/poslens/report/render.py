@@ -26,6 +26,11 @@ _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 e = html.escape
 
 
+def prose(text: str) -> str:
+    """Escaped text with its `code spans` (the Markdown report's backticks) as <code>."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", e(text))
+
+
 def all_claims(sections: list[Section]) -> list[Claim]:
     return [c for s in sections for c in s.claims]
 
@@ -256,14 +261,14 @@ def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
     else:
         parts.append(f"<ul>{tests}</ul>")
     if c.measured:
-        parts.append(f"<p class='note'>{e(c.measured)}</p>")
+        parts.append(f"<p class='note'>{prose(c.measured)}</p>")
     if c.paper_number:
         parts.append(f"<p class='note'><b>The paper:</b> {e(c.paper_number)}</p>")
     if c.scope:
         parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
                      "read not resolved, not contradicted.</p>")
     if c.resolve and v == "not resolved":
-        parts.append(f"<p class='note'><b>What would resolve it:</b> {e(c.resolve)}</p>")
+        parts.append(f"<p class='note'><b>What would resolve it:</b> {prose(c.resolve)}</p>")
     tail = []
     if c.figure:
         f = figure_of(c.figure, list(figures))
@@ -300,13 +305,13 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
                 f"<a href='#{e(c.id)}'>{e(c.claim)}</a> <span class='key'>({e(c.key_number())})</span></div>"
                 for c in s.claims))
     out.append("</div>")
-    out.append(f"<p>{e(intro)}</p>")
+    out.append(f"<p>{prose(intro)}</p>")
     if prov:
         out.append("<table class='prov' id='provenance'>" + "".join(
             f"<tr><th>{e(k)}</th><td>{'<code>' + e(v) + '</code>' if k == 'command' else _lines(v)}</td></tr>"
             for k, v in prov) + "</table>")
     for s in sections:
-        out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{e(s.text)}</p>")
+        out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{prose(s.text)}</p>")
         if s.scale:
             out.append(f"<p class='banner'>{e(s.scale)}</p>")
         out += [_claim_html(c, s.figures) for c in s.claims]
