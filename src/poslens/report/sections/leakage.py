@@ -223,10 +223,10 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
         series, errors = sl.architecture_series(metrics, labels)
         xs = np.arange(1, len(next(iter(series.values()))) + 1)
         out.append(lines(ctx, "leakage_architectures", xs, series,
-                         "The sweep's models: absolute energy of the scores' absolute term per layer (from 1), debiased "
-                         "(without the sampling-noise term; a lower bound below 0 is drawn down to the axis), all "
-                         f"queries, offsets 0-{max_offset} for every variant (the common domain), key 0 in; mean over "
-                         "seeds with 95% t-intervals over seeds.", "layer", "absolute-scores energy",
+                         "The sweep's models: absolute energy of the scores' absolute term per layer (from 1), "
+                         "debiased (without the sampling-noise term; a lower bound below 0 is drawn down to the "
+                         f"axis), all queries, offsets 0-{max_offset} for every variant (the common domain), key 0 "
+                         "in; mean over seeds with 95% t-intervals over seeds.", "layer", "absolute-scores energy",
                          "The sweep: the residual stream's term by architecture",
                          errors={k: np.array(v) for k, v in errors.items()}, logy=True))
     return out
