@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -289,7 +290,12 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
             s.all_reduce()
         if run is None:
             return None
+        if progress and dist.main:  # the statistics (intervals over the groups) can take minutes on long maps
+            print(f"{analysis.kind}: statistics and intervals over {job.groups} groups...", file=sys.stderr, flush=True)
         output = analysis.finish(job, passes)
+        if progress and dist.main:
+            print(f"{analysis.kind}: statistics done in {time.perf_counter() - job.started - computed:.0f} s",
+                  file=sys.stderr, flush=True)
         figures = analysis.figures(job, output, run.build / "figures") if config.figures else []
         write_run(run.build, output.tensors, {
             "kind": analysis.kind, "config": asdict(config), "data": job.data,
