@@ -100,9 +100,7 @@ def judge(cfg, paths: dict, tokens: Path, sequences: int, cache: Path) -> list[d
     for c in claims:
         print(f"{c.id}: {c.verdict}")
         for role, t in c.all_tests():
-            j = t.to_json()
-            print(f"  [{role}] {j['statistic']}: {j['value']:.4g} [{j['lo']:.4g}, {j['hi']:.4g}] {j['side']} "
-                  f"{j['threshold']}: {j['outcome']}")
+            print(f"  [{role}] {t.text()}")
     return [c.to_json("sweep") for c in claims]
 
 

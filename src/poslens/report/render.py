@@ -317,7 +317,7 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
         out += [_claim_html(c, s.figures) for c in s.claims]
         if s.context:
             out.append("<p><b>Also measured</b> (shown beside the claims, no verdict):</p><ul>"
-                       + "".join(f"<li>{e(a)}: {e(b)}</li>" for a, b in s.context) + "</ul>")
+                       + "".join(f"<li>{prose(a)}: {prose(b)}</li>" for a, b in s.context) + "</ul>")
         out += [_figure_html(f, root) for f in s.figures]
     out.append(f"<script type='text/plain' id='poslens-cmap'>{colormap_hex()}</script><script>{SCRIPT}</script>")
     out.append("</body></html>")

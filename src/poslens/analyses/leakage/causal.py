@@ -189,15 +189,15 @@ class LeakageMaps(Statistic):
         return evaluate(head_mean(means), self.domains, self.windows_for(means["scores"].shape[0]),
                         METRICS + HEAD_MEAN_ONLY)
 
-    def head_metrics(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[V, M, L, H] per head (METRICS)."""
+    def head_metrics(self, means: dict[str, torch.Tensor], names: tuple[str, ...] = METRICS,
+                     metrics=leakage_metrics) -> torch.Tensor:
+        """[V, M, L, H] per head (`names`, computed by `metrics`; `causal.evaluate`)."""
         m = {k: means[k] for k in ("scores", "log_partition", "relative_log_partition")}
-        return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]))
+        return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]), names, metrics)
 
     def head_energies(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
         """[V, E, L, H] the energies (ENERGIES) per head, and nothing else (the per-head contrasts' cost)."""
-        m = {k: means[k] for k in ("scores", "log_partition", "relative_log_partition")}
-        return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]), ENERGIES, energy_metrics)
+        return self.head_metrics(means, ENERGIES, energy_metrics)
 
     def maps(self) -> dict[str, torch.Tensor]:
         """The head-mean mean maps and per-head attention on key 0, float32."""
