@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import shlex
 import sys
@@ -371,6 +372,11 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # PyTorch's CPU allocator backs buffers of 2 MB and more with transparent huge pages when this is set (read at
+    # its first allocation, so before torch is imported; a value the user set is kept). Mean maps of long sequences
+    # are hundreds of MB, allocated afresh for every jackknife replicate: with 4 KB pages the kernel's page faults
+    # took as much time as the arithmetic (Gemma-3-270M leakage at 1,024 tokens, BENCHMARKS.md "Leakage").
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     parser = build_parser(command)

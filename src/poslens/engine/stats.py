@@ -23,7 +23,7 @@ combine shards, `result` to finalise).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +99,27 @@ def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return F.pad(t, pad)
 
 
+class Means(Mapping):
+    """The pooled means of a GroupedSums by name, each computed when first read (a function of a few quantities
+    does not pay for the others: maps of long sequences are GBs)."""
+
+    def __init__(self, names: list[str], compute: Callable[[str], torch.Tensor]) -> None:
+        self._names, self._compute, self._done = names, compute, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._done:
+            if name not in self._names:
+                raise KeyError(name)
+            self._done[name] = self._compute(name)
+        return self._done[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class GroupedSums:
     """Named sums and counts kept per group of sequences: `add`, then `mean` or `estimate` (see module docstring).
 
@@ -155,23 +176,32 @@ class GroupedSums:
 
     # ---- finishing ------------------------------------------------------------------------------------
 
-    def _means(self, drop: int | None = None, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Pooled means in float64 (NaN where no sequence counted); `drop`: leave that group out; `weights`:
-        group multiplicities (bootstrap)."""
-        out = {}
-        for name, s in self.sums.items():
-            c = self.counts[name]
-            if weights is not None:
-                w = weights.to(s.device, torch.float64)
-                tot = (s.double() * w.reshape((-1,) + (1,) * (s.dim() - 1))).sum(0)
-                cnt = (c * w.reshape((-1,) + (1,) * (c.dim() - 1))).sum(0)
-            else:
-                tot, cnt = s.sum(0, dtype=torch.float64), c.sum(0)
-                if drop is not None:
-                    tot, cnt = tot - s[drop].double(), cnt - c[drop]
-            cnt = cnt.reshape(tuple(cnt.shape) + (1,) * (tot.dim() - cnt.dim()))
-            out[name] = torch.where(cnt > 0, tot / cnt.clamp(min=1e-300), math.nan)
-        return out
+    def _totals(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(sum over groups in float64, count over groups) by name: what every leave-one-out mean starts from."""
+        return {name: (s.sum(0, dtype=torch.float64), self.counts[name].sum(0)) for name, s in self.sums.items()}
+
+    def _means(self, drop: int | None = None, weights: torch.Tensor | None = None,
+               totals: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Means:
+        """Pooled means in float64 (NaN where no sequence counted), each computed when first read; `drop`: leave
+        that group out; `weights`: group multiplicities (bootstrap); `totals`: `_totals()`, when several means are
+        taken from the same sums."""
+        return Means(list(self.sums), lambda name: self._mean(name, drop, weights, totals))
+
+    def _mean(self, name: str, drop: int | None, weights: torch.Tensor | None,
+              totals: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+        s, c = self.sums[name], self.counts[name]
+        if weights is not None:
+            w = weights.to(s.device, torch.float64)
+            tot = (s.double() * w.reshape((-1,) + (1,) * (s.dim() - 1))).sum(0)
+            cnt = (c * w.reshape((-1,) + (1,) * (c.dim() - 1))).sum(0)
+        else:
+            tot, cnt = totals[name] if totals is not None else (s.sum(0, dtype=torch.float64), c.sum(0))
+            if drop is not None:
+                tot, cnt = torch.sub(tot, s[drop]), cnt - c[drop]
+        cnt = cnt.reshape(tuple(cnt.shape) + (1,) * (tot.dim() - cnt.dim()))
+        if bool((cnt > 0).all()):  # in place where tot is this call's own tensor (maps can be GBs)
+            return tot.div_(cnt) if drop is not None or weights is not None else tot / cnt
+        return torch.where(cnt > 0, tot / cnt.clamp(min=1e-300), math.nan)
 
     def mean(self, name: str) -> torch.Tensor:
         """Pooled mean of one quantity (float64)."""
@@ -192,13 +222,15 @@ class GroupedSums:
         the interval is NaN (a single group gives no spread to measure)."""
         check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
         check_choice("method", method, METHODS)
-        value = torch.as_tensor(fn(self._means()), dtype=torch.float64)
+        totals = self._totals() if method == "jackknife" else None
+        value = torch.as_tensor(fn(self._means(totals=totals)), dtype=torch.float64)
         groups = self.filled()
         nan = torch.full_like(value, math.nan)
         if len(groups) < 2:
             return Estimate(value, nan, nan.clone(), nan.clone(), len(groups), level, method)
         if method == "jackknife":
-            reps = torch.stack([torch.as_tensor(fn(self._means(drop=g)), dtype=torch.float64) for g in groups])
+            reps = torch.stack([torch.as_tensor(fn(self._means(drop=g, totals=totals)), dtype=torch.float64)
+                                for g in groups])
             k = len(groups)
             se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
             t = t_quantile((1 + level) / 2, k - 1)

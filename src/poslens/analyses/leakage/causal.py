@@ -22,7 +22,7 @@ import torch
 from poslens.analyses.leakage.metrics import Domain, energy_metrics, leakage_metrics
 from poslens.analyses.leakage.position0 import GU_TOKENS
 from poslens.engine.families import sliding_windows
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Means, Statistic
 from poslens.errors import UsageError, check_int
 
 # (name, early queries only, key 0 in the domain): every metric is reported on each
@@ -110,23 +110,21 @@ def evaluate(means: dict[str, torch.Tensor], domains: Domains, windows: list[int
     uses windows[l]). `means`: scores, log_partition, relative_log_partition and optionally probs. `metrics`: the
     function that computes them (`metrics.energy_metrics` when only energies are asked for)."""
     n = means["scores"].shape[-1]
-    maps = dict(means)
-    maps["log_probs"] = maps["scores"] - maps["log_partition"][..., None]
     by_window: dict[int, list[int]] = {}
     for l, w in enumerate(windows):
         by_window.setdefault(w, []).append(l)
     out = torch.empty(len(VARIANTS), len(names), *means["scores"].shape[:-2], dtype=torch.float64)
-    for v, (_, early, first_key) in enumerate(VARIANTS):
-        for w, layers in by_window.items():  # layers that share a window share a domain: one vectorised call
-            vals = metrics({k: x[layers] for k, x in maps.items()}, domains.of(n, early, first_key, w),
-                           domains.early_keys)
+    for w, layers in by_window.items():  # layers that share a window share a domain: one vectorised call
+        maps = means if len(by_window) == 1 else {k: x[layers] for k, x in means.items()}
+        for v, (_, early, first_key) in enumerate(VARIANTS):
+            vals = metrics(maps, domains.of(n, early, first_key, w), domains.early_keys)
             out[v][:, layers] = torch.stack([vals[k] for k in names])
     return out
 
 
 def head_mean(means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The per-head means [L, H, ...] averaged over heads (the probabilities are already a head mean)."""
-    return {k: v if k == "probs" else v.mean(1) for k, v in means.items() if k != "key0"}
+    return {k: means[k] if k == "probs" else means[k].mean(1) for k in means if k != "key0"}
 
 
 class LeakageMaps(Statistic):
@@ -234,4 +232,7 @@ def joint(statistics: dict[str, LeakageMaps]) -> GroupedSums:
 def unprefix(means: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The means of one pass out of a `joint` dict."""
     p = f"{prefix}/"
-    return {k[len(p):]: v for k, v in means.items() if k.startswith(p)}
+    names = [k for k in means if k.startswith(p)]
+    if isinstance(means, Means):  # still lazy: a function of a few maps reads only those
+        return Means([k[len(p):] for k in names], lambda k: means[p + k])
+    return {k[len(p):]: means[k] for k in names}

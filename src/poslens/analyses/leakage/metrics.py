@@ -89,21 +89,24 @@ class _Index:
             raise UsageError(f"domain has {self.size} entries on {len(counts)} offsets in a {n} x {n} map; a fit "
                              f"needs at least 2 offsets with {MIN_PER_OFFSET} entries each: raise max_offset or "
                              "max_query, or lower min_query")
+        self.counts = {t: torch.bincount(self.codes[t]).to(torch.float64) for t in TERMS}  # entries per level
         self._pinv: dict[tuple[str, ...], torch.Tensor] = {}
+        self._cross: dict[tuple[str, str], torch.Tensor] = {}
+
+    def cross(self, a: str, b: str) -> torch.Tensor:
+        """[levels of a, levels of b] float64: how many entries of Omega have level u of factor a and level v of b
+        (cached; block (a, b) of X^T X)."""
+        if (a, b) not in self._cross:
+            la, lb = len(self.levels[a]), len(self.levels[b])
+            pair = self.codes[a] * lb + self.codes[b]
+            self._cross[a, b] = torch.bincount(pair, minlength=la * lb).reshape(la, lb).to(torch.float64)
+        return self._cross[a, b]
 
     def pinv(self, terms: tuple[str, ...]) -> torch.Tensor:
         """(X^T X)^+ of the one-hot design with the given factors (float64, cached; the design depends on Omega
         only, so one pseudo-inverse serves every map and every jackknife replicate)."""
         if terms not in self._pinv:
-            rows = []
-            for a in terms:  # block (a, b) of X^T X counts the entries with level u of a and level v of b
-                la, row = len(self.levels[a]), []
-                for b in terms:
-                    lb = len(self.levels[b])
-                    pair = self.codes[a] * lb + self.codes[b]
-                    row.append(torch.bincount(pair, minlength=la * lb).reshape(la, lb))
-                rows.append(torch.cat(row, 1))
-            xtx = torch.cat(rows, 0).to(torch.float64)
+            xtx = torch.cat([torch.cat([self.cross(a, b) for b in terms], 1) for a in terms], 0)
             self._pinv[terms] = torch.linalg.pinv(xtx, hermitian=True, rtol=1e-10)
         return self._pinv[terms]
 
@@ -115,15 +118,22 @@ def _index(domain: Domain, n: int) -> _Index:
 
 def values(m: torch.Tensor, domain: Domain) -> tuple[torch.Tensor, _Index]:
     """The entries of m [..., n, n] on Omega as float64 [..., |Omega|] (a UsageError if any is not finite)."""
+    y, ix = _gather(m, domain)
+    if not bool(torch.isfinite(y).all()):
+        raise UsageError(NOT_FINITE)
+    return y, ix
+
+
+NOT_FINITE = ("the domain includes undefined (NaN) map entries: set window to the layer's sliding window or lower "
+              "max_offset")
+
+
+def _gather(m: torch.Tensor, domain: Domain) -> tuple[torch.Tensor, _Index]:
     m = torch.as_tensor(m)
     if m.dim() < 2 or m.shape[-1] != m.shape[-2]:
         raise UsageError(f"maps must be square [..., n, n], got shape {tuple(m.shape)}")
     ix = domain.index(m.shape[-1])
-    y = m.reshape(*m.shape[:-2], -1)[..., ix.flat.to(m.device)].to(torch.float64).cpu()
-    if not bool(torch.isfinite(y).all()):
-        raise UsageError("the domain includes undefined (NaN) map entries: set window to the layer's sliding "
-                         "window or lower max_offset")
-    return y, ix
+    return m.reshape(*m.shape[:-2], -1)[..., ix.flat.to(m.device)].to(torch.float64).cpu(), ix
 
 
 def _group_sums(y: torch.Tensor, code: torch.Tensor, levels: int) -> torch.Tensor:
@@ -132,37 +142,115 @@ def _group_sums(y: torch.Tensor, code: torch.Tensor, levels: int) -> torch.Tenso
     return out.index_add_(-1, code, y)
 
 
-def _fit(y: torch.Tensor, ix: _Index, terms: tuple[str, ...]) -> torch.Tensor:
-    """Residual of the least-squares fit of y [..., K] on one-hot factors `terms` (each includes a constant)."""
-    xty = torch.cat([_group_sums(y, ix.codes[t], len(ix.levels[t])) for t in terms], -1)
-    b = xty @ ix.pinv(terms)  # normal equations b = (X^T X)^+ X^T y; the projection is unique even when b is not
-    fitted = torch.zeros_like(y)
-    start = 0
-    for t in terms:
-        size = len(ix.levels[t])
-        fitted = fitted + b[..., start:start + size][..., ix.codes[t]]
-        start += size
-    return y - fitted
-
-
 def toeplitz_residual(y: torch.Tensor, ix: _Index) -> torch.Tensor:
-    """R_ij = M_ij - mu_{i-j} on Omega (mu_d: diagonal means over Omega); exact, no solve."""
+    """R_ij = M_ij - mu_{i-j} on Omega (mu_d: diagonal means over Omega), materialised (the metrics use `Moments`)."""
     code = ix.codes["d"]
-    counts = torch.bincount(code).to(y.dtype)
-    mu = _group_sums(y, code, len(counts)) / counts
+    mu = _group_sums(y, code, len(ix.levels["d"])) / ix.counts["d"]
     return y - mu[..., code]
 
 
-def _centred_ss(y: torch.Tensor) -> torch.Tensor:
-    return ((y - y.mean(-1, keepdim=True)) ** 2).sum(-1)
+@dataclass
+class Moments:
+    """What every metric of this module needs from maps y [..., n, n] on Omega, read in one gather:
+
+        mu      = the diagonal means mu_d (offset levels of Omega)
+        res     = ||P y||^2 = sum over Omega of R_ij^2, R_ij = y_ij - mu_{i-j} (the Toeplitz residual)
+        q, k    = sums of R over the entries of each query row, each key column of Omega
+
+    Each metric is a quadratic form of these (docs/leakage.md, "Formulas"): V_tot = res + sum_d n_d (mu_d - ybar)^2;
+    the residual of a one-hot fit on offset and query and/or key is res - b^T (X^T X)^+ b with b = X^T R (offset
+    block 0, then q, k); a row term y - u 1^T (u_i along query row i: the log-partition, log(1 + i)) changes them
+    in closed form (`minus_rows`). So a map is read once, whatever is asked of it, and the residual energy is a sum
+    of squares of residuals (a Toeplitz map gives 0 to rounding of its entries, not of its size).
+    """
+
+    ix: _Index
+    mu: torch.Tensor  # [..., offsets]
+    res: torch.Tensor  # [...]
+    q: torch.Tensor  # [..., queries]
+    k: torch.Tensor  # [..., keys]
+
+    @classmethod
+    def of(cls, m: torch.Tensor, domain: Domain) -> Moments:
+        """The moments of maps m [..., n, n] on `domain` (a UsageError if an entry in it is not finite)."""
+        r, ix = _gather(m, domain)  # a copy of the entries: made into the residual in place
+        mu = _group_sums(r, ix.codes["d"], len(ix.levels["d"])) / ix.counts["d"]
+        r.sub_(mu[..., ix.codes["d"]])
+        res = (r[..., None, :] @ r[..., :, None])[..., 0, 0]  # sum of squares without a squared copy
+        if not bool(torch.isfinite(res).all()):
+            raise UsageError(NOT_FINITE)
+        return cls(ix, mu, res, _group_sums(r, ix.codes["q"], len(ix.levels["q"])),
+                   _group_sums(r, ix.codes["k"], len(ix.levels["k"])))
+
+    @classmethod
+    def rows(cls, u: torch.Tensor, ix: _Index) -> Moments:
+        """The moments of the map u 1^T (u_i on every entry of row i) for u [..., n]."""
+        u = torch.as_tensor(u)
+        zero = torch.zeros(u.shape[:-1], dtype=torch.float64)
+        return cls(ix, zero[..., None].expand(*zero.shape, len(ix.levels["d"])), zero,
+                   zero[..., None].expand(*zero.shape, len(ix.levels["q"])),
+                   zero[..., None].expand(*zero.shape, len(ix.levels["k"]))).minus_rows(-u)
+
+    def minus_rows(self, u: torch.Tensor) -> Moments:
+        """The moments of y - u 1^T, for u [..., n] indexed by query position (a UsageError if u is not finite on
+        Omega's queries). With Pu_ij = u_i - (mean of u over diagonal i - j): R' = R - Pu, and <R, Pu> = sum_i u_i q_i
+        because R sums to 0 on every diagonal."""
+        ix = self.ix
+        u = torch.as_tensor(u).to(torch.float64).cpu()
+        if tuple(u.shape) != (*self.res.shape, ix.n):
+            raise UsageError(f"log_partition must have shape {(*self.res.shape, ix.n)}, got {tuple(u.shape)}")
+        uq = u[..., ix.levels["q"]]
+        if not bool(torch.isfinite(uq).all()):
+            raise UsageError("log_partition is undefined (NaN) at a query in the domain; lower max_query")
+        cq, nd = ix.counts["q"], ix.counts["d"]
+        uq = uq - (uq * cq).sum(-1, keepdim=True) / ix.size  # a constant is Toeplitz: centring changes no residual
+        ud = uq @ ix.cross("q", "d") / nd  # diagonal means of u 1^T
+        pu_ss = (cq * uq * uq).sum(-1) - (nd * ud * ud).sum(-1)  # ||P u||^2
+        res = self.res - 2.0 * (uq * self.q).sum(-1) + pu_ss
+        q = self.q - (cq * uq - ud @ ix.cross("q", "d").T)
+        k = self.k - (uq @ ix.cross("q", "k") - ud @ ix.cross("d", "k"))
+        return Moments(ix, self.mu - ud, res.clamp_min(0.0), q, k)
+
+    def total(self) -> torch.Tensor:
+        """V_tot = sum over Omega of (y_ij - ybar)^2."""
+        nd = self.ix.counts["d"]
+        centred = self.mu - (self.mu * nd).sum(-1, keepdim=True) / self.ix.size
+        return self.res + (nd * centred * centred).sum(-1)
+
+    def residual(self, terms: tuple[str, ...] = ("d",)) -> torch.Tensor:
+        """Residual sum of squares of the least-squares fit on one-hot factors `terms` (("d",): ||P y||^2)."""
+        if terms == ("d",):
+            return self.res
+        if terms[0] != "d":
+            raise UsageError(f"fits are on the offset and more: terms must start with 'd', got {terms}")
+        zero = torch.zeros_like(self.mu)
+        b = torch.cat([zero, *(getattr(self, t) for t in terms[1:])], -1)  # X^T R: R sums to 0 on each diagonal
+        return (self.res - ((b @ self.ix.pinv(terms)) * b).sum(-1)).clamp_min(0.0)
+
+    def inner_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """<P y, P(x 1^T)> = sum_i x_i q_i for one row term x [n] (the same for every map)."""
+        return self.q @ torch.as_tensor(x).to(torch.float64)[self.ix.levels["q"]]
+
+    def sd(self) -> torch.Tensor:
+        """sqrt(V_tot / |Omega|)."""
+        return (self.total() / self.ix.size).sqrt()
+
+    def key_profile(self) -> torch.Tensor:
+        """r_j = mean over the queries i with (i, j) in Omega of R_ij, [..., n] (NaN for keys outside Omega)."""
+        ix = self.ix
+        out = torch.full((*self.k.shape[:-1], ix.n), math.nan, dtype=torch.float64)
+        out[..., ix.levels["k"]] = self.k / ix.counts["k"]
+        return out
 
 
 def toeplitz_fraction(m: torch.Tensor, domain: Domain) -> torch.Tensor:
     """TRF = sum_Omega R_ij^2 / V_tot (notes C1): the share of the map's variance the offset i - j does not
     explain; 0 iff M is Toeplitz on Omega, at most 1. NaN for a constant map (V_tot = 0)."""
-    y, ix = values(m, domain)
-    r = toeplitz_residual(y, ix)
-    return (r**2).sum(-1) / _centred_ss(y)
+    return _trf(Moments.of(m, domain))
+
+
+def _trf(mo: Moments) -> torch.Tensor:
+    return mo.residual() / mo.total()
 
 
 def delta_r2(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
@@ -172,10 +260,12 @@ def delta_r2(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
     Because d = i - j, a linear trend moves freely between the three factors: only increments are identified,
     and dr2_q and dr2_k overlap (dr2_abs <= dr2_q + dr2_k need not hold with equality).
     """
-    y, ix = values(m, domain)
-    total = _centred_ss(y)
-    r2 = {"".join(t): 1.0 - (_fit(y, ix, t) ** 2).sum(-1) / total
-          for t in (("d",), ("d", "q"), ("d", "k"), ("d", "q", "k"))}
+    return _delta_r2(Moments.of(m, domain))
+
+
+def _delta_r2(mo: Moments) -> dict[str, torch.Tensor]:
+    total = mo.total()
+    r2 = {"".join(t): 1.0 - mo.residual(t) / total for t in (("d",), ("d", "q"), ("d", "k"), ("d", "q", "k"))}
     out = {f"r2_{k}": v for k, v in r2.items()}
     out["dr2_q"] = r2["dq"] - r2["d"]
     out["dr2_k"] = r2["dk"] - r2["d"]
@@ -198,13 +288,16 @@ def split(scores: torch.Tensor, log_partition: torch.Tensor, domain: Domain) -> 
     a query term g(i) added to the scores moves e_logit and e_partition and cancels in the cross term
     (`counterfactual_split` separates what the mask alone would do).
     """
-    s, part, ix = _scores_and_partition(scores, log_partition, domain)
-    ps, pm = toeplitz_residual(s, ix), toeplitz_residual(part, ix)
-    e_logit, e_part, cross = (ps**2).sum(-1), (pm**2).sum(-1), -2.0 * (ps * pm).sum(-1)
-    total = e_logit + e_part + cross
+    return _split(Moments.of(scores, domain), log_partition)
+
+
+def _split(mo: Moments, log_partition: torch.Tensor) -> dict[str, torch.Tensor]:
+    logp = mo.minus_rows(log_partition)  # L = S - l 1^T
+    e_logit, e_part, total = mo.residual(), Moments.rows(log_partition, mo.ix).residual(), logp.residual()
+    cross = total - e_logit - e_part
     return {"e_total": total, "e_logit": e_logit, "e_partition": e_part, "cross": cross,
             "share_logit": e_logit / total, "share_partition": e_part / total, "share_cross": cross / total,
-            "fraction": total / _centred_ss(s - part)}
+            "fraction": total / logp.total()}
 
 
 def counterfactual_split(scores: torch.Tensor, log_partition: torch.Tensor, relative_log_partition: torch.Tensor,
@@ -225,29 +318,21 @@ def counterfactual_split(scores: torch.Tensor, log_partition: torch.Tensor, rela
     Also their shares of e_total and `mask_only_over_partition` = mask_only / e_partition (how far the split's
     log-partition term is from the mask's own effect).
     """
-    s, part, ix = _scores_and_partition(scores, log_partition, domain)
-    _, rel, _ = _scores_and_partition(scores, relative_log_partition, domain)
-    pm = toeplitz_residual(rel, ix)  # P(l^rel 1^T)
-    pa = toeplitz_residual(s - (part - rel), ix)  # P S - P((l - l^rel) 1^T)
-    mask, absolute, cross = (pm**2).sum(-1), (pa**2).sum(-1), -2.0 * (pm * pa).sum(-1)
-    total = mask + absolute + cross
-    e_part = (toeplitz_residual(part, ix) ** 2).sum(-1)
+    return _counterfactual(Moments.of(scores, domain), log_partition, relative_log_partition)
+
+
+def _counterfactual(mo: Moments, log_partition: torch.Tensor,
+                    relative_log_partition: torch.Tensor) -> dict[str, torch.Tensor]:
+    lp = torch.as_tensor(log_partition).to(torch.float64).cpu()
+    rel = torch.as_tensor(relative_log_partition).to(torch.float64).cpu()
+    mask = Moments.rows(rel, mo.ix).residual()
+    absolute = mo.minus_rows(lp - rel).residual()
+    total = mo.minus_rows(lp).residual()
+    cross = total - mask - absolute
+    e_part = Moments.rows(lp, mo.ix).residual()
     return {"mask_only": mask, "absolute_scores": absolute, "cross": cross, "share_mask_only": mask / total,
             "share_absolute_scores": absolute / total, "share_cross": cross / total,
             "mask_only_over_partition": mask / e_part}
-
-
-def _scores_and_partition(scores: torch.Tensor, log_partition: torch.Tensor,
-                          domain: Domain) -> tuple[torch.Tensor, torch.Tensor, _Index]:
-    """Scores on Omega and the log-partition l_i broadcast to each entry (i, j) of Omega, float64."""
-    s, ix = values(scores, domain)
-    lp = torch.as_tensor(log_partition).to(torch.float64).cpu()
-    if lp.shape[-1] != ix.n or lp.shape[:-1] != s.shape[:-1]:
-        raise UsageError(f"log_partition must have shape {(*s.shape[:-1], ix.n)}, got {tuple(lp.shape)}")
-    part = lp[..., ix.i]  # l_i on each entry of Omega
-    if not bool(torch.isfinite(part).all()):
-        raise UsageError("log_partition is undefined (NaN) at a query in the domain; lower max_query")
-    return s, part, ix
 
 
 def drift(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
@@ -258,12 +343,13 @@ def drift(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
     x_i = log(1 + i)); scaled: slope / sd (change per e-fold of position in units of the map's spread).
     Uniform attention's log-probabilities -log(1 + i) have slope exactly -1; a Toeplitz map has 0.
     """
-    y, ix = values(m, domain)
-    x = torch.log1p(ix.i.to(torch.float64)).expand_as(y)
-    rx, ry = toeplitz_residual(x, ix), toeplitz_residual(y, ix)
-    slope = (rx * ry).sum(-1) / (rx**2).sum(-1)
-    sd = (_centred_ss(y) / ix.size).sqrt()
-    return {"slope": slope, "scaled": slope / sd}
+    return _drift(Moments.of(m, domain))
+
+
+def _drift(mo: Moments) -> dict[str, torch.Tensor]:
+    x = torch.log1p(torch.arange(mo.ix.n, dtype=torch.float64))
+    slope = mo.inner_rows(x) / Moments.rows(x, mo.ix).residual()
+    return {"slope": slope, "scaled": slope / mo.sd()}
 
 
 def key_profile(m: torch.Tensor, domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
@@ -273,15 +359,13 @@ def key_profile(m: torch.Tensor, domain: Domain, early_keys: int = 64) -> dict[s
     sink_excess = r_0 / sd (key 0 scored above what its offsets predict; NaN when Omega leaves key 0 out);
     early_key_slope = least-squares slope of r_j on log(1 + j) over 1 <= j <= early_keys, over sd.
     """
-    early_keys = check_int("early_keys", early_keys, 2)
-    y, ix = values(m, domain)
-    r = toeplitz_residual(y, ix)
-    counts = torch.bincount(ix.j, minlength=ix.n).to(torch.float64)
-    sums = _group_sums(r, ix.j, ix.n)
-    profile = torch.where(counts > 0, sums / counts.clamp_min(1), math.nan)
-    sd = (_centred_ss(y) / ix.size).sqrt()
-    keys = torch.arange(ix.n)
-    use = (keys >= 1) & (keys <= early_keys) & (counts > 0)
+    return _key_profile(Moments.of(m, domain), check_int("early_keys", early_keys, 2))
+
+
+def _key_profile(mo: Moments, early_keys: int) -> dict[str, torch.Tensor]:
+    profile, sd = mo.key_profile(), mo.sd()
+    keys = torch.arange(mo.ix.n)
+    use = (keys >= 1) & (keys <= early_keys) & torch.isin(keys, mo.ix.levels["k"])
     if int(use.sum()) >= 2:
         x = torch.log1p(keys[use].to(torch.float64))
         x = x - x.mean()
@@ -311,37 +395,46 @@ def sink_rate(probs: torch.Tensor, epsilon: float = 0.3, key: int = 0) -> float:
 def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
     """Every smooth metric of this module from a dict of mean maps, flat names -> tensors over leading axes.
 
-    Uses what is there: "scores" (TRF, Delta R^2, drift, key profile), with "log_partition" also the split,
-    with "relative_log_partition" also the counterfactual split ("cf/..."), "log_probs" and "probs" (their TRF
-    and drift). The engine's jackknife evaluates this on each replicate.
+    Uses what is there: "scores" (TRF, Delta R^2, drift, key profile), with "log_partition" also the split and
+    the log-probabilities' TRF and drift (of S - l 1^T, unless "log_probs" is given), with
+    "relative_log_partition" also the counterfactual split ("cf/..."), and "probs" (TRF and drift). Each map is
+    read once (`Moments`). The engine's jackknife evaluates this on each replicate.
     """
+    early_keys = check_int("early_keys", early_keys, 2)
+    moments = {k: Moments.of(means[k], domain) for k in ("scores", "log_probs", "probs") if k in means}
+    if "log_probs" not in moments and "scores" in moments and "log_partition" in means:
+        moments["log_probs"] = moments["scores"].minus_rows(means["log_partition"])
     out: dict[str, torch.Tensor] = {}
     for name in ("scores", "log_probs", "probs"):
-        if name not in means:
+        if name not in moments:
             continue
-        m = means[name]
-        out[f"{name}/trf"] = toeplitz_fraction(m, domain)
-        out[f"{name}/drift"] = drift(m, domain)["scaled"]
+        mo = moments[name]
+        out[f"{name}/trf"] = _trf(mo)
+        out[f"{name}/drift"] = _drift(mo)["scaled"]
         if name == "scores":
-            for k, v in delta_r2(m, domain).items():
+            for k, v in _delta_r2(mo).items():
                 if k.startswith("dr2"):
                     out[f"scores/{k}"] = v
-            prof = key_profile(m, domain, early_keys)
+            prof = _key_profile(mo, early_keys)
             out["scores/sink_excess"] = prof["sink_excess"]
             out["scores/early_key_slope"] = prof["early_key_slope"]
-    out.update(energy_metrics(means, domain))
+    out.update(_energies(moments.get("scores"), means))
     return out
 
 
 def energy_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
     """Only the two splits of the non-relative energy (`split/...`, with "relative_log_partition" also `cf/...`):
     what a removed share needs, without the fits of the other metrics (`early_keys` unused, for the same call)."""
+    if "scores" not in means or "log_partition" not in means:
+        return {}
+    return _energies(Moments.of(means["scores"], domain), means)
+
+
+def _energies(scores: Moments | None, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    if "scores" in means and "log_partition" in means:
-        for k, v in split(means["scores"], means["log_partition"], domain).items():
-            out[f"split/{k}"] = v
+    if scores is not None and "log_partition" in means:
+        out.update({f"split/{k}": v for k, v in _split(scores, means["log_partition"]).items()})
         if "relative_log_partition" in means:
-            cf = counterfactual_split(means["scores"], means["log_partition"], means["relative_log_partition"],
-                                      domain)
+            cf = _counterfactual(scores, means["log_partition"], means["relative_log_partition"])
             out.update({f"cf/{k}": v for k, v in cf.items()})
     return out
