@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the `poslens` command sets it (before torch's first allocation)
+import torch  # noqa: E402
 
 BAR_SECONDS = 600
 
@@ -85,6 +86,7 @@ def main() -> None:
               "seq_len": cfg.seq_len, "sequences": meta["data"]["sequences"], "batch_size": cfg.batch_size,
               "groups": meta["groups"]["used"], "passes": passes, "interventions": cfg.specs,
               "nulls": cfg.null_passes, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),
               "load_average": os.getloadavg(), "plain_forward_s": round(plain, 2), "leakage_s": round(wall, 2),
               "passes_s": round(timings["compute_seconds"], 2),
               "after_passes_s": round(timings["seconds"] - timings["compute_seconds"], 2),
