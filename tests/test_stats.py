@@ -40,6 +40,36 @@ def test_pooled_mean_and_leave_one_out_are_exact():
     assert est.groups == 4
 
 
+def test_leave_one_out_means_are_computed_only_when_read():
+    """`estimate` hands its function lazy means: each name is computed on first read, from totals shared by the
+    replicates; the values equal the means computed from the group sums directly."""
+    gen = torch.Generator().manual_seed(3)
+    s = GroupedSums(4)
+    for g in range(4):
+        s.add("a", g, torch.randn(3, generator=gen, dtype=torch.float64) * (g + 1), 2)
+        s.add("b", g, torch.randn(5, 5, generator=gen, dtype=torch.float64), 3)
+    seen = []
+
+    def fn(m):
+        seen.append(m)
+        return m["a"].sum()
+
+    est = s.estimate(fn)
+    assert est.groups == 4 and len(seen) == 5  # the value and four leave-one-out replicates
+    assert all(set(m._done) == {"a"} for m in seen)  # "b" was never computed
+    totals = s._totals()
+    for drop in range(4):
+        m = s._means(drop=drop, totals=totals)
+        assert sorted(m) == ["a", "b"] and len(m) == 2
+        keep = [g for g in range(4) if g != drop]
+        for name in ("a", "b"):
+            want = s.sums[name][keep].sum(0) / s.counts[name][keep].sum(0)
+            torch.testing.assert_close(m[name], want, rtol=1e-12, atol=0)
+        assert set(m._done) == {"a", "b"}
+    with pytest.raises(KeyError):
+        s._means()["c"]
+
+
 @pytest.mark.parametrize("method", ["jackknife", "bootstrap"])
 def test_intervals_cover_a_known_mean_at_about_the_nominal_rate(method):
     # ratio of means (nonlinear), true value 2.0 / 1.0; 200 repetitions, 20 groups of 5 sequences each
