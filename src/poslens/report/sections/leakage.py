@@ -207,15 +207,17 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
     out.append(lines(
         ctx, "leakage_sources", xs, series,
         "SmolLM2-135M: the causal terms of the non-relative energy of the mean log-probabilities at early queries, "
-        "per layer from 1, key 0 in and out, with 95% jackknife intervals: the mask's denominator counterfactual "
-        "and what the absolute content of the scores adds (docs/leakage.md).", "layer",
+        "per layer from 1, key 0 in and out, with 95% jackknife intervals (log scale: a lower bound at or below 0 "
+        "is drawn down to the axis): the mask's denominator counterfactual and what the absolute content of the "
+        "scores adds (docs/leakage.md).", "layer",
         "non-relative energy (early queries)", "SmolLM2-135M: the mask's term and the scores' absolute term",
         errors=errors, logy=True))
     names = {"log-partition term (e_partition)": "split/e_partition", "upstream logit term (e_logit)": "split/e_logit"}
     out.append(lines(
         ctx, "leakage_exact_split", xs, {label: early[key]["key0_in"]["value"] for label, key in names.items()},
         "The exact split of the same energy (key 0 in): a descriptive identity, not a split into causes (a query "
-        "term in the scores moves both terms and cancels in their cross term; docs/leakage.md).", "layer",
+        "term in the scores moves both terms and cancels in their cross term; docs/leakage.md; log scale: a lower "
+        "bound at or below 0 is drawn down to the axis).", "layer",
         "non-relative energy (early queries)", "SmolLM2-135M: the exact split (descriptive)",
         errors={label: interval_errors(*(early[key]["key0_in"][k] for k in ("value", "lo", "hi")))
                 for label, key in names.items()}, logy=True))
