@@ -15,6 +15,7 @@ smooth function of these means, so `result` gives each one a delete-one-group ja
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -229,10 +230,7 @@ def joint(statistics: dict[str, LeakageMaps]) -> GroupedSums:
     return out
 
 
-def unprefix(means: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def unprefix(means: Mapping[str, torch.Tensor], prefix: str) -> Means:
     """The means of one pass out of a `joint` dict."""
     p = f"{prefix}/"
-    names = [k for k in means if k.startswith(p)]
-    if isinstance(means, Means):  # still lazy: a function of a few maps reads only those
-        return Means([k[len(p):] for k in names], lambda k: means[p + k])
-    return {k[len(p):]: means[k] for k in names}
+    return Means([k[len(p):] for k in means if k.startswith(p)], lambda k: means[p + k])  # lazy as `means` is

@@ -186,10 +186,13 @@ class Moments:
     def rows(cls, u: torch.Tensor, ix: _Index) -> Moments:
         """The moments of the map u 1^T (u_i on every entry of row i) for u [..., n]."""
         u = torch.as_tensor(u)
-        zero = torch.zeros(u.shape[:-1], dtype=torch.float64)
-        return cls(ix, zero[..., None].expand(*zero.shape, len(ix.levels["d"])), zero,
-                   zero[..., None].expand(*zero.shape, len(ix.levels["q"])),
-                   zero[..., None].expand(*zero.shape, len(ix.levels["k"]))).minus_rows(-u)
+        shape = tuple(u.shape[:-1])
+
+        def zeros(*levels: int) -> torch.Tensor:
+            return torch.zeros((*shape, *levels), dtype=torch.float64)
+
+        empty = cls(ix, zeros(len(ix.levels["d"])), zeros(), zeros(len(ix.levels["q"])), zeros(len(ix.levels["k"])))
+        return empty.minus_rows(-u)
 
     def minus_rows(self, u: torch.Tensor) -> Moments:
         """The moments of y - u 1^T, for u [..., n] indexed by query position (a UsageError if u is not finite on
@@ -291,8 +294,9 @@ def split(scores: torch.Tensor, log_partition: torch.Tensor, domain: Domain) -> 
     return _split(Moments.of(scores, domain), log_partition)
 
 
-def _split(mo: Moments, log_partition: torch.Tensor) -> dict[str, torch.Tensor]:
-    logp = mo.minus_rows(log_partition)  # L = S - l 1^T
+def _split(mo: Moments, log_partition: torch.Tensor, logp: Moments | None = None) -> dict[str, torch.Tensor]:
+    """The split from the scores' moments; `logp`: the moments of L = S - l 1^T when the caller has them."""
+    logp = mo.minus_rows(log_partition) if logp is None else logp
     e_logit, e_part, total = mo.residual(), Moments.rows(log_partition, mo.ix).residual(), logp.residual()
     cross = total - e_logit - e_part
     return {"e_total": total, "e_logit": e_logit, "e_partition": e_part, "cross": cross,
@@ -318,18 +322,19 @@ def counterfactual_split(scores: torch.Tensor, log_partition: torch.Tensor, rela
     Also their shares of e_total and `mask_only_over_partition` = mask_only / e_partition (how far the split's
     log-partition term is from the mask's own effect).
     """
-    return _counterfactual(Moments.of(scores, domain), log_partition, relative_log_partition)
+    mo = Moments.of(scores, domain)
+    return _counterfactual(mo, log_partition, relative_log_partition, _split(mo, log_partition))
 
 
-def _counterfactual(mo: Moments, log_partition: torch.Tensor,
-                    relative_log_partition: torch.Tensor) -> dict[str, torch.Tensor]:
+def _counterfactual(mo: Moments, log_partition: torch.Tensor, relative_log_partition: torch.Tensor,
+                    split: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The counterfactual split from the scores' moments and their `split` (its e_total and e_partition)."""
     lp = torch.as_tensor(log_partition).to(torch.float64).cpu()
     rel = torch.as_tensor(relative_log_partition).to(torch.float64).cpu()
     mask = Moments.rows(rel, mo.ix).residual()
     absolute = mo.minus_rows(lp - rel).residual()
-    total = mo.minus_rows(lp).residual()
+    total, e_part = split["e_total"], split["e_partition"]
     cross = total - mask - absolute
-    e_part = Moments.rows(lp, mo.ix).residual()
     return {"mask_only": mask, "absolute_scores": absolute, "cross": cross, "share_mask_only": mask / total,
             "share_absolute_scores": absolute / total, "share_cross": cross / total,
             "mask_only_over_partition": mask / e_part}
@@ -402,8 +407,10 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
     """
     early_keys = check_int("early_keys", early_keys, 2)
     moments = {k: Moments.of(means[k], domain) for k in ("scores", "log_probs", "probs") if k in means}
-    if "log_probs" not in moments and "scores" in moments and "log_partition" in means:
-        moments["log_probs"] = moments["scores"].minus_rows(means["log_partition"])
+    logp = None  # L = S - l 1^T from the scores' moments: the split's and, unless given as a map, the TRF's
+    if "scores" in moments and "log_partition" in means:
+        logp = moments["scores"].minus_rows(means["log_partition"])
+        moments.setdefault("log_probs", logp)
     out: dict[str, torch.Tensor] = {}
     for name in ("scores", "log_probs", "probs"):
         if name not in moments:
@@ -418,7 +425,7 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
             prof = _key_profile(mo, early_keys)
             out["scores/sink_excess"] = prof["sink_excess"]
             out["scores/early_key_slope"] = prof["early_key_slope"]
-    out.update(_energies(moments.get("scores"), means))
+    out.update(_energies(moments.get("scores"), means, logp))
     return out
 
 
@@ -430,11 +437,13 @@ def energy_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: i
     return _energies(Moments.of(means["scores"], domain), means)
 
 
-def _energies(scores: Moments | None, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _energies(scores: Moments | None, means: dict[str, torch.Tensor],
+              logp: Moments | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     if scores is not None and "log_partition" in means:
-        out.update({f"split/{k}": v for k, v in _split(scores, means["log_partition"]).items()})
+        parts = _split(scores, means["log_partition"], logp)
+        out.update({f"split/{k}": v for k, v in parts.items()})
         if "relative_log_partition" in means:
-            cf = _counterfactual(scores, means["log_partition"], means["relative_log_partition"])
+            cf = _counterfactual(scores, means["log_partition"], means["relative_log_partition"], parts)
             out.update({f"cf/{k}": v for k, v in cf.items()})
     return out

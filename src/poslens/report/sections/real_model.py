@@ -99,9 +99,9 @@ def statistics(sums: GroupedSums, layers: int) -> dict:
 
 # Full size: every layer after the first is resolved at 256 sequences of 256 tokens (layer 2, the weakest, 0.0296
 # [0.0157, 0.0435]; it is not at 128 or 192: scripts/section52_sizes.py, 2026-11-25). The sequences are the first
-# 256 tokens of the corpus's first documents, so the full run measures exactly those 256 (16 groups of 16 batches of
-# 4 split into two halves); 512 resolved every layer too but did not fit the full run's 25-minute budget beside the
-# trained models (README, "What the paper says and what poslens measured").
+# 256 tokens of the corpus's first documents, so the full run measures exactly those 256 (64 batches of 4 in 16
+# groups, each group's batches split between the two halves); 512 resolved every layer too but did not fit the
+# full run's 25-minute budget beside the trained models (README, "What the paper says and what poslens measured").
 @section("real-model", "real model: SmolLM2-135M (Section 5.2)", models=True,
          quick={"seq_len": 256, "sequences": 32, "batch": 2, "groups": 8},
          full={"seq_len": 256, "sequences": 256, "batch": 4, "groups": 16})
