@@ -116,7 +116,10 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     assert any(line.startswith("predecessor: ") and line.endswith("detectable)") for line in lines)
     claims, context = leakage_claims(tmp_path / "run")  # the report section reads the run
     both = next(c for c in claims if c.id == "ruscio-both-sources")  # on causal terms: the mask-only term, the
-    assert "cf/mask_only" in both.tests[0].statistic and "removed by mean" in both.tests[2].statistic  # intervention
+    assert "mask-only counterfactual" in both.tests[0].statistic  # intervention, named in words (no run.json keys)
+    assert "removed with the BOS embedding replaced by the mean embedding" in both.tests[2].statistic
+    prose = [both.measured, both.key] + [t.statistic for t in both.tests] + [f"{w}: {v}" for w, v in context]
+    assert not any(key in text for text in prose for key in ("cf/", "split/", "e_logit", "e_partition", "patch:"))
     assert "offset null" in both.tests[-1].statistic and both.verdict in VERDICTS
     assert not any("split/" in t.statistic for t in both.tests)  # the exact split is context, not a test
     assert any(what.startswith("the exact split") for what, _ in context)

@@ -84,3 +84,30 @@ def test_seed_paired_uses_the_spread_over_seeds():
     spans = list(zip(EDGES, EDGES[1:]))
     torch.testing.assert_close(paired_difference(base, other, spans=spans).value, out["models"][0].value)
     torch.testing.assert_close(base.spans(spans).value, base.buckets().value)
+
+
+def test_the_length_rows_say_how_many_seeds_would_resolve_them():
+    """A length row's interval is a t-interval over the sweep's seeds: `seeds_needed` is the smallest seed count at
+    which, with the present mean and spread over seeds, the interval excludes the threshold (one fewer does not),
+    and `more_seeds` names it with the `poslens sweep` command that trains those seeds; a decided row needs none."""
+    from poslens.engine.stats import t_quantile
+    from poslens.report.claims import Test
+    from poslens.report.sections.length import more_seeds, seeds_needed
+    from poslens.report.sweep import SweepModels
+    from poslens.train.sweep import SweepConfig, resolve_matrix, seed_interval
+
+    e = seed_interval([-0.09, 0.01, -0.05])  # mean -0.0433, open at 3 seeds
+    test = Test("effect", e["value"], "<", 0.0, e["lo"], e["hi"], "95% t-interval over 3 seeds")
+    m = seeds_needed(test, 3)
+
+    def half(k: int) -> float:
+        return t_quantile(0.975, k - 1) * e["sd"] / math.sqrt(k)
+
+    assert test.outcome() == "open" and half(m) < abs(e["value"]) <= half(m - 1)
+    cfg = SweepConfig(preset="pe-quick")
+    sw = SweepModels(cfg, resolve_matrix(cfg), {}, None)
+    assert sw.seeds == [0, 1, 2]
+    text = more_seeds(sw, (test,))
+    assert f"about {m} " in text and f"--seeds {','.join(map(str, range(m)))}" in text
+    assert more_seeds(sw, (Test("effect", -1.0, "<", 0.0, -1.5, -0.5),)) == ""  # decided: nothing to add
+    assert seeds_needed(Test("effect", 0.0, "<", 0.0, -1.0, 1.0), 3) is None  # a mean on the threshold

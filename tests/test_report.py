@@ -219,6 +219,83 @@ def test_real_model_maps_flag_layers_where_noise_rivals_the_pattern():
     assert noise_warning([1, 2], sums, 2).startswith("Every layer") and noise_warning([], sums) == ""
 
 
+def test_real_model_rows_say_how_many_sequences_would_resolve_them_and_for_which_layer():
+    """Section 5.2's open rows estimate the sequences that would resolve them (bounds shrinking as 1/sqrt(sequences)
+    at the present estimate): kim-52-every-layer names the layer that estimate is for, which need not be the layer
+    with the weakest lower bound; kim-52-first-layer gives its own count against its threshold."""
+    import torch
+
+    from poslens.engine.stats import GroupedSums
+    from poslens.report.sections import measures as ms
+    from poslens.report.sections import real_model as rm
+
+    n, rng, layers = 16, np.random.default_rng(1), 4
+    sums = GroupedSums(4)
+    for half in "ab":
+        for g in range(4):
+            maps = np.stack([np.tril(rng.normal(0, 1, (n, n))) for _ in range(layers)])
+            sums.add(half, g, torch.as_tensor(maps * 4), 4)
+    st = rm.statistics(sums, layers)
+    # layer 2: a small estimate, far from resolved; layer 3: the weakest lower bound, but a large estimate
+    st["power"] = tuple(np.array(x) for x in ([0.01, 0.004, 0.06, 0.1], [0.005, -0.05, -0.09, 0.05],
+                                              [0.015, 0.058, 0.21, 0.15]))
+    every, first = rm.claims(SimpleNamespace(remeasure=str), sums, st, sums.mean("a").numpy(), layers, 32)[:2]
+    assert "layer 3's" in every.measured and "(layer 3)" in every.key
+    need = 32 * ms.need_factor(0.004, -0.05, 0.058)
+    assert need == pytest.approx(32 * (0.054 / 0.004) ** 2)
+    assert f"about {need:,.0f} for layer 2," in every.resolve and "this run used 32" in every.resolve
+    t = first.tests[0]
+    assert first.verdict == "not resolved"  # noise maps: the ratio's interval straddles 0.1
+    k = 32 * ms.need_factor(t.value, t.lo, t.hi, rm.FIRST_LAYER)
+    assert f"about {k:,.0f} for it to exclude 0.1" in first.resolve
+    # at that count the interval's half-width, shrunk as 1/sqrt(sequences), just reaches the threshold
+    assert (t.hi - t.lo) / 2 * (32 / k) ** 0.5 == pytest.approx(abs(t.value - rm.FIRST_LAYER))
+
+
+def test_the_gram_flow_side_by_side_caption_names_the_layer_of_each_number():
+    """Figure 2's Monte Carlo beside the Gram flow shows layer 4; its caption gives layer 4's largest difference and,
+    where another layer's is larger, that one with its layer."""
+    from poslens.report.sections.nope import side_by_side
+    from poslens.stack.config import StackConfig
+
+    n, gf = 6, np.zeros((4, 6, 6))
+    mc = np.zeros((4, n, n))
+    mc[2, 3, 1], mc[3, 4, 2] = -0.014, 0.012  # layer 3's difference is the largest, layer 4's is shown
+    ctx = SimpleNamespace(draw=False, figures=Path("figs"), keep=lambda *a: None,
+                          mc=lambda c: SimpleNamespace(mean=mc, se=np.full_like(mc, 1e-3)),
+                          gf=lambda c: SimpleNamespace(scores=gf))
+    caption = side_by_side(ctx, StackConfig(n=n, alpha=0.2)).caption
+    assert "layer 4: 0.012; layer 3: 0.014 (the largest over the layers)" in caption
+    mc[3, 4, 2] = 0.02
+    assert "layer 4: 0.020 (the largest over the layers)" in side_by_side(ctx, StackConfig(n=n, alpha=0.2)).caption
+
+
+def test_convergence_ratio_has_a_jackknife_interval_over_the_monte_carlo_groups():
+    """The convergence rows' ratio (largest |Monte Carlo - Gram flow| at the narrowest width over that at the widest)
+    is a Monte Carlo statistic, so it carries a jackknife interval over the groups, never '(exact)': without noise
+    the interval is the value itself, with noise it brackets the value."""
+    import torch
+
+    from poslens.engine.stats import GroupedSums
+    from poslens.report.context import MC_GROUPS
+    from poslens.report.sections.convergence import shrinkage
+
+    n, rng, vis = 4, np.random.default_rng(0), np.tril(np.ones((4, 4), dtype=bool))
+
+    def run(bias: float, noise: float) -> SimpleNamespace:
+        sums = GroupedSums(MC_GROUPS)
+        for half in "ab":
+            for g in range(MC_GROUPS):
+                sums.add(half, g, torch.as_tensor((bias + rng.normal(0, noise, (1, n, n))) * 10), 10)
+        return SimpleNamespace(sums=sums)
+
+    gf = np.zeros((1, n, n))
+    exact = shrinkage(run(0.5, 0.0), gf, run(0.05, 0.0), gf, vis)
+    assert float(exact.value) == pytest.approx(10.0) and float(exact.hi - exact.lo) == pytest.approx(0.0, abs=1e-9)
+    noisy = shrinkage(run(0.5, 0.01), gf, run(0.05, 0.01), gf, vis)
+    assert float(noisy.lo) < float(noisy.value) < float(noisy.hi) and noisy.groups == MC_GROUPS
+
+
 def test_code_spans_of_the_text_are_code_in_html():
     # the sections' texts name commands in backticks (Markdown); in HTML they are <code>, everything else escaped
     want = "run <code>poslens sweep --out a&lt;b</code> then &lt;x&gt;"

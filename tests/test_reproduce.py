@@ -14,11 +14,10 @@ from poslens.report import context, remeasure
 from poslens.report import reproduce as rep
 from poslens.report.claims import PAPERS, VERDICTS
 
-SHORT = {"steps": 6, "warmup": 2, "layers": 2, "eval_every": 3, "save_every": 0}  # a NoPE/RoPE pair trained in seconds
-TINY_SWEEP = "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0"  # one sweep for leakage and length
+TINY_SWEEP = "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0"  # one sweep for 4.2, leakage, length
 SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
          "real-model": {"seq_len": 16, "sequences": 4, "batch": 1, "groups": 2},
-         "trained": {"overrides": SHORT, "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
+         "trained": {"sweep_train": TINY_SWEEP, "sweep_seeds": [0, 1], "fig3": (40, 20), "loss": 16, "probe": (8, 8)},
          "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False, "sweep_train": TINY_SWEEP,
                      "sweep_seeds": [0, 1], "sweep_sequences": 4, "sweep_groups": 2},
          "length": {"sweep_train": TINY_SWEEP, "sweep_seeds": [0, 1], "sequences": 4, "groups": 2,
@@ -69,6 +68,8 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     fig3 = [c for c in claims if c["id"].startswith("kim-42-") and c["id"] != "kim-42-c-to-d"]
     assert len(fig3) >= 9 and all("1.5B" in c["scope"] and c["verdict"] != "contradicted" for c in fig3)
     assert not rows["kim-42-c-to-d"]["scope"]
+    # Section 4.2 is judged over the sweep's seeds (the spread over seeds is a training effect's error bar)
+    assert all("t-interval over 2 seeds" in t["interval"] for c in fig3 for t in c["test"])
     # Ruscio et al.'s rows on causal terms and on the tiny sweep (both seeds of each variant): built, decided
     for rid, n in (("ruscio-both-sources", 6), ("ruscio-bos-replacement", 2), ("ruscio-architectures", 4)):
         assert rows[rid]["paper"] == "ruscio2026" and len(rows[rid]["test"]) == n, rid

@@ -63,6 +63,26 @@ def test_between_seed_interval_is_the_t_interval():
     assert d["per_seed"] == pytest.approx([-0.5, -0.4, -0.6]) and d["verdict"] == "a lower than b"
 
 
+def test_over_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_values():
+    """`over_seeds` (the report's Section 4.2): each estimate of one shape of per-seed results becomes mean -/+
+    t_{n-1} sd / sqrt(n) of its values (t_{2, 0.975} = 4.302653 for three seeds); an undefined seed leaves the mean
+    and its interval undefined; other leaves are the first seed's."""
+    from poslens.report.sweep import over_seeds
+
+    def est(v):
+        return {"value": v, "lo": None if v is None else v - 1, "hi": None if v is None else v + 1, "groups": 20}
+
+    results = [{"a": est(1.0), "b": [est(2.0), {"c": est(None)}], "n": 7},
+               {"a": est(2.0), "b": [est(4.0), {"c": est(1.0)}], "n": 8},
+               {"a": est(6.0), "b": [est(9.0), {"c": est(2.0)}], "n": 9}]
+    out = over_seeds(results)
+    sd = math.sqrt(((1 - 3) ** 2 + (2 - 3) ** 2 + (6 - 3) ** 2) / 2)
+    assert out["a"]["value"] == 3.0 and out["a"]["per_seed"] == [1.0, 2.0, 6.0] and out["a"]["n"] == 3
+    assert math.isclose(out["a"]["hi"] - 3.0, 4.302653 * sd / math.sqrt(3), rel_tol=1e-6)
+    assert math.isclose(out["b"][0]["value"], 5.0) and out["n"] == 7
+    assert math.isnan(out["b"][1]["c"]["value"]) and math.isnan(out["b"][1]["c"]["lo"])
+
+
 def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     """A 2 x 2 matrix whose two variants are the same model: the second variant is read from the cache (no
     training), so its paired differences are exactly 0; an interrupted sweep resumes, training only the models

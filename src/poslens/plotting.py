@@ -19,6 +19,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator  # noqa: E
 from poslens.maps import as_numpy, quantile_limits  # noqa: E402
 
 CMAP = "magma"  # close to the paper's "rocket" and available without seaborn
+DIVERGING = "coolwarm"  # signed maps (a difference), with limits symmetric about 0; its centre is grey, not blank
 
 
 def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: str = CMAP,
@@ -62,10 +63,11 @@ def heatmap(ax, m, vmin: float | None = None, vmax: float | None = None, cmap: s
 
 def map_grid(maps: Sequence, titles: Sequence[str], ncols: int | None = None,
              limits: str | tuple[float, float] | Sequence[tuple[float, float]] = "each",
-             cmap: str = CMAP, suptitle: str | None = None, row_labels: Sequence[str] | None = None,
+             cmap: str | Sequence[str] = CMAP, suptitle: str | None = None, row_labels: Sequence[str] | None = None,
              panel_size: float = 2.6):
     """A grid of heatmaps. limits: 'each' (min-max per panel), 'quantile' (1%-99% per panel),
-    'shared' (one min-max for all), a (vmin, vmax) pair, or one pair per panel."""
+    'shared' (one min-max for all), a (vmin, vmax) pair, or one pair per panel; cmap: one for all, or one per
+    panel."""
     n = len(maps)
     ncols = ncols or n
     nrows = int(np.ceil(n / ncols))
@@ -85,7 +87,7 @@ def map_grid(maps: Sequence, titles: Sequence[str], ncols: int | None = None,
         if k >= n:
             ax.axis("off")
             continue
-        heatmap(ax, maps[k], *lims[k], cmap=cmap, title=titles[k])
+        heatmap(ax, maps[k], *lims[k], cmap=cmap if isinstance(cmap, str) else cmap[k], title=titles[k])
         if k % ncols:
             ax.set_ylabel("")
         if row_labels and k % ncols == 0:

@@ -141,11 +141,21 @@ class Test:
                 "threshold": self.threshold, "outcome": self.outcome()}
 
 
+def interval_of(e: dict) -> str:
+    """How a run.json estimate's interval was made: '95% jackknife over 20 groups' (an estimate over groups of
+    sequences: "groups", "method") or '95% t-interval over 3 seeds' (`poslens.train.sweep.seed_interval`: "n")."""
+    level = f"{100 * e.get('level', 0.95):g}%"
+    if e.get("method") == "t over seeds":
+        return f"{level} t-interval over {e['n']} seeds"
+    return f"{level} {e.get('method', 'jackknife')} over {e.get('groups')} groups"
+
+
 def estimate_test(statistic: str, e: dict, side: str, threshold: float = 0.0, interval: str = "") -> Test:
     """A Test on a run.json estimate {"value", "lo", "hi", ...}: a null value or bound (too few groups or seeds for
-    an interval) leaves the test open, never exact."""
+    an interval) leaves the test open, never exact. `interval` defaults to `interval_of(e)`."""
     lo, hi = (math.nan if e.get(k) is None else e[k] for k in ("lo", "hi"))
-    return Test(statistic, math.nan if e["value"] is None else e["value"], side, threshold, lo, hi, interval)
+    return Test(statistic, math.nan if e["value"] is None else e["value"], side, threshold, lo, hi,
+                interval or interval_of(e))
 
 
 def interval_text(e: dict, digits: int = 3) -> str:

@@ -102,6 +102,26 @@ class SweepModels:
                 f"{c.batch_size} x {c.seq_len} tokens{', BOS first' if c.bos else ''}")
 
 
+def seed_estimate(values: list[float | None], level: float = 0.95) -> dict:
+    """`seed_interval` of per-seed values, an undefined value (None) read as NaN: the mean and its interval are then
+    undefined, and a test on them stays open."""
+    return seed_interval([float("nan") if v is None else float(v) for v in values], level)
+
+
+def over_seeds(results: list):
+    """Per-seed results of one shape (nested dicts and lists) -> that shape with every estimate (a dict with "value",
+    "lo", "hi": an interval over one model's sequences) replaced by the t-interval over seeds of its per-seed values
+    (`seed_estimate`; the per-seed values under "per_seed"); other leaves are the first seed's."""
+    first = results[0]
+    if isinstance(first, dict):
+        if {"value", "lo", "hi"} <= first.keys():
+            return seed_estimate([r["value"] for r in results])
+        return {k: over_seeds([r[k] for r in results]) for k in first}
+    if isinstance(first, list):
+        return [over_seeds(list(col)) for col in zip(*results)]
+    return first
+
+
 def sweep_config(size: dict) -> SweepConfig:
     """The `SweepConfig` of a section's sizes (keys `sweep`, `sweep_train`, `sweep_seeds`; module docstring)."""
     seeds = size.get("sweep_seeds")

@@ -30,7 +30,8 @@ from poslens.report.sweep_leakage import PAPER_SCALE
 
 RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the "both sources" row reads, first found
 RESIDUAL_WORDS = {"patch:inside:1@0": "position 0's state replaced by a content token's",
-                  "mean": "the BOS embedding replaced by the mean embedding"}  # for the summary line
+                  "mean": "the BOS embedding replaced by the mean embedding",
+                  "random": "the BOS embedding replaced by a random vector of its norm"}  # interventions in words
 # models whose tokenizer names a BOS it never adds: the model was not trained with it first
 UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer names BOS but never adds (a chat-turn "
                                  "token, not one SmolLM2 was trained to see first)"}
@@ -54,15 +55,15 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     if spec is not None:
         gone = m["interventions"][spec]["over_layers"]["removed"]["early"]
         tests = []
+        words = RESIDUAL_WORDS.get(spec, spec)
         for k in ("key0_in", "key0_out"):
-            tests.append(estimate_test(f"mask's denominator counterfactual: cf/mask_only energy, early queries, "
+            tests.append(estimate_test(f"the mask's term: energy of the mask-only counterfactual, early queries, "
                                        f"summed over layers, key 0 {k[5:]}", over["cf/mask_only"][k], ">", 0.0,
                                        interval))
         for k in ("key0_in", "key0_out"):
-            tests.append(estimate_test(f"residual stream: share of the early-query absolute-scores term "
-                                       f"(cf/absolute_scores, summed over layers, key 0 {k[5:]}) removed by {spec} "
-                                       "(position 0's state replaced, the mask fixed)", gone["cf/absolute_scores"][k],
-                                       ">", 0.0, interval))
+            tests.append(estimate_test(f"residual stream: share of the early-query absolute-scores term (summed over "
+                                       f"layers, key 0 {k[5:]}) removed with {words} (the mask fixed)",
+                                       gone["cf/absolute_scores"][k], ">", 0.0, interval))
         nulls = ""
         if offset is not None:
             kept = offset["over_layers"]["removed"]["early"]["cf/absolute_scores"]
@@ -82,27 +83,31 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             measured=f"{name}, {seqs}, early queries i <= {m['domains']['early_queries']}: the mask's term is the "
                      "mask-only counterfactual (this layer's probabilities with the log-partition of the Toeplitz-"
                      "projected scores: the mask alone, everything upstream held fixed); the residual stream's is "
-                     f"what replacing position 0's state ({spec}) removes from the scores' absolute term, paired on "
-                     f"the same sequences{nulls}. If the offset null removes as much as the intervention, a BOS "
-                     "effect and a document-start effect are not told apart (docs/leakage.md).",
+                     "the share of the absolute-scores term (the energy that the absolute content of this layer's "
+                     f"scores adds to the mask's own) removed with {words}, paired on the same sequences{nulls}. If "
+                     "the offset null removes as much as the intervention, a BOS effect and a document-start effect "
+                     "are not told apart (docs/leakage.md).",
             resolve="more sequences (each interval is a jackknife over groups of sequences), or the intervention on "
                     "windows inside documents, which tells a BOS effect from a document-start effect",
             figure="the mask's term and the scores' absolute term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
                 f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
-    context.append(("the exact split of the non-relative energy (a descriptive identity, not causes): this layer's "
-                    "log-partition term split/e_partition and the upstream logit term split/e_logit, early queries, "
-                    "summed over layers, key 0 in / out",
-                    "; ".join(f"{t} {interval_text(over[t]['key0_in'])} / {interval_text(over[t]['key0_out'])}"
-                              for t in ("split/e_partition", "split/e_logit"))))
+    context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into this "
+                    "layer's log-partition term (each query's softmax denominator) and the upstream logit term (the "
+                    "part of the scores this layer reads that is not a function of i - j), early queries, summed over "
+                    "layers, key 0 in / out",
+                    "; ".join(f"{w} {interval_text(over[t]['key0_in'])} / {interval_text(over[t]['key0_out'])}"
+                              for w, t in (("log-partition term", "split/e_partition"),
+                                           ("upstream logit term", "split/e_logit")))))
     for s, e in m.get("interventions", {}).items():
         if s in ("mean", "random") or s.startswith("token"):
             gone = e["over_layers"]["removed"]["early"]["cf/absolute_scores"]
             first = UNTRAINED_BOS.get(name)
-            context.append((f"{name}: BOS replacement ({s}), share of the early-query absolute-scores term removed, "
-                            "key 0 in / out" + (f"; its first token is {first}, so not comparable with a model "
-                                                "trained with a BOS (the sweep's row above)" if first else ""),
+            context.append((f"{name}: {RESIDUAL_WORDS.get(s, s)}, share of the early-query absolute-scores term "
+                            "removed, key 0 in / out" + (f"; its first token is {first}, so not comparable with a "
+                                                         "model trained with a BOS (the sweep's row above)"
+                                                         if first else ""),
                             f"{interval_text(gone['key0_in'])} / {interval_text(gone['key0_out'])} ({interval})"))
     s = m["sinks"]
     context.append(("attention sinks (Gu et al.'s per-head test; the paper's criterion is not public)",
@@ -184,8 +189,8 @@ def build(ctx, size: dict) -> Section:
         f"`{sw.command}`.",
         claims=claims, context=context,
         scale=f"The leakage section measures SmolLM2-135M over {seqs} sequences of {seq_len} tokens and the sweep's "
-              f"models ({sw.describe()}); the paper studied 3B-7B models (Llama, Qwen, Mistral, per its abstract and a "
-              "summary).")
+              f"models ({sw.describe()}); the paper studied 3B-7B models (Llama, Qwen, Mistral; partly second-hand: "
+              "only its abstract could be read).")
     s.figures += figures(ctx, runs["leakage"], metrics, sw.labels, offset)
     return s
 
@@ -199,8 +204,8 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
     xs = np.arange(1, len(early["cf/mask_only"]["key0_in"]["value"]) + 1)
     series, errors = {}, {}
     for k in ("key0_in", "key0_out"):
-        for label, key in (("mask's term (cf/mask_only)", "cf/mask_only"),
-                           ("scores' absolute term (cf/absolute_scores)", "cf/absolute_scores")):
+        for label, key in (("mask's term (mask-only counterfactual)", "cf/mask_only"),
+                           ("absolute-scores term", "cf/absolute_scores")):
             e = early[key][k]
             series[f"{label}, key 0 {k[5:]}"] = e["value"]
             errors[f"{label}, key 0 {k[5:]}"] = interval_errors(e["value"], e["lo"], e["hi"])
@@ -212,7 +217,7 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
         "scores adds (docs/leakage.md).", "layer",
         "non-relative energy (early queries)", "SmolLM2-135M: the mask's term and the scores' absolute term",
         errors=errors, logy=True))
-    names = {"log-partition term (e_partition)": "split/e_partition", "upstream logit term (e_logit)": "split/e_logit"}
+    names = {"log-partition term (softmax denominator)": "split/e_partition", "upstream logit term": "split/e_logit"}
     out.append(lines(
         ctx, "leakage_exact_split", xs, {label: early[key]["key0_in"]["value"] for label, key in names.items()},
         "The exact split of the same energy (key 0 in): a descriptive identity, not a split into causes (a query "

@@ -18,9 +18,10 @@ denominator's) restores it; for RoPE the same correction helps more than rescali
 
 from __future__ import annotations
 
+import math
 import shutil
 import textwrap
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,45 @@ def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
 
 
 _ci = interval_text  # 'value [lo, hi]' of an estimate
+
+
+def seeds_needed(test: Test, n: int, level: float = 0.95, most: int = 10_000) -> int | None:
+    """Seeds at which `test`'s t-interval over `n` seeds would just exclude its threshold if the mean and the spread
+    over seeds stayed as they are: the smallest m with t_{m-1} sd / sqrt(m) < |mean - threshold| (None: no interval,
+    a mean on the threshold, or more than `most`)."""
+    from poslens.engine.stats import t_quantile
+
+    p, gap = (1 + level) / 2, abs(test.value - test.threshold)
+    if n < 2 or test.exact or not (math.isfinite(test.lo) and math.isfinite(test.hi) and gap > 0):
+        return None
+    sd = (test.hi - test.lo) / 2 * math.sqrt(n) / t_quantile(p, n - 1)
+
+    def narrow(m: int) -> bool:  # the half-width at m seeds is below the gap (it falls as m grows)
+        return t_quantile(p, m - 1) * sd / math.sqrt(m) < gap
+
+    if not narrow(most):
+        return None
+    lo, hi = n, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if narrow(mid) else (mid + 1, hi)
+    return lo
+
+
+def more_seeds(sw, tests: tuple[Test, ...]) -> str:
+    """What would decide a row of t-intervals over the sweep's seeds: more seeds, as many as its slowest open test
+    needs at the present means and spreads (`seeds_needed`), with the `poslens sweep` command that trains them."""
+    n = len(sw.seeds)
+    need = [seeds_needed(t, n) for t in tests if t.outcome() == "open"]
+    if not need:
+        return ""
+    if None in need:
+        return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
+                f"threshold or from one seed): `{sw.command}` with more --seeds")
+    seeds = sw.seeds + [max(sw.seeds) + k for k in range(1, max(need) - n + 1)]
+    return (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need)} at the present "
+            f"means and spreads over seeds, against {n} here: "
+            f"`{replace(sw, config=replace(sw.config, seeds=seeds)).command}`")
 
 
 def length_runs(ctx, size: dict) -> tuple[object, dict[str, Path], int]:
@@ -108,6 +148,7 @@ def build(ctx, size: dict) -> Section:
     claims: list[Claim] = []
     scale = (f"{sw.describe()}; evaluated on {size['sequences']} held-out sequences of {T} tokens per model")
     here = f"at this scale only ({sw.describe()})"
+    rise_range = f"the loss over [{T // 2}, {T}) minus over [{max(1, L // 2)}, {L}), on the same sequences"
     variants = list(runs)
     if "nope" in variants and "rope" in variants and effect("rope", "window") and effect("nope", "window"):
         claims.append(Claim(
@@ -119,10 +160,9 @@ def build(ctx, size: dict) -> Section:
             measured=f"the window-of-L effect (loss with the context cut to the last L keys minus with the full "
                      f"context, same tokens) is below 0 when context past L hurts: NoPE "
                      f"{_ci(effect('nope', 'window'))}, RoPE {_ci(effect('rope', 'window'))} (mean over seeds, 95% "
-                     "t-interval); the rise over the last "
-                     f"doubling (different text at different positions, so not a test): NoPE {_ci(rise('nope'))}, RoPE "
-                     f"{_ci(rise('rope'))}. The paper's models were ~100M-parameter decoders on synthetic tasks; these "
-                     f"are language models {here}.",
+                     f"t-interval); the rise of the loss past L ({rise_range}: different text at different positions, "
+                     f"so not a test): NoPE {_ci(rise('nope'))}, RoPE {_ci(rise('rope'))}. The paper's models "
+                     f"were ~100M-parameter decoders on synthetic tasks; these are language models {here}.",
             scope="~100M-parameter decoders on synthetic reasoning and arithmetic tasks",
             figure=EFFECTS, command=ctx.remeasure("kazemnejad-nope-extrapolates")))
     if "nope" in variants and effect("nope", "logn") is not None and effect("nope", "window") is not None:
@@ -160,8 +200,12 @@ def build(ctx, size: dict) -> Section:
                     (_test(f"RoPE: {NAMES[spec]}'s paired effect on the loss over [{L}, {T}) (nats)", e, "<"),),
                     measured=here, finding=True, figure=EFFECTS,
                     command=ctx.remeasure(f"length-{spec}-helps-rope")))
-    context = [(f"{v} ({sw.labels[v]}): rise of the loss past L and each intervention's effect on the loss over "
-                f"[{L}, {T}) (nats, mean over seeds, 95% t-interval)",
+    for c in claims:  # every row's intervals are over the sweep's seeds
+        if c.verdict == "not resolved":
+            c.resolve = more_seeds(sw, c.tests) or f"a measurement at the paper's scale ({c.scope})"
+    defined = any(c.id == "kazemnejad-nope-extrapolates" for c in claims)  # that row states the rise's range
+    context = [(f"{v} ({sw.labels[v]}): rise of the loss past L{'' if defined else f' ({rise_range})'} and each "
+                f"intervention's effect on the loss over [{L}, {T}) (nats, mean over seeds, 95% t-interval)",
                 f"rise {_ci(rise(v))}; " + "; ".join(f"{NAMES.get(s.split(':')[0], s)} {_ci(e[t])}"
                                                      for s, e in seeds[v]["effects"].items() if t in e))
                for v in variants]
@@ -269,7 +313,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                               for e in per_t]).T
     if series:
         out.append(lines(ctx, "length_leakage", lens, series,
-                         "Share of this layer's log-partition term (e_partition, the softmax denominator's) in the "
+                         "Share of this layer's log-partition term (the softmax denominator's) in the "
                          "non-relative energy of the mean log-probabilities of the last layer, on the maps at each "
                          "evaluation length (offsets up to T/2; docs/leakage.md: a descriptive identity), mean over "
                          "seeds with 95% t-intervals.", "evaluation length T (tokens)", "log-partition share",

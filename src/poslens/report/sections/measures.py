@@ -169,6 +169,12 @@ def rise_share(m, row: int, keys: int) -> torch.Tensor:
     return _t((x[..., row, keys] - x[..., row, 0]) / (x[..., row, row - 1] - x[..., row, 0]))
 
 
+def need_factor(value: float, lo: float, hi: float, threshold: float = 0.0) -> float:
+    """By how much the sample (sequences, Monte Carlo samples) must grow for an interval [lo, hi] about `value` to
+    just exclude `threshold` if the estimate stayed where it is (the half-width shrinks as 1/sqrt(sample))."""
+    return ((hi - lo) / 2 / (value - threshold)) ** 2
+
+
 def step_bounds(m, se, z: float) -> dict:
     """Steps s = m[i, j+1] - m[i, j] over 0 <= j < i (the claim 'strictly increasing in j'): the smallest step,
     the smallest lower bound s - z SE and the smallest upper bound s + z SE (SE of a step: sqrt(se_j^2 +

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from poslens import plotting
 from poslens.analyses.stackrun import score_limits
 from poslens.maps import quantile_limits, rows_increasing
 from poslens.report.claims import Claim, Reading, Test, num
@@ -319,14 +320,18 @@ def side_by_side(ctx, config: StackConfig):
     ctx.keep("nope/alpha0.2/gramflow", {"scores": gf})
     diff = mc.mean[-1] - gf[-1]
     lim = pattern_limits(np.stack([mc.mean[-1], gf[-1]]).max(0), gf[-1])
-    dl = quantile_limits(diff, (0, 1))
+    half = float(np.nanmax(np.abs(diff)))  # the signed difference on a diverging scale centred at 0
     panels = [Panel(f"Monte Carlo (d = {config.d}), layer 4", mc.mean[-1], mc.se[-1], lim),
               Panel("Gram flow (d -> infinity), layer 4", gf[-1], None, lim),
-              Panel("Monte Carlo - Gram flow", diff, mc.se[-1], dl)]
-    big = float(np.nanmax(np.abs(mc.mean - gf)))
+              Panel("Monte Carlo - Gram flow", diff, mc.se[-1], (-half, half))]
+    per_layer = np.nanmax(np.abs(mc.mean - gf), axis=(1, 2))  # the finite-width bias, layer by layer
+    k, last = int(np.nanargmax(per_layer)), len(per_layer)
+    most = "" if k == last - 1 else f"; layer {k + 1}: {per_layer[k]:.3f}"
     return heatmaps(ctx, "figure2_alpha0.2_vs_gramflow", panels,
-                    f"Monte Carlo (d = 64) beside the Gram flow (d -> infinity), {setting(config)}, layer 4: largest "
-                    f"difference over the layers {big:.3f} (finite-width bias; largest SE "
-                    f"{float(np.nanmax(mc.se)):.1e}). "
-                    + offdiag_note(), ncols=3, suptitle=f"{setting(config)}, layer 4: Monte Carlo vs Gram flow",
-                    panel_size=3.2)
+                    f"Monte Carlo (d = {config.d}) beside the Gram flow (d -> infinity), {setting(config)}, layer "
+                    f"{last}. Largest |Monte Carlo - Gram flow| (finite-width bias), layer {last}: "
+                    f"{per_layer[-1]:.3f}{most} (the largest over the layers); largest SE "
+                    f"{float(np.nanmax(mc.se)):.1e}. The difference is drawn on a diverging scale centred at 0 (red: "
+                    "Monte Carlo above the Gram flow). " + offdiag_note(),
+                    ncols=3, suptitle=f"{setting(config)}, layer 4: Monte Carlo vs Gram flow", panel_size=3.2,
+                    cmap=[plotting.CMAP, plotting.CMAP, plotting.DIVERGING], interactive=False)

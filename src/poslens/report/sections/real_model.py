@@ -165,11 +165,11 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
     unresolved = [k + 1 for k in range(1, layers) if not lo[k] > 0]
     resolve = ""
     if unresolved:
-        half = (hi - lo) / 2
-        need = [sequences * (half[k - 1] / v[k - 1]) ** 2 for k in unresolved if v[k - 1] > 0]
-        resolve = (f"more sequences (the bounds shrink as 1/sqrt(sequences)): about {max(need):,.0f} for the weakest "
-                   f"unresolved layer at its present estimate; this run used {sequences}"
-                   if len(need) == len(unresolved) else
+        need = {k: sequences * ms.need_factor(v[k - 1], lo[k - 1], hi[k - 1]) for k in unresolved if v[k - 1] > 0}
+        most = max(need, key=need.get) if need else 0
+        resolve = (f"more sequences (the bounds shrink as 1/sqrt(sequences)): about {need[most]:,.0f} for layer "
+                   f"{most}, the unresolved layer that needs the most at its present estimate; this run used "
+                   f"{sequences}" if len(need) == len(unresolved) else
                    "more sequences; some unresolved layers estimate 0 or below, so no count follows from them")
     weakest = int(np.argmin(lo[1:])) + 1
     out = [Claim(
@@ -185,14 +185,19 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         key=f"resolved in {layers - 1 - len(unresolved)} of {layers - 1} layers; weakest lower bound "
             f"{num(float(lo[weakest]))} (layer {weakest + 1})")]
     ratio = sums.estimate(lambda m: (lambda p: p[0] / p[1:].mean())(ms.pattern_power(m["a"], m["b"], sink=True)))
+    test = Test("layer-1 pattern power / mean power of the later layers", float(ratio.value), "<", FIRST_LAYER,
+                float(ratio.lo), float(ratio.hi), f"95% jackknife over {ratio.groups} groups")
+    resolve = ""
+    if test.outcome() == "open" and test.value != FIRST_LAYER:
+        resolve = (f"more sequences (the interval shrinks as 1/sqrt(sequences)): about "
+                   f"{sequences * ms.need_factor(test.value, test.lo, test.hi, FIRST_LAYER):,.0f} for it to "
+                   f"exclude {FIRST_LAYER:g} at its present estimate; this run used {sequences}")
     out.append(Claim(
         "kim-52-first-layer", "kim2025", "Section 5.2, Figure 5",
-        "the non-relative pattern is seen in every layer except the first",
-        (Test("layer-1 pattern power / mean power of the later layers", float(ratio.value), "<", FIRST_LAYER,
-              float(ratio.lo), float(ratio.hi), f"95% jackknife over {ratio.groups} groups"),),
+        "the non-relative pattern is seen in every layer except the first", (test,),
         measured=f"'except the first' read as: layer 1's pattern is under a tenth of the later layers' (an exactly "
                  f"zero pattern cannot be shown by an interval). Layer 1: {num(float(v[0]))} [{num(float(lo[0]))}, "
-                 f"{num(float(hi[0]))}] (Bonferroni bounds).", figure="non-relative pattern per layer",
+                 f"{num(float(hi[0]))}] (Bonferroni bounds).", resolve=resolve, figure="non-relative pattern per layer",
         command=ctx.remeasure("kim-52-first-layer")))
 
     def range_ratio(m):
