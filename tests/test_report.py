@@ -4,6 +4,7 @@ decode, figure helpers, and the "add a report section" recipe of docs/architectu
 import base64
 import io
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,9 +37,11 @@ def html_images(page: str) -> list[tuple[str, Image.Image]]:
 
 
 def heatmap_values(spec: dict, key: str = "v") -> np.ndarray:
-    """An interactive heatmap's data as the page's script reads it: float16 entries j <= i, row by row."""
+    """An interactive heatmap's data as the page's script reads it: float16 entries j <= i, row by row, times the
+    power of two they were divided by (vs, ss)."""
     n = spec["n"]
-    tri = np.frombuffer(base64.b64decode(spec[key]), dtype="<f2").astype(np.float64)
+    scale = spec.get({"v": "vs", "se": "ss"}[key], 1.0)
+    tri = np.frombuffer(base64.b64decode(spec[key]), dtype="<f2").astype(np.float64) * scale
     out = np.full((n, n), np.nan)
     out[np.tril_indices(n)] = tri
     return out
@@ -127,6 +130,36 @@ def test_line_plots_are_large_and_log_axes_label_each_width_once():
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels(minor=True)]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["16", "64", "256", "1024"] and not any(labels)
     plotting.plt.close(fig)
+
+
+def test_a_log_axis_becomes_symmetric_log_when_an_estimate_or_bound_is_at_or_below_zero():
+    """A log axis silently drops a mean at or below 0 (a debiased energy can be): then the axis is a symmetric log
+    one, linear within the power of ten at or below the smallest nonzero |value|, and every point is drawn."""
+    ys = {"window": [-0.289, 3.0, 40.0], "rope": [0.5, 6.0, 80.0]}
+    assert plotting.symlog_threshold({"rope": ys["rope"]}) is None
+    assert plotting.symlog_threshold({"rope": ys["rope"]}, {"rope": np.array([[0.6, 1, 1], [1, 1, 1]])}) == 0.1
+    t = plotting.symlog_threshold(ys)
+    assert t == 0.1
+    fig = plotting.line_plot([1, 2, 3], ys, "layer", "energy", logy=t)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "symlog" and ax.get_ylim()[0] < -0.289
+    plotting.plt.close(fig)
+
+
+def test_heatmap_data_beyond_float16_range_are_scaled_not_overflowed():
+    """A Gram matrix of large hidden states (entries ~1e6) would overflow float16 (largest 65,504) to inf: the page
+    stores them divided by a power of two and the value, decoded as the page's script does, is the entry to float16's
+    relative precision (2^-11)."""
+    from poslens.report.render import _pack
+
+    m = np.tril(np.full((4, 4), 1.0)) * np.array([1.0, 3e3, 2.5e5, 1.2e6])[:, None]
+    m[np.triu_indices(4, 1)] = np.nan
+    b64, scale = _pack(m)
+    assert scale > 1 and math.log2(scale).is_integer()
+    got = heatmap_values({"n": 4, "v": b64, "vs": scale})
+    low = np.tril_indices(4)
+    assert np.isfinite(got[low]).all() and np.allclose(got[low], m[low], rtol=2.0 ** -11)
+    assert _pack(np.tril(np.ones((3, 3))))[1] == 1.0  # data that fit are stored as they are
 
 
 def test_unordered_categories_leave_points_unjoined():

@@ -140,13 +140,14 @@ def integer_ticks(xs) -> list[int]:
 
 
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
-              logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None,
+              logx: bool = False, logy: bool | float = False, errors: dict[str, Sequence[float]] | None = None,
               xticklabels: Sequence[str] | None = None, joined: bool = True):
     """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. Integer x
     values get integer ticks from the first value (`integer_ticks`: a layer axis from 1 shows no 0); on a log
     x-axis the ticks are the x values themselves (no overlapping labels); xticklabels names each x (categories,
     such as variants or position ranges, instead of numbers decoded in a caption); joined=False leaves a series'
-    points unjoined (categories without an order, such as variants)."""
+    points unjoined (categories without an order, such as variants). logy: True for a log y-axis, a number T for a
+    symmetric log one, linear within +/- T (`symlog_threshold`: values and bounds at or below 0 stay drawn)."""
     fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
@@ -161,10 +162,30 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
         ax.xaxis.set_minor_locator(NullLocator())
     elif len(xs) and all(float(x).is_integer() for x in xs):
         ax.set_xticks(integer_ticks(xs))
-    if logy:
+    if logy is True:
         ax.set_yscale("log")
+    elif logy:
+        ax.set_yscale("symlog", linthresh=float(logy))
+        ax.axhline(0, color="0.3", lw=0.8)
     _finish(ax, xlabel, ylabel, title)
     return fig
+
+
+def symlog_threshold(series: dict[str, Sequence[float]], errors: dict | None = None) -> float | None:
+    """None when every value and lower bound is above 0 (a log axis draws them all); else the linear range of a
+    symmetric log axis: the power of ten at or below the smallest |value| above 0 (1 when there is none)."""
+    values, lows = [], []
+    for name, ys in series.items():
+        y = np.asarray(ys, dtype=float)
+        err = None if errors is None else errors.get(name)
+        low = y if err is None else y - (np.asarray(err, dtype=float)[0] if np.ndim(err) == 2 else np.asarray(err))
+        values.append(y[np.isfinite(y)])
+        lows.append(low[np.isfinite(low)])
+    v, lo = np.concatenate(values), np.concatenate(lows)
+    if (v > 0).all() and (lo > 0).all():
+        return None
+    pos = np.abs(v[v != 0])
+    return float(10 ** np.floor(np.log10(pos.min()))) if pos.size else 1.0
 
 
 def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], titles: Sequence[str],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import re
 from pathlib import Path
 
@@ -124,7 +125,8 @@ image-rendering:pixelated;cursor:crosshair;border:1px solid #bbb;display:block}
 padding:2px 6px;font-size:12px;border-radius:3px;display:none;z-index:9}
 """
 
-# Heatmaps: data are float16 (IEEE half, little endian) of the entries j <= i, row by row, base64; NaN is blank.
+# Heatmaps: data are float16 (IEEE half, little endian) of the entries j <= i, row by row, base64, divided by a
+# power of two (vs, ss) where the largest |entry| would overflow float16; NaN is blank.
 SCRIPT = """
 (function(){
 var LABEL=30;
@@ -135,13 +137,13 @@ parseInt(hex.substr(6*k+4,2),16)]);
 function half(h){var s=(h&0x8000)?-1:1,x=(h>>10)&31,f=h&1023;
  if(x===0)return s*Math.pow(2,-14)*f/1024; if(x===31)return f?NaN:s*Infinity;
  return s*Math.pow(2,x-15)*(1+f/1024);}
-function unpack(b64,n){if(!b64)return null;var bin=atob(b64),out=new Float32Array(n*n).fill(NaN),p=0;
- for(var i=0;i<n;i++)for(var j=0;j<=i;j++){out[i*n+j]=half(bin.charCodeAt(p)|(bin.charCodeAt(p+1)<<8));p+=2;}
+function unpack(b64,n,s){if(!b64)return null;var bin=atob(b64),out=new Float32Array(n*n).fill(NaN),p=0;
+ for(var i=0;i<n;i++)for(var j=0;j<=i;j++){out[i*n+j]=s*half(bin.charCodeAt(p)|(bin.charCodeAt(p+1)<<8));p+=2;}
  return out;}
 function fmt(v){if(!isFinite(v))return 'blank';var a=Math.abs(v);
  return (a!==0&&(a<1e-3||a>=1e4))?v.toExponential(3):v.toPrecision(4);}
 document.querySelectorAll('.hm').forEach(function(el){
- var d=JSON.parse(el.querySelector('script').textContent),n=d.n,val=unpack(d.v,n),se=unpack(d.se,n);
+ var d=JSON.parse(el.querySelector('script').textContent),n=d.n,val=unpack(d.v,n,d.vs||1),se=unpack(d.se,n,d.ss||1);
  var img=document.createElement('canvas');img.width=n;img.height=n;var ic=img.getContext('2d'),
  id=ic.createImageData(n,n);
  for(var q=0;q<n*n;q++){var v=val[q],o=4*q;if(!isFinite(v)){id.data[o+3]=0;continue;}
@@ -189,18 +191,26 @@ def colormap_hex(name: str = "magma") -> str:
     return bytes((c * 255).round().astype(np.uint8).ravel()).hex()
 
 
-def _pack(m: np.ndarray | None) -> str:
-    """The entries j <= i of an [n, n] map as little-endian float16, row by row, base64."""
+F16_SAFE = 60_000.0  # below float16's largest finite value (65,504), so rounding cannot overflow
+
+
+def _pack(m: np.ndarray | None) -> tuple[str, float]:
+    """The entries j <= i of an [n, n] map as little-endian float16, row by row, base64, and the power of two they
+    were divided by to fit float16's range (largest finite 65,504; 1 when they fit)."""
     if m is None:
-        return ""
+        return "", 1.0
     n = m.shape[-1]
-    tri = np.concatenate([m[i, : i + 1] for i in range(n)]).astype("<f2")
-    return base64.b64encode(tri.tobytes()).decode()
+    tri = np.concatenate([m[i, : i + 1] for i in range(n)]).astype(np.float64)
+    finite = np.abs(tri[np.isfinite(tri)])
+    big = float(finite.max()) if finite.size else 0.0
+    scale = 2.0 ** math.ceil(math.log2(big / F16_SAFE)) if big > F16_SAFE else 1.0
+    return base64.b64encode((tri / scale).astype("<f2").tobytes()).decode(), scale
 
 
 def _panel_html(p: Panel) -> str:
     lo, hi = p.limits
-    spec = {"n": int(p.values.shape[-1]), "lo": float(lo), "hi": float(hi), "v": _pack(p.values), "se": _pack(p.se)}
+    (v, vs), (se, ss) = _pack(p.values), _pack(p.se)
+    spec = {"n": int(p.values.shape[-1]), "lo": float(lo), "hi": float(hi), "v": v, "vs": vs, "se": se, "ss": ss}
     return (f"<div class='hm'><div class='t'>{e(p.title)}</div><canvas></canvas>"
             f"<div class='cb'><span>{lo:.3g}</span><span class='bar cmap'></span><span>{hi:.3g}</span></div>"
             f"<script type='application/json'>{json.dumps(spec)}</script></div>")
@@ -266,7 +276,7 @@ def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
         parts.append(f"<p class='note'><b>The paper:</b> {e(c.paper_number)}</p>")
     if c.scope:
         parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
-                     "read not resolved, not contradicted.</p>")
+                     "read not resolved, not contradicted, and a pass says only that it is seen at this scale too.</p>")
     if c.resolve and v == "not resolved":
         parts.append(f"<p class='note'><b>What would resolve it:</b> {prose(c.resolve)}</p>")
     tail = []

@@ -158,7 +158,11 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                  "holds, contradicted, ambiguous (the paper's wording admits readings the measurement decides "
                  "differently), erratum (a printed formula is wrong, the conclusion stands), not resolved (the "
                  "interval straddles the threshold; the row says what would resolve it), finding (a measured fact "
-                 "the paper did not state). Layers and positions are numbered from 1.")
+                 "the paper did not state). A claim about a larger scale than the one measured (its row's scope) "
+                 "cannot be contradicted by a smaller model: a failure there reads not resolved, and holds means only "
+                 "that the pattern is seen at this scale too. Layers are numbered from 1, and so are positions, "
+                 "except in the sections on Ruscio, Nanni & Silvestri and on length, which keep that paper's "
+                 "numbering: position 0 (key 0) is the first token.")
         write_report(tmp, TITLE, intro, sections, prov)
         led = ledgers(claims)
         write_run(tmp, ctx.tensors, {
