@@ -190,9 +190,10 @@ def build(ctx, size: dict) -> Section:
         "spread over seeds as the error bar: 95% t-intervals over seeds) and, as context, in the parameter-free "
         f"stack. Facts true by construction (position 0's state is the same for every input with a fixed first "
         f"token; freezing it; shifting every position id of a RoPE model) are tests of poslens, not rows. The runs: "
-        f"`{maps}`; on the sweep, for each model: `poslens leakage MODEL --data {sw.tokens} --seq-len {L} "
-        f"--num-sequences {size['sweep_sequences']} --groups {size['sweep_groups']} --max-offset {offset} "
-        f"--interventions {','.join(sl.INTERVENTIONS)} --nulls none --no-predecessor`; the sweep: "
+        f"`{maps}`; on the sweep's models: `for m in {' '.join(map(str, sw.paths.values()))}; "
+        f"do poslens leakage $m --data {sw.tokens} --seq-len {L} --num-sequences {size['sweep_sequences']} --groups "
+        f"{size['sweep_groups']} --max-offset {offset} --interventions {','.join(sl.INTERVENTIONS)} --nulls none "
+        "--no-predecessor --out runs/leakage-$(basename $m); done`; the sweep: "
         f"`{sw.command}`.",
         claims=claims, context=context,
         scale=f"The leakage section measures SmolLM2-135M over {seqs} sequences of {seq_len} tokens and the sweep's "

@@ -220,8 +220,8 @@ def build(ctx, size: dict) -> Section:
             f"`poslens length {sw.path(v, sw.seeds[0])} --seed-models "
             f"{','.join(str(sw.path(v, x)) for x in sw.seeds[1:])} --data {sw.tokens} --bos always --train-len {L} "
             f"--num-sequences {size['sequences']} --batch-size {max(1, size['sequences'] // size['groups'])} "
-            f"--groups {size['groups']} --profile-every {size['profile_every']}`" for v in variants[:1])
-        + " (and likewise for each variant); the sweep: `" + sw.command + "`.",
+            f"--groups {size['groups']} --profile-every {size['profile_every']}`" for v in variants)
+        + "; the sweep: `" + sw.command + "`.",
         claims=claims, context=context,
         scale=f"The length section measures {scale}; its verdicts are for that scale only.")
     s.figures += figures(ctx, sw, runs, dirs, L)

@@ -419,6 +419,7 @@ def figures(ctx, run, models: dict, m: dict, sw) -> list[Figure]:
                      f"{m['probe_blocks'][0]} held-out sequences of {m['context']} tokens and scored on "
                      f"{m['probe_blocks'][1]} others, per seed; mean over the {len(sw.seeds)} seeds, bars: 95% "
                      "t-intervals over seeds.",
-                     "hidden state (0 = embeddings, l = after layer l)", "position probe error (tokens)",
-                     "linear probe of absolute position, held out", errors=errors))
+                     "hidden state (embeddings, then after layer l)", "position probe error (tokens)",
+                     "linear probe of absolute position, held out", errors=errors,
+                     xticklabels=["emb."] + [str(k) for k in range(1, n)]))
     return out
