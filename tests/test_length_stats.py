@@ -87,13 +87,12 @@ def test_seed_paired_uses_the_spread_over_seeds():
 
 
 def test_the_length_rows_say_how_many_seeds_would_resolve_them():
-    """A length row's interval is a t-interval over the sweep's seeds: `seeds_needed` is the smallest seed count at
+    """A row's interval over the sweep's seeds: `seeds_needed` is the smallest seed count at
     which, with the present mean and spread over seeds, the interval excludes the threshold (one fewer does not),
     and `more_seeds` names it with the `poslens sweep` command that trains those seeds; a decided row needs none."""
     from poslens.engine.stats import t_quantile
     from poslens.report.claims import Test
-    from poslens.report.sections.length import more_seeds, seeds_needed
-    from poslens.report.sweep import SweepModels
+    from poslens.report.sweep import SweepModels, more_seeds, seeds_needed
     from poslens.train.sweep import SweepConfig, resolve_matrix, seed_interval
 
     e = seed_interval([-0.09, 0.01, -0.05])  # mean -0.0433, open at 3 seeds

@@ -149,11 +149,16 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     points unjoined (categories without an order, such as variants). logy: True for a log y-axis, a number T for a
     symmetric log one, linear within +/- T (`symlog_threshold`: values and bounds at or below 0 stay drawn)."""
     fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
+    # several series with error bars on a linear x: each a little apart, so that bars at one x do not hide each other
+    dodge = (xticklabels is not None or (errors is not None and len(series) > 1)) and not logx
+    ends = []
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
-        # named categories: each series a little apart, so that error bars at one x do not hide each other
-        at = xs if xticklabels is None else [x + 0.06 * (k - (len(series) - 1) / 2) for x in xs]
+        at = [x + 0.06 * (k - (len(series) - 1) / 2) for x in xs] if dodge else xs
         ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name, linestyle="-" if joined else "none")
+        y = np.asarray(ys, dtype=float)
+        e = np.zeros((2, len(y))) if err is None else np.broadcast_to(np.asarray(err, dtype=float), (2, len(y)))
+        ends += [y - e[0], y + e[1]]
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))
     elif logx:
@@ -167,6 +172,9 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     elif logy:
         ax.set_yscale("symlog", linthresh=float(logy))
         ax.axhline(0, color="0.3", lw=0.8)
+        v = np.concatenate(ends)
+        lo, hi = np.nanmin(v), np.nanmax(v)  # every bar inside the axis, with a margin on the scale drawn
+        ax.set_ylim(lo * 1.3 if lo < 0 else lo / 1.3, hi * 1.3 if hi > 0 else hi / 1.3)
     _finish(ax, xlabel, ylabel, title)
     return fig
 

@@ -113,10 +113,20 @@ def _docstrings(path: Path) -> list[str]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return []
-    nodes = [tree] + sorted((n for n in ast.walk(tree)
-                             if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))),
-                            key=lambda n: (n.lineno, n.col_offset))
+    nodes = [tree] + sorted(_definitions(tree.body), key=lambda n: (n.lineno, n.col_offset))
     return [d for d in (ast.get_docstring(n) for n in nodes) if d]
+
+
+def _definitions(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """Class and function definitions among `body`'s statements, at any depth. Definitions are statements, so only
+    statement lists are searched, not the expressions `ast.walk` would visit (most of a module's nodes)."""
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        for name in ("body", "orelse", "finalbody"):
+            yield from _definitions(getattr(node, name, None) or [])
+        for inner in [*getattr(node, "handlers", []), *getattr(node, "cases", [])]:
+            yield from _definitions(inner.body)
 
 
 def _cpython(dedup: _Dedup) -> Iterator[str]:

@@ -160,9 +160,10 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                  "interval straddles the threshold; the row says what would resolve it), finding (a measured fact "
                  "the paper did not state). A claim about a larger scale than the one measured (its row's scope) "
                  "cannot be contradicted by a smaller model: a failure there reads not resolved, and holds means only "
-                 "that the pattern is seen at this scale too. Layers are numbered from 1, and so are positions, "
-                 "except in the sections on Ruscio, Nanni & Silvestri and on length, which keep that paper's "
-                 "numbering: position 0 (key 0) is the first token.")
+                 "that the pattern is seen at this scale too. Layers are numbered from 1, and so are positions in "
+                 "maps and figures; where a row says 'position 0' or 'key 0' (the section on Ruscio, Nanni & "
+                 "Silvestri and the length section's interventions), it keeps that paper's numbering: position 0 is "
+                 "the first token.")
         write_report(tmp, TITLE, intro, sections, prov)
         led = ledgers(claims)
         write_run(tmp, ctx.tensors, {

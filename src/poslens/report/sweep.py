@@ -30,10 +30,12 @@ cache', SHA-256). Two sections that ask for the same matrix get the same `SweepM
 
 from __future__ import annotations
 
+import math
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from poslens.report.claims import Test
 from poslens.train.sweep import Matrix, SweepConfig, resolve_matrix, seed_interval
 
 SWEEP_QUICK = {"sweep": "pe-quick", "sweep_train": None, "sweep_seeds": None}
@@ -120,6 +122,45 @@ def over_seeds(results: list):
     if isinstance(first, list):
         return [over_seeds(list(col)) for col in zip(*results)]
     return first
+
+
+def seeds_needed(test: Test, n: int, level: float = 0.95, most: int = 10_000) -> int | None:
+    """Seeds at which `test`'s t-interval over `n` seeds would just exclude its threshold if the mean and the spread
+    over seeds stayed as they are: the smallest m with t_{m-1} sd / sqrt(m) < |mean - threshold| (None: no interval,
+    a mean on the threshold, or more than `most`)."""
+    from poslens.engine.stats import t_quantile
+
+    p, gap = (1 + level) / 2, abs(test.value - test.threshold)
+    if n < 2 or test.exact or not (math.isfinite(test.lo) and math.isfinite(test.hi) and gap > 0):
+        return None
+    sd = (test.hi - test.lo) / 2 * math.sqrt(n) / t_quantile(p, n - 1)
+
+    def narrow(m: int) -> bool:  # the half-width at m seeds is below the gap (it falls as m grows)
+        return t_quantile(p, m - 1) * sd / math.sqrt(m) < gap
+
+    if not narrow(most):
+        return None
+    lo, hi = n, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if narrow(mid) else (mid + 1, hi)
+    return lo
+
+
+def more_seeds(sw, tests: tuple[Test, ...]) -> str:
+    """What would decide a row of t-intervals over the sweep's seeds: more seeds, as many as its slowest open test
+    needs at the present means and spreads (`seeds_needed`), with the `poslens sweep` command that trains them."""
+    n = len(sw.seeds)
+    need = [seeds_needed(t, n) for t in tests if t.outcome() == "open"]
+    if not need:
+        return ""
+    if None in need:
+        return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
+                f"threshold or from one seed): `{sw.command}` with more --seeds")
+    seeds = sw.seeds + [max(sw.seeds) + k for k in range(1, max(need) - n + 1)]
+    return (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need)} at the present "
+            f"means and spreads over seeds, against {n} here: "
+            f"`{replace(sw, config=replace(sw.config, seeds=seeds)).command}`")
 
 
 def sweep_config(size: dict) -> SweepConfig:

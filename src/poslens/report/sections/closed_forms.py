@@ -140,7 +140,7 @@ def appendix_claims() -> list[Claim]:
         fixed = max(float(np.max(np.abs(theory.h_sq_step(js, a, residual=residual)
                                         / (fn(js + 1, a) ** 2 - fn(js, a) ** 2) - 1))) for a in ALPHAS)
         tests = [Test(f"largest step {name[:-3]}({name[-2]}+1) - {name}, {name[-2]} = 1..{LONG}", worst_step, "<", 0.0),
-                 Test("largest relative error of the corrected difference (poslens.stack.theory.h_sq_step)", fixed,
+                 Test("largest relative error of the corrected difference (docs/gramflow.md)", fixed,
                       "<", 1e-9)]
         if residual:
             coef = max(max(corrected_coefficients(a)) for a in ALPHAS)

@@ -76,7 +76,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                                            f"(windows inside documents), key 0 {k[5:]}: above 0 when the effect is "
                                            "the first token's, not any document start's", diff, ">", 0.0,
                                            f"conservative: the two {interval} intervals' far ends"))
-            nulls = "; the nulls' removed shares of the absolute-scores term (key 0 in / out): " + "; ".join(
+            nulls = ("; the nulls' removed shares of the absolute-scores term (key 0 in / out; offset: the same "
+                     "intervention on windows that start inside documents; circular: each sequence's tokens after the "
+                     "first rolled by a random shift): ") + "; ".join(
                 f"{n} {interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_in'])} / "
                 f"{interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_out'])}"
                 for n, c in m["nulls"].items())
@@ -92,10 +94,11 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "projected scores: the mask alone, everything upstream held fixed); the residual stream's is "
                      "the share of the absolute-scores term (the energy that the absolute content of this layer's "
                      f"scores adds to the mask's own) removed with {words}, paired on the same sequences{nulls}. If "
-                     "the offset null removes as much as the intervention, a BOS effect and a document-start effect "
-                     "are not told apart (docs/leakage.md).",
-            resolve="more sequences (each interval is a jackknife over groups of sequences), or the intervention on "
-                    "windows inside documents, which tells a BOS effect from a document-start effect",
+                     "the offset null removes as much as the intervention, or more, what it removes is not shown to "
+                     "be the first token's rather than any window start's (docs/leakage.md).",
+            resolve="more sequences (each interval is a jackknife over groups of sequences) where a test is open; "
+                    "where the offset null removes more than the intervention, a model trained with a BOS (the "
+                    "sweep's row on the BOS replacement) rather than SmolLM2, whose first token is not a trained BOS",
             figure="the mask's term and the scores' absolute term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
@@ -117,7 +120,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                                                          if first else ""),
                             f"{interval_text(gone['key0_in'])} / {interval_text(gone['key0_out'])} ({interval})"))
     s = m["sinks"]
-    context.append(("attention sinks (Gu et al.'s per-head test; the paper's criterion is not public)",
+    context.append(("attention sinks (the per-head test of Gu et al. 2025, 'When Attention Sink Emerges in Language "
+                    "Models': mean attention on the first key above a threshold; the paper's criterion is not "
+                    "public)",
                     f"sink rate {s['rate']:.3f} at {s['tokens']} tokens, {len(s['sink_heads'])} heads with attention "
                     f"on the first key (key 0) above {s['epsilon']}"))
     if stack is not None:

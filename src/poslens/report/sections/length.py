@@ -18,10 +18,9 @@ denominator's) restores it; for RoPE the same correction helps more than rescali
 
 from __future__ import annotations
 
-import math
 import shutil
 import textwrap
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import numpy as np
 from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections.figures import heatmaps, lines
-from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, sweep_models
+from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, more_seeds, sweep_models
 
 # variants: the sweep's variants to evaluate (None: all; the tests take nope and rope)
 SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None}
@@ -52,45 +51,6 @@ def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
 
 
 _ci = interval_text  # 'value [lo, hi]' of an estimate
-
-
-def seeds_needed(test: Test, n: int, level: float = 0.95, most: int = 10_000) -> int | None:
-    """Seeds at which `test`'s t-interval over `n` seeds would just exclude its threshold if the mean and the spread
-    over seeds stayed as they are: the smallest m with t_{m-1} sd / sqrt(m) < |mean - threshold| (None: no interval,
-    a mean on the threshold, or more than `most`)."""
-    from poslens.engine.stats import t_quantile
-
-    p, gap = (1 + level) / 2, abs(test.value - test.threshold)
-    if n < 2 or test.exact or not (math.isfinite(test.lo) and math.isfinite(test.hi) and gap > 0):
-        return None
-    sd = (test.hi - test.lo) / 2 * math.sqrt(n) / t_quantile(p, n - 1)
-
-    def narrow(m: int) -> bool:  # the half-width at m seeds is below the gap (it falls as m grows)
-        return t_quantile(p, m - 1) * sd / math.sqrt(m) < gap
-
-    if not narrow(most):
-        return None
-    lo, hi = n, most
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if narrow(mid) else (mid + 1, hi)
-    return lo
-
-
-def more_seeds(sw, tests: tuple[Test, ...]) -> str:
-    """What would decide a row of t-intervals over the sweep's seeds: more seeds, as many as its slowest open test
-    needs at the present means and spreads (`seeds_needed`), with the `poslens sweep` command that trains them."""
-    n = len(sw.seeds)
-    need = [seeds_needed(t, n) for t in tests if t.outcome() == "open"]
-    if not need:
-        return ""
-    if None in need:
-        return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
-                f"threshold or from one seed): `{sw.command}` with more --seeds")
-    seeds = sw.seeds + [max(sw.seeds) + k for k in range(1, max(need) - n + 1)]
-    return (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need)} at the present "
-            f"means and spreads over seeds, against {n} here: "
-            f"`{replace(sw, config=replace(sw.config, seeds=seeds)).command}`")
 
 
 def length_runs(ctx, size: dict) -> tuple[object, dict[str, Path], int]:
@@ -280,9 +240,10 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
     for v, r in runs.items():
         prof = r.metrics["seeds"]["profile"]["gap"]
         last = prof[-1]
-        series[f"{v}, last layer"] = [b["value"] for b in last]
-        errors[f"{v}, last layer"] = np.array([(b["value"] - b["lo"], b["hi"] - b["value"]) if b["lo"] is not None
-                                               else (0.0, 0.0) for b in last]).T
+        name = f"{sw.labels[v]}, last layer"
+        series[name] = [b["value"] for b in last]
+        errors[name] = np.array([(b["value"] - b["lo"], b["hi"] - b["value"]) if b["lo"] is not None else (0.0, 0.0)
+                                 for b in last]).T
     edges = runs[next(iter(runs))].metrics["edges"]
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
                      "log(keys seen) - attention entropy of the last layer (log(i + 1) under the causal mask, "
@@ -295,7 +256,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         maps = load(dirs[v]).tensors
         if "m0/maps/scores" in maps:
             m, se = maps["m0/maps/scores"].double().numpy(), maps["m0/maps/scores_se"].double().numpy()
-            panels += [Panel(f"{v}, layer {i + 1}", m[i], se[i]) for i in range(m.shape[0])]
+            panels += [Panel(f"{sw.labels[v]}, layer {i + 1}", m[i], se[i]) for i in range(m.shape[0])]
     if panels:
         out.append(heatmaps(ctx, "length_maps", panels, f"Mean attention scores at 8L = {T} tokens of seed "
                             f"{sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer (rows: query i, "
@@ -308,9 +269,9 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
             continue
         per_t = [_t([m["maps"][str(n)]["split/share_partition"]["value"][-1] for m in r.metrics["models"]])
                  for n in lens]
-        series[v] = [e["value"] for e in per_t]
-        errors[v] = np.array([(e["value"] - e["lo"], e["hi"] - e["value"]) if e["lo"] is not None else (0.0, 0.0)
-                              for e in per_t]).T
+        series[sw.labels[v]] = [e["value"] for e in per_t]
+        errors[sw.labels[v]] = np.array([(e["value"] - e["lo"], e["hi"] - e["value"]) if e["lo"] is not None
+                                         else (0.0, 0.0) for e in per_t]).T
     if series:
         out.append(lines(ctx, "length_leakage", lens, series,
                          "Share of this layer's log-partition term (the softmax denominator's) in the "
