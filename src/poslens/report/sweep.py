@@ -124,6 +124,9 @@ def over_seeds(results: list):
     return first
 
 
+MANY_SEEDS = 24  # beyond this a seed list is no command to hand a reader: the count alone is given
+
+
 def seeds_needed(test: Test, n: int, level: float = 0.95, most: int = 10_000) -> int | None:
     """Seeds at which `test`'s t-interval over `n` seeds would just exclude its threshold if the mean and the spread
     over seeds stayed as they are: the smallest m with t_{m-1} sd / sqrt(m) < |mean - threshold| (None: no interval,
@@ -157,10 +160,13 @@ def more_seeds(sw, tests: tuple[Test, ...]) -> str:
     if None in need:
         return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
                 f"threshold or from one seed): `{sw.command}` with more --seeds")
+    head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need)} at the present "
+            f"means and spreads over seeds, against {n} here")
+    if max(need) > MANY_SEEDS:
+        return head + " (the effect is small next to its spread over seeds: a larger effect, e.g. a longer-trained "\
+                      "model, would decide it sooner than that many seeds)"
     seeds = sw.seeds + [max(sw.seeds) + k for k in range(1, max(need) - n + 1)]
-    return (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need)} at the present "
-            f"means and spreads over seeds, against {n} here: "
-            f"`{replace(sw, config=replace(sw.config, seeds=seeds)).command}`")
+    return head + f": `{replace(sw, config=replace(sw.config, seeds=seeds)).command}`"
 
 
 def sweep_config(size: dict) -> SweepConfig:
