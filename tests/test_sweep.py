@@ -63,11 +63,11 @@ def test_between_seed_interval_is_the_t_interval():
     assert d["per_seed"] == pytest.approx([-0.5, -0.4, -0.6]) and d["verdict"] == "a lower than b"
 
 
-def test_over_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_values():
-    """`over_seeds` (the report's Section 4.2): each estimate of one shape of per-seed results becomes mean -/+
+def test_combine_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_values():
+    """`combine_seeds` (the report's Section 4.2): each estimate of one shape of per-seed results becomes mean -/+
     t_{n-1} sd / sqrt(n) of its values (t_{2, 0.975} = 4.302653 for three seeds); an undefined seed leaves the mean
     and its interval undefined; other leaves are the first seed's."""
-    from poslens.report.sweep import over_seeds
+    from poslens.report.sweep import combine_seeds
 
     def est(v):
         return {"value": v, "lo": None if v is None else v - 1, "hi": None if v is None else v + 1, "groups": 20}
@@ -75,7 +75,7 @@ def test_over_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_val
     results = [{"a": est(1.0), "b": [est(2.0), {"c": est(None)}], "n": 7},
                {"a": est(2.0), "b": [est(4.0), {"c": est(1.0)}], "n": 8},
                {"a": est(6.0), "b": [est(9.0), {"c": est(2.0)}], "n": 9}]
-    out = over_seeds(results)
+    out = combine_seeds(results)
     sd = math.sqrt(((1 - 3) ** 2 + (2 - 3) ** 2 + (6 - 3) ** 2) / 2)
     assert out["a"]["value"] == 3.0 and out["a"]["per_seed"] == [1.0, 2.0, 6.0] and out["a"]["n"] == 3
     assert math.isclose(out["a"]["hi"] - 3.0, 4.302653 * sd / math.sqrt(3), rel_tol=1e-6)

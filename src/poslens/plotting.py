@@ -140,25 +140,21 @@ def integer_ticks(xs) -> list[int]:
 
 
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
-              logx: bool = False, logy: bool | float = False, errors: dict[str, Sequence[float]] | None = None,
+              logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None,
               xticklabels: Sequence[str] | None = None, joined: bool = True):
     """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. Integer x
     values get integer ticks from the first value (`integer_ticks`: a layer axis from 1 shows no 0); on a log
     x-axis the ticks are the x values themselves (no overlapping labels); xticklabels names each x (categories,
     such as variants or position ranges, instead of numbers decoded in a caption); joined=False leaves a series'
-    points unjoined (categories without an order, such as variants). logy: True for a log y-axis, a number T for a
-    symmetric log one, linear within +/- T (`symlog_threshold`: values and bounds at or below 0 stay drawn)."""
+    points unjoined (categories without an order, such as variants). logy: a log y-axis, or a symmetric log one
+    where a value or bound is at or below 0 (`symlog_threshold`), every bar inside it."""
     fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
     # several series with error bars on a linear x: each a little apart, so that bars at one x do not hide each other
     dodge = (xticklabels is not None or (errors is not None and len(series) > 1)) and not logx
-    ends = []
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
         at = [x + 0.06 * (k - (len(series) - 1) / 2) for x in xs] if dodge else xs
         ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name, linestyle="-" if joined else "none")
-        y = np.asarray(ys, dtype=float)
-        e = np.zeros((2, len(y))) if err is None else np.broadcast_to(np.asarray(err, dtype=float), (2, len(y)))
-        ends += [y - e[0], y + e[1]]
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))
     elif logx:
@@ -167,29 +163,36 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
         ax.xaxis.set_minor_locator(NullLocator())
     elif len(xs) and all(float(x).is_integer() for x in xs):
         ax.set_xticks(integer_ticks(xs))
-    if logy is True:
-        ax.set_yscale("log")
-    elif logy:
-        ax.set_yscale("symlog", linthresh=float(logy))
+    threshold = symlog_threshold(series, errors) if logy else None
+    if threshold is not None:
+        ax.set_yscale("symlog", linthresh=threshold)
         ax.axhline(0, color="0.3", lw=0.8)
-        v = np.concatenate(ends)
-        lo, hi = np.nanmin(v), np.nanmax(v)  # every bar inside the axis, with a margin on the scale drawn
+        _, lows, highs = _extent(series, errors)
+        lo, hi = np.nanmin(lows), np.nanmax(highs)  # every bar inside the axis, with a margin on the scale drawn
         ax.set_ylim(lo * 1.3 if lo < 0 else lo / 1.3, hi * 1.3 if hi > 0 else hi / 1.3)
+    elif logy:
+        ax.set_yscale("log")
     _finish(ax, xlabel, ylabel, title)
     return fig
+
+
+def _extent(series: dict[str, Sequence[float]], errors: dict | None) -> tuple[np.ndarray, ...]:
+    """Every finite value of the series, and the lower and upper ends of their error bars (the values without)."""
+    values, lows, highs = [], [], []
+    for name, ys in series.items():
+        y = np.asarray(ys, dtype=float)
+        err = None if errors is None else errors.get(name)
+        e = np.zeros((2, len(y))) if err is None else np.broadcast_to(np.asarray(err, dtype=float), (2, len(y)))
+        values.append(y)
+        lows.append(y - e[0])
+        highs.append(y + e[1])
+    return tuple(x[np.isfinite(x)] for x in map(np.concatenate, (values, lows, highs)))
 
 
 def symlog_threshold(series: dict[str, Sequence[float]], errors: dict | None = None) -> float | None:
     """None when every value and lower bound is above 0 (a log axis draws them all); else the linear range of a
     symmetric log axis: the power of ten at or below the smallest |value| above 0 (1 when there is none)."""
-    values, lows = [], []
-    for name, ys in series.items():
-        y = np.asarray(ys, dtype=float)
-        err = None if errors is None else errors.get(name)
-        low = y if err is None else y - (np.asarray(err, dtype=float)[0] if np.ndim(err) == 2 else np.asarray(err))
-        values.append(y[np.isfinite(y)])
-        lows.append(low[np.isfinite(low)])
-    v, lo = np.concatenate(values), np.concatenate(lows)
+    v, lo, _ = _extent(series, errors)
     if (v > 0).all() and (lo > 0).all():
         return None
     pos = np.abs(v[v != 0])

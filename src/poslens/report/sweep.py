@@ -104,23 +104,17 @@ class SweepModels:
                 f"{c.batch_size} x {c.seq_len} tokens{', BOS first' if c.bos else ''}")
 
 
-def seed_estimate(values: list[float | None], level: float = 0.95) -> dict:
-    """`seed_interval` of per-seed values, an undefined value (None) read as NaN: the mean and its interval are then
-    undefined, and a test on them stays open."""
-    return seed_interval([float("nan") if v is None else float(v) for v in values], level)
-
-
-def over_seeds(results: list):
+def combine_seeds(results: list):
     """Per-seed results of one shape (nested dicts and lists) -> that shape with every estimate (a dict with "value",
     "lo", "hi": an interval over one model's sequences) replaced by the t-interval over seeds of its per-seed values
-    (`seed_estimate`; the per-seed values under "per_seed"); other leaves are the first seed's."""
+    (`seed_interval`; the per-seed values under "per_seed"); other leaves are the first seed's."""
     first = results[0]
     if isinstance(first, dict):
         if {"value", "lo", "hi"} <= first.keys():
-            return seed_estimate([r["value"] for r in results])
-        return {k: over_seeds([r[k] for r in results]) for k in first}
+            return seed_interval([r["value"] for r in results])
+        return {k: combine_seeds([r[k] for r in results]) for k in first}
     if isinstance(first, list):
-        return [over_seeds(list(col)) for col in zip(*results)]
+        return [combine_seeds(list(col)) for col in zip(*results)]
     return first
 
 
@@ -167,6 +161,15 @@ def more_seeds(sw, tests: tuple[Test, ...]) -> str:
                       "model, would decide it sooner than that many seeds)"
     seeds = sw.seeds + [max(sw.seeds) + k for k in range(1, max(need) - n + 1)]
     return head + f": `{replace(sw, config=replace(sw.config, seeds=seeds)).command}`"
+
+
+def resolve_by_seeds(sw, claims, default=None) -> None:
+    """Put the seeds that would decide each not-resolved row of intervals over the sweep's seeds (`more_seeds`)
+    before its resolve line; `default(claim)`: the line for a row that has neither."""
+    for c in claims:
+        if c.verdict == "not resolved":
+            c.resolve = "; or ".join(x for x in (more_seeds(sw, c.tests), c.resolve) if x) or (
+                default(c) if default else "")
 
 
 def sweep_config(size: dict) -> SweepConfig:

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from poslens.report.claims import Claim, Test, estimate_test, interval_text
-from poslens.report.sweep import seed_estimate
+from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
 PAPER_SCALE = "3B-7B-parameter RoPE language models (Llama, Qwen, Mistral)"  # a claim's scope (claims.py rule 4)
@@ -91,7 +91,7 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
     early-query absolute-scores term (summed over layers) that replacing the BOS embedding by the mean embedding
     removes, one value per seed, key 0 in and out; the other RoPE-family variants as context."""
     def share(v: str, key0: str) -> dict:
-        return seed_estimate([removed(metrics[v, s], spec, "early", key0) for s in _seeds(metrics, v)])
+        return seed_interval([removed(metrics[v, s], spec, "early", key0) for s in _seeds(metrics, v)])
 
     tests = tuple(_test(f"{labels[variant]}: share of the early-query absolute-scores term (summed over layers, key 0 "
                         f"{k[5:]}) removed by the BOS replacement", share(variant, k)) for k in ("key0_in", "key0_out"))
@@ -124,7 +124,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
     minus standard > 0, seed by seed. Both with key 0 in and out; NoPE as context (the control)."""
     def paired(a: str, b: str, key0: str, fn) -> dict:
         seeds = [s for s in _seeds(metrics, a) if (b, s) in metrics]
-        return seed_estimate([fn(energies(metrics[a, s], "all", key0)) - fn(energies(metrics[b, s], "all", key0))
+        return seed_interval([fn(energies(metrics[a, s], "all", key0)) - fn(energies(metrics[b, s], "all", key0))
                             for s in seeds])
 
     def total(e: list[float]) -> float:
@@ -143,7 +143,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                            f"queries, offsets <= {max_offset}, key 0 {k[5:]}): sliding window minus standard RoPE, "
                            "per seed",
                            paired("window", "rope", k, growth)))
-    per_variant = {v: {k: [seed_estimate([energies(metrics[v, s], "all", k)[layer] for s in _seeds(metrics, v)])
+    per_variant = {v: {k: [seed_interval([energies(metrics[v, s], "all", k)[layer] for s in _seeds(metrics, v)])
                            for layer in range(len(energies(metrics[v, _seeds(metrics, v)[0]], "all", k)))]
                        for k in ("key0_in", "key0_out")}
                    for v in labels if _seeds(metrics, v)}
@@ -181,7 +181,7 @@ def architecture_series(metrics: dict, labels: dict[str, str], key0: str = "key0
         if not seeds:
             continue
         layers = len(energies(metrics[v, seeds[0]], "all", key0))
-        es = [seed_estimate([energies(metrics[v, s], "all", key0)[i] for s in seeds]) for i in range(layers)]
+        es = [seed_interval([energies(metrics[v, s], "all", key0)[i] for s in seeds]) for i in range(layers)]
         series[labels[v]] = [e["value"] for e in es]
         errors[labels[v]] = [[e["value"] - e["lo"] if e["lo"] is not None else 0.0 for e in es],
                              [e["hi"] - e["value"] if e["hi"] is not None else 0.0 for e in es]]

@@ -182,11 +182,13 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
 # ---------------------------------------------------------------- statistics over seeds
 
 
-def seed_interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
+def seed_interval(values: list[float | None], level: float = 0.95) -> dict[str, Any]:
     """Mean of per-seed values with a t-interval over seeds: mean -/+ t_{n-1} sd / sqrt(n) (n >= 2; with one seed
-    the interval is undefined, None)."""
+    the interval is undefined, None). An undefined value (None) reads NaN: then so are the mean and its interval,
+    and a test on them stays open."""
     from poslens.engine.stats import t_quantile
 
+    values = [math.nan if v is None else float(v) for v in values]
     n = len(values)
     mean = sum(values) / n
     if n < 2:

@@ -46,8 +46,7 @@ def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -
                 series[f"{name}, {key0}"] = per[term][k]["value"]
                 errors[f"{name}, {key0}"] = _errors(per[term][k])
         fig = plotting.line_plot(layers, series, "layer", "non-relative energy of log A",
-                                 f"{label}: energies by layer ({scope} queries)", errors=errors,
-                                 logy=plotting.symlog_threshold(series, errors) or True)
+                                 f"{label}: energies by layer ({scope} queries)", errors=errors, logy=True)
         paths += plotting.save(fig, directory, f"energies_by_layer_{scope}")
     contrasts = {**metrics.get("interventions", {}), **metrics.get("nulls", {})}
     if contrasts:

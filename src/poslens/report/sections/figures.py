@@ -76,12 +76,10 @@ def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: s
           xticklabels: Sequence[str] | None = None, joined: bool = True) -> Figure:
     """A line plot (error bars optional; xticklabels: a name for each x; joined=False: points of a series not
     joined, for categories without an order) saved as figures/stem.png and .pdf."""
-    if logy:  # a log axis cannot draw an estimate or bound at or below 0: then a symmetric log axis, said so
-        t = plotting.symlog_threshold(series, errors)
-        if t is not None:
-            logy = t
-            caption += (f" Vertical axis: symmetric log scale, linear within +/-{t:g}, so that estimates and bounds "
-                        "at or below 0 are drawn.")
+    t = plotting.symlog_threshold(series, errors) if logy else None  # the axis line_plot draws: say so
+    if t is not None:
+        caption += (f" Vertical axis: symmetric log scale, linear within +/-{t:g}, so that estimates and bounds at "
+                    "or below 0 are drawn.")
     if not ctx.draw:
         return Figure(ctx.figures / f"{stem}.png", caption)
     fig = plotting.line_plot(list(xs), series, xlabel, ylabel, title, logx=logx, logy=logy, errors=errors,

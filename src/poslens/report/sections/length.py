@@ -28,7 +28,7 @@ import numpy as np
 from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections.figures import heatmaps, lines
-from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, more_seeds, sweep_models
+from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
 
 # variants: the sweep's variants to evaluate (None: all; the tests take nope and rope)
 SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None}
@@ -160,9 +160,7 @@ def build(ctx, size: dict) -> Section:
                     (_test(f"RoPE: {NAMES[spec]}'s paired effect on the loss over [{L}, {T}) (nats)", e, "<"),),
                     measured=here, finding=True, figure=EFFECTS,
                     command=ctx.remeasure(f"length-{spec}-helps-rope")))
-    for c in claims:  # every row's intervals are over the sweep's seeds
-        if c.verdict == "not resolved":
-            c.resolve = more_seeds(sw, c.tests) or f"a measurement at the paper's scale ({c.scope})"
+    resolve_by_seeds(sw, claims, lambda c: f"a measurement at the paper's scale ({c.scope})")
     defined = any(c.id == "kazemnejad-nope-extrapolates" for c in claims)  # that row states the rise's range
     context = [(f"{v} ({sw.labels[v]}): rise of the loss past L{'' if defined else f' ({rise_range})'} and each "
                 f"intervention's effect on the loss over [{L}, {T}) (nats, mean over seeds, 95% t-interval)",

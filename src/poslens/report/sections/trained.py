@@ -10,7 +10,7 @@ is measured on held-out text, each number with a 95% interval over groups of seq
   parameter-free stack); held-out loss of NoPE against RoPE; a linear probe of absolute position by depth (Haviv et
   al. 2022; Kazemnejad et al. 2023).
 
-A claim is judged on the mean over seeds with its t-interval over seeds (`poslens.report.sweep.over_seeds`): what
+A claim is judged on the mean over seeds with its t-interval over seeds (`poslens.report.sweep.combine_seeds`): what
 training makes of a model is an effect whose error bar is the spread over seeds, which one model's interval over
 sequences does not see. The figures draw the first seed.
 """
@@ -29,7 +29,7 @@ from poslens.report.claims import Claim, Reading, Test, estimate_test, num
 from poslens.report.section import Figure, Panel, Section, section
 from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps, lines, profiles
-from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, more_seeds, over_seeds, sweep_models
+from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, combine_seeds, resolve_by_seeds, sweep_models
 from poslens.train.config import TrainConfig
 
 PE_NAMES = {"none": "NoPE", "rope": "RoPE"}
@@ -139,6 +139,7 @@ def measure(models: dict, size: dict, parts: Path, progress: bool) -> dict:
     nope = probes["none"]
     last = len(nope.mae) - 1
     return {"intermediates": run, "config": icfg, "extra": extra, "losses": losses, "loss_blocks": loss_n,
+            "params": sum(p.numel() for p in nets["none"].parameters()),
             "context": context, "probe": {pe: {"mae": [e.item() for e in p.mae], "chance": p.chance.item()}
                                           for pe, p in probes.items()},
             "probe_blocks": (fit_n, test_n), "probe_depth": nope.difference(1, last).item(),
@@ -174,14 +175,14 @@ def build(ctx, size: dict) -> Section:
 
     sw = sweep_models(ctx, size)
     per_seed = [measure(seed_models(sw, seed), size, Path(ctx.parts), ctx.progress) for seed in sw.seeds]
-    runs = [load(m["intermediates"]) for m in per_seed]
-    im, m = over_seeds([r.metrics for r in runs]), over_seeds(per_seed)
+    runs = [load(m["intermediates"], tensors=False) for m in per_seed]
+    im, m = combine_seeds([r.metrics for r in runs]), combine_seeds(per_seed)
     run_dir = Path(ctx.root) / "models" / "intermediates-trained-nope"
     shutil.copytree(per_seed[0]["intermediates"], run_dir)
     run = load(run_dir)
     data, icfg = run.meta["data"], m["config"]
     cfg = next(mm.config for mm in sw.matrix.members if mm.variant == "nope")
-    params = sum(p.numel() for p in _load(sw.path("nope", sw.seeds[0])).parameters())
+    params = m["params"]
     first = seed_models(sw, sw.seeds[0])
     int_cmd = (f"poslens intermediates {first['none']} --data {sw.tokens} --mode pack --seq-len "
                f"{icfg.seq_len} --num-sequences {icfg.num_sequences} --batch-size {icfg.batch_size} --groups "
@@ -204,10 +205,7 @@ def build(ctx, size: dict) -> Section:
               "has 1.5B parameters (heads of size 64) trained on 20B FineWeb-Edu tokens.")
     s.claims += figure3_claims(ctx, im, m["extra"], _scale(cfg))
     s.claims += haviv_claims(ctx, m, cfg)
-    for c in s.claims:  # every interval is over the sweep's seeds: more seeds is what would narrow it
-        if c.verdict == "not resolved":
-            seeds = more_seeds(sw, c.tests)
-            c.resolve = "; or ".join(x for x in (seeds, c.resolve) if x)
+    resolve_by_seeds(sw, s.claims)  # every interval is over the sweep's seeds
     c = max((r.metrics["block_output_check"] for r in runs), key=lambda c: c["max_rel"])
     s.claims.append(Claim(
         "poslens-block-output-check", "poslens", "anchor procedure of Figure 3 (g)",
@@ -228,12 +226,6 @@ def build(ctx, size: dict) -> Section:
 
 
 CHECK_NOTE = "64 machine epsilons of the model's dtype"
-
-
-def _load(path: Path):
-    from poslens.engine.models import load_model
-
-    return load_model(str(path), dtype="float32")[0]
 
 
 def _scale(cfg: TrainConfig) -> str:
