@@ -116,3 +116,4 @@ def test_a_full_disk_while_caching_the_corpus_is_one_line_and_leaves_nothing(tmp
     with pytest.raises(UsageError, match=rf"^no space left on the device to write {path} \(it needs [\d,]+ bytes"):
         corpus._write_cache(path, ["a document " * 100], {"documents": 1})
     assert list(path.parent.iterdir()) == []
+

@@ -82,3 +82,18 @@ def test_sinks_and_bad_specs():
     for bad in ("bos", "token", "token:x", "mean:3"):
         with pytest.raises(UsageError, match="interventions"):
             iv.parse(bad)
+
+
+def test_sink_rate_bounds_come_from_the_heads_intervals():
+    """The rate counts heads whose attention on key 0 exceeds the threshold; its bounds count the heads whose
+    interval lies above it (certainly sinks) and whose interval reaches above it (possibly sinks)."""
+    from poslens.analyses.leakage.summary import sink_bounds, sinks
+    from poslens.engine.stats import Estimate
+
+    t = lambda *x: torch.tensor([x], dtype=torch.float64)  # noqa: E731  one layer, three heads
+    a0 = Estimate(t(0.5, 0.2, 0.31), t(0.4, 0.1, 0.25), t(0.6, 0.35, 0.4), t(0.05, 0.05, 0.03), 8, 0.95, "jackknife")
+    s = sinks(a0, a0.value, 0.3, 32)
+    assert (s["rate"], s["rate_lo"], s["rate_hi"]) == pytest.approx((2 / 3, 1 / 3, 1.0))
+    assert s["rate_64"] is None and [h["head"] for h in s["sink_heads"]] == [1, 3]
+    assert "0.333 to 1.000 by the heads' own 95% intervals" in sink_bounds(s)
+    assert sink_bounds({"rate": 0.5}) == ""  # a run written before the bounds were recorded

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import matplotlib
 import numpy as np
 import pytest
 from PIL import Image
@@ -59,6 +60,8 @@ def check_report_images(directory) -> list[str]:
         assert img.width > 50 and img.height > 50, i
     for spec in map(json.loads, HEATMAP.findall(page)):
         assert heatmap_values(spec).shape == (spec["n"], spec["n"]) and spec["lo"] < spec["hi"]
+        lut = re.search(rf"class='poslens-cmap' data-name='{spec['cm']}'>([0-9a-f]*)<", page)
+        assert lut and len(lut.group(1)) == 256 * 6, spec["cm"]  # the page carries every panel's colour map
     md = (directory / "report.md").read_text()
     for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
         assert (directory / link).is_file(), link
@@ -79,7 +82,9 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     m = np.tril(rng.random((12, 12)))
     m[np.triu_indices(12, 1)] = np.nan
     static = plotting.save(plotting.line_plot([1, 2, 3], {"a": [1, 2, 3]}, "x", "y"), tmp_path / "figures", "line")[0]
-    interactive = heatmaps(_ctx(tmp_path), "maps", [Panel("layer 1", m, m / 100)], "two maps")
+    interactive = heatmaps(_ctx(tmp_path), "maps", [Panel("layer 1", m, m / 100),
+                                                    Panel("difference", m - 0.5, None, (-0.5, 0.5), "coolwarm")],
+                           "two maps")
     claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x",
                     figure="a line plot, Figure 2"),
               Claim("haviv-y", "haviv2022", "Section 4", "y > 0", (Test("y", 0.1, ">", 0.0, -0.1, 0.3),)),
@@ -104,7 +109,11 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
         == "Figure 1 style: y"
     assert "\u201cBehind RoPE: How Does Causal Mask Encode Positional Information?\u201d" in page  # beside its ledger
     assert "Rows: query i, columns: key j, both from 1." in page  # the interactive maps have no axes: the caption says
-    spec = json.loads(HEATMAP.findall(page)[0])
+    spec, diff = map(json.loads, HEATMAP.findall(page))
+    assert (spec["cm"], diff["cm"]) == ("magma", "coolwarm")  # each panel in its own colour map
+    cool = matplotlib.colormaps["coolwarm"](np.linspace(0, 1, 256))[:, :3]
+    lut = re.search(r"data-name='coolwarm'>([0-9a-f]*)<", page).group(1)
+    assert np.abs(np.frombuffer(bytes.fromhex(lut), np.uint8).reshape(256, 3) - cool * 255).max() <= 0.5
     low = np.tril(np.ones((12, 12), dtype=bool))
     assert np.allclose(heatmap_values(spec)[low], m[low], rtol=1e-3)  # float16: 3 significant digits
     assert np.allclose(heatmap_values(spec, "se")[low], m[low] / 100, rtol=1e-3)
@@ -283,6 +292,21 @@ def test_real_model_rows_say_how_many_sequences_would_resolve_them_and_for_which
     assert f"about {k:,.0f} for it to exclude 0.1" in first.resolve
     # at that count the interval's half-width, shrunk as 1/sqrt(sequences), just reaches the threshold
     assert (t.hi - t.lo) / 2 * (32 / k) ** 0.5 == pytest.approx(abs(t.value - rm.FIRST_LAYER))
+
+
+def test_step_bounds_say_how_many_samples_would_decide_a_strictly_increasing_row():
+    """A map with one step below 0: no sample count makes every step positive, but the step furthest below 0 in
+    standard errors (-0.1 with SE sqrt(0.2^2 + 0.2^2) = 0.283 at z = 2) needs (2 * 0.283 / 0.1)^2 = 32 times the
+    samples for its upper bound to fall under 0; with every step positive the weakest one sets need_factor."""
+    from poslens.report.sections import measures as ms
+
+    m, se = np.tril(np.array([[0.0, 0, 0], [1.0, 2.0, 0], [1.0, 0.9, 3.0]])), np.full((3, 3), 0.2)
+    b = ms.step_bounds(m, se, 2.0)
+    assert b["need_factor"] is None and b["rows_failing"] == 1
+    assert b["fail_factor"] == pytest.approx((2 * math.sqrt(0.08) / 0.1) ** 2)
+    m[2, 1] = 1.5  # every step positive: the smallest (0.5) decides
+    b = ms.step_bounds(m, se, 2.0)
+    assert b["fail_factor"] is None and b["need_factor"] == pytest.approx((2 * math.sqrt(0.08) / 0.5) ** 2)
 
 
 def test_the_gram_flow_side_by_side_caption_names_the_layer_of_each_number():

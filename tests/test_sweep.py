@@ -58,6 +58,12 @@ def test_between_seed_interval_is_the_t_interval():
     assert e["value"] == 2.0 and e["sd"] == 1.0
     assert math.isclose(e["hi"] - 2.0, 4.302652729911275 / math.sqrt(3), rel_tol=1e-9)
     assert seed_interval([4.0])["lo"] is None  # one seed: no interval
+    share = seed_interval([0.0, 1.0, 0.94], support=(0.0, 1.0))  # a share: t-interval -0.75..2.04 cut to [0, 1]
+    assert (share["lo"], share["hi"]) == (0.0, 1.0) and share["value"] == pytest.approx(1.94 / 3)
+    from poslens.report.sweep import combine_seeds
+
+    per_seed = [{"x": {"value": v, "lo": v, "hi": v, "support": [0.0, 1.0]}} for v in (0.2, 0.9, 0.95)]
+    assert combine_seeds(per_seed)["x"]["lo"] == 0.0  # an estimate's support travels through the combination
     s = summarise({"a": [1.0, 2.0, 3.0], "b": [1.5, 2.4, 3.6]})
     d = s["differences"]["a - b"]
     assert d["per_seed"] == pytest.approx([-0.5, -0.4, -0.6]) and d["verdict"] == "a lower than b"

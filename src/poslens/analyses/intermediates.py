@@ -353,7 +353,8 @@ class Intermediates(Statistic):
                                                                       level).item() for x, y in ("ab", "cd")}
         for letter in "fi":  # the two panels the paper reads as "increases with j for fixed i"
             panels[letter]["rows_increasing"] = self.sums.estimate(
-                lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap").item()
+                lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap").item() \
+                | {"support": [0.0, 1.0]}  # a share
         return {"panels": panels, "changes": changes, "groups": len(self.sums.filled()), "level": level,
                 "amplification": self.amplification(level), "block_output_check": self.check_report()}
 

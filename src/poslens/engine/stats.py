@@ -23,7 +23,7 @@ combine shards, `result` to finalise).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +87,27 @@ class Estimate:
         """A scalar estimate as plain numbers for run.json."""
         return {"value": float(self.value), "lo": float(self.lo), "hi": float(self.hi), "se": float(self.se),
                 "level": self.level, "groups": self.groups, "method": self.method}
+
+
+def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
+               support: tuple[float, float] | None = None) -> Estimate:
+    """The mean of one estimate over m models (seeds) with a t-interval over them: mean -/+ t_{m-1} sd / sqrt(m)
+    (NaN interval for m < 2; a NaN value makes the mean and its interval NaN). `support`: the range the quantity
+    cannot leave (a share: (0, 1); an entropy gap: (0, inf)); the interval is cut to it, which keeps its coverage
+    (the true value lies inside the support)."""
+    check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
+    x = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+    m = x.shape[0]
+    mean = x.mean(0)
+    if m < 2:
+        nan = torch.full_like(mean, math.nan)
+        return Estimate(mean, nan, nan.clone(), nan.clone(), m, level, "t over seeds")
+    se = x.std(0, correction=1) / math.sqrt(m)
+    t = t_quantile((1 + level) / 2, m - 1)
+    lo, hi = mean - t * se, mean + t * se
+    if support is not None:
+        lo, hi = lo.clamp(min=support[0]), hi.clamp(max=support[1])
+    return Estimate(mean, lo, hi, se, m, level, "t over seeds")
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

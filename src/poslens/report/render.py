@@ -131,9 +131,9 @@ SCRIPT = """
 (function(){
 var LABEL=30;
 var tip=document.createElement('div');tip.className='tip';document.body.appendChild(tip);
-var lut=[];var hex=document.getElementById('poslens-cmap').textContent;
-for(var k=0;k<256;k++)lut.push([parseInt(hex.substr(6*k,2),16),parseInt(hex.substr(6*k+2,2),16),
-parseInt(hex.substr(6*k+4,2),16)]);
+var luts={};document.querySelectorAll('script.poslens-cmap').forEach(function(el){var hex=el.textContent,lut=[];
+ for(var k=0;k<256;k++)lut.push([parseInt(hex.substr(6*k,2),16),parseInt(hex.substr(6*k+2,2),16),
+ parseInt(hex.substr(6*k+4,2),16)]);luts[el.dataset.name]=lut;});
 function half(h){var s=(h&0x8000)?-1:1,x=(h>>10)&31,f=h&1023;
  if(x===0)return s*Math.pow(2,-14)*f/1024; if(x===31)return f?NaN:s*Infinity;
  return s*Math.pow(2,x-15)*(1+f/1024);}
@@ -143,7 +143,8 @@ function unpack(b64,n,s){if(!b64)return null;var bin=atob(b64),out=new Float32Ar
 function fmt(v){if(!isFinite(v))return 'blank';var a=Math.abs(v);
  return (a!==0&&(a<1e-3||a>=1e4))?v.toExponential(3):v.toPrecision(4);}
 document.querySelectorAll('.hm').forEach(function(el){
- var d=JSON.parse(el.querySelector('script').textContent),n=d.n,val=unpack(d.v,n,d.vs||1),se=unpack(d.se,n,d.ss||1);
+ var d=JSON.parse(el.querySelector('script').textContent),n=d.n,val=unpack(d.v,n,d.vs||1),se=unpack(d.se,n,d.ss||1),
+ lut=luts[d.cm];
  var img=document.createElement('canvas');img.width=n;img.height=n;var ic=img.getContext('2d'),
  id=ic.createImageData(n,n);
  for(var q=0;q<n*n;q++){var v=val[q],o=4*q;if(!isFinite(v)){id.data[o+3]=0;continue;}
@@ -161,7 +162,8 @@ document.querySelectorAll('.hm').forEach(function(el){
     if(!isFinite(v))continue;var s=Number(v.toPrecision(3)).toString();w=Math.max(w,cx.measureText(s).width);
     cells.push([i,j,v,s]);}
   if(w>0.9*c)cx.font=(fs*0.9*c/w)+'px sans-serif';
-  cells.forEach(function(q){cx.fillStyle=(q[2]-d.lo)/((d.hi-d.lo)||1)<0.5?'#fff':'#000';
+  cells.forEach(function(q){var t=Math.max(0,Math.min(255,Math.round(255*(q[2]-d.lo)/((d.hi-d.lo)||1)))),
+   rgb=lut[t];cx.fillStyle=(0.299*rgb[0]+0.587*rgb[1]+0.114*rgb[2])<128?'#fff':'#000';
    cx.fillText(q[3],(q[1]-view.x+0.5)*c,(q[0]-view.y+0.5)*c);});}
  function cell(ev){var r=cv.getBoundingClientRect();return [view.y+(ev.clientY-r.top)/r.height*view.s,
   view.x+(ev.clientX-r.left)/r.width*view.s];}
@@ -184,7 +186,7 @@ document.querySelectorAll('.hm').forEach(function(el){
 """
 
 
-def colormap_hex(name: str = "magma") -> str:
+def colormap_hex(name: str) -> str:
     import matplotlib
 
     c = matplotlib.colormaps[name](np.linspace(0, 1, 256))[:, :3]
@@ -210,9 +212,11 @@ def _pack(m: np.ndarray | None) -> tuple[str, float]:
 def _panel_html(p: Panel) -> str:
     lo, hi = p.limits
     (v, vs), (se, ss) = _pack(p.values), _pack(p.se)
-    spec = {"n": int(p.values.shape[-1]), "lo": float(lo), "hi": float(hi), "v": v, "vs": vs, "se": se, "ss": ss}
+    spec = {"n": int(p.values.shape[-1]), "lo": float(lo), "hi": float(hi), "v": v, "vs": vs, "se": se, "ss": ss,
+            "cm": p.cmap}
     return (f"<div class='hm'><div class='t'>{e(p.title)}</div><canvas></canvas>"
-            f"<div class='cb'><span>{lo:.3g}</span><span class='bar cmap'></span><span>{hi:.3g}</span></div>"
+            f"<div class='cb'><span>{lo:.3g}</span><span class='bar' style='background:linear-gradient(to right,"
+            f"{_gradient(p.cmap)})'></span><span>{hi:.3g}</span></div>"
             f"<script type='application/json'>{json.dumps(spec)}</script></div>")
 
 
@@ -224,8 +228,10 @@ def _figure_html(f: Figure, root: Path) -> str:
         cols = min(f.ncols, len(f.panels))
         body = (f"<div class='hm-grid' style='grid-template-columns:repeat({cols},minmax(0,1fr))'>"
                 + "".join(_panel_html(p) for p in f.panels) + "</div>")
+        hover = ("the value and its standard error" if any(p.se is not None for p in f.panels) else
+                 "the value (exact: no standard error)")
         how = (" Rows: query i, columns: key j, both from 1. Interactive: wheel to zoom (cells large enough "
-               "print their value), drag to pan, double-click to reset, hover for the value and its standard error. "
+               f"print their value), drag to pan, double-click to reset, hover for {hover}. "
                f"Static image: {rel} (and .pdf).")
     else:
         data = base64.b64encode(path.read_bytes()).decode()
@@ -294,8 +300,8 @@ def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
 def render_html(title: str, intro: str, sections: list[Section], root: Path,
                 provenance: dict[str, str] | None = None) -> str:
     """One HTML file: images embedded once (base64), heatmap data inline, no network access."""
-    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}"
-           f".cmap{{background:linear-gradient(to right,{_gradient()})}}</style></head><body><h1>{e(title)}</h1>"]
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style></head>"
+           f"<body><h1>{e(title)}</h1>"]
     prov = [(k, v) for k, v in (provenance or {}).items() if v]
     short = [f"{k}: {v}" for k, v in prov if k in ("command", "source", "date", "total time")]
     if short:
@@ -329,7 +335,10 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
             out.append("<p><b>Also measured</b> (shown beside the claims, no verdict):</p><ul>"
                        + "".join(f"<li>{prose(a)}: {prose(b)}</li>" for a, b in s.context) + "</ul>")
         out += [_figure_html(f, root) for f in s.figures]
-    out.append(f"<script type='text/plain' id='poslens-cmap'>{colormap_hex()}</script><script>{SCRIPT}</script>")
+    cmaps = sorted({p.cmap for s in sections for f in s.figures for p in f.panels})
+    out += [f"<script type='text/plain' class='poslens-cmap' data-name='{e(c)}'>{colormap_hex(c)}</script>"
+            for c in cmaps]
+    out.append(f"<script>{SCRIPT}</script>")
     out.append("</body></html>")
     return "\n".join(out)
 
@@ -338,8 +347,8 @@ def _lines(text: str) -> str:
     return "<br>".join(e(x) for x in text.split("\n"))
 
 
-def _gradient() -> str:
-    hexes = colormap_hex()
+def _gradient(name: str) -> str:
+    hexes = colormap_hex(name)
     return ",".join(f"#{hexes[6 * k:6 * k + 6]}" for k in range(0, 256, 32)) + f",#{hexes[-6:]}"
 
 

@@ -16,17 +16,20 @@ from types import MappingProxyType
 import numpy as np
 
 from poslens.errors import UsageError
+from poslens.plotting import CMAP
 from poslens.report.claims import Claim
 
 
 @dataclass
 class Panel:
-    """One heatmap of an interactive figure: values [n, n] (NaN blank), their standard errors, colour limits."""
+    """One heatmap of an interactive figure: values [n, n] (NaN blank), their standard errors, colour limits, and
+    the matplotlib colour map both the static image and the HTML draw it with (a diverging one for signed maps)."""
 
     title: str
     values: np.ndarray
     se: np.ndarray | None = None
     limits: tuple[float, float] | None = None
+    cmap: str = CMAP
 
 
 @dataclass

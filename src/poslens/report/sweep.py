@@ -107,11 +107,12 @@ class SweepModels:
 def combine_seeds(results: list):
     """Per-seed results of one shape (nested dicts and lists) -> that shape with every estimate (a dict with "value",
     "lo", "hi": an interval over one model's sequences) replaced by the t-interval over seeds of its per-seed values
-    (`seed_interval`; the per-seed values under "per_seed"); other leaves are the first seed's."""
+    (`seed_interval`; the per-seed values under "per_seed"; an estimate's "support", the range it cannot leave,
+    cuts the interval); other leaves are the first seed's."""
     first = results[0]
     if isinstance(first, dict):
         if {"value", "lo", "hi"} <= first.keys():
-            return seed_interval([r["value"] for r in results])
+            return seed_interval([r["value"] for r in results], support=first.get("support"))
         return {k: combine_seeds([r[k] for r in results]) for k in first}
     if isinstance(first, list):
         return [combine_seeds(list(col)) for col in zip(*results)]

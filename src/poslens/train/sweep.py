@@ -182,22 +182,20 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
 # ---------------------------------------------------------------- statistics over seeds
 
 
-def seed_interval(values: list[float | None], level: float = 0.95) -> dict[str, Any]:
-    """Mean of per-seed values with a t-interval over seeds: mean -/+ t_{n-1} sd / sqrt(n) (n >= 2; with one seed
-    the interval is undefined, None). An undefined value (None) reads NaN: then so are the mean and its interval,
-    and a test on them stays open."""
-    from poslens.engine.stats import t_quantile
+def seed_interval(values: list[float | None], level: float = 0.95,
+                  support: tuple[float, float] | None = None) -> dict[str, Any]:
+    """`poslens.engine.stats.over_seeds` as run.json numbers: the mean of per-seed values with its t-interval over
+    seeds (None with one seed), cut to `support` where given. An undefined value (None) reads NaN: then so are the
+    mean and its interval, and a test on them stays open."""
+    from poslens.engine.stats import over_seeds
 
     values = [math.nan if v is None else float(v) for v in values]
+    e = over_seeds(values, level, support)
     n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return {"value": mean, "lo": None, "hi": None, "sd": None, "n": n, "level": level,
-                "method": "t over seeds", "per_seed": list(values)}
-    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1))
-    half = t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
-    return {"value": mean, "lo": mean - half, "hi": mean + half, "sd": sd, "n": n, "level": level,
-            "method": "t over seeds", "per_seed": list(values)}
+    bound = (lambda x: float(x)) if n >= 2 else (lambda x: None)
+    return {"value": float(e.value), "lo": bound(e.lo), "hi": bound(e.hi), "sd": bound(e.se * math.sqrt(n)), "n": n,
+            "level": level, "method": "t over seeds", "per_seed": values} | (
+        {"support": list(support)} if support is not None else {})
 
 
 def verdict(diff: dict[str, Any], a: str, b: str) -> str:

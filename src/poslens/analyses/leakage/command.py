@@ -78,10 +78,12 @@ def summary_lines(meta: dict) -> list[str]:
                      f"against the circular null ({how}, {pw['sequences']} sequences: smallest attainable p "
                      f"{pw['smallest_p']:.2g} vs BH's first threshold {pw['bh_first_threshold']:.2g}, "
                      f"{'detectable' if pw['detectable'] else 'NO head can be significant'})")
+    from poslens.analyses.leakage.summary import sink_bounds
+
     s = m["sinks"]
     short = "" if s.get("rate_64") is None else f", {s['rate_64']:.3f} at 64 tokens"
     lines.append(f"sink rate {s['rate']:.3f} at {s['tokens']} tokens{short} (threshold {s['epsilon']}), "
-                 f"{len(s['sink_heads'])} sink-reading heads")
+                 f"{len(s['sink_heads'])} sink-reading heads" + (f"; {bounds}" if (bounds := sink_bounds(s)) else ""))
     spread = max((abs(x) for x in m["position0_spread"] if x is not None), default=float("nan"))
     lines.append(f"position 0's spread across inputs: at most {spread:.2g} over layers (0 by causality with a fixed "
                  "first token: a check, not a finding)")

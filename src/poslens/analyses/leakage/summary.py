@@ -105,7 +105,7 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
         metrics[f"per_layer_{scope}"] = {n: v["key0_in"] for n, v in metrics["original"]["per_layer"][scope].items()}
 
     # sinks, position 0, the predecessor
-    metrics["sinks"] = sinks(ests["original/alpha0"].value, ests["original/alpha0_64"].value, cfg.sink_threshold,
+    metrics["sinks"] = sinks(ests["original/alpha0"], ests["original/alpha0_64"].value, cfg.sink_threshold,
                              cfg.seq_len)
     position = next(s for s in orig_rest if s.name == "position0")
     spread = position.spread(level)
@@ -123,13 +123,27 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
     return Output(tensors, metrics)
 
 
-def sinks(a0: torch.Tensor, a0_64: torch.Tensor, threshold: float, seq_len: int) -> dict:
-    """Gu et al.'s sink rate at seq_len tokens and at 64 (None when seq_len < 64) and the sink-reading heads."""
+def sinks(a0: Estimate, a0_64: torch.Tensor, threshold: float, seq_len: int) -> dict:
+    """Gu et al.'s sink rate at seq_len tokens and at 64 (None when seq_len < 64), the sink-reading heads, and the
+    rate's bounds from the heads' own intervals: the share of heads whose interval of alpha_0 lies above the
+    threshold (`rate_lo`) and the share whose interval reaches above it (`rate_hi`)."""
     rate_64 = float((a0_64 > threshold).double().mean()) if seq_len >= p0.GU_TOKENS else None
     heads = [{"layer": h["layer"] + 1, "head": h["head"] + 1, "index": [h["layer"], h["head"]], "alpha0": h["alpha0"]}
-             for h in p0.sink_heads(a0, threshold)]
-    return {"rate": float((a0 > threshold).double().mean()), "tokens": seq_len, "epsilon": threshold,
-            "rate_64": rate_64, "sink_heads": heads}
+             for h in p0.sink_heads(a0.value, threshold)]
+    def share(x: torch.Tensor) -> float:
+        return float((x > threshold).double().mean())
+
+    return {"rate": share(a0.value), "rate_lo": share(a0.lo), "rate_hi": share(a0.hi), "level": a0.level,
+            "tokens": seq_len, "epsilon": threshold, "rate_64": rate_64, "sink_heads": heads}
+
+
+def sink_bounds(s: dict) -> str:
+    """The sink rate's bounds in words (run.json's "sinks"; empty for runs written before they were recorded)."""
+    if s.get("rate_lo") is None:
+        return ""
+    return (f"{s['rate_lo']:.3f} to {s['rate_hi']:.3f} by the heads' own {100 * s['level']:g}% intervals (the share "
+            "of heads whose interval of the attention on key 0 lies above the threshold, and the share whose interval "
+            "reaches above it)")
 
 
 HEAD_ENERGY, HEAD_SCOPE = "cf/absolute_scores", "early"  # the residual stream's term, where the BOS claim is made

@@ -15,14 +15,13 @@ sequence interval of the seed mean (`seed_summary`, "sequences") is reported bes
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from poslens.analyses.length.loss import PositionLoss, check_spans, span_means
-from poslens.engine.stats import Estimate, GroupedSums, t_quantile
-from poslens.errors import UsageError, check_float
+from poslens.engine.stats import Estimate, GroupedSums, over_seeds
+from poslens.errors import UsageError
 
 
 def joined(parts: dict[str, GroupedSums]) -> GroupedSums:
@@ -63,20 +62,6 @@ def paired_difference(base: PositionLoss, other: PositionLoss, level: float = 0.
     if spans is None:
         return gs.estimate(lambda m: m["b/bucket"] - m["a/bucket"], level)
     return gs.estimate(lambda m: span_means(m["b/nll"], spans) - span_means(m["a/nll"], spans), level)
-
-
-def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95) -> Estimate:
-    """The mean of one estimate over m models (seeds) with a t-interval over them (NaN interval for m < 2)."""
-    check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
-    x = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
-    m = x.shape[0]
-    mean = x.mean(0)
-    if m < 2:
-        nan = torch.full_like(mean, math.nan)
-        return Estimate(mean, nan, nan.clone(), nan.clone(), m, level, "t over seeds")
-    se = x.std(0, correction=1) / math.sqrt(m)
-    t = t_quantile((1 + level) / 2, m - 1)
-    return Estimate(mean, mean - t * se, mean + t * se, se, m, level, "t over seeds")
 
 
 def seed_summary(models: Sequence[PositionLoss], level: float = 0.95) -> dict[str, Estimate | list[Estimate]]:

@@ -461,8 +461,8 @@ def over_models(per_model: list[dict], level: float) -> dict:
     """Each number of the models (loss per bucket and past L, rise, effects, profile) as a mean over the models with a
     t-interval over seeds; the per-model values beside it."""
 
-    def seeds(values: list[float]) -> dict:
-        e = over_seeds(values, level)
+    def seeds(values: list[float], support: tuple[float, float] | None = None) -> dict:
+        e = over_seeds(values, level, support)
         return {"value": float(e.value), "lo": float(e.lo), "hi": float(e.hi), "n": len(values),
                 "per_model": list(values)}
 
@@ -474,7 +474,8 @@ def over_models(per_model: list[dict], level: float) -> dict:
                  "rise": {t: seeds([m["rise"][t]["value"] for m in per_model]) for t in first["rise"]},
                  "effects": {spec: {t: seeds([m["effects"][spec][t]["value"] for m in per_model]) for t in by_t}
                              for spec, by_t in first["effects"].items()}}
-    out["profile"] = {q: [[seeds([m["profile"][q]["value"][l][b] for m in per_model])
+    support = {"gap": (0.0, math.inf), "key0": (0.0, 1.0)}  # entropy <= log(keys seen); a share
+    out["profile"] = {q: [[seeds([m["profile"][q]["value"][l][b] for m in per_model], support[q])
                            for b in range(len(first["profile"][q]["value"][l]))]
                           for l in range(len(first["profile"][q]["value"]))] for q in ("gap", "key0")}
     return out

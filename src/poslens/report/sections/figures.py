@@ -37,13 +37,13 @@ def limits_of(panel: Panel) -> tuple[float, float]:
 
 def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int = 4, suptitle: str | None = None,
              row_labels: Sequence[str] | None = None, big: bool = False, interactive: bool = True,
-             warning: str = "", panel_size: float = 2.6, cmap: str | Sequence[str] = plotting.CMAP) -> Figure:
+             warning: str = "", panel_size: float = 2.6) -> Figure:
     """A grid of heatmaps saved as figures/stem (JPEG when big) with a PDF, and returned as a report Figure whose
-    panels the HTML draws interactively (interactive=False: the static image only, for very large grids or for
-    colour maps other than the HTML's one, plotting.CMAP). cmap: one for all panels, or one per panel."""
+    panels the HTML draws interactively, each in its own colour map (interactive=False: the static image only, for
+    very large grids)."""
     if not ctx.draw:
         return Figure(ctx.figures / f"{stem}.png", caption)
-    panels = [Panel(p.title, as_numpy(p.values), None if p.se is None else as_numpy(p.se), limits_of(p))
+    panels = [Panel(p.title, as_numpy(p.values), None if p.se is None else as_numpy(p.se), limits_of(p), p.cmap)
               for p in panels]
     noisy = [p.title for p in panels if noise_only(p)]
     if noisy:
@@ -54,7 +54,7 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
             "read its interval in the rows, not the picture.")
     fig = plotting.map_grid([p.values for p in panels], [p.title for p in panels], ncols=ncols,
                             limits=[p.limits for p in panels], suptitle=suptitle, row_labels=row_labels,
-                            panel_size=panel_size, cmap=cmap)
+                            panel_size=panel_size, cmap=[p.cmap for p in panels])
     path = ctx.save(fig, stem, big=big)
     return Figure(path, caption, panels if interactive else [], ncols=ncols, wide=big, warning=warning,
                   title=suptitle or "")

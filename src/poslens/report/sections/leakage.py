@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poslens.analyses.leakage.summary import sink_bounds
 from poslens.io.results import load
 from poslens.report.claims import Claim, estimate_test, interval_text, num
 from poslens.report.section import Section, section
@@ -123,8 +124,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     context.append(("attention sinks (the per-head test of Gu et al. 2025, 'When Attention Sink Emerges in Language "
                     "Models': mean attention on the first key above a threshold; the paper's criterion is not "
                     "public)",
-                    f"sink rate {s['rate']:.3f} at {s['tokens']} tokens, {len(s['sink_heads'])} heads with attention "
-                    f"on the first key (key 0) above {s['epsilon']}"))
+                    f"sink rate {s['rate']:.3f} at {s['tokens']} tokens" + (f" ({b})" if (b := sink_bounds(s)) else "")
+                    + f", {len(s['sink_heads'])} "
+                    f"heads with attention on the first key (key 0) above {s['epsilon']}"))
     if stack is not None:
         a = load(stack, tensors=False).metrics["architectures"]
         context.append(("the parameter-free stack (no trained weights; exact, d -> infinity): last-layer "

@@ -178,9 +178,10 @@ def need_factor(value: float, lo: float, hi: float, threshold: float = 0.0) -> f
 def step_bounds(m, se, z: float) -> dict:
     """Steps s = m[i, j+1] - m[i, j] over 0 <= j < i (the claim 'strictly increasing in j'): the smallest step,
     the smallest lower bound s - z SE and the smallest upper bound s + z SE (SE of a step: sqrt(se_j^2 +
-    se_{j+1}^2), conservative), how many steps there are, how many rows have a step <= 0, and need_factor: by how
+    se_{j+1}^2), conservative), how many steps there are, how many rows have a step <= 0, need_factor: by how
     much the samples must grow for every step's lower bound to clear 0 at the present estimates (None when some
-    step estimates <= 0)."""
+    step estimates <= 0), and fail_factor: by how much they must grow for the upper bound of the step that is
+    below 0 by the most standard errors to fall below 0 (None when no step estimates < 0)."""
     x, e = _np(m), _np(se)
     steps, errs = [], []
     for i in range(1, x.shape[-1]):
@@ -188,8 +189,9 @@ def step_bounds(m, se, z: float) -> dict:
         errs.append(np.sqrt(e[i, 1 : i + 1] ** 2 + e[i, :i] ** 2))
     s, er = np.concatenate(steps), np.concatenate(errs)
     need = float(np.max((z * er / s) ** 2)) if (s > 0).all() else None
+    fail = float(np.min((z * er[s < 0] / s[s < 0]) ** 2)) if (s < 0).any() else None
     return {"min": float(s.min()), "lo": float((s - z * er).min()), "hi": float((s + z * er).min()),
-            "steps": int(s.size), "need_factor": need,
+            "steps": int(s.size), "need_factor": need, "fail_factor": fail,
             "rows_failing": int(sum(bool((d <= 0).any()) for d in steps))}
 
 

@@ -146,13 +146,14 @@ def build(ctx, size: dict) -> Section:
               f"sequences of {seq_len} tokens of embedded technical text; the paper measured Llama-3.1-8B, Phi-4 "
               "(14B) and Qwen3-8B over 1,000 FineWeb-Edu sequences of 1,024 tokens.")
     s.claims += claims(ctx, sums, st, mean, layers, stats["sequences"])
-    v, lo, hi = st["power"]
+    def per_layer(v, lo, hi) -> str:
+        return "; ".join(f"{k + 1}: {num(float(v[k]))} [{num(float(lo[k]))}, {num(float(hi[k]))}]"
+                         for k in range(layers))
+
     s.context.append(("pattern power per layer (from layer 1) with its Bonferroni-adjusted bounds",
-                      "; ".join(f"{k + 1}: {num(float(v[k]))} [{num(float(lo[k]))}, {num(float(hi[k]))}]"
-                                for k in range(layers))))
-    sv = st["share"][0]
-    s.context.append(("share of each layer's score variance that is not relative (power / variance), layers 2 on",
-                      f"median {np.median(sv[1:]):.3f}, range {sv[1:].min():.3f} to {sv[1:].max():.3f}"))
+                      per_layer(*st["power"])))
+    s.context.append(("share of each layer's score variance that is not relative (power / variance), per layer "
+                      "with its Bonferroni-adjusted bounds", per_layer(*st["share"])))
     s.figures += figures(ctx, st, mean, se, layers, sums)
     return s
 

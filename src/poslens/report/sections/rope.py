@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from poslens.maps import diagonal_normalise, quantile_limits, toeplitz_residual
 from poslens.report.claims import Claim, Test, num
 from poslens.report.context import joint, setting, test_of
@@ -26,9 +28,15 @@ def figure(ctx, stem: str, cfg: StackConfig, caption: str):
                for k in range(cfg.layers)]
     ctx.keep(f"rope/{stem}", {"scores_mean": mc.mean, "scores_se": mc.se})
     name = stem.replace("figure", "Figure ")
+    exact = np.nanmax(np.abs(diagonal_normalise(gf.scores, causal=causal)), axis=(1, 2))
+    noise = np.nanmedian(mc.se, axis=(1, 2))
+    flat = [f"layer {k + 1} (exact limit at most {exact[k]:.1e}, standard errors about {noise[k]:.1e})"
+            for k in range(cfg.layers) if exact[k] < noise[k]]
     return heatmaps(ctx, stem, panels, caption + " Top row: the mean scores. " + offdiag_note() + " Bottom row: "
                     "each diagonal minus its mean (a relative map normalises to 0); colour limits at its 1% and 99% "
-                    "quantiles.",
+                    "quantiles" + (", so a panel whose exact limit (Gram flow) is below the Monte Carlo noise shows "
+                                   "the noise stretched over the whole scale: " + "; ".join(flat) if flat else "")
+                    + ".",
                     suptitle=f"{name}: {setting(cfg)}", row_labels=["mean scores", "diagonal-normalised"])
 
 
