@@ -117,3 +117,14 @@ def test_a_full_disk_while_caching_the_corpus_is_one_line_and_leaves_nothing(tmp
         corpus._write_cache(path, ["a document " * 100], {"documents": 1})
     assert list(path.parent.iterdir()) == []
 
+
+
+def test_parsing_in_worker_processes_gives_the_same_documents_in_the_same_order(monkeypatch):
+    """A package's files are parsed by fresh Python processes, each every k-th file; read back in order and
+    deduplicated here, the documents equal those of parsing one file after another. A worker that fails (here: one
+    that cannot import poslens) falls back to parsing here, with the same documents."""
+    serial = list(corpus._package("accelerate", corpus._Dedup(), 1))
+    assert len(serial) > 20
+    assert list(corpus._package("accelerate", corpus._Dedup(), 3)) == serial
+    monkeypatch.setattr(corpus, "_WORKER", "import poslens_missing")
+    assert list(corpus._package("accelerate", corpus._Dedup(), 2)) == serial

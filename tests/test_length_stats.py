@@ -113,3 +113,18 @@ def test_the_length_rows_say_how_many_seeds_would_resolve_them():
     text = more_seeds(sw, (tiny,))
     assert f"about {seeds_needed(tiny, 3)} " in text and "--seeds" not in text  # a count, not a seed list
     assert seeds_needed(Test("effect", 0.0, "<", 0.0, -1.0, 1.0), 3) is None  # a mean on the threshold
+
+
+def test_the_length_section_says_positions_from_1():
+    """The report's length section labels 0-based index ranges [a, b) as the positions a + 1 to b, and says the
+    freeze's skip reason (the same first token everywhere) as position 1 and the BOS, with the id the run found."""
+    from poslens.report.sections.length import NAMES, positions, skipped_reason
+
+    assert positions(64, 512) == "positions 65-512" and positions(1, 128) == "positions 2-128"
+    why = ("every sequence starts with token 0: freezing position 0 to it is the identity by causality (its effect "
+           "is 0 up to float rounding)")
+    said = skipped_reason("freeze", why)
+    assert "position 1" in said and "position 0" not in said and "BOS" in said and "token id 0" in said
+    assert skipped_reason("window", "every layer already attends to at most 32 keys") == (
+        "every layer already attends to at most 32 keys")
+    assert "0" not in NAMES["freeze"]

@@ -198,3 +198,16 @@ def test_runner_resumes_and_shards_to_the_same_numbers(tmp_path):
     with torch.no_grad():
         hidden = torch.stack([model(input_ids=x, output_hidden_states=True).hidden_states[1] for x in batches])
     torch.testing.assert_close(a["norm"][1], hidden.double().norm(dim=-1).mean((0, 1)), rtol=1e-6, atol=1e-6)
+
+
+def test_an_estimate_cut_to_its_range_keeps_its_point_inside_its_interval():
+    """A mean square estimated without its noise can come out below 0 and its interval reach below 0; cut to
+    [0, inf) the value and bounds stay in the range the quantity can take, the bias-corrected value is kept."""
+    from poslens.engine.stats import Estimate
+
+    t = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    e = Estimate(t(-0.02, 0.5), t(-0.1, 0.3), t(0.06, 1.2), t(0.04, 0.2), 8, 0.95, "jackknife", t(-0.03, 0.4))
+    power, share = e[0].within(0.0), e[1].within(0.0, 1.0)
+    assert (float(power.value), float(power.lo), float(power.hi)) == (0.0, 0.0, 0.06)
+    assert (float(share.lo), float(share.hi)) == (0.3, 1.0) and float(share.value) == 0.5
+    assert float(power.debiased) == -0.03 and float(power.se) == 0.04

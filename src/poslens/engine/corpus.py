@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -159,24 +160,63 @@ def _module_docstring(path: Path) -> str:
         return ""
 
 
-def _package(name: str, dedup: _Dedup) -> Iterator[str]:
+# a worker process: the docstrings of the files named on stdin (a JSON list), as a JSON list of lists on stdout
+_WORKER = ("import json, sys; from pathlib import Path; from poslens.engine.corpus import _docstrings; "
+           "json.dump([_docstrings(Path(p)) for p in json.load(sys.stdin)], sys.stdout)")
+
+
+def _workers() -> int:
+    """Processes that parse source files: the usable cores, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _parse(files: list[Path], workers: int) -> list[list[str]]:
+    """`_docstrings` of each file, in order. Parsing is most of the corpus's build time, so `workers` fresh Python
+    processes (subprocesses, not multiprocessing: nothing of the caller's program is re-imported) each parse every
+    workers-th file; if one fails (e.g. poslens not importable in a fresh interpreter) they are parsed here."""
+    if workers <= 1 or len(files) < 4 * workers:
+        return [_docstrings(p) for p in files]
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL) for _ in range(workers)]
+    try:
+        for k, proc in enumerate(procs):  # all inputs first, so the workers parse at the same time
+            proc.stdin.write(json.dumps([str(p) for p in files[k::workers]]).encode())
+            proc.stdin.close()
+        parts = [json.loads(proc.stdout.read()) for proc in procs]
+        if any(proc.wait() != 0 for proc in procs):
+            raise ValueError("a corpus worker failed")
+    except (OSError, ValueError):
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        return [_docstrings(p) for p in files]
+    out: list[list[str]] = [[] for _ in files]
+    for k, part in enumerate(parts):
+        out[k::workers] = part
+    return out
+
+
+def _package(name: str, dedup: _Dedup, workers: int = 1) -> Iterator[str]:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         return
     root = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(p for p in root.rglob("*.py")
                    if not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(root).parts))
-    for path in files:
+    for path, docstrings in zip(files, _parse(files, workers)):
         module = ".".join((name, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
-        parts = [d for d in (dedup.docstring(x) for x in _docstrings(path) if len(x) >= MIN_DOCSTRING_CHARS) if d]
+        parts = [d for d in (dedup.docstring(x) for x in docstrings if len(x) >= MIN_DOCSTRING_CHARS) if d]
         text = "\n\n".join(parts)
         if len(text) >= MIN_DOCUMENT_CHARS:
             yield f"{module}\n\n{text}"
 
 
-def _sources(manifest: dict) -> Iterator[str]:
+def _sources(manifest: dict, workers: int | None = None) -> Iterator[str]:
     """Every document in order; fills `manifest` (per source: version, licence, used, documents, characters) as
-    it goes, and its totals once the last source is read."""
+    it goes, and its totals once the last source is read. `workers`: processes parsing a package's files (default
+    `_workers()`; the documents do not depend on it)."""
+    workers = _workers() if workers is None else workers
     dedup = _Dedup()
     manifest.update(format=FORMAT, python=platform.python_version(), sources=[])
     total_docs = total_chars = 0
@@ -193,7 +233,7 @@ def _sources(manifest: dict) -> Iterator[str]:
         manifest["sources"].append(entry)
         if not used:
             continue
-        for doc in _cpython(dedup) if name == "cpython-docs" else _package(name, dedup):
+        for doc in _cpython(dedup) if name == "cpython-docs" else _package(name, dedup, workers):
             entry["documents"] += 1
             entry["chars"] += len(doc)
             yield doc
@@ -203,10 +243,10 @@ def _sources(manifest: dict) -> Iterator[str]:
                     dropped_paragraphs=dedup.dropped_paragraphs, versions=versions())
 
 
-def build() -> tuple[list[str], dict]:
+def build(workers: int | None = None) -> tuple[list[str], dict]:
     """Read the whole corpus from the installed files: (documents, manifest)."""
     manifest: dict = {}
-    docs = list(_sources(manifest))
+    docs = list(_sources(manifest, workers))
     return docs, manifest
 
 

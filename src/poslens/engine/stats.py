@@ -79,6 +79,24 @@ class Estimate:
     # sum_{g != h} <P m_g, P m_h> / (G' (G' - 1)): the plug-in's noise term tr(P Sigma P) / N removed
     debiased: torch.Tensor | None = None
 
+    def __getitem__(self, index) -> Estimate:
+        """Element `index` of every tensor (e.g. one statistic of an estimate of several)."""
+        pick = (lambda t: t[index]) if index is not None else (lambda t: t)
+        return Estimate(pick(self.value), pick(self.lo), pick(self.hi), pick(self.se), self.groups, self.level,
+                        self.method, None if self.debiased is None else pick(self.debiased))
+
+    def within(self, low: float = -math.inf, high: float = math.inf) -> Estimate:
+        """The estimate and its interval cut to [low, high], the range the quantity cannot leave (a mean square:
+        [0, inf); a share: [0, 1]). The true value lies inside the range, so the cut interval keeps its coverage;
+        the point estimate is cut too, so it stays inside its interval. The bias-corrected value (`debiased`) is
+        kept as it is: an unbiased estimate may fall outside the range, and its mean over models must not be
+        biased by cutting each one."""
+        def cut(t):
+            return t.clamp(min=low, max=high)
+
+        return Estimate(cut(self.value), cut(self.lo), cut(self.hi), self.se, self.groups, self.level, self.method,
+                        self.debiased)
+
     def as_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """Tensors named `prefix`, `prefix_lo`, `prefix_hi`, `prefix_se` (the results format)."""
         return {prefix: self.value, f"{prefix}_lo": self.lo, f"{prefix}_hi": self.hi, f"{prefix}_se": self.se}
@@ -93,8 +111,8 @@ def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
                support: tuple[float, float] | None = None) -> Estimate:
     """The mean of one estimate over m models (seeds) with a t-interval over them: mean -/+ t_{m-1} sd / sqrt(m)
     (NaN interval for m < 2; a NaN value makes the mean and its interval NaN). `support`: the range the quantity
-    cannot leave (a share: (0, 1); an entropy gap: (0, inf)); the interval is cut to it, which keeps its coverage
-    (the true value lies inside the support)."""
+    cannot leave (a share: (0, 1); an entropy gap: (0, inf)); the mean and its interval are cut to it
+    (`Estimate.within`)."""
     check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
     x = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
     m = x.shape[0]
@@ -104,10 +122,8 @@ def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
         return Estimate(mean, nan, nan.clone(), nan.clone(), m, level, "t over seeds")
     se = x.std(0, correction=1) / math.sqrt(m)
     t = t_quantile((1 + level) / 2, m - 1)
-    lo, hi = mean - t * se, mean + t * se
-    if support is not None:
-        lo, hi = lo.clamp(min=support[0]), hi.clamp(max=support[1])
-    return Estimate(mean, lo, hi, se, m, level, "t over seeds")
+    est = Estimate(mean, mean - t * se, mean + t * se, se, m, level, "t over seeds")
+    return est.within(*support) if support is not None else est
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -13,6 +13,7 @@ the runs' run.json (docs/leakage.md, "run.json layout").
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def sweep_leakage_runs(ctx, sw, size: dict) -> dict[tuple[str, int], Path]:
     return out
 
 
+ENERGY_RANGE = (0.0, math.inf)  # an energy is a squared norm: its mean over seeds and interval are cut at 0
+
+
 def sweep_metrics(runs: dict[tuple[str, int], Path]) -> dict[tuple[str, int], dict]:
     """run.json metrics of each sweep leakage run."""
     from poslens.io.results import load
@@ -91,7 +95,8 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
     early-query absolute-scores term (summed over layers) that replacing the BOS embedding by the mean embedding
     removes, one value per seed, key 0 in and out; the other RoPE-family variants as context."""
     def share(v: str, key0: str) -> dict:
-        return seed_interval([removed(metrics[v, s], spec, "early", key0) for s in _seeds(metrics, v)])
+        return seed_interval([removed(metrics[v, s], spec, "early", key0) for s in _seeds(metrics, v)],
+                             support=(-math.inf, 1.0))  # 1 - E(pass) / E(original), energies >= 0
 
     tests = tuple(_test(f"{labels[variant]}: share of the early-query absolute-scores term (summed over layers, key 0 "
                         f"{k[5:]}) removed by the BOS replacement", share(variant, k)) for k in ("key0_in", "key0_out"))
@@ -143,7 +148,8 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                            f"queries, offsets <= {max_offset}, key 0 {k[5:]}): sliding window minus standard RoPE, "
                            "per seed",
                            paired("window", "rope", k, growth)))
-    per_variant = {v: {k: [seed_interval([energies(metrics[v, s], "all", k)[layer] for s in _seeds(metrics, v)])
+    per_variant = {v: {k: [seed_interval([energies(metrics[v, s], "all", k)[layer] for s in _seeds(metrics, v)],
+                                         support=ENERGY_RANGE)
                            for layer in range(len(energies(metrics[v, _seeds(metrics, v)[0]], "all", k)))]
                        for k in ("key0_in", "key0_out")}
                    for v in labels if _seeds(metrics, v)}
@@ -181,7 +187,8 @@ def architecture_series(metrics: dict, labels: dict[str, str], key0: str = "key0
         if not seeds:
             continue
         layers = len(energies(metrics[v, seeds[0]], "all", key0))
-        es = [seed_interval([energies(metrics[v, s], "all", key0)[i] for s in seeds]) for i in range(layers)]
+        es = [seed_interval([energies(metrics[v, s], "all", key0)[i] for s in seeds], support=ENERGY_RANGE)
+              for i in range(layers)]
         series[labels[v]] = [e["value"] for e in es]
         errors[labels[v]] = [[e["value"] - e["lo"] if e["lo"] is not None else 0.0 for e in es],
                              [e["hi"] - e["value"] if e["hi"] is not None else 0.0 for e in es]]

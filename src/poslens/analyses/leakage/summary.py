@@ -30,19 +30,21 @@ VARIANT = {(name.removesuffix("_no_key0"), "key0_in" if first_key else "key0_out
            for v, (name, _, first_key) in enumerate(VARIANTS)}
 
 
-def leaf(est: Estimate, index: tuple, debiased: bool = False) -> dict:
-    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes); with `debiased`
-    also the jackknife's bias-corrected value (an energy without its sampling-noise term; `Estimate.debiased`)."""
-    out = {k: getattr(est, k)[index].tolist() for k in ("value", "lo", "hi")}
-    if debiased and est.debiased is not None:
-        out["debiased"] = est.debiased[index].tolist()
+def leaf(est: Estimate, index: tuple, energy: bool = False) -> dict:
+    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes); an `energy` (a
+    squared norm) has its interval cut at 0 (`Estimate.within`) and also carries the jackknife's bias-corrected
+    value (without its sampling-noise term; `Estimate.debiased`)."""
+    est = est[index].within(0.0) if energy else est[index]
+    out = {k: getattr(est, k).tolist() for k in ("value", "lo", "hi")}
+    if energy and est.debiased is not None:
+        out["debiased"] = est.debiased.tolist()
     return out
 
 
-def by_domain(est: Estimate, names: tuple[str, ...]) -> dict:
+def by_domain(est: Estimate, names: tuple[str, ...], energies: bool = True) -> dict:
     """{scope: {metric: {"key0_in": EST, "key0_out": EST}}} from an Estimate [V, M, ...] with metrics `names`;
-    the energies (ENERGIES) also carry their debiased value."""
-    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m), name in ENERGIES) for k in KEY0}
+    with `energies`, the energies among them (ENERGIES) are cut at 0 and carry their debiased value."""
+    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m), energies and name in ENERGIES) for k in KEY0}
                     for m, name in enumerate(names)} for scope in SCOPES}
 
 
@@ -86,11 +88,12 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
         kind = "null" if p.name in nl.NULLS else "intervention"
         what = nl.describe(p.name, cfg.min_offset) if kind == "null" else iv.describe(p.name)
         entry = {"kind": kind, "what": what,
-                 "per_layer": {"pass": by_domain(c["pass"], NAMES), "difference": by_domain(c["difference"], NAMES),
-                               "removed": by_domain(c["removed"], ENERGIES)},
+                 "per_layer": {"pass": by_domain(c["pass"], NAMES),
+                               "difference": by_domain(c["difference"], NAMES, False),
+                               "removed": by_domain(c["removed"], ENERGIES, False)},
                  "over_layers": {"pass": by_domain(c["pass_over_layers"], NAMES),
-                                 "difference": by_domain(c["difference_over_layers"], NAMES),
-                                 "removed": by_domain(c["removed_all"], ENERGIES)}}
+                                 "difference": by_domain(c["difference_over_layers"], NAMES, False),
+                                 "removed": by_domain(c["removed_all"], ENERGIES, False)}}
         if kind == "intervention":  # the previous layout's number, kept for its readers
             entry["removed_all_layers"] = entry["over_layers"]["removed"]["early"]["split/e_logit"]["key0_in"]
             removed_heads = removed_by_head(orig, p.statistics[0], level=level)  # [V, E, L, H]

@@ -1,6 +1,7 @@
 """Figures of a `poslens length` run, through poslens.plotting: the loss against position with each intervention,
-the attention entropy gap and the key-0 share against position (first and last layer), and the averaged score maps
-at the longest length. Positions and layers are numbered from 1."""
+the attention entropy gap and the share on key 1 (the first token) against position (first and last layer), and the
+averaged score maps at the longest length. Positions, keys and layers are numbered from 1 (the run's tensors index
+them from 0: entry t is position t + 1)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def _err(t: dict, name: str) -> np.ndarray:
 
 
 def bin_centres(train_len: int, n: int) -> np.ndarray:
-    """Centres of the loss curve's bins (run.binned): [1, L/4), [L/4, L/2), ... up to n, numbered from 1."""
+    """Centres of the loss curve's bins (run.binned), as positions from 1: the bins are the 0-based target indices
+    [1, L/4), [L/4, L/2), ... up to n, i.e. positions 2 to L/4, L/4 + 1 to L/2, ..."""
     from poslens.analyses.length.run import BINS_PER_L
 
     width = max(1, train_len // BINS_PER_L)

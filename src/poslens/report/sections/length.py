@@ -10,10 +10,13 @@ of a training effect); a difference between variants is taken seed by seed (seed
 initial weights and data order) before the interval.
 
 The question is operational, and each row says which test decides it: NoPE's only position signal is the causal
-mask (Kim et al.), which reaches a query through its softmax denominator, a sum over i + 1 keys that keeps growing
-past L. If that signal decides length generalisation, NoPE degrades past L and a correction of the denominator's
-term (per-query logit scaling by log(i + 1) / log L, which keeps the numerator's growth in step with the
-denominator's) restores it; for RoPE the same correction helps more than rescaling its frequencies (NTK at T / L).
+mask (Kim et al.), which reaches the query at position p (positions count from 1) through its softmax denominator,
+a sum over the p keys it sees, which keeps growing past L. If that signal decides length generalisation, NoPE
+degrades past L, a correction for the denominator's growth restores it (log-n scaling: the attention logits of the
+query at position p multiplied by max(1, log p / log L), the log of the number of keys it sees over the log of L,
+1 up to position L and larger past it, so that its attention does not spread thinner as the keys past L add terms
+to the denominator), and for RoPE the same correction helps more than rescaling its frequencies (NTK at T/L: the
+rotary base scaled by NTK's rule for the length factor T/L, T the evaluation length and L the training length).
 """
 
 from __future__ import annotations
@@ -35,7 +38,26 @@ SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "
 SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None}
 EFFECTS = "which intervention helps which variant"  # the figure the rows point to (its title)
 NAMES = {"logn": "log-n scaling", "logn-all": "log-n scaling at every position", "ntk": "NTK at T/L",
-         "yarn": "YaRN at T/L", "window": "window of L", "freeze": "position 0 frozen"}
+         "yarn": "YaRN at T/L", "window": "window of L", "freeze": "position 1 frozen"}
+TL = "T the evaluation length, L the training length"  # said where a row first names T/L
+
+
+def positions(a: int, b: int) -> str:
+    """0-based target or query indices [a, b) as the 1-based positions they are: 'positions a+1-b'."""
+    return f"positions {a + 1}-{b}"
+
+
+def skipped_reason(spec: str, why: str) -> str:
+    """Why an intervention was not run, as the context row says it: the analysis's reason, except for freeze, whose
+    reason (the same first token in every sequence) is said in positions from 1 and as the BOS the sweep uses."""
+    if spec != "freeze" or not why.startswith("every sequence starts with token"):
+        return why
+    import re
+
+    found = re.match(r"every sequence starts with token (\d+)", why)
+    token = f" (token id {found.group(1)})" if found else ""
+    return (f"every sequence starts with the same first token, the BOS the sweep trains and evaluates with{token}: "
+            "freezing position 1 to it is the identity by causality (its effect is 0 up to float rounding)")
 
 
 def _t(values: list[float], level: float = 0.95) -> dict:
@@ -108,14 +130,16 @@ def build(ctx, size: dict) -> Section:
     claims: list[Claim] = []
     scale = (f"{sw.describe()}; evaluated on {size['sequences']} held-out sequences of {T} tokens per model")
     here = f"at this scale only ({sw.describe()})"
-    rise_range = f"the loss over [{T // 2}, {T}) minus over [{max(1, L // 2)}, {L}), on the same sequences"
+    past = positions(L, T)  # the target positions past L: L + 1 .. T
+    rise_range = (f"the loss over {positions(T // 2, T)} minus over {positions(max(1, L // 2), L)}, on the same "
+                  "sequences")
     variants = list(runs)
     if "nope" in variants and "rope" in variants and effect("rope", "window") and effect("nope", "window"):
         claims.append(Claim(
             "kazemnejad-nope-extrapolates", "kazemnejad2023", "abstract",
             "a decoder without positional encoding generalises past its training length better than one with RoPE",
             (_test(f"how much more RoPE gains than NoPE from cutting each query's context to its last {L} keys: "
-                   f"window-of-L effect, RoPE minus NoPE, per seed (loss over [{L}, {T}), nats)",
+                   f"window-of-L effect, RoPE minus NoPE, per seed (loss over {past}, nats)",
                    paired_effects(per["rope"], "window", "nope", t, other=per["nope"]), "<"),),
             measured=f"the window-of-L effect (loss with the context cut to the last L keys minus with the full "
                      f"context, same tokens) is below 0 when context past L hurts: NoPE "
@@ -129,12 +153,13 @@ def build(ctx, size: dict) -> Section:
         claims.append(Claim(
             "length-mask-decides-nope", "poslens", "this report (length question)",
             "the mask's position signal decides NoPE's length generalisation here: the model whose only position "
-            "signal is the causal mask is hurt by context past L, and rescaling the mask's denominator term (query "
-            "i's logits times log(i + 1) / log L, so that the numerator grows with the denominator's i + 1 terms) "
-            "lowers its loss past L",
-            (_test(f"NoPE: the window of L's paired effect on the loss over [{L}, {T}) (nats; below 0: context past "
+            "signal is the causal mask is hurt by context past L, and correcting for the growth of the mask's "
+            "denominator term lowers its loss past L (log-n scaling: the query at position p, which sees p keys, "
+            "has its attention logits multiplied by max(1, log p / log L), so that past L its attention does not "
+            "spread thinner as the number of keys grows)",
+            (_test(f"NoPE: the window of L's paired effect on the loss over {past} (nats; below 0: context past "
                    "L hurts)", effect("nope", "window"), "<"),
-             _test(f"NoPE: log-n scaling's paired effect on the loss over [{L}, {T}) (nats)", effect("nope", "logn"),
+             _test(f"NoPE: log-n scaling's paired effect on the loss over {past} (nats)", effect("nope", "logn"),
                    "<")),
             measured=f"{here}. Both effects are paired on the same tokens (intervention minus none), so the text's "
                      "variation cancels; the window keeps every query's denominator to as many keys as in training.",
@@ -143,8 +168,8 @@ def build(ctx, size: dict) -> Section:
         claims.append(Claim(
             "length-mask-or-frequencies-rope", "poslens", "this report (length question)",
             "RoPE's loss past L is lowered more by correcting the mask's denominator term (log-n scaling) than by "
-            "rescaling the rotary frequencies (NTK at T/L)",
-            (_test(f"RoPE: log-n scaling's effect minus NTK's on the loss over [{L}, {T}), per seed (nats)",
+            f"rescaling the rotary frequencies (NTK at T/L, {TL})",
+            (_test(f"RoPE: log-n scaling's effect minus NTK's on the loss over {past}, per seed (nats)",
                    paired_effects(per["rope"], "logn", "ntk", t), "<"),),
             measured=f"{here}; effects against no intervention, paired on the same sequences, then differenced seed "
                      f"by seed: log-n {_ci(effect('rope', 'logn'))}, NTK {_ci(effect('rope', 'ntk'))}. Contradicted "
@@ -156,20 +181,21 @@ def build(ctx, size: dict) -> Section:
             if v == "rope" and e is not None:
                 claims.append(Claim(
                     f"length-{spec}-helps-rope", "poslens", "this report (interventions)",
-                    f"{NAMES[spec]} at evaluation time lowers RoPE's loss past L",
-                    (_test(f"RoPE: {NAMES[spec]}'s paired effect on the loss over [{L}, {T}) (nats)", e, "<"),),
+                    f"{NAMES[spec]} at evaluation time lowers RoPE's loss past L"
+                    + (f" ({TL})" if "T/L" in NAMES[spec] else ""),
+                    (_test(f"RoPE: {NAMES[spec]}'s paired effect on the loss over {past} (nats)", e, "<"),),
                     measured=here, finding=True, figure=EFFECTS,
                     command=ctx.remeasure(f"length-{spec}-helps-rope")))
     resolve_by_seeds(sw, claims, lambda c: f"a measurement at the paper's scale ({c.scope})")
     defined = any(c.id == "kazemnejad-nope-extrapolates" for c in claims)  # that row states the rise's range
     context = [(f"{v} ({sw.labels[v]}): rise of the loss past L{'' if defined else f' ({rise_range})'} and each "
-                f"intervention's effect on the loss over [{L}, {T}) (nats, mean over seeds, 95% t-interval)",
+                f"intervention's effect on the loss over {past} (nats, mean over seeds, 95% t-interval)",
                 f"rise {_ci(rise(v))}; " + "; ".join(f"{NAMES.get(s.split(':')[0], s)} {_ci(e[t])}"
                                                      for s, e in seeds[v]["effects"].items() if t in e))
                for v in variants]
     for v, r in runs.items():
         for spec, why in r.metrics.get("skipped", {}).items():
-            context.append((f"{v}: {NAMES.get(spec, spec)} not run", why))
+            context.append((f"{v}: {NAMES.get(spec, spec)} not run", skipped_reason(spec, why)))
         for note in r.metrics.get("notes", []):
             context.append((f"{v}: note", note))
     s = Section(
@@ -211,7 +237,8 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                          for c in curves.T])
         series[f"{v}: {sw.labels[v]}"], errors[f"{v}: {sw.labels[v]}"] = mean, half
     out.append(lines(ctx, "length_loss", xs, series,
-                     f"Held-out loss against target position (bins of {L // 4}) to 8L = {T}, each variant's mean over "
+                     f"Held-out loss against target position (from 1: the first token is position 1 and has no loss; "
+                     f"bins of {L // 4} positions, the first from position 2) to 8L = {T}, each variant's mean over "
                      f"its seeds with 95% t-intervals over seeds; trained at L = {L}. Every variant reads the same "
                      "sequences, so the curves share the text's ups and downs; the paired effects below remove them.",
                      "target position", "next-token loss (nats)", "Loss past the training length, by variant",
@@ -228,8 +255,9 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         series[NAMES.get(spec, spec)] = vals
         errors[NAMES.get(spec, spec)] = np.array(errs).T
     out.append(lines(ctx, "length_effects", list(range(1, len(runs) + 1)), series,
-                     "Each intervention's paired effect on the loss over [L, 8L) (intervention minus none on the same "
-                     "sequences), by variant, mean over seeds with 95% t-intervals; below 0 the intervention helps; "
+                     f"Each intervention's paired effect on the loss over positions L + 1 to 8L ({positions(L, T)}; "
+                     "intervention minus none on the same sequences), by variant, mean over seeds with 95% "
+                     "t-intervals; below 0 the intervention helps; "
                      "an intervention that does not apply to a variant has no point there.",
                      "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
                      errors=errors, zero=True, xticklabels=[f"{v}\n{textwrap.fill(sw.labels[v], 16)}" for v in runs],
@@ -243,12 +271,15 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         errors[name] = np.array([(b["value"] - b["lo"], b["hi"] - b["value"]) if b["lo"] is not None else (0.0, 0.0)
                                  for b in last]).T
     edges = runs[next(iter(runs))].metrics["edges"]
+    first = (f" (from position {edges[0] + 1}: the query at position 1 sees one key, and its gap is 0)"
+             if edges[0] > 0 else "")
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
-                     "log(keys seen) - attention entropy of the last layer (log(i + 1) under the causal mask, "
-                     "log(min(i + 1, W)) under a window W), averaged over the queries of each range of positions, "
-                     "mean over seeds with 95% t-intervals: how far attention is from uniform over the keys seen.",
-                     "query positions", "entropy gap (nats)", "Attention entropy against log(i + 1)",
-                     errors=errors, xticklabels=[f"[{a}, {b})" for a, b in zip(edges, edges[1:])]))
+                     "log(keys seen) - attention entropy of the last layer, averaged over the queries of each range "
+                     f"of positions{first}, mean over seeds with 95% t-intervals: how far attention is from uniform "
+                     "over the keys seen. Positions count from 1: the query at position p sees p keys under the "
+                     "causal mask and min(p, W) under a window W, so log(keys seen) is log p or log min(p, W).",
+                     "query positions", "entropy gap (nats)", "Attention entropy against log(keys seen)",
+                     errors=errors, xticklabels=[f"{a + 1}-{b}" for a, b in zip(edges, edges[1:])]))
     panels = []
     for v in [x for x in ("nope", "rope") if x in runs]:
         maps = load(dirs[v]).tensors

@@ -92,8 +92,9 @@ def statistics(sums: GroupedSums, layers: int) -> dict:
         return torch.stack([p, p / ms.map_variance((m["a"] + m["b"]) / 2, sink=True)])
 
     est = sums.estimate(both, level=level)
-    return {"power": (est.value[0].numpy(), est.lo[0].numpy(), est.hi[0].numpy()),
-            "share": (est.value[1].numpy(), est.lo[1].numpy(), est.hi[1].numpy()), "level": level,
+    power, share = est[0].within(0.0), est[1].within(0.0, 1.0)  # a mean square; its share of the variance
+    return {"power": (power.value.numpy(), power.lo.numpy(), power.hi.numpy()),
+            "share": (share.value.numpy(), share.lo.numpy(), share.hi.numpy()), "level": level,
             "groups": est.groups}
 
 
