@@ -91,3 +91,18 @@ def test_ledgers_count_each_paper_apart():
     assert list(led) == ["kim2025", "other", "poslens"]
     assert led["kim2025"].headline() == "Kim et al. (2025): 2 claims: 1 holds, 1 not resolved"
     assert led["other"].counts["holds"] == 1 and led["other"].counts["not resolved"] == 1
+
+
+def test_a_scoped_claim_estimated_on_the_failing_side_is_not_resolved_by_more_data():
+    """A claim about a larger scale whose estimate lies on the failing side here: more seeds could only show a
+    failure, which the scope rule reads not resolved, so the row says that only the claim's scale decides it;
+    without a scope, or on the passing side, the row's own resolve line stands."""
+    against = Test("slope", -0.2, ">", 0.0, -0.5, 0.1, "t")
+    toward = Test("slope", 0.2, ">", 0.0, -0.1, 0.5, "t")
+    scoped = Claim("x", "kim2025", "S", "c", (against,), scope="1.5B models", resolve="about 7 seeds")
+    assert scoped.verdict == "not resolved" and "only a measurement at the claim's own scale" in scoped.resolve_line()
+    assert "1.5B models" in scoped.resolve_line() and "7 seeds" not in scoped.resolve_line()
+    assert Claim("y", "kim2025", "S", "c", (toward,), scope="1.5B models", resolve="about 7 seeds").resolve_line() \
+        == "about 7 seeds"
+    assert Claim("z", "kim2025", "S", "c", (against,), resolve="about 7 seeds").resolve_line() == "about 7 seeds"
+    assert Claim("h", "kim2025", "S", "c", (Test("x", 1.0, ">"),), resolve="r").resolve_line() == ""  # holds

@@ -116,15 +116,9 @@ def test_the_length_rows_say_how_many_seeds_would_resolve_them():
 
 
 def test_the_length_section_says_positions_from_1():
-    """The report's length section labels 0-based index ranges [a, b) as the positions a + 1 to b, and says the
-    freeze's skip reason (the same first token everywhere) as position 1 and the BOS, with the id the run found."""
-    from poslens.report.sections.length import NAMES, positions, skipped_reason
+    """The report's length section labels 0-based index ranges [a, b) as the positions a + 1 to b; no intervention
+    is named by a position counted from 0."""
+    from poslens.report.sections.length import NAMES, positions
 
     assert positions(64, 512) == "positions 65-512" and positions(1, 128) == "positions 2-128"
-    why = ("every sequence starts with token 0: freezing position 0 to it is the identity by causality (its effect "
-           "is 0 up to float rounding)")
-    said = skipped_reason("freeze", why)
-    assert "position 1" in said and "position 0" not in said and "BOS" in said and "token id 0" in said
-    assert skipped_reason("window", "every layer already attends to at most 32 keys") == (
-        "every layer already attends to at most 32 keys")
     assert "0" not in NAMES["freeze"]

@@ -227,11 +227,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             configs=("poslens.analyses.leakage.run:LeakageConfig",), run="poslens.analyses.leakage.run:run_leakage",
             summary="poslens.analyses.leakage.command:summary_lines", out="runs/leakage"),
     Command("length", "a model past its training length: loss by position, attention entropy and key-0 share, maps "
-            "and leakage terms, and interventions (log-n scaling, NTK, YaRN, window, position-0 freeze)",
+            "and leakage terms, and interventions (log-n scaling, NTK, YaRN, window, freezing the first position)",
             "Evaluate a model trained at length L at L, 2L, 4L, 8L (--eval-lens) on held-out text: next-token loss by "
-            "position bucket, attention entropy against log(i + 1) and the share on key 0 by query, the averaged "
-            "maps and their leakage terms at each length, and interventions at evaluation time (per-query logit "
-            "scaling by log(i + 1) / log L, NTK and YaRN base scaling, a sliding window of L, position-0 freezing), "
+            "position bucket, attention entropy against log(keys seen) and the share on the first key by query, the "
+            "averaged maps and their leakage terms at each length, and interventions at evaluation time (per-query "
+            "logit scaling by log p / log L at position p, NTK and YaRN base scaling, a sliding window of L, freezing "
+            "the first position), "
             "each measured by the loss past L against no intervention on the same sequences, with jackknife "
             "intervals over groups of sequences; with --seed-models, also over seeds (docs/length.md).",
             configs=("poslens.analyses.length.run:LengthConfig",), run="poslens.analyses.length.run:run_length",

@@ -200,11 +200,12 @@ def symlog_threshold(series: dict[str, Sequence[float]], errors: dict | None = N
 
 
 def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], titles: Sequence[str],
-                 suptitle: str | None = None, ylabel: str = "score", band: float = 2.0, ncols: int = 3):
-    """Score against key for a few query rows of each map (one panel per map): m[i, j] for keys j < i (the
-    diagonal, a token with itself, is left out: it would dwarf the rest), keys and queries numbered from 1, with a
-    band of +/- `band` standard errors when `se` is given. This is what "the scores increase with j for fixed i"
-    looks like, noise included."""
+                 suptitle: str | None = None, ylabel: str = "score", band: float = 2.0, ncols: int = 3,
+                 first_key: int = 1):
+    """Score against key for a few query rows of each map (one panel per map): m[i, j] for keys first_key <= j < i
+    (the diagonal, a token with itself, is left out: it would dwarf the rest; first_key = 2 leaves out an
+    attention-sink column), keys and queries numbered from 1, with a band of +/- `band` standard errors when `se`
+    is given. This is what "the scores increase with j for fixed i" looks like, noise included."""
     n = len(maps)
     ncols = min(ncols, n)
     nrows = -(-n // ncols)
@@ -216,11 +217,11 @@ def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], title
             continue
         m = as_numpy(maps[k])
         for r, i in enumerate(rows):
-            js = np.arange(1, i + 1)
-            ys = m[i, :i]
+            js = np.arange(first_key, i + 1)
+            ys = m[i, first_key - 1:i]
             ax.plot(js, ys, lw=1.2, color=f"C{r}", label=f"query i = {i + 1}")
             if se is not None:
-                e = band * as_numpy(se[k])[i, :i]
+                e = band * as_numpy(se[k])[i, first_key - 1:i]
                 ax.fill_between(js, ys - e, ys + e, color=f"C{r}", alpha=0.25, lw=0)
         ax.set_title(titles[k], fontsize=11)
         ax.set_xlabel("key j", fontsize=10)

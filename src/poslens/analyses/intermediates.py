@@ -178,10 +178,12 @@ def stack_strength(alpha: float | torch.Tensor, n: int) -> torch.Tensor:
 
 def offdiag_ratio(m: torch.Tensor) -> torch.Tensor:
     """Mean of the strictly lower (finite) entries over the mean of the diagonal: how much tokens look alike
-    next to how much each looks like itself (the paper's reading of (a) -> (b) and (c) -> (d))."""
+    next to how much each looks like itself (the paper's reading of (a) -> (b) and (c) -> (d)). NaN when the mean
+    diagonal is not positive (a token unlike itself: the ratio's sign and size would mean nothing)."""
     n = m.shape[-1]
     low = torch.tril(torch.ones(n, n, dtype=torch.bool, device=m.device), -1) & torch.isfinite(m)
-    return m[low].mean() / torch.diagonal(m).mean()
+    diag = torch.diagonal(m).mean()
+    return m[low].mean() / diag if bool(diag > 0) else torch.full((), math.nan, dtype=m.dtype, device=m.device)
 
 
 def diagonal_normalised(m: torch.Tensor) -> torch.Tensor:

@@ -67,9 +67,9 @@ LEDGERS = {"kim2025": "Kim et al. (2025)", "ruscio2026": "Ruscio, Nanni & Silves
 
 
 def num(x: float | None, digits: int = 3) -> str:
-    """A number for a row: `digits` significant digits; NaN and None (run.json's null) read 'nan'."""
+    """A number for a row: `digits` significant digits; NaN and None (run.json's null) read 'undefined'."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "nan"
+        return "undefined"
     return f"{x:.{digits}g}"
 
 
@@ -119,11 +119,18 @@ class Test:
             return "pass" if above else "fail" if below else "open"
         return "pass" if below else "fail" if above else "open"
 
+    def against(self) -> bool:
+        """The estimate lies on the failing side of the threshold (or on it): more data would sooner show a failure
+        than a pass."""
+        if not _defined(self.value):
+            return False
+        return self.value <= self.threshold if self.side == ">" else self.value >= self.threshold
+
     def key(self) -> str:
         """The number a summary line quotes: '0.0186 [0.0099, 0.0274]', '3' (exact) or '0.2 (no interval)' (too
         few groups or seeds for one: the test stays open)."""
         d = self.digits
-        if self.exact:
+        if self.exact or not _defined(self.value):
             return num(self.value, d)
         if not (_defined(self.lo) and _defined(self.hi)):
             return f"{num(self.value, d)} (no interval)"
@@ -159,8 +166,12 @@ def estimate_test(statistic: str, e: dict, side: str, threshold: float = 0.0, in
 
 
 def interval_text(e: dict, digits: int = 3) -> str:
-    """'value [lo, hi]' of a run.json estimate (null reads 'nan')."""
-    return f"{num(e['value'], digits)} [{num(e.get('lo'), digits)}, {num(e.get('hi'), digits)}]"
+    """'value [lo, hi]' of a run.json estimate; 'value (no interval)' without bounds; 'undefined' without a value."""
+    if not _defined(e["value"]):
+        return "undefined"
+    if not (_defined(e.get("lo")) and _defined(e.get("hi"))):
+        return f"{num(e['value'], digits)} (no interval)"
+    return f"{num(e['value'], digits)} [{num(e['lo'], digits)}, {num(e['hi'], digits)}]"
 
 
 def combine(tests: tuple[Test, ...]) -> str:
@@ -255,6 +266,20 @@ class Claim:
         out += [(f"reading{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}", t) for t, ks in shared.items()]
         return out
 
+    def resolve_line(self) -> str:
+        """What would resolve a not-resolved row. A claim about a larger scale (`scope`) whose estimate lies on the
+        failing side of a test at this scale cannot be resolved here: more seeds or sequences could only show a
+        failure, which rule 4 reads not resolved; only a measurement at the claim's own scale would decide it."""
+        if self.verdict != "not resolved":
+            return ""
+        tests = [t for _, t in self.all_tests()]
+        against = [t for t in tests if t.against()]
+        if self.scope and against:
+            return (f"not more data at this scale: {len(against)} of its {len(tests)} tests estimate on the failing "
+                    "side here, so more seeds or sequences could only show a failure, which the scope rule reads "
+                    f"not resolved; only a measurement at the claim's own scale would decide it ({self.scope})")
+        return self.resolve
+
     def key_number(self) -> str:
         if self.key:
             return self.key
@@ -272,7 +297,7 @@ class Claim:
                 "test": [{"role": role, **t.to_json()} for role, t in self.all_tests()],
                 "readings": [{"text": r.text, "verdict": v} for r, v in zip(self.readings, self.reading_verdicts())],
                 "measured": self.measured, "paper_number": self.paper_number, "scope": self.scope,
-                "resolve": self.resolve, "figure": self.figure, "command": self.command}
+                "resolve": self.resolve_line(), "figure": self.figure, "command": self.command}
 
 
 @dataclass

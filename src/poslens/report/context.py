@@ -171,6 +171,14 @@ def setting(c: StackConfig) -> str:
             f"alpha={c.alpha:g}, {mask}")
 
 
+def est_text(est, index=None, digits: int = 3) -> str:
+    """'value [lo, hi]' of a jackknife Estimate (element `index` of a tensor estimate)."""
+    from poslens.report.claims import interval_text
+
+    pick = (lambda t: float(t)) if index is None else (lambda t: float(t[index]))
+    return interval_text({"value": pick(est.value), "lo": pick(est.lo), "hi": pick(est.hi)}, digits)
+
+
 def test_of(statistic: str, est, side: str, threshold: float = 0.0, index=None, digits: int = 3):
     """A claims Test from a jackknife Estimate (element `index` of a tensor estimate)."""
     from poslens.report.claims import Test

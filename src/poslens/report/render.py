@@ -86,7 +86,7 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
             for c in s.claims:
                 tests = "; ".join(f"{role}: {t.text()}" if role != "claim" else t.text() for role, t in c.all_tests())
                 claim = f"<a id='{c.id}'></a>{c.claim} ({_where(c)})" + (f". {c.measured}" if c.measured else "")
-                verdict = c.verdict + (f": {c.resolve}" if c.resolve and c.verdict == "not resolved" else "")
+                verdict = c.verdict + (f": {c.resolve_line()}" if c.resolve_line() else "")
                 cells = [claim, tests, verdict, c.paper_number, c.figure, f"`{c.command}`" if c.command else ""]
                 out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
             out.append("")
@@ -105,7 +105,7 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
 CSS = """
 body{font-family:system-ui,sans-serif;max-width:1240px;margin:2em auto;padding:0 1em;line-height:1.45;color:#111}
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #ccc;padding:3px 8px;
-vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;word-break:break-all}
+vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;overflow-wrap:anywhere}
 .v{display:inline-block;min-width:7.2em;font-weight:600}.v-holds{color:#116611}.v-contradicted{color:#aa1111}
 .v-erratum{color:#8a5a00}.v-not-resolved{color:#555}.v-ambiguous{color:#7a2a9a}.v-finding{color:#0b5c8a}
 .banner{background:#fff7e0;border:1px solid #e8c36a;padding:.6em 1em;margin:1em 0}
@@ -228,8 +228,10 @@ def _figure_html(f: Figure, root: Path) -> str:
         cols = min(f.ncols, len(f.panels))
         body = (f"<div class='hm-grid' style='grid-template-columns:repeat({cols},minmax(0,1fr))'>"
                 + "".join(_panel_html(p) for p in f.panels) + "</div>")
-        hover = ("the value and its standard error" if any(p.se is not None for p in f.panels) else
-                 "the value (exact: no standard error)")
+        with_se = sum(p.se is not None for p in f.panels)
+        hover = ("the value and its standard error" if with_se == len(f.panels) else
+                 "the value (exact: no standard error)" if not with_se else
+                 "the value and, in the panels that have one, its standard error (the others are exact)")
         how = (" Rows: query i, columns: key j, both from 1. Interactive: wheel to zoom (cells large enough "
                f"print their value), drag to pan, double-click to reset, hover for {hover}. "
                f"Static image: {rel} (and .pdf).")
@@ -239,7 +241,7 @@ def _figure_html(f: Figure, root: Path) -> str:
         body = (f"<div{box}><img src='data:{_MIME[path.suffix.lower()]};base64,{data}' alt='{e(f.caption)}' "
                 f"id='{e(path.stem)}'></div>")
         how = ""
-    return (f"<figure id='fig-{e(path.stem)}'>{body}<figcaption>{warn}{e(f.caption)}{e(how)}</figcaption>"
+    return (f"<figure id='fig-{e(path.stem)}'>{body}<figcaption>{warn}{prose(f.caption)}{e(how)}</figcaption>"
             "</figure>")
 
 
@@ -283,8 +285,8 @@ def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
     if c.scope:
         parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
                      "read not resolved, not contradicted, and a pass says only that it is seen at this scale too.</p>")
-    if c.resolve and v == "not resolved":
-        parts.append(f"<p class='note'><b>What would resolve it:</b> {prose(c.resolve)}</p>")
+    if c.resolve_line():
+        parts.append(f"<p class='note'><b>What would resolve it:</b> {prose(c.resolve_line())}</p>")
     tail = []
     if c.figure:
         f = figure_of(c.figure, list(figures))

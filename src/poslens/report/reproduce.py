@@ -156,14 +156,14 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                  f"{' with quick settings' if quick else ''} ({samples:,} Monte Carlo samples per setting). Each "
                  "verdict follows one written rule from the tests shown with it (statistic, threshold, direction): "
                  "holds, contradicted, ambiguous (the paper's wording admits readings the measurement decides "
-                 "differently), erratum (a printed formula is wrong, the conclusion stands), not resolved (the "
-                 "interval straddles the threshold; the row says what would resolve it), finding (a measured fact "
+                 "differently), erratum (a printed formula is wrong, the conclusion stands), not resolved (an "
+                 "interval straddles the threshold, or a test fails on a model smaller than the claim's: see the "
+                 "scope below; the row says what would resolve it), finding (a measured fact "
                  "the paper did not state). A claim about a larger scale than the one measured (its row's scope) "
                  "cannot be contradicted by a smaller model: a failure there reads not resolved, and holds means only "
                  "that the pattern is seen at this scale too. Layers are numbered from 1, and so are positions in "
                  "maps and figures; where a row says 'position 0' or 'key 0' (the section on Ruscio, Nanni & "
-                 "Silvestri and the length section's interventions), it keeps that paper's numbering: position 0 is "
-                 "the first token.")
+                 "Silvestri), it keeps that paper's numbering: position 0 is the first token.")
         write_report(tmp, TITLE, intro, sections, prov)
         led = ledgers(claims)
         write_run(tmp, ctx.tensors, {

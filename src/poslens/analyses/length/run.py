@@ -205,8 +205,9 @@ class Length(Analysis):
         L, lens, T, G = cfg.train_len, cfg.eval_lens, cfg.seq_len, job.groups
         reference = int(job.sequences[0, 0])
         if "freeze" in cfg.interventions and bool((job.sequences[:, 0] == reference).all()):
-            why = (f"every sequence starts with token {reference}: freezing position 0 to it is the identity by "
-                   "causality (its effect is 0 up to float rounding)")
+            why = (f"every sequence starts with the same first token (token id {reference}, e.g. a BOS the model "
+                   "was trained with): freezing position 1 to it is the identity by causality (its effect is 0 up "
+                   "to float rounding)")
             if "freeze" in self.explicit:
                 job.data["freeze_note"] = why
             else:
@@ -502,16 +503,17 @@ def summary_lines(meta: dict) -> list[str]:
     m = meta["metrics"]
     L, edges, level = m["train_len"], m["edges"], m["level"]
     T = str(m["eval_lens"][-1])
-    spans = ", ".join(f"[{a}, {b})" for a, b in zip(edges, edges[1:]))
-    lines = [f"L = {L}; loss (nats) by target position {spans}, {100 * level:g}% jackknife intervals over "
-             f"{m['groups']} groups of sequences"]
+    spans = ", ".join(f"{a + 1}-{b}" for a, b in zip(edges, edges[1:]))  # 0-based [a, b): positions a+1..b
+    lines = [f"L = {L}; loss (nats) by target position {spans} (positions from 1), {100 * level:g}% jackknife "
+             f"intervals over {m['groups']} groups of sequences"]
     for entry in m["models"]:
         lines.append(f"{entry['model']}: " + ", ".join(_ci(b) for b in entry["buckets"])
-                     + f"; rise [{int(T) // 2}, {T}) - [{L // 2}, {L}): {_ci(entry['rise'][T], True)}")
+                     + f"; rise (positions {int(T) // 2 + 1}-{T}) - (positions {L // 2 + 1}-{L}): "
+                       f"{_ci(entry['rise'][T], True)}")
         for spec, by_t in entry["effects"].items():
             if T in by_t:
-                lines.append(f"  {spec}: loss over [{L}, {T}) {_ci(by_t[T]['loss'])}, effect {_ci(by_t[T], True)} "
-                             "(paired, against none)")
+                lines.append(f"  {spec}: loss over positions {L + 1}-{T} {_ci(by_t[T]['loss'])}, effect "
+                             f"{_ci(by_t[T], True)} (paired, against none)")
     if "seeds" in m:
         s = m["seeds"]
         lines.append(f"over {len(m['models'])} seeds (mean, {100 * level:g}% t-interval): rise "

@@ -61,13 +61,15 @@ def heatmaps(ctx, stem: str, panels: Sequence[Panel], caption: str, ncols: int =
 
 
 def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequence[str], caption: str,
-             rows: Sequence[int] | None = None, suptitle: str | None = None, ylabel: str = "score") -> Figure:
-    """Score against key for a few query rows of each map, with +/- 2 SE bands (the 'increasing in j' claims)."""
+             rows: Sequence[int] | None = None, suptitle: str | None = None, ylabel: str = "score",
+             first_key: int = 1) -> Figure:
+    """Score against key for a few query rows of each map, with +/- 2 SE bands (the 'increasing in j' claims),
+    from key `first_key` (counted from 1)."""
     if not ctx.draw:
         return Figure(ctx.figures / f"{stem}.png", caption)
     n = as_numpy(maps[0]).shape[-1]
     rows = list(rows) if rows is not None else sorted({max(2, n // 4), n // 2, n - 1})
-    fig = plotting.row_profiles(maps, se, rows, titles, suptitle=suptitle, ylabel=ylabel)
+    fig = plotting.row_profiles(maps, se, rows, titles, suptitle=suptitle, ylabel=ylabel, first_key=first_key)
     return Figure(ctx.save(fig, stem), caption, title=suptitle or "")
 
 

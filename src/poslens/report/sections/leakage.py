@@ -121,6 +121,14 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                                                          if first else ""),
                             f"{interval_text(gone['key0_in'])} / {interval_text(gone['key0_out'])} ({interval})"))
     s = m["sinks"]
+    context.append(("the abstract's other two statements, not rows",
+                    "'the position-0 trajectory is a closed dynamical system from the initial token embedding' and "
+                    "'attention sinks are token-anchored stabilizers, passing a deterministic fingerprint of the "
+                    "position-0 token': with the same first token, position 0's states are the same for every input "
+                    "by causality (tests/test_leakage_position0.py checks it to rounding), so as rows they could not "
+                    "fail; what the sink-reading heads take from position 0 is `poslens leakage`'s per-head contrast "
+                    "(run.json 'heads'); 'stabilizer' comes with no measurement in the abstract that a row could "
+                    "test"))
     context.append(("attention sinks (the per-head test of Gu et al. 2025, 'When Attention Sink Emerges in Language "
                     "Models': mean attention on the first key above a threshold; the paper's criterion is not "
                     "public)",
@@ -248,6 +256,6 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
                          "debiased (without the sampling-noise term; log scale), all queries, offsets "
                          f"0-{max_offset} for every variant (the common domain), key 0 "
                          "in; mean over seeds with 95% t-intervals over seeds.", "layer", "absolute-scores energy",
-                         "The sweep: the residual stream's term by architecture",
+                         "The sweep: the scores' absolute term by architecture",
                          errors={k: np.array(v) for k, v in errors.items()}, logy=True))
     return out

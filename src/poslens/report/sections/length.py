@@ -47,19 +47,6 @@ def positions(a: int, b: int) -> str:
     return f"positions {a + 1}-{b}"
 
 
-def skipped_reason(spec: str, why: str) -> str:
-    """Why an intervention was not run, as the context row says it: the analysis's reason, except for freeze, whose
-    reason (the same first token in every sequence) is said in positions from 1 and as the BOS the sweep uses."""
-    if spec != "freeze" or not why.startswith("every sequence starts with token"):
-        return why
-    import re
-
-    found = re.match(r"every sequence starts with token (\d+)", why)
-    token = f" (token id {found.group(1)})" if found else ""
-    return (f"every sequence starts with the same first token, the BOS the sweep trains and evaluates with{token}: "
-            "freezing position 1 to it is the identity by causality (its effect is 0 up to float rounding)")
-
-
 def _t(values: list[float], level: float = 0.95) -> dict:
     from poslens.train.sweep import seed_interval
 
@@ -195,7 +182,7 @@ def build(ctx, size: dict) -> Section:
                for v in variants]
     for v, r in runs.items():
         for spec, why in r.metrics.get("skipped", {}).items():
-            context.append((f"{v}: {NAMES.get(spec, spec)} not run", skipped_reason(spec, why)))
+            context.append((f"{v}: {NAMES.get(spec, spec)} not run", why))
         for note in r.metrics.get("notes", []):
             context.append((f"{v}: note", note))
     s = Section(
@@ -274,8 +261,9 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
     first = (f" (from position {edges[0] + 1}: the query at position 1 sees one key, and its gap is 0)"
              if edges[0] > 0 else "")
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
-                     "log(keys seen) - attention entropy of the last layer, averaged over the queries of each range "
-                     f"of positions{first}, mean over seeds with 95% t-intervals: how far attention is from uniform "
+                     "log(keys seen) - attention entropy of the last layer, averaged over the queries read (every "
+                     f"k-th with --profile-every k) in each range of positions{first}, mean over seeds with 95% "
+                     "t-intervals: how far attention is from uniform "
                      "over the keys seen. Positions count from 1: the query at position p sees p keys under the "
                      "causal mask and min(p, W) under a window W, so log(keys seen) is log p or log min(p, W).",
                      "query positions", "entropy gap (nats)", "Attention entropy against log(keys seen)",

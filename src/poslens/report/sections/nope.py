@@ -12,7 +12,7 @@ from poslens import plotting
 from poslens.analyses.stackrun import score_limits
 from poslens.maps import quantile_limits, rows_increasing
 from poslens.report.claims import Claim, Reading, Test, num
-from poslens.report.context import joint, setting, test_of
+from poslens.report.context import est_text, joint, setting, test_of
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps, profiles
@@ -28,11 +28,14 @@ MUCH = 2.0  # "much clearer": at least twice the spread of the off-diagonal scor
 SATURATION_KEY = 5  # the rise share reached by key 5 of 50 measures how fast a row saturates
 
 
-def offdiag_note() -> str:
+def offdiag_note(fixed: bool = True) -> str:
+    """How the raw score maps are coloured; `fixed`: the paper gives fixed limits for the setting (not with RoPE)."""
     return ("Colour limits per panel span the off-diagonal entries (the constant diagonal would otherwise stretch "
             "the scale); the diagonal is drawn saturated. A panel whose exact off-diagonal entries are all equal "
-            "(layer 1 of independent inputs) is drawn on the paper's fixed limits and looks flat: constant by "
-            "construction.")
+            "(layer 1 of independent inputs) is drawn "
+            + ("on the paper's fixed limits and looks flat: constant by construction." if fixed else
+               "on its whole range, diagonal included (the paper gives no fixed limits here), and looks flat: its "
+               "off-diagonal entries are 0 by construction, up to Monte Carlo noise."))
 
 
 def pattern_limits(m, exact, config: StackConfig | None = None) -> tuple[float, float]:
@@ -103,8 +106,8 @@ def build(ctx, size: dict) -> Section:
                 f"Eq. 1 stack, n = 50, d = 64, 4 layers, {ctx.samples:,} samples per setting, drawn in "
                 "20 seeded sub-runs (10 groups of two halves), so every statistic carries a 95% delete-one-group "
                 "jackknife interval; beside it the Gram flow, the exact d -> infinity limit. The maps of a setting "
-                "are re-drawn by `poslens simulate` (e.g. `poslens simulate --alpha 0.2 --samples N`); each row's "
-                "command re-measures its statistic. " + offdiag_note())
+                f"are re-drawn by `poslens simulate` (e.g. `poslens simulate --alpha 0.2 --samples {ctx.samples}`); "
+                "each row's command re-measures its statistic. " + offdiag_note())
     cfg = {a: StackConfig(alpha=a) for a in FIG2 + FIG6}
     for a in FIG2 + FIG6:
         ctx.keep(f"nope/alpha{a:g}", {"scores_mean": ctx.mc(cfg[a]).mean, "scores_se": ctx.mc(cfg[a]).se})
@@ -123,7 +126,7 @@ def build(ctx, size: dict) -> Section:
         (test_of("std of the off-diagonal scores, layer 3 - layer 2", d32, ">"),
          test_of("std of the off-diagonal scores, layer 4 - layer 2", d42, ">")),
         measured="standard deviation of the entries j < i by layer: "
-                 + ", ".join(f"layer {k + 1} {num(float(std.value[k]))}" for k in range(LAYERS)),
+                 + ", ".join(f"layer {k + 1} {est_text(std, k)}" for k in range(LAYERS)),
         figure="Figure 2", command=ctx.remeasure("kim-41-depth-alpha0")))
     clearer = joint(lambda r: ms.offdiag_std((r[1][0] + r[1][1]) / 2)[1] / ms.offdiag_std((r[0][0] + r[0][1]) / 2)[1],
                     a0, a2)
@@ -140,7 +143,7 @@ def build(ctx, size: dict) -> Section:
         (test_of("share of the layer-2 off-diagonal variance explained by the key j alone", share[0.2],
                  ">", NEARLY_INDEPENDENT, index=1),),
         measured=f"'nearly independent' read as: the key alone explains more than {NEARLY_INDEPENDENT:.0%}; with "
-                 f"alpha = 0 it explains {num(float(share[0.0].value[1]))}.",
+                 f"alpha = 0 it explains {est_text(share[0.0], 1)}.",
         figure="Figure 2", command=ctx.remeasure("kim-41-alpha02-independent-of-i")))
     later = a2.pooled(lambda m: ms.key_share(m)[2:] - ms.key_share(m)[1])
     s.claims.append(Claim(
@@ -149,7 +152,7 @@ def build(ctx, size: dict) -> Section:
         (test_of("key-alone share, layer 3 - layer 2", later, ">", index=0),
          test_of("key-alone share, layer 4 - layer 2", later, ">", index=1)),
         measured="'the later layers' read as: layers 3 and 4 against layer 2. Key-alone share by layer: "
-                 + ", ".join(f"layer {k + 1} {num(float(share[0.2].value[k]), 4)}" for k in range(LAYERS))
+                 + ", ".join(f"layer {k + 1} {est_text(share[0.2], k, 4)}" for k in range(LAYERS))
                  + ("" if all(share[0.2].value[k + 1] >= share[0.2].value[k] for k in range(1, LAYERS - 1)) else
                     " (not rising layer by layer after layer 2: the test is against layer 2 only)."),
         figure="Figure 2", command=ctx.remeasure("kim-41-saturation-later-layers")))
@@ -233,14 +236,14 @@ def saturation_claim(ctx, cfg: dict) -> Claim:
         return np.array([float(ms.rise_share((a + b) / 2, n - 1, SATURATION_KEY)[3]) for a, b in r])
 
     est = joint(lambda r: np.diff(rise(r)), *runs)
-    vals = joint(rise, *runs).value
+    vals = joint(rise, *runs)
     return Claim(
         "kim-B-faster-saturation", "kim2025", "Appendix B, Figure 6",
         "with higher alpha the pattern saturates faster to a constant in j",
         tuple(test_of(f"rise share by key {SATURATION_KEY + 1}, layer 4, alpha {b:g} - alpha {a:g}", est, ">", index=k)
               for k, (a, b) in enumerate(zip((0.2,) + FIG6, FIG6))),
         measured=f"share of the last query's rise (key 1 to key {n - 1}) reached by key {SATURATION_KEY + 1}, layer 4: "
-                 + ", ".join(f"alpha {a:g}: {num(float(v))}" for a, v in zip((0.2,) + FIG6, vals)),
+                 + ", ".join(f"alpha {a:g}: {est_text(vals, k)}" for k, a in enumerate((0.2,) + FIG6)),
         figure="Figure 6", command=ctx.remeasure("kim-B-faster-saturation"))
 
 
@@ -304,7 +307,8 @@ def layernorm_claims(ctx) -> list[Claim]:
         slope = runs[("layernorm-d", a)].pooled(lambda m: ms.row_slope(m)[3])
         closer.append(test_of(f"alpha {a:g}, layer 4: mean row slope in j with d scaling (l2's is positive)", slope,
                               ">"))
-        corr[a] = float(ms.correlation(runs[("l2", a)].mean[3], runs[("layernorm-d", a)].mean[3]))
+        corr[a] = joint(lambda r: ms.correlation((r[0][0] + r[0][1]) / 2, (r[1][0] + r[1][1]) / 2)[3],
+                        runs[("l2", a)], runs[("layernorm-d", a)])
     return [
         Claim("kim-B-layernorm-sqrt-d-weaker", "kim2025", "Appendix B, Figure 7",
               "LayerNorm with sqrt(d) scaling sharpens the softmax and reduces the positional pattern the causal mask "
@@ -319,7 +323,7 @@ def layernorm_claims(ctx) -> list[Claim]:
               measured="std ratio (d scaling / l2) at layer 4: " + ", ".join(
                   f"alpha {a:g}: {num(float(r.value))} [{num(float(r.lo))}, {num(float(r.hi))}]"
                   for a, r in ratios.items()) + "; correlation of the two layer-4 maps: " + ", ".join(
-                  f"alpha {a:g}: {num(c)}" for a, c in corr.items())
+                  f"alpha {a:g}: {est_text(c, digits=4)}" for a, c in corr.items())
               + ". Where it exceeds l2's: LayerNorm's values have norm sqrt(d), so the attention output outweighs the "
                 "unit-norm residual; without the residual LayerNorm with d scaling is exactly l2 (a test of poslens).",
               figure="Figure 7", command=ctx.remeasure("kim-B-layernorm-d-similar"))]

@@ -142,11 +142,16 @@ def build(ctx, size: dict) -> Section:
         f"of the sequences, with delete-one-group jackknife bounds over {st['groups']} groups, each one-sided at "
         f"{one_sided:.4f} ({LEVEL:.0%} family-wise over {layers} layers). The maps are re-drawn by `poslens scores "
         f"{MODEL} --seq-len {seq_len} --num-sequences {stats['sequences']} --batch-size {batch}`; "
-        f"`poslens scores {MODEL} --no-rope ...` gives the RoPE-disabled ablation, not part of this report.",
+        f"`poslens scores {MODEL} --no-rope --seq-len {seq_len} --num-sequences {stats['sequences']} --batch-size "
+        f"{batch}` gives the RoPE-disabled ablation, not part of this report.",
         scale=f"Section 5.2 is measured on SmolLM2-135M (135M parameters, {layers} layers) over {stats['sequences']} "
               f"sequences of {seq_len} tokens of embedded technical text; the paper measured Llama-3.1-8B, Phi-4 "
               "(14B) and Qwen3-8B over 1,000 FineWeb-Edu sequences of 1,024 tokens.")
     s.claims += claims(ctx, sums, st, mean, layers, stats["sequences"])
+    for c in s.claims:  # claims about the paper's 8B-14B models: a 135M model cannot contradict them (rule 4)
+        c.scope = (f"the paper's 8B-14B RoPE models (Llama-3.1-8B, Phi-4, Qwen3-8B) over 1,000 sequences of 1,024 "
+                   f"tokens (this one: SmolLM2-135M, {stats['sequences']} sequences of {seq_len} tokens)")
+
     def per_layer(v, lo, hi) -> str:
         return "; ".join(f"{k + 1}: {num(float(v[k]))} [{num(float(lo[k]))}, {num(float(hi[k]))}]"
                          for k in range(layers))

@@ -6,7 +6,7 @@ import numpy as np
 
 from poslens.maps import diagonal_normalise, quantile_limits, toeplitz_residual
 from poslens.report.claims import Claim, Test, num
-from poslens.report.context import joint, setting, test_of
+from poslens.report.context import est_text, joint, setting, test_of
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps
@@ -32,10 +32,11 @@ def figure(ctx, stem: str, cfg: StackConfig, caption: str):
     noise = np.nanmedian(mc.se, axis=(1, 2))
     flat = [f"layer {k + 1} (exact limit at most {exact[k]:.1e}, standard errors about {noise[k]:.1e})"
             for k in range(cfg.layers) if exact[k] < noise[k]]
-    return heatmaps(ctx, stem, panels, caption + " Top row: the mean scores. " + offdiag_note() + " Bottom row: "
-                    "each diagonal minus its mean (a relative map normalises to 0); colour limits at its 1% and 99% "
-                    "quantiles" + (", so a panel whose exact limit (Gram flow) is below the Monte Carlo noise shows "
-                                   "the noise stretched over the whole scale: " + "; ".join(flat) if flat else "")
+    return heatmaps(ctx, stem, panels, caption + " Top row: the mean scores. " + offdiag_note(fixed=False)
+                    + " Bottom row: each diagonal minus its mean (a relative map normalises to 0); colour limits at "
+                    "its 1% and 99% quantiles"
+                    + (", so a panel whose exact limit (Gram flow) is below the Monte Carlo noise shows the noise "
+                       "stretched over the whole scale: " + "; ".join(flat) if flat else "")
                     + ".",
                     suptitle=f"{name}: {setting(cfg)}", row_labels=["mean scores", "diagonal-normalised"])
 
@@ -49,7 +50,8 @@ def build(ctx, size: dict) -> Section:
                 f"d = 64, {ctx.samples:,} samples per setting in 20 seeded sub-runs (95% jackknife intervals over 10 "
                 "groups), with the Gram flow (d -> infinity) beside it. 'Diagonal-normalised' maps subtract each "
                 "diagonal's mean: a relative (Toeplitz) map normalises to zero. The maps are re-drawn by "
-                "`poslens simulate --pe rope ...`.")
+                f"`poslens simulate --pe rope --alpha A --samples {ctx.samples}` (A = 0 for Figure 4, 0.5 for "
+                "Figure 9; add `--mask none` for Figure 10).")
     c0, c5, enc = (StackConfig(positional="rope"), StackConfig(positional="rope", alpha=0.5),
                    StackConfig(positional="rope", mask="none"))
     mc, gf = ctx.mc(c0), ctx.gf(c0).scores
@@ -63,7 +65,7 @@ def build(ctx, size: dict) -> Section:
         (test_of("relative part's size (std of the diagonal means over the entries j < i), layer 2 - layer 1", grow,
                  ">", index=0),
          test_of("relative part's size, layer 3 - layer 2", grow, ">", index=1)),
-        measured="relative part's size by layer: " + ", ".join(f"layer {k + 1} {num(float(rel.value[k]))}"
+        measured="relative part's size by layer: " + ", ".join(f"layer {k + 1} {est_text(rel, k)}"
                                                                for k in range(c0.layers)),
         figure="Figure 4", command=ctx.remeasure("kim-51-relative-emerges")))
     power = mc.estimate(lambda a, b: ms.pattern_power(a, b))
@@ -83,7 +85,9 @@ def build(ctx, size: dict) -> Section:
         "as without positional encoding, the left portion of the maps (distant keys of later queries) is darker",
         tuple(test_of(f"layer {k + 2}: mean diagonal-normalised score over queries i >= 26 and keys j <= 5", left,
                       "<", index=k) for k in range(3)),
-        measured="exact limit (Gram flow), same block: " + ", ".join(
+        measured="'darker' read as: below 0 in the diagonal-normalised map, i.e. below the mean of the same "
+                 "diagonals (each diagonal's mean is subtracted, so 0 is that average); exact limit (Gram flow), "
+                 "same block: " + ", ".join(
             f"layer {k + 2} {num(float(ms.block_mean(gf[k + 1], *LEFT)))}" for k in range(3)),
         figure="Figure 4", command=ctx.remeasure("kim-51-left-darker")))
     ratio = joint(lambda r: ms.pattern_power(*r[1])[1:].sum() / ms.pattern_power(*r[0])[1:].sum(), mc,
