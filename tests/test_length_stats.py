@@ -111,8 +111,11 @@ def test_the_length_rows_say_how_many_seeds_would_resolve_them():
     assert more_seeds(sw, (Test("effect", -1.0, "<", 0.0, -1.5, -0.5),)) == ""  # decided: nothing to add
     tiny = Test("effect", -0.0065, "<", 0.0, -0.31, 0.30, "95% t-interval over 3 seeds")  # ~1,400 seeds needed
     text = more_seeds(sw, (tiny,))
-    assert f"about {seeds_needed(tiny, 3)} " in text and "--seeds" not in text  # a count, not a seed list
+    assert f"about {seeds_needed(tiny, 3):,} " in text and "--seeds" not in text  # a count, not a seed list
     assert seeds_needed(Test("effect", 0.0, "<", 0.0, -1.0, 1.0), 3) is None  # a mean on the threshold
+    assert "against the claim" not in more_seeds(sw, (test,)) or test.against()
+    wrong_side = Test("effect", 0.2, "<", 0.0, -0.1, 0.5, "95% t-interval over 3 seeds")
+    assert "would decide the row against the claim" in more_seeds(sw, (wrong_side,))  # more seeds: a failure
 
 
 def test_the_length_section_says_positions_from_1():

@@ -279,8 +279,9 @@ def test_real_model_rows_say_how_many_sequences_would_resolve_them_and_for_which
             sums.add(half, g, torch.as_tensor(maps * 4), 4)
     st = rm.statistics(sums, layers)
     # layer 2: a small estimate, far from resolved; layer 3: the weakest lower bound, but a large estimate
-    st["power"] = tuple(np.array(x) for x in ([0.01, 0.004, 0.06, 0.1], [0.005, -0.05, -0.09, 0.05],
-                                              [0.015, 0.058, 0.21, 0.15]))
+    st["power"] = st["power_uncut"] = tuple(np.array(x) for x in ([0.01, 0.004, 0.06, 0.1],
+                                                                  [0.005, -0.05, -0.09, 0.05],
+                                                                  [0.015, 0.058, 0.21, 0.15]))
     every, first = rm.claims(SimpleNamespace(remeasure=str), sums, st, sums.mean("a").numpy(), layers, 32)[:2]
     assert "layer 3's" in every.measured and "(layer 3)" in every.key
     need = 32 * ms.need_factor(0.004, -0.05, 0.058)

@@ -274,10 +274,13 @@ class Claim:
             return ""
         tests = [t for _, t in self.all_tests()]
         against = [t for t in tests if t.against()]
-        if self.scope and against:
-            return (f"not more data at this scale: {len(against)} of its {len(tests)} tests estimate on the failing "
-                    "side here, so more seeds or sequences could only show a failure, which the scope rule reads "
-                    f"not resolved; only a measurement at the claim's own scale would decide it ({self.scope})")
+        undefined = [t for t in tests if not _defined(t.value)]
+        if self.scope and (against or undefined):
+            why = ([f"{len(against)} of its {len(tests)} tests estimate on the failing side here, so more seeds or "
+                    "sequences could only show a failure, which the scope rule reads not resolved"] if against else [])
+            why += ([f"{len(undefined)} of its tests' statistics are undefined on these models"] if undefined else [])
+            return (f"not more data at this scale: {'; '.join(why)}; only a measurement at the claim's own scale "
+                    f"would decide it ({self.scope})")
         return self.resolve
 
     def key_number(self) -> str:

@@ -155,8 +155,11 @@ def more_seeds(sw, tests: tuple[Test, ...]) -> str:
     if None in need:
         return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
                 f"threshold or from one seed): `{sw.command}` with more --seeds")
-    head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need)} at the present "
-            f"means and spreads over seeds, against {n} here")
+    against = [t for t in tests if t.outcome() == "open" and t.against()]
+    head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need):,} at the "
+            f"present means and spreads over seeds, against {n} here"
+            + (f"; {len(against)} of the open tests estimate on the failing side, so at the present means that would "
+               "decide the row against the claim" if against else ""))
     if max(need) > MANY_SEEDS:
         return head + " (the effect is small next to its spread over seeds: a larger effect, e.g. a longer-trained "\
                       "model, would decide it sooner than that many seeds)"

@@ -123,12 +123,13 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     s = m["sinks"]
     context.append(("the abstract's other two statements, not rows",
                     "'the position-0 trajectory is a closed dynamical system from the initial token embedding' and "
-                    "'attention sinks are token-anchored stabilizers, passing a deterministic fingerprint of the "
-                    "position-0 token': with the same first token, position 0's states are the same for every input "
-                    "by causality (tests/test_leakage_position0.py checks it to rounding), so as rows they could not "
-                    "fail; what the sink-reading heads take from position 0 is `poslens leakage`'s per-head contrast "
-                    "(run.json 'heads'); 'stabilizer' comes with no measurement in the abstract that a row could "
-                    "test"))
+                    "the 'deterministic fingerprint of the position-0 token' that sinks pass on: with the same first "
+                    "token, position 0's states are the same for every input by causality "
+                    "(tests/test_leakage_position0.py checks it to rounding), so as rows they could not fail. "
+                    "'Attention sinks are token-anchored stabilizers': 'token-anchored' (the sinks follow the first "
+                    "token) could be read from the sink-reading heads under the BOS replacement, whose per-head "
+                    "contrast `poslens leakage` records (run.json 'heads'), but the abstract gives no size or "
+                    "criterion to test it against, and 'stabilizer' no measurement at all, so neither is a row"))
     context.append(("attention sinks (the per-head test of Gu et al. 2025, 'When Attention Sink Emerges in Language "
                     "Models': mean attention on the first key above a threshold; the paper's criterion is not "
                     "public)",
@@ -198,8 +199,12 @@ def build(ctx, size: dict) -> Section:
         "through the residual stream, whose position-0 trajectory is a closed system driven by the first token. Only "
         "their abstract could be read. Each claim is judged on causal terms of `poslens leakage` (docs/leakage.md): "
         "the mask's denominator counterfactual (the mask alone on this layer's relative scores) and the residual "
-        "stream's intervention (position 0's state replaced with the mask fixed), key 0 in and out, against the "
-        "nulls (windows inside documents); the exact algebraic split is a descriptive identity, shown as context. "
+        "stream's intervention (position 0's state replaced with the mask fixed), key 0 in and out (every metric "
+        "computed with the first key's column, the attention sink's, inside its domain and again without it), "
+        "against the nulls (windows inside documents); 'early queries' are the queries i <= E in the paper's "
+        "numbering from 0 (E = 32, or half the sequence when shorter); RoPE (ntk:8) is RoPE with its base "
+        "scaled by NTK's rule for a length factor of 8. The exact algebraic split is a descriptive identity, "
+        "shown as context. "
         f"Measured on SmolLM2-135M ({seqs} sequences of {seq_len} tokens of the embedded text, its `<|im_start|>` "
         "first, 95% jackknife intervals), on the sweep's models trained with a BOS first (one run per model, the "
         "spread over seeds as the error bar: 95% t-intervals over seeds) and, as context, in the parameter-free "

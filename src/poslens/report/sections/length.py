@@ -21,6 +21,7 @@ rotary base scaled by NTK's rule for the length factor T/L, T the evaluation len
 
 from __future__ import annotations
 
+import math
 import shutil
 import textwrap
 from dataclasses import asdict
@@ -47,10 +48,10 @@ def positions(a: int, b: int) -> str:
     return f"positions {a + 1}-{b}"
 
 
-def _t(values: list[float], level: float = 0.95) -> dict:
+def _t(values: list[float], level: float = 0.95, support: tuple[float, float] | None = None) -> dict:
     from poslens.train.sweep import seed_interval
 
-    return seed_interval(values, level)
+    return seed_interval(values, level, support)
 
 
 def _test(statistic: str, e: dict, side: str, threshold: float = 0.0) -> Test:
@@ -284,8 +285,8 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
     for v, r in runs.items():
         if "maps" not in r.metrics["models"][0]:
             continue
-        per_t = [_t([m["maps"][str(n)]["split/share_partition"]["value"][-1] for m in r.metrics["models"]])
-                 for n in lens]
+        per_t = [_t([m["maps"][str(n)]["split/share_partition"]["value"][-1] for m in r.metrics["models"]],
+                    support=(0.0, math.inf)) for n in lens]  # a share of energies: >= 0; the cross term is signed
         series[sw.labels[v]] = [e["value"] for e in per_t]
         errors[sw.labels[v]] = np.array([(e["value"] - e["lo"], e["hi"] - e["value"]) if e["lo"] is not None
                                          else (0.0, 0.0) for e in per_t]).T
@@ -294,6 +295,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                          "Share of this layer's log-partition term (the softmax denominator's) in the "
                          "non-relative energy of the mean log-probabilities of the last layer, on the maps at each "
                          "evaluation length (offsets up to T/2; docs/leakage.md: a descriptive identity), mean over "
-                         "seeds with 95% t-intervals.", "evaluation length T (tokens)", "log-partition share",
+                         "seeds with 95% t-intervals cut at 0 (a share of energies; it can exceed 1, since the split's "
+                         "cross term is signed).", "evaluation length T (tokens)", "log-partition share",
                          "The mask's term past the training length", errors=errors, logx=True))
     return out

@@ -28,14 +28,19 @@ MUCH = 2.0  # "much clearer": at least twice the spread of the off-diagonal scor
 SATURATION_KEY = 5  # the rise share reached by key 5 of 50 measures how fast a row saturates
 
 
-def offdiag_note(fixed: bool = True) -> str:
-    """How the raw score maps are coloured; `fixed`: the paper gives fixed limits for the setting (not with RoPE)."""
-    return ("Colour limits per panel span the off-diagonal entries (the constant diagonal would otherwise stretch "
-            "the scale); the diagonal is drawn saturated. A panel whose exact off-diagonal entries are all equal "
-            "(layer 1 of independent inputs) is drawn "
-            + ("on the paper's fixed limits and looks flat: constant by construction." if fixed else
-               "on its whole range, diagonal included (the paper gives no fixed limits here), and looks flat: its "
-               "off-diagonal entries are 0 by construction, up to Monte Carlo noise."))
+def offdiag_note(fixed: bool = True, flat: bool = True) -> str:
+    """How the raw score maps are coloured; `fixed`: the paper gives fixed limits for the setting (not with RoPE);
+    `flat`: a panel of the figure has exact off-diagonal entries that are all equal (layer 1: the inputs' inner
+    products)."""
+    note = ("Colour limits per panel span the off-diagonal entries (the constant diagonal would otherwise stretch "
+            "the scale); the diagonal is drawn saturated.")
+    if not flat:
+        return note
+    return note + (" Layer 1's exact off-diagonal entries are all equal (the inputs' inner products, constant by "
+                   "construction), so its panel is drawn " +
+                   ("on the paper's fixed limits and looks flat." if fixed else
+                    "on its whole range, diagonal included (the paper gives no fixed limits here), and looks flat: "
+                    "its off-diagonal entries are constant by construction, up to Monte Carlo noise."))
 
 
 def pattern_limits(m, exact, config: StackConfig | None = None) -> tuple[float, float]:

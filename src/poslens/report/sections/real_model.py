@@ -93,7 +93,9 @@ def statistics(sums: GroupedSums, layers: int) -> dict:
 
     est = sums.estimate(both, level=level)
     power, share = est[0].within(0.0), est[1].within(0.0, 1.0)  # a mean square; its share of the variance
+    raw = est[0]  # before the cut: how far each bound is from 0 (sample sizes are computed from it)
     return {"power": (power.value.numpy(), power.lo.numpy(), power.hi.numpy()),
+            "power_uncut": (raw.value.numpy(), raw.lo.numpy(), raw.hi.numpy()),
             "share": (share.value.numpy(), share.lo.numpy(), share.hi.numpy()), "level": level,
             "groups": est.groups}
 
@@ -170,15 +172,17 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
     tests = tuple(Test(f"layer {k + 1}: noise-free mean square of the pattern", float(v[k]), ">", 0.0, float(lo[k]),
                        float(hi[k]), interval) for k in range(1, layers))
     unresolved = [k + 1 for k in range(1, layers) if not lo[k] > 0]
+    rv, rlo, rhi = st.get("power_uncut", st["power"])  # uncut bounds: the cut at 0 would hide how far off they are
     resolve = ""
     if unresolved:
-        need = {k: sequences * ms.need_factor(v[k - 1], lo[k - 1], hi[k - 1]) for k in unresolved if v[k - 1] > 0}
+        need = {k: sequences * ms.need_factor(rv[k - 1], rlo[k - 1], rhi[k - 1]) for k in unresolved
+                if rv[k - 1] > 0}
         most = max(need, key=need.get) if need else 0
         resolve = (f"more sequences (the bounds shrink as 1/sqrt(sequences)): about {need[most]:,.0f} for layer "
                    f"{most}, the unresolved layer that needs the most at its present estimate; this run used "
                    f"{sequences}" if len(need) == len(unresolved) else
                    "more sequences; some unresolved layers estimate 0 or below, so no count follows from them")
-    weakest = int(np.argmin(lo[1:])) + 1
+    weakest = int(np.argmin(rlo[1:])) + 1  # the lowest bound before the cut at 0 (after it, several may tie at 0)
     out = [Claim(
         "kim-52-every-layer", "kim2025", "Section 5.2, Figure 5",
         "as trained (RoPE and the causal mask), a non-relative pattern is present in every layer after the first",

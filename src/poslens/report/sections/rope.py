@@ -32,7 +32,9 @@ def figure(ctx, stem: str, cfg: StackConfig, caption: str):
     noise = np.nanmedian(mc.se, axis=(1, 2))
     flat = [f"layer {k + 1} (exact limit at most {exact[k]:.1e}, standard errors about {noise[k]:.1e})"
             for k in range(cfg.layers) if exact[k] < noise[k]]
-    return heatmaps(ctx, stem, panels, caption + " Top row: the mean scores. " + offdiag_note(fixed=False)
+    low = np.tril_indices(gf.scores.shape[-1], -1)
+    constant = any(np.ptp(np.asarray(gf.scores[k])[low]) < 1e-9 for k in range(cfg.layers))  # as pattern_limits
+    return heatmaps(ctx, stem, panels, caption + " Top row: the mean scores. " + offdiag_note(False, constant)
                     + " Bottom row: each diagonal minus its mean (a relative map normalises to 0); colour limits at "
                     "its 1% and 99% quantiles"
                     + (", so a panel whose exact limit (Gram flow) is below the Monte Carlo noise shows the noise "
