@@ -296,7 +296,7 @@ def _write_cache(path: Path, docs: list[str], manifest: dict) -> None:
 
 @functools.lru_cache(maxsize=2)
 def load(cache_dir: str | None = None) -> tuple[tuple[str, ...], dict]:
-    """(documents, manifest) of the whole corpus: from the cache when there, else built (about a minute on two
+    """(documents, manifest) of the whole corpus: from the cache when there, else built (about 20 s on two
     cores) and cached. A second process building it at the same time waits for the first."""
     path = cache_path(cache_dir)
     cached = _read_cache(path)
