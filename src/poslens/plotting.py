@@ -149,11 +149,13 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     points unjoined (categories without an order, such as variants). logy: a log y-axis, or a symmetric log one
     where a value or bound is at or below 0 (`symlog_threshold`), every bar inside it."""
     fig, ax = plt.subplots(figsize=LINE_SIZE, layout="constrained")
-    # several series with error bars on a linear x: each a little apart, so that bars at one x do not hide each other
-    dodge = (xticklabels is not None or (errors is not None and len(series) > 1)) and not logx
+    # several series with error bars: each a little apart (by a factor on a log x), so that bars at one x do not hide
+    # each other
+    dodge = xticklabels is not None or (errors is not None and len(series) > 1)
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
-        at = [x + 0.06 * (k - (len(series) - 1) / 2) for x in xs] if dodge else xs
+        shift = k - (len(series) - 1) / 2
+        at = ([x * 2 ** (0.08 * shift) for x in xs] if logx else [x + 0.06 * shift for x in xs]) if dodge else xs
         ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name, linestyle="-" if joined else "none")
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))

@@ -120,19 +120,6 @@ def relative_size(m) -> torch.Tensor:
     return _t(rel.std(axis=-1))
 
 
-def antidiagonal_asymmetry(m) -> torch.Tensor:
-    """Per map: rms of m(i, j) - m(n-1-j, n-1-i) over j < i (the reflection across the bottom-left to top-right
-    axis, which maps the lower triangle onto itself), over the rms of the entries j < i around their mean: 0 for
-    the symmetric maps absolute position embeddings give (Wang & Chen 2020)."""
-    x = _np(m)
-    n = x.shape[-1]
-    mask = lower(n)
-    mirror = x[..., ::-1, ::-1].swapaxes(-1, -2)  # mirror[i, j] = x[n-1-j, n-1-i]
-    d = (x - mirror)[..., mask]
-    v = x[..., mask]
-    return _t(np.sqrt((d**2).mean(-1)) / v.std(-1))
-
-
 def antidiagonal_power(ma, mb) -> torch.Tensor:
     """Per map: E[D(m_a) D(m_b)] / var(m) over j < i, D(m) = m(i, j) - m(n-1-j, n-1-i): the noise-free mean square
     of the asymmetry across the bottom-left to top-right axis relative to the map's variance (0 for symmetric maps)."""
