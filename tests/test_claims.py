@@ -106,3 +106,17 @@ def test_a_scoped_claim_estimated_on_the_failing_side_is_not_resolved_by_more_da
         == "about 7 seeds"
     assert Claim("z", "kim2025", "S", "c", (against,), resolve="about 7 seeds").resolve_line() == "about 7 seeds"
     assert Claim("h", "kim2025", "S", "c", (Test("x", 1.0, ">"),), resolve="r").resolve_line() == ""  # holds
+
+
+def test_a_margin_lets_a_test_of_a_quantity_that_cannot_cross_its_threshold_fail():
+    """A mean square tested against 0 cannot fail (its interval is cut at 0); with a margin (the size below which it
+    is negligible) it fails when its whole interval lies below the margin, passes when above 0, else is open."""
+    present = Test("power", 0.05, ">", 0.0, 0.02, 0.08, "j", margin=0.001)
+    negligible = Test("power", 0.0002, ">", 0.0, 0.0, 0.0006, "j", margin=0.001)
+    unclear = Test("power", 0.001, ">", 0.0, 0.0, 0.004, "j", margin=0.001)
+    assert (present.outcome(), negligible.outcome(), unclear.outcome()) == ("pass", "fail", "open")
+    assert Test("power", 0.0002, ">", 0.0, 0.0, 0.0006, "j").outcome() == "open"  # without a margin: never fails
+    assert "fails below 0.001, negligible" in negligible.text() and negligible.to_json()["margin"] == 0.001
+    assert Test("x", -0.5, "<", 0.0, -0.9, -0.1, margin=-0.01).outcome() == "pass"  # the mirror image
+    with pytest.raises(ValueError, match="margin"):
+        Test("x", 1.0, ">", 0.0, 0.5, 1.5, margin=-0.1)  # a margin on the claim's side makes no sense

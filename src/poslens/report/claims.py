@@ -9,7 +9,9 @@ The rule (also in the README, "What the paper says and what poslens measured"):
 
 1. A `Test` passes when its value (its whole interval, when it has one) lies on the claim's side of the threshold,
    fails when it lies on the other side, and is open otherwise (the interval straddles the threshold, or the
-   value or interval is undefined). An exact computation (no interval) passes or fails.
+   value or interval is undefined). An exact computation (no interval) passes or fails. A test of a quantity that
+   cannot cross its threshold (a mean square tested against 0) carries a `margin`, the size below which the effect
+   is negligible: it fails when its whole interval lies on the far side of the margin, so it too can fail.
 2. A claim's tests are a conjunction: it passes when all pass, fails when any fails, else it is open.
 3. **holds** = passes; **contradicted** = fails; **not resolved** = open (`resolve` says what would decide it,
    only where something could).
@@ -93,12 +95,15 @@ class Test:
     hi: float | None = None
     interval: str = ""
     digits: int = 3
+    margin: float | None = None  # fails when the interval lies wholly past it (the effect shown negligible)
 
     def __post_init__(self) -> None:
         if self.side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {self.side!r}")
         if (self.lo is None) != (self.hi is None):
             raise ValueError("give both lo and hi, or neither")
+        if self.margin is not None and (self.margin - self.threshold) * (1 if self.side == ">" else -1) <= 0:
+            raise ValueError("a margin lies on the claim's side of the threshold")
 
     @property
     def exact(self) -> bool:
@@ -114,10 +119,10 @@ class Test:
             return "pass" if ok else "fail"
         if not (_defined(self.lo) and _defined(self.hi)):
             return "open"
-        above, below = self.lo > t, self.hi < t
+        far = t if self.margin is None else self.margin  # where the failing side begins
         if self.side == ">":
-            return "pass" if above else "fail" if below else "open"
-        return "pass" if below else "fail" if above else "open"
+            return "pass" if self.lo > t else "fail" if self.hi < far else "open"
+        return "pass" if self.hi < t else "fail" if self.lo > far else "open"
 
     def against(self) -> bool:
         """The estimate lies on the failing side of the threshold (or on it): more data would sooner show a failure
@@ -139,13 +144,15 @@ class Test:
     def text(self) -> str:
         """'mean row slope = 0.0186 [0.0099, 0.0274] (95% jackknife ...); the claim needs > 0: pass'."""
         how = f" ({self.interval})" if self.interval else "" if not self.exact else " (exact)"
-        return (f"{self.statistic} = {self.key()}{how}; the claim needs {self.side} {num(self.threshold, 4)}: "
+        fails = "" if self.margin is None else (
+            f" and fails {'below' if self.side == '>' else 'above'} {num(self.margin, 3)}, negligible")
+        return (f"{self.statistic} = {self.key()}{how}; the claim needs {self.side} {num(self.threshold, 4)}{fails}: "
                 f"{self.outcome()}")
 
     def to_json(self) -> dict:
         return {"statistic": self.statistic, "value": self.value, "lo": self.lo, "hi": self.hi,
                 "interval": self.interval or ("exact" if self.exact else ""), "side": self.side,
-                "threshold": self.threshold, "outcome": self.outcome()}
+                "threshold": self.threshold, "margin": self.margin, "outcome": self.outcome()}
 
 
 def interval_of(e: dict) -> str:

@@ -179,10 +179,11 @@ def est_text(est, index=None, digits: int = 3) -> str:
     return interval_text({"value": pick(est.value), "lo": pick(est.lo), "hi": pick(est.hi)}, digits)
 
 
-def test_of(statistic: str, est, side: str, threshold: float = 0.0, index=None, digits: int = 3):
+def test_of(statistic: str, est, side: str, threshold: float = 0.0, index=None, digits: int = 3,
+            margin: float | None = None):
     """A claims Test from a jackknife Estimate (element `index` of a tensor estimate)."""
     from poslens.report.claims import Test
 
     pick = (lambda t: float(t)) if index is None else (lambda t: float(t[index]))
     return Test(statistic, pick(est.value), side, threshold, pick(est.lo), pick(est.hi),
-                f"{100 * est.level:g}% jackknife over {est.groups} groups", digits)
+                f"{100 * est.level:g}% jackknife over {est.groups} groups", digits, margin)

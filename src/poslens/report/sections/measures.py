@@ -42,6 +42,11 @@ def _t(x) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x, dtype=np.float64))
 
 
+# a non-relative part (or asymmetry) whose mean square is under a thousandth of the map's variance is negligible:
+# the margin that lets a "present" test of a quantity that cannot fall below 0 fail (claims.Test.margin)
+NEGLIGIBLE = 1e-3
+
+
 def pattern_power(ma, mb, sink: bool = False) -> torch.Tensor:
     """Per map: E[P(m_a) P(m_b)] over the entries j <= i (1 <= j with sink): the mean square of the
     non-relative pattern without its noise term. ma, mb: [..., n, n] means of two independent halves."""

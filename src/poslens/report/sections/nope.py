@@ -258,7 +258,7 @@ def bands_claim(ctx, cfg: dict) -> Claim:
     for a in FIG2:
         est = ctx.mc(cfg[a]).estimate(lambda ma, mb: ms.band_share(ma, mb)[3])
         what = f"alpha {a:g}, layer 4: noise-free share of the variance of the entries j < i within the bands i - j"
-        resolved.append(test_of(what, est, ">"))
+        resolved.append(test_of(what, est, ">", margin=ms.NEGLIGIBLE))
         most.append(test_of(what, est, ">", NON_UNIFORM))
     return Claim(
         "kim-41-bands-non-uniform", "kim2025", "Section 4.1",
@@ -279,7 +279,7 @@ def antidiagonal_claim(ctx, cfg: dict) -> Claim:
     for a in FIG2:
         est = ctx.mc(cfg[a]).estimate(lambda ma, mb: ms.antidiagonal_power(ma, mb)[3])
         tests.append(test_of(f"alpha {a:g}, layer 4: noise-free mean square of m(i, j) - m(n+1-j, n+1-i) over the "
-                             "map's variance", est, ">"))
+                             "map's variance", est, ">", margin=ms.NEGLIGIBLE))
     exact = [float(ms.antidiagonal_power(g, g)) for g in (ctx.gf(cfg[a]).scores[3] for a in FIG2)]  # same units
     return Claim(
         "kim-41-not-antidiagonal-symmetric", "kim2025", "Section 4.1",

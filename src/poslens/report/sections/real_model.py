@@ -169,8 +169,9 @@ def build(ctx, size: dict) -> Section:
 def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequences: int) -> list[Claim]:
     v, lo, hi = st["power"]
     interval = f"jackknife over {st['groups']} groups, Bonferroni over {layers} layers (95% family-wise)"
+    var = ms.map_variance(mean, sink=True)  # per layer: the scale a negligible pattern is measured against
     tests = tuple(Test(f"layer {k + 1}: noise-free mean square of the pattern", float(v[k]), ">", 0.0, float(lo[k]),
-                       float(hi[k]), interval) for k in range(1, layers))
+                       float(hi[k]), interval, margin=ms.NEGLIGIBLE * float(var[k])) for k in range(1, layers))
     unresolved = [k + 1 for k in range(1, layers) if not lo[k] > 0]
     rv, rlo, rhi = st.get("power_uncut", st["power"])  # uncut bounds: the cut at 0 would hide how far off they are
     resolve = ""
