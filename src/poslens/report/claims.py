@@ -285,7 +285,8 @@ class Claim:
         if self.scope and (against or undefined):
             why = ([f"{len(against)} of its {len(tests)} tests estimate on the failing side here, so more seeds or "
                     "sequences could only show a failure, which the scope rule reads not resolved"] if against else [])
-            why += ([f"{len(undefined)} of its tests' statistics are undefined on these models"] if undefined else [])
+            why += ([f"the statistic of {len(undefined)} of its {len(tests)} tests is undefined on these models"]
+                    if undefined else [])
             return (f"not more data at this scale: {'; '.join(why)}; only a measurement at the claim's own scale "
                     f"would decide it ({self.scope})")
         return self.resolve

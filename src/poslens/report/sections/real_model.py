@@ -195,7 +195,8 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
                    "'non-relative pattern per layer' and run.json.",
         resolve=resolve, figure="non-relative pattern per layer, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
         key=f"resolved in {layers - 1 - len(unresolved)} of {layers - 1} layers; weakest lower bound "
-            f"{num(float(lo[weakest]))} (layer {weakest + 1})")]
+            f"{num(float(lo[weakest]))} (layer {weakest + 1}"
+            + (f"; {num(float(rlo[weakest]))} before the cut at 0)" if rlo[weakest] < lo[weakest] else ")"))]
     ratio = sums.estimate(lambda m: (lambda p: p[0] / p[1:].mean())(ms.pattern_power(m["a"], m["b"], sink=True)))
     test = Test("layer-1 pattern power / mean power of the later layers", float(ratio.value), "<", FIRST_LAYER,
                 float(ratio.lo), float(ratio.hi), f"95% jackknife over {ratio.groups} groups")
