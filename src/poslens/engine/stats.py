@@ -81,9 +81,8 @@ class Estimate:
 
     def __getitem__(self, index) -> Estimate:
         """Element `index` of every tensor (e.g. one statistic of an estimate of several)."""
-        pick = (lambda t: t[index]) if index is not None else (lambda t: t)
-        return Estimate(pick(self.value), pick(self.lo), pick(self.hi), pick(self.se), self.groups, self.level,
-                        self.method, None if self.debiased is None else pick(self.debiased))
+        return Estimate(self.value[index], self.lo[index], self.hi[index], self.se[index], self.groups, self.level,
+                        self.method, None if self.debiased is None else self.debiased[index])
 
     def within(self, low: float = -math.inf, high: float = math.inf) -> Estimate:
         """The estimate and its interval cut to [low, high], the range the quantity cannot leave (a mean square:

@@ -133,6 +133,7 @@ def sinks(a0: Estimate, a0_64: torch.Tensor, threshold: float, seq_len: int) -> 
     rate_64 = float((a0_64 > threshold).double().mean()) if seq_len >= p0.GU_TOKENS else None
     heads = [{"layer": h["layer"] + 1, "head": h["head"] + 1, "index": [h["layer"], h["head"]], "alpha0": h["alpha0"]}
              for h in p0.sink_heads(a0.value, threshold)]
+
     def share(x: torch.Tensor) -> float:
         return float((x > threshold).double().mean())
 

@@ -173,7 +173,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
     tests = tuple(Test(f"layer {k + 1}: noise-free mean square of the pattern", float(v[k]), ">", 0.0, float(lo[k]),
                        float(hi[k]), interval, margin=ms.NEGLIGIBLE * float(var[k])) for k in range(1, layers))
     unresolved = [k + 1 for k in range(1, layers) if not lo[k] > 0]
-    rv, rlo, rhi = st.get("power_uncut", st["power"])  # uncut bounds: the cut at 0 would hide how far off they are
+    rv, rlo, rhi = st["power_uncut"]  # uncut bounds: the cut at 0 would hide how far off they are
     resolve = ""
     if unresolved:
         need = {k: sequences * ms.need_factor(rv[k - 1], rlo[k - 1], rhi[k - 1]) for k in unresolved

@@ -174,8 +174,7 @@ def _defined(e: dict) -> bool:
     return all(e.get(k) is not None and np.isfinite(e[k]) for k in ("value", "lo", "hi"))
 
 
-def _fmt(e: dict, digits: int = 3) -> str:
-    return interval_text(e, digits)
+_fmt = interval_text  # 'value [lo, hi]' of an estimate ('undefined', '(no interval)' where it has none)
 
 
 def _seeds(e: dict, digits: int = 3) -> str:
