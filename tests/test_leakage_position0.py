@@ -1,5 +1,7 @@
 """Position 0 on tiny random models through the hook engine; the interventions' write hooks."""
 
+import math
+
 import pytest
 import torch
 from tiny_models import build, token_batch
@@ -97,3 +99,6 @@ def test_sink_rate_bounds_come_from_the_heads_intervals():
     assert s["rate_64"] is None and [h["head"] for h in s["sink_heads"]] == [1, 3]
     assert "0.333 to 1.000 by the heads' own 95% intervals" in sink_bounds(s)
     assert sink_bounds({"rate": 0.5}) == ""  # a run written before the bounds were recorded
+    nan = t(math.nan, math.nan, math.nan)  # one group of sequences: no intervals, so no bounds (not "0 to 0")
+    one = sinks(Estimate(a0.value, nan, nan, nan, 1, 0.95, "jackknife"), a0.value, 0.3, 32)
+    assert one["rate"] == pytest.approx(2 / 3) and one["rate_lo"] is None and sink_bounds(one) == ""

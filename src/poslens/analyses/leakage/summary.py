@@ -129,13 +129,14 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
 def sinks(a0: Estimate, a0_64: torch.Tensor, threshold: float, seq_len: int) -> dict:
     """Gu et al.'s sink rate at seq_len tokens and at 64 (None when seq_len < 64), the sink-reading heads, and the
     rate's bounds from the heads' own intervals: the share of heads whose interval of alpha_0 lies above the
-    threshold (`rate_lo`) and the share whose interval reaches above it (`rate_hi`)."""
+    threshold (`rate_lo`) and the share whose interval reaches above it (`rate_hi`); None without intervals (one
+    group of sequences)."""
     rate_64 = float((a0_64 > threshold).double().mean()) if seq_len >= p0.GU_TOKENS else None
     heads = [{"layer": h["layer"] + 1, "head": h["head"] + 1, "index": [h["layer"], h["head"]], "alpha0": h["alpha0"]}
              for h in p0.sink_heads(a0.value, threshold)]
 
-    def share(x: torch.Tensor) -> float:
-        return float((x > threshold).double().mean())
+    def share(x: torch.Tensor) -> float | None:
+        return float((x > threshold).double().mean()) if bool(torch.isfinite(x).all()) else None
 
     return {"rate": share(a0.value), "rate_lo": share(a0.lo), "rate_hi": share(a0.hi), "level": a0.level,
             "tokens": seq_len, "epsilon": threshold, "rate_64": rate_64, "sink_heads": heads}
