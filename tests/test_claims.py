@@ -93,15 +93,20 @@ def test_ledgers_count_each_paper_apart():
     assert led["other"].counts["holds"] == 1 and led["other"].counts["not resolved"] == 1
 
 
-def test_a_scoped_claim_estimated_on_the_failing_side_is_not_resolved_by_more_data():
-    """A claim about a larger scale whose estimate lies on the failing side here: more seeds could only show a
-    failure, which the scope rule reads not resolved, so the row says that only the claim's scale decides it;
-    without a scope, or on the passing side, the row's own resolve line stands."""
+def test_a_scoped_claim_that_fails_here_is_not_resolved_by_more_data():
+    """A claim about a larger scale whose test fails here: more seeds would only narrow the failure, which the scope
+    rule reads not resolved, so the row says that only the claim's scale decides it. A test that is open with its
+    estimate on the failing side can still resolve either way: the row's own line stands, with the scope's caveat;
+    without a scope, or on the passing side, the row's own resolve line stands alone."""
+    failed = Test("slope", -0.2, ">", 0.0, -0.5, -0.1, "t")
     against = Test("slope", -0.2, ">", 0.0, -0.5, 0.1, "t")
     toward = Test("slope", 0.2, ">", 0.0, -0.1, 0.5, "t")
-    scoped = Claim("x", "kim2025", "S", "c", (against,), scope="1.5B models", resolve="about 7 seeds")
+    scoped = Claim("x", "kim2025", "S", "c", (failed,), scope="1.5B models (this pair: 0.6M tokens)",
+                   resolve="about 7 seeds")
     assert scoped.verdict == "not resolved" and "only a measurement at the claim's own scale" in scoped.resolve_line()
-    assert "1.5B models" in scoped.resolve_line() and "7 seeds" not in scoped.resolve_line()
+    assert scoped.resolve_line().endswith("(1.5B models)") and "7 seeds" not in scoped.resolve_line()
+    leaning = Claim("w", "kim2025", "S", "c", (against,), scope="1.5B models", resolve="about 7 seeds").resolve_line()
+    assert leaning.startswith("about 7 seeds; its estimate lies on the failing side") and "1.5B models" in leaning
     assert Claim("y", "kim2025", "S", "c", (toward,), scope="1.5B models", resolve="about 7 seeds").resolve_line() \
         == "about 7 seeds"
     assert Claim("z", "kim2025", "S", "c", (against,), resolve="about 7 seeds").resolve_line() == "about 7 seeds"

@@ -222,3 +222,33 @@ def test_alpha0_of_a_sliding_window_layer_is_over_the_queries_that_see_key_0():
     assert a[1, 0].item() == pytest.approx(harmonic(W) / W, rel=1e-12)  # 0.127, not H_W / T
     assert torch.equal(alpha0(key0), key0.mean(-1))  # no windows: every query
     assert alpha0(key0, 16, [0, W])[1, 0].item() == pytest.approx(harmonic(16) / 16, rel=1e-12)  # W > tokens
+
+
+def _key0_pass(attention: dict[tuple[int, int], float], groups: int = 4) -> LeakageMaps:
+    """A pass whose mean attention on key 0 is `attention[(layer, head)]` at every query (1/8 elsewhere), the same
+    in every group, as a pass over 2 layers x 2 heads of 8 queries would record it."""
+    stat = LeakageMaps(groups=groups)
+    for g in range(groups):
+        key0 = torch.full((2, 2, 8), 1 / 8, dtype=torch.float64)
+        for (layer, head), a in attention.items():
+            key0[layer, head] = a
+        stat.sums.add("key0", g, 3 * key0, 3)  # 3 sequences per group
+    return stat
+
+
+def test_sink_attention_reads_the_sink_heads_of_the_base_pass_in_both_passes():
+    """One head attends 0.9 to key 0 (a sink at threshold 0.3), one 0.6 (a sink), the rest 1/8 (not sinks): after an
+    intervention that halves the first and leaves the second, the sinks' mean attention goes from 0.75 to 0.525,
+    a change of exactly -0.225 with a zero-width interval (every group agrees); the heads are chosen on the base
+    pass only; with no head above the threshold there is nothing to read (None)."""
+    from poslens.analyses.leakage.contrast import sink_attention
+
+    base = _key0_pass({(0, 1): 0.9, (1, 0): 0.6})
+    other = _key0_pass({(0, 1): 0.45, (1, 0): 0.6, (1, 1): 0.95})  # a new sink in the other pass is not counted
+    out = sink_attention(base, other, threshold=0.3)
+    assert out["heads"] == 2
+    assert out["base"]["value"] == pytest.approx(0.75, abs=1e-12)
+    assert out["pass"]["value"] == pytest.approx(0.525, abs=1e-12)
+    assert out["change"]["value"] == pytest.approx(-0.225, abs=1e-12)
+    assert out["change"]["hi"] - out["change"]["lo"] == pytest.approx(0.0, abs=1e-12)
+    assert sink_attention(base, other, threshold=0.95) is None

@@ -124,6 +124,12 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     assert not any("split/" in t.statistic for t in both.tests)  # the exact split is context, not a test
     assert any(what.startswith("the exact split") for what, _ in context)
     assert not any(what.startswith("position 0") for what, _ in context)  # true by construction: asserted above
+    sa = m["interventions"]["mean"]["sink_attention"]  # sinks in this tiny model, or none: either way consistent
+    anchored = [c for c in claims if c.id == "ruscio-token-anchored"]
+    assert len(anchored) == (sa is not None)
+    if sa is not None:
+        assert sa["change"]["value"] == pytest.approx(sa["pass"]["value"] - sa["base"]["value"], abs=1e-9)
+        assert anchored[0].tests[0].side == "<" and anchored[0].verdict in VERDICTS
 
 
 def test_per_head_contrasts_of_a_one_head_model_are_its_layer_contrasts(tmp_path, capsys):

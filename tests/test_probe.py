@@ -113,3 +113,14 @@ def test_heldout_losses_equal_the_models_own_loss():
 def test_too_little_held_out_text_is_a_one_line_error():
     with pytest.raises(UsageError, match="fewer than 3 sequences of 10 tokens"):
         sequences_of(torch.arange(25), 10, 3)
+
+
+def test_held_out_blocks_start_with_the_bos_a_model_was_trained_with():
+    """With `bos`, every block is the BOS, then the next seq_len - 1 tokens of the stream, with no token skipped or
+    repeated between blocks: the blocks a `--bos` model saw in training (train.data.blocks)."""
+    stream = torch.arange(100, 100 + 4 * 9)
+    out = sequences_of(stream, 10, 4, offset=0, bos=7)
+    assert out.shape == (4, 10) and (out[:, 0] == 7).all()
+    assert torch.equal(out[:, 1:].flatten(), stream)
+    later = sequences_of(torch.arange(100, 100 + 6 * 9), 10, 2, offset=4, bos=7)
+    assert later[0, 1].item() == 100 + 4 * 9

@@ -72,7 +72,8 @@ def test_between_seed_interval_is_the_t_interval():
 def test_combine_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_values():
     """`combine_seeds` (the report's Section 4.2): each estimate of one shape of per-seed results becomes mean -/+
     t_{n-1} sd / sqrt(n) of its values (t_{2, 0.975} = 4.302653 for three seeds); an undefined seed leaves the mean
-    and its interval undefined; other leaves are the first seed's."""
+    and its interval undefined; other leaves are the first seed's. Every seed read the same held-out text, so each
+    seed's own half-width over it (here 1) is added in quadrature: sqrt(h_seeds^2 + 1)."""
     from poslens.report.sweep import combine_seeds
 
     def est(v):
@@ -84,7 +85,8 @@ def test_combine_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_
     out = combine_seeds(results)
     sd = math.sqrt(((1 - 3) ** 2 + (2 - 3) ** 2 + (6 - 3) ** 2) / 2)
     assert out["a"]["value"] == 3.0 and out["a"]["per_seed"] == [1.0, 2.0, 6.0] and out["a"]["n"] == 3
-    assert math.isclose(out["a"]["hi"] - 3.0, 4.302653 * sd / math.sqrt(3), rel_tol=1e-6)
+    assert math.isclose(out["a"]["hi"] - 3.0, math.hypot(4.302653 * sd / math.sqrt(3), 1.0), rel_tol=1e-6)
+    assert out["a"]["shared"] == 1.0 and out["a"]["sd"] == pytest.approx(sd)
     assert math.isclose(out["b"][0]["value"], 5.0) and out["n"] == 7
     assert math.isnan(out["b"][1]["c"]["value"]) and math.isnan(out["b"][1]["c"]["lo"])
 
@@ -144,3 +146,25 @@ def test_auto_jobs_is_one_model_per_cpu_thread_and_one_on_a_gpu(monkeypatch):
     assert auto_jobs([cpu] * 12) == 4 and auto_jobs([cpu] * 3) == 3 and auto_jobs([cpu]) == 1
     assert auto_jobs([cpu, resolve_config("tiny", device="cuda")]) == 1
     assert auto_jobs([resolve_config("tiny", device="cpu", steps=6, warmup=2)] * 4) == 1  # a test's few steps: inline
+
+
+def test_seeds_that_read_the_same_text_keep_that_texts_interval():
+    """Seeds that agree exactly on one shared held-out sample still carry that sample's interval (the spread over
+    seeds is 0, the interval is not); more seeds cannot shrink it, so when it alone exceeds the distance of the
+    estimate from the threshold no seed count is given and the row asks for more held-out text."""
+    from poslens.engine.stats import over_seeds
+    from poslens.report.claims import estimate_test
+    from poslens.report.sweep import SweepModels, more_seeds, seeds_needed
+
+    same = over_seeds([0.3, 0.3, 0.3], shared=[0.2, 0.2, 0.2])
+    assert float(same.lo) == pytest.approx(0.1) and float(same.hi) == pytest.approx(0.5)
+    e = seed_interval([0.05, 0.1, 0.15], shared=[0.3, 0.3, 0.3])
+    test = estimate_test("effect", e, ">")
+    assert test.outcome() == "open" and test.floor == pytest.approx(0.3) and seeds_needed(test, 3) is None
+    cfg = SweepConfig(preset="pe-quick")
+    text = more_seeds(SweepModels(cfg, resolve_matrix(cfg), {}, None), (test,))
+    assert text.startswith("more held-out text") and "--seeds" not in text
+    narrow = estimate_test("effect", seed_interval([0.05, 0.1, 0.15], shared=[0.01] * 3), ">")
+    m = seeds_needed(narrow, 3)  # a small floor: a count, larger than without the floor
+    plain = estimate_test("effect", seed_interval([0.05, 0.1, 0.15]), ">")
+    assert m is not None and m >= seeds_needed(plain, 3)

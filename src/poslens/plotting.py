@@ -152,10 +152,11 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     # several series with error bars: each a little apart (by a factor on a log x), so that bars at one x do not hide
     # each other
     dodge = xticklabels is not None or (errors is not None and len(series) > 1)
+    step = dodge_step(xs, len(series), logx) if dodge else 0.0
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
-        shift = k - (len(series) - 1) / 2
-        at = ([x * 2 ** (0.08 * shift) for x in xs] if logx else [x + 0.06 * shift for x in xs]) if dodge else xs
+        shift = step * (k - (len(series) - 1) / 2)
+        at = ([x * 2 ** shift for x in xs] if logx else [x + shift for x in xs]) if dodge else xs
         ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name, linestyle="-" if joined else "none")
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))
@@ -170,12 +171,35 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
         ax.set_yscale("symlog", linthresh=threshold)
         ax.axhline(0, color="0.3", lw=0.8)
         _, lows, highs = _extent(series, errors)
-        lo, hi = np.nanmin(lows), np.nanmax(highs)  # every bar inside the axis, with a margin on the scale drawn
-        ax.set_ylim(lo * 1.3 if lo < 0 else lo / 1.3, hi * 1.3 if hi > 0 else hi / 1.3)
+        pad_limits(ax, np.nanmin(lows), np.nanmax(highs))  # every bar inside the axis, a 0 at the bottom included
     elif logy:
         ax.set_yscale("log")
     _finish(ax, xlabel, ylabel, title)
     return fig
+
+
+DODGE = 0.15  # the shift between neighbouring series at one x, as a fraction of the smallest gap between x values
+
+
+def dodge_step(xs, n: int, logx: bool = False) -> float:
+    """The shift between neighbouring series of `n` drawn at the same x values: DODGE of the smallest gap between
+    distinct x values (in log2 x, a factor 2**step, on a log x-axis; a gap of 1 for one x), narrowed where needed so
+    that the n series at one x span at most half of that gap (never into the next x's)."""
+    u = np.unique(np.asarray(xs, dtype=float))
+    u = u[np.isfinite(u)]
+    if logx:
+        u = np.log2(u[u > 0])
+    gap = float(np.diff(u).min()) if u.size > 1 else 1.0
+    return gap * min(DODGE, 0.5 / max(n - 1, 1))
+
+
+def pad_limits(ax, lo: float, hi: float, pad: float = 0.05) -> None:
+    """y limits `pad` of the drawn span beyond lo and hi, measured on the axis' own scale (a symmetric log one, say),
+    so that a point or bar end at lo or hi (a 0 at the bottom) is drawn whole, marker and cap, inside the axes."""
+    t = ax.yaxis.get_transform()
+    a, b = t.transform(np.array([lo, hi], dtype=float))
+    span = (b - a) or 1.0
+    ax.set_ylim(*t.inverted().transform(np.array([a - pad * span, b + pad * span])))
 
 
 def _extent(series: dict[str, Sequence[float]], errors: dict | None) -> tuple[np.ndarray, ...]:

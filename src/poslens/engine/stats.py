@@ -107,11 +107,16 @@ class Estimate:
 
 
 def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
-               support: tuple[float, float] | None = None) -> Estimate:
+               support: tuple[float, float] | None = None,
+               shared: Sequence[torch.Tensor | float] | None = None) -> Estimate:
     """The mean of one estimate over m models (seeds) with a t-interval over them: mean -/+ t_{m-1} sd / sqrt(m)
     (NaN interval for m < 2; a NaN value makes the mean and its interval NaN). `support`: the range the quantity
     cannot leave (a share: (0, 1); an entropy gap: (0, inf)); the mean and its interval are cut to it
-    (`Estimate.within`)."""
+    (`Estimate.within`). `shared`: each model's interval half-width over a sample of text that every model read:
+    that sample's error is common to all seeds, so the spread over seeds does not show it and more seeds do not
+    shrink it; the half-width is then sqrt(h_seeds^2 + mean_s h_s^2), the root-mean-square of the models' own
+    half-widths added in quadrature (conservative: it counts the part of their noise that differs between seeds
+    twice)."""
     check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
     x = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
     m = x.shape[0]
@@ -119,9 +124,12 @@ def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
     if m < 2:
         nan = torch.full_like(mean, math.nan)
         return Estimate(mean, nan, nan.clone(), nan.clone(), m, level, "t over seeds")
-    se = x.std(0, correction=1) / math.sqrt(m)
     t = t_quantile((1 + level) / 2, m - 1)
-    est = Estimate(mean, mean - t * se, mean + t * se, se, m, level, "t over seeds")
+    half = t * x.std(0, correction=1) / math.sqrt(m)
+    if shared is not None:
+        h = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in shared])
+        half = torch.sqrt(half ** 2 + (h ** 2).mean(0))
+    est = Estimate(mean, mean - half, mean + half, half / t, m, level, "t over seeds")
     return est.within(*support) if support is not None else est
 
 

@@ -33,6 +33,7 @@ are a section's `context`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 VERDICTS = ("holds", "contradicted", "ambiguous", "erratum", "not resolved", "finding")
@@ -96,6 +97,7 @@ class Test:
     interval: str = ""
     digits: int = 3
     margin: float | None = None  # fails when the interval lies wholly past it (the effect shown negligible)
+    floor: float | None = None  # the part of the half-width more seeds cannot shrink (text every seed read)
 
     def __post_init__(self) -> None:
         if self.side not in SIDES:
@@ -144,10 +146,13 @@ class Test:
     def text(self) -> str:
         """'mean row slope = 0.0186 [0.0099, 0.0274] (95% jackknife ...); the claim needs > 0: pass'."""
         how = f" ({self.interval})" if self.interval else "" if not self.exact else " (exact)"
+        return f"{self.statistic} = {self.key()}{how}; the claim needs {self.needs()}: {self.outcome()}"
+
+    def needs(self) -> str:
+        """'> 0', or with a margin '> 0 and fails below 0.00256, negligible'."""
         fails = "" if self.margin is None else (
             f" and fails {'below' if self.side == '>' else 'above'} {num(self.margin, 3)}, negligible")
-        return (f"{self.statistic} = {self.key()}{how}; the claim needs {self.side} {num(self.threshold, 4)}{fails}: "
-                f"{self.outcome()}")
+        return f"{self.side} {num(self.threshold, 4)}{fails}"
 
     def to_json(self) -> dict:
         return {"statistic": self.statistic, "value": self.value, "lo": self.lo, "hi": self.hi,
@@ -160,7 +165,8 @@ def interval_of(e: dict) -> str:
     sequences: "groups", "method") or '95% t-interval over 3 seeds' (`poslens.train.sweep.seed_interval`: "n")."""
     level = f"{100 * e.get('level', 0.95):g}%"
     if e.get("method") == "t over seeds":
-        return f"{level} t-interval over {e['n']} seeds"
+        return f"{level} t-interval over {e['n']} seeds" + (
+            ", with the held-out text's own interval (the same text for every seed) added" if "shared" in e else "")
     return f"{level} {e.get('method', 'jackknife')} over {e.get('groups')} groups"
 
 
@@ -169,7 +175,7 @@ def estimate_test(statistic: str, e: dict, side: str, threshold: float = 0.0, in
     an interval) leaves the test open, never exact. `interval` defaults to `interval_of(e)`."""
     lo, hi = (math.nan if e.get(k) is None else e[k] for k in ("lo", "hi"))
     return Test(statistic, math.nan if e["value"] is None else e["value"], side, threshold, lo, hi,
-                interval or interval_of(e))
+                interval or interval_of(e), floor=e.get("shared"))
 
 
 def interval_text(e: dict, digits: int = 3) -> str:
@@ -274,22 +280,38 @@ class Claim:
         return out
 
     def resolve_line(self) -> str:
-        """What would resolve a not-resolved row. A claim about a larger scale (`scope`) whose estimate lies on the
-        failing side of a test at this scale cannot be resolved here: more seeds or sequences could only show a
-        failure, which rule 4 reads not resolved; only a measurement at the claim's own scale would decide it."""
+        """What would resolve a not-resolved row. A claim about a larger scale (`scope`) with a test that fails at
+        this scale (its interval wholly on the failing side) cannot be resolved here: more seeds or sequences would
+        keep showing the failure, which rule 4 reads not resolved; only a measurement at the claim's own scale would
+        decide it. A test that is open with its estimate on the failing side could still resolve either way: the
+        row's own line stands, with what a resolution on the failing side would mean."""
         if self.verdict != "not resolved":
             return ""
         tests = [t for _, t in self.all_tests()]
-        against = [t for t in tests if t.against()]
+        failed = [t for t in tests if t.outcome() == "fail"]
         undefined = [t for t in tests if not _defined(t.value)]
-        if self.scope and (against or undefined):
-            why = ([f"{len(against)} of its {len(tests)} tests estimate on the failing side here, so more seeds or "
-                    "sequences could only show a failure, which the scope rule reads not resolved"] if against else [])
-            why += ([f"the statistic of {len(undefined)} of its {len(tests)} tests is undefined on these models"]
-                    if undefined else [])
+        one = len(tests) == 1
+        if self.scope and (failed or undefined):
+            why = ([("its test fails" if one else f"{len(failed)} of its {len(tests)} tests fail") + " here, which "
+                    "the scope rule reads not resolved, and more seeds or sequences would only narrow the failure"]
+                   if failed else [])
+            why += ([("its statistic is" if one else f"the statistic of {len(undefined)} of its {len(tests)} tests is")
+                     + " undefined on these models"] if undefined else [])
             return (f"not more data at this scale: {'; '.join(why)}; only a measurement at the claim's own scale "
-                    f"would decide it ({self.scope})")
+                    f"would decide it ({self.claim_scale})")
+        leaning = [t for t in tests if t.outcome() == "open" and t.against()]
+        if self.scope and leaning:
+            lean = ("its estimate lies" if one else f"{len(leaning)} of its {len(tests)} tests' estimates lie")
+            first = f"{self.resolve}; " if self.resolve else ""
+            return (f"{first}{lean} on the failing side, so more data could as well show a failure, which "
+                    f"at this scale reads not resolved: only a measurement at the claim's own scale could contradict "
+                    f"it ({self.claim_scale})")
         return self.resolve
+
+    @property
+    def claim_scale(self) -> str:
+        """The scale the claim is about: the scope without what it adds about this measurement ('(this ...)')."""
+        return re.split(r" \((?:this|these)\b", self.scope, maxsplit=1)[0]
 
     def key_number(self) -> str:
         if self.key:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens.report.claims import PAPERS, Claim, ledgers, num
+from poslens.report.claims import PAPERS, Claim, ledgers
 from poslens.report.section import Figure, Panel, Section
 
 _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
@@ -125,11 +125,19 @@ image-rendering:pixelated;cursor:crosshair;border:1px solid #bbb;display:block}
 padding:2px 6px;font-size:12px;border-radius:3px;display:none;z-index:9}
 """
 
+F16_SAFE = 60_000.0  # below float16's largest finite value (65,504), so rounding cannot overflow
+F16_NORMAL = 2.0**-14  # float16's smallest normal value: below it an entry holds fewer significant digits
+# The significant digits a (normal) float16 entry always holds: its rounding error, at most 2^-11 of its magnitude,
+# stays under half a unit in the last printed digit while 10^digits <= 2^10; 3 (the page's hover and cell labels).
+F16_DIGITS = math.floor(10 * math.log10(2))
+
 # Heatmaps: data are float16 (IEEE half, little endian) of the entries j <= i, row by row, base64, divided by a
-# power of two (vs, ss) where the largest |entry| would overflow float16; NaN is blank.
+# power of two (vs, ss) where the largest |entry| would overflow float16 or the smallest would fall below its normal
+# range; NaN is blank. Values print with the significant digits float16 holds (F16_DIGITS; fewer for an entry
+# stored below the normal range, where its absolute precision is scale * 2^-24), so that no printed digit is noise.
 SCRIPT = """
 (function(){
-var LABEL=30;
+var LABEL=30,DIGITS=__DIGITS__;
 var tip=document.createElement('div');tip.className='tip';document.body.appendChild(tip);
 var luts={};document.querySelectorAll('script.poslens-cmap').forEach(function(el){var hex=el.textContent,lut=[];
  for(var k=0;k<256;k++)lut.push([parseInt(hex.substr(6*k,2),16),parseInt(hex.substr(6*k+2,2),16),
@@ -140,11 +148,14 @@ function half(h){var s=(h&0x8000)?-1:1,x=(h>>10)&31,f=h&1023;
 function unpack(b64,n,s){if(!b64)return null;var bin=atob(b64),out=new Float32Array(n*n).fill(NaN),p=0;
  for(var i=0;i<n;i++)for(var j=0;j<=i;j++){out[i*n+j]=s*half(bin.charCodeAt(p)|(bin.charCodeAt(p+1)<<8));p+=2;}
  return out;}
-function fmt(v){if(!isFinite(v))return 'blank';var a=Math.abs(v);
- return (a!==0&&(a<1e-3||a>=1e4))?v.toExponential(3):v.toPrecision(4);}
+function held(a,s){if(!(a>0)||a/s>=Math.pow(2,-14))return DIGITS;
+ return Math.min(DIGITS,Math.floor(Math.log10(a))-Math.ceil(Math.log10(s*Math.pow(2,-24)))+1);}
+function fmt(v,s,short){if(!isFinite(v))return 'blank';var a=Math.abs(v),k=held(a,s);if(a===0)return '0';
+ if(k<1)return '~'+v.toExponential(0);var t=(a<1e-3||a>=1e4)?v.toExponential(k-1):v.toPrecision(k);
+ return short?Number(t).toString():t;}
 document.querySelectorAll('.hm').forEach(function(el){
- var d=JSON.parse(el.querySelector('script').textContent),n=d.n,val=unpack(d.v,n,d.vs||1),se=unpack(d.se,n,d.ss||1),
- lut=luts[d.cm];
+ var d=JSON.parse(el.querySelector('script').textContent),n=d.n,vs=d.vs||1,ss=d.ss||1,val=unpack(d.v,n,vs),
+ se=unpack(d.se,n,ss),lut=luts[d.cm];
  var img=document.createElement('canvas');img.width=n;img.height=n;var ic=img.getContext('2d'),
  id=ic.createImageData(n,n);
  for(var q=0;q<n*n;q++){var v=val[q],o=4*q;if(!isFinite(v)){id.data[o+3]=0;continue;}
@@ -159,7 +170,7 @@ document.querySelectorAll('.hm').forEach(function(el){
   cx.font=fs+'px sans-serif';cx.textAlign='center';cx.textBaseline='middle';
   for(var i=Math.floor(view.y);i<Math.min(n,Math.ceil(view.y+view.s));i++)
    for(var j=Math.floor(view.x);j<=Math.min(i,Math.ceil(view.x+view.s)-1);j++){var v=val[i*n+j];
-    if(!isFinite(v))continue;var s=Number(v.toPrecision(3)).toString();w=Math.max(w,cx.measureText(s).width);
+    if(!isFinite(v))continue;var s=fmt(v,vs,true);w=Math.max(w,cx.measureText(s).width);
     cells.push([i,j,v,s]);}
   if(w>0.9*c)cx.font=(fs*0.9*c/w)+'px sans-serif';
   cells.forEach(function(q){var t=Math.max(0,Math.min(255,Math.round(255*(q[2]-d.lo)/((d.hi-d.lo)||1)))),
@@ -171,8 +182,8 @@ document.querySelectorAll('.hm').forEach(function(el){
   if(drag){var r=cv.getBoundingClientRect(),k=view.s/r.width;view.x=Math.max(0,Math.min(n-view.s,
    drag[2]-(ev.clientX-drag[0])*k));view.y=Math.max(0,Math.min(n-view.s,drag[3]-(ev.clientY-drag[1])*k));draw();}
   var c=cell(ev),i=Math.floor(c[0]),j=Math.floor(c[1]);if(i<0||j<0||i>=n||j>=n){tip.style.display='none';return;}
-  var v=val[i*n+j];tip.textContent='query i='+(i+1)+', key j='+(j+1)+': '+fmt(v)+
-   (se&&isFinite(v)?' \\u00b1 '+fmt(se[i*n+j])+' (SE)':'');
+  var v=val[i*n+j];tip.textContent='query i='+(i+1)+', key j='+(j+1)+': '+fmt(v,vs)+
+   (se&&isFinite(v)?' \\u00b1 '+fmt(se[i*n+j],ss)+' (SE)':'');
   tip.style.left=(ev.clientX+12)+'px';tip.style.top=(ev.clientY+12)+'px';tip.style.display='block';});
  cv.addEventListener('mouseleave',function(){tip.style.display='none';drag=null;});
  cv.addEventListener('mousedown',function(ev){drag=[ev.clientX,ev.clientY,view.x,view.y];ev.preventDefault();});
@@ -183,7 +194,7 @@ document.querySelectorAll('.hm').forEach(function(el){
  cv.addEventListener('dblclick',function(){view={x:0,y:0,s:n};draw();});
  window.addEventListener('resize',draw);draw();});
 })();
-"""
+""".replace("__DIGITS__", str(F16_DIGITS))
 
 
 def colormap_hex(name: str) -> str:
@@ -193,19 +204,32 @@ def colormap_hex(name: str) -> str:
     return bytes((c * 255).round().astype(np.uint8).ravel()).hex()
 
 
-F16_SAFE = 60_000.0  # below float16's largest finite value (65,504), so rounding cannot overflow
+
+
+def _f16_scale(finite: np.ndarray) -> float:
+    """The power of two to divide |entries| `finite` by: the largest brought within float16's range (below
+    F16_SAFE), or the smallest above 0 lifted towards its normal range (F16_NORMAL) as far as the largest allows;
+    1 when they fit as they are."""
+    nonzero = finite[finite > 0]
+    if not nonzero.size:
+        return 1.0
+    big, small = float(nonzero.max()), float(nonzero.min())
+    if big > F16_SAFE:
+        return 2.0 ** math.ceil(math.log2(big / F16_SAFE))
+    if small < F16_NORMAL:
+        return 2.0 ** -min(math.ceil(math.log2(F16_NORMAL / small)), math.floor(math.log2(F16_SAFE / big)))
+    return 1.0
 
 
 def _pack(m: np.ndarray | None) -> tuple[str, float]:
     """The entries j <= i of an [n, n] map as little-endian float16, row by row, base64, and the power of two they
-    were divided by to fit float16's range (largest finite 65,504; 1 when they fit)."""
+    were divided by (`_f16_scale`: to fit float16's range, largest finite 65,504, and keep small entries in its
+    normal range; 1 when they fit)."""
     if m is None:
         return "", 1.0
     n = m.shape[-1]
     tri = np.concatenate([m[i, : i + 1] for i in range(n)]).astype(np.float64)
-    finite = np.abs(tri[np.isfinite(tri)])
-    big = float(finite.max()) if finite.size else 0.0
-    scale = 2.0 ** math.ceil(math.log2(big / F16_SAFE)) if big > F16_SAFE else 1.0
+    scale = _f16_scale(np.abs(tri[np.isfinite(tri)]))
     return base64.b64encode((tri / scale).astype("<f2").tobytes()).decode(), scale
 
 
@@ -271,8 +295,8 @@ def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
     listed = c.all_tests()
     if len(listed) > 6:  # many tests of one statistic (one per layer): a compact table
         how = {t.interval for _, t in listed}
-        tests = "".join(f"<tr><td>{e(t.statistic)}</td><td>{e(t.key())}</td><td>{e(t.side)} "
-                        f"{e(num(t.threshold, 4))}</td><td>{e(t.outcome())}</td></tr>" for _, t in listed)
+        tests = "".join(f"<tr><td>{e(t.statistic)}</td><td>{e(t.key())}</td><td>{e(t.needs())}</td>"
+                        f"<td>{e(t.outcome())}</td></tr>" for _, t in listed)
         parts.append("<table class='tests'><tr><th>statistic</th><th>value [interval]</th><th>the claim needs</th>"
                      f"<th>outcome</th></tr>{tests}</table>"
                      + (f"<p class='note'>Intervals: {e(how.pop())}.</p>" if len(how) == 1 else ""))

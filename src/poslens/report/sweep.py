@@ -112,7 +112,9 @@ def combine_seeds(results: list):
     first = results[0]
     if isinstance(first, dict):
         if {"value", "lo", "hi"} <= first.keys():
-            return seed_interval([r["value"] for r in results], support=first.get("support"))
+            halves = [(r["hi"] - r["lo"]) / 2 if r["lo"] is not None and r["hi"] is not None else math.nan
+                      for r in results]
+            return seed_interval([r["value"] for r in results], support=first.get("support"), shared=halves)
         return {k: combine_seeds([r[k] for r in results]) for k in first}
     if isinstance(first, list):
         return [combine_seeds(list(col)) for col in zip(*results)]
@@ -124,17 +126,22 @@ MANY_SEEDS = 24  # beyond this a seed list is no command to hand a reader: the c
 
 def seeds_needed(test: Test, n: int, level: float = 0.95, most: int = 10_000) -> int | None:
     """Seeds at which `test`'s t-interval over `n` seeds would just exclude its threshold if the mean and the spread
-    over seeds stayed as they are: the smallest m with t_{m-1} sd / sqrt(m) < |mean - threshold| (None: no interval,
-    a mean on the threshold, or more than `most`)."""
+    over seeds stayed as they are: the smallest m with sqrt((t_{m-1} sd / sqrt(m))^2 + floor^2) < |mean - threshold|,
+    `floor` the half-width of the text every seed read, which more seeds do not shrink (None: no interval, a mean on
+    the threshold, a floor at least the gap, or more than `most`)."""
     from poslens.engine.stats import t_quantile
 
     p, gap = (1 + level) / 2, abs(test.value - test.threshold)
     if n < 2 or test.exact or not (math.isfinite(test.lo) and math.isfinite(test.hi) and gap > 0):
         return None
-    sd = (test.hi - test.lo) / 2 * math.sqrt(n) / t_quantile(p, n - 1)
+    floor = test.floor or 0.0
+    if floor >= gap:
+        return None
+    seeds_half = math.sqrt(max(((test.hi - test.lo) / 2) ** 2 - floor ** 2, 0.0))
+    sd = seeds_half * math.sqrt(n) / t_quantile(p, n - 1)
 
     def narrow(m: int) -> bool:  # the half-width at m seeds is below the gap (it falls as m grows)
-        return t_quantile(p, m - 1) * sd / math.sqrt(m) < gap
+        return math.hypot(t_quantile(p, m - 1) * sd / math.sqrt(m), floor) < gap
 
     if not narrow(most):
         return None
@@ -152,19 +159,33 @@ def more_seeds(sw, tests: tuple[Test, ...]) -> str:
     need = [seeds_needed(t, n) for t in tests if t.outcome() == "open"]
     if not need:
         return ""
+    text = [t for t in tests if t.outcome() == "open" and t.floor is not None and math.isfinite(t.value)
+            and t.floor >= abs(t.value - t.threshold)]
+    if text:
+        return (f"more held-out text as well as more seeds: every seed reads the same held-out sequences, and that "
+                f"sample's own interval (half-width {text[0].floor:.3g}) is wider than the distance of the estimate "
+                f"from the threshold ({abs(text[0].value - text[0].threshold):.3g}), which no number of seeds "
+                f"would shrink")
     if None in need:
         return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
                 f"threshold or from one seed): `{sw.command}` with more --seeds")
     against = [t for t in tests if t.outcome() == "open" and t.against()]
     head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need):,} at the "
             f"present means and spreads over seeds, against {n} here"
-            + (f"; {len(against)} of the open tests estimate on the failing side, so at the present means that would "
+            + (f"; {_count(against, len(need))} on the failing side, so at the present means that would "
                "decide the row against the claim" if against else ""))
     if max(need) > MANY_SEEDS:
         return head + " (the effect is small next to its spread over seeds: a larger effect, e.g. a longer-trained "\
                       "model, would decide it sooner than that many seeds)"
     seeds = sw.seeds + [max(sw.seeds) + k for k in range(1, max(need) - n + 1)]
     return head + f": `{replace(sw, config=replace(sw.config, seeds=seeds)).command}`"
+
+
+def _count(tests: list, open_tests: int) -> str:
+    """'its open test estimates' / '2 of the 3 open tests estimate'."""
+    if open_tests == 1:
+        return "its open test estimates"
+    return f"{len(tests)} of the {open_tests} open tests estimate"
 
 
 def resolve_by_seeds(sw, claims, default=None) -> None:

@@ -112,7 +112,9 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  "content of the scores each layer reads adds to the mask's own). That term is everything upstream "
                  "of this layer's mask that makes its scores non-relative: the residual stream's content, which "
                  "carries the earlier layers' masks too, so it is not the residual stream's own term alone (the "
-                 "NoPE control and the parameter-free stack have it as well: context below). Other variants "
+                 "NoPE control and the parameter-free stack have it as well: context below). Only the direction "
+                 "is tested ('removes part': a share above 0); the paper's 40% is a size at its scale, printed "
+                 "beside ours, not a threshold a model this small could be held to. Other variants "
                  "trained with a BOS: "
                  + ("; ".join(f"{labels[v]} key 0 in {interval_text(share(v, 'key0_in'))}, "
                               f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + ".",

@@ -165,10 +165,15 @@ def loss_comparison(sums: GroupedSums, a: str = "none", b: str = "rope", level: 
             "perplexity_ratio": sums.estimate(lambda m: torch.exp(m[f"loss/{a}"] - m[f"loss/{b}"]), level).item()}
 
 
-def sequences_of(tokens, seq_len: int, count: int, offset: int = 0) -> torch.Tensor:
+def sequences_of(tokens, seq_len: int, count: int, offset: int = 0, bos: int | None = None) -> torch.Tensor:
     """`count` consecutive non-overlapping blocks of `seq_len` tokens of a 1-D token array (a token file's memory
-    map, a numpy array or a tensor), from block `offset`, as int64 [count, seq_len]."""
-    ids = torch.as_tensor(np.asarray(tokens[offset * seq_len:(offset + count) * seq_len], dtype=np.int64))
-    require(ids.numel() == count * seq_len, f"the held-out tokens hold fewer than {offset + count} sequences of "
-                                            f"{seq_len} tokens; use fewer sequences or more held-out text")
-    return ids.reshape(count, seq_len)
+    map, a numpy array or a tensor), from block `offset`, as int64 [count, seq_len]; with `bos`, each block is the
+    BOS and then seq_len - 1 tokens of the array, as a model trained with a BOS (`poslens train --bos`) saw them."""
+    body = seq_len - (bos is not None)
+    require(body >= 1, f"seq_len must leave room for a token after the BOS (got {seq_len})")
+    ids = torch.as_tensor(np.asarray(tokens[offset * body:(offset + count) * body], dtype=np.int64))
+    require(ids.numel() == count * body, f"the held-out tokens hold fewer than {offset + count} sequences of "
+                                         f"{body} tokens; use fewer sequences or more held-out text")
+    if bos is not None:
+        return torch.cat([torch.full((count, 1), bos, dtype=torch.long), ids.reshape(count, body)], dim=1)
+    return ids.reshape(count, body)

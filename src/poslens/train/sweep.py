@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -183,19 +184,23 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
 
 
 def seed_interval(values: list[float | None], level: float = 0.95,
-                  support: tuple[float, float] | None = None) -> dict[str, Any]:
+                  support: tuple[float, float] | None = None, shared: list[float] | None = None) -> dict[str, Any]:
     """`poslens.engine.stats.over_seeds` as run.json numbers: the mean of per-seed values with its t-interval over
-    seeds (None with one seed), cut to `support` where given. An undefined value (None) reads NaN: then so are the
+    seeds (None with one seed), cut to `support` where given; `shared`: each seed's half-width over a text sample
+    every seed read, added in quadrature (`over_seeds`; recorded as "shared", the root-mean-square, which more seeds
+    cannot shrink; "sd" is then the spread over seeds alone). An undefined value (None) reads NaN: then so are the
     mean and its interval, and a test on them stays open."""
     from poslens.engine.stats import over_seeds
 
     values = [math.nan if v is None else float(v) for v in values]
-    e = over_seeds(values, level, support)
+    e = over_seeds(values, level, support, shared)
     n = len(values)
     bound = (lambda x: float(x)) if n >= 2 else (lambda x: None)
-    return {"value": float(e.value), "lo": bound(e.lo), "hi": bound(e.hi), "sd": bound(e.se * math.sqrt(n)), "n": n,
+    sd = (math.nan if any(math.isnan(v) for v in values) else statistics.stdev(values)) if n >= 2 else None
+    rms = None if shared is None else math.sqrt(sum(h * h for h in shared) / len(shared))
+    return {"value": float(e.value), "lo": bound(e.lo), "hi": bound(e.hi), "sd": sd, "n": n,
             "level": level, "method": "t over seeds", "per_seed": values} | (
-        {"support": list(support)} if support is not None else {})
+        {"support": list(support)} if support is not None else {}) | ({"shared": rms} if shared is not None else {})
 
 
 def verdict(diff: dict[str, Any], a: str, b: str) -> str:

@@ -9,6 +9,8 @@ on each leave-one-group-out pair of means: the jackknife interval of a differenc
     removed     = 1 - E(other) / E(base)                           the energies (causal.ENERGIES), per layer
     removed_all = 1 - sum_l E(other) / sum_l E(base)               over all layers (and heads)
     removed_by_head                                                `removed` per head, the energies alone
+    sink_attention                                                 alpha_0 of the base's sink-reading heads
+                                                                   in both passes and its change
     pass_over_layers, difference_over_layers                       [V, M]: `causal.over_layers` of the two
                                                                    (energies summed, other metrics averaged)
 
@@ -21,7 +23,7 @@ import math
 
 import torch
 
-from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, joint, over_layers, unprefix
+from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, alpha0, joint, over_layers, unprefix
 from poslens.engine.stats import Estimate
 
 
@@ -57,6 +59,28 @@ def removed_by_head(base: LeakageMaps, other: LeakageMaps, level: float = 0.95) 
         return 1.0 - other.head_energies(unprefix(means, "other")) / base.head_energies(unprefix(means, "base"))
 
     return sums.estimate(fn, level=level)
+
+
+def sink_attention(base: LeakageMaps, other: LeakageMaps, threshold: float, level: float = 0.95) -> dict | None:
+    """Attention on key 0 of the sink-reading heads (alpha_0 > `threshold` in the base pass, Gu et al.'s test):
+    their mean alpha_0 in the base pass, in the other, and the change other - base, each {value, lo, hi} with a
+    paired jackknife (the heads are chosen once, on the base pass's full sample). None when no head is a sink.
+    A sink anchored to the first token loses attention when that token's embedding is replaced (change < 0); one
+    anchored to the first position keeps it."""
+    heads = alpha0(base.sums.mean("key0"), windows=base.windows) > threshold  # [L, H]
+    if not bool(heads.any()):
+        return None
+    sums = joint({"base": base, "other": other})
+
+    def fn(means: dict) -> torch.Tensor:
+        a = alpha0(unprefix(means, "base")["key0"], windows=base.windows)[heads].mean()
+        b = alpha0(unprefix(means, "other")["key0"], windows=other.windows)[heads].mean()
+        return torch.stack([a, b, b - a])
+
+    est = sums.estimate(fn, level=level)
+    cell = [{"value": float(est.value[k]), "lo": float(est.lo[k]), "hi": float(est.hi[k])} for k in range(3)]
+    return {"heads": int(heads.sum()), "threshold": threshold, "level": est.level, "groups": est.groups,
+            "base": cell[0], "pass": cell[1], "change": cell[2]}
 
 
 def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:

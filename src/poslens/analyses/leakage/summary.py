@@ -18,7 +18,7 @@ from poslens.analyses.leakage import nulls as nl
 from poslens.analyses.leakage import position0 as p0
 from poslens.analyses.leakage import predecessor as pr
 from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, VARIANTS, alpha0, over_layers
-from poslens.analyses.leakage.contrast import contrast, removed_by_head, unflatten
+from poslens.analyses.leakage.contrast import contrast, removed_by_head, sink_attention, unflatten
 from poslens.engine.pipeline import Job, Output, Pass
 from poslens.engine.stats import Estimate
 
@@ -99,6 +99,7 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
             removed_heads = removed_by_head(orig, p.statistics[0], level=level)  # [V, E, L, H]
             ests[f"{p.name}/heads/removed"] = removed_heads
             entry["heads"] = head_record(removed_heads, ests["original/alpha0"].value, cfg.sink_threshold)
+            entry["sink_attention"] = sink_attention(orig, p.statistics[0], cfg.sink_threshold, level)
         metrics["interventions" if kind == "intervention" else "nulls"][p.name] = entry
     for name, est in ests.items():
         tensors.update({k: v.float() for k, v in est.as_dict(name).items()})

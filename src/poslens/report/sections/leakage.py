@@ -104,6 +104,29 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
                 f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
+    anchor = next((s for s in ("mean", "random") if (m.get("interventions", {}).get(s) or {}).get("sink_attention")),
+                  None)
+    if anchor is not None:
+        sa = m["interventions"][anchor]["sink_attention"]
+        first = UNTRAINED_BOS.get(name)
+        claims.append(Claim(
+            "ruscio-token-anchored", "ruscio2026", "abstract",
+            "attention sinks are token-anchored: the sink-reading heads attend to the first key because of the "
+            "token there, not because of its position", (estimate_test(
+                f"change of the sink-reading heads' mean attention on key 0 (alpha_0, Gu et al.'s test) when "
+                f"{RESIDUAL_WORDS.get(anchor, anchor)}", sa["change"], "<", 0.0, interval),),
+            measured=f"{name}, {seqs}: the {sa['heads']} heads whose mean attention on key 0 exceeds "
+                     f"{sa['threshold']:g} in the original pass (chosen once, on the whole sample) attend "
+                     f"{interval_text(sa['base'])} to it, and {interval_text(sa['pass'])} after the replacement "
+                     "(paired on the same sequences). "
+                     "'Token-anchored' read as: with the first token's embedding replaced and its position kept, "
+                     "the sinks lose attention (a sink anchored to the first position would keep it). Only the "
+                     "direction is tested; the abstract gives no size."
+                     + (f" The first token here is {first}." if first else ""),
+            resolve="more sequences (the interval is a jackknife over groups of sequences), or a model trained with a "
+                    "BOS at the paper's scale",
+            scope=f"{PAPER_SCALE} (this one: {name})",
+            key=f"alpha_0 {interval_text(sa['base'])} -> {interval_text(sa['pass'])}"))
     context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into this "
                     "layer's log-partition term (each query's softmax denominator) and the upstream logit term (the "
                     "part of the scores this layer reads that is not a function of i - j), early queries, summed over "
@@ -127,9 +150,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                     "token, position 0's states are the same for every input by causality "
                     "(tests/test_leakage_position0.py checks it to rounding), so as rows they could not fail. "
                     "'Attention sinks are token-anchored stabilizers': 'token-anchored' (the sinks follow the first "
-                    "token) could be read from the sink-reading heads under the BOS replacement, whose per-head "
-                    "contrast `poslens leakage` records (run.json 'heads'), but the abstract gives no size or "
-                    "criterion to test it against, and 'stabilizer' no measurement at all, so neither is a row"))
+                    "token, not the position) has its row above (attention on key 0 of the sink-reading heads, "
+                    "the heads whose mean attention on key 0 exceeds the sink threshold, when the first token's "
+                    "embedding is replaced); 'stabilizer' names no measurement at all, so it is not a row"))
     context.append(("attention sinks (the per-head test of Gu et al. 2025, 'When Attention Sink Emerges in Language "
                     "Models': mean attention on the first key above a threshold; the paper's criterion is not "
                     "public)",

@@ -292,8 +292,8 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                                          else (0.0, 0.0) for e in per_t]).T
     if series:
         out.append(lines(ctx, "length_leakage", lens, series,
-                         "Share of this layer's log-partition term (the softmax denominator's) in the "
-                         "non-relative energy of the mean log-probabilities of the last layer, on the maps at each "
+                         "Share of the last layer's log-partition term (its softmax denominator's) in the "
+                         "non-relative energy of that layer's mean log-probabilities, on the maps at each "
                          "evaluation length (offsets up to T/2; docs/leakage.md: a descriptive identity), mean over "
                          "seeds with 95% t-intervals cut at 0 (a share of energies; it can exceed 1, since the split's "
                          "cross term is signed).", "evaluation length T (tokens)", "log-partition share",

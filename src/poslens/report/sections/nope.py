@@ -95,7 +95,7 @@ def steps_claim(ctx, cfg: StackConfig, ell: int) -> Claim:
         resolve = "a step estimates exactly 0: no sample count follows from the present estimates"
     cid = f"kim-41-increasing-a{cfg.alpha:g}-l{ell}"
     return Claim(
-        cid, "kim2025", "Section 4.1, Figure 2" if ell > 2 else "Section 4.1",
+        cid, "kim2025", "Section 4.1, Figure 2",
         f"{setting(cfg)}, layer {ell} (d = 64): for fixed i the scores strictly increase with j <= i",
         (test,),
         measured=f"Monte Carlo: {b['rows_failing']} of {cfg.n - 1} rows have a step <= 0 in the mean map. Exact "

@@ -191,7 +191,9 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         measured=f"resolved (lower bound above 0) in {layers - 1 - len(unresolved)} of {layers - 1} layers after the "
                  "first" + (f"; not in layers {', '.join(map(str, unresolved))}" if unresolved else "")
                  + f". The weakest lower bound is layer {weakest + 1}'s: {num(float(v[weakest]))} "
-                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]. Per-layer values: the figure "
+                   f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]"
+                 + (f" ({num(float(rlo[weakest]))} before the cut at 0)" if rlo[weakest] < lo[weakest] else "")
+                 + ". Per-layer values: the figure "
                    "'non-relative pattern per layer' and run.json.",
         resolve=resolve, figure="non-relative pattern per layer, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
         key=f"resolved in {layers - 1 - len(unresolved)} of {layers - 1} layers; weakest lower bound "

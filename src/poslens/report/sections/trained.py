@@ -10,9 +10,11 @@ is measured on held-out text, each number with a 95% interval over groups of seq
   parameter-free stack); held-out loss of NoPE against RoPE; a linear probe of absolute position by depth (Haviv et
   al. 2022; Kazemnejad et al. 2023).
 
-A claim is judged on the mean over seeds with its t-interval over seeds (`poslens.report.sweep.combine_seeds`): what
-training makes of a model is an effect whose error bar is the spread over seeds, which one model's interval over
-sequences does not see. The figures draw the first seed.
+A claim is judged on the mean over seeds (`poslens.report.sweep.combine_seeds`): its interval is the t-interval over
+seeds (what training makes of a model is an effect whose error bar is the spread over seeds, which one model's
+interval over sequences does not see) with the seeds' own intervals over the held-out sequences added in quadrature
+(every seed reads the same sequences, whose sampling error the spread over seeds does not see). The held-out losses
+and the probe read blocks that start with the BOS when the models were trained so. The figures draw the first seed.
 """
 
 from __future__ import annotations
@@ -103,13 +105,15 @@ def panel_statistics(cfg) -> dict:
         n = b.shape[-1]
         first = b[1:, 0]
         others = b[torch.tril(torch.ones(n, n, dtype=torch.bool), -1) & (torch.arange(n) > 0)[None, :]]
-        return (first.mean() - others.mean()).abs() / others.std()
+        return (first.mean() - others.mean()) / others.std()  # signed: > 0 a bright line, < 0 a dark one
 
     est = stat.sums.estimate(c_stats, cfg.level)
     corr = stat.sums.estimate(de_corr, cfg.level)
     share = stat.sums.estimate(i_key_share, cfg.level)
-    column = stat.sums.estimate(b_first_column, cfg.level)
+    column = stat.sums.estimate(lambda m: b_first_column(m).abs(), cfg.level)
+    signed = stat.sums.estimate(b_first_column, cfg.level)
     return {"c_diag_slope": _item(est, 0), "c_uniformity": _item(est, 1), "b_first_column": _item(column),
+            "b_first_column_signed": _item(signed),
             "de_correlation": _item(corr, support=(-1.0, 1.0), debias=True),
             "i_key_share": _item(share, support=(0.0, 1.0), debias=True)}
 
@@ -126,9 +130,10 @@ def _item(est, k: int | None = None, support: tuple[float, float] | None = None,
         {"debiased": True} if debias else {})
 
 
-def measure(models: dict, size: dict, parts: Path, progress: bool) -> dict:
+def measure(models: dict, size: dict, parts: Path, progress: bool, bos_first: bool) -> dict:
     """Every Section 4.2 number of the trained pair at `size`; the intermediates run and the extra panel
-    statistics are kept in `parts` under a fingerprint of their settings."""
+    statistics are kept in `parts` under a fingerprint of their settings. `bos_first`: the pair was trained with
+    every sequence starting with the BOS, so the held-out losses and the probe read blocks that start with it."""
     from poslens.analyses.intermediates import run_intermediates
     from poslens.engine.models import load_model
     from poslens.io.checkpoint import fingerprint
@@ -141,16 +146,18 @@ def measure(models: dict, size: dict, parts: Path, progress: bool) -> dict:
     if not run.exists():
         run_intermediates(icfg, str(run), progress=progress)
     extra_path = parts / f"intermediates-extra-{key}.json"
-    if not extra_path.is_file():
+    if not extra_path.is_file() or "b_first_column_signed" not in json.loads(extra_path.read_text()):
         extra_path.write_text(json.dumps(panel_statistics(icfg)))
     extra = json.loads(extra_path.read_text())
     nets = {pe: load_model(str(models[pe]), dtype="float32")[0] for pe in PE_NAMES}
     context = nets["none"].config.max_position_embeddings
-    val = open_tokens(models["tokens"]).val
+    tf = open_tokens(models["tokens"])
+    val, bos = tf.val, tf.bos_id("the trained models' BOS") if bos_first else None  # as in training
     fit_n, test_n = size["probe"]
-    loss_n = min(size["loss"], len(val) // context)
-    losses = loss_comparison(heldout_losses(nets, sequences_of(val, context, loss_n)))
-    fit, test = sequences_of(val, context, fit_n), sequences_of(val, context, test_n, offset=fit_n)
+    loss_n = min(size["loss"], len(val) // (context - (bos is not None)))
+    losses = loss_comparison(heldout_losses(nets, sequences_of(val, context, loss_n, bos=bos)))
+    fit, test = (sequences_of(val, context, fit_n, bos=bos), sequences_of(val, context, test_n, offset=fit_n,
+                                                                           bos=bos))
     probes = {pe: position_probe(nets[pe], fit, test) for pe in PE_NAMES}
     nope = probes["none"]
     last = len(nope.mae) - 1
@@ -189,14 +196,14 @@ def build(ctx, size: dict) -> Section:
     from poslens.io.results import load
 
     sw = sweep_models(ctx, size)
-    per_seed = [measure(seed_models(sw, seed), size, Path(ctx.parts), ctx.progress) for seed in sw.seeds]
+    cfg = next(mm.config for mm in sw.matrix.members if mm.variant == "nope")
+    per_seed = [measure(seed_models(sw, seed), size, Path(ctx.parts), ctx.progress, cfg.bos) for seed in sw.seeds]
     runs = [load(m["intermediates"], tensors=False) for m in per_seed]
     im, m = combine_seeds([r.metrics for r in runs]), combine_seeds(per_seed)
     run_dir = Path(ctx.root) / "models" / "intermediates-trained-nope"
     shutil.copytree(per_seed[0]["intermediates"], run_dir)
     run = load(run_dir)
     data, icfg = run.meta["data"], m["config"]
-    cfg = next(mm.config for mm in sw.matrix.members if mm.variant == "nope")
     params = m["params"]
     first = seed_models(sw, sw.seeds[0])
     int_cmd = (f"poslens intermediates {first['none']} --data {sw.tokens} --mode pack --seq-len "
@@ -214,9 +221,11 @@ def build(ctx, size: dict) -> Section:
         "the BOS mostly starts inside a document, where the paper took the first 50 tokens of each of 1,000 "
         "documents (one seed's run: "
         f"`{int_cmd}`). Each "
-        f"claim is judged on the mean over the {n} seeds with its 95% t-interval over seeds: what training makes of "
-        "a model varies from seed to seed by more than one model's interval over sequences shows (those intervals, "
-        "95% delete-one-group jackknife over 20 groups, are in each seed's run). The figures draw seed "
+        f"claim is judged on the mean over the {n} seeds. Its 95% interval has two parts, added in quadrature: the "
+        "t-interval over seeds (what training makes of a model varies from seed to seed) and the seeds' own "
+        "intervals over the held-out sequences (95% delete-one-group jackknife over 20 groups, in each seed's run; "
+        "root mean square over seeds): every seed reads the same sequences, so the spread over seeds does not show "
+        "their sampling error, and more seeds would not shrink it. The figures draw seed "
         f"{sw.seeds[0]}.",
         scale=f"Section 4.2 is measured on {n} seeds of a {params / 1e6:.2g}M-parameter NoPE/RoPE pair ({cfg.layers} "
               f"layers, d = {cfg.hidden}, heads of size {cfg.hidden // cfg.heads}) poslens trains on "
@@ -287,9 +296,10 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
           (estimate_test("|mean of (b)'s first column (queries 2..n) minus the mean of its other entries j < i|, in "
                          "standard deviations of those entries", e["b_first_column"], ">", VIVID),),
           measured=f"'vivid' read as: the column stands out, brighter or darker, from the other off-diagonal entries "
-                   f"by more than {VIVID:g} of their standard deviations; {_seeds(e['b_first_column'])}. The paper "
-                   "leaves the sink's analysis out of scope, and so does this row: it tests only that the line is "
-                   "there.")
+                   f"by more than {VIVID:g} of their standard deviations; {_seeds(e['b_first_column'])}. Signed "
+                   f"(above 0: brighter than the rest, a column of high scores; below 0: darker) "
+                   f"{_seeds(e['b_first_column_signed'])}. The paper leaves the sink's analysis out of scope, and so "
+                   "does this row: it tests only that the line is there, whichever way it stands out.")
     claim("kim-42-c", "Section 4.2, Figure 3 (c)",
           "in (c) the diagonal values decrease with i, while the off-diagonal values remain nearly uniform",
           (estimate_test("slope of the diagonal of (c) in i, over its mean (per position)", e["c_diag_slope"], "<"),
@@ -341,8 +351,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
           key=_printed_slope(p["g"]["row_slope"]), measured=f"Slope {_seeds(p['g']['row_slope'], 4)}.")
     claim("kim-42-h-restores", "Section 4.2, Figure 3 (g), (h)",
           "after (g)'s inversion, the next LayerNorm (h) restores the pattern",
-          (estimate_test("mean row slope of (g) over keys 2 <= j < i (the inversion restored)", p["g"]["row_slope"],
-                         "<"),
+          (estimate_test("(g) inverted: mean row slope of (g) over keys 2 <= j < i", p["g"]["row_slope"], "<"),
            estimate_test("mean row slope of (h) over keys 2 <= j < i", p["h"]["row_slope"], ">")),
           key=_printed_slope(p["h"]["row_slope"]),
           measured=f"'restores' read as: (g) is inverted (its rows decrease in j) and (h)'s rows increase in j "
@@ -359,11 +368,11 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
                    f"undefined in {sum(not np.isfinite(v) for v in r['per_seed'])} of {len(r['per_seed'])} seeds"),
               measured=f"'much stronger' read as: at least {MUCH_STRONGER:g} times the stack's strength; strength = "
                        f"mean row slope / mean diagonal; alpha from (a) {_fmt(amp['alpha'])}; model "
-                       f"{_fmt(amp['model_strength'])}, stack {_fmt(amp['stack_strength'])}; against the strongest "
-                       f"stack over alpha ({amp['strongest_stack']['alpha']:.2f}): "
-                       f"{_fmt(amp['ratio_to_strongest_stack'])}. 'i-independent' read as for the stack at alpha "
-                       f"= 0.2 (Section 4.1): the key alone explains more than {I_INDEPENDENT:.0%} (bias-corrected "
-                       "by the jackknife for the maps' noise; key 1, the sink, left out). "
+                       f"{_fmt(amp['model_strength'])}, stack {_fmt(amp['stack_strength'])}; the stack's strength is "
+                       f"largest at alpha = {amp['strongest_stack']['alpha']:.2f}, and the model's strength over that "
+                       f"largest value is {_fmt(amp['ratio_to_strongest_stack'])}. 'i-independent' read as for the "
+                       f"stack at alpha = 0.2 (Section 4.1): the key alone explains more than {I_INDEPENDENT:.0%} "
+                       "(bias-corrected by the jackknife for the maps' noise; key 1, the sink, left out). "
                        f"Ratio {_seeds(r)} (undefined where the mean diagonal of (i) is not positive: "
                        f"strength has no unit there); key share {_seeds(e['i_key_share'])}.")
     return out
@@ -428,9 +437,10 @@ def figures(ctx, run, models: dict, m: dict, sw) -> list[Figure]:
         se = run[f"panel_{c}_se"].double().numpy()
         panels.append(Panel(titles[c], v, se, plotting.offdiag_limits(v, (0.01, 0.99))))
     out = [heatmaps(ctx, "figure3", panels, "Figure 3 style: the trained NoPE model, layers 1 and 2, held-out text; "
-                    "each panel's colour limits at the 1% and 99% quantiles of its off-diagonal entries (the diagonal "
-                    "saturates).", ncols=3, suptitle=f"Figure 3: {label}, "
-                    "Gram matrices of the intermediates of layers 1 and 2", panel_size=3.0)]
+                    "each panel's colour limits at the 1% and 99% quantiles of its off-diagonal entries (where the "
+                    "diagonal lies outside them, it is drawn at the nearer end of the scale).", ncols=3,
+                    suptitle=f"Figure 3: {label}, Gram matrices of the intermediates of layers 1 and 2",
+                    panel_size=3.0)]
     out.append(profiles(ctx, "figure3_profiles", [panels[5].values, panels[8].values], [panels[5].se, panels[8].se],
                         [titles["f"], titles["i"]], "Rows of panels (f) and (i) against the key 2 <= j < i for "
                         "three queries (the diagonal and key 1, the sink, left out, as in the rows' tests), with "
