@@ -287,8 +287,11 @@ def test_real_model_rows_say_how_many_sequences_would_resolve_them_and_for_which
     need = 32 * ms.need_factor(0.004, -0.05, 0.058)
     assert need == pytest.approx(32 * (0.054 / 0.004) ** 2)
     assert f"about {need:,.0f} for layer 2," in every.resolve and "this run used 32" in every.resolve
-    t = first.tests[0]
-    assert first.verdict == "not resolved"  # noise maps: the ratio's interval straddles 0.1
+    literal, t = first.readings[0].tests[0], first.readings[1].tests[0]
+    var = ms.map_variance(sums.mean("a").numpy(), sink=True)  # the literal reading: below a negligible size
+    assert literal.side == "<" and literal.threshold == pytest.approx(ms.NEGLIGIBLE * float(var[0]))
+    assert first.reading_verdicts()[1] == "not resolved"  # noise maps: the ratio's interval straddles 0.1
+    assert first.verdict == "not resolved"
     k = 32 * ms.need_factor(t.value, t.lo, t.hi, rm.FIRST_LAYER)
     assert f"about {k:,.0f} for it to exclude 0.1" in first.resolve
     # at that count the interval's half-width, shrunk as 1/sqrt(sequences), just reaches the threshold

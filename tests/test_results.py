@@ -21,6 +21,13 @@ def test_round_trip_and_metadata(tmp_path):
     meta = json.loads((out / "run.json").read_text())
     assert meta["environment"]["torch"] == torch.__version__
     assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    # every run says which source made it and when: a model read back from a cache names the code that trained it
+    env = meta["environment"]
+    assert env["source"].startswith(("git ", "poslens ")) and env["date"].endswith(" UTC")
+    from poslens.report.sweep import _trained_by
+
+    assert _trained_by(out) == f"trained by {env['source']} on {env['date']}"
+    assert "did not record" in _trained_by(tmp_path / "nothing-here")
 
 
 def test_failure_leaves_nothing(tmp_path):

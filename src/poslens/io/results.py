@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -55,12 +57,30 @@ class Run:
         return self.meta.get("metrics", {})
 
 
+def source_revision() -> str:
+    """The git commit of the poslens source (with '+ local changes' when the tree differs), else its version."""
+    from poslens import __version__
+
+    here = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if rev.returncode == 0 and rev.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here)], cwd=here,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return f"git {rev.stdout.strip()}" + (" + local changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"poslens {__version__} (no git checkout)"
+
+
 def environment() -> dict:
-    """Versions and machine facts recorded with every run."""
+    """Versions, the source revision, the date and machine facts recorded with every run."""
     from poslens import __version__
 
     env = {
         "poslens": __version__,
+        "source": source_revision(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "numpy": np.__version__,

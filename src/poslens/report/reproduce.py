@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import platform
 import shutil
-import subprocess
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from poslens.errors import UsageError, check_int
-from poslens.io.results import check_output, run_directory, write_run
+from poslens.io.results import check_output, run_directory, source_revision, write_run
 from poslens.report.claims import VERDICTS, ledgers
 from poslens.report.context import Context
 from poslens.report.render import headlines, write_report
@@ -47,22 +46,6 @@ def provenance(command: str | None, seed: int) -> dict[str, str]:
             "machine": f"{platform.node()}, {platform.machine()}, {platform.platform(terse=True)}, "
                        f"{torch.get_num_threads()} torch threads"
                        + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")}
-
-
-def source_revision() -> str:
-    """The git commit of the poslens source (with '+ local changes' when the tree differs), else its version."""
-    from poslens import __version__
-
-    here = Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        if rev.returncode == 0 and rev.stdout.strip():
-            dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], cwd=here,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return f"git {rev.stdout.strip()}" + (" + local changes" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return f"poslens {__version__} (no git checkout)"
 
 
 def plan(quick: bool, models: bool, sizes: Mapping | None) -> list[tuple[SectionSpec, dict]]:
@@ -147,7 +130,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         total, cpu = time.perf_counter() - started, time.process_time() - cpu0
         prov = provenance(command, seed)
         prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU"
-        prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (f", sha256 {i['sha256'][:16]}"
+        prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (f", sha256 {i['sha256']}"
                                                                         if i["sha256"] else "")
                                    for name, i in ctx.inputs.items())
         intro = (f"Every claim of Kim et al. (2025), 'Behind RoPE: How Does Causal Mask Encode Positional "

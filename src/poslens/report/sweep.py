@@ -97,11 +97,21 @@ class SweepModels:
         return shlex.join(argv + ["--out", "runs/sweep"])
 
     def describe(self) -> str:
-        """'4 variants (nope: NoPE, ...) x 3 seeds, 300 steps of 16 x 128 tokens, BOS first'."""
+        """'4 variants (nope: NoPE, ...) x 3 seeds, 4 layers, d = 64, 4 heads sharing 2 key/value heads, RMSNorm
+        (SmolLM3 architecture), 300 steps of 16 x 128 tokens, BOS first (...)'."""
         c = self.matrix.members[0].config
+        heads = f"{c.heads} heads" + (f" sharing {c.kv_heads} key/value heads" if c.kv_heads != c.heads else "")
+        bos = ", BOS first" if c.bos else ""
+        if c.bos and self.tokens is not None:
+            from poslens.io.tokenfile import open_tokens
+
+            tf = open_tokens(self.tokens, check=())
+            if tf.header.get("bos_token_id") == tf.separator_id:
+                bos += (f" (id {tf.separator_id}, the tokenizer's document separator, which also marks document "
+                        "boundaries inside the packed blocks)")
         return (f"{len(self.variants)} variants ({', '.join(f'{v}: {k}' for v, k in self.labels.items())}) x "
-                f"{len(self.seeds)} seeds, {c.layers} layers, d = {c.hidden}, {c.heads} heads, {c.steps} steps of "
-                f"{c.batch_size} x {c.seq_len} tokens{', BOS first' if c.bos else ''}")
+                f"{len(self.seeds)} seeds, {c.layers} layers, d = {c.hidden}, {heads}, RMSNorm (SmolLM3 "
+                f"architecture), {c.steps} steps of {c.batch_size} x {c.seq_len} tokens{bos}")
 
 
 def combine_seeds(results: list):
@@ -229,9 +239,23 @@ def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) ->
     out = SweepModels(cfg, matrix, paths, tokens, [k for k in paths if k not in cached])
     for (variant, seed), path in paths.items():
         ctx.record(f"sweep {variant} seed {seed}", path,
-                   "trained now" if (variant, seed) in out.trained else "from the cache")
+                   "trained now" if (variant, seed) in out.trained else f"from the cache ({_trained_by(path)})")
     memo[key] = out
     return out
+
+
+def _trained_by(path: Path) -> str:
+    """'trained by git 3611901... on 2026-11-26 17:10 UTC', from the model's own run.json (an older poslens did not
+    record them: then it says so)."""
+    import json
+
+    try:
+        env = json.loads((Path(path) / "run.json").read_text(encoding="utf-8")).get("environment", {})
+    except (OSError, ValueError):
+        env = {}
+    if "source" not in env:
+        return "trained by a poslens that did not record its source revision or date"
+    return f"trained by {env['source']} on {env.get('date', 'an unrecorded date')}"
 
 
 def _done(cfg, tokens: Path) -> bool:

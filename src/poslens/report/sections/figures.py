@@ -75,9 +75,10 @@ def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequen
 
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
           errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False,
-          xticklabels: Sequence[str] | None = None, joined: bool = True) -> Figure:
+          xticklabels: Sequence[str] | None = None, joined: bool = True, vline: float | None = None) -> Figure:
     """A line plot (error bars optional; xticklabels: a name for each x; joined=False: points of a series not
-    joined, for categories without an order) saved as figures/stem.png and .pdf."""
+    joined, for categories without an order; vline: a dashed vertical line at that x, e.g. a training length)
+    saved as figures/stem.png and .pdf."""
     t = plotting.symlog_threshold(series, errors) if logy else None  # the axis line_plot draws: say so
     if t is not None:
         caption += (f" Vertical axis: symmetric log scale, linear within +/-{t:g}, so that estimates and bounds at "
@@ -88,6 +89,8 @@ def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: s
                              xticklabels=xticklabels, joined=joined)
     if zero:
         fig.axes[0].axhline(0, color="0.3", lw=0.8)
+    if vline is not None:
+        fig.axes[0].axvline(vline, color="0.3", lw=0.8, ls="--")
     return Figure(ctx.save(fig, stem), caption, title=title)
 
 

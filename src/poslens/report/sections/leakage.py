@@ -162,8 +162,8 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     if stack is not None:
         a = load(stack, tensors=False).metrics["architectures"]
         context.append(("the parameter-free stack (no trained weights; exact, d -> infinity): last-layer "
-                        "absolute-scores energy, all queries (each architecture on its own domain: the window's hides "
-                        "offsets past it)",
+                        "absolute-scores energy, all queries (each architecture on its own domain: the window hides "
+                        "offsets past its width)",
                         ", ".join(f"{k} {num(v['exact']['cf/absolute_scores'][-1])}" for k, v in a.items())))
     return claims, context
 

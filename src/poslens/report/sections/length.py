@@ -1,13 +1,12 @@
 """Past the training length, on the sweep's models: does the causal mask's position signal decide length
 generalisation here?
 
-The sweep (`poslens sweep`, preset pe-quick in the quick run, trained at L = 128, and pe-sinks in the full run,
-trained at L = 64: NoPE, RoPE, NTK-scaled RoPE and RoPE with a sliding window of 32, on the embedded corpus with a
-BOS first, 3 seeds each, the same tokens, batches and initial weights for every variant of a seed) is evaluated by
-`poslens length` at L, 2L, 4L, 8L on the held-out split of the training tokens, each variant's three seeds in one
-run on the same sequences. Every number is a mean over the seeds with a Student t interval over them (the error bar
-of a training effect); a difference between variants is taken seed by seed (seed s of every variant shares its
-initial weights and data order) before the interval.
+The sweep (`poslens sweep`: NoPE, RoPE, NTK-scaled RoPE and RoPE with a sliding window of 32, trained at a length L
+on the embedded corpus with a BOS first, 3 seeds each, the same tokens, batches and initial weights for every
+variant of a seed) is evaluated by `poslens length` at L, 2L, 4L, 8L on the held-out split of the training tokens,
+each variant's three seeds in one run on the same sequences. Every number is a mean over the seeds with a Student t
+interval over them (the error bar of a training effect); a difference between variants is taken seed by seed (seed s
+of every variant shares its initial weights and data order) before the interval.
 
 The question is operational, and each row says which test decides it: NoPE's only position signal is the causal
 mask (Kim et al.), which reaches the query at position p (positions count from 1) through its softmax denominator,
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poslens import plotting
 from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.report.section import Panel, Section, section
 from poslens.report.sections.figures import heatmaps, lines
@@ -126,15 +126,19 @@ def build(ctx, size: dict) -> Section:
         claims.append(Claim(
             "kazemnejad-nope-extrapolates", "kazemnejad2023", "abstract",
             "a decoder without positional encoding generalises past its training length better than one with RoPE",
-            (_test(f"how much more RoPE gains than NoPE from cutting each query's context to its last {L} keys: "
+            (_test(f"how much more the loss rises past L for RoPE than for NoPE: rise ({rise_range}), RoPE minus "
+                   "NoPE, per seed (nats)", paired("rope", "nope", "rise"), ">"),
+             _test(f"how much more RoPE gains than NoPE from cutting each query's context to its last {L} keys: "
                    f"window-of-L effect, RoPE minus NoPE, per seed (loss over {past}, nats)",
-                   paired_effects(per["rope"], "window", "nope", t, other=per["nope"]), "<"),),
-            measured=f"the window-of-L effect (loss with the context cut to the last L keys minus with the full "
-                     f"context, same tokens) is below 0 when context past L hurts: NoPE "
-                     f"{_ci(effect('nope', 'window'))}, RoPE {_ci(effect('rope', 'window'))} (mean over seeds, 95% "
-                     f"t-interval); the rise of the loss past L ({rise_range}: different text at different positions, "
-                     f"so not a test): NoPE {_ci(rise('nope'))}, RoPE {_ci(rise('rope'))}. The paper's models "
-                     f"were ~100M-parameter decoders on synthetic tasks; these are language models {here}.",
+                   paired_effects(per["rope"], "window", "nope", t, other=per["nope"]), "<")),
+            measured=f"'generalises better' read two ways, both required: the loss rises less past L (the rise "
+                     f"alone mixes position with the text at those positions; the difference of two models' rises "
+                     f"on the same sequences does not), and context past L hurts less (the window-of-L effect: the "
+                     f"loss with the context cut to the last L keys minus with the full context, same tokens; below 0 "
+                     f"when context past L hurts). Rise: NoPE {_ci(rise('nope'))}, RoPE {_ci(rise('rope'))}; window "
+                     f"effect: NoPE {_ci(effect('nope', 'window'))}, RoPE {_ci(effect('rope', 'window'))} (mean over "
+                     f"seeds, 95% t-interval). The paper's models were ~100M-parameter decoders on synthetic tasks; "
+                     f"these are language models {here}.",
             scope="~100M-parameter decoders on synthetic reasoning and arithmetic tasks",
             figure=EFFECTS, command=ctx.remeasure("kazemnejad-nope-extrapolates")))
     if "nope" in variants and effect("nope", "logn") is not None and effect("nope", "window") is not None:
@@ -188,7 +192,9 @@ def build(ctx, size: dict) -> Section:
             context.append((f"{v}: note", note))
     s = Section(
         "Past the training length: does the causal mask's position signal decide length generalisation here?",
-        __doc__.split("\n\n", 1)[1].replace("\n", " ") + " The runs: " + "; ".join(
+        __doc__.split("\n\n", 1)[1].replace("\n", " ") + f" This run: the sweep's preset {sw.config.preset}, "
+        f"trained at L = {L}. The runs: "
+        + "; ".join(
             f"`poslens length {sw.path(v, sw.seeds[0])} --seed-models "
             f"{','.join(str(sw.path(v, x)) for x in sw.seeds[1:])} --data {sw.tokens} --bos always --train-len {L} "
             f"--num-sequences {size['sequences']} --batch-size {max(1, size['sequences'] // size['groups'])} "
@@ -228,9 +234,10 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                      f"Held-out loss against target position (from 1: the first token is position 1 and has no loss; "
                      f"bins of {L // 4} positions, the first from position 2) to 8L = {T}, each variant's mean over "
                      f"its seeds with 95% t-intervals over seeds; trained at L = {L}. Every variant reads the same "
-                     "sequences, so the curves share the text's ups and downs; the paired effects below remove them.",
+                     "sequences, so the curves share the text's ups and downs; the paired effects below remove them. "
+                     f"Dashed line: the training length L = {L}.",
                      "target position", "next-token loss (nats)", "Loss past the training length, by variant",
-                     errors=errors))
+                     errors=errors, vline=L))
     specs = sorted({s for r in runs.values() for s in r.metrics["seeds"]["effects"]})
     t = str(T)
     series, errors = {}, {}
@@ -274,11 +281,14 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         maps = load(dirs[v]).tensors
         if "m0/maps/scores" in maps:
             m, se = maps["m0/maps/scores"].double().numpy(), maps["m0/maps/scores_se"].double().numpy()
-            panels += [Panel(f"{sw.labels[v]}, layer {i + 1}", m[i], se[i]) for i in range(m.shape[0])]
+            panels += [Panel(f"{sw.labels[v]}, layer {i + 1}", m[i], se[i],
+                             plotting.offdiag_limits(m[i], (0.01, 0.99))) for i in range(m.shape[0])]
     if panels:
         out.append(heatmaps(ctx, "length_maps", panels, f"Mean attention scores at 8L = {T} tokens of seed "
                             f"{sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer (rows: query i, "
-                            "columns: key j, from 1).", ncols=len(panels) // 2 or 1, big=True, interactive=False,
+                            "columns: key j, from 1); each panel's colour limits at the 1% and 99% quantiles of its "
+                            "off-diagonal entries (the diagonal, where outside them, at the nearer end).",
+                            ncols=len(panels) // 2 or 1, big=True, interactive=False,
                             suptitle=f"Maps past the training length (L = {L}, shown to {T})"))
     series, errors = {}, {}
     lens = runs[next(iter(runs))].metrics["eval_lens"]

@@ -20,6 +20,7 @@ and the probe read blocks that start with the BOS when the models were trained s
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -112,8 +113,8 @@ def panel_statistics(cfg) -> dict:
     share = stat.sums.estimate(i_key_share, cfg.level)
     column = stat.sums.estimate(lambda m: b_first_column(m).abs(), cfg.level)
     signed = stat.sums.estimate(b_first_column, cfg.level)
-    return {"c_diag_slope": _item(est, 0), "c_uniformity": _item(est, 1), "b_first_column": _item(column),
-            "b_first_column_signed": _item(signed),
+    return {"c_diag_slope": _item(est, 0), "c_uniformity": _item(est, 1),
+            "b_first_column": _item(column, support=(0.0, math.inf)), "b_first_column_signed": _item(signed),
             "de_correlation": _item(corr, support=(-1.0, 1.0), debias=True),
             "i_key_share": _item(share, support=(0.0, 1.0), debias=True)}
 
@@ -249,7 +250,10 @@ def build(ctx, size: dict) -> Section:
                   ("the RoPE model for comparison (RoPE rotates queries and keys; it adds no position to the hidden "
                    "states)", "probe error by hidden state: " + ", ".join(_fmt(e) for e in rope["mae"]) + " tokens")]
     if ctx.draw:
-        s.figures += figures(ctx, run, first, m, sw)
+        note = (f" The panels are seed {sw.seeds[0]}'s; the mean row slopes over keys 2 <= j < i, "
+                f"(f) {_seeds(im['panels']['f']['row_slope'], 2)} and (i) {_seeds(im['panels']['i']['row_slope'], 2)}, "
+                "differ between seeds, and the rows test their mean, so one seed's picture need not show it.")
+        s.figures += figures(ctx, run, first, m, sw, note)
     return s
 
 
@@ -423,8 +427,9 @@ def haviv_claims(ctx, m: dict, cfg: TrainConfig) -> list[Claim]:
               command=ctx.remeasure("haviv-probe-improves-with-depth"))]
 
 
-def figures(ctx, run, models: dict, m: dict, sw) -> list[Figure]:
-    """Figures 3 and 8 and the training curves of the first seed (`models`: its pair); the probe over seeds."""
+def figures(ctx, run, models: dict, m: dict, sw, note: str = "") -> list[Figure]:
+    """Figures 3 and 8 and the training curves of the first seed (`models`: its pair); the probe over seeds.
+    `note`: a sentence for Figure 3's captions (how the drawn seed compares with the others)."""
     from poslens import plotting
     from poslens.analyses.intermediates import PANELS as WHAT
 
@@ -438,13 +443,13 @@ def figures(ctx, run, models: dict, m: dict, sw) -> list[Figure]:
         panels.append(Panel(titles[c], v, se, plotting.offdiag_limits(v, (0.01, 0.99))))
     out = [heatmaps(ctx, "figure3", panels, "Figure 3 style: the trained NoPE model, layers 1 and 2, held-out text; "
                     "each panel's colour limits at the 1% and 99% quantiles of its off-diagonal entries (where the "
-                    "diagonal lies outside them, it is drawn at the nearer end of the scale).", ncols=3,
+                    "diagonal lies outside them, it is drawn at the nearer end of the scale)." + note, ncols=3,
                     suptitle=f"Figure 3: {label}, Gram matrices of the intermediates of layers 1 and 2",
                     panel_size=3.0)]
     out.append(profiles(ctx, "figure3_profiles", [panels[5].values, panels[8].values], [panels[5].se, panels[8].se],
                         [titles["f"], titles["i"]], "Rows of panels (f) and (i) against the key 2 <= j < i for "
                         "three queries (the diagonal and key 1, the sink, left out, as in the rows' tests), with "
-                        "bands of +/- 2 standard errors: the 'increasing in j' claims.",
+                        "bands of +/- 2 standard errors: the 'increasing in j' claims." + note,
                         suptitle="Figure 3 (f) and (i): scores against the key", first_key=2))
     scores, se = run["scores"].double().numpy(), run["scores_se"].double().numpy()
     layers = run["score_layers"].tolist()
