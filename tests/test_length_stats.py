@@ -125,3 +125,21 @@ def test_the_length_section_says_positions_from_1():
 
     assert positions(64, 512) == "positions 65-512" and positions(1, 128) == "positions 2-128"
     assert "0" not in NAMES["freeze"]
+
+
+def test_a_scoped_row_is_not_said_to_be_decided_against_by_more_seeds():
+    """A row about a larger scale (a scope) whose open test leans to failure: more seeds would show a failure, which
+    the scope rule reads not resolved, so the seed line says nothing of deciding against the claim, and the row's
+    resolve line says what such a failure would mean, once."""
+    from poslens.report.claims import Claim, Test
+    from poslens.report.sweep import SweepModels, more_seeds, resolve_by_seeds
+    from poslens.train.sweep import SweepConfig, resolve_matrix
+
+    cfg = SweepConfig(preset="pe-quick")
+    sw = SweepModels(cfg, resolve_matrix(cfg), {}, None)
+    wrong_side = Test("effect", 0.2, "<", 0.0, -0.1, 0.5, "95% t-interval over 3 seeds")
+    assert "against the claim" not in more_seeds(sw, (wrong_side,), scoped=True)
+    row = Claim("x", "kim2025", "S", "c", (wrong_side,), scope="1.5B models (this pair: 0.6M tokens)")
+    resolve_by_seeds(sw, [row])
+    line = row.resolve_line()
+    assert line.count("failing side") == 1 and "reads not resolved" in line and "against the claim" not in line

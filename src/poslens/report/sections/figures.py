@@ -75,9 +75,11 @@ def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequen
 
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
           errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False,
-          xticklabels: Sequence[str] | None = None, joined: bool = True, vline: float | None = None) -> Figure:
+          xticklabels: Sequence[str] | None = None, joined: bool = True, vline: float | None = None,
+          hline: float | None = None) -> Figure:
     """A line plot (error bars optional; xticklabels: a name for each x; joined=False: points of a series not
-    joined, for categories without an order; vline: a dashed vertical line at that x, e.g. a training length)
+    joined, for categories without an order; vline / hline: a dashed line at that x (a training length) or y (a
+    chance level))
     saved as figures/stem.png and .pdf."""
     t = plotting.symlog_threshold(series, errors) if logy else None  # the axis line_plot draws: say so
     if t is not None:
@@ -91,6 +93,8 @@ def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: s
         fig.axes[0].axhline(0, color="0.3", lw=0.8)
     if vline is not None:
         fig.axes[0].axvline(vline, color="0.3", lw=0.8, ls="--")
+    if hline is not None:
+        fig.axes[0].axhline(hline, color="0.3", lw=0.8, ls="--")
     return Figure(ctx.save(fig, stem), caption, title=title)
 
 

@@ -36,7 +36,9 @@ RESIDUAL_WORDS = {"patch:inside:1@0": "position 0's state replaced by a content 
                   "random": "the BOS embedding replaced by a random vector of its norm"}  # interventions in words
 # models whose tokenizer names a BOS it never adds: the model was not trained with it first
 UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer names BOS but never adds (a chat-turn "
-                                 "token, not one SmolLM2 was trained to see first)"}
+                                 "token, not one SmolLM2 saw first in pre-training; the Instruct model was "
+                                 "fine-tuned on chats that begin with it)"}
+ANCHOR_WORDS = {"mean": "the mean token embedding", "random": "a random vector of its norm"}
 
 
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
@@ -113,21 +115,25 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             "ruscio-token-anchored", "ruscio2026", "abstract",
             "attention sinks are token-anchored: the sink-reading heads attend to the first key because of the "
             "token there, not because of its position", (estimate_test(
-                f"change of the sink-reading heads' mean attention on key 0 (alpha_0, Gu et al.'s test) when "
-                f"{RESIDUAL_WORDS.get(anchor, anchor)}", sa["change"], "<", 0.0, interval),),
+                f"change of the sink-reading heads' mean attention on key 0 (alpha_0, Gu et al.'s test) when the "
+                f"first token's embedding is replaced by {ANCHOR_WORDS[anchor]} at the same position", sa["change"],
+                "<", 0.0, interval),),
             measured=f"{name}, {seqs}: the {sa['heads']} heads whose mean attention on key 0 exceeds "
-                     f"{sa['threshold']:g} in the original pass (chosen once, on the whole sample) attend "
-                     f"{interval_text(sa['base'])} to it, and {interval_text(sa['pass'])} after the replacement "
-                     "(paired on the same sequences). "
-                     "'Token-anchored' read as: with the first token's embedding replaced and its position kept, "
-                     "the sinks lose attention (a sink anchored to the first position would keep it). Only the "
-                     "direction is tested; the abstract gives no size."
-                     + (f" The first token here is {first}." if first else ""),
+                     f"{sa['threshold']:g} in the original pass attend {interval_text(sa['base'])} to it, and "
+                     f"{interval_text(sa['pass'])} after the replacement (paired on the same sequences; the heads are "
+                     "chosen again inside each jackknife replicate; choosing and measuring on the same sequences "
+                     "leans the change below 0, toward the claim). 'Token-anchored' read as: with the first token's "
+                     "embedding replaced and its position kept, the sinks lose attention (a sink anchored to the "
+                     "first position would keep it). Only the direction is tested; the abstract gives no size."
+                     + (f" The first token here is {first}, so this model's sinks formed in pre-training without a "
+                        "token fixed at position 0 to anchor to; the sweep's models, trained with a BOS first, are "
+                        "context below (most of their seeds form no sink head)." if first else ""),
             resolve="more sequences (the interval is a jackknife over groups of sequences), or a model trained with a "
-                    "BOS at the paper's scale",
+                    "BOS first whose seeds all form sink heads (the sweep's do not at this size), at the paper's "
+                    "scale",
             scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"alpha_0 {interval_text(sa['base'])} -> {interval_text(sa['pass'])}"))
-    context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into this "
+    context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into each "
                     "layer's log-partition term (each query's softmax denominator) and the upstream logit term (the "
                     "part of the scores this layer reads that is not a function of i - j), early queries, summed over "
                     "layers, key 0 in / out",
@@ -208,6 +214,16 @@ def build(ctx, size: dict) -> Section:
                 f"seed; the verdict is for this scale")
     if all(("rope", s) in metrics for s in sw.seeds):
         claims.append(sl.bos_claim(metrics, sw.labels, describe))
+    anchored = [f"{v} seed {seed}: " + (f"{sa['heads']} sink head{'s' if sa['heads'] > 1 else ''}, alpha_0 "
+                                        f"{interval_text(sa['base'])} -> {interval_text(sa['pass'])}, change "
+                                        f"{interval_text(sa['change'])}" if sa else "no sink head")
+                for (v, seed), mm in sorted(metrics.items()) if v != "nope"
+                for sa in [(mm.get("interventions", {}).get("mean") or {}).get("sink_attention")]]
+    if anchored:
+        context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first: the "
+                        "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
+                        "embedding (95% jackknife over the run's groups; no row: most seeds form no sink head)",
+                        "; ".join(anchored)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset)
         claims.append(arch)
@@ -239,7 +255,8 @@ def build(ctx, size: dict) -> Section:
         "--no-predecessor --out runs/leakage-$(basename $m); done`; the sweep: "
         f"`{sw.command}`.",
         claims=claims, context=context,
-        scale=f"The leakage section measures SmolLM2-135M over {seqs} sequences of {seq_len} tokens and the sweep's "
+        scale=f"The leakage section measures SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to float32) over "
+              f"{seqs} sequences of {seq_len} tokens and the sweep's "
               f"models ({sw.describe()}); the paper studied 3B-7B models (Llama, Qwen, Mistral; partly second-hand: "
               "only its abstract could be read).")
     s.figures += figures(ctx, runs["leakage"], metrics, sw.labels, offset)

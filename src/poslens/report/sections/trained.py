@@ -171,7 +171,7 @@ def measure(models: dict, size: dict, parts: Path, progress: bool, bos_first: bo
 
 
 def _printed_slope(e: dict) -> str:
-    return f"row slope {e['value']:+.4g} [{e['lo']:+.4g}, {e['hi']:+.4g}]" if _defined(e) else _fmt(e)
+    return f"row slope {num(e['value'])} [{num(e['lo'])}, {num(e['hi'])}]" if _defined(e) else _fmt(e)
 
 
 def _printed_ratio(e: dict) -> str:
@@ -214,7 +214,8 @@ def build(ctx, size: dict) -> Section:
     s = Section(
         "No positional encoding in a trained model: Figure 3, Figure 8 and what training does (Kim et al., "
         "Section 4.2)",
-        f"The NoPE and RoPE models of the sweep this report trains ({sw.describe()}; vocabulary "
+        f"The NoPE and RoPE models of the sweep this report trains, or reads from the model cache when an earlier run "
+        f"trained them ({sw.describe()}; vocabulary "
         f"{cfg.tokenizer.split(':')[-1]}; `{sw.command}`): for each of the {n} seeds, the same data, batches and "
         f"architecture with and without RoPE. Figures 3 and 8 use {data['sequences']} held-out sequences of "
         f"{icfg.seq_len} tokens per seed: consecutive windows of the packed validation stream ("
@@ -246,7 +247,7 @@ def build(ctx, size: dict) -> Section:
     nope, rope = m["probe"]["none"], m["probe"]["rope"]
     s.context += [("embeddings of the NoPE model carry no position (true by construction: a probe check)",
                    f"probe error at the embeddings {_fmt(nope['mae'][0])} tokens; chance (always the mean position) "
-                   f"{_fmt(nope['chance'])}"),
+                   f"{num(nope['chance']['value'])}"),
                   ("the RoPE model for comparison (RoPE rotates queries and keys; it adds no position to the hidden "
                    "states)", "probe error by hidden state: " + ", ".join(_fmt(e) for e in rope["mae"]) + " tokens")]
     if ctx.draw:
@@ -357,7 +358,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
           "after (g)'s inversion, the next LayerNorm (h) restores the pattern",
           (estimate_test("(g) inverted: mean row slope of (g) over keys 2 <= j < i", p["g"]["row_slope"], "<"),
            estimate_test("mean row slope of (h) over keys 2 <= j < i", p["h"]["row_slope"], ">")),
-          key=_printed_slope(p["h"]["row_slope"]),
+          key=f"(g) {_printed_slope(p['g']['row_slope'])}; (h) {_printed_slope(p['h']['row_slope'])}",
           measured=f"'restores' read as: (g) is inverted (its rows decrease in j) and (h)'s rows increase in j "
                    f"again; (h)'s slope {_seeds(p['h']['row_slope'])}.")
     if "ratio" in amp:
@@ -398,7 +399,8 @@ def haviv_claims(ctx, m: dict, cfg: TrainConfig) -> list[Claim]:
               "a decoder without positional encoding models language about as well as one with it",
               (estimate_test("held-out perplexity ratio NoPE / RoPE", pr, "<", PERPLEXITY_TOLERANCE),),
               measured=f"held-out loss NoPE {_fmt(loss['loss_none'], 4)}, RoPE {_fmt(loss['loss_rope'], 4)} nats; "
-                       f"{m['loss_blocks']} paired held-out sequences of {m['context']} tokens; 'about as well' read "
+                       f"{m['loss_blocks']} paired held-out sequences of {m['context']} tokens"
+                       f"{', each starting with the BOS as in training' if cfg.bos else ''}; 'about as well' read "
                        f"as within {PERPLEXITY_TOLERANCE - 1:.0%}; ratio {_seeds(pr)}.",
               paper_number="perplexity 13.10 (NoPE) vs 13.05 (with positions) at 1.3B parameters",
               scope=f"1.3B-parameter models (this pair: {tokens})",
@@ -410,7 +412,7 @@ def haviv_claims(ctx, m: dict, cfg: TrainConfig) -> list[Claim]:
               measured=f"Kazemnejad et al. prove it for a constructed set of weights; tested here as what a trained "
                        f"NoPE model does: a ridge probe of the absolute position, error after layer 1 "
                        f"{_fmt(nope['mae'][1])} tokens vs {_fmt(nope['mae'][0])} at the embeddings (chance "
-                       f"{_fmt(nope['chance'])}); the change {_seeds(m['probe_first'])}.",
+                       f"{num(nope['chance']['value'])}); the change {_seeds(m['probe_first'])}.",
               scope=f"an existence proof (constructed weights), which a trained model that does not use the "
                     f"construction cannot contradict (this pair: {tokens})", figure="linear probe of absolute position",
               command=ctx.remeasure("kazemnejad-position-after-layer-1")),
@@ -467,7 +469,8 @@ def figures(ctx, run, models: dict, m: dict, sw, note: str = "") -> list[Figure]
     title = f"training: NoPE and RoPE, same data, seed {seed}"
     fig = plotting.curves(curves, "step", "next-token loss (nats)", title,
                           markers=[k for k in curves if k.endswith("held-out")])
-    out.append(Figure(ctx.save(fig, "training_curves"), "Training loss (per step) and held-out loss (dots) of the "
+    out.append(Figure(ctx.save(fig, "training_curves"), "Training loss (per step) and held-out loss (dots: one "
+                      "evaluation each on the same held-out blocks, no interval) of the "
                       f"first seed's two models (the other seeds' held-out losses: `{sw.command}`).", title=title))
     series, errors = {}, {}
     for pe in PE_NAMES:
@@ -475,13 +478,16 @@ def figures(ctx, run, models: dict, m: dict, sw, note: str = "") -> list[Figure]
         series[PE_NAMES[pe]] = [e["value"] for e in maes]
         errors[PE_NAMES[pe]] = [e["value"] - e["lo"] for e in maes]
     n = len(series["NoPE"])
-    series["chance"] = [m["probe"]["none"]["chance"]["value"]] * n
+    bos = next(mm.config for mm in sw.matrix.members if mm.variant == "nope").bos
     out.append(lines(ctx, "position_probe", range(n), series,
                      "Mean absolute error of a ridge probe of the absolute position, fitted per hidden state on "
-                     f"{m['probe_blocks'][0]} held-out sequences of {m['context']} tokens and scored on "
+                     f"{m['probe_blocks'][0]} held-out sequences of {m['context']} tokens"
+                     f"{' (each starting with the BOS, as in training)' if bos else ''} and scored on "
                      f"{m['probe_blocks'][1]} others, per seed; mean over the {len(sw.seeds)} seeds, bars: 95% "
-                     "t-intervals over seeds.",
+                     "t-intervals over seeds with each seed's interval over the held-out sequences added; dashed "
+                     f"line: chance, always guessing the mean position ({num(m['probe']['none']['chance']['value'])}, "
+                     "exact).",
                      "hidden state (embeddings, then after layer l)", "position probe error (tokens)",
                      "linear probe of absolute position, held out", errors=errors,
-                     xticklabels=["emb."] + [str(k) for k in range(1, n)]))
+                     xticklabels=["emb."] + [str(k) for k in range(1, n)], hline=m["probe"]["none"]["chance"]["value"]))
     return out
