@@ -302,8 +302,8 @@ class Claim:
                     f"would decide it ({self.claim_scale})")
         leaning = [t for t in tests if t.outcome() == "open" and t.against()]
         if self.scope and leaning:
-            lean = ("its estimate lies" if one else f"the estimate of {len(leaning)} of its {len(tests)} tests "
-                    f"lie{'s' if len(leaning) == 1 else ''}")
+            lean = ("its estimate lies" if one else f"the estimate{'' if len(leaning) == 1 else 's'} of "
+                    f"{len(leaning)} of its {len(tests)} tests lie{'s' if len(leaning) == 1 else ''}")
             first = f"{self.resolve}; " if self.resolve else ""
             return (f"{first}{lean} on the failing side, so more data could as well show a failure, which "
                     f"at this scale reads not resolved: only a measurement at the claim's own scale could contradict "
@@ -316,8 +316,13 @@ class Claim:
         return re.split(r" \((?:this|these)\b", self.scope, maxsplit=1)[0]
 
     def key_number(self) -> str:
+        """The row's number for the summary: its own `key`, else, for a row that is not decided in its favour, the
+        first test that did not pass (the one that decides the verdict), else the first test."""
         if self.key:
             return self.key
+        undecided = [t for t in self.tests if t.outcome() != "pass"]
+        if self.verdict in ("not resolved", "contradicted") and undecided:
+            return undecided[0].key()
         first = self.tests or self.readings[0].tests
         return first[0].key()
 

@@ -129,9 +129,13 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
             raise RuntimeError(f"claim ids must be unique: {sorted({i for i in ids if ids.count(i) > 1})}")
         total, cpu = time.perf_counter() - started, time.process_time() - cpu0
         prov = provenance(command, seed)
-        prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU"
-        prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (f", sha256 {i['sha256']}"
-                                                                        if i["sha256"] else "")
+        cached = [n for n, i in ctx.inputs.items() if "from the cache" in i["how"] or "converted once" in i["how"]]
+        prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU" + (
+            f" (inputs read from the cache, whose training or conversion is not included: {len(cached)})"
+            if cached else "")
+        prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (
+            f", sha256 {i['sha256']}" + (" (of the directory's files, in sorted order)" if Path(i["path"]).is_dir()
+                                         else "") if i["sha256"] else "")
                                    for name, i in ctx.inputs.items())
         intro = (f"Every claim of Kim et al. (2025), 'Behind RoPE: How Does Causal Mask Encode Positional "
                  f"Information?', of Ruscio, Nanni & Silvestri (2026), 'Where does Absolute Position come from in "
@@ -140,7 +144,8 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                  "verdict follows one written rule from the tests shown with it (statistic, threshold, direction): "
                  "holds, contradicted, ambiguous (the paper's wording admits readings the measurement decides "
                  "differently), erratum (a printed formula is wrong, the conclusion stands), not resolved (an "
-                 "interval straddles the threshold, or a test fails on a model smaller than the claim's: see the "
+                 "interval straddles the threshold or its statistic is undefined on these models, or a test fails "
+                 "on a model smaller than the claim's: see the "
                  "scope below; the row says what would resolve it), finding (a measured fact "
                  "the paper did not state). A claim about a larger scale than the one measured (its row's scope) "
                  "cannot be contradicted by a smaller model: a failure there reads not resolved, and holds means only "

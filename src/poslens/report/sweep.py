@@ -182,10 +182,12 @@ def more_seeds(sw, tests: tuple[Test, ...], scoped: bool = False) -> str:
         return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
                 f"threshold or from one seed): `{sw.command}` with more --seeds")
     against = [t for t in tests if t.outcome() == "open" and t.against()]
-    head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need):,} at the "
-            f"present means and spreads over seeds, against {n} here"
-            + (f"; {_count(against, len(need))} on the failing side, so at the present means that would "
-               "decide the row against the claim" if against and not scoped else ""))
+    first_fail = min((m for m in (seeds_needed(t, n) for t in against) if m is not None), default=None)
+    head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need):,} to resolve "
+            f"every open test at the present means and spreads over seeds, against {n} here"
+            + (f"; {_count(against, len(need))} on the failing side, so at the present means about "
+               f"{first_fail:,} would decide the row against the claim" if against and not scoped and first_fail
+               else ""))
     if max(need) > MANY_SEEDS:
         return head + " (the effect is small next to its spread over seeds: a larger effect, e.g. a longer-trained "\
                       "model, would decide it sooner than that many seeds)"

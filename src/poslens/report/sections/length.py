@@ -15,7 +15,8 @@ degrades past L, a correction for the denominator's growth restores it (log-n sc
 query at position p multiplied by max(1, log p / log L), the log of the number of keys it sees over the log of L,
 1 up to position L and larger past it, so that its attention does not spread thinner as the keys past L add terms
 to the denominator), and for RoPE the same correction helps more than rescaling its frequencies (NTK at T/L: the
-rotary base scaled by NTK's rule for the length factor T/L, T the evaluation length and L the training length).
+rotary base scaled by NTK's rule for the length factor T/L, T the evaluation length and L the training length;
+YaRN at T/L: the YaRN rescaling of the rotary frequencies, as transformers implements it, for the same factor).
 """
 
 from __future__ import annotations

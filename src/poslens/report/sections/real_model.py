@@ -163,6 +163,10 @@ def build(ctx, size: dict) -> Section:
         return "; ".join(f"{k + 1}: {num(float(v[k]))} [{num(float(lo[k]))}, {num(float(hi[k]))}]"
                          for k in range(layers))
 
+    s.context.append(("Section 5.2's 'this non-relative pattern may potentially negatively affect length "
+                      "generalization': not a row (hedged, and about length, which this model is not run past its "
+                      "training length for)", "the section 'past the training length' measures length "
+                      "generalisation, and the mask's term past it, on the sweep's models"))
     s.context.append(("pattern power per layer (from layer 1) with its Bonferroni-adjusted bounds",
                       per_layer(*st["power"])))
     s.context.append(("share of each layer's score variance that is not relative (power / variance), per layer "
@@ -318,14 +322,14 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                  "Noise-free mean square of each layer's non-relative pattern (diagonal-normalised, sink column left "
                  "out) with its Bonferroni-adjusted jackknife bounds; layers from 1. A layer is resolved when its "
                  "lower bound is above 0.", "layer", "pattern power E[P(m_a) P(m_b)]",
-                 "SmolLM2-135M: non-relative pattern per layer", errors={"RoPE on (as trained)":
+                 "SmolLM2-135M-Instruct: non-relative pattern per layer", errors={"RoPE on (as trained)":
                                                                           interval_errors(v, lo, hi)}, zero=True)]
     norm = ms.normalised(mean, sink=True)
     noisy = noisy_layers(sums)
     panels = [Panel(f"layer {k + 1}, diagonal-normalised", norm[k], se[k], quantile_limits(norm[k])) for k in range(4)]
     out.append(heatmaps(ctx, "figure5", panels, "Figure 5 style: layers 1-4, diagonal-normalised, attention-sink "
                         "column (key 1) blank; colour limits at the 1% and 99% quantiles.",
-                        suptitle="SmolLM2-135M: diagonal-normalised mean scores, layers 1-4 (Figure 5 style)",
+                        suptitle="SmolLM2-135M-Instruct: diagonal-normalised mean scores, layers 1-4 (Figure 5 style)",
                         warning=noise_warning([k for k in noisy if k <= 4], sums, 4)))
     q = first_query(mean.shape[-1])
     profile = sums.estimate(lambda m: torch.as_tensor(np.nanmean(ms.normalised((m["a"] + m["b"]) / 2)[
@@ -337,7 +341,7 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
                      {f"layer {k + 1}": profile.value.numpy()[k, :width] for k in picks},
                      f"Mean diagonal-normalised score of each key j (over queries i >= {q + 1}; the sink "
                      "column kept) for a few layers, with 95% jackknife intervals: the first keys against the rest.",
-                     "key j", "mean diagonal-normalised score", "SmolLM2-135M: scores of the first keys",
+                     "key j", "mean diagonal-normalised score", "SmolLM2-135M-Instruct: scores of the first keys",
                      errors={f"layer {k + 1}": interval_errors(*(x.numpy()[k, :width]
                                                                  for x in (profile.value, profile.lo, profile.hi)))
                              for k in picks}, zero=True))
@@ -348,9 +352,10 @@ def figures(ctx, st: dict, mean: np.ndarray, se: np.ndarray, layers: int, sums: 
         what = "diagonal-normalised, sink column blank" if normalised else "mean pre-softmax scores"
         out.append(heatmaps(ctx, f"model_rope_{'normalised' if normalised else 'scores'}",
                             [Panel(f"layer {k + 1}", grid[k], None, lims[k]) for k in range(layers)],
-                            f"SmolLM2-135M: {what}, all layers (Figures {'14-16' if normalised else '11-13'} style); "
+                            f"SmolLM2-135M-Instruct: {what}, all layers (Figures "
+                            f"{'14-16' if normalised else '11-13'} style); "
                             "colour limits per panel at the 1% and 99% quantiles"
                             + ("" if normalised else " of the entries j >= 2 (the sink column is far outside them)")
-                            + ".", ncols=5, suptitle=f"SmolLM2-135M: {what}", big=True, interactive=False,
+                            + ".", ncols=5, suptitle=f"SmolLM2-135M-Instruct: {what}", big=True, interactive=False,
                             warning=warn if normalised else "", panel_size=2.2))
     return out

@@ -30,7 +30,8 @@ def figure(ctx, stem: str, cfg: StackConfig, caption: str):
     name = stem.replace("figure", "Figure ")
     exact = np.nanmax(np.abs(diagonal_normalise(gf.scores, causal=causal)), axis=(1, 2))
     noise = np.nanmedian(mc.se, axis=(1, 2))
-    flat = [f"layer {k + 1} (exact limit at most {exact[k]:.1e}, standard errors about {noise[k]:.1e})"
+    flat = [f"layer {k + 1} (exact limit " + ("exactly 0" if exact[k] == 0 else f"at most {exact[k]:.1e}")
+            + f", standard errors about {noise[k]:.1e})"
             for k in range(cfg.layers) if exact[k] < noise[k]]
     low = np.tril_indices(gf.scores.shape[-1], -1)
     constant = any(np.ptp(np.asarray(gf.scores[k])[low]) < 1e-9 for k in range(cfg.layers))  # as pattern_limits

@@ -230,7 +230,9 @@ def build(ctx, size: dict) -> Section:
         "their sampling error, and more seeds would not shrink it. The figures draw seed "
         f"{sw.seeds[0]}.",
         scale=f"Section 4.2 is measured on {n} seeds of a {params / 1e6:.2g}M-parameter NoPE/RoPE pair ({cfg.layers} "
-              f"layers, d = {cfg.hidden}, heads of size {cfg.hidden // cfg.heads}) poslens trains on "
+              f"layers, d = {cfg.hidden}, {cfg.heads} heads of size {cfg.hidden // cfg.heads} sharing {cfg.kv_heads} "
+              f"key/value heads, RMSNorm; {sum(v in VARIANTS.values() for v, _ in sw.trained)} of its {2 * n} models "
+              "trained in this run, the rest read from the model cache) poslens trains on "
               f"{cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M tokens of embedded text; the paper's NoPE model "
               "has 1.5B parameters (heads of size 64) trained on 20B FineWeb-Edu tokens.")
     s.claims += figure3_claims(ctx, im, m["extra"], _scale(cfg))
@@ -245,11 +247,15 @@ def build(ctx, size: dict) -> Section:
         measured=f"largest absolute deviation {c['max_abs']:.3g} ({c['dtype']}; tolerance {CHECK_NOTE}).",
         figure="Figure 3 (g)", command=ctx.remeasure("poslens-block-output-check")))
     nope, rope = m["probe"]["none"], m["probe"]["rope"]
-    s.context += [("embeddings of the NoPE model carry no position (true by construction: a probe check)",
+    s.context += [("embeddings of the NoPE model carry no position but the BOS's (true by construction: a probe "
+                   "check; position 1 always holds the BOS, so a probe of the embeddings can tell position 1 from the "
+                   "rest and lands a little under chance)",
                    f"probe error at the embeddings {_fmt(nope['mae'][0])} tokens; chance (always the mean position) "
                    f"{num(nope['chance']['value'])}"),
                   ("the RoPE model for comparison (RoPE rotates queries and keys; it adds no position to the hidden "
-                   "states)", "probe error by hidden state: " + ", ".join(_fmt(e) for e in rope["mae"]) + " tokens")]
+                   "states)", "probe error by hidden state: " + ", ".join(
+                      f"{'embeddings' if k == 0 else f'after layer {k}'} {_fmt(e)}" for k, e in enumerate(rope["mae"]))
+                   + " tokens")]
     if ctx.draw:
         note = (f" The panels are seed {sw.seeds[0]}'s; the mean row slopes over keys 2 <= j < i, "
                 f"(f) {_seeds(im['panels']['f']['row_slope'], 2)} and (i) {_seeds(im['panels']['i']['row_slope'], 2)}, "
@@ -294,7 +300,8 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
                                   ch["offdiag_ratio_b_minus_a"], ">"),),
           measured=f"(a) {_fmt(p['a']['offdiag_ratio'])}, (b) {_fmt(p['b']['offdiag_ratio'])}; the change "
                    f"{_seeds(ch['offdiag_ratio_b_minus_a'])} (the ratio is undefined in a seed whose panel has a mean "
-                   "diagonal at or below 0: a token unlike itself).")
+                   "diagonal at or below 0: a token unlike itself). Only the direction is tested: 'substantially' "
+                   "gives no size.")
     e = extra
     claim("kim-42-b-first-column", "Section 4.2, Figure 3 (b)",
           "a vivid line appears at the first column of (b) (key 1: the paper's 0th column), an attention sink",
