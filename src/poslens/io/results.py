@@ -8,6 +8,7 @@ run.json carries `"poslens_run": 1`). The mechanism (locking, leftovers, resumab
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -57,8 +58,10 @@ class Run:
         return self.meta.get("metrics", {})
 
 
+@functools.lru_cache(maxsize=1)
 def source_revision() -> str:
-    """The git commit of the poslens source (with '+ local changes' when the tree differs), else its version."""
+    """The git commit of the poslens source (with '+ local changes' when the tree differs), else its version; asked
+    of git once per process (every run a process writes records it)."""
     from poslens import __version__
 
     here = Path(__file__).resolve().parent.parent

@@ -168,7 +168,8 @@ def more_seeds(sw, tests: tuple[Test, ...], scoped: bool = False) -> str:
     `scoped`: the row is about a larger scale, where a failure reads not resolved, so the line does not say that
     more seeds would decide it against the claim (`Claim.resolve_line` says what a failure would mean)."""
     n = len(sw.seeds)
-    need = [seeds_needed(t, n) for t in tests if t.outcome() == "open"]
+    needs = {t: seeds_needed(t, n) for t in tests if t.outcome() == "open"}
+    need = list(needs.values())
     if not need:
         return ""
     text = [t for t in tests if t.outcome() == "open" and t.floor is not None and math.isfinite(t.value)
@@ -182,7 +183,7 @@ def more_seeds(sw, tests: tuple[Test, ...], scoped: bool = False) -> str:
         return (f"more seeds of the sweep (each interval is over its {n} seeds; no count follows from a mean on the "
                 f"threshold or from one seed): `{sw.command}` with more --seeds")
     against = [t for t in tests if t.outcome() == "open" and t.against()]
-    first_fail = min((m for m in (seeds_needed(t, n) for t in against) if m is not None), default=None)
+    first_fail = min((needs[t] for t in against if needs[t] is not None), default=None)
     head = (f"more seeds of the sweep (each interval is a t-interval over its seeds): about {max(need):,} to resolve "
             f"every open test at the present means and spreads over seeds, against {n} here"
             + (f"; {_count(against, len(need))} on the failing side, so at the present means about "
@@ -251,11 +252,12 @@ def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) ->
 def _trained_by(path: Path) -> str:
     """'trained by git 3611901... on 2026-11-26 17:10 UTC', from the model's own run.json (an older poslens did not
     record them: then it says so)."""
-    import json
+    from poslens.errors import UsageError
+    from poslens.io.results import load
 
     try:
-        env = json.loads((Path(path) / "run.json").read_text(encoding="utf-8")).get("environment", {})
-    except (OSError, ValueError):
+        env = load(path, tensors=False).meta.get("environment", {})
+    except (UsageError, OSError, ValueError):
         env = {}
     if "source" not in env:
         return "trained by a poslens that did not record its source revision or date"
