@@ -18,7 +18,7 @@ from poslens.analyses.intermediates import (
     Intermediates,
     IntermediatesConfig,
     check_tolerance,
-    pattern_strength,
+    cosine_scores,
     row_slope,
     row_slopes,
     run_intermediates,
@@ -72,7 +72,7 @@ def _layer_facts(cfg, l: int) -> dict:
 
 def _attention(model, l: int, y, rope: bool = True):
     """Layer l's attention from its normalised input y [B, T, d]: (head-mean scores [B, T, T], z [B, T, H, D],
-    output after W_O)."""
+    output after W_O, (q [B, H, T, D], k [B, Hkv, T, D]) after norm and RoPE)."""
     cfg, attn = model.config, model.model.layers[l].self_attn
     b, t, _ = y.shape
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -88,6 +88,7 @@ def _attention(model, l: int, y, rope: bool = True):
         q, k = _norm(q, attn.q_norm, gemma), _norm(k, attn.k_norm, gemma)
     if f["rope"] and rope:
         q, k = _rope(q, f["theta"], f["rot"]), _rope(k, f["theta"], f["rot"])
+    qk = (q, k)
     k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
     s = q @ k.transpose(-1, -2) * f["scaling"]
     logits = torch.tanh(s / f["softcap"]) * f["softcap"] if f["softcap"] else s
@@ -95,7 +96,7 @@ def _attention(model, l: int, y, rope: bool = True):
     ok = (j <= i) & ((i - j < f["window"]) if f["window"] else True)
     p = torch.softmax(logits.masked_fill(~ok, -math.inf), -1)
     z = (p @ v).transpose(1, 2)  # [B, T, H, D]
-    return s.mean(1), z, _linear(z.reshape(b, t, h * d), attn.o_proj)
+    return s.mean(1), z, _linear(z.reshape(b, t, h * d), attn.o_proj), qk
 
 
 def _mlp(model, l: int, x):
@@ -123,7 +124,7 @@ def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[tor
 
         x = hidden[layer]
         y = _norm(x, blk.input_layernorm, gemma)
-        s, z, a = _attention(model, layer, y)
+        s, z, a, _ = _attention(model, layer, y)
         b, t, h, d = z.shape
         zg = torch.einsum("bihd,bjhd->bij", z, z) / h
         if gemma:
@@ -135,9 +136,9 @@ def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[tor
             f = _norm(mid, blk.post_attention_layernorm, gemma)
             post = mid + _mlp(model, layer, f)
         nxt = _norm(post, model.model.layers[layer + 1].input_layernorm, gemma)
-        s2, _, _ = _attention(model, layer + 1, nxt)
+        s2, _, _, qk2 = _attention(model, layer + 1, nxt)
         panels = {"a": gram(y), "b": s, "c": zg, "d": gram(a), "e": gram(mid), "f": gram(f), "g": gram(post),
-                  "h": gram(nxt), "i": s2}
+                  "h": gram(nxt), "i": s2, "i_qk": qk2}
         scores = [_attention(model, l, _norm(hidden[l], model.model.layers[l].input_layernorm, gemma))[0]
                   for l in range(cfg.num_hidden_layers)]
     return panels, scores
@@ -283,6 +284,29 @@ def test_parameter_free_second_layer_increases_in_every_row(alpha):
     assert float(row_slope(s2)) > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "smollm3"])
+def test_cosine_unit_of_panel_i_equals_a_recomputation_and_lies_in_minus_one_one(family):
+    """Panel (i) in cosine units, E[q_i . k_j] / sqrt(E|q_i|^2 E|k_j|^2) with the query heads of a key head summed
+    (grouped-query attention), against the same from the weights in float64; by Cauchy-Schwarz every entry lies in
+    [-1, 1]. Tolerance as `_close` (float32 model, relative 1e-4 of the largest entry)."""
+    model = build(family)
+    batches = [token_batch(3, 16, seed=s) for s in range(2)]
+    st = _run(model, batches, 0, groups=2)
+    m = st.sums._means()
+    got = cosine_scores(st.panel_map("i", m), m["q_sq/next"], m["k_sq/next"])
+    qs, ks, dots = [], [], []
+    for ids in batches:
+        q, k = reference(model, ids, 0)[0]["i_qk"]  # [B, H, T, D], [B, Hkv, T, D]
+        g = q.reshape(q.shape[0], k.shape[1], -1, *q.shape[2:]).sum(2)  # query heads of one key head summed
+        dots.append(torch.einsum("bkid,bkjd->bij", g, k))
+        qs.append(g.square().sum((1, 3)))
+        ks.append(k.square().sum((1, 3)))
+    want = torch.cat(dots).mean(0) / torch.sqrt(torch.cat(qs).mean(0)[:, None] * torch.cat(ks).mean(0)[None])
+    _close(got, _lower(want), f"{family} panel (i) in cosine units")
+    low = torch.isfinite(got)
+    assert bool((got[low].abs() <= 1 + 1e-12).all())
+
+
 def test_amplification_is_model_over_stack_and_skipped_with_rope():
     """On a NoPE model the ratio is the model's strength over the stack's at the measured alpha (exactly, for the
     point estimate); a model whose layers 1-2 rotate with RoPE gets no comparison, with the reason."""
@@ -291,7 +315,8 @@ def test_amplification_is_model_over_stack_and_skipped_with_rope():
     amp = st.summary()["amplification"]
     a = amp["alpha"]["value"]
     assert a == pytest.approx(float(st.summary()["panels"]["a"]["offdiag_ratio"]["value"]), rel=1e-12)
-    model = float(pattern_strength(st.panel_map("i", st.sums._means())))
+    m = st.sums._means()
+    model = float(row_slope(cosine_scores(st.panel_map("i", m), m["q_sq/next"], m["k_sq/next"])))
     assert amp["model_strength"]["value"] == pytest.approx(model, rel=1e-12)
     assert amp["stack_strength"]["value"] == pytest.approx(float(stack_strength(a, 12)), rel=1e-12)
     assert amp["ratio"]["value"] == pytest.approx(model / float(stack_strength(a, 12)), rel=1e-12)

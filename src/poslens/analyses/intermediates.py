@@ -164,6 +164,14 @@ def pattern_strength(m: torch.Tensor) -> torch.Tensor:
     return row_slope(m) / diag if bool(diag > 0) else torch.tensor(math.nan, dtype=torch.float64)
 
 
+def cosine_scores(m: torch.Tensor, q_sq: torch.Tensor, k_sq: torch.Tensor) -> torch.Tensor:
+    """Mean scores in cosine units: m[i, j] / sqrt(q_sq[i] k_sq[j]), where m = E[q_i . k_j] and q_sq, k_sq are the
+    mean squared norms E|q_i|^2, E|k_j|^2 under the same average (sequences, heads) and scaling. By Cauchy-Schwarz
+    every entry lies in [-1, 1]; for the parameter-free stack with l2 norm (q = k = a unit vector) it is the score
+    itself. A positive unit for a trained model, whose Q K^T diagonal can be at or below 0."""
+    return m.double() / torch.sqrt(q_sq.double()[:, None] * k_sq.double()[None, :])
+
+
 def stack_strength(alpha: float | torch.Tensor, n: int) -> torch.Tensor:
     """`pattern_strength` of the second-layer scores of the parameter-free stack (d -> infinity Gram flow, l2 norm,
     residual, no positional encoding) started from inputs with pairwise inner product `alpha` (paper Eq. 2); alpha
@@ -280,9 +288,14 @@ class Intermediates(Statistic):
 
     def _scores_reader(self, layer: int):
         def read(_, ctx):  # ctx.rot_q [B, H, T, D], ctx.rot_k [B, K, T, D]: after q/k norm and RoPE
-            h = ctx.rot_q.shape[1]
-            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.rot_q, ctx.rot_k) * (ctx.scaling / h),
-                          ctx.rot_q.shape[0])
+            b, h = ctx.rot_q.shape[:2]
+            c = ctx.scaling / h
+            self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.rot_q, ctx.rot_k) * c, b)
+            if layer == self.layer + 1:  # panel (i)'s unit for `cosine_scores`: the same sums' squared norms [T]
+                q, k = ctx.rot_q.double(), ctx.rot_k.double()
+                qs = q.reshape(b, k.shape[1], h // k.shape[1], *q.shape[2:]).sum(2)  # [B, K, T, D]
+                self.sums.add("q_sq/next", self.group, qs.square().sum((0, 1, 3)) * c, b)
+                self.sums.add("k_sq/next", self.group, k.square().sum((0, 1, 3)) * c, b)
 
         return read
 
@@ -372,13 +385,16 @@ class Intermediates(Statistic):
                                f"{' with a sliding window' if any(self.windows[self.layer:self.layer + 2]) else ''}; "
                                "the parameter-free stack compared against has no positional encoding and a full "
                                "causal mask"}
+        if "q_sq/next" not in self.sums:
+            return {"skipped": "these partial sums were written before panel (i)'s cosine unit was recorded "
+                               "by an earlier poslens: run the statistic again into a new directory"}
         n = self.sums.mean("panel_a").shape[-1]
 
         best_alpha, best = max(((a, float(stack_strength(a, n))) for a in STACK_ALPHAS), key=lambda t: t[1])
 
         def parts(m) -> torch.Tensor:
             alpha = offdiag_ratio(self.panel_map("a", m))
-            model = pattern_strength(self.panel_map("i", m))
+            model = row_slope(cosine_scores(self.panel_map("i", m), m["q_sq/next"], m["k_sq/next"]))
             stack = stack_strength(alpha, n)
             return torch.stack([alpha, model, stack, model / stack, model / best])
 
@@ -386,10 +402,11 @@ class Intermediates(Statistic):
         names = ("alpha", "model_strength", "stack_strength", "ratio", "ratio_to_strongest_stack")
         out = {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, level, est.method).item()
                for i, k in enumerate(names)}
-        out["definition"] = ("strength = mean row slope over keys 1 <= j < i / mean diagonal; model: panel (i); stack: "
-                             "second-layer scores of the d -> infinity parameter-free stack (l2 norm, residual, no "
-                             "positional encoding) from inputs with inner product alpha = panel (a)'s off-diagonal/"
-                             "diagonal ratio (clipped to [0, 0.999]); ratio = model / stack; "
+        out["definition"] = ("strength = mean row slope over keys 1 <= j < i of the scores in cosine units, "
+                             "E[q_i . k_j] / sqrt(E|q_i|^2 E|k_j|^2); model: panel (i); stack: second-layer scores "
+                             "of the d -> infinity parameter-free stack (l2 norm, residual, no positional encoding; "
+                             "its scores are cosines already, diagonal 1) from inputs with inner product alpha = "
+                             "panel (a)'s off-diagonal/diagonal ratio (clipped to [0, 0.999]); ratio = model / stack; "
                              "ratio_to_strongest_stack = model / the stack's largest strength over alpha in "
                              "0, 0.05, ..., 0.95")
         out["strongest_stack"] = {"alpha": best_alpha, "strength": best}

@@ -39,8 +39,8 @@ from poslens.report.claims import Test
 from poslens.train.sweep import Matrix, SweepConfig, resolve_matrix, seed_interval
 
 SWEEP_QUICK = {"sweep": "pe-quick", "sweep_train": None, "sweep_seeds": None}
-# the full run trains `pe-sinks` (2,000 steps of 8 x 64 tokens at lr 0.02: 10.8 min on two cores, the cheapest size
-# at which RoPE models of this shape formed sink heads on a GPU; BENCHMARKS.md "Sweep"); the 1,000-step `pe` takes
+# the full run trains `pe-sinks` (8 heads of 8, 2,000 steps of 8 x 64 tokens at lr 0.04: 13.3 min on two cores, a
+# size at which every model of the matrix formed sink heads; BENCHMARKS.md "Sweep"); the 1,000-step `pe` takes
 # 24 min and forms none. Another matrix: reproduce(sizes={"leakage": {"sweep": "pe"}, "length": {"sweep": "pe"}})
 SWEEP_FULL = {"sweep": "pe-sinks", "sweep_train": None, "sweep_seeds": None}
 

@@ -379,14 +379,14 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
               key=(f"{num(r['value'])}x [{num(r['lo'])}, {num(r['hi'])}]" if _defined(r) else
                    f"undefined in {sum(not np.isfinite(v) for v in r['per_seed'])} of {len(r['per_seed'])} seeds"),
               measured=f"'much stronger' read as: at least {MUCH_STRONGER:g} times the stack's strength; strength = "
-                       f"mean row slope / mean diagonal; alpha from (a) {_fmt(amp['alpha'])}; model "
+                       f"mean row slope of the scores in cosine units, E[q_i . k_j] / sqrt(E|q_i|^2 E|k_j|^2) (the "
+                       f"stack's scores are cosines already); alpha from (a) {_fmt(amp['alpha'])}; model "
                        f"{_fmt(amp['model_strength'])}, stack {_fmt(amp['stack_strength'])}; the stack's strength is "
                        f"largest at alpha = {amp['strongest_stack']['alpha']:.2f}, and the model's strength over that "
                        f"largest value is {_fmt(amp['ratio_to_strongest_stack'])}. 'i-independent' read as for the "
                        f"stack at alpha = 0.2 (Section 4.1): the key alone explains more than {I_INDEPENDENT:.0%} "
                        "(bias-corrected by the jackknife for the maps' noise; key 1, the sink, left out). "
-                       f"Ratio {_seeds(r)} (undefined where the mean diagonal of (i) is not positive: "
-                       f"strength has no unit there); key share {_seeds(e['i_key_share'])}.")
+                       f"Ratio {_seeds(r)}; key share {_seeds(e['i_key_share'])}.")
     return out
 
 
