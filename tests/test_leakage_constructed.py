@@ -114,8 +114,8 @@ def test_both_sources_row_holds_on_a_planted_bos_and_fails_when_position0_adds_t
     the mask-only term is there and patching position 0 removes the scores' absolute term (share 1): holds (the
     offset null, all content tokens alike, removes none of it: context, not a test). Uniform stream with a random
     position-0 embedding (`random`): the intervention creates the absolute term instead of removing it: its test
-    fails, and since the claim is about 3B-7B models a tiny model leaves the row not resolved (the rule's scope),
-    not contradicted."""
+    fails, and since the claim is about billion-parameter models a tiny model leaves the row not resolved (the
+    rule's scope), not contradicted."""
     from poslens.report.sections.leakage import leakage_claims
 
     run(planted, tmp_path / "planted", interventions=["patch:inside:1@0"], nulls=["offset"])

@@ -40,11 +40,11 @@ REVERSED = {"nope": [1.0] * 4, "rope": [1.0, 1.5, 2.0, 2.5], "ntk": [2.0, 2.5, 3
                                                               (REVERSED, -0.3, "fail", "not resolved")])
 def test_sweep_rows_pass_or_fail_by_what_is_planted(energies, bos, outcome, verdict):
     """Planted as the paper says, every test passes and the rows hold; planted the other way, the tests fail, and
-    since the claims are about 3B-7B models the tiny sweep leaves them not resolved (the rule's scope)."""
+    since the claims are about billion-parameter models the tiny sweep leaves them not resolved (the rule's scope)."""
     m = sweep(energies, bos)
     claim, context = sl.architecture_claim(m, LABELS, "planted", max_offset=31)
     assert combine(claim.tests) == outcome and claim.verdict == verdict and len(claim.tests) == 4
-    assert "3B-7B" in claim.scope
+    assert "Llama-3.2-3B" in claim.scope
     assert all("per seed" in t.statistic and "3 seeds" in t.interval for t in claim.tests)
     # standard minus NTK, summed over layers, seed by seed: the same 0.01 s on both sides cancels exactly
     diff = sum(energies["rope"]) - sum(energies["ntk"])
@@ -61,3 +61,59 @@ def test_one_seed_is_not_resolved():
     m = {k: v for k, v in sweep(AS_CLAIMED, 0.4).items() if k[1] == 0}
     assert sl.bos_claim(m, LABELS, "planted").verdict == "not resolved"
     assert sl.architecture_claim(m, LABELS, "planted", 31)[0].verdict == "not resolved"
+
+
+def with_sinks(m: dict, change: float | None, half: float = 0.02) -> dict:
+    """Every model of `m` with sink heads whose alpha_0 changes by `change` (+ 0.01 s) under the BOS replacement,
+    each seed's jackknife half-width `half`; None: no sink head in seed 2 of RoPE."""
+    out = {}
+    for (v, s), run in m.items():
+        run = {**run, "interventions": {"mean": dict(run["interventions"]["mean"])}}
+        if change is not None and not (v == "rope" and s == 2 and change == 99):
+            c = change + 0.01 * s
+            run["interventions"]["mean"]["sink_attention"] = {
+                "heads": 3, "threshold": 0.3, "base": est(0.5), "pass": est(0.5 + c),
+                "change": {"value": c, "lo": c - half, "hi": c + half}}
+        out[v, s] = run
+    return out
+
+
+@pytest.mark.parametrize("change, outcome, verdict", [(-0.4, "pass", "holds"), (0.05, "fail", "not resolved")])
+def test_token_anchored_row_on_the_sweep_is_t_over_seeds_with_the_text_half_width_added(change, outcome, verdict):
+    """Sinks that collapse under the BOS replacement in every seed pass the test (held: seen at this scale);
+    sinks that keep their attention fail it, which for a claim about billion-parameter models reads not resolved.
+    The interval is the t-interval over seeds with each seed's jackknife half-width (0.02) added in quadrature."""
+    import math
+
+    m = with_sinks(sweep(AS_CLAIMED, 0.4), change)
+    row = sl.anchored_claim(m, LABELS, "planted", elsewhere="SmolLM2 context.")
+    assert combine(row.tests) == outcome and row.verdict == verdict and row.id == "ruscio-token-anchored"
+    values = [change + 0.01 * s for s in SEEDS]
+    mean = sum(values) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / 2)
+    t975 = math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2))  # Student's t, 2 df: F(t) = 1/2 + t / (2 sqrt(2 + t^2))
+    half = math.sqrt((t975 * sd / math.sqrt(3)) ** 2 + 0.02 ** 2)
+    t = row.tests[0]
+    assert (t.value, t.lo, t.hi) == pytest.approx((mean, mean - half, mean + half), rel=1e-12)
+    assert "SmolLM2 context." in row.measured and "window seed 2: 3 sink heads" in row.measured
+
+
+def test_token_anchored_row_needs_sinks_in_every_seed():
+    """A seed with no sink head has nothing to anchor: no row on the sweep (the report keeps the real model's)."""
+    m = with_sinks(sweep(AS_CLAIMED, 0.4), 99)
+    assert sl.anchored_claim(m, LABELS, "planted") is None
+    assert "rope seed 2: no sink head" in sl.anchored_lines(m)
+    assert sl.anchored_claim(with_sinks(sweep(AS_CLAIMED, 0.4), None), LABELS, "planted") is None
+
+
+def test_more_sequences_is_the_count_at_which_the_half_width_falls_below_the_gap():
+    """An open jackknife test with its estimate 0.05 above 0 and a half-width 0.06 at 32 sequences: the half-width
+    falls as 1 / sqrt(n), so about ceil(32 x 1.2^2) = 47 sequences would exclude 0; a passing test asks for none."""
+    from poslens.report.claims import Test
+    from poslens.report.sections.leakage import more_sequences
+
+    open_ = Test("x", 0.05, ">", 0.0, -0.01, 0.11, "95% jackknife over 8 groups")
+    assert "about 47 (against 32 here)" in more_sequences((open_,), 32)
+    passing = Test("y", 0.5, ">", 0.0, 0.4, 0.6, "95% jackknife over 8 groups")
+    assert "about 47" in more_sequences((open_, passing), 32)
+    assert "about" not in more_sequences((Test("z", 0.0, ">", 0.0, -0.1, 0.1, "j"),), 32)

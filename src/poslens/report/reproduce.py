@@ -131,7 +131,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         prov = provenance(command, seed)
         cached = [n for n, i in ctx.inputs.items() if "from the cache" in i["how"] or "converted once" in i["how"]]
         prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU" + (
-            f" (inputs read from the cache, whose training or conversion is not included: {len(cached)})"
+            f" (not included: the training or conversion of the inputs read from the cache: {', '.join(cached)})"
             if cached else "")
         prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (
             f", sha256 {i['sha256']}" + (" (of the directory's files, in sorted order)" if Path(i["path"]).is_dir()

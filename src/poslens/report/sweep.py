@@ -98,7 +98,7 @@ class SweepModels:
 
     def describe(self) -> str:
         """'4 variants (nope: NoPE, ...) x 3 seeds, 4 layers, d = 64, 4 heads sharing 2 key/value heads, RMSNorm
-        (SmolLM3 architecture), 300 steps of 16 x 128 tokens, BOS first (...)'."""
+        (SmolLM3 architecture), 300 steps of 16 x 128 tokens (AdamW, learning rate ...), BOS first (...)'."""
         c = self.matrix.members[0].config
         heads = f"{c.heads} heads" + (f" sharing {c.kv_heads} key/value heads" if c.kv_heads != c.heads else "")
         bos = ", BOS first" if c.bos else ""
@@ -111,7 +111,9 @@ class SweepModels:
                         "boundaries inside the packed blocks)")
         return (f"{len(self.variants)} variants ({', '.join(f'{v}: {k}' for v, k in self.labels.items())}) x "
                 f"{len(self.seeds)} seeds, {c.layers} layers, d = {c.hidden}, {heads}, RMSNorm (SmolLM3 "
-                f"architecture), {c.steps} steps of {c.batch_size} x {c.seq_len} tokens{bos}")
+                f"architecture), {c.steps} steps of {c.batch_size} x {c.seq_len} tokens (AdamW, learning rate {c.lr:g} "
+                f"after {c.warmup} warm-up steps, cosine to {c.min_lr_ratio:g} of it, weight decay {c.weight_decay:g})"
+                f"{bos}")
 
 
 def combine_seeds(results: list):

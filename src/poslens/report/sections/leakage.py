@@ -2,7 +2,7 @@
 judged on causal terms: absolute-position leakage in a RoPE model (SmolLM2-135M), on the sweep's models trained
 with a BOS first (`poslens sweep`), and in the parameter-free stack (context only).
 
-Only the paper's abstract and opening could be read (docs/leakage.md). Each claim is judged on what `poslens
+Only an editorial summary of the paper could be read (docs/leakage.md). Each claim is judged on what `poslens
 leakage` computes as a cause: the mask's denominator counterfactual (`cf/mask_only`: this layer's mask alone on
 relative scores), the residual-stream interventions (position 0's state replaced with the mask fixed: their
 removed share of the scores' absolute term, `cf/absolute_scores`), key 0 in and out, against the nulls (windows
@@ -16,6 +16,7 @@ every input with a fixed first token; `freeze`; `shift:K` in a RoPE model) are t
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -40,6 +41,19 @@ UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer name
 ANCHOR_WORDS = {"mean": "the mean token embedding", "random": "a random vector of its norm"}
 
 
+def more_sequences(tests, n: int) -> str:
+    """'more sequences: about N (against n here) ...': the count at which every open test's jackknife interval
+    would just exclude its threshold, if the estimate stayed and the half-width fell as 1 / sqrt(sequences) (the
+    groups, and so the t quantile, kept); 'more sequences' alone when no count follows."""
+    gaps = [(abs(t.value - t.threshold), (t.hi - t.lo) / 2) for t in tests
+            if t.outcome() == "open" and math.isfinite(t.value) and math.isfinite(t.lo) and math.isfinite(t.hi)]
+    if not gaps or any(g <= 0 for g, _ in gaps):
+        return "more sequences (each interval is a jackknife over groups of sequences)"
+    need = max(math.ceil(n * (h / g) ** 2) for g, h in gaps)
+    return (f"more sequences: about {need:,} (against {n} here) at the present estimates and interval widths "
+            "(each interval is a jackknife over groups of sequences)")
+
+
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
                    residual: tuple[str, ...] = RESIDUAL) -> tuple[list[Claim], list]:
     """Claims and context rows from a `poslens leakage` run directory and, optionally, a `poslens leakage-stack`
@@ -51,7 +65,8 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     interval = f"{100 * level:g}% jackknife over {m.get('groups')} groups"
     over = m["original"]["over_layers"]["early"]
     name = str(model)
-    seqs = f"{r.meta.get('data', {}).get('sequences')} sequences of {r.config.get('seq_len')} tokens"
+    n_seqs = r.meta.get('data', {}).get('sequences')
+    seqs = f"{n_seqs} sequences of {r.config.get('seq_len')} tokens"
     claims, context = [], []
     spec = next((s for s in residual if s in m.get("interventions", {})), None)
     offset = m.get("nulls", {}).get("offset")
@@ -87,7 +102,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                 f"{interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_out'])}"
                 for n, c in m["nulls"].items())
         claims.append(Claim(
-            "ruscio-both-sources", "ruscio2026", "abstract",
+            "ruscio-both-sources", "ruscio2026", "summary",
             "both sources leak absolute position: the causal mask (each query's softmax denominator) and the "
             "residual stream (position 0's trajectory)", tuple(tests),
             measured=f"{name}, {seqs}, early queries i <= {m['domains']['early_queries']}: 'leaks' read as: the "
@@ -98,7 +113,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "the share of the absolute-scores term (the energy that the absolute content of this layer's "
                      f"scores adds to the mask's own) removed with {words}, paired on the same sequences{nulls} "
                      "(docs/leakage.md).",
-            resolve="more sequences (each interval is a jackknife over groups of sequences)",
+            resolve=more_sequences(tests, n_seqs),
             figure="the mask's term and the scores' absolute term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
@@ -108,26 +123,27 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     if anchor is not None:
         sa = m["interventions"][anchor]["sink_attention"]
         first = UNTRAINED_BOS.get(name)
+        tests_anchor = (estimate_test(
+            f"change of the sink-reading heads' mean attention on key 0 (alpha_0, Gu et al.'s test) when the first "
+            f"token's embedding is replaced by {ANCHOR_WORDS[anchor]} at the same position", sa["change"], "<", 0.0,
+            interval),)
         claims.append(Claim(
-            "ruscio-token-anchored", "ruscio2026", "abstract",
+            "ruscio-token-anchored", "ruscio2026", "summary",
             "attention sinks are token-anchored: the sink-reading heads attend to the first key because of the "
-            "token there, not because of its position", (estimate_test(
-                f"change of the sink-reading heads' mean attention on key 0 (alpha_0, Gu et al.'s test) when the "
-                f"first token's embedding is replaced by {ANCHOR_WORDS[anchor]} at the same position", sa["change"],
-                "<", 0.0, interval),),
+            "token there, not because of its position", tests_anchor,
             measured=f"{name}, {seqs}: the {sa['heads']} heads whose mean attention on key 0 exceeds "
                      f"{sa['threshold']:g} in the original pass attend {interval_text(sa['base'])} to it, and "
                      f"{interval_text(sa['pass'])} after the replacement (paired on the same sequences; the heads are "
                      "chosen again inside each jackknife replicate; choosing and measuring on the same sequences "
                      "leans the change below 0, toward the claim). 'Token-anchored' read as: with the first token's "
                      "embedding replaced and its position kept, the sinks lose attention (a sink anchored to the "
-                     "first position would keep it). Only the direction is tested; the abstract gives no size."
+                     "first position would keep it). Only the direction is tested; the summary gives no size."
                      + (f" The first token here is {first}, so this model's sinks formed in pre-training without a "
                         "token fixed at position 0 to anchor to; the sweep's models, trained with a BOS first, are "
-                        "context below (most of their seeds form no sink head)." if first else ""),
-            resolve="more sequences (the interval is a jackknife over groups of sequences), or a model trained with a "
-                    "BOS first whose seeds all form sink heads (the sweep's do not at this size), at the paper's "
-                    "scale",
+                        "context below (not every one of their seeds forms sink heads, so they cannot carry the row)."
+                        if first else ""),
+            resolve=f"{more_sequences(tests_anchor, n_seqs)}, or a model trained with a BOS first whose seeds all "
+                    "form sink heads, at the paper's scale",
             scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"alpha_0 {interval_text(sa['base'])} -> {interval_text(sa['pass'])}"))
     context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into each "
@@ -147,7 +163,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                                                          if first else ""),
                             f"{interval_text(gone['key0_in'])} / {interval_text(gone['key0_out'])} ({interval})"))
     s = m["sinks"]
-    context.append(("the abstract's other two statements, not rows",
+    context.append(("the summary's other two statements, not rows",
                     "'the position-0 trajectory is a closed dynamical system from the initial token embedding' and "
                     "the 'deterministic fingerprint of the position-0 token' that sinks pass on: with the same first "
                     "token, position 0's states are the same for every input by causality "
@@ -214,16 +230,19 @@ def build(ctx, size: dict) -> Section:
         swept.append(sl.sources_claim(metrics, sw.labels, describe))
     if all(("rope", s) in metrics for s in sw.seeds):
         swept.append(sl.bos_claim(metrics, sw.labels, describe))
-    anchored = [f"{v} seed {seed}: " + (f"{sa['heads']} sink head{'s' if sa['heads'] > 1 else ''}, alpha_0 "
-                                        f"{interval_text(sa['base'])} -> {interval_text(sa['pass'])}, change "
-                                        f"{interval_text(sa['change'])}" if sa else "no sink head")
-                for (v, seed), mm in sorted(metrics.items()) if v != "nope"
-                for sa in [(mm.get("interventions", {}).get("mean") or {}).get("sink_attention")]]
-    if anchored:
+    smollm2 = next((c for c in claims if c.id == "ruscio-token-anchored"), None)
+    anchored = sl.anchored_claim(metrics, sw.labels, describe, elsewhere="" if smollm2 is None else (
+        f"SmolLM2-135M, as context (its first token is not a trained BOS): {smollm2.key}, change "
+        f"{interval_text(vars(smollm2.tests[0]))} (95% jackknife over its groups of sequences)."))
+    if anchored is not None:  # every seed forms sink heads: the row is judged on the BOS-trained models
+        claims = [c for c in claims if c.id != "ruscio-token-anchored"]
+        swept.append(anchored)
+    elif lines := sl.anchored_lines(metrics):
         context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first: the "
                         "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
-                        "embedding (95% jackknife over the run's groups; no row: most seeds form no sink head)",
-                        "; ".join(anchored)))
+                        "embedding (95% jackknife over the run's groups; no row: "
+                        f"{sum('no sink head' in x for x in lines)} of {len(lines)} models form no sink head)",
+                        "; ".join(lines)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset)
         swept.append(arch)
@@ -238,7 +257,8 @@ def build(ctx, size: dict) -> Section:
         "Ruscio, Nanni & Silvestri (2026), 'Where does Absolute Position come from in decoder-only Transformers?', "
         "say that absolute position leaks into RoPE models through the softmax denominator of the causal mask and "
         "through the residual stream, whose position-0 trajectory is a closed system driven by the first token. Only "
-        "their abstract could be read. Each claim is judged on causal terms of `poslens leakage` (docs/leakage.md): "
+        "an editorial summary of the paper could be read (its full text could not), so each row quotes that "
+        "summary. Each claim is judged on causal terms of `poslens leakage` (docs/leakage.md): "
         "the mask's denominator counterfactual (the mask alone on this layer's relative scores) and the residual "
         "stream's intervention (position 0's state replaced with the mask fixed), key 0 in and out (every metric "
         "computed with the first key's column, the attention sink's, inside its domain and again without it), "
@@ -259,8 +279,8 @@ def build(ctx, size: dict) -> Section:
         claims=claims, context=context,
         scale=f"The leakage section measures SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to float32) over "
               f"{seqs} sequences of {seq_len} tokens and the sweep's "
-              f"models ({sw.describe()}); the paper studied 3B-7B models (Llama, Qwen, Mistral; partly second-hand: "
-              "only its abstract could be read).")
+              f"models ({sw.describe()}); the paper studied Llama-3.2-3B and Qwen and Mistral models "
+              "(second-hand: only an editorial summary of the paper could be read, which gives no other sizes).")
     s.figures += figures(ctx, runs["leakage"], metrics, sw.labels, offset)
     return s
 

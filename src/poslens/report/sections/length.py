@@ -232,8 +232,9 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
                          for c in curves.T])
         series[f"{v}: {sw.labels[v]}"], errors[f"{v}: {sw.labels[v]}"] = mean, half
     out.append(lines(ctx, "length_loss", xs, series,
-                     f"Held-out loss against target position (from 1: the first token is position 1 and has no loss; "
-                     f"bins of {L // 4} positions, the first from position 2) to 8L = {T}, each variant's mean over "
+                     f"Held-out loss against target position, up to 8L = {T}, in bins of {L // 4} positions "
+                     "(positions count from 1; the first token, position 1, has no loss, so the first bin starts at "
+                     "position 2); each variant's mean over "
                      f"its seeds with 95% t-intervals over seeds; trained at L = {L}. Every variant reads the same "
                      "sequences, so the curves share the text's ups and downs; the paired effects below remove them. "
                      f"Dashed line: the training length L = {L}.",
@@ -277,7 +278,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
                      "the causal mask and min(p, W) under a window W, so log(keys seen) is log p or log min(p, W). The "
                      "values with their intervals, every layer and range of positions: models/length-VARIANT/"
                      "run.json, metrics.seeds.profile.gap (the last layer is drawn).",
-                     "query positions", "entropy gap (nats)", "Attention entropy against log(keys seen)",
+                     "query positions", "entropy gap (nats)", "Entropy gap of the last layer by query position",
                      errors=errors, xticklabels=[f"{a + 1}-{b}" for a, b in zip(edges, edges[1:])]))
     panels = []
     for v in [x for x in ("nope", "rope") if x in runs]:
