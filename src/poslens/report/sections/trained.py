@@ -342,7 +342,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
           key=interval_text(e["de_correlation"], 5),
           measured=f"'almost identical trend' read as: correlation above {SAME_TREND} (key 1, the sink, left out), "
                    "bias-corrected by the jackknife for the noise of the mean maps, which pulls a correlation toward "
-                   f"0; {_seeds(e['de_correlation'], 4)}.")
+                   f"0; {_seeds(e['de_correlation'], 6)}.")
     for letter, where, text in (
             ("f", "Section 4.2, Figure 3 (f)", "after the post-attention LayerNorm (f), the Gram matrix increases "
                                                "with j for fixed i, as the theory and the simulation say"),
