@@ -21,8 +21,8 @@ from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
-PAPER_SCALE = ("billion-parameter RoPE language models (Llama-3.2-3B; Qwen and Mistral models whose sizes the "
-               "summary does not give)")  # a claim's scope (claims.py rule 4)
+PAPER_SCALE = ("the paper's RoPE language models (Llama-3.2-3B; Qwen and Mistral models whose sizes the summary does "
+               "not give, presumably billions of parameters too)")  # a claim's scope (claims.py rule 4)
 ENERGY = "cf/absolute_scores"  # the scores' absolute content, read for the residual stream's (docs/leakage.md)
 INTERVENTIONS = ["mean"]  # what the sweep's rows read: the BOS replacement and the original pass (two passes)
 HEADLINE = 0.40  # the paper's printed share of the residual-stream component a BOS replacement removes
@@ -166,11 +166,15 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
                        "et al.'s test) when the BOS embedding is replaced by the mean token embedding at the same "
                        "position", change, "<", 0.0),),
         measured=f"the sweep's {labels[variant]} models, trained with the same first token (the BOS) in every sequence "
-                 f"({describe}); in each, the heads whose mean attention on key 0 exceeds the sink threshold in the "
-                 "original pass (chosen again inside each jackknife replicate), paired on the same sequences. "
+                 f"({describe}); in each, the heads whose mean attention on key 0 exceeds the sink threshold "
+                 f"({sas[0]['threshold']:g}) in the original pass (chosen again inside each jackknife replicate), "
+                 "paired on the same sequences; choosing and measuring on the same sequences leans the change below "
+                 "0, toward the claim. "
                  "'Token-anchored' read as: with the BOS embedding replaced and its position kept, the sinks lose "
                  "attention (a sink anchored to the first position would keep it). Only the direction is tested; "
-                 "the summary gives no size. Every RoPE-family model: " + "; ".join(anchored_lines(metrics)) + "."
+                 "the summary gives no size. Tested on the standard-RoPE seeds; the other RoPE-family models are "
+                 "context. "
+                 "Every RoPE-family model: " + "; ".join(anchored_lines(metrics)) + "."
                  + (f" {elsewhere}" if elsewhere else ""),
         scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
         resolve="the same measurement on a model of the paper's scale trained with a BOS (e.g. Gemma-3, where its "

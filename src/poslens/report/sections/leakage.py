@@ -159,7 +159,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             first = UNTRAINED_BOS.get(name)
             context.append((f"{name}: {RESIDUAL_WORDS.get(s, s)}, share of the early-query absolute-scores term "
                             "removed, key 0 in / out" + (f"; its first token is {first}, so not comparable with a "
-                                                         "model trained with a BOS (the sweep's row above)"
+                                                         "model trained with a BOS (ruscio-bos-replacement above)"
                                                          if first else ""),
                             f"{interval_text(gone['key0_in'])} / {interval_text(gone['key0_out'])} ({interval})"))
     s = m["sinks"]
@@ -175,7 +175,8 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     context.append(("attention sinks (the per-head test of Gu et al. 2025, 'When Attention Sink Emerges in Language "
                     "Models': mean attention on the first key above a threshold; the paper's criterion is not "
                     "public)",
-                    f"sink rate {s['rate']:.3f} at {s['tokens']} tokens" + (f" ({b})" if (b := sink_bounds(s)) else "")
+                    f"{name}: sink rate {s['rate']:.3f} at {s['tokens']} tokens"
+                    + (f" ({b})" if (b := sink_bounds(s)) else "")
                     + f", {len(s['sink_heads'])} "
                     f"heads with attention on the first key (key 0) above {s['epsilon']}"))
     if stack is not None:
@@ -257,8 +258,9 @@ def build(ctx, size: dict) -> Section:
         "Ruscio, Nanni & Silvestri (2026), 'Where does Absolute Position come from in decoder-only Transformers?', "
         "say that absolute position leaks into RoPE models through the softmax denominator of the causal mask and "
         "through the residual stream, whose position-0 trajectory is a closed system driven by the first token. Only "
-        "an editorial summary of the paper could be read (its full text could not), so each row quotes that "
-        "summary. Each claim is judged on causal terms of `poslens leakage` (docs/leakage.md): "
+        "AIssential's editorial summary of the paper could be read (its full text could not), so each row states a "
+        "claim of that summary, quoting it where its wording is ambiguous. Each claim is judged on causal terms of "
+        "`poslens leakage` (docs/leakage.md): "
         "the mask's denominator counterfactual (the mask alone on this layer's relative scores) and the residual "
         "stream's intervention (position 0's state replaced with the mask fixed), key 0 in and out (every metric "
         "computed with the first key's column, the attention sink's, inside its domain and again without it), "

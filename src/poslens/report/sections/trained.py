@@ -232,10 +232,9 @@ def build(ctx, size: dict) -> Section:
         f"{sw.seeds[0]}.",
         scale=f"Section 4.2 is measured on {n} seeds of a {params / 1e6:.2g}M-parameter NoPE/RoPE pair ({cfg.layers} "
               f"layers, d = {cfg.hidden}, {cfg.heads} heads of size {cfg.hidden // cfg.heads} sharing {cfg.kv_heads} "
-              f"key/value heads, RMSNorm; {_trained_here(sum(v in VARIANTS.values() for v, _ in sw.trained), 2 * n)}) "
-              "poslens trains on "
-              f"{cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M tokens of embedded text; the paper's NoPE model "
-              "has 1.5B parameters (heads of size 64) trained on 20B FineWeb-Edu tokens.")
+              f"key/value heads, RMSNorm) that poslens trains on {cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M "
+              f"tokens of embedded text ({_trained_here(sum(v in VARIANTS.values() for v, _ in sw.trained), 2 * n)}); "
+              "the paper's NoPE model has 1.5B parameters (heads of size 64) trained on 20B FineWeb-Edu tokens.")
     s.claims += figure3_claims(ctx, im, m["extra"], _scale(cfg))
     s.claims += haviv_claims(ctx, m, cfg)
     resolve_by_seeds(sw, s.claims)  # every interval is over the sweep's seeds
@@ -398,7 +397,7 @@ def _trained_here(trained: int, models: int) -> str:
     if trained == models:
         return f"all {models} models trained in this run"
     if trained == 0:
-        return f"its {models} models read from the model cache, trained by an earlier run"
+        return f"this run read its {models} models from the model cache, trained by an earlier run"
     return f"{trained} of its {models} models trained in this run, the rest read from the model cache"
 
 
