@@ -125,3 +125,12 @@ def test_a_margin_lets_a_test_of_a_quantity_that_cannot_cross_its_threshold_fail
     assert Test("x", -0.5, "<", 0.0, -0.9, -0.1, margin=-0.01).outcome() == "pass"  # the mirror image
     with pytest.raises(ValueError, match="margin"):
         Test("x", 1.0, ">", 0.0, 0.5, 1.5, margin=-0.1)  # a margin on the claim's side makes no sense
+
+
+def test_the_summary_number_of_an_undecided_row_is_its_failing_test_before_an_open_one():
+    """A row with an open test first and a failing test second is decided by the failure: the summary quotes it."""
+    open_ = Test("open one", -0.003, ">", 0.0, -0.17, 0.17, "95% t-interval over 3 seeds")
+    failing = Test("failing one", -0.038, ">", 0.0, -0.058, -0.018, "95% t-interval over 3 seeds")
+    row = Claim("x-row", "ruscio2026", "summary", "claim", (open_, failing), scope="larger models")
+    assert row.verdict == "not resolved" and row.key_number() == failing.key()
+    assert Claim("y-row", "ruscio2026", "summary", "claim", (open_,)).key_number() == open_.key()

@@ -305,9 +305,9 @@ class Claim:
             lean = ("its estimate lies" if one else f"the estimate{'' if len(leaning) == 1 else 's'} of "
                     f"{len(leaning)} of its {len(tests)} tests lie{'s' if len(leaning) == 1 else ''}")
             first = f"{self.resolve}; " if self.resolve else ""
-            return (f"{first}{lean} on the failing side, so more data could as well show a failure, which "
-                    f"at this scale reads not resolved: only a measurement at the claim's own scale could contradict "
-                    f"it ({self.claim_scale})")
+            return (f"{first}{lean} on the failing side, so if the estimates stayed where they are, that much more "
+                    f"data would show a failure, which at this scale reads not resolved: only a measurement at the "
+                    f"claim's own scale could contradict it ({self.claim_scale})")
         return self.resolve
 
     @property
@@ -317,10 +317,10 @@ class Claim:
 
     def key_number(self) -> str:
         """The row's number for the summary: its own `key`, else, for a row that is not decided in its favour, the
-        first test that did not pass (the one that decides the verdict), else the first test."""
+        first failing test, else the first open one (the test that decides the verdict), else the first test."""
         if self.key:
             return self.key
-        undecided = [t for t in self.tests if t.outcome() != "pass"]
+        undecided = sorted((t for t in self.tests if t.outcome() != "pass"), key=lambda t: t.outcome() != "fail")
         if self.verdict in ("not resolved", "contradicted") and undecided:
             return undecided[0].key()
         first = self.tests or self.readings[0].tests

@@ -140,12 +140,13 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "first position would keep it). Only the direction is tested; the summary gives no size."
                      + (f" The first token here is {first}, so this model's sinks formed in pre-training without a "
                         "token fixed at position 0 to anchor to; the sweep's models, trained with a BOS first, are "
-                        "context below (not every one of their seeds forms sink heads, so they cannot carry the row)."
-                        if first else ""),
-            resolve=f"{more_sequences(tests_anchor, n_seqs)}, or a model trained with a BOS first whose seeds all "
-                    "form sink heads, at the paper's scale",
+                        "context below (the row moves to them when every seed forms sink heads)." if first else ""),
+            resolve=f"{more_sequences(tests_anchor, n_seqs)}, or models trained with a BOS first whose seeds all "
+                    "form sink heads (the full run's sweep, `poslens reproduce` without --quick: preset pe-sinks), or "
+                    "a model of the paper's scale",
             scope=f"{PAPER_SCALE} (this one: {name})",
-            key=f"alpha_0 {interval_text(sa['base'])} -> {interval_text(sa['pass'])}"))
+            key=f"change {interval_text(sa['change'])} (alpha_0 {interval_text(sa['base'])} -> "
+                f"{interval_text(sa['pass'])})"))
     context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into each "
                     "layer's log-partition term (each query's softmax denominator) and the upstream logit term (the "
                     "part of the scores this layer reads that is not a function of i - j), early queries, summed over "
@@ -233,16 +234,18 @@ def build(ctx, size: dict) -> Section:
         swept.append(sl.bos_claim(metrics, sw.labels, describe))
     smollm2 = next((c for c in claims if c.id == "ruscio-token-anchored"), None)
     anchored = sl.anchored_claim(metrics, sw.labels, describe, elsewhere="" if smollm2 is None else (
-        f"SmolLM2-135M, as context (its first token is not a trained BOS): {smollm2.key}, change "
-        f"{interval_text(vars(smollm2.tests[0]))} (95% jackknife over its groups of sequences)."))
+        f"SmolLM2-135M, as context (its first token is not a trained BOS): {smollm2.key} (95% jackknife over its "
+        "groups of sequences)."))
     if anchored is not None:  # every seed forms sink heads: the row is judged on the BOS-trained models
         claims = [c for c in claims if c.id != "ruscio-token-anchored"]
         swept.append(anchored)
     elif lines := sl.anchored_lines(metrics):
+        none = sum("no sink head" in x for x in lines)
         context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first: the "
                         "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
-                        "embedding (95% jackknife over the run's groups; no row: "
-                        f"{sum('no sink head' in x for x in lines)} of {len(lines)} models form no sink head)",
+                        "embedding, with 95% jackknife intervals over each run's groups (no row: "
+                        + (f"none of the {len(lines)} models forms a sink head at this size)" if none == len(lines)
+                           else f"{none} of the {len(lines)} models form no sink head)"),
                         "; ".join(lines)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset)

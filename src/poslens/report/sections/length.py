@@ -273,11 +273,12 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
     out.append(lines(ctx, "length_entropy_gap", list(range(1, len(edges))), series,
                      "log(keys seen) - attention entropy of the last layer, averaged over the queries read ("
                      f"{'every query' if every == 1 else f'one query in {every}'}, --profile-every {every}) in each "
-                     f"range of positions{first}, mean over seeds with 95% t-intervals: how far attention is from "
-                     "uniform over the keys seen. Positions count from 1: the query at position p sees p keys under "
-                     "the causal mask and min(p, W) under a window W, so log(keys seen) is log p or log min(p, W). The "
-                     "values with their intervals, every layer and range of positions: models/length-VARIANT/"
-                     "run.json, metrics.seeds.profile.gap (the last layer is drawn).",
+                     f"range of positions{first}, mean over seeds with 95% t-intervals (cut at 0, below which a gap "
+                     "cannot go): how far attention is from uniform over the keys seen. Positions count from 1: the "
+                     "query at position p sees p keys under the causal mask and min(p, W) under a window W, so "
+                     "log(keys seen) is log p or log min(p, W). The values with their intervals, every layer and "
+                     "range of positions: models/length-{nope,rope,ntk,window}/run.json, metrics.seeds.profile.gap "
+                     "(the last layer is drawn).",
                      "query positions", "entropy gap (nats)", "Entropy gap of the last layer by query position",
                      errors=errors, xticklabels=[f"{a + 1}-{b}" for a, b in zip(edges, edges[1:])]))
     panels = []

@@ -310,8 +310,9 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
           measured=f"'vivid' read as: the column stands out, brighter or darker, from the other off-diagonal entries "
                    f"by more than {VIVID:g} of their standard deviations; {_seeds(e['b_first_column'])}. Signed "
                    f"(above 0: brighter than the rest, a column of high scores; below 0: darker) "
-                   f"{_seeds(e['b_first_column_signed'])}. The paper leaves the sink's analysis out of scope, and so "
-                   "does this row: it tests only that the line is there, whichever way it stands out.")
+                   f"{_seeds(e['b_first_column_signed'])}" + _dark_line(e["b_first_column_signed"]) + ". The paper "
+                   "leaves the sink's analysis out of scope, and so does this row: it tests only that the line is "
+                   "there, whichever way it stands out.")
     claim("kim-42-c", "Section 4.2, Figure 3 (c)",
           "in (c) the diagonal values decrease with i, while the off-diagonal values remain nearly uniform",
           (estimate_test("slope of the diagonal of (c) in i, over its mean (per position)", e["c_diag_slope"], "<"),
@@ -337,11 +338,11 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
     claim("kim-42-e-like-d", "Section 4.2, Figure 3 (d), (e)",
           "after adding the residual (e), the trend is almost identical to (d)",
           (replace(estimate_test("correlation of the off-diagonal entries of (d) and (e)", e["de_correlation"], ">",
-                                 SAME_TREND), digits=5),),  # 5 digits: near 1, 3 would print "1 [1, 1]"
-          key=interval_text(e["de_correlation"], 5),
+                                 SAME_TREND), digits=_near_one(e["de_correlation"])),),
+          key=interval_text(e["de_correlation"], _near_one(e["de_correlation"])),
           measured=f"'almost identical trend' read as: correlation above {SAME_TREND} (key 1, the sink, left out), "
                    "bias-corrected by the jackknife for the noise of the mean maps, which pulls a correlation toward "
-                   f"0; {_seeds(e['de_correlation'], 6)}.")
+                   f"0; {_seeds(e['de_correlation'], _near_one(e['de_correlation']) + 1)}.")
     for letter, where, text in (
             ("f", "Section 4.2, Figure 3 (f)", "after the post-attention LayerNorm (f), the Gram matrix increases "
                                                "with j for fixed i, as the theory and the simulation say"),
@@ -389,6 +390,20 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
                        "(bias-corrected by the jackknife for the maps' noise; key 1, the sink, left out). "
                        f"Ratio {_seeds(r)}; key share {_seeds(e['i_key_share'])}.")
     return out
+
+
+def _near_one(e: dict) -> int:
+    """Significant digits for a correlation: 5 when its interval reaches above 0.999 (3 would print '1 [1, 1]')."""
+    return 5 if max(x for x in (e.get("value"), e.get("hi")) if x is not None) > 0.999 else 3
+
+
+def _dark_line(signed: dict) -> str:
+    """'; darker in every seed here: ...' when every seed's column is below the rest (not a sink's high scores)."""
+    seeds = [v for v in signed.get("per_seed", [signed["value"]]) if v is not None]
+    if seeds and all(v < 0 for v in seeds):
+        return ("; darker than the rest in every seed here: low scores on key 1, the opposite of a sink's high ones, "
+                "so a pass of this row would not show a sink")
+    return ""
 
 
 def _trained_here(trained: int, models: int) -> str:
