@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from poslens import plotting
-from poslens.report.claims import Claim, Test
+from poslens.report.claims import Claim, Reading, Test
 from poslens.report.section import Figure, Panel, Section, section
 from poslens.report.sections.figures import lines, profiles
 from poslens.stack import theory
@@ -105,6 +105,7 @@ def build(ctx, size: dict) -> Section:
         measured=f"n = {N}, {WHERE}, no residual; exact = the Gram flow. (The printed layer "
                  "'Softmax(Causal(YY^T) Y)' is read as Softmax(Causal(YY^T)) Y, the only reading that typechecks.)",
         key=f"{max(err[PRIME_G], err[PRIME_H]):.1e}"))
+    s.claims.append(gprime_weak_claim())
     s.claims += appendix_claims()
     s.claims.append(Claim(
         "kim-s3-layer2-increasing", "kim2025", "Section 3",
@@ -125,6 +126,45 @@ def build(ctx, size: dict) -> Section:
                               "diagonal, 1, left out). Exact, so no error band.",
                               suptitle="Layer-2 scores against the key (Eq. 4, exact)"))
     return s
+
+
+def cv(x: np.ndarray) -> float:
+    """Coefficient of variation: standard deviation over |mean|."""
+    return float(np.std(x) / abs(np.mean(x)))
+
+
+FLAT = 0.1  # "weakly dependent" read in itself: varies over positions by less than a tenth of its mean (CV)
+
+
+def gprime_weak_claim() -> Claim:
+    """Section 4.2 / Appendix A.2: g'(i) (the off-diagonal of Figure 3 (c)) is nearly independent of j and only
+    weakly dependent on i, next to h'(i)^2 (its diagonal), which decreases. Two readings, both exact: relative to
+    the diagonal (as kim-42-c reads (c): a smaller coefficient of variation over i = 2..n), and in itself (a
+    coefficient of variation below FLAT)."""
+    p = np.arange(2, N + 1, dtype=np.float64)
+    ratios = {a: cv(theory.g_prime(p, a)) / cv(theory.h_prime(p, a) ** 2) for a in ALPHAS}
+    own = {a: cv(theory.g_prime(p, a)) for a in ALPHAS}
+    worst, widest = max(ratios, key=ratios.get), max(own, key=own.get)
+    spread = {a: float(theory.g_prime(p, a)[0] / theory.g_prime(p, a)[-1]) for a in (0.0, 0.05, 0.2)}
+    return Claim(
+        "kim-a2-gprime-weak", "kim2025", "Section 4.2 and Appendix A.2",
+        "g'(i) is nearly independent of j and only weakly dependent on i, explaining the uniformity of the "
+        "off-diagonal elements of Figure 3 (c), while h'(i) decreases strictly (the decline along the diagonal)",
+        readings=(
+            Reading("weakly next to the diagonal, the contrast the paper draws (as kim-42-c reads panel (c))",
+                    (Test("largest, over alpha, of the coefficient of variation over i = 2..n of g'(i) over that "
+                          "of h'(i)^2", ratios[worst], "<", 1.0),)),
+            Reading(f"weakly in itself: g'(i) varies over i by less than {FLAT:g} of its mean",
+                    (Test("largest, over alpha, of the coefficient of variation of g'(i) over i = 2..n", own[widest],
+                          "<", FLAT),))),
+        measured=f"n = {N}, {WHERE}, no residual, the closed forms (exact: kim-a2-gprime-hprime). 'Independent of j' "
+                 "is exact: g'(i) has no j in it, and the Gram flow agrees with it for every j < i (a test of "
+                 f"poslens, not a row). Next to the diagonal: largest ratio {ratios[worst]:.3f} at alpha = "
+                 f"{worst:g} ({ratios[0.0]:.3f} at alpha = 0, {ratios[0.2]:.3f} at alpha = 0.2). In itself: "
+                 f"coefficient of variation {own[widest]:.3f} at alpha = {widest:g} ({own[0.2]:.3f} at alpha = 0.2); "
+                 "g'(2) / g'(n) = " + ", ".join(f"{v:.3g} at alpha = {a:g}" for a, v in spread.items())
+                 + ". The threshold of the second reading is poslens's: the paper gives none.",
+        key=f"next to the diagonal {ratios[worst]:.3f}; in itself {own[widest]:.3f}")
 
 
 def appendix_claims() -> list[Claim]:
