@@ -20,7 +20,7 @@ from poslens.report import section as registry_module
 from poslens.report.claims import Claim, Test
 from poslens.report.render import figure_of, headlines, prose, write_report
 from poslens.report.section import Figure, Panel, Section
-from poslens.report.sections.figures import heatmaps, noise_only
+from poslens.report.sections.figures import heatmaps, noise_only, profiles
 
 IMG = re.compile(r"<img src='data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)'[^>]*id='([^']+)'")
 HEATMAP = re.compile(r"<script type='application/json'>(.*?)</script>")
@@ -130,6 +130,8 @@ def test_a_panel_of_noise_gets_a_warning(tmp_path):
     assert noise_only(Panel("noise", noise, se, (-0.2, 0.2))) and not noise_only(Panel("p", pattern, se, (0, 19)))
     fig = heatmaps(_ctx(tmp_path), "w", [Panel("layer 1", noise, se), Panel("layer 2", pattern, se)], "c")
     assert "sampling noise" in fig.warning and "layer 1" in fig.warning and "layer 2" not in fig.warning
+    rows = profiles(_ctx(tmp_path), "r", [noise, pattern], [se, se], ["(f) noise", "(i) pattern"], "c", first_key=2)
+    assert "sampling noise" in rows.warning and "(f) noise" in rows.warning and "(i) pattern" not in rows.warning
 
 
 def test_line_plots_are_large_and_log_axes_label_each_width_once():

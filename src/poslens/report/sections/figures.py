@@ -70,7 +70,22 @@ def profiles(ctx, stem: str, maps: Sequence, se: Sequence | None, titles: Sequen
     n = as_numpy(maps[0]).shape[-1]
     rows = list(rows) if rows is not None else sorted({max(2, n // 4), n // 2, n - 1})
     fig = plotting.row_profiles(maps, se, rows, titles, suptitle=suptitle, ylabel=ylabel, first_key=first_key)
-    return Figure(ctx.save(fig, stem), caption, title=suptitle or "")
+    noisy = [] if se is None else [t for m, e, t in zip(maps, se, titles) if profile_noise(m, e, rows, first_key)]
+    warning = "" if not noisy else (
+        f"What {'this panel shows' if len(noisy) == 1 else 'these panels show'} is mostly sampling noise (each drawn "
+        f"row's scores spread over the keys by under {NOISE_STD} of their standard errors): " + "; ".join(noisy)
+        + ". Read the rows' slopes and their intervals in the table, not the picture.")
+    return Figure(ctx.save(fig, stem), caption, title=suptitle or "", warning=warning)
+
+
+def profile_noise(m, se, rows: Sequence[int], first_key: int = 1) -> bool:
+    """Whether the drawn rows of a map are mostly sampling noise: over the keys first_key .. i - 1 (from 1) of each
+    drawn row i (0-based index), the scores' standard deviation is below NOISE_STD median standard errors."""
+    m, se = as_numpy(m), as_numpy(se)
+    vals = np.concatenate([m[i, first_key - 1:i] for i in rows if i > first_key])
+    errs = np.concatenate([se[i, first_key - 1:i] for i in rows if i > first_key])
+    ok = np.isfinite(vals) & np.isfinite(errs)
+    return bool(ok.sum() >= 2 and np.std(vals[ok]) < NOISE_STD * np.median(errs[ok]))
 
 
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
