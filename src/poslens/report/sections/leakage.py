@@ -41,13 +41,13 @@ UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer name
 ANCHOR_WORDS = {"mean": "the mean token embedding", "random": "a random vector of its norm"}
 
 
-def more_sequences(tests, n: int) -> str:
+def more_sequences(tests, n: int | None) -> str:
     """'more sequences: about N (against n here) ...': the count at which every open test's jackknife interval
     would just exclude its threshold, if the estimate stayed and the half-width fell as 1 / sqrt(sequences) (the
     groups, and so the t quantile, kept); 'more sequences' alone when no count follows."""
     gaps = [(abs(t.value - t.threshold), (t.hi - t.lo) / 2) for t in tests
             if t.outcome() == "open" and math.isfinite(t.value) and math.isfinite(t.lo) and math.isfinite(t.hi)]
-    if not gaps or any(g <= 0 for g, _ in gaps):
+    if not gaps or not n or any(g <= 0 for g, _ in gaps):
         return "more sequences (each interval is a jackknife over groups of sequences)"
     need = max(math.ceil(n * (h / g) ** 2) for g, h in gaps)
     return (f"more sequences: about {need:,} (against {n} here) at the present estimates and interval widths "
