@@ -226,7 +226,7 @@ def build(ctx, size: dict) -> Section:
     metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, size))
     L, offset = sw.matrix.members[0].config.seq_len, sl.common_max_offset(sw)
     describe = (f"{sw.describe()}; {size['sweep_sequences']} held-out sequences of {L} tokens per model, one run per "
-                f"seed; the verdict is for this scale")
+                "seed")
     swept = []
     if all((v, s) in metrics for v in sl.ROPE_FAMILY for s in sw.seeds):
         swept.append(sl.sources_claim(metrics, sw.labels, describe))
