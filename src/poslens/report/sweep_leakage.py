@@ -205,7 +205,8 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
         "both sources are present in each of the three architectures studied (standard, NTK-scaled and "
         "sliding-window RoPE): a reading of 'the balance between these components varies across architectures'",
         tuple(tests),
-        measured=f"the sweep's RoPE-family models ({describe}), one `poslens leakage` run per seed; 'appear' read as "
+        measured=f"the sweep's {', '.join(labels[v] for v in ROPE_FAMILY if _seeds(metrics, v))} models (the sweep: "
+                 f"{describe}), one `poslens leakage` run per seed; 'appear' read as "
                  f"in ruscio-both-sources: the mask's term above {MASK_FLOOR:g} of the non-relative energy, and the "
                  "BOS replacement (the residual stream's intervention these runs make) removing part of the scores' "
                  "absolute term; key 0 out, so that the sink's column, which the replacement changes most, does not "

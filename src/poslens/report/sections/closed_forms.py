@@ -163,7 +163,14 @@ def gprime_weak_claim() -> Claim:
                  f"{worst:g} ({ratios[0.0]:.3f} at alpha = 0, {ratios[0.2]:.3f} at alpha = 0.2). In itself: "
                  f"coefficient of variation {own[widest]:.3f} at alpha = {widest:g} ({own[0.2]:.3f} at alpha = 0.2); "
                  "g'(2) / g'(n) = " + ", ".join(f"{v:.3g} at alpha = {a:g}" for a, v in spread.items())
-                 + ". The threshold of the second reading is poslens's: the paper gives none.",
+                 + ". The first reading passes because the threshold is 'less variable than the diagonal': the ratio "
+                 f"is {ratios[0.05]:.2f} at alpha = 0.05 and {ratios[0.2]:.2f} at 0.2 (a trained model's panel (a) "
+                 "gives a small alpha: kim-42-a-near-orthogonal) and nears 1 only as alpha -> 1, where both are flat; "
+                 "so g' varies less than the diagonal, not little. The "
+                 "second reading's threshold is poslens's (the paper gives none), and its failure does not hang on it: "
+                 f"any threshold below {own[widest]:.2f} fails at alpha = {widest:g}. That h'(i) decreases strictly "
+                 "is kim-a2-hprime-decreasing's row; whether a trained model's panel (c) shows the uniform "
+                 "off-diagonal is kim-42-c's.",
         key=f"next to the diagonal {ratios[worst]:.3f}; in itself {own[widest]:.3f}")
 
 

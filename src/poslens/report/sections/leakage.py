@@ -241,12 +241,15 @@ def build(ctx, size: dict) -> Section:
         swept.append(anchored)
     elif lines := sl.anchored_lines(metrics):
         none = sum("no sink head" in x for x in lines)
-        context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first: the "
-                        "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
-                        "embedding, with 95% jackknife intervals over each run's groups (no row: "
-                        + (f"none of the {len(lines)} models forms a sink head at this size)" if none == len(lines)
-                           else f"{none} of the {len(lines)} models form no sink head)"),
-                        "; ".join(lines)))
+        if none == len(lines):
+            context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first",
+                            f"no row: none of the {len(lines)} models has a head whose mean attention on key 0 "
+                            "exceeds the sink threshold at this size, so there is no sink to test"))
+        else:
+            context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first: the "
+                            "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
+                            f"embedding, with 95% jackknife intervals over each run's groups (no row: {none} of the "
+                            f"{len(lines)} models form no sink head)", "; ".join(lines)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset)
         swept.append(arch)
