@@ -63,13 +63,13 @@ def test_one_seed_is_not_resolved():
     assert sl.architecture_claim(m, LABELS, "planted", 31)[0].verdict == "not resolved"
 
 
-def with_sinks(m: dict, change: float | None, half: float = 0.02) -> dict:
+def with_sinks(m: dict, change: float | None, half: float = 0.02, missing: tuple | None = None) -> dict:
     """Every model of `m` with sink heads whose alpha_0 changes by `change` (+ 0.01 s) under the BOS replacement,
-    each seed's jackknife half-width `half`; None: no sink head in seed 2 of RoPE."""
+    each seed's jackknife half-width `half`; None: no sink head anywhere; `missing` (variant, seed): none there."""
     out = {}
     for (v, s), run in m.items():
         run = {**run, "interventions": {"mean": dict(run["interventions"]["mean"])}}
-        if change is not None and not (v == "rope" and s == 2 and change == 99):
+        if change is not None and (v, s) != missing:
             c = change + 0.01 * s
             run["interventions"]["mean"]["sink_attention"] = {
                 "heads": 3, "threshold": 0.3, "base": est(0.5), "pass": est(0.5 + c),
@@ -100,9 +100,9 @@ def test_token_anchored_row_on_the_sweep_is_t_over_seeds_with_the_text_half_widt
 
 def test_token_anchored_row_needs_sinks_in_every_seed():
     """A seed with no sink head has nothing to anchor: no row on the sweep (the report keeps the real model's)."""
-    m = with_sinks(sweep(AS_CLAIMED, 0.4), 99)
+    m = with_sinks(sweep(AS_CLAIMED, 0.4), -0.4, missing=("rope", 2))
     assert sl.anchored_claim(m, LABELS, "planted") is None
-    assert "rope seed 2: no sink head" in sl.anchored_lines(m)
+    assert "rope seed 2: no sink head" in sl.anchored_lines(m) and sl.without_sinks(m) == 1
     assert sl.anchored_claim(with_sinks(sweep(AS_CLAIMED, 0.4), None), LABELS, "planted") is None
 
 

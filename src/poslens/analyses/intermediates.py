@@ -111,6 +111,12 @@ def gram_sum(x: torch.Tensor) -> torch.Tensor:
     return flat @ flat.T
 
 
+def grouped_queries(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """q [B, H, T, D] -> [B, Hkv, T, D] in float64: the query heads that read one key head summed (repeat_kv)."""
+    b, h, t, d = q.shape
+    return q.double().reshape(b, hkv, h // hkv, t, d).sum(2)
+
+
 def head_summed_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """sum_b sum_h Q_bh K_{b,kv(h)}^T for q [B, H, T, D], k [B, Hkv, T, D] (float64, no scaling).
 
@@ -118,7 +124,7 @@ def head_summed_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     summed first; then one [T, B*Hkv*D] x [B*Hkv*D, T] product."""
     b, h, t, d = q.shape
     hkv = k.shape[1]
-    qs = q.double().reshape(b, hkv, h // hkv, t, d).sum(2)
+    qs = grouped_queries(q, hkv)
     qf = qs.permute(2, 0, 1, 3).reshape(t, b * hkv * d)
     kf = k.double().permute(2, 0, 1, 3).reshape(t, b * hkv * d)
     return qf @ kf.T
@@ -292,10 +298,9 @@ class Intermediates(Statistic):
             c = ctx.scaling / h
             self.sums.add(f"scores/{layer}", self.group, head_summed_scores(ctx.rot_q, ctx.rot_k) * c, b)
             if layer == self.layer + 1:  # panel (i)'s unit for `cosine_scores`: the same sums' squared norms [T]
-                q, k = ctx.rot_q.double(), ctx.rot_k.double()
-                qs = q.reshape(b, k.shape[1], h // k.shape[1], *q.shape[2:]).sum(2)  # [B, K, T, D]
+                qs = grouped_queries(ctx.rot_q, ctx.rot_k.shape[1])  # [B, K, T, D]
                 self.sums.add("q_sq/next", self.group, qs.square().sum((0, 1, 3)) * c, b)
-                self.sums.add("k_sq/next", self.group, k.square().sum((0, 1, 3)) * c, b)
+                self.sums.add("k_sq/next", self.group, ctx.rot_k.double().square().sum((0, 1, 3)) * c, b)
 
         return read
 

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from poslens.report.claims import Claim, Test, estimate_test, interval_text
+from poslens.report.sweep import combine_seeds
 from poslens.train.sweep import seed_interval
 
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
@@ -133,6 +134,11 @@ def sink_attention(metrics: dict, variant: str, seed: int, spec: str = "mean") -
     return (metrics[variant, seed].get("interventions", {}).get(spec) or {}).get("sink_attention")
 
 
+def without_sinks(metrics: dict, variants: tuple[str, ...] = ROPE_FAMILY, spec: str = "mean") -> int:
+    """How many models of `variants` form no sink head."""
+    return sum(sink_attention(metrics, v, s, spec) is None for v in variants for s in _seeds(metrics, v))
+
+
 def anchored_lines(metrics: dict, variants: tuple[str, ...] = ROPE_FAMILY, spec: str = "mean") -> list[str]:
     """One line per model of `variants`: its sink heads' alpha_0 before -> after the replacement, and the change."""
     out = []
@@ -156,8 +162,7 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
     sas = [sink_attention(metrics, variant, s, spec) for s in seeds]
     if len(seeds) < 2 or not all(sas):
         return None
-    change = seed_interval([sa["change"]["value"] for sa in sas], support=(-1.0, 1.0),
-                           shared=[(sa["change"]["hi"] - sa["change"]["lo"]) / 2 for sa in sas])
+    change = combine_seeds([{**sa["change"], "support": [-1.0, 1.0]} for sa in sas])  # t over seeds + text
     return Claim(
         "ruscio-token-anchored", "ruscio2026", "summary",
         "attention sinks are token-anchored: the sink-reading heads attend to the first key because of the token "

@@ -240,7 +240,7 @@ def build(ctx, size: dict) -> Section:
         claims = [c for c in claims if c.id != "ruscio-token-anchored"]
         swept.append(anchored)
     elif lines := sl.anchored_lines(metrics):
-        none = sum("no sink head" in x for x in lines)
+        none = sl.without_sinks(metrics)
         if none == len(lines):
             context.append(("token-anchored sinks on the sweep's RoPE-family models, trained with a BOS first",
                             f"no row: none of the {len(lines)} models has a head whose mean attention on key 0 "

@@ -394,11 +394,12 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
 
 def _near_one(e: dict) -> int:
     """Significant digits for a correlation: 5 when its interval reaches above 0.999 (3 would print '1 [1, 1]')."""
-    return 5 if max(x for x in (e.get("value"), e.get("hi")) if x is not None) > 0.999 else 3
+    return 5 if max((x for x in (e.get("value"), e.get("hi")) if x is not None), default=0.0) > 0.999 else 3
 
 
 def _dark_line(signed: dict) -> str:
-    """'; darker in every seed here: ...' when every seed's column is below the rest (not a sink's high scores)."""
+    """'; darker than the rest in every seed here: ...' when every seed's column is below the rest (not a sink's
+    high scores); '' otherwise."""
     seeds = [v for v in signed.get("per_seed", [signed["value"]]) if v is not None]
     if seeds and all(v < 0 for v in seeds):
         return ("; darker than the rest in every seed here: low scores on key 1, the opposite of a sink's high ones, "
@@ -407,8 +408,8 @@ def _dark_line(signed: dict) -> str:
 
 
 def _trained_here(trained: int, models: int) -> str:
-    """'all 6 models trained in this run' / 'none of its 6 models trained in this run: read from the model cache' /
-    '2 of its 6 models trained in this run, the rest read from the model cache'."""
+    """'all 6 models trained in this run' / 'this run read its 6 models from the model cache, ...' / '2 of its 6
+    models trained in this run, the rest read from the model cache'."""
     if trained == models:
         return f"all {models} models trained in this run"
     if trained == 0:
