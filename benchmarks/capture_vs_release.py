@@ -11,9 +11,15 @@ this one process on the same model object and the same batches, interleaved (the
             same calls.
 
 The maps of `now` and `release` are compared too (max |difference|), so the speed is for the same numbers.
+On a machine without the git history (a lent GPU machine gets the working tree only), `--release-src DIR` reads
+the release's files from an exported tree (`git archive REV src | tar -x -C DIR`); `--shape` replaces the model by
+a random one of a real model's shape (benchmarks/capture.py's, on random token ids), built on `--device` in
+`--dtype`. On CUDA every timed call ends with a synchronisation.
 
     .venv/bin/python benchmarks/capture_vs_release.py --release afb3a39 --batch 2 --seq-len 512 --batches 2 \
         --repeats 5 --out benchmarks/results/cpu-2026-11-23-session3/capture_vs_release.json
+    python3 benchmarks/capture_vs_release.py --release-src /tmp/rel --shape llama-3.1-8b --device cuda \
+        --dtype bfloat16 --batch 4 --seq-len 1024 --batches 4 --repeats 7      # on a GPU
 """
 
 from __future__ import annotations
@@ -35,8 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def release_module(rev: str, path: str, name: str, replace: dict[str, str] | None = None):
-    """The file `path` of git revision `rev`, imported under the module name `name` (after the text replacements)."""
-    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    """The file `path` of git revision `rev` (or of the exported tree `rev` when it is a directory), imported under
+    the module name `name` (after the text replacements)."""
+    if Path(rev).is_dir():
+        if not (Path(rev) / path).is_file():
+            raise subprocess.CalledProcessError(1, ["read", str(Path(rev) / path)])
+        src = (Path(rev) / path).read_text()
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                             text=True).stdout
     for old, new in (replace or {}).items():
         src = src.replace(old, new)
     target = Path(tempfile.mkdtemp(prefix="poslens-release-")) / f"{name}.py"
@@ -80,7 +93,12 @@ def aten_ops(fn) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--release", default="afb3a39", help="git revision of the previous release")
+    p.add_argument("--release-src", default=None, help="an exported tree of the release (instead of git)")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--shape", default=None, help="a random model of this shape instead of --model "
+                   "(benchmarks/capture.py's SHAPES: smollm2-135m, llama-3.1-8b)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batches", type=int, default=2, help="batches per timed call")
@@ -92,22 +110,33 @@ def main() -> None:
     from poslens.engine.data import iter_documents, make_sequences
     from poslens.engine.models import load_model
 
-    old = release_capture(args.release)
-    model, tok = load_model(args.model)
-    ids, _ = make_sequences(tok, iter_documents(None), args.seq_len, args.batch * args.batches, mode="first",
-                            bos="auto")
-    batches = list(torch.split(ids, args.batch))
+    old = release_capture(args.release_src or args.release)
+    if args.shape:
+        from capture import DTYPES, SHAPES  # benchmarks/capture.py, beside this script
+
+        model = SHAPES[args.shape](DTYPES[args.dtype], args.device)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (args.batch * args.batches, args.seq_len), generator=gen)
+    else:
+        model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+        ids, _ = make_sequences(tok, iter_documents(None), args.seq_len, args.batch * args.batches, mode="first",
+                                bos="auto")
+    batches = list(torch.split(ids.to(args.device), args.batch))
+    sync = torch.cuda.synchronize if str(args.device).startswith("cuda") else (lambda: None)
 
     def plain():
         with torch.no_grad():
             for x in batches:
                 model(input_ids=x, use_cache=False)
+        sync()
 
     def capture(cls):
         cap = cls(model)
         for x in batches:
             cap.update(x)
-        return cap.result()["scores"]
+        out = cap.result()["scores"]
+        sync()
+        return out
 
     methods = {"plain": plain, "now": lambda: capture(Capture), "release": lambda: capture(old.Capture)}
     maps = {k: methods[k]() for k in ("now", "release")}  # warm-up, and the maps to compare
@@ -133,7 +162,8 @@ def main() -> None:
            "aten_ops": {k: len(v) for k, v in ops.items()}, "aten_ops_identical": ops["now"] == ops["release"],
            "max_abs_map_difference": float((maps["now"] - maps["release"]).nan_to_num(0).abs().max()),
            "load_average": os.getloadavg(), "threads": torch.get_num_threads(), "argv": sys.argv,
-           "torch": torch.__version__}
+           "torch": torch.__version__, "device": (torch.cuda.get_device_name() if str(args.device).startswith("cuda")
+                                                  else "cpu"), "dtype": args.dtype}
     print(json.dumps(out, indent=1))
     print(f"now / plain {out['now_over_plain']:.3f}, release / plain {out['release_over_plain']:.3f}: "
           f"now / release = {out['now_over_release']:.3f} (bar: <= 1.05); CPU time: now / release = "

@@ -87,6 +87,11 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write raw times, ratios and settings here")
+    ap.add_argument("--compile", choices=("preset", "on", "off"), default="preset",
+                    help="torch.compile both models as `poslens train` does when the preset says so (default), "
+                         "always, or never")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timings, print the 15 costliest kernels of one poslens step (torch.profiler)")
     args = ap.parse_args()
     if args.pairs < 2 or args.pairs % 2:
         ap.error("--pairs must be even and at least 2 (each order, poslens first and hand-written first, "
@@ -101,6 +106,10 @@ def main() -> None:
     gpu = device.type == "cuda"
     d = Dist(0, 1, 0, device)
     models = {m: build_model(cfg, tf.vocab_size).to(device) for m in METHODS}
+    compiled = args.compile == "on" or (args.compile == "preset" and cfg.compile)
+    if compiled:  # as poslens.train.loop does: both methods step the same compiled module type
+        for m in METHODS:
+            models[m].compile()
     opts = {m: make_optimizer(models[m], cfg) for m in METHODS}
     scheds = {m: make_scheduler(opts[m], cfg) for m in METHODS}
     fpt = flops_per_token(models["poslens"].config, cfg.seq_len)
@@ -109,7 +118,7 @@ def main() -> None:
         peak, label = gemm_flops(device), "measured float32 GEMM"
     print(f"preset {cfg.preset}: {cfg.layers} layers, d={cfg.hidden}, vocab {tf.vocab_size}, "
           f"{cfg.batch_size}x{cfg.seq_len} tokens/step, micro-batch {cfg.micro_batch}, {torch.get_num_threads()} "
-          f"threads, {device}, torch {torch.__version__}; {args.warmup} + {args.pairs} pairs")
+          f"threads, {device}, torch {torch.__version__}, compiled: {compiled}; {args.warmup} + {args.pairs} pairs")
 
     def run(m: str, s: int) -> tuple[float, float]:
         """Step `s` of method `m`: (seconds, loss)."""
@@ -159,11 +168,20 @@ def main() -> None:
           f"{by_order['hand']:.3f}")
     print(f"bar, poslens within 5%: {verdict(lo, hi)}")
     print(f"largest loss difference over {len(losses['hand'])} matched steps: {diff:.2e}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with profile(activities=acts) as prof:
+            run("poslens", args.warmup + args.pairs)
+        print(prof.key_averages().table(sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=15,
+                                        max_name_column_width=60))
 
     if args.json:
         out = {
             "settings": {"preset": cfg.preset, "config": dataclasses.asdict(cfg), "device": str(device),
                          "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                         "compiled": compiled,
                          "transformers": transformers.__version__, "python": sys.version.split()[0],
                          "argv": sys.argv, "pairs": args.pairs, "warmup_pairs": args.warmup,
                          "load_average_before": load_before, "load_average_after": load_after,

@@ -63,10 +63,22 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, cfg) / cfg.lr)
 
 
-def next_token_loss(model: torch.nn.Module, block: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting block[:, 1:] from block[:, :-1] (no padding, implicit causal mask)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `logits` [B, T, V] against `targets` [B, T], the log-softmax in float32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@functools.cache
+def compiled_cross_entropy() -> Any:
+    """`cross_entropy` compiled: one fused kernel reads the bf16 logits (no float32 copy of [B, T, V] in memory)."""
+    return torch.compile(cross_entropy)
+
+
+def next_token_loss(model: torch.nn.Module, block: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of predicting block[:, 1:] from block[:, :-1] (no padding, implicit causal mask);
+    `compiled`: the loss through `compiled_cross_entropy` (with a compiled model)."""
     logits = model(input_ids=block[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), block[:, 1:].flatten())
+    return (compiled_cross_entropy() if compiled else cross_entropy)(logits, block[:, 1:])
 
 
 # ---------------------------------------------------------------- processes and devices
@@ -417,7 +429,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: To
             block = block.to(d.device, non_blocking=True)
             sync = i == len(micro) - 1 or d.world == 1 or cfg.parallel != "ddp"
             with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(cfg, d.device):
-                loss = next_token_loss(model, block) / len(micro)
+                loss = next_token_loss(model, block, compiled=cfg.compile) / len(micro)
             loss.backward()
             total += loss.detach()
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
