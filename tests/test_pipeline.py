@@ -23,16 +23,16 @@ from poslens.errors import UsageError
 TEXT = "Position is not given to a model without a positional encoding; the causal mask gives it. " * 40
 
 
-def saved_tiny_llama(directory: Path, **overrides) -> Path:
-    """A tiny random Llama (3 layers, 128 positions; `overrides` of its config) saved with a byte-level tokenizer
-    that has BOS and EOS, and a text file to read: what the command-line tests run on without building the embedded
-    corpus."""
+def saved_tiny_llama(directory: Path, family: str = "llama", **overrides) -> Path:
+    """A tiny random Llama (3 layers, 128 positions; or another of tests/tiny_models.py's `family`; `overrides` of
+    its config) saved with a byte-level tokenizer that has BOS and EOS, and a text file to read: what the
+    command-line tests run on without building the embedded corpus."""
     vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": 256, "</s>": 257}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(directory)
-    build("llama", **{"vocab_size": 258, "max_position_embeddings": 128, **overrides}).save_pretrained(directory)
+    build(family, **{"vocab_size": 258, "max_position_embeddings": 128, **overrides}).save_pretrained(directory)
     (directory.parent / f"{directory.name}.txt").write_text(TEXT)
     return directory
 

