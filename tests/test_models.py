@@ -454,8 +454,9 @@ def test_alias_in_parts_is_joined_once_into_the_cache_and_converted(parts_alias)
 def test_alias_part_that_does_not_match_is_one_line_and_leaves_nothing(parts_alias):
     cache, _, pkg = parts_alias
     (pkg / "part1").write_bytes(b"truncated")
-    with pytest.raises(UsageError, match=r"parts-model: its GGUF parts could not be joined \(ValueError: Assembled file sha256 "
-                                         r"did not match.*pip install --force-reinstall poslens-test-parts==1"):
+    with pytest.raises(UsageError, match=r"parts-model: its GGUF parts could not be joined \(ValueError: Assembled "
+                                         r"file sha256 did not match.*pip install --force-reinstall "
+                                         r"poslens-test-parts==1"):
         load_model("parts-model", cache_dir=cache)
     assert [p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")] == []
 

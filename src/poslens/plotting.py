@@ -255,7 +255,8 @@ def row_profiles(maps: Sequence, se: Sequence | None, rows: Sequence[int], title
             ax.set_ylabel(ylabel, fontsize=10)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=9)
-    axes.flat[0].legend(fontsize=8)
+    handles, labels = axes.flat[0].get_legend_handles_labels()  # below the panels: it never hides a band
+    fig.legend(handles, labels, fontsize=9, loc="outside lower center", ncols=min(len(labels), 4))
     if suptitle:
         fig.suptitle(suptitle + (f" (bands: +/- {band:g} SE)" if se is not None else ""), fontsize=12)
     return fig

@@ -96,6 +96,12 @@ class SweepModels:
             argv += ["--seeds", ",".join(map(str, self.config.seeds))]
         return shlex.join(argv + ["--out", "runs/sweep"])
 
+    def short(self) -> str:
+        """'the pe-sinks sweep (4 variants x 3 seeds; described in the section's text)': a row's pointer to the
+        description a section gives once."""
+        return (f"the {self.config.preset} sweep ({len(self.variants)} variants x {len(self.seeds)} seeds; described "
+                "in the section's text)")
+
     def describe(self) -> str:
         """'4 variants (nope: NoPE, ...) x 3 seeds, 4 layers, d = 64, 4 heads sharing 2 key/value heads, RMSNorm
         (SmolLM3 architecture), 300 steps of 16 x 128 tokens (AdamW, learning rate ...), BOS first (...)'."""

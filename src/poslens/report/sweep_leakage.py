@@ -123,7 +123,7 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                               f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + ".",
         paper_number=f"{HEADLINE:.0%} removed at early queries in Llama-3.2-3B (second-hand: from an editorial "
                      "summary of the paper; its full text could not be read)",
-        scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
+        scope=f"{PAPER_SCALE} (these: the sweep's models)",
         resolve="the same measurement on a model of the paper's scale trained with a BOS (Gemma-3-270M, the one "
                 "installable here, has its own row when installed: bash setup.sh --gemma)")
     return claim
@@ -181,7 +181,7 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
                  "context. "
                  "Every RoPE-family model: " + "; ".join(anchored_lines(metrics)) + "."
                  + (f" {elsewhere}" if elsewhere else ""),
-        scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
+        scope=f"{PAPER_SCALE} (these: the sweep's models)",
         resolve="the same measurement on a model of the paper's scale trained with a BOS (e.g. Gemma-3, where its "
                 "GGUF is installed)",
         key=f"change {interval_text(change)}")
@@ -216,7 +216,7 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
                  "BOS replacement (the residual stream's intervention these runs make) removing part of the scores' "
                  "absolute term; key 0 out, so that the sink's column, which the replacement changes most, does not "
                  "decide the residual stream's test alone.",
-        scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
+        scope=f"{PAPER_SCALE} (these: the sweep's models)",
         resolve="the same measurement on models of the paper's scale and architectures")
 
 
@@ -276,7 +276,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                     "Qwen or Mistral is installed here (only SmolLM2-135M is embedded)."),
         resolve="the real-model half: a full-attention model of Gemma-3's family at 1,024 tokens beside Gemma-3-270M "
                 "(whose 512-token window binds there), or a model of the paper's scale with each architecture",
-        scope=f"{PAPER_SCALE} (these: the sweep's models, described in the row)",
+        scope=f"{PAPER_SCALE} (these: the sweep's models)",
         figure="the scores' absolute term by architecture")
     return claim, context
 

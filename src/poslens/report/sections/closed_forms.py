@@ -120,6 +120,14 @@ def build(ctx, size: dict) -> Section:
     s.figures.append(lines(ctx, "appendix_a1_h", xs, {f"alpha={a:g}": theory.h(xs, a) for a in (0.0, 0.2, 0.5, 0.8)},
                            "h(j) = ||x_j^(1)|| of Eq. 3 for several alpha: strictly decreasing in j (Appendix A.1).",
                            "position j", "h(j)", "h(j), NoPE, l2, causal mask"))
+    p = np.arange(2, N + 1, dtype=np.float64)
+    s.figures.append(lines(ctx, "appendix_a2_gprime", p,
+                           {**{f"g'(i), alpha={a:g}": theory.g_prime(p, a) for a in (0.0, 0.2, 0.5)},
+                            **{f"h'(i)^2, alpha={a:g}": theory.h_prime(p, a) ** 2 for a in (0.0, 0.2, 0.5)}},
+                           "Appendix A.2 without the residual: g'(i), every off-diagonal entry <x_i, x_j> of row i "
+                           "(no j in it), beside h'(i)^2, the diagonal ||x_i||^2, for i = 2..50 (exact, log scale): g' "
+                           "varies less than the diagonal but is not flat at small alpha (kim-a2-gprime-weak).",
+                           "query i", "value (exact)", "g'(i) beside h'(i)^2, NoPE, l2, no residual", logy=True))
     maps = [theory.layer2_scores(N, a) for a in (0.0, 0.2)]
     s.figures.append(profiles(ctx, "layer2_profiles", maps, None, ["alpha = 0", "alpha = 0.2"],
                               "Layer-2 scores g(i)/(h(i)h(j)) (Eq. 4) against the key j < i for three queries (the "
@@ -171,6 +179,7 @@ def gprime_weak_claim() -> Claim:
                  f"any threshold below {own[widest]:.2f} fails at alpha = {widest:g}. That h'(i) decreases strictly "
                  "is kim-a2-hprime-decreasing's row; whether a trained model's panel (c) shows the uniform "
                  "off-diagonal is kim-42-c's.",
+        figure="g'(i) beside h'(i)^2",
         key=f"next to the diagonal {ratios[worst]:.3f}; in itself {own[widest]:.3f}")
 
 

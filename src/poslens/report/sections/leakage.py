@@ -221,12 +221,12 @@ def gemma_claims(run: str | Path) -> tuple[list[Claim], list, str]:
         if h:
             sinks = h["sink_heads"]
             lost = [c for c in sinks if c["lo"] > 0]
-            per_head.append(f"key 0 {k[5:]}: {h['removed']} of {h['heads']} heads lose part of their early "
-                            f"absolute-scores term and {h['added']} gain (95% intervals, one per head, not corrected "
+            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early absolute-scores term {h['removed']} "
+                            f"of {h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected "
                             f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
-                            + (f"({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
-                               if lost else "part of it"))
-    seqs = f"{n_seqs} sequences of {L} tokens of the embedded text, its BOS first as in its training"
+                            + (f"part ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
+                               if lost else "part"))
+    seqs = f"{n_seqs} sequences of {L:,} tokens of the embedded text, its BOS first as in its training"
     claim = Claim(
         "ruscio-bos-replacement-gemma3", "ruscio2026", "summary",
         "replacing the BOS embedding before the forward pass removes part (40%) of the residual-stream component at "
@@ -248,7 +248,7 @@ def gemma_claims(run: str | Path) -> tuple[list[Claim], list, str]:
     full = [(i + 1, e) for i, (e, w) in enumerate(zip(debiased, windows)) if not w]
     binds = f", where its {max(windows)}-key windows bind" if L > max(windows) else \
         f" (its {max(windows)}-key windows do not bind at this length)"
-    arch = (f"Gemma-3-270M at {L} tokens ({n_seqs} sequences){binds}, debiased "
+    arch = (f"Gemma-3-270M at {L:,} tokens ({n_seqs} sequences){binds}, debiased "
             "absolute-scores energy per layer (all queries, key 0 in): global (full-attention) layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in full) + "; sliding-window layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in local))
@@ -307,7 +307,7 @@ def build(ctx, size: dict) -> Section:
         cached = Path(ctx.parts) / f"leakage-gemma-{fingerprint(asdict(gcfg))[:8]}"
         if not (cached / "run.json").exists():
             if ctx.progress:
-                print(f"  poslens leakage: Gemma-3-270M, {n} sequences of {GEMMA_LEN} tokens", flush=True)
+                print(f"  poslens leakage: Gemma-3-270M, {n} sequences of {GEMMA_LEN:,} tokens", flush=True)
             run_leakage(gcfg, str(cached), force=cached.exists(), progress=ctx.progress)
         runs["leakage-gemma"] = Path(ctx.root) / "models" / "leakage-gemma"
         shutil.copytree(cached, runs["leakage-gemma"])
@@ -319,7 +319,7 @@ def build(ctx, size: dict) -> Section:
                  "--no-predecessor --out runs/leakage-gemma")
     else:
         context.append(("Gemma-3-270M (a pre-trained model trained with its BOS first, whose 512-key sliding windows "
-                        f"bind at {GEMMA_LEN} tokens): Ruscio et al.'s BOS claim on a real model, and its layer types "
+                        f"bind at {GEMMA_LEN:,} tokens): Ruscio et al.'s BOS claim on a real model, and its layer types "
                         "for the architecture claim",
                         "not run: " + ("the quick run leaves it out (the full run measures it when it is installed)"
                                        if ctx.quick else f"not installed; {INSTALL_GEMMA}, then reproduce again")))
@@ -327,7 +327,7 @@ def build(ctx, size: dict) -> Section:
     sw = sweep_models(ctx, size)  # the length section's models (the same matrix: trained once, then cached)
     metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, size))
     L, offset = sw.matrix.members[0].config.seq_len, sl.common_max_offset(sw)
-    describe = (f"{sw.describe()}; {size['sweep_sequences']} held-out sequences of {L} tokens per model, one run per "
+    describe = (f"{sw.short()}; {size['sweep_sequences']} held-out sequences of {L} tokens per model, one run per "
                 "seed")
     swept = []
     if all((v, s) in metrics for v in sl.ROPE_FAMILY for s in sw.seeds):
@@ -377,9 +377,10 @@ def build(ctx, size: dict) -> Section:
         "scaled by NTK's rule for a length factor of 8. The exact algebraic split is a descriptive identity, "
         "shown as context. "
         f"Measured on SmolLM2-135M ({seqs} sequences of {seq_len} tokens of the embedded text, its `<|im_start|>` "
-        "first, 95% jackknife intervals), on the sweep's models trained with a BOS first (one run per model, the "
+        "first, 95% jackknife intervals), on the sweep's models trained with a BOS first (the "
+        f"{sw.config.preset} sweep: {sw.describe()}; one run per model, the "
         "spread over seeds as the error bar: 95% t-intervals over seeds)"
-        + (f", on Gemma-3-270M ({size['gemma_sequences']} sequences of {GEMMA_LEN} tokens with its BOS first, as in "
+        + (f", on Gemma-3-270M ({size['gemma_sequences']} sequences of {GEMMA_LEN:,} tokens with its BOS first, as in "
            "its training; 95% jackknife intervals)" if size["gemma_sequences"] else "")
         + " and, as context, in the parameter-free "
         f"stack. Facts true by construction (position 0's state is the same for every input with a fixed first "
@@ -394,7 +395,7 @@ def build(ctx, size: dict) -> Section:
               f"{seqs} sequences of {seq_len} tokens and the sweep's "
               f"models ({sw.describe()})"
               + (f", and Gemma-3-270M (Q4_K_M weights dequantised to float32) over {size['gemma_sequences']} "
-                 f"sequences of {GEMMA_LEN} tokens" if size["gemma_sequences"] else "")
+                 f"sequences of {GEMMA_LEN:,} tokens" if size["gemma_sequences"] else "")
               + "; the paper studied Llama-3.2-3B and Qwen and Mistral models "
               "(second-hand: only an editorial summary of the paper could be read, which gives no other sizes).")
     s.figures += figures(ctx, runs["leakage"], metrics, sw.labels, offset)

@@ -118,7 +118,7 @@ def build(ctx, size: dict) -> Section:
 
     claims: list[Claim] = []
     scale = (f"{sw.describe()}; evaluated on {size['sequences']} held-out sequences of {T} tokens per model")
-    here = f"at this scale only ({sw.describe()})"
+    here = f"at this scale only ({sw.short()})"
     past = positions(L, T)  # the target positions past L: L + 1 .. T
     rise_range = (f"the loss over {positions(T // 2, T)} minus over {positions(max(1, L // 2), L)}, on the same "
                   "sequences")
@@ -193,8 +193,8 @@ def build(ctx, size: dict) -> Section:
             context.append((f"{v}: note", note))
     s = Section(
         "Past the training length: does the causal mask's position signal decide length generalisation here?",
-        __doc__.split("\n\n", 1)[1].replace("\n", " ") + f" This run: the sweep's preset {sw.config.preset}, "
-        f"trained at L = {L}. The runs: "
+        __doc__.split("\n\n", 1)[1].replace("\n", " ") + f" This run: the sweep's preset {sw.config.preset} "
+        f"({sw.describe()}), trained at L = {L}. The runs: "
         + "; ".join(
             f"`poslens length {sw.path(v, sw.seeds[0])} --seed-models "
             f"{','.join(str(sw.path(v, x)) for x in sw.seeds[1:])} --data {sw.tokens} --bos always --train-len {L} "

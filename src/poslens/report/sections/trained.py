@@ -187,8 +187,13 @@ _fmt = interval_text  # 'value [lo, hi]' of an estimate ('undefined', '(no inter
 
 
 def _seeds(e: dict, digits: int = 3) -> str:
-    """'per seed 0.083, 0.083, 0.072' of an estimate over seeds (undefined seeds read 'undefined')."""
-    return "per seed " + ", ".join(num(v, digits) for v in e["per_seed"])
+    """'per seed 0.0851, 1.00, 0.255' of an estimate over seeds: each value to `digits` significant digits, trailing
+    zeros kept so that the seeds read alike (undefined seeds read 'undefined')."""
+    def one(v) -> str:
+        text = num(v, digits)
+        return text if text == "undefined" or "e" in text else f"{v:#.{digits}g}".rstrip(".")
+
+    return "per seed " + ", ".join(one(v) for v in e["per_seed"])
 
 
 @section("trained", "Section 4.2 on trained NoPE and RoPE models, over seeds (Figures 3 and 8)", models=True,
