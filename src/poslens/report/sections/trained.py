@@ -304,9 +304,11 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
           "larger alpha)", (estimate_test("change of the off-diagonal/diagonal ratio, (b) - (a)",
                                   ch["offdiag_ratio_b_minus_a"], ">"),),
           measured=f"(a) {_fmt(p['a']['offdiag_ratio'])}, (b) {_fmt(p['b']['offdiag_ratio'])}; the change "
-                   f"{_seeds(ch['offdiag_ratio_b_minus_a'])} (the ratio is undefined in a seed whose panel has a mean "
-                   "diagonal at or below 0: a token unlike itself). Only the direction is tested: 'substantially' "
-                   "gives no size.")
+                   f"{_seeds(ch['offdiag_ratio_b_minus_a'])}"
+                   + (" (the ratio is undefined in a seed whose panel has a mean diagonal at or below 0: a token "
+                      "unlike itself)" if any(v is None or not math.isfinite(v)
+                                              for v in ch["offdiag_ratio_b_minus_a"]["per_seed"]) else "")
+                   + ". Only the direction is tested: 'substantially' gives no size.")
     e = extra
     claim("kim-42-b-first-column", "Section 4.2, Figure 3 (b)",
           "a vivid line appears at the first column of (b) (key 1: the paper's 0th column), an attention sink",
