@@ -81,7 +81,7 @@ def test_json_row_carries_paper_verdict_and_every_test():
     assert [role for role, _ in both.all_tests()] == ["readings 1, 2", "reading 2"]  # a shared test listed once
     assert {"statistic", "value", "lo", "hi", "side", "threshold", "outcome", "interval"} <= set(row["test"][0])
     assert [r["verdict"] for r in row["readings"]] == ["holds", "contradicted"]
-    assert row["key"] == "0.5 [0.2, 0.8]"
+    assert row["key"] == "0.5 [0.2, 0.8]; -0.5 [-0.8, -0.2]"  # ambiguous: each reading's deciding test
 
 
 def test_ledgers_count_each_paper_apart():
@@ -134,3 +134,19 @@ def test_the_summary_number_of_an_undecided_row_is_its_failing_test_before_an_op
     row = Claim("x-row", "ruscio2026", "summary", "claim", (open_, failing), scope="larger models")
     assert row.verdict == "not resolved" and row.key_number() == failing.key()
     assert Claim("y-row", "ruscio2026", "summary", "claim", (open_,)).key_number() == open_.key()
+
+
+def test_readings_of_opposite_sides_are_ambiguous_whatever_the_scope():
+    """Rule 5: two readings that predict opposite sides of one statistic cannot both hold; once the statistic is
+    resolved the failing one is a contradiction between the paper's wordings, so the scope (rule 4) does not make
+    the row not resolved. Without `opposite` the same scoped readings read not resolved; an open statistic leaves
+    the row not resolved either way."""
+    below = Test("slope", 0.5, "<", 0.0, 0.2, 0.8)  # the same statistic as UP, the other side
+    readings = (Reading("rises", (UP,)), Reading("falls", (below,)))
+    assert claim(readings=readings, scope="1.5B", opposite=True).verdict == "ambiguous"
+    assert claim(readings=readings, scope="1.5B", opposite=True).reading_verdicts() == ["holds", "contradicted"]
+    assert claim(readings=readings, scope="1.5B").verdict == "not resolved"
+    open_below = Test("slope", 0.1, "<", 0.0, -0.2, 0.4)
+    assert claim(readings=(Reading("rises", (OPEN,)), Reading("falls", (open_below,))), scope="1.5B",
+                 opposite=True).verdict == "not resolved"
+    assert json.loads(json.dumps(claim(readings=readings, opposite=True).to_json()))["opposite"] is True

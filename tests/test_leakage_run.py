@@ -254,32 +254,37 @@ def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
         torch.testing.assert_close(sharded[key], single[key], rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
-def test_gemma_row_reads_its_run_and_its_layer_types(tmp_path):
-    """The report's Gemma-3 pieces (`gemma_claims`) on a real `poslens leakage` run of a tiny Gemma-3 (sliding
-    window 12 in layers 1 and 3, layer 2 global) at 24 tokens, where the window binds: the row's two tests are the
-    run's removed shares (key 0 in and out) against 0, its verdict follows the rule with the paper's scale as scope
-    (a failure reads not resolved), and the architecture context puts each layer under its own type."""
+def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
+    """The report's Gemma-3 pieces (`gemma_measurement`) on a real `poslens leakage` run of a tiny Gemma-3 (sliding
+    window 12 in layers 1 and 3, layer 2 global) at 24 tokens, where the window binds: its two tests are the run's
+    removed shares (key 0 in and out) against 0, they join the sweep's tests in the one BOS row (whose verdict follows
+    the rule with the paper's scale as scope: a failure reads not resolved), and the architecture context puts each
+    layer under its own type."""
+    from test_sweep_leakage import LABELS, sweep
+
     from poslens.report.claims import combine
-    from poslens.report.sections.leakage import gemma_claims
-    from poslens.report.sweep_leakage import energies
+    from poslens.report.sections.leakage import gemma_measurement
+    from poslens.report.sweep_leakage import bos_claim, energies
 
     model = saved_tiny_llama(tmp_path / "gemma", family="gemma3")
     out = tmp_path / "run"
     run_leakage(LeakageConfig(model=str(model), seq_len=24, num_sequences=8, batch_size=2, groups=4, early_queries=10,
                               max_offset=11, interventions=["mean"], nulls=["none"], predecessor=False, figures=False),
                 out, progress=False)
-    claims, context, arch = gemma_claims(out)
-    (row,) = claims
+    tests, text, key, context, arch = gemma_measurement(out)
     m = poslens.io.results.load(out, tensors=False).metrics
     gone = m["interventions"]["mean"]["over_layers"]["removed"]["early"]["cf/absolute_scores"]
-    assert row.id == "ruscio-bos-replacement-gemma3" and row.paper == "ruscio2026" and len(row.tests) == 2
-    for t, k in zip(row.tests, ("key0_in", "key0_out")):
+    assert len(tests) == 2
+    for t, k in zip(tests, ("key0_in", "key0_out")):
         assert (t.value, t.lo, t.hi, t.side, t.threshold) == (gone[k]["value"], gone[k]["lo"], gone[k]["hi"], ">", 0)
-    outcome = combine(row.tests)
-    assert row.verdict == {"pass": "holds", "fail": "not resolved", "open": "not resolved"}[outcome]
-    assert "Llama-3.2-3B" in row.scope and "40%" in row.paper_number
+    row = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted", real=(tests, text, key))
+    assert row.id == "ruscio-bos-replacement" and len(row.tests) == 4 and row.tests[2:] == tests
+    assert row.verdict == {"pass": "holds", "fail": "not resolved", "open": "not resolved"}[combine(row.tests)]
+    assert "Gemma-3-270M" in row.scope and text in row.measured and key in row.key_number()
+    alone = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted")
+    assert len(alone.tests) == 2 and "bash setup.sh --gemma" in alone.measured
     e = energies(m, "all", "key0_in")
     assert "12-key windows bind" in arch
     assert f"global (full-attention) layers 2: {e[1]:.3g};" in arch
     assert f"sliding-window layers 1: {e[0]:.3g}, 3: {e[2]:.3g}" in arch
-    assert any("RoPE base" in what for what, _ in context)
+    assert any("sinks" in what for what, _ in context)

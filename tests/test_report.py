@@ -98,7 +98,8 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert headlines([sec]) == ["Kim et al. (2025): 1 claim: 1 holds",
                                 "other papers (Haviv et al. 2022, Kazemnejad et al. 2023): 1 claim: 1 not resolved",
-                                "poslens's own checks: 1 claim: 1 holds"]
+                                "poslens's own checks and questions (the software's checks; the questions past the "
+                                "training length): 1 claim: 1 holds"]
     for text in headlines([sec]) + ["Measured on a small model", "git abc", "model: from the cache<br>corpus"]:
         assert text.replace("'", "&#x27;") in page, text
     for c in claims:  # a summary line linking to the row, and the row

@@ -141,8 +141,10 @@ def integer_ticks(xs) -> list[int]:
 
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
               logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None,
-              xticklabels: Sequence[str] | None = None, joined: bool = True):
-    """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. Integer x
+              xticklabels: Sequence[str] | None = None, joined: bool = True, paired: bool = False):
+    """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. paired: series
+    whose names share the part after their last ', ' share a colour, the first of them solid with dots, the others
+    dashed (two quantities drawn for each of several settings). Integer x
     values get integer ticks from the first value (`integer_ticks`: a layer axis from 1 shows no 0); on a log
     x-axis the ticks are the x values themselves (no overlapping labels); xticklabels names each x (categories,
     such as variants or position ranges, instead of numbers decoded in a caption); joined=False leaves a series'
@@ -157,7 +159,14 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
         err = None if errors is None else errors.get(name)
         shift = step * (k - (len(series) - 1) / 2)
         at = ([x * 2 ** shift for x in xs] if logx else [x + shift for x in xs]) if dodge else xs
-        ax.errorbar(at, ys, yerr=err, marker="o", ms=4, capsize=3, label=name, linestyle="-" if joined else "none")
+        style = {"marker": "o", "ms": 4, "linestyle": "-" if joined else "none"}
+        if paired:
+            group = name.rsplit(", ", 1)[-1]
+            groups = list(dict.fromkeys(n.rsplit(", ", 1)[-1] for n in series))
+            first = next(n for n in series if n.rsplit(", ", 1)[-1] == group) == name
+            style = {"marker": "o" if first else "none", "ms": 4, "linestyle": "-" if first else "--",
+                     "color": f"C{groups.index(group)}"}
+        ax.errorbar(at, ys, yerr=err, capsize=3, label=name, **style)
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))
     elif logx:
@@ -172,6 +181,11 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
         ax.axhline(0, color="0.3", lw=0.8)
         _, lows, highs = _extent(series, errors)
         pad_limits(ax, np.nanmin(lows), np.nanmax(highs))  # every bar inside the axis, a 0 at the bottom included
+        lo, hi = ax.get_ylim()  # ticks at 0 and at the decades outside the linear range: none crowds the 0
+        top = max(abs(lo), abs(hi), threshold)
+        ks = range(int(np.floor(np.log10(threshold))), int(np.floor(np.log10(top))) + 1)
+        ax.set_yticks(sorted([0.0] + [s * 10.0**k for k in ks for s in (1, -1) if lo <= s * 10.0**k <= hi]))
+        ax.yaxis.set_minor_locator(NullLocator())
     elif logy:
         ax.set_yscale("log")
     _finish(ax, xlabel, ylabel, title)

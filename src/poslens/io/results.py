@@ -91,6 +91,8 @@ def environment() -> dict:
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the instruction set torch's CPU kernels use
         "argv": sys.argv,
     }
     if "transformers" in sys.modules:
@@ -150,3 +152,15 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
         what = f"{META} is not a JSON object" if not isinstance(meta, dict) else f"{wrong[0]!r} is not an object"
         raise UsageError(f"{path}: corrupt run directory ({what}); rerun the command that wrote it")
     return Run(path=path, tensors=maps, meta=meta)
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else platform's; models trained on processors with other
+    instruction sets (torch's CPU capability, e.g. AVX2 against AVX512) round differently and drift apart."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"

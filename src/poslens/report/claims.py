@@ -19,7 +19,10 @@ The rule (also in the README, "What the paper says and what poslens measured"):
    contradicted by it: a failure there is **not resolved**.
 5. **ambiguous**: the paper's wording admits several readings (`readings`, each with its own tests). When one
    reading holds and another is contradicted, the row says each one and its verdict is ambiguous; otherwise an
-   unresolved reading makes the row not resolved, and readings that agree give their common verdict.
+   unresolved reading makes the row not resolved, and readings that agree give their common verdict. Readings that
+   predict opposite sides of one and the same statistic (`opposite`) cannot both hold at any scale: once the
+   statistic is resolved one of them fails, a contradiction between the paper's own wordings, so rule 4 does not
+   turn that reading's failure into not resolved (which reading holds is still a statement at this scale).
 6. **erratum**: `errata` test a formula or number the paper prints; when one fails while the claim's own tests
    pass (the conclusion stands), the verdict is erratum.
 7. **finding**: a measured fact the paper does not state (`finding=True`) reads finding when its tests pass, and
@@ -66,7 +69,9 @@ PAPERS: dict[str, Paper] = {
     "poslens": Paper("poslens", 2026, "checks of poslens itself", "poslens"),
 }
 LEDGERS = {"kim2025": "Kim et al. (2025)", "ruscio2026": "Ruscio, Nanni & Silvestri (2026)",
-           "other": "other papers (Haviv et al. 2022, Kazemnejad et al. 2023)", "poslens": "poslens's own checks"}
+           "other": "other papers (Haviv et al. 2022, Kazemnejad et al. 2023)",
+           "poslens": "poslens's own checks and questions (the software's checks; the questions past the training "
+                      "length)"}
 
 
 def num(x: float | None, digits: int = 3) -> str:
@@ -226,6 +231,7 @@ class Claim:
     errata: tuple[Test, ...] = ()
     scope: str = ""
     finding: bool = False
+    opposite: bool = False  # rule 5: the readings predict opposite sides of one statistic (rule 4 not applied to them)
     resolve: str = ""
     figure: str = ""
     command: str = ""
@@ -251,7 +257,8 @@ class Claim:
         return _BY_OUTCOME[outcome]
 
     def reading_verdicts(self) -> list[str]:
-        return [self._verdict(combine(r.tests), self.scope, self.finding) for r in self.readings]
+        scope = "" if self.opposite else self.scope
+        return [self._verdict(combine(r.tests), scope, self.finding) for r in self.readings]
 
     @property
     def verdict(self) -> str:
@@ -316,10 +323,14 @@ class Claim:
         return re.split(r" \((?:this|these)\b", self.scope, maxsplit=1)[0]
 
     def key_number(self) -> str:
-        """The row's number for the summary: its own `key`, else, for a row that is not decided in its favour, the
-        first failing test, else the first open one (the test that decides the verdict), else the first test."""
+        """The row's number for the summary: its own `key`, else, for an ambiguous row, each reading's first failing
+        test (else its first), for a row that is not decided in its favour, the first failing test, else the first open
+        one (the test that decides the verdict), else the first test."""
         if self.key:
             return self.key
+        if self.readings and self.verdict == "ambiguous":  # each reading's deciding test: its first failing one
+            keys = [next((t for t in r.tests if t.outcome() == "fail"), r.tests[0]).key() for r in self.readings]
+            return "; ".join(dict.fromkeys(keys))
         undecided = sorted((t for t in self.tests if t.outcome() != "pass"), key=lambda t: t.outcome() != "fail")
         if self.verdict in ("not resolved", "contradicted") and undecided:
             return undecided[0].key()
@@ -337,6 +348,7 @@ class Claim:
                 "test": [{"role": role, **t.to_json()} for role, t in self.all_tests()],
                 "readings": [{"text": r.text, "verdict": v} for r, v in zip(self.readings, self.reading_verdicts())],
                 "measured": self.measured, "paper_number": self.paper_number, "scope": self.scope,
+                "finding": self.finding, "opposite": self.opposite,
                 "resolve": self.resolve_line(), "figure": self.figure, "command": self.command}
 
 

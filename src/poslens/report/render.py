@@ -270,18 +270,27 @@ def _figure_html(f: Figure, root: Path) -> str:
 
 
 def figure_of(ref: str, figures: list[Figure]) -> Figure | None:
-    """The figure a claim's `figure` reference points to: 'Figure N...' is the figure whose caption opens with
-    'Figure N' (the paper's numbering); any other reference quotes a figure's title (up to its first comma)."""
-    paper = re.match(r"Figure (\d+)\b", ref)
+    """The figure a claim's `figure` reference points to: 'Figure N...' is a figure whose caption opens with
+    'Figure N' (the paper's numbering), the one whose title or file name has the words after it ('Figure 2, row
+    profiles': the profiles) when several do; any other reference quotes a figure's title (up to its first comma)."""
+    paper = re.match(r"Figure (\d+)\b[,:]?\s*(.*)", ref)
+    if paper:
+        number = rf"Figure {paper.group(1)}\b"
+        of = [f for f in figures if re.match(number, f.caption) or re.search(number, f.title)]
+        words = [w for w in re.findall(r"[a-z]+", paper.group(2).lower()) if len(w) > 3]
+        for f in of:
+            name = f"{f.title} {f.stem}".lower()
+            if words and all(w.rstrip("s") in name for w in words):
+                return f
+        return of[0] if of else None
     for f in figures:
-        if paper and re.match(rf"Figure {paper.group(1)}\b", f.caption):
-            return f
-        if not paper and ref and ref.split(", ")[0].lower() in f.title.lower():
+        if ref and ref.split(", ")[0].lower() in f.title.lower():
             return f
     return None
 
 
-def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
+def _claim_html(c: Claim, figures: list[Figure] = (), scope_said: bool = False) -> str:
+    """One row. scope_said: a row above in the section has the same scope, so its rule-4 sentence is not repeated."""
     v = c.verdict
     tests = "".join(f"<li>{'' if role == 'claim' else '<i>' + e(role) + ':</i> '}{e(t.text())}</li>"
                     for role, t in c.all_tests())
@@ -306,7 +315,9 @@ def _claim_html(c: Claim, figures: list[Figure] = ()) -> str:
         parts.append(f"<p class='note'>{prose(c.measured)}</p>")
     if c.paper_number:
         parts.append(f"<p class='note'><b>The paper:</b> {e(c.paper_number)}</p>")
-    if c.scope:
+    if c.scope and scope_said:
+        parts.append(f"<p class='note'><b>Scope:</b> {e(c.scope)} (as for the rows above).</p>")
+    elif c.scope:
         parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
                      "read not resolved, not contradicted, and a pass says only that it is seen at this scale too.</p>")
     if c.resolve_line():
@@ -356,7 +367,8 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
         out.append(f"<h2 id='sec-{e(s.name)}'>{e(s.title)}</h2><p>{prose(s.text)}</p>")
         if s.scale:
             out.append(f"<p class='banner'>{e(s.scale)}</p>")
-        out += [_claim_html(c, s.figures) for c in s.claims]
+        out += [_claim_html(c, s.figures, scope_said=any(b.scope == c.scope for b in s.claims[:k]))
+                for k, c in enumerate(s.claims)]
         if s.context:
             out.append("<p><b>Also measured</b> (shown beside the claims, no verdict):</p><ul>"
                        + "".join(f"<li>{prose(a)}: {prose(b)}</li>" for a, b in s.context) + "</ul>")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from poslens.errors import UsageError, check_int
-from poslens.io.results import check_output, run_directory, source_revision, write_run
+from poslens.io.results import check_output, cpu_name, run_directory, source_revision, write_run
 from poslens.report.claims import VERDICTS, ledgers
 from poslens.report.context import Context
 from poslens.report.render import headlines, write_report
@@ -43,9 +43,11 @@ def provenance(command: str | None, seed: int) -> dict[str, str]:
                         f"numpy {np.__version__}, Python {platform.python_version()}",
             "seed": str(seed),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.node()}, {platform.machine()}, {platform.platform(terse=True)}, "
+            "machine": f"{platform.node()}, {platform.machine()}, {cpu_name()} (torch's CPU kernels: "
+                       f"{torch.backends.cpu.get_cpu_capability()}), {platform.platform(terse=True)}, "
                        f"{torch.get_num_threads()} torch threads"
                        + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")}
+
 
 
 def plan(quick: bool, models: bool, sizes: Mapping | None) -> list[tuple[SectionSpec, dict]]:

@@ -96,6 +96,12 @@ class SweepModels:
             argv += ["--seeds", ",".join(map(str, self.config.seeds))]
         return shlex.join(argv + ["--out", "runs/sweep"])
 
+    MACHINE = ("Training is bit-identical when repeated on one machine, not across processors whose CPU kernels "
+               "differ (torch's AVX2 against AVX-512: the provenance names both the processor of this run and the one "
+               "that trained each cached model), and over the sweep's steps such models drift apart: on two machines "
+               "four rows on them came out with different verdicts (README, 'What the paper says'). A row on them "
+               "is a statement about these seeds of these tiny models.")
+
     def short(self) -> str:
         """'the pe-sinks sweep (4 variants x 3 seeds; described in the section's text)': a row's pointer to the
         description a section gives once."""
@@ -250,6 +256,9 @@ def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) ->
               f"{len(cached)} in the model cache, {n - len(cached)} to train", flush=True)
     paths = train_matrix(matrix, progress=progress, jobs=cfg.jobs)
     out = SweepModels(cfg, matrix, paths, tokens, [k for k in paths if k not in cached])
+    ctx.record(f"sweep {cfg.preset} tokens", tokens, "the embedded corpus tokenized once into the cache (train and "
+               "held-out splits: every sweep model trained on it, and every measurement on them reads its held-out "
+               "split)")
     for (variant, seed), path in paths.items():
         ctx.record(f"sweep {variant} seed {seed}", path,
                    "trained now" if (variant, seed) in out.trained else f"from the cache ({_trained_by(path)})")
@@ -269,7 +278,9 @@ def _trained_by(path: Path) -> str:
         env = {}
     if "source" not in env:
         return "trained by a poslens that did not record its source revision or date"
-    return f"trained by {env['source']} on {env.get('date', 'an unrecorded date')}"
+    cpu = (f", {env['cpu']} with torch's {env['cpu_capability']} kernels" if env.get("cpu_capability") else
+           ", on a processor it did not record (poslens records it since 2026-11-26)" if not env.get("gpu") else "")
+    return f"trained by {env['source']} on {env.get('date', 'an unrecorded date')}{cpu}"
 
 
 def _done(cfg, tokens: Path) -> bool:

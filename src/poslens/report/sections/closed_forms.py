@@ -72,6 +72,17 @@ def build(ctx, size: dict) -> Section:
                 "float64, with the Gram flow: the exact Gram matrices of the hidden states of such inputs, computed by "
                 "matrix products without any formula of the paper (docs/gramflow.md). No sampling: every test is "
                 "exact.")
+    s.context.append((
+        "statements of the paper that are not rows",
+        "its summaries of other work (Section 2 and the introduction: Haviv et al.'s 'resembles absolute positional "
+        "encoding', Kazemnejad et al.'s pattern 'closely resemble[s] ... T5's relative positional embeddings', Chi et "
+        "al.'s variance growing with position, Zuo et al.'s Figure 1 of hidden states more similar for closer pairs, "
+        "with which Section 4.1 says its pattern 'aligns') are attributions to those papers, not results of this one; "
+        "poslens tests the results they rest on where it can (Haviv et al.'s and Kazemnejad et al.'s own claims have "
+        "rows in the sections on trained models; cosine similarity after l2 normalisation is the stack's score, the "
+        "rows of Section 4.1). Section 4.1's explanation of the alpha = 0.2 saturation ('the numerator and "
+        "denominator share identical highest-order terms in g(i)') is the mechanism behind kim-41-alpha02-independent-"
+        "of-i, which tests its consequence; the closed forms themselves are the rows of this section"))
     p = np.arange(1, N + 1, dtype=np.float64)
     err = {"g": 0.0, "h2": 0.0, "eq4": 0.0, PRIME_G: 0.0, PRIME_H: 0.0}
     low = np.tril(np.ones((N, N), dtype=bool), -1)
@@ -122,12 +133,16 @@ def build(ctx, size: dict) -> Section:
                            "position j", "h(j)", "h(j), NoPE, l2, causal mask"))
     p = np.arange(2, N + 1, dtype=np.float64)
     s.figures.append(lines(ctx, "appendix_a2_gprime", p,
-                           {**{f"g'(i), alpha={a:g}": theory.g_prime(p, a) for a in (0.0, 0.2, 0.5)},
-                            **{f"h'(i)^2, alpha={a:g}": theory.h_prime(p, a) ** 2 for a in (0.0, 0.2, 0.5)}},
+                           {k: v / v.mean() for a in (0.0, 0.2, 0.5) for k, v in (
+                               (f"g'(i), alpha={a:g}", theory.g_prime(p, a)),
+                               (f"h'(i)^2, alpha={a:g}", theory.h_prime(p, a) ** 2))},
                            "Appendix A.2 without the residual: g'(i), every off-diagonal entry <x_i, x_j> of row i "
-                           "(no j in it), beside h'(i)^2, the diagonal ||x_i||^2, for i = 2..50 (exact, log scale): g' "
-                           "varies less than the diagonal but is not flat at small alpha (kim-a2-gprime-weak).",
-                           "query i", "value (exact)", "g'(i) beside h'(i)^2, NoPE, l2, no residual", logy=True))
+                           "(no j in it; solid), beside h'(i)^2, the diagonal ||x_i||^2 (dashed), one colour per "
+                           "alpha, for i = 2..50, each divided by its mean over i (exact, log scale): the spread the "
+                           "row's coefficients of variation compare. g' varies less than the diagonal but is not flat "
+                           "at small alpha (kim-a2-gprime-weak).",
+                           "query i", "value / its mean over i", "g'(i) beside h'(i)^2, NoPE, l2, no residual",
+                           logy=True, paired=True))
     maps = [theory.layer2_scores(N, a) for a in (0.0, 0.2)]
     s.figures.append(profiles(ctx, "layer2_profiles", maps, None, ["alpha = 0", "alpha = 0.2"],
                               "Layer-2 scores g(i)/(h(i)h(j)) (Eq. 4) against the key j < i for three queries (the "

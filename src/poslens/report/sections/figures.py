@@ -91,7 +91,7 @@ def profile_noise(m, se, rows: Sequence[int], first_key: int = 1) -> bool:
 def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: str, title: str,
           errors: dict | None = None, logx: bool = False, logy: bool = False, zero: bool = False,
           xticklabels: Sequence[str] | None = None, joined: bool = True, vline: float | None = None,
-          hline: float | None = None) -> Figure:
+          hline: float | None = None, paired: bool = False) -> Figure:
     """A line plot (error bars optional; xticklabels: a name for each x; joined=False: points of a series not
     joined, for categories without an order; vline / hline: a dashed line at that x (a training length) or y (a
     chance level))
@@ -103,7 +103,7 @@ def lines(ctx, stem: str, xs, series: dict, caption: str, xlabel: str, ylabel: s
     if not ctx.draw:
         return Figure(ctx.figures / f"{stem}.png", caption)
     fig = plotting.line_plot(list(xs), series, xlabel, ylabel, title, logx=logx, logy=logy, errors=errors,
-                             xticklabels=xticklabels, joined=joined)
+                             xticklabels=xticklabels, joined=joined, paired=paired)
     if zero:
         fig.axes[0].axhline(0, color="0.3", lw=0.8)
     if vline is not None:

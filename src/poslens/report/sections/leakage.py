@@ -29,7 +29,7 @@ from poslens.report.claims import Claim, estimate_test, interval_text, num
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
-from poslens.report.sweep_leakage import HEADLINE, MASK_FLOOR, PAPER_SCALE, energies
+from poslens.report.sweep_leakage import MASK_FLOOR, PAPER_SCALE, energies
 
 RESIDUAL = ("patch:inside:1@0", "mean")  # the residual-stream intervention the "both sources" row reads, first found
 RESIDUAL_WORDS = {"patch:inside:1@0": "position 0's state replaced by a content token's",
@@ -200,11 +200,11 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     return claims, context
 
 
-def gemma_claims(run: str | Path) -> tuple[list[Claim], list, str]:
-    """Ruscio et al.'s BOS claim judged on Gemma-3-270M (trained with its BOS first; a fixed model, so the error bar
-    is the jackknife over groups of sequences), the per-head picture and, as context for the architecture claim,
-    the absolute energy of its sliding-window and global layers at a length where the window binds. Returns the
-    claims, the context rows and one sentence for the architecture row."""
+def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
+    """Ruscio et al.'s BOS claim measured on Gemma-3-270M (trained with its BOS first; a fixed model, so the error bar
+    is the jackknife over groups of sequences): the tests, the words and the key number the BOS row adds
+    (`sweep_leakage.bos_claim(real=...)`), the context rows (sinks; its layer types for the architecture claim) and
+    one sentence for the architecture row."""
     r = load(run, tensors=False)
     m = r.metrics
     interval = f"{100 * m.get('level', 0.95):g}% jackknife over {m.get('groups')} groups"
@@ -226,22 +226,12 @@ def gemma_claims(run: str | Path) -> tuple[list[Claim], list, str]:
                             f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
                             + (f"part ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
                                if lost else "part"))
-    seqs = f"{n_seqs} sequences of {L:,} tokens of the embedded text, its BOS first as in its training"
-    claim = Claim(
-        "ruscio-bos-replacement-gemma3", "ruscio2026", "summary",
-        "replacing the BOS embedding before the forward pass removes part (40%) of the residual-stream component at "
-        "early queries (on a pre-trained model trained with its BOS first)", tests,
-        measured=f"Gemma-3-270M (Q4_K_M weights dequantised to float32; trained with its BOS first, the setting of "
-                 f"the paper's Llama), {seqs}, early queries i <= {m['domains']['early_queries']}; the BOS embedding "
-                 "replaced by the mean token embedding with the mask and every other position kept, paired on the "
-                 "same sequences; the residual-stream component read as the absolute-scores term (docs/leakage.md), "
-                 "which carries the earlier layers' masks too. Only the direction is tested ('removes part'); the "
-                 "paper's 40% is printed beside ours. Per head (context, not tested): " + "; ".join(per_head) + ".",
-        paper_number=f"{HEADLINE:.0%} removed at early queries in Llama-3.2-3B (second-hand: from an editorial "
-                     "summary of the paper; its full text could not be read)",
-        scope=f"{PAPER_SCALE} (this one: Gemma-3-270M)",
-        resolve=more_sequences(tests, n_seqs),
-        key=f"removed share {interval_text(gone['key0_in'])} (key 0 in) / {interval_text(gone['key0_out'])} (out)")
+    text = (f"Also measured on Gemma-3-270M, a pre-trained model trained with its BOS first (the setting of the "
+            f"paper's Llama; Q4_K_M weights dequantised to float32): {n_seqs} sequences of {L:,} tokens of the "
+            f"embedded text, its BOS first, early queries i <= {m['domains']['early_queries']}, the same replacement "
+            f"paired on the same sequences ({interval}: a fixed model, so the error bar is over the text); its two "
+            "tests are the last two above. Per head (context, not tested): " + "; ".join(per_head) + ".")
+    key = (f"Gemma-3-270M {interval_text(gone['key0_in'])} (key 0 in) / {interval_text(gone['key0_out'])} (out)")
     windows = r.meta["model"]["variant"]["sliding_window"]
     debiased = energies(m, "all", "key0_in")  # per layer, without the sampling-noise term
     local = [(i + 1, e) for i, (e, w) in enumerate(zip(debiased, windows)) if w]
@@ -253,13 +243,10 @@ def gemma_claims(run: str | Path) -> tuple[list[Claim], list, str]:
             + ", ".join(f"{i}: {num(e)}" for i, e in full) + "; sliding-window layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in local))
     sk = m["sinks"]
-    context = [("Gemma-3-270M's layer types, for the architecture claim (context, not a test: its local and global "
-                "layers differ in RoPE base, 1e4 and 1e6, as well as in the window, and no full-attention model of its "
-                "family is installed to compare with)", arch),
-               ("attention sinks in Gemma-3-270M (Gu et al.'s test: mean attention on key 0 above the threshold)",
+    context = [("attention sinks in Gemma-3-270M (Gu et al.'s test: mean attention on key 0 above the threshold)",
                 f"sink rate {sk['rate']:.3f} at {sk['tokens']} tokens" + (f" ({b})" if (b := sink_bounds(sk)) else "")
                 + f", {len(sk['sink_heads'])} heads above {sk['epsilon']}")]
-    return [claim], context, arch
+    return tests, text, key, context, arch
 
 
 # gemma_sequences: Gemma-3-270M's sequences of GEMMA_LEN tokens, 0 = not run (the full run runs it when installed)
@@ -298,7 +285,7 @@ def build(ctx, size: dict) -> Section:
             f"{seqs // groups} --groups {groups} --early-queries {cfg.early_queries} --out runs/leakage; "
             f"poslens leakage-stack --samples {stack.samples} --out runs/leakage-stack")
     claims, context = leakage_claims(runs["leakage"], runs["leakage-stack"])
-    gemma_arch = None
+    gemma = gemma_arch = None
     if size["gemma_sequences"]:  # the real model trained with its BOS first, at a length where its window binds
         n, g = size["gemma_sequences"], size["gemma_groups"]
         gcfg = LeakageConfig(model=GEMMA, seq_len=GEMMA_LEN, num_sequences=n, batch_size=max(1, n // g), groups=g,
@@ -317,8 +304,8 @@ def build(ctx, size: dict) -> Section:
                    "from the GGUF above on first use")
         runs["leakage-gemma"] = Path(ctx.root) / "models" / "leakage-gemma"
         shutil.copytree(cached, runs["leakage-gemma"])
-        gclaims, gcontext, gemma_arch = gemma_claims(runs["leakage-gemma"])
-        claims += gclaims
+        gtests, gtext, gkey, gcontext, gemma_arch = gemma_measurement(runs["leakage-gemma"])
+        gemma = (gtests, gtext, gkey)  # tests of the BOS row, beside the sweep's
         context += gcontext
         maps += (f"; poslens leakage {GEMMA} --seq-len {GEMMA_LEN} --num-sequences {n} --batch-size {gcfg.batch_size} "
                  f"--groups {g} --early-queries 32 --max-offset {gcfg.max_offset} --interventions mean --nulls none "
@@ -339,7 +326,7 @@ def build(ctx, size: dict) -> Section:
     if all((v, s) in metrics for v in sl.ROPE_FAMILY for s in sw.seeds):
         swept.append(sl.sources_claim(metrics, sw.labels, describe))
     if all(("rope", s) in metrics for s in sw.seeds):
-        swept.append(sl.bos_claim(metrics, sw.labels, describe))
+        swept.append(sl.bos_claim(metrics, sw.labels, describe, real=gemma))
     smollm2 = next((c for c in claims if c.id == "ruscio-token-anchored"), None)
     anchored = sl.anchored_claim(metrics, sw.labels, describe, elsewhere="" if smollm2 is None else (
         f"SmolLM2-135M, as context (its first token is not a trained BOS): {smollm2.key} (95% jackknife over its "
@@ -362,6 +349,9 @@ def build(ctx, size: dict) -> Section:
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset, real=gemma_arch)
         swept.append(arch)
         context += arch_context
+    elif gemma_arch:  # no architecture row to carry it
+        context.append(("Gemma-3-270M's layer types, for the architecture claim (its local and global layers differ in "
+                        "RoPE base, 1e4 and 1e6, as well as in the window)", gemma_arch))
     resolve_by_seeds(sw, swept)  # the seeds each row would need at its present means and spreads
     claims += swept
     for c in claims:

@@ -194,7 +194,7 @@ def build(ctx, size: dict) -> Section:
     s = Section(
         "Past the training length: does the causal mask's position signal decide length generalisation here?",
         __doc__.split("\n\n", 1)[1].replace("\n", " ") + f" This run: the sweep's preset {sw.config.preset} "
-        f"({sw.describe()}), trained at L = {L}. The runs: "
+        f"({sw.describe()}), trained at L = {L}. {sw.MACHINE} The runs: "
         + "; ".join(
             f"`poslens length {sw.path(v, sw.seeds[0])} --seed-models "
             f"{','.join(str(sw.path(v, x)) for x in sw.seeds[1:])} --data {sw.tokens} --bos always --train-len {L} "

@@ -223,7 +223,8 @@ def build(ctx, size: dict) -> Section:
         f"The NoPE and RoPE models of the sweep this report trains, or reads from the model cache when an earlier run "
         f"trained them ({sw.describe()}; vocabulary "
         f"{cfg.tokenizer.split(':')[-1]}; `{sw.command}`): for each of the {n} seeds, the same data, batches and "
-        f"architecture with and without RoPE. Figures 3 and 8 use {data['sequences']} held-out sequences of "
+        f"architecture with and without RoPE. {sw.MACHINE} Figures 3 and 8 use {data['sequences']} held-out "
+        f"sequences of "
         f"{icfg.seq_len} tokens per seed: consecutive windows of the packed validation stream ("
         f"{data.get('documents_read', '?')} documents), each starting with the BOS as in training, so the text after "
         "the BOS mostly starts inside a document, where the paper took the first 50 tokens of each of 1,000 "
@@ -285,9 +286,10 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
     out = []
     scope = f"the paper's 1.5B-parameter NoPE model trained on 20B tokens (this model: {scale})"
 
-    def claim(cid, where, text, tests, key="", **kw):
-        out.append(Claim(cid, "kim2025", where, text, tests, key=key, figure="Figure 3 " + where.split("Figure 3 ")[-1],
-                         command=ctx.remeasure(cid), scope=scope,
+    def claim(cid, where, text, tests, key="", figure="", **kw):
+        out.append(Claim(cid, "kim2025", where, text, tests, key=key,
+                         figure=figure or "Figure 3 " + where.split("Figure 3 ")[-1], command=ctx.remeasure(cid),
+                         scope=scope,
                          resolve="a model near the paper's scale (preset paper-1.5b on a GPU cluster)",
                          **kw))
 
@@ -340,8 +342,9 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
         measured=f"off-diagonal/diagonal: (c) {_fmt(p['c']['offdiag_ratio'])}, (d) {_fmt(p['d']['offdiag_ratio'])}; "
                  f"the change {_seeds(cd)}. The two readings predict opposite signs of the same change, so on a model "
                  "of any scale where the change is resolved one reading holds and the other is contradicted: the "
-                 "contradicted reading is one of the paper's wordings, not a failure of this model's scale.",
-        figure="Figure 3 (c), (d)", command=ctx.remeasure("kim-42-c-to-d")))
+                 "contradicted reading is one of the paper's wordings, not a failure of this model's scale (rule 5: "
+                 "readings of opposite sides; which one holds is a statement at this scale).",
+        scope=scope, opposite=True, figure="Figure 3 (c), (d)", command=ctx.remeasure("kim-42-c-to-d")))
     claim("kim-42-e-like-d", "Section 4.2, Figure 3 (d), (e)",
           "after adding the residual (e), the trend is almost identical to (d)",
           (replace(estimate_test("correlation of the off-diagonal entries of (d) and (e)", e["de_correlation"], ">",
@@ -358,7 +361,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
         claim(f"kim-42-{letter}-increasing", where, text,
               (estimate_test(f"mean row slope of ({letter}) over keys 2 <= j < i", p[letter]["row_slope"], ">"),
                estimate_test(f"share of rows of ({letter}) increasing in j", p[letter]["rows_increasing"], ">", 0.5)),
-              key=_printed_slope(p[letter]["row_slope"]),
+              key=_printed_slope(p[letter]["row_slope"]), figure=f"Figure 3 ({letter}), row profiles",
               measured="rows with at least two keys 2 <= j < i (key 1, the sink, left out); the row profiles with "
                        f"their error bands are drawn below (the first seed). Slope {_seeds(p[letter]['row_slope'])}; "
                        f"share {_seeds(p[letter]['rows_increasing'])}."
