@@ -62,6 +62,9 @@ def test_simulate_command_writes_maps_with_errors(tmp_path):
     (["gramflow", "--layers", "0"], "layers"),
     (["gramflow", "--rope-scaling", "0.5", "--pe", "rope"], "--rope-scaling must be >= 1"),
     (["reproduce", "--samples", "0"], "samples"),
+    (["reproduce", "--sizes", "nope"], "--sizes: 'nope' is not SECTION.KEY=VALUE"),
+    (["reproduce", "--no-models", "--sizes", "nope.bogus=3"], "--sizes: section nope has no size 'bogus'"),
+    (["reproduce", "--no-models", "--sizes", "nowhere.samples=3"], "no report section named 'nowhere'"),
     (["simulate", "--alpha", "abc"], "invalid float"),
     (["simulate", "--maps", "scores,logits"], "--maps"),
 ])
@@ -283,3 +286,11 @@ def test_seed_has_one_rule_everywhere(argv, tmp_path, capsys):
     assert main([*argv, "--seed", "-1", "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"poslens {argv[0]}: error: --seed must be >= 0, got -1\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sizes_are_read_as_json_values_per_section():
+    from poslens.cli import parse_sizes
+
+    assert parse_sizes(["leakage.sequences=64", "leakage.sweep=pe", "real-model.sequences=512", "nope.samples=1e3"]) \
+        == {"leakage": {"sequences": 64, "sweep": "pe"}, "real-model": {"sequences": 512}, "nope": {"samples": 1000.0}}
+    assert parse_sizes(None) == {}

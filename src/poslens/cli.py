@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import shlex
@@ -80,6 +81,26 @@ class ReproduceOptions:
     samples: int | None = option(None, help="Monte Carlo samples per setting (default 100000, or 10000 with --quick)")
     seed: int = option(0, lo=0, help="random seed")
     models: bool = option(True, help="skip the real-model section")
+    sizes: list[str] | None = option(None, metavar="SECTION.KEY=VALUE,...",
+                                     help="change a section's size, e.g. leakage.sequences=64,real-model.sequences=512 "
+                                     "(the names and defaults: run.json's config.sizes of a report)")
+
+
+def parse_sizes(items: list[str] | None) -> dict[str, dict]:
+    """`--sizes` entries SECTION.KEY=VALUE -> {section: {key: value}} (values read as JSON where they parse: 64, 0.5,
+    true, "pe"; else as text)."""
+    out: dict[str, dict] = {}
+    for item in items or []:
+        name, eq, value = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not (eq and dot and section and key):
+            raise UsageError(f"--sizes: {item!r} is not SECTION.KEY=VALUE (e.g. leakage.sequences=64)")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        out.setdefault(section, {})[key] = parsed
+    return out
 
 
 @dataclass
@@ -154,7 +175,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
     o = from_args(ReproduceOptions, args)
     reproduce(out=args.out, quick=o.quick, force=args.force, models=o.models, progress=not args.quiet, seed=o.seed,
-              samples=o.samples, command=shlex.join(["poslens", *args.argv]))
+              samples=o.samples, sizes=parse_sizes(o.sizes), command=shlex.join(["poslens", *args.argv]))
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

@@ -52,7 +52,7 @@ def gemma_installed() -> bool:
     return importlib.util.find_spec(ALIASES[GEMMA].module) is not None
 
 
-def more_sequences(tests, n: int | None) -> str:
+def more_sequences(tests, n: int | None, size: str = "leakage.sequences") -> str:
     """'more sequences: about N (against n here) ...': the count at which every open test's jackknife interval
     would just exclude its threshold, if the estimate stayed and the half-width fell as 1 / sqrt(sequences) (the
     groups, and so the t quantile, kept); 'more sequences' alone when no count follows."""
@@ -62,7 +62,7 @@ def more_sequences(tests, n: int | None) -> str:
         return "more sequences (each interval is a jackknife over groups of sequences)"
     need = max(math.ceil(n * (h / g) ** 2) for g, h in gaps)
     return (f"more sequences: about {need:,} (against {n} here) at the present estimates and interval widths "
-            "(each interval is a jackknife over groups of sequences)")
+            f"(each interval is a jackknife over groups of sequences; `poslens reproduce --sizes {size}={need}`)")
 
 
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
