@@ -26,7 +26,10 @@ def test_round_trip_and_metadata(tmp_path):
     assert env["source"].startswith(("git ", "poslens ")) and env["date"].endswith(" UTC")
     from poslens.report.sweep import _trained_by
 
-    assert _trained_by(out) == f"trained by {env['source']} on {env['date']}"
+    # and the processor and torch's CPU kernels that trained it (models drift apart across instruction sets)
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and env["cpu"]
+    assert _trained_by(out) == (f"trained by {env['source']} on {env['date']}, {env['cpu']} with torch's "
+                                f"{env['cpu_capability']} kernels")
     assert "did not record" in _trained_by(tmp_path / "nothing-here")
 
 
