@@ -318,7 +318,7 @@ def _claim_html(c: Claim, figures: list[Figure] = (), scope_said: bool = False) 
     if c.paper_number:
         parts.append(f"<p class='note'><b>The paper:</b> {e(c.paper_number)}</p>")
     if c.scope and scope_said:
-        parts.append(f"<p class='note'><b>Scope:</b> {e(c.scope)} (as for the rows above).</p>")
+        parts.append("<p class='note'><b>Scope:</b> as for the rows above.</p>")
     elif c.scope:
         parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
                      "read not resolved, not contradicted, and a pass says only that it is seen at this scale too.</p>")

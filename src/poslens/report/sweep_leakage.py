@@ -125,9 +125,9 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  "trained with a BOS: "
                  + ("; ".join(f"{labels[v]} key 0 in {interval_text(share(v, 'key0_in'))}, "
                               f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + "."
-                 + (" " + real[1] if real else " Not measured on a pre-trained model trained with its BOS first: "
-                    "Gemma-3-270M, the one installable here, is an optional extra (bash setup.sh --gemma); with it "
-                    "installed the full run adds its tests to this row."),
+                 + (" " + real[1] if real else " Not measured here on a pre-trained model trained with its BOS "
+                    "first: the full run adds Gemma-3-270M's tests to this row when that optional extra is installed "
+                    "(bash setup.sh --gemma); a --quick run leaves it out."),
         paper_number=f"{HEADLINE:.0%} removed at early queries in Llama-3.2-3B (second-hand: from an editorial "
                      "summary of the paper; its full text could not be read)",
         scope=f"{PAPER_SCALE} (these: the sweep's models" + (" and Gemma-3-270M)" if real else ")"),
