@@ -65,6 +65,8 @@ def test_simulate_command_writes_maps_with_errors(tmp_path):
     (["reproduce", "--sizes", "nope"], "--sizes: 'nope' is not SECTION.KEY=VALUE"),
     (["reproduce", "--no-models", "--sizes", "nope.bogus=3"], "--sizes: section nope has no size 'bogus'"),
     (["reproduce", "--no-models", "--sizes", "nowhere.samples=3"], "no report section named 'nowhere'"),
+    (["reproduce", "--no-models", "--sizes", "nope.samples=abc"],
+     "nope's samples takes a value like 100000, not 'abc'"),
     (["simulate", "--alpha", "abc"], "invalid float"),
     (["simulate", "--maps", "scores,logits"], "--maps"),
 ])

@@ -155,17 +155,18 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     # each other
     dodge = xticklabels is not None or (errors is not None and len(series) > 1)
     step = dodge_step(xs, len(series), logx) if dodge else 0.0
+    group = {name: name.rsplit(", ", 1)[-1] for name in series}  # paired: the setting a series belongs to
+    colour = {g: f"C{i}" for i, g in enumerate(dict.fromkeys(group.values()))}
+    leader = {g: next(n for n in series if group[n] == g) for g in colour}  # each setting's first series: solid
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
         shift = step * (k - (len(series) - 1) / 2)
         at = ([x * 2 ** shift for x in xs] if logx else [x + shift for x in xs]) if dodge else xs
         style = {"marker": "o", "ms": 4, "linestyle": "-" if joined else "none"}
         if paired:
-            group = name.rsplit(", ", 1)[-1]
-            groups = list(dict.fromkeys(n.rsplit(", ", 1)[-1] for n in series))
-            first = next(n for n in series if n.rsplit(", ", 1)[-1] == group) == name
+            first = leader[group[name]] == name
             style = {"marker": "o" if first else "none", "ms": 4, "linestyle": "-" if first else "--",
-                     "color": f"C{groups.index(group)}"}
+                     "color": colour[group[name]]}
         ax.errorbar(at, ys, yerr=err, capsize=3, label=name, **style)
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))

