@@ -253,6 +253,91 @@ def test_imports_follow_the_layers():
     assert broken == []
 
 
+def module_imports(top_level_only: bool) -> dict[str, set[str]]:
+    """The import graph of src/poslens by module: module -> the poslens modules it imports (`from P import M` counts
+    P and P.M when M is a module). `top_level_only`: only the statements that run when the module is imported
+    (those in its body, its `if`/`try` blocks included, `if TYPE_CHECKING:` left out), not those inside functions."""
+    import ast
+
+    root = Path(poslens.__file__).parent
+    files = {".".join(("poslens", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in sorted(root.rglob("*.py"))}
+
+    def statements(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            yield node
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                yield from statements([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                                       *(h for handler in getattr(node, "handlers", []) for h in handler.body)])
+
+    graph = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        nodes = statements(tree.body) if top_level_only else ast.walk(tree)
+        targets = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_module_import_graph_has_no_cycle():
+    """No two modules import each other, directly or through others, at import time (module level), and the
+    detector finds a planted cycle (so the test can fail)."""
+    assert cycles(module_imports(top_level_only=True)) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_training_modules_import_each_other_nowhere_in_a_cycle():
+    """Not even inside functions: the trained-model cache, the loop and the token files (the cache lock they share
+    lives in poslens.io.lock)."""
+    train = [c for c in cycles(module_imports(top_level_only=False)) if any(m.startswith("poslens.train") for m in c)]
+    assert train == []
+
+
 # ---------------------------------------------------------------- the guarantees, for every analysis on the driver
 
 SMALL = {"scores": ["--seq-len", "32"], "intermediates": ["--seq-len", "16"],
