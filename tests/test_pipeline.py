@@ -1,6 +1,5 @@
-"""The analysis pipeline (poslens.engine.pipeline): the composed config and its groups rule, per-sequence rows, and
-the recipes of docs/architecture.md, "Add an analysis" and "Add a command", followed to the letter on a tiny
-Llama and checked against an eager recomputation."""
+"""The analysis pipeline (poslens.engine.pipeline): the composed config and its groups rule, per-sequence rows, the
+import graph, and the driver's guarantees for every analysis (the recipes of docs/architecture.md: test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -120,106 +119,6 @@ def test_shards_cover_every_sequence_once_and_number_batches_run_wide(n, world, 
         for batch in torch.split(d.shard(rows), batch_size):
             assert torch.equal(rows[job.batch_rows(index)], batch)
             index += 1
-
-
-# ---------------------------------------------------------------- recipe: add an analysis (docs/architecture.md)
-
-from poslens.engine.pipeline import Analysis, Output, Pass, run_analysis  # noqa: E402  (the recipe's imports)
-from poslens.engine.statistics import ActivationNorm  # noqa: E402
-from poslens.engine.stats import GroupedSums  # noqa: E402
-from poslens.options import option  # noqa: E402
-
-
-@dataclasses.dataclass
-class ShiftConfig(ModelData):
-    shift: int = option(100, lo=1, help="how far every position id moves")
-
-
-class ShiftAnalysis(Analysis):
-    """Do the last layer's residual norms change when every position id moves by `shift`? (RoPE: no.)"""
-
-    kind = "shift"
-
-    def passes(self, job):
-        last = [job.hm.n_layers - 1]
-        point = "blocks.{l}.hook_resid_post"
-
-        def moved(ids, index):  # an intervention: (input ids, write hooks, position ids)
-            return ids, {}, torch.arange(ids.shape[1], device=ids.device).expand_as(ids) + job.config.shift
-
-        return [Pass("orig", [ActivationNorm(point, last, job.groups)]),
-                Pass("moved", [ActivationNorm(point, last, job.groups)], prepare=moved)]
-
-    def finish(self, job, passes):
-        orig, moved = (p.statistics[0].sums for p in passes)
-        joint = GroupedSums(job.groups)  # both passes' sums: one jackknife over the same groups
-        for prefix, sums in (("orig", orig), ("moved", moved)):
-            joint.sums.update({f"{prefix}/{k}": v for k, v in sums.sums.items()})
-            joint.counts.update({f"{prefix}/{k}": v for k, v in sums.counts.items()})
-        name = orig.names()[0]
-        ratio = joint.estimate(lambda m: m[f"moved/{name}"] / m[f"orig/{name}"], job.config.level)
-        norms = {f"norm_{p}": joint.mean(f"{p}/{name}") for p in ("orig", "moved")}
-        return Output({**ratio.as_dict("ratio"), **norms}, {"largest_change": float((ratio.value - 1).abs().max())})
-
-
-def run_shift(cfg: ShiftConfig, out, force=False, progress=True):
-    return run_analysis(ShiftAnalysis(), cfg, out, force=force, progress=progress)
-
-
-def test_recipe_add_an_analysis(model_dir, tmp_path):
-    cfg = ShiftConfig(model=str(model_dir), data=text_of(model_dir), mode="pack", seq_len=32, num_sequences=8,
-                      batch_size=2, groups=4, shift=100)
-    run = poslens.load(run_shift(cfg, tmp_path / "shift", progress=False))
-    assert run.meta["kind"] == "shift" and run.meta["groups"]["used"] == 4
-    # reference without poslens's hooks: the same sequences through the plain model, a torch forward hook on the
-    # last decoder layer, positions moved by hand
-    from poslens.engine.data import iter_documents, make_sequences
-    from poslens.engine.models import load_model
-
-    model, tok = load_model(str(model_dir))
-    ids, _ = make_sequences(tok, iter_documents(cfg.data), 32, 8, mode="pack")
-    kept = {}
-    for s in (0, 100):
-        handle = model.model.layers[-1].register_forward_hook(
-            lambda m, args, out, s=s: kept.__setitem__(s, (out[0] if isinstance(out, tuple) else out).double()
-                                                       .norm(dim=-1).mean(0)))
-        with torch.no_grad():
-            model(ids, position_ids=torch.arange(32).expand_as(ids) + s)
-        handle.remove()
-    assert run["ratio"].shape == (32,)
-    # the same float32 forwards (read-only hooks leave the forward bit-identical); the means differ only by the
-    # order of float64 sums over groups: 1e-12 relative
-    torch.testing.assert_close(run["norm_orig"], kept[0], rtol=1e-12, atol=0)
-    torch.testing.assert_close(run["norm_moved"], kept[100], rtol=1e-12, atol=0)
-    # RoPE depends on i - j only: moving every position changes the norms by float32 rounding alone (1e-5 relative)
-    assert run.metrics["largest_change"] < 1e-5
-    assert bool((run["ratio_lo"] <= run["ratio"]).all() and (run["ratio"] <= run["ratio_hi"]).all())
-
-
-# ---------------------------------------------------------------- recipe: add a command (docs/architecture.md)
-
-
-def test_recipe_add_a_command(model_dir, tmp_path, capsys, monkeypatch):
-    from poslens import cli
-
-    monkeypatch.setitem(cli.COMMANDS, "shift", cli.Command(
-        "shift", "how much moving every position id changes the last layer's residual norms",
-        "Runs the shift analysis of docs/architecture.md.", configs=("test_pipeline:ShiftConfig",),
-        run="test_pipeline:run_shift", summary="test_pipeline:shift_summary", out="runs/shift"))
-    out = tmp_path / "cmd"
-    assert cli.main(["shift", str(model_dir), "--data", text_of(model_dir), "--mode", "pack", "--seq-len", "32",
-                     "--num-sequences", "8", "--batch-size", "2", "--shift", "7", "--quiet", "--out", str(out)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    run = poslens.load(out)
-    assert run.config["shift"] == 7 and run.config["groups"] == 20 and run.meta["groups"]["used"] == 4
-    assert lines == [f"largest change {run.metrics['largest_change']:.2g}", run.meta["groups"]["note"],
-                     f"wrote {out}"]
-    assert cli.main(["shift", str(model_dir), "--shift", "0", "--out", str(tmp_path / "bad")]) == 2
-    assert capsys.readouterr().err.strip() == "poslens shift: error: --shift must be >= 1, got 0"
-
-
-def shift_summary(meta: dict) -> list[str]:
-    return [f"largest change {meta['metrics']['largest_change']:.2g}"]
 
 
 # ---------------------------------------------------------------- layering (docs/architecture.md, "Import rules")
