@@ -77,10 +77,12 @@ def select_points(names_filter, points: list[str], tl_points: list[str], check: 
 class ActivationCache(Mapping):
     """Hook name -> tensor (see the module docstring)."""
 
-    def __init__(self, cache: dict[str, torch.Tensor], n_layers: int, has_batch_dim: bool = True) -> None:
+    def __init__(self, cache: dict[str, torch.Tensor], n_layers: int, has_batch_dim: bool = True,
+                 model=None) -> None:
         self.cache_dict = cache
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
+        self.model = model  # the HookedModel that made it (its weights and final norm, for the analysis methods)
 
     def _key(self, key) -> str:
         if isinstance(key, str):
@@ -110,7 +112,7 @@ class ActivationCache(Mapping):
     def to(self, device: str | torch.device) -> ActivationCache:
         """The cache with every tensor on `device`."""
         return ActivationCache({k: v.to(device) for k, v in self.cache_dict.items()}, self.n_layers,
-                               self.has_batch_dim)
+                               self.has_batch_dim, self.model)
 
     def remove_batch_dim(self) -> ActivationCache:
         """The cache of a batch of one without its batch dimension."""
@@ -119,7 +121,7 @@ class ActivationCache(Mapping):
         sizes = {v.shape[0] for v in self.cache_dict.values()}
         if sizes - {1}:
             raise UsageError(f"remove_batch_dim needs a batch of 1, got {max(sizes)}")
-        return ActivationCache({k: v[0] for k, v in self.cache_dict.items()}, self.n_layers, False)
+        return ActivationCache({k: v[0] for k, v in self.cache_dict.items()}, self.n_layers, False, self.model)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
