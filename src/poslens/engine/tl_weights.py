@@ -22,6 +22,7 @@ from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.families import decoder_layers, positional_encoding
 from poslens.engine.models import max_positions
 from poslens.engine.pe import PositionalEncoding
+from poslens.errors import UsageError
 
 
 @dataclass
@@ -223,6 +224,18 @@ class TLWeights:
         """[d_vocab_out]"""
         head = self.model.get_output_embeddings()
         return head.bias if head.bias is not None else head.weight.new_zeros(head.weight.shape[0])
+
+    def norm_module(self, prefix: str):
+        """The norm module of a point prefix: "ln_final", "blocks.{l}.ln1", "blocks.{l}.ln2", ..."""
+        if prefix not in self._norms:
+            raise UsageError(f"no norm {prefix!r} on this model (e.g. ln_final, blocks.0.ln1, blocks.0.ln2)")
+        return self._norms[prefix][0]
+
+    def norm_gain(self, prefix: str) -> torch.Tensor:
+        """The gain a norm multiplies its normalized input by ([d]; Gemma's 1 + weight), as the forward does."""
+        module = self.norm_module(prefix)
+        w = module.weight.float()
+        return 1.0 + w if self.family.norm_gain == "1+weight" else w
 
     @property
     def ln_final(self):
