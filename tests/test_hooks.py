@@ -95,11 +95,13 @@ def _layer(model, family, l, x, written=None):
     ref["attn.hook_attn_scores"] = s
     p = ref["attn.hook_pattern"] = torch.softmax(s, -1)
     z = ref["attn.hook_z"] = torch.einsum("bhij,bjhd->bihd", p, v)
+    w_o = attn.o_proj.weight.double().T.unflatten(0, (h, d))  # [H, D, d]: each head's rows of W_O
+    ref["attn.hook_result"] = torch.einsum("bihd,hde->bihe", z, w_o)
     a = ref["attn.hook_out"] = _linear(z.flatten(-2), attn.o_proj)
     if gemma:
         a = _rms("ln1_post", blk.post_attention_layernorm, a, gemma, ref)
     ref["hook_attn_out"] = a
-    mid = ref["hook_resid_mid"] = x + a
+    mid = ref["hook_resid_mid"] = ref["hook_mlp_in"] = x + a
     f = _rms("ln2", blk.pre_feedforward_layernorm if gemma else blk.post_attention_layernorm, mid, gemma, ref)
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)

@@ -211,3 +211,33 @@ def test_bad_ids_masks_and_hooks_are_refused_in_one_line():
     plain = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert torch.equal(hm.run(ids, mask, logits=True).logits, plain)
     assert torch.equal(hm.run_with_cache(ids, ["hook_embed"], attention_mask=mask)[0], plain)
+
+
+@torch.no_grad()
+def test_optional_points_result_and_mlp_in_as_transformer_lens():
+    """attn.hook_result (TransformerLens's use_attn_result) and hook_mlp_in: cached only by name or once switched on;
+    zeroing head 1's result equals zeroing its z (W_O is linear, no bias); a write at hook_mlp_in reaches the MLP only,
+    not the residual stream (resid_post = resid_mid + mlp_out still holds with the new MLP output)."""
+    hm = HookedModel(build("llama"))
+    ids = token_batch(1, 8, seed=14)
+    _, cache = hm.run_with_cache(ids)
+    assert "blocks.0.attn.hook_result" not in cache and "blocks.0.hook_mlp_in" not in cache
+    hm.set_use_attn_result(True)
+    hm.set_use_hook_mlp_in(True)
+    _, cache = hm.run_with_cache(ids, names_filter=lambda n: "result" in n or "mlp_in" in n)
+    assert list(cache) == [f"blocks.{l}.{p}" for l in range(3) for p in ("attn.hook_result", "hook_mlp_in")]
+
+    def zero(x, hook):
+        x[:, :, 1] = 0
+
+    a = hm.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_result", zero)])
+    b = hm.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_z", zero)])
+    _close(a, b, "result ablation = z ablation", 1e-6)
+    names = ["blocks.0.hook_resid_mid", "blocks.0.hook_mlp_out", "blocks.0.hook_resid_post"]
+    _, written = hm.run_with_cache(ids, names)
+    with hm.hooks(fwd_hooks=[("blocks.0.hook_mlp_in", lambda x, hook: x * 2)]):
+        _, doubled = hm.run_with_cache(ids, names)
+    assert torch.equal(doubled["blocks.0.hook_resid_mid"], written["blocks.0.hook_resid_mid"])
+    assert not torch.allclose(doubled["blocks.0.hook_mlp_out"], written["blocks.0.hook_mlp_out"])
+    _close(doubled["blocks.0.hook_resid_post"], doubled["blocks.0.hook_resid_mid"] + doubled["blocks.0.hook_mlp_out"],
+           "resid_post = resid_mid + mlp_out", 1e-6)

@@ -41,11 +41,15 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           where masked
     blocks.{l}.attn.hook_pattern        [B, H, T, T]  TL  softmax of the scores (0 on rows with no visible key)
     blocks.{l}.attn.hook_z              [B, T, H, D]  TL  per-head attention output, before W_O
+    blocks.{l}.attn.hook_result         [B, T, H, d]  TL  each head's output after W_O (TL's use_attn_result; summed,
+                                                          plus W_O's bias, it is attn.hook_out)
     blocks.{l}.attn.hook_out            [B, T, d]         after W_O (Gemma: before its post-attention norm)
     blocks.{l}.ln1_post.hook_*          as ln1        TL  Gemma: the norm after attention (post_attention_layernorm)
     blocks.{l}.hook_attn_out            [B, T, d]     TL  what attention adds to the residual stream (Gemma: after
                                                           ln1_post)
     blocks.{l}.hook_resid_mid           [B, T, d]     TL  after the attention residual
+    blocks.{l}.hook_mlp_in              [B, T, d]     TL  a copy of resid_mid that only the MLP reads (TL's
+                                                          use_hook_mlp_in)
     blocks.{l}.ln2.hook_*               as ln1        TL  the norm before the MLP (Gemma: pre_feedforward_layernorm)
     blocks.{l}.mlp.hook_pre             [B, T, M]     TL  gate projection, before the activation
     blocks.{l}.mlp.hook_pre_linear      [B, T, M]     TL  up projection
@@ -95,10 +99,8 @@ KERNEL_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", 
 
 # TransformerLens names poslens has no equivalent for, and what to do instead
 TL_ONLY = {
-    "attn.hook_result": "sum attn.hook_z through W_O per head yourself (o_proj.weight split by head)",
     "hook_attn_in": "read ln1.hook_out (the same input for every head)",
     "hook_q_input": "read ln1.hook_out", "hook_k_input": "read ln1.hook_out", "hook_v_input": "read ln1.hook_out",
-    "hook_mlp_in": "read hook_resid_mid (or ln2.hook_out, the MLP's input)",
     "hook_pos_embed": "these models have no positional embedding (RoPE acts in attn.hook_rot_q/rot_k)",
     "hook_tokens": "the token ids are ctx.input_ids",
 }
@@ -117,10 +119,16 @@ def block_points(family: Family, qk_norm: bool) -> list[str]:
     return ["hook_resid_pre", *norm_points("ln1"),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
-            "attn.hook_v", *KERNEL_POINTS, "attn.hook_out", *(norm_points("ln1_post") if sandwich else []),
-            "hook_attn_out", "hook_resid_mid", *norm_points("ln2"),
+            "attn.hook_v", *KERNEL_POINTS, "attn.hook_result", "attn.hook_out",
+            *(norm_points("ln1_post") if sandwich else []), "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
+            *norm_points("ln2"),
             "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "mlp.hook_out",
             *(norm_points("ln2_post") if sandwich else []), "hook_mlp_out", "hook_resid_post"]
+
+
+# TransformerLens's optional points: hooked by name; run_with_cache's default and a names_filter function select them
+# only after set_use_attn_result(True) / set_use_hook_mlp_in(True), as TransformerLens fires them only then
+OPTIONAL = {"attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in"}
 
 
 def is_transformer_lens_name(name: str) -> bool:
@@ -206,7 +214,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"))
         self.points = ["hook_embed"] + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
-        self.tl_points = [p for p in self.points if is_transformer_lens_name(p)]
+        self._use = {flag: False for flag in OPTIONAL.values()}
+        self._set_tl_points()
         self._known = set(self.points)
         self._norms = {"ln_final": (model.base_model.norm, None)}  # point prefix -> (norm module, layer)
         for l, layer in enumerate(self.layers):
@@ -216,6 +225,21 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 self._norms[f"blocks.{l}.attn.q_norm"] = (layer.self_attn.q_norm, l)
                 self._norms[f"blocks.{l}.attn.k_norm"] = (layer.self_attn.k_norm, l)
         self._run: _Run | None = None
+
+    def _set_tl_points(self) -> None:
+        self.tl_points = [p for p in self.points if is_transformer_lens_name(p) and
+                          self._use.get(OPTIONAL.get(p.split(".", 2)[-1], ""), True)]
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Include attn.hook_result (each head's output after W_O, [B, T, H, d]) in run_with_cache's default and in
+        names_filter functions, as TransformerLens's setting does (hooking it by name needs no setting)."""
+        self._use["use_attn_result"] = bool(use_attn_result)
+        self._set_tl_points()
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """Include hook_mlp_in (the MLP's input before ln2, a copy of hook_resid_mid) likewise."""
+        self._use["use_hook_mlp_in"] = bool(use_hook_mlp_in)
+        self._set_tl_points()
 
     @classmethod
     def from_pretrained(cls, spec: str, **load_kwargs) -> HookedModel:
@@ -406,6 +430,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
         handles = [module.register_forward_hook(self._split_hook(l, parts))
                    for module, parts in sites if any(p in pts for p, _, _ in parts)]
+        if "attn.hook_result" in pts:
+            handles.append(attn.o_proj.register_forward_hook(self._result_hook(l, cfg.num_attention_heads)))
         if "mlp.hook_post" in pts:
             def post(module, args):
                 new = self._fire_at(l, "mlp.hook_post", args[0])
@@ -445,6 +471,20 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """Fire the point `point` of layer l (a no-op when it has no hooks)."""
         fns = self._run.per_layer.get(l, {}).get(point)
         return self._fire(f"blocks.{l}.{point}", l, x, fns) if fns else x
+
+    def _result_hook(self, l: int, heads: int):
+        """A forward hook on W_O firing attn.hook_result, each head's output [B, T, H, d]; read only, W_O's own output
+        stays (bit-identical); written (or edited in place), the output is the heads' sum plus W_O's bias."""
+        def hook(module, args, out):
+            z = args[0].unflatten(-1, (heads, -1))  # [B, T, H, D]
+            result = torch.einsum("bthk,hkd->bthd", z, module.weight.T.unflatten(0, (heads, -1)))
+            seen = result._version
+            new = self._fire_at(l, "attn.hook_result", result)
+            if new is result and result._version == seen:
+                return None
+            return new.sum(-2) + (module.bias if module.bias is not None else 0)
+
+        return hook
 
     def _split_hook(self, l: int, parts: list[tuple[str, int, int]]):
         """A forward hook on a projection whose output holds `parts` side by side, each (point, width, head width or
@@ -514,7 +554,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         a = fire("hook_attn_out", a)  # [B, T, d] what is added
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
-        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(x)))  # ln2.*, mlp.*; [B, T, d]
+        # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
+        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
+        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(mlp_in)))  # ln2.*, mlp.*; [B, T, d]
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
         m = fire("hook_mlp_out", m)  # [B, T, d] what is added
