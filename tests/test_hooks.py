@@ -95,11 +95,13 @@ def _layer(model, family, l, x, written=None):
     ref["attn.hook_attn_scores"] = s
     p = ref["attn.hook_pattern"] = torch.softmax(s, -1)
     z = ref["attn.hook_z"] = torch.einsum("bhij,bjhd->bihd", p, v)
+    w_o = attn.o_proj.weight.double().T.unflatten(0, (h, d))  # [H, D, d]: each head's rows of W_O
+    ref["attn.hook_result"] = torch.einsum("bihd,hde->bihe", z, w_o)
     a = ref["attn.hook_out"] = _linear(z.flatten(-2), attn.o_proj)
     if gemma:
         a = _rms("ln1_post", blk.post_attention_layernorm, a, gemma, ref)
     ref["hook_attn_out"] = a
-    mid = ref["hook_resid_mid"] = x + a
+    mid = ref["hook_resid_mid"] = ref["hook_mlp_in"] = x + a
     f = _rms("ln2", blk.pre_feedforward_layernorm if gemma else blk.post_attention_layernorm, mid, gemma, ref)
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)
@@ -267,18 +269,21 @@ def test_transformer_lens_features_without_an_equivalent_fail_in_one_line():
     hm = HookedModel(build("llama"))
     ids = token_batch(1, 6)
     for call, match in [
-        (lambda: hm.run_with_cache(ids, incl_bwd=True), "incl_bwd= has no poslens equivalent"),
-        (lambda: hm.run_with_cache(ids, return_type="loss"), "return_type='loss'"),
-        (lambda: hm.run_with_cache("Hello"), "token ids"),
-        (lambda: hm.run_with_cache(ids, ["blocks.0.attn.hook_result"]), "TransformerLens has it"),
-        (lambda: hm.to_tokens("Hello"), "to_tokens"),
-        (lambda: hm.run_with_hooks(ids, bwd_hooks=[("hook_embed", print)]), "bwd_hooks"),
-        (lambda: hm.run_with_cache(ids)[1].decompose_resid(), "decompose_resid"),
+        (lambda: hm.run_with_cache(ids, stop_at_layer=2), "stop_at_layer= has no poslens equivalent"),
+        (lambda: hm.run_with_cache(ids, return_type="probs"), "return_type must be one of"),
+        (lambda: hm.run_with_cache(1.5), "token ids"),
+        (lambda: hm.run_with_cache(ids, ["blocks.0.hook_tokens"]), "TransformerLens has it"),
+        (lambda: hm.to_tokens("Hello"), "needs a tokenizer"),
+        (lambda: hm.W_pos, "no positional embedding matrix; its positional encoding is rotary"),
+        (lambda: hm.blocks, "no poslens equivalent"),
+        (lambda: hm.run_with_cache(ids)[1].get_full_resid_decomposition(), "get_full_resid_decomposition"),
     ]:
         with pytest.raises(UsageError, match=match) as err:
             call()
         assert "\n" not in str(err.value)
-    assert not hasattr(hm, "cfg")  # an AttributeError too, so hasattr() and getattr(..., default) keep working
+    assert not hasattr(hm, "blocks")  # an AttributeError too, so hasattr() and getattr(..., default) keep working
+    with torch.no_grad(), pytest.raises(UsageError, match="bwd_hooks need gradients"):
+        hm.run_with_hooks(ids, bwd_hooks=[("hook_embed", print)])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -41,11 +41,15 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           where masked
     blocks.{l}.attn.hook_pattern        [B, H, T, T]  TL  softmax of the scores (0 on rows with no visible key)
     blocks.{l}.attn.hook_z              [B, T, H, D]  TL  per-head attention output, before W_O
+    blocks.{l}.attn.hook_result         [B, T, H, d]  TL  each head's output after W_O (TL's use_attn_result; summed,
+                                                          plus W_O's bias, it is attn.hook_out)
     blocks.{l}.attn.hook_out            [B, T, d]         after W_O (Gemma: before its post-attention norm)
     blocks.{l}.ln1_post.hook_*          as ln1        TL  Gemma: the norm after attention (post_attention_layernorm)
     blocks.{l}.hook_attn_out            [B, T, d]     TL  what attention adds to the residual stream (Gemma: after
                                                           ln1_post)
     blocks.{l}.hook_resid_mid           [B, T, d]     TL  after the attention residual
+    blocks.{l}.hook_mlp_in              [B, T, d]     TL  a copy of resid_mid that only the MLP reads (TL's
+                                                          use_hook_mlp_in)
     blocks.{l}.ln2.hook_*               as ln1        TL  the norm before the MLP (Gemma: pre_feedforward_layernorm)
     blocks.{l}.mlp.hook_pre             [B, T, M]     TL  gate projection, before the activation
     blocks.{l}.mlp.hook_pre_linear      [B, T, M]     TL  up projection
@@ -80,8 +84,10 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from poslens.engine.activation_cache import ActivationCache, NoEquivalent, select_points
+from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.families import Family, decoder_layers, family_of
+from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
+from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
 
 ATTN_SDPA = "poslens_hooks"
@@ -93,10 +99,8 @@ KERNEL_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", 
 
 # TransformerLens names poslens has no equivalent for, and what to do instead
 TL_ONLY = {
-    "attn.hook_result": "sum attn.hook_z through W_O per head yourself (o_proj.weight split by head)",
     "hook_attn_in": "read ln1.hook_out (the same input for every head)",
     "hook_q_input": "read ln1.hook_out", "hook_k_input": "read ln1.hook_out", "hook_v_input": "read ln1.hook_out",
-    "hook_mlp_in": "read hook_resid_mid (or ln2.hook_out, the MLP's input)",
     "hook_pos_embed": "these models have no positional embedding (RoPE acts in attn.hook_rot_q/rot_k)",
     "hook_tokens": "the token ids are ctx.input_ids",
 }
@@ -115,10 +119,16 @@ def block_points(family: Family, qk_norm: bool) -> list[str]:
     return ["hook_resid_pre", *norm_points("ln1"),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
-            "attn.hook_v", *KERNEL_POINTS, "attn.hook_out", *(norm_points("ln1_post") if sandwich else []),
-            "hook_attn_out", "hook_resid_mid", *norm_points("ln2"),
+            "attn.hook_v", *KERNEL_POINTS, "attn.hook_result", "attn.hook_out",
+            *(norm_points("ln1_post") if sandwich else []), "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
+            *norm_points("ln2"),
             "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "mlp.hook_out",
             *(norm_points("ln2_post") if sandwich else []), "hook_mlp_out", "hook_resid_post"]
+
+
+# TransformerLens's optional points: hooked by name; run_with_cache's default and a names_filter function select them
+# only after set_use_attn_result(True) / set_use_hook_mlp_in(True), as TransformerLens fires them only then
+OPTIONAL = {"attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in"}
 
 
 def is_transformer_lens_name(name: str) -> bool:
@@ -165,17 +175,6 @@ class HookContext:
                            "is the value at attn.hook_k ([B, T, K, D], as TransformerLens)")
 
 
-class TLHook:
-    """The `hook` argument of a TransformerLens hook function (run_with_hooks): its `name` and `layer()`."""
-
-    def __init__(self, name: str, layer: int | None) -> None:
-        self.name = name
-        self._layer = layer
-
-    def layer(self) -> int | None:
-        return self._layer
-
-
 class _Stop(Exception):
     """Raised after the last hooked point to end a forward early."""
 
@@ -199,11 +198,15 @@ def _split(name: str) -> tuple[int, str]:
     return int(parts[1]), parts[2]
 
 
-class HookedModel:
-    """A supported Hugging Face causal LM with named hook points (see the module docstring)."""
+class HookedModel(TransformerLensSurface, TLWeights):
+    """A supported Hugging Face causal LM with named hook points (see the module docstring), and TransformerLens
+    3.9's model surface (`poslens.engine.tl_surface`, `poslens.engine.tl_weights`)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, tokenizer=None) -> None:
         self.model = model
+        self.tokenizer = tokenizer
+        self._added: list[tuple] = []  # hooks added with add_hook: (name, fn, "fwd" | "bwd", permanent)
+        self._cfg: TLConfig | None = None
         self.family = family_of(model.config)
         self.layers = decoder_layers(model)
         self.n_layers = len(self.layers)
@@ -211,7 +214,8 @@ class HookedModel:
         names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"))
         self.points = ["hook_embed"] + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
-        self.tl_points = [p for p in self.points if is_transformer_lens_name(p)]
+        self._use = {flag: False for flag in OPTIONAL.values()}
+        self._set_tl_points()
         self._known = set(self.points)
         self._norms = {"ln_final": (model.base_model.norm, None)}  # point prefix -> (norm module, layer)
         for l, layer in enumerate(self.layers):
@@ -221,6 +225,37 @@ class HookedModel:
                 self._norms[f"blocks.{l}.attn.q_norm"] = (layer.self_attn.q_norm, l)
                 self._norms[f"blocks.{l}.attn.k_norm"] = (layer.self_attn.k_norm, l)
         self._run: _Run | None = None
+
+    def _set_tl_points(self) -> None:
+        self.tl_points = [p for p in self.points if is_transformer_lens_name(p) and
+                          self._use.get(OPTIONAL.get(p.split(".", 2)[-1], ""), True)]
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Include attn.hook_result (each head's output after W_O, [B, T, H, d]) in run_with_cache's default and in
+        names_filter functions, as TransformerLens's setting does (hooking it by name needs no setting)."""
+        self._use["use_attn_result"] = bool(use_attn_result)
+        self._set_tl_points()
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """Include hook_mlp_in (the MLP's input before ln2, a copy of hook_resid_mid) likewise."""
+        self._use["use_hook_mlp_in"] = bool(use_hook_mlp_in)
+        self._set_tl_points()
+
+    @classmethod
+    def from_pretrained(cls, spec: str, **load_kwargs) -> HookedModel:
+        """The model and tokenizer `load_model(spec, **load_kwargs)` returns, hooked (TransformerLens's
+        `HookedTransformer.from_pretrained`, without its weight processing)."""
+        from poslens.engine.models import load_model
+
+        model, tokenizer = load_model(spec, **load_kwargs)
+        return cls(model, tokenizer)
+
+    @property
+    def cfg(self) -> TLConfig:
+        """TransformerLens's configuration fields of this model (n_layers, d_model, n_heads, d_head, n_ctx, ...)."""
+        if self._cfg is None:
+            self._cfg = tl_config(self.model, self.tokenizer)
+        return self._cfg
 
     # ---- running ------------------------------------------------------------------------------------------
 
@@ -232,7 +267,54 @@ class HookedModel:
         Returns the model's output (logits) when `logits=True`; otherwise the forward stops after the last hooked
         point and returns None. `model_kwargs` go to the model's forward (e.g. output_hidden_states=True).
         """
-        by_point = self._check_hooks(hooks or {})
+        if hooks is not None and not isinstance(hooks, dict):
+            raise UsageError(f"hooks must be a dict point name -> function, got {type(hooks).__name__}")
+        input_ids = self._check_ids(input_ids, "run")
+        attention_mask = self._check_mask(input_ids, attention_mask)
+        return self._forward(input_ids, attention_mask, self._check_hooks(hooks or {}), logits=logits,
+                             position_ids=position_ids, grad=False, **model_kwargs)
+
+    def _check_ids(self, input_ids, method: str) -> torch.Tensor:
+        """Token ids [B, T] (a 1-D tensor gets a batch dimension), refused in one line unless the model can embed
+        them."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
+                or input_ids.dtype == torch.bool:
+            raise UsageError(f"{method}: input_ids must be a tensor of integer token ids [batch, pos], got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}; tokenize text with the "
+                             "model's tokenizer (or hm.to_tokens)")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise UsageError(f"{method}: input_ids must be [batch, pos] (or [pos]), got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:
+            raise UsageError(f"{method}: input_ids is empty (shape {tuple(input_ids.shape)}); give at least one token")
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            raise UsageError(f"{method}: token id {low if low < 0 else high} is outside the model's vocabulary "
+                             f"(0-{vocab - 1})")
+        return input_ids
+
+    def _check_mask(self, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+        """The attention mask [B, T] of input_ids (1 = a real token), refused in one line unless it has their shape
+        and holds only 0 and 1."""
+        if attention_mask is None:
+            return None
+        if not isinstance(attention_mask, torch.Tensor):
+            raise UsageError(f"attention_mask must be a tensor [batch, pos] of 0 and 1, got "
+                             f"{type(attention_mask).__name__}")
+        if attention_mask.dim() == 1 and input_ids.shape[0] == 1:
+            attention_mask = attention_mask[None]
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}, the token ids "
+                             f"{tuple(input_ids.shape)}: it needs one entry per token (1 = real, 0 = padding)")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise UsageError("attention_mask must hold only 0 (padding) and 1 (a real token)")
+        return attention_mask
+
+    def _forward(self, input_ids, attention_mask, by_point: dict[str, list[HookFn]], *, logits: bool,
+                 position_ids, grad: bool, **model_kwargs):
+        """The forward with checked hooks (see run); with gradients when `grad`."""
         per_layer: dict[int, dict[str, list[HookFn]]] = {}
         for name, fns in by_point.items():
             if name.startswith("blocks."):
@@ -241,7 +323,7 @@ class HookedModel:
         head = logits or any(n.startswith("unembed.") for n in by_point)  # the LM head runs
         run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
                    position_ids)
-        with torch.no_grad(), self._installed(run):
+        with torch.set_grad_enabled(grad), self._installed(run):
             kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False, **model_kwargs)
             if head:
@@ -253,63 +335,15 @@ class HookedModel:
                 pass
         return None
 
-    def run_with_cache(self, input_ids: torch.Tensor, names_filter=None, *, attention_mask: torch.Tensor | None = None,
-                       return_type: str | None = "logits", device: str | torch.device | None = None,
-                       remove_batch_dim: bool = False, return_cache_object: bool = True, **unsupported):
-        """(logits, cache) as TransformerLens's `run_with_cache`: logits [B, T, vocab] (None with return_type=None,
-        when the forward also stops after the last cached point) and the mapping name -> tensor of every point
-        `names_filter` selects (None: every TransformerLens point; a name; a list of names; a callable on the
-        TransformerLens names), in forward order; an ActivationCache unless `return_cache_object=False` (a dict)."""
-        input_ids = self._tl_call("run_with_cache", input_ids, return_type, unsupported)
-        if remove_batch_dim and input_ids.shape[0] != 1:
-            raise UsageError(f"run_with_cache: remove_batch_dim needs a batch of 1, got {input_ids.shape[0]}")
-        names = select_points(names_filter, self.points, self.tl_points, self._check_name)
-        cache: dict[str, torch.Tensor] = {}
-
-        def save(x, ctx):
-            cache[ctx.name] = x.detach() if device is None else x.detach().to(device)
-
-        out = self.run(input_ids, attention_mask, hooks={n: save for n in names}, logits=return_type == "logits")
-        ordered = {n: cache[n][0] if remove_batch_dim else cache[n] for n in names}
-        result = ActivationCache(ordered, self.n_layers, has_batch_dim=not remove_batch_dim)
-        return (None if out is None else out.logits), (result if return_cache_object else ordered)
-
-    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks=(), bwd_hooks=(), *,
-                       attention_mask: torch.Tensor | None = None, return_type: str | None = "logits", **unsupported):
-        """TransformerLens's `run_with_hooks`: `fwd_hooks` is a list of (name, or a function of a name, hook
-        function), each hook function called as fn(value, hook) with TransformerLens's `hook.name` and `hook.layer()`
-        and returning None or a replacement. Returns the logits (None with return_type=None: the forward then stops
-        after the last hooked point)."""
-        input_ids = self._tl_call("run_with_hooks", input_ids, return_type, unsupported)
-        if bwd_hooks:
-            raise NoEquivalent("run_with_hooks: bwd_hooks have no poslens equivalent (runs are under no_grad)")
-        hooks: dict[str, list[HookFn]] = {}
-        for names_filter, fn in fwd_hooks:
-            for name in select_points(names_filter, self.points, self.tl_points, self._check_name):
-                hooks.setdefault(name, []).append(lambda x, ctx, fn=fn: fn(x, TLHook(ctx.name, ctx.layer)))
-        out = self.run(input_ids, attention_mask, hooks=hooks, logits=return_type == "logits")
-        return None if out is None else out.logits
-
-    def _tl_call(self, method: str, input_ids, return_type, unsupported: dict) -> torch.Tensor:
-        """The token ids [B, T] of a TransformerLens-style call, after refusing what has no poslens equivalent."""
-        if unsupported:
-            name = sorted(unsupported)[0]
-            raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent (see docs/hooks.md)")
-        if return_type not in ("logits", None):
-            raise NoEquivalent(f"{method}: return_type={return_type!r} has no poslens equivalent; use 'logits' "
-                               "(and compute the loss from them) or None")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point():
-            raise UsageError(f"{method}: input_ids must be a tensor of token ids [batch, pos]; tokenize text with "
-                             "the model's tokenizer (load_model returns it)")
-        return input_ids[None] if input_ids.dim() == 1 else input_ids
-
     def __getattr__(self, name: str):
         """TransformerLens's other HookedTransformer attributes fail loudly, in one line."""
         if name.startswith("_"):
             raise AttributeError(name)
+        prop = getattr(type(self), name, None)
+        if isinstance(prop, property):  # a property that raised an AttributeError (W_pos's NoEquivalent): its own
+            return prop.fget(self)
         raise NoEquivalent(f"HookedModel has no {name!r}: TransformerLens's {name} has no poslens equivalent "
-                           "(poslens has run, run_with_cache, run_with_hooks, points, n_layers, model; see "
-                           "docs/hooks.md)")
+                           "(see docs/hooks.md, 'Coming from TransformerLens', for what HookedModel has)")
 
     def _check_name(self, name: str) -> None:
         if name in self._known:
@@ -396,6 +430,8 @@ class HookedModel:
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
         handles = [module.register_forward_hook(self._split_hook(l, parts))
                    for module, parts in sites if any(p in pts for p, _, _ in parts)]
+        if "attn.hook_result" in pts:
+            handles.append(attn.o_proj.register_forward_hook(self._result_hook(l, cfg.num_attention_heads)))
         if "mlp.hook_post" in pts:
             def post(module, args):
                 new = self._fire_at(l, "mlp.hook_post", args[0])
@@ -436,6 +472,20 @@ class HookedModel:
         fns = self._run.per_layer.get(l, {}).get(point)
         return self._fire(f"blocks.{l}.{point}", l, x, fns) if fns else x
 
+    def _result_hook(self, l: int, heads: int):
+        """A forward hook on W_O firing attn.hook_result, each head's output [B, T, H, d]; read only, W_O's own output
+        stays (bit-identical); written (or edited in place), the output is the heads' sum plus W_O's bias."""
+        def hook(module, args, out):
+            z = args[0].unflatten(-1, (heads, -1))  # [B, T, H, D]
+            result = torch.einsum("bthk,hkd->bthd", z, module.weight.T.unflatten(0, (heads, -1)))
+            seen = result._version
+            new = self._fire_at(l, "attn.hook_result", result)
+            if new is result and result._version == seen:
+                return None
+            return new.sum(-2) + (module.bias if module.bias is not None else 0)
+
+        return hook
+
     def _split_hook(self, l: int, parts: list[tuple[str, int, int]]):
         """A forward hook on a projection whose output holds `parts` side by side, each (point, width, head width or
         0): every hooked part is fired ([B, T, heads, D] when it has heads) and written back."""
@@ -465,9 +515,12 @@ class HookedModel:
             if name not in fns:
                 return t
             tl = t.transpose(1, 2) if heads_first else t  # TransformerLens flattens [B, T, heads, .]
-            view = tl.reshape(-1, t.shape[-1]) if flat else t
+            view = tl.reshape(-1, t.shape[-1]) if flat else t  # Gemma-3's q/k norms: a copy, not a view
+            seen = view._version
             new = self._fire(name, layer, view, fns[name])
-            return t if new is view else new.reshape(tl.shape).transpose(1, 2) if heads_first else new.reshape(t.shape)
+            if new is view and (view._version == seen or _shares(view, t)):  # read, or edited in place through a view
+                return t
+            return new.reshape(tl.shape).transpose(1, 2) if heads_first else new.reshape(t.shape)
 
         x32 = x.float()
         var = x32.pow(2).mean(-1, keepdim=True)
@@ -475,8 +528,9 @@ class HookedModel:
         inv = torch.rsqrt(var + eps)
         if f"{prefix}.hook_scale" in fns:
             scale = torch.sqrt(var + eps)
+            seen = scale._version
             new = fire("hook_scale", scale)
-            if new is not scale:
+            if new is not scale or scale._version != seen:  # replaced, or edited in place
                 inv = 1.0 / new
         normalized = fire("hook_normalized", x32 * inv)
         if self.family.norm_gain == "1+weight":  # Gemma: (1 + w) in float32, then the model's dtype
@@ -500,7 +554,9 @@ class HookedModel:
         a = fire("hook_attn_out", a)  # [B, T, d] what is added
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
-        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(x)))  # ln2.*, mlp.*; [B, T, d]
+        # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
+        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
+        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(mlp_in)))  # ln2.*, mlp.*; [B, T, d]
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
         m = fire("hook_mlp_out", m)  # [B, T, d] what is added
@@ -549,14 +605,18 @@ class HookedModel:
         if dense or pattern_fns:
             scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window,
                                    self._run.hidden)  # [B, H, T, T]
+            seen = scores._version
             new = fire("attn.hook_attn_scores", scores, dense)
-            replaced |= new is not scores
+            replaced |= new is not scores or scores._version != seen  # replaced, or edited in place
+            # NaN (a padded query that sees no key, or -inf * 0 written on a masked entry) becomes 0, as in
+            # TransformerLens; out of place where autograd keeps the softmax's output
             pattern = torch.softmax(new, dim=-1, dtype=torch.float32)
-            if attention_mask is not None:  # a padded query sees no key: its row is NaN, and TransformerLens's 0
-                pattern = pattern.nan_to_num_(0.0)
+            if attention_mask is not None or replaced:
+                pattern = pattern.nan_to_num(0.0) if torch.is_grad_enabled() else pattern.nan_to_num_(0.0)
             pattern = pattern.to(query.dtype)
+            seen = pattern._version
             new_pattern = fire("attn.hook_pattern", pattern, pattern_fns)
-            replaced |= new_pattern is not pattern
+            replaced |= new_pattern is not pattern or pattern._version != seen
         if replaced:  # a hook changed the scores or the pattern: the output follows from the pattern
             groups = query.shape[1] // value.shape[1]
             out = torch.matmul(new_pattern, repeat_kv(value, groups)).transpose(1, 2).contiguous()
@@ -584,7 +644,7 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
         return s.add_(bias)
     s = torch.matmul(q, repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2)).mul_(scaling)
     if softcap is not None:
-        s = s.div_(softcap).tanh_().mul_(softcap)
+        s = (s / softcap).tanh() * softcap if torch.is_grad_enabled() else s.div_(softcap).tanh_().mul_(softcap)
     if attention_mask is None:
         hides = _hidden_keys(n, m, window, s.device)
     elif attention_mask.dtype == torch.bool:
@@ -592,6 +652,11 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
         hides = attention_mask[..., :m] != 0
     return s.masked_fill_(hides, -math.inf)
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are views of the same storage (an in-place edit of one is seen by the other)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _hidden_keys(n: int, m: int, window: int, device) -> torch.Tensor:

@@ -1,0 +1,391 @@
+"""The TransformerLens 3.9 surface of `HookedModel`: what a notebook calls on the model object.
+
+    hm = HookedModel.from_pretrained("smollm2-135m")          # model and tokenizer; or HookedModel(model, tokenizer)
+    tokens = hm.to_tokens("The causal mask encodes position.")  # BOS prepended by TransformerLens's rule
+    loss = hm(tokens, return_type="loss")
+    logits, cache = hm.run_with_cache(tokens)
+    logits = hm.run_with_hooks(tokens, fwd_hooks=[("blocks.3.attn.hook_pattern", ablate)], bwd_hooks=[...])
+    hm.add_hook("blocks.0.hook_resid_pre", fn); hm(tokens); hm.reset_hooks()
+    with hm.hooks(fwd_hooks=[...]): hm(tokens)
+    hm.generate("Once upon a time", max_new_tokens=10, do_sample=False)
+
+These run as TransformerLens's do, and differ from `HookedModel.run` (poslens's own, the plain-forward guarantee)
+in three ways: hooks added with `add_hook` act on them; with an `attention_mask`, each row's positions start at its
+first real token (`position_ids` = cumsum(mask) - 1, clamped at 0: a left-padded row is rotated as if unpadded, as
+TransformerLens does; `run` passes no position ids, as a plain Hugging Face forward); and `__call__` and
+`run_with_hooks` follow torch's grad mode (as TransformerLens: wrap them in `torch.no_grad()` to save memory), so
+backward hooks and gradients work. `run_with_cache` runs without gradients unless `incl_bwd=True`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from poslens.engine.activation_cache import ActivationCache, NoEquivalent, select_points
+from poslens.errors import UsageError
+
+RETURN_TYPES = ("logits", "loss", "both", None)
+
+
+class TLHook:
+    """The `hook` argument of a TransformerLens hook function: its `name` and `layer()`."""
+
+    def __init__(self, name: str, layer: int | None) -> None:
+        self.name = name
+        self._layer = layer
+
+    def layer(self) -> int | None:
+        return self._layer
+
+
+def offset_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """TransformerLens's position ids of a padded batch: each row counts from its first real token (cumsum - 1),
+    padding before it at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            per_token: bool = False) -> torch.Tensor:
+    """TransformerLens's next-token cross-entropy: -log p(token t+1 | ..t) averaged over the batch and the positions
+    whose token and next token are both real (per_token: [B, T - 1], 0 where masked)."""
+    logp = logits.float().log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    if attention_mask is None:
+        return -logp if per_token else -logp.mean()
+    keep = attention_mask[:, :-1].bool() & attention_mask[:, 1:].bool()
+    logp = logp * keep
+    return -logp if per_token else -logp.sum() / keep.sum()
+
+
+class TransformerLensSurface:
+    """TransformerLens's `HookedTransformer` methods on a HookedModel (mixed in; see the module docstring)."""
+
+    tokenizer: Any
+    model: Any
+    points: list[str]
+    tl_points: list[str]
+
+    # ---- tokens and strings -------------------------------------------------------------------------------
+
+    def _tok(self, what: str):
+        if self.tokenizer is None:
+            raise UsageError(f"{what} needs a tokenizer: HookedModel(model, tokenizer) (load_model returns both) or "
+                             "HookedModel.from_pretrained(spec)")
+        return self.tokenizer
+
+    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                  move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
+        """Text -> token ids [batch, pos], as TransformerLens: the BOS is prepended by default (`prepend_bos=False`
+        for a fragment of a prompt), a list of texts is padded (right by default) with the pad (else EOS) id."""
+        return self._tokens_and_mask(input, prepend_bos, padding_side, truncate)[0].to(
+            self.model.device if move_to_device else "cpu")
+
+    def _tokens_and_mask(self, input, prepend_bos, padding_side, truncate=True):
+        tok = self._tok("to_tokens")
+        texts = [input] if isinstance(input, str) else input
+        if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
+            raise UsageError("to_tokens: input must be a text or a non-empty list of texts")
+        side = padding_side or "right"
+        if side not in ("left", "right"):
+            raise UsageError(f"to_tokens: padding_side must be 'left' or 'right', got {padding_side!r}")
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
+        prepends = self.cfg.tokenizer_prepends_bos
+        if bos and not prepends:
+            if tok.bos_token is None:
+                raise UsageError("to_tokens: this tokenizer has no BOS token; pass prepend_bos=False")
+            texts = [tok.bos_token + t for t in texts]
+        rows = [tok(t)["input_ids"] for t in texts]
+        if not bos and prepends:
+            rows = [r[1:] if r and r[0] == tok.bos_token_id else r for r in rows]
+        if truncate:
+            rows = [r[: self.cfg.n_ctx] for r in rows]
+        width = max(len(r) for r in rows)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        tokens = torch.full((len(rows), width), 0 if pad is None else pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            at = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+            tokens[i, at] = torch.tensor(r, dtype=torch.long)
+            mask[i, at] = 1
+        return tokens, (mask if side == "left" and bool((mask == 0).any()) else None)
+
+    def to_string(self, tokens) -> str | list[str]:
+        """Token ids -> text: one string for a 1-D input (or a list of ints), a list for [batch, pos]."""
+        tok = self._tok("to_string")
+        t = torch.as_tensor(tokens)
+        if t.dim() > 2:
+            raise UsageError(f"to_string: tokens must be 1-D or [batch, pos], got {t.dim()}-D")
+        if t.dim() == 2:
+            return [tok.decode(row) for row in t.tolist()]
+        return tok.decode(t.reshape(-1).tolist())
+
+    def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None) -> list:
+        """Each token as its text: of a text (tokenized by to_tokens' rule), of ids [pos] or [1, pos]; a list of
+        texts or ids [batch, pos] gives a list per row."""
+        tok = self._tok("to_str_tokens")
+        if isinstance(input, list) and input and all(isinstance(s, str) for s in input):
+            return [self.to_str_tokens(s, prepend_bos, padding_side) for s in input]
+        if isinstance(input, str):
+            ids = self.to_tokens(input, prepend_bos, padding_side)[0]
+        else:
+            ids = torch.as_tensor(input)
+            if ids.dim() == 2 and ids.shape[0] > 1:
+                return [self.to_str_tokens(row) for row in ids]
+            ids = ids.reshape(-1)
+        return [tok.decode([i]) for i in ids.tolist()]
+
+    def to_single_token(self, string: str) -> int:
+        """The id of a text that is one token (no BOS); a one-line error otherwise."""
+        ids = self.to_tokens(string, prepend_bos=False)[0]
+        if ids.numel() != 1:
+            raise UsageError(f"to_single_token: {string!r} is {ids.numel()} tokens, not one")
+        return int(ids[0])
+
+    def tokens_to_residual_directions(self, tokens) -> torch.Tensor:
+        """W_U's column of each token ([d_model], or [..., d_model] for a tensor of ids); a text must be one token.
+        The unembedding as the model has it: it reads the final norm's output (gain included)."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        ids = torch.as_tensor(tokens, device=self.model.device)
+        return self.W_U.T[ids]
+
+    # ---- hooks added to the model ------------------------------------------------------------------------
+
+    def add_hook(self, name, hook: Callable, dir: str = "fwd", is_permanent: bool = False, level=None,
+                 prepend: bool = False) -> None:
+        """Add a TransformerLens hook function fn(value, hook) at a name (or at every name a function of a name
+        accepts); it acts on every later call of the TransformerLens surface until reset_hooks()."""
+        if dir not in ("fwd", "bwd"):
+            raise UsageError(f"add_hook: dir must be 'fwd' or 'bwd', got {dir!r}")
+        if not callable(hook):
+            raise UsageError(f"add_hook: the hook at {name!r} is not callable")
+        self._points_of(name, "add_hook")
+        entry = (name, hook, dir, is_permanent)
+        if prepend:
+            self._added.insert(0, entry)
+        else:
+            self._added.append(entry)
+
+    def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False, level=None) -> None:
+        """Remove the hooks added with add_hook (the permanent ones too with including_permanent=True)."""
+        self._added[:] = [h for h in self._added if h[3] and not including_permanent]
+
+    @contextmanager
+    def hooks(self, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True, clear_contexts: bool = False
+              ) -> Iterator[TransformerLensSurface]:
+        """A context in which `fwd_hooks` and `bwd_hooks` (lists of (name, fn)) act on every call; removed after."""
+        before = list(self._added)
+        try:
+            for pairs, direction in ((fwd_hooks, "fwd"), (bwd_hooks, "bwd")):
+                for name, fn in self._pairs(pairs, "hooks"):
+                    self.add_hook(name, fn, dir=direction)
+            yield self
+        finally:
+            if reset_hooks_end:
+                self._added[:] = before
+
+    def _pairs(self, pairs, method: str) -> list[tuple]:
+        """A list of (name or function of a name, hook function), checked."""
+        if not isinstance(pairs, (list, tuple)):
+            raise UsageError(f"{method}: hooks must be a list of (name, function) pairs, got {type(pairs).__name__}")
+        for pair in pairs:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise UsageError(f"{method}: each hook must be a (name, function) pair, got {pair!r}")
+            if not callable(pair[1]):
+                raise UsageError(f"{method}: the hook at {pair[0]!r} is not callable")
+        return [tuple(p) for p in pairs]
+
+    def _points_of(self, names_filter, method: str) -> list[str]:
+        if names_filter is None or not (isinstance(names_filter, (str, list, tuple, set)) or callable(names_filter)):
+            raise UsageError(f"{method}: a hook's name must be a hook name, a list of names or a function of a name; "
+                             f"got {names_filter!r}")
+        return select_points(names_filter, self.points, self.tl_points, self._check_name)
+
+    def _hook_table(self, fwd, bwd, method: str) -> tuple[dict[str, list], bool]:
+        """Point -> poslens hooks for the added hooks then `fwd` and `bwd` (TransformerLens functions), and whether
+        any backward hook is set."""
+        table: dict[str, list] = {}
+        entries = [(n, f, d) for n, f, d, _ in self._added]
+        entries += [(n, f, "fwd") for n, f in self._pairs(fwd, method)]
+        entries += [(n, f, "bwd") for n, f in self._pairs(bwd, method)]
+        backward = False
+        for names_filter, fn, direction in entries:
+            for name in self._points_of(names_filter, method):
+                table.setdefault(name, []).append(_forward_call(fn) if direction == "fwd" else _backward_call(fn))
+                backward |= direction == "bwd"
+        return table, backward
+
+    # ---- running ------------------------------------------------------------------------------------------
+
+    def _input(self, input, attention_mask, prepend_bos, padding_side, method: str):
+        """(token ids [B, T], attention mask or None) of a text, a list of texts or token ids."""
+        if isinstance(input, str) or (isinstance(input, list) and input and isinstance(input[0], str)):
+            tokens, mask = self._tokens_and_mask(input, prepend_bos, padding_side)
+            return tokens.to(self.model.device), (mask if attention_mask is None else attention_mask)
+        return self._check_ids(input, method), attention_mask
+
+    def _tl_forward(self, input, table: dict, return_type, attention_mask, grad: bool, loss_per_token=False,
+                    prepend_bos=None, padding_side=None, method="forward"):
+        if return_type not in RETURN_TYPES:
+            raise UsageError(f"{method}: return_type must be one of 'logits', 'loss', 'both' or None, got "
+                             f"{return_type!r}")
+        tokens, mask = self._input(input, attention_mask, prepend_bos, padding_side, method)
+        mask = self._check_mask(tokens, mask)
+        positions = None if mask is None else offset_positions(mask)
+        out = self._forward(tokens, mask, table, logits=return_type is not None, position_ids=positions, grad=grad)
+        if out is None:
+            return None
+        logits = out.logits
+        if return_type == "logits":
+            return logits
+        loss = lm_loss(logits, tokens, mask, loss_per_token)
+        return loss if return_type == "loss" else (logits, loss)
+
+    def __call__(self, input, return_type: str | None = "logits", loss_per_token: bool = False,
+                 prepend_bos: bool | None = None, padding_side: str | None = None,
+                 attention_mask: torch.Tensor | None = None, **unsupported):
+        """TransformerLens's forward: a text, a list of texts or token ids -> logits [B, T, V], the mean next-token
+        loss, (logits, loss) or None, with the hooks added by add_hook; under torch's grad mode."""
+        self._refuse("forward", unsupported)
+        table, _ = self._hook_table((), (), "forward")
+        return self._tl_forward(input, table, return_type, attention_mask, torch.is_grad_enabled(), loss_per_token,
+                                prepend_bos, padding_side)
+
+    def run_with_hooks(self, input, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True,
+                       clear_contexts: bool = False, *, return_type: str | None = "logits",
+                       attention_mask: torch.Tensor | None = None, loss_per_token: bool = False,
+                       prepend_bos: bool | None = None, padding_side: str | None = None, **unsupported):
+        """TransformerLens's `run_with_hooks`: the forward with `fwd_hooks` (fn(value, hook) returning None or a
+        replacement) and `bwd_hooks` (fn(grad, hook), called by a later .backward()) added for this call."""
+        self._refuse("run_with_hooks", unsupported)
+        table, backward = self._hook_table(fwd_hooks, bwd_hooks, "run_with_hooks")
+        grad = torch.is_grad_enabled()
+        if backward and not grad:
+            raise UsageError("run_with_hooks: bwd_hooks need gradients; call it outside torch.no_grad()")
+        if backward and return_type is None:
+            raise UsageError("run_with_hooks: bwd_hooks need an output to differentiate; return_type=None has none")
+        return self._tl_forward(input, table, return_type, attention_mask, grad, loss_per_token, prepend_bos,
+                                padding_side, "run_with_hooks")
+
+    def run_with_cache(self, input, names_filter=None, *, attention_mask: torch.Tensor | None = None,
+                       return_type: str | None = "logits", device: str | torch.device | None = None,
+                       remove_batch_dim: bool = False, return_cache_object: bool = True, incl_bwd: bool = False,
+                       loss_per_token: bool = False, prepend_bos: bool | None = None,
+                       padding_side: str | None = None, **unsupported):
+        """(output, cache) as TransformerLens's `run_with_cache`: the output of `return_type` (None: no output, and the
+        forward stops after the last cached point) and the mapping name -> value of every point `names_filter`
+        selects (None: every TransformerLens point; a name; a list of names; a function of a name), in forward order;
+        with `incl_bwd=True` also name + "_grad" -> the gradient of the output (a scalar: the loss, or the logits
+        summed) at each point. An ActivationCache unless `return_cache_object=False` (a dict)."""
+        self._refuse("run_with_cache", unsupported)
+        if incl_bwd and return_type is None:
+            raise UsageError("run_with_cache: incl_bwd=True needs an output to differentiate; return_type=None has "
+                             "none")
+        names = select_points(names_filter, self.points, self.tl_points, self._check_name)
+        cache: dict[str, torch.Tensor] = {}
+
+        def put(key: str, x: torch.Tensor) -> None:
+            cache[key] = x.detach() if device is None else x.detach().to(device)
+
+        table, _ = self._hook_table((), (), "run_with_cache")
+        for n in names:
+            table.setdefault(n, []).append(lambda x, ctx: put(ctx.name, x))
+            if incl_bwd:
+                table[n].append(_backward_call(lambda g, hook: put(hook.name + "_grad", g)))
+        with torch.set_grad_enabled(incl_bwd):
+            out = self._tl_forward(input, table, return_type, attention_mask, incl_bwd, loss_per_token, prepend_bos,
+                                   padding_side, "run_with_cache")
+            if incl_bwd:
+                value = out[1] if return_type == "both" else out
+                value.sum().backward()
+        keys = [k for n in names for k in (n, n + "_grad") if k in cache]
+        if remove_batch_dim:
+            sizes = {v.shape[0] for v in cache.values()}
+            if sizes - {1}:
+                raise UsageError(f"run_with_cache: remove_batch_dim needs a batch of 1, got {max(sizes)}")
+        ordered = {k: cache[k][0] if remove_batch_dim else cache[k] for k in keys}
+        result = ActivationCache(ordered, self.n_layers, has_batch_dim=not remove_batch_dim, model=self)
+        return out, (result if return_cache_object else ordered)
+
+    @torch.no_grad()
+    def generate(self, input: str | list[str] | torch.Tensor = "", max_new_tokens: int = 10, stop_at_eos: bool = True,
+                 eos_token_id: int | None = None, do_sample: bool = True, top_k: int | None = None,
+                 top_p: float | None = None, temperature: float = 1.0, freq_penalty: float = 0.0,
+                 use_past_kv_cache: bool = True, prepend_bos: bool | None = None, padding_side: str | None = None,
+                 return_type: str = "input", verbose: bool = True, **unsupported):
+        """TransformerLens's `generate`: extend a text or token ids by up to `max_new_tokens` tokens (sampled, or the
+        most likely with do_sample=False), with the hooks added by add_hook; every step runs the whole sequence (no
+        key/value cache: `use_past_kv_cache` only changes speed in TransformerLens). Returns the text when the input
+        was text (return_type="input"), else the token ids; "str" or "tokens" choose."""
+        self._refuse("generate", unsupported)
+        if return_type not in ("input", "str", "tokens"):
+            raise UsageError(f"generate: return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise UsageError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        text = isinstance(input, (str, list))
+        tokens, mask = self._input(input, None, prepend_bos, padding_side, "generate")
+        eos = eos_token_id if eos_token_id is not None else getattr(self.tokenizer, "eos_token_id", None)
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for _ in range(max_new_tokens):
+            logits = self(tokens, attention_mask=mask)[:, -1].float()
+            nxt = _choose(logits, tokens, do_sample, top_k, top_p, temperature, freq_penalty)
+            if stop_at_eos and eos is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+                done |= nxt == eos
+            tokens = torch.cat([tokens, nxt[:, None]], 1)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            if stop_at_eos and eos is not None and bool(done.all()):
+                break
+        if return_type == "str" or (return_type == "input" and text):
+            strings = self.to_string(tokens)
+            return strings[0] if isinstance(input, str) else strings
+        return tokens
+
+    def _refuse(self, method: str, unsupported: dict) -> None:
+        if unsupported:
+            name = sorted(unsupported)[0]
+            raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent (see docs/hooks.md)")
+
+
+def _forward_call(fn: Callable) -> Callable:
+    """A TransformerLens forward hook fn(value, hook) as a poslens hook fn(x, ctx)."""
+    return lambda x, ctx: fn(x, TLHook(ctx.name, ctx.layer))
+
+
+def _backward_call(fn: Callable) -> Callable:
+    """A TransformerLens backward hook fn(grad, hook) as a poslens forward hook: it passes the value on as a fresh
+    view that autograd tracks, and registers fn on it (a returned tensor replaces the gradient flowing back)."""
+    def register(x, ctx):
+        if not x.requires_grad:
+            return None
+        y = x.view_as(x)
+        hook = TLHook(ctx.name, ctx.layer)
+        y.register_hook(lambda g: fn(g, hook))
+        return y
+
+    return register
+
+
+def _choose(logits, tokens, do_sample: bool, top_k, top_p, temperature: float, freq_penalty: float) -> torch.Tensor:
+    """The next token of each row: the most likely, or sampled from the tempered (top-k, top-p) distribution."""
+    if not do_sample:
+        return logits.argmax(-1)
+    if temperature <= 0:
+        raise UsageError(f"generate: temperature must be > 0 when sampling, got {temperature}")
+    logits = logits / temperature
+    if freq_penalty:
+        counts = torch.zeros_like(logits).scatter_add_(1, tokens, torch.ones_like(tokens, dtype=logits.dtype))
+        logits = logits - freq_penalty * counts
+    if top_k is not None:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p is not None:
+        order = logits.sort(-1, descending=True)
+        cum = order.values.softmax(-1).cumsum(-1)
+        drop = cum - order.values.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
+        logits = logits.scatter(1, order.indices, order.values.masked_fill(drop, -torch.inf))
+    return torch.multinomial(logits.softmax(-1), 1)[:, 0]

@@ -1,0 +1,252 @@
+"""A model's configuration and weights in TransformerLens 3.9's names and layouts (`HookedModel.cfg`, `W_Q`, ...).
+
+    hm.cfg.n_layers, hm.cfg.d_head, hm.cfg.positional_embedding_type     # "rotary" (or "none": NoPE)
+    hm.W_Q[l, h]      # [d_model, d_head]: q of head h = ln1 output @ W_Q[l, h] + b_Q[l, h]
+    hm.W_O[l, h]      # [d_head, d_model]; hm.W_U [d_model, d_vocab]; hm.W_E [d_vocab, d_model]
+
+The weights are the model's own, unprocessed (TransformerLens's `from_pretrained_no_processing`): the norms' gains stay
+in the norms (`hm.ln_final` applies the final one), not folded into W_Q, W_U, ... Grouped-query K and V are expanded to
+the query heads as TransformerLens's `W_K`/`W_V` are (query head h reads key head h // (n_heads / n_key_value_heads));
+absent biases are zeros of TransformerLens's shapes. Each stacked weight is a fresh tensor built from the model's
+parameters (editing it does not edit the model, as in TransformerLens); W_E and W_U read the parameters themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from poslens.engine.activation_cache import NoEquivalent
+from poslens.engine.families import decoder_layers, positional_encoding
+from poslens.engine.models import max_positions
+from poslens.engine.pe import PositionalEncoding
+from poslens.errors import UsageError
+
+
+@dataclass
+class TLConfig:
+    """TransformerLens's `HookedTransformerConfig` fields that describe a supported model (read-only facts)."""
+
+    model_name: str
+    original_architecture: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_key_value_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    d_vocab_out: int
+    n_ctx: int
+    act_fn: str
+    eps: float
+    normalization_type: str  # "RMS": every supported family uses RMSNorm (gains not folded)
+    positional_embedding_type: str  # "rotary" when any layer rotates q and k, else "none" (a NoPE model)
+    rotary_dim: int | None
+    rotary_base: float | None
+    gated_mlp: bool
+    final_rms: bool
+    window_size: int | None  # the sliding window of the layers that have one
+    attn_scores_soft_cap: float
+    output_logits_soft_cap: float
+    default_prepend_bos: bool
+    tokenizer_prepends_bos: bool | None
+    device: str
+    dtype: torch.dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tl_config(model, tokenizer=None) -> TLConfig:
+    """The TransformerLens configuration of a loaded supported model (and its tokenizer, for the BOS facts)."""
+    cfg = model.config
+    attn = decoder_layers(model)[0].self_attn
+    pe = PositionalEncoding.of(model)
+    rotates = any(p != "none" for p in pe.rope)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    factor = float(rope.get("partial_rotary_factor", None) or getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    windows = [w for w in pe.windows if w]
+    prepends = None if tokenizer is None else len(tokenizer.encode("")) > 0
+    return TLConfig(
+        model_name=str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
+        original_architecture=type(model).__name__,
+        n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=int(cfg.num_attention_heads),
+        n_key_value_heads=int(cfg.num_key_value_heads), d_head=int(attn.head_dim),
+        d_mlp=int(cfg.intermediate_size), d_vocab=int(cfg.vocab_size),
+        d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
+        act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "")),
+        eps=float(cfg.rms_norm_eps), normalization_type="RMS",
+        positional_embedding_type="rotary" if rotates else "none",
+        rotary_dim=int(attn.head_dim * factor) if rotates else None,
+        rotary_base=pe.rope_theta if rotates else None,
+        gated_mlp=True, final_rms=True, window_size=windows[0] if windows else None,
+        attn_scores_soft_cap=float(getattr(cfg, "attn_logit_softcapping", None) or -1.0),
+        output_logits_soft_cap=float(getattr(cfg, "final_logit_softcapping", None) or -1.0),
+        default_prepend_bos=True, tokenizer_prepends_bos=prepends,
+        device=str(model.device), dtype=model.dtype)
+
+
+def _heads_in(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A projection's weight [heads * D, d_model] as TransformerLens's [heads, d_model, D]."""
+    return weight.unflatten(0, (heads, -1)).transpose(1, 2)
+
+
+def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent)."""
+    if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
+        d = attn.head_dim
+        sizes = [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
+        ws = attn.qkv_proj.weight.split(sizes, 0)
+        bs = attn.qkv_proj.bias.split(sizes, 0) if attn.qkv_proj.bias is not None else (None,) * 3
+        return (*ws, bs)
+    ps = (attn.q_proj, attn.k_proj, attn.v_proj)
+    return (*(p.weight for p in ps), tuple(p.bias for p in ps))
+
+
+def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) weights [d_mlp, d_model]."""
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
+        return mlp.gate_up_proj.weight.chunk(2, 0)
+    return mlp.gate_proj.weight, mlp.up_proj.weight
+
+
+class TLWeights:
+    """TransformerLens's weight views of `self.model` (mixed into HookedModel)."""
+
+    model: Any
+
+    def _attn_weight(self, which: int, bias: bool = False) -> torch.Tensor:
+        cfg = self.model.config
+        h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        out = []
+        for layer in decoder_layers(self.model):
+            attn = layer.self_attn
+            *ws, bs = _qkv(attn, cfg)
+            heads = h if which == 0 else kv
+            if bias:
+                b = bs[which]
+                t = (b.unflatten(0, (heads, -1)) if b is not None
+                     else ws[which].new_zeros(heads, attn.head_dim))
+            else:
+                t = _heads_in(ws[which], heads)
+            out.append(t.repeat_interleave(h // kv, 0) if which else t)  # GQA: K, V expanded to the query heads
+        return torch.stack(out)
+
+    @property
+    def W_Q(self) -> torch.Tensor:
+        """[n_layers, n_heads, d_model, d_head]"""
+        return self._attn_weight(0)
+
+    @property
+    def W_K(self) -> torch.Tensor:
+        """[n_layers, n_heads, d_model, d_head] (key/value heads repeated to the query heads, as TransformerLens)"""
+        return self._attn_weight(1)
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        """[n_layers, n_heads, d_model, d_head]"""
+        return self._attn_weight(2)
+
+    @property
+    def b_Q(self) -> torch.Tensor:
+        """[n_layers, n_heads, d_head] (zeros where the model has no bias)"""
+        return self._attn_weight(0, bias=True)
+
+    @property
+    def b_K(self) -> torch.Tensor:
+        return self._attn_weight(1, bias=True)
+
+    @property
+    def b_V(self) -> torch.Tensor:
+        return self._attn_weight(2, bias=True)
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        """[n_layers, n_heads, d_head, d_model]"""
+        h = self.model.config.num_attention_heads
+        return torch.stack([layer.self_attn.o_proj.weight.T.unflatten(0, (h, -1))
+                            for layer in decoder_layers(self.model)])
+
+    @property
+    def b_O(self) -> torch.Tensor:
+        """[n_layers, d_model]"""
+        return torch.stack([_bias(layer.self_attn.o_proj) for layer in decoder_layers(self.model)])
+
+    @property
+    def W_gate(self) -> torch.Tensor:
+        """[n_layers, d_model, d_mlp]: the gate projection (hook_pre = x @ W_gate)"""
+        return torch.stack([_gate_up(layer.mlp)[0].T for layer in decoder_layers(self.model)])
+
+    @property
+    def W_in(self) -> torch.Tensor:
+        """[n_layers, d_model, d_mlp]: the up projection (hook_pre_linear = x @ W_in), as TransformerLens's gated MLP"""
+        return torch.stack([_gate_up(layer.mlp)[1].T for layer in decoder_layers(self.model)])
+
+    @property
+    def b_in(self) -> torch.Tensor:
+        """[n_layers, d_mlp] (zeros: the supported families have no MLP biases)"""
+        return self.W_in.new_zeros(self.W_in.shape[0], self.W_in.shape[-1])
+
+    @property
+    def W_out(self) -> torch.Tensor:
+        """[n_layers, d_mlp, d_model]"""
+        return torch.stack([layer.mlp.down_proj.weight.T for layer in decoder_layers(self.model)])
+
+    @property
+    def b_out(self) -> torch.Tensor:
+        """[n_layers, d_model]"""
+        return torch.stack([_bias(layer.mlp.down_proj) for layer in decoder_layers(self.model)])
+
+    @property
+    def W_E(self) -> torch.Tensor:
+        """[d_vocab, d_model]: the token embeddings as hook_embed sees them (Gemma: times its sqrt(d_model) scale, as
+        TransformerLens folds it)"""
+        embed = self.model.get_input_embeddings()
+        scale = getattr(embed, "embed_scale", None)
+        return embed.weight if scale is None else embed.weight * scale.to(embed.weight.dtype)
+
+    @property
+    def W_pos(self) -> torch.Tensor:
+        kind = "rotary (RoPE acts on q and k: attn.hook_rot_q, attn.hook_rot_k)" \
+            if any(p != "none" for p in positional_encoding(self.model)) else "none (a NoPE model)"
+        raise NoEquivalent(f"W_pos: this model has no positional embedding matrix; its positional encoding is {kind}")
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        """[d_model, d_vocab_out]: the LM head (a view of its weight)"""
+        return self.model.get_output_embeddings().weight.T
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        """[d_vocab_out]"""
+        head = self.model.get_output_embeddings()
+        return head.bias if head.bias is not None else head.weight.new_zeros(head.weight.shape[0])
+
+    def norm_module(self, prefix: str):
+        """The norm module of a point prefix: "ln_final", "blocks.{l}.ln1", "blocks.{l}.ln2", ..."""
+        if prefix not in self._norms:
+            raise UsageError(f"no norm {prefix!r} on this model (e.g. ln_final, blocks.0.ln1, blocks.0.ln2)")
+        return self._norms[prefix][0]
+
+    def norm_gain(self, prefix: str) -> torch.Tensor:
+        """The gain a norm multiplies its normalized input by ([d]; Gemma's 1 + weight), as the forward does."""
+        module = self.norm_module(prefix)
+        w = module.weight.float()
+        return 1.0 + w if self.family.norm_gain == "1+weight" else w
+
+    @property
+    def ln_final(self):
+        """The model's final norm (gain included; x -> ln_final(x) as the LM head reads it)."""
+        return self.model.base_model.norm
+
+    @property
+    def unembed(self):
+        """The LM head (x @ W_U + b_U; Gemma-2's final logit softcap comes after it, as in TransformerLens)."""
+        return self.model.get_output_embeddings()
+
+
+def _bias(linear) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.weight.shape[0])
