@@ -25,7 +25,7 @@ from poslens.errors import UsageError, check_int
 from poslens.io.results import check_output, cpu_name, run_directory, source_revision, write_run
 from poslens.report.claims import VERDICTS, ledgers
 from poslens.report.context import Context
-from poslens.report.render import headlines, write_report
+from poslens.report.render import headlines, on_models, write_report
 from poslens.report.section import SectionSpec, registry
 
 TITLE = "poslens: reproduction report"
@@ -130,7 +130,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                 print(f"[{k}/{len(steps)}] {spec.title} (started at {time.perf_counter() - started:.0f} s)", flush=True)
             t0, c0 = time.perf_counter(), time.process_time()
             sec = spec.build(ctx, size)
-            sec.name = spec.name
+            sec.name, sec.models = spec.name, spec.models
             for c in sec.claims:  # a row without a stock command is re-measured by its section
                 c.command = c.command or ctx.remeasure(c.id)
             sections.append(sec)
@@ -159,20 +159,21 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                  "verdict follows one written rule from the tests shown with it (statistic, threshold, direction): "
                  "holds, contradicted, ambiguous (the paper's wording admits readings the measurement decides "
                  "differently), erratum (a printed formula is wrong, the conclusion stands), not resolved (an "
-                 "interval straddles the threshold or its statistic is undefined on these models, or a test fails "
-                 "on a model smaller than the claim's: see the "
-                 "scope below; the row says what would resolve it), finding (a measured fact "
-                 "the paper did not state). A claim about a larger scale than the one measured (its row's scope) "
-                 "cannot be contradicted by a smaller model: a failure there reads not resolved, and holds means only "
-                 "that the pattern is seen at this scale too. Layers are numbered from 1, and so are positions in "
-                 "maps and figures; where a row says 'position 0' or 'key 0' (the section on Ruscio, Nanni & "
-                 "Silvestri), it keeps that paper's numbering: position 0 is the first token.")
+                 "interval straddles the threshold or its statistic is undefined on these models; the row says what "
+                 "would resolve it), finding (a measured fact the paper did not state). A claim about a larger scale "
+                 "than the one measured (its row's scope) can be neither contradicted nor confirmed by a smaller "
+                 "model: its rows read holds at this scale or fails at this scale, counted apart, meaning only "
+                 "that the pattern is, or is not, seen at this scale. Each ledger counts the rows decided on exact or "
+                 "simulated quantities apart from the rows on trained models. Layers are numbered from 1, and so "
+                 "are positions in maps and figures; where a row says 'position 0' or 'key 0' (the section on "
+                 "Ruscio, Nanni & Silvestri), it keeps that paper's numbering: position 0 is the first token.")
         write_report(tmp, TITLE, intro, sections, prov)
-        led = ledgers(claims)
+        led = ledgers(claims, on_models(sections))
         write_run(tmp, ctx.tensors, {
             "kind": "reproduce", "config": config, "provenance": prov, "inputs": ctx.inputs,
             "metrics": {"claims": [c.to_json(s.title) | {"section_name": s.name} for s in sections for c in s.claims],
-                        "ledgers": {k: v.counts for k, v in led.items()}, "verdicts_known": list(VERDICTS),
+                        "ledgers": {k: v.counts for k, v in led.items()},
+                        "ledgers_by_basis": {k: v.by_basis for k, v in led.items()}, "verdicts_known": list(VERDICTS),
                         "context": {s.name: [{"what": a, "measured": b} for a, b in s.context] for s in sections}},
             "timings": {"seconds": total, "cpu_seconds": cpu, "sections": timings}})
     shutil.rmtree(parts, ignore_errors=True)
