@@ -51,11 +51,11 @@ from poslens.engine.stats import Estimate
 from poslens.errors import UsageError, check_int
 from poslens.options import option, option_of
 
-ALL = ("logn", "ntk", "yarn", "window", "freeze")  # what "all" runs (logn-all on request)
+ALL = ("logn", "ntk", "yarn", "window", "sink-window", "freeze")  # what "all" runs (logn-all on request)
 MAP_METRICS = ("scores/trf", "log_probs/trf", "split/fraction", "split/share_partition", "split/share_logit",
                "split/share_cross", "split/e_partition", "split/e_logit")  # the lean set (maps.LEAN): no fits
-PROFILED = ("logn", "window")  # passes that also read the attention profile (besides none): they change the
-# softmax's denominator or the keys it sums over; the others are measured by their loss
+PROFILED = ("logn", "window", "sink-window")  # passes that also read the attention profile (besides none): they
+# change the softmax's denominator or the keys it sums over; the others are measured by their loss
 BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
 
 
@@ -170,10 +170,11 @@ class Length(Analysis):
                 self.skipped[spec] = str(e).split(": ", 1)[-1]
                 continue
             native = sliding_windows(model.config)
-            if isinstance(iv, Window) and spec not in self.explicit and all(0 < w <= (iv.window or cfg.train_len)
-                                                                               for w in native):
-                self.skipped[spec] = (f"every layer already attends to at most {max(native)} keys, so a window of "
-                                      f"{iv.window or cfg.train_len} is the identity")
+            width = iv.window or cfg.train_len if isinstance(iv, Window) else 0
+            if width and spec not in self.explicit and all(0 < w <= width for w in native):
+                self.skipped[spec] = (f"every layer already attends to at most {max(native)} keys, so " + (
+                    f"its own window hides key 1 from every query past {max(native)}: a window that keeps key 1 "
+                    "cannot keep it" if iv.sinks else f"a window of {width} is the identity"))
                 continue
             chosen.append(spec)
         cfg.interventions = chosen
@@ -193,7 +194,7 @@ class Length(Analysis):
     def memory(self, job: Job) -> dict[str, tuple[float, str]]:
         cfg = job.config
         n_layers = len(cfg.map_layers) if cfg.map_layers else job.hm.n_layers
-        window = any(s.startswith("window") for s in cfg.interventions)
+        window = any(s.startswith(("window", "sink-window")) for s in cfg.interventions)
         est = memory_estimate(job.model, cfg.seq_len, cfg.batch_size, groups=cfg.groups, map_layers=n_layers,
                               map_keys=2 if cfg.maps else 0, window_mask=window)
         models = 1 + len(cfg.seed_models)
