@@ -222,7 +222,9 @@ class Claim:
     id: a stable anchor, unique within a report ("kim-s3-layer2-increasing"). measured: words on what was measured
     beyond the tests (settings, caveats). paper_number: the number the paper prints, shown beside ours. key: the
     number of the summary line (default: the first test's). figure: the figure that shows it. command: a command
-    that re-measures the row and prints its key number. resolve: what would decide a not-resolved row."""
+    that re-measures the row and prints its key number. resolve: what would decide a not-resolved row. robustness:
+    for a row on the models trained here, whether its verdict stays with the models trained on other CPU kernels
+    (`poslens.report.robustness`)."""
 
     id: str
     paper: str
@@ -240,6 +242,7 @@ class Claim:
     figure: str = ""
     command: str = ""
     key: str = ""
+    robustness: str = ""  # whether the verdict stays with the models trained on other CPU kernels (report.robustness)
 
     def __post_init__(self) -> None:
         if self.paper not in PAPERS:
@@ -356,7 +359,8 @@ class Claim:
                 "readings": [{"text": r.text, "verdict": v} for r, v in zip(self.readings, self.reading_verdicts())],
                 "measured": self.measured, "paper_number": self.paper_number, "scope": self.scope,
                 "finding": self.finding, "opposite": self.opposite,
-                "resolve": self.resolve_line(), "figure": self.figure, "command": self.command}
+                "resolve": self.resolve_line(), "figure": self.figure, "command": self.command,
+                "robustness": self.robustness}
 
 
 BASES = {"exact": "on exact or simulated quantities", "models": "on trained models"}

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from poslens.report.claims import PAPERS, Claim, LedgerCount, ledgers
+from poslens.report.robustness import robustness_line
 from poslens.report.section import Figure, Panel, Section
 
 _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
@@ -99,7 +100,8 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
             for c in s.claims:
                 tests = "; ".join(f"{role}: {t.text()}" if role != "claim" else t.text() for role, t in c.all_tests())
                 claim = f"<a id='{c.id}'></a>{c.claim} ({_where(c)})" + (f". {c.measured}" if c.measured else "")
-                verdict = c.verdict + "".join(f": {x}" for x in (c.resolve_line(), c.scale_line()) if x)
+                verdict = c.verdict + "".join(f": {x}" for x in (c.resolve_line(), c.scale_line()) if x) + (
+                    f". Robust to the machine: {robustness_line(c)}" if robustness_line(c) else "")
                 cells = [claim, tests, verdict, c.paper_number, c.figure, f"`{c.command}`" if c.command else ""]
                 out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
             out.append("")
@@ -341,6 +343,8 @@ def _claim_html(c: Claim, figures: list[Figure] = (), scope_said: bool = False) 
         parts.append(f"<p class='note'><b>At this scale:</b> {prose(c.scale_line())}.</p>")
     if c.resolve_line():
         parts.append(f"<p class='note'><b>What would resolve it:</b> {prose(c.resolve_line())}</p>")
+    if robustness_line(c):
+        parts.append(f"<p class='note'><b>Robust to the machine:</b> {prose(robustness_line(c))}</p>")
     tail = []
     if c.figure:
         f = figure_of(c.figure, list(figures))
