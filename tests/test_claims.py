@@ -45,9 +45,12 @@ def test_the_verdict_rule():
     assert claim(tests=(UP,)).verdict == "holds"
     assert claim(tests=(DOWN,)).verdict == "contradicted"
     assert claim(tests=(OPEN,)).verdict == "not resolved"
-    # a measurement below the claim's scale cannot contradict it
-    assert claim(tests=(DOWN,), scope="1.3B-parameter models").verdict == "not resolved"
-    assert claim(tests=(UP,), scope="1.3B-parameter models").verdict == "holds"
+    # a measurement below the claim's scale can neither contradict nor confirm it: a verdict at this scale
+    assert claim(tests=(DOWN,), scope="1.3B-parameter models").verdict == "fails at this scale"
+    assert claim(tests=(UP,), scope="1.3B-parameter models").verdict == "holds at this scale"
+    assert claim(tests=(OPEN,), scope="1.3B-parameter models").verdict == "not resolved"  # straddles: no verdict
+    assert claim(tests=(UP, DOWN), scope="1.3B-parameter models").verdict == "fails at this scale"  # rule 2 first
+    assert claim(tests=(UP,), scope="1.3B-parameter models", finding=True).verdict == "finding"
     # a printed formula that is wrong while the conclusion holds
     assert claim(tests=(UP,), errata=(Test("printed - exact", 3.9, "<", 1e-9),)).verdict == "erratum"
     assert claim(tests=(DOWN,), errata=(Test("printed - exact", 3.9, "<", 1e-9),)).verdict == "contradicted"
@@ -90,27 +93,53 @@ def test_ledgers_count_each_paper_apart():
     led = ledgers(rows)
     assert list(led) == ["kim2025", "other", "poslens"]
     assert led["kim2025"].headline() == "Kim et al. (2025): 2 claims: 1 holds, 1 not resolved"
-    assert led["other"].counts["holds"] == 1 and led["other"].counts["not resolved"] == 1
+    assert led["other"].counts["holds"] == 1 and led["other"].counts["fails at this scale"] == 1
+    assert led["other"].counts["not resolved"] == 0  # a failure at this scale is counted apart from not resolved
 
 
-def test_a_scoped_claim_that_fails_here_is_not_resolved_by_more_data():
-    """A claim about a larger scale whose test fails here: more seeds would only narrow the failure, which the scope
-    rule reads not resolved, so the row says that only the claim's scale decides it. A test that is open with its
-    estimate on the failing side can still resolve either way: the row's own line stands, with the scope's caveat;
-    without a scope, or on the passing side, the row's own resolve line stands alone."""
+def test_ledgers_count_rows_at_this_scale_and_rows_on_trained_models_apart():
+    """A scoped failure and a scoped pass are their own verdicts and counts, apart from the open rows; given the
+    rows on trained models, the headline counts them apart from the rows on exact or simulated quantities."""
+    scoped = {"scope": "1.5B models"}
+    rows = [claim(id="e1", tests=(UP,)), claim(id="e2", tests=(DOWN,)),
+            claim(id="m1", tests=(DOWN,), **scoped), claim(id="m2", tests=(DOWN,), **scoped),
+            claim(id="m3", tests=(UP,), **scoped), claim(id="m4", tests=(OPEN,), **scoped)]
+    led = ledgers(rows, on_models={"m1", "m2", "m3", "m4"})["kim2025"]
+    assert led.headline() == ("Kim et al. (2025): 6 claims; on exact or simulated quantities 2: 1 holds, "
+                              "1 contradicted; on trained models 4: 1 holds at this scale, 2 fail at this scale, "
+                              "1 not resolved")
+    assert led.counts["fails at this scale"] == 2 and led.counts["not resolved"] == 1
+    assert led.by_basis["models"]["holds at this scale"] == 1 and led.by_basis["exact"]["contradicted"] == 1
+    assert ledgers(rows, on_models=set())["kim2025"].headline() == (  # one basis: said once
+        "Kim et al. (2025): 6 claims, on exact or simulated quantities: 1 holds, 1 holds at this scale, 1 "
+        "contradicted, 2 fail at this scale, 1 not resolved")
+
+
+def test_a_scoped_claim_is_decided_at_this_scale_and_says_what_that_covers():
+    """A claim about a larger scale whose test fails here reads fails at this scale, with a line that says only a
+    measurement at the claim's scale decides the claim itself, and no resolve line (more data would only narrow the
+    failure). A test that is open with its estimate on the failing side can still resolve either way: the row's own
+    line stands, with what a failure would read; without a scope, or on the passing side, the row's own resolve
+    line stands alone. An undefined statistic at a scope: only the claim's scale decides it."""
     failed = Test("slope", -0.2, ">", 0.0, -0.5, -0.1, "t")
     against = Test("slope", -0.2, ">", 0.0, -0.5, 0.1, "t")
     toward = Test("slope", 0.2, ">", 0.0, -0.1, 0.5, "t")
     scoped = Claim("x", "kim2025", "S", "c", (failed,), scope="1.5B models (this pair: 0.6M tokens)",
                    resolve="about 7 seeds")
-    assert scoped.verdict == "not resolved" and "only a measurement at the claim's own scale" in scoped.resolve_line()
-    assert scoped.resolve_line().endswith("(1.5B models)") and "7 seeds" not in scoped.resolve_line()
+    assert scoped.verdict == "fails at this scale" and scoped.resolve_line() == ""
+    assert scoped.scale_line().startswith("the pattern fails at this scale") and "1.5B models," in \
+        scoped.scale_line() and "0.6M" not in scoped.scale_line()
+    assert scoped.key_number() == failed.key()
     leaning = Claim("w", "kim2025", "S", "c", (against,), scope="1.5B models", resolve="about 7 seeds").resolve_line()
-    assert leaning.startswith("about 7 seeds; its estimate lies on the failing side") and "1.5B models" in leaning
+    assert leaning.startswith("about 7 seeds; its estimate lies on the failing side") and "fail at this scale" in \
+        leaning and leaning.endswith("(1.5B models)")
     assert Claim("y", "kim2025", "S", "c", (toward,), scope="1.5B models", resolve="about 7 seeds").resolve_line() \
         == "about 7 seeds"
     assert Claim("z", "kim2025", "S", "c", (against,), resolve="about 7 seeds").resolve_line() == "about 7 seeds"
     assert Claim("h", "kim2025", "S", "c", (Test("x", 1.0, ">"),), resolve="r").resolve_line() == ""  # holds
+    assert Claim("h", "kim2025", "S", "c", (Test("x", 1.0, ">"),)).scale_line() == ""  # no scope: no line
+    undefined = Claim("u", "kim2025", "S", "c", (Test("x", math.nan, ">", 0.0, math.nan, math.nan),), scope="1.5B")
+    assert undefined.verdict == "not resolved" and "undefined on these models" in undefined.resolve_line()
 
 
 def test_a_margin_lets_a_test_of_a_quantity_that_cannot_cross_its_threshold_fail():
@@ -132,20 +161,24 @@ def test_the_summary_number_of_an_undecided_row_is_its_failing_test_before_an_op
     open_ = Test("open one", -0.003, ">", 0.0, -0.17, 0.17, "95% t-interval over 3 seeds")
     failing = Test("failing one", -0.038, ">", 0.0, -0.058, -0.018, "95% t-interval over 3 seeds")
     row = Claim("x-row", "ruscio2026", "summary", "claim", (open_, failing), scope="larger models")
-    assert row.verdict == "not resolved" and row.key_number() == failing.key()
+    assert row.verdict == "fails at this scale" and row.key_number() == failing.key()
     assert Claim("y-row", "ruscio2026", "summary", "claim", (open_,)).key_number() == open_.key()
 
 
 def test_readings_of_opposite_sides_are_ambiguous_whatever_the_scope():
     """Rule 5: two readings that predict opposite sides of one statistic cannot both hold; once the statistic is
-    resolved the failing one is a contradiction between the paper's wordings, so the scope (rule 4) does not make
-    the row not resolved. Without `opposite` the same scoped readings read not resolved; an open statistic leaves
-    the row not resolved either way."""
+    resolved the failing one is a contradiction between the paper's wordings, so the scope (rule 4) is not applied:
+    the readings read holds and contradicted. Without `opposite` the same scoped readings read holds and fails
+    at this scale, still ambiguous; one decided reading and one open one leave the row not resolved; an open
+    statistic leaves the row not resolved either way."""
     below = Test("slope", 0.5, "<", 0.0, 0.2, 0.8)  # the same statistic as UP, the other side
     readings = (Reading("rises", (UP,)), Reading("falls", (below,)))
     assert claim(readings=readings, scope="1.5B", opposite=True).verdict == "ambiguous"
     assert claim(readings=readings, scope="1.5B", opposite=True).reading_verdicts() == ["holds", "contradicted"]
-    assert claim(readings=readings, scope="1.5B").verdict == "not resolved"
+    assert claim(readings=readings, scope="1.5B").verdict == "ambiguous"
+    assert claim(readings=readings, scope="1.5B").reading_verdicts() == ["holds at this scale", "fails at this scale"]
+    assert claim(readings=(Reading("rises", (DOWN,)), Reading("also", (OPEN,))), scope="1.5B").verdict == \
+        "not resolved"
     open_below = Test("slope", 0.1, "<", 0.0, -0.2, 0.4)
     assert claim(readings=(Reading("rises", (OPEN,)), Reading("falls", (open_below,))), scope="1.5B",
                  opposite=True).verdict == "not resolved"

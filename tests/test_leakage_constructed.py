@@ -114,18 +114,18 @@ def test_both_sources_row_holds_on_a_planted_bos_and_fails_when_position0_adds_t
     the mask-only term is there and patching position 0 removes the scores' absolute term (share 1): holds (the
     offset null, all content tokens alike, removes none of it: context, not a test). Uniform stream with a random
     position-0 embedding (`random`): the intervention creates the absolute term instead of removing it: its test
-    fails, and since the claim is about billion-parameter models a tiny model leaves the row not resolved (the
-    rule's scope), not contradicted."""
+    fails, and since the claim is about billion-parameter models a tiny model reads it fails at this scale (the
+    rule's scope), not contradicted; the pass holds at this scale."""
     from poslens.report.sections.leakage import leakage_claims
 
     run(planted, tmp_path / "planted", interventions=["patch:inside:1@0"], nulls=["offset"])
     claims, context = leakage_claims(tmp_path / "planted")
     both = next(c for c in claims if c.id == "ruscio-both-sources")
-    assert [t.outcome() for t in both.tests] == ["pass"] * 4 and both.verdict == "holds"
+    assert [t.outcome() for t in both.tests] == ["pass"] * 4 and both.verdict == "holds at this scale"
     assert "offset null" in both.measured
     assert any(what.startswith("the exact split") for what, _ in context)
     run(uniform, tmp_path / "uniform", interventions=["random"], nulls=["offset"])
     claims, _ = leakage_claims(tmp_path / "uniform", residual=("random",))
     both = next(c for c in claims if c.id == "ruscio-both-sources")
     assert [t.outcome() for t in both.tests[:2]] == ["pass", "pass"]  # the mask's term is there
-    assert both.tests[2].outcome() == "fail" and combine(both.tests) == "fail" and both.verdict == "not resolved"
+    assert both.tests[2].outcome() == "fail" and combine(both.tests) == "fail" and both.verdict == "fails at this scale"

@@ -258,8 +258,8 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
     """The report's Gemma-3 pieces (`gemma_measurement`) on a real `poslens leakage` run of a tiny Gemma-3 (sliding
     window 12 in layers 1 and 3, layer 2 global) at 24 tokens, where the window binds: its two tests are the run's
     removed shares (key 0 in and out) against 0, they join the sweep's tests in the one BOS row (whose verdict follows
-    the rule with the paper's scale as scope: a failure reads not resolved), and the architecture context puts each
-    layer under its own type."""
+    the rule with the paper's scale as scope: a failure reads fails at this scale), and the architecture context
+    puts each layer under its own type."""
     from test_sweep_leakage import LABELS, sweep
 
     from poslens.report.claims import combine
@@ -279,7 +279,8 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
         assert (t.value, t.lo, t.hi, t.side, t.threshold) == (gone[k]["value"], gone[k]["lo"], gone[k]["hi"], ">", 0)
     row = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted", real=(tests, text, key))
     assert row.id == "ruscio-bos-replacement" and len(row.tests) == 4 and row.tests[2:] == tests
-    assert row.verdict == {"pass": "holds", "fail": "not resolved", "open": "not resolved"}[combine(row.tests)]
+    assert row.verdict == {"pass": "holds at this scale", "fail": "fails at this scale",
+                           "open": "not resolved"}[combine(row.tests)]
     assert "Gemma-3-270M" in row.scope and text in row.measured and key in row.key_number()
     alone = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted")
     assert len(alone.tests) == 2 and "bash setup.sh --gemma" in alone.measured

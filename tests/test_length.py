@@ -222,6 +222,44 @@ def test_window_masks_keys_past_w_on_top_of_the_models_own():
     assert float(stat.result()["key0"][1, 20:].abs().max()) == 0.0
 
 
+def test_the_sink_window_keeps_key0_and_the_last_keys_on_top_of_the_models_own():
+    """sink-window:W keeps key 0 and the last W - 1 keys: a query sees at most W keys, as under window:W, and the
+    one key that differs is key 0 (shown by the keys counted and the share on key 0 past W). On gemma3 (layers 1 and
+    3 slide with a window of 12, layer 2 global) the sliding layers keep their own window, key 0 hidden past it."""
+    model = build("gemma3")
+    ids = [token_batch(1, 40, seed=8)]
+    sink, plain = AttentionProfile(), AttentionProfile()
+    run_pass(HookedModel(model), [sink], ids, parse("sink-window:20", 10))
+    run_pass(HookedModel(model), [plain], ids, parse("window:20", 10))
+    i = torch.arange(40, dtype=torch.float64)
+    seen = sink.result()["log_keys"]
+    torch.testing.assert_close(seen[0], torch.log(torch.clamp(i + 1, max=12)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(seen[1], torch.log(torch.clamp(i + 1, max=20)), rtol=0, atol=1e-12)
+    assert float(sink.result()["key0"][1, 20:].min()) > 0.0 == float(plain.result()["key0"][1, 20:].abs().max())
+    assert float(sink.result()["key0"][0, 12:].abs().max()) == 0.0  # a sliding layer's own window still hides it
+
+
+def test_the_sink_window_loss_is_transformers_loss_under_the_same_mask():
+    """The loss under sink-window:W equals transformers' own loss of the model run with the mask built by hand
+    (key 0 and keys i - j < W - 1), to float32 rounding (2e-5); with W past the sequence it is the model's own."""
+    model = build("llama")
+    ids = token_batch(2, 24, seed=3)
+    i, j = torch.arange(24)[:, None], torch.arange(24)[None, :]
+    allowed = (j <= i) & ((i - j < 8 - 1) | (j == 0))
+    stat, whole, base = PositionLoss([1, 8, 24]), PositionLoss([1, 8, 24]), PositionLoss([1, 8, 24])
+    run_pass(HookedModel(model), [stat], [ids], parse("sink-window:8", 8))
+    run_pass(HookedModel(model), [whole], [ids], parse("sink-window:30", 8))
+    run_pass(HookedModel(model), [base], [ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=allowed[None, None].expand(2, 1, 24, 24)).logits
+        per_token = F.cross_entropy(logits[:, :-1].double().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    torch.testing.assert_close(stat.curve().value[1:], per_token.view(2, 23).mean(0), rtol=0, atol=2e-5)
+    torch.testing.assert_close(whole.curve().value[1:], base.curve().value[1:], rtol=0, atol=2e-5)
+    assert not torch.allclose(stat.curve().value[8:], base.curve().value[8:], rtol=0, atol=1e-3)
+    with pytest.raises(UsageError):
+        parse("sink-window:1", 8)  # key 0 alone: no recent key left
+
+
 def test_freeze_makes_the_model_blind_to_the_first_token():
     # freeze writes position 0's embedding and every layer's output from a one-token run of the reference: all later
     # positions then compute exactly what they compute after the reference token (a no-op when it is already there)

@@ -5,6 +5,7 @@ seeds, and bad input as one line with exit status 2 and nothing written."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,36 @@ L = 16
 def saved(directory: Path, seed: int = 0, **overrides) -> Path:
     """A tiny random Llama with 16 positions (weights of `seed`) and the byte-level tokenizer of the pipeline tests."""
     saved_tiny_llama(directory)
-    build("llama", seed=seed, vocab_size=258, max_position_embeddings=L, **overrides).save_pretrained(directory)
+    data = json.loads((directory / "tokenizer.json").read_text())  # byte ids in one order for every model (the
+    vocab = data["model"]["vocab"]  # byte-level alphabet comes in an arbitrary order), so the seeds share a tokenizer
+    data["model"]["vocab"] = {**{c: i for i, c in enumerate(sorted(c for c in vocab if vocab[c] < 256))},
+                              **{c: i for c, i in vocab.items() if i >= 256}}
+    (directory / "tokenizer.json").write_text(json.dumps(data))
+    build("llama", seed=seed, **{"vocab_size": 258, "max_position_embeddings": L, **overrides}).save_pretrained(
+        directory)
+    return directory
+
+
+def retokenized(directory: Path, seed: int) -> Path:
+    """A tiny model like `saved`'s whose tokenizer has the same size (258) but two bytes' ids swapped: the same text
+    is other ids to it."""
+    saved(directory, seed=seed)
+    data = json.loads((directory / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (directory / "tokenizer.json").write_text(json.dumps(data))
     return directory
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-length")
-    return {"a": saved(root / "a"), "b": saved(root / "b", seed=1), "wide": saved(root / "wide", seed=2,
-                                                                                 num_key_value_heads=4)}
+    out = {"a": saved(root / "a"), "b": saved(root / "b", seed=1), "wide": saved(root / "wide", seed=2,
+                                                                                num_key_value_heads=4),
+           "long": saved(root / "long", seed=3, max_position_embeddings=2 * L), "retok": retokenized(root / "retok", 4)}
+    out["copy"] = Path(shutil.copytree(out["b"], root / "copy-of-b"))
+    return out
 
 
 def text(model: Path) -> str:
@@ -117,24 +139,37 @@ def test_seeds_give_a_t_interval_and_resume_swaps_the_right_weights(models, tmp_
     (["--eval-lens", "8,16"], "--eval-lens 8,16: the longest must be above --train-len 16"),
     (["--interventions", "shift"], "--interventions: unknown intervention 'shift'"),
     (["--profile-every", "0"], "--profile-every must be >= 1"),
-    (["--seed-models", "WIDE"], "--seed-models: WIDE is not another seed"),
+    (["--seed-models", "WIDE"], "--seed-models: {WIDE} is not another seed"),
     (["--seed-models", "B", "--out", "B"], "is this run's input"),
+    (["--seed-models", "A"], "--seed-models: {A} is the evaluated model again"),
+    (["--seed-models", "B,B"], "--seed-models: {B} is seed model {B} again"),
+    (["--seed-models", "B,COPY"], "--seed-models: {COPY} has the same weights as {B}"),
+    (["--seed-models", "LONG"], "--seed-models: {LONG} was trained at length 32 and {A} at 16"),
+    (["--seed-models", "RETOK"], "--seed-models: {RETOK} has another tokenizer than {A}"),
+    (["--out", "A/length"], "--out {A}/length is inside this run's input {A};"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, extra, words):
+    """Each refused in one line, exit status 2, nothing written: among them a seed model that is the model again
+    (by path or as a copy of its weights), one trained at another length, one with another tokenizer of the same
+    size, and an --out inside the model directory."""
     out = tmp_path / "run"
-    line = [{"WIDE": str(models["wide"]), "B": str(models["b"])}.get(x, x) for x in extra]
+    names = {k.upper(): str(v) for k, v in models.items()}
+    line = [",".join(names.get(x, x) for x in arg.split(",")) for arg in extra]
+    line = [f"{names['A']}/length" if x == "A/length" else x for x in line]
     argv = args(models["a"], out)
     if "--out" in line:
-        out = models["b"]
+        out = Path(line[line.index("--out") + 1])
         i = argv.index("--out")
         del argv[i:i + 2]
     if "--eval-lens" in line:
         i = argv.index("--eval-lens")
         del argv[i:i + 2]
+    before = {m: sorted(p.name for p in models[m].iterdir()) for m in ("a", "b")}
     assert main(argv + line) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and words.replace("WIDE", str(models["wide"])) in err
+    assert "\n" not in err and words.format(**names) in err, err
     assert not out.exists() or out == models["b"] and not (out / "run.json").exists()
+    assert {m: sorted(p.name for p in models[m].iterdir()) for m in ("a", "b")} == before
 
 
 def test_ntk_on_a_nope_model_and_memory_are_refused_up_front(tmp_path, capsys, monkeypatch):

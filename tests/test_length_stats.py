@@ -129,8 +129,8 @@ def test_the_length_section_says_positions_from_1():
 
 def test_a_scoped_row_is_not_said_to_be_decided_against_by_more_seeds():
     """A row about a larger scale (a scope) whose open test leans to failure: more seeds would show a failure, which
-    the scope rule reads not resolved, so the seed line says nothing of deciding against the claim, and the row's
-    resolve line says what such a failure would mean, once."""
+    the scope rule reads fails at this scale, so the seed line says nothing of deciding against the claim, and the
+    row's resolve line says what such a failure would mean, once."""
     from poslens.report.claims import Claim, Test
     from poslens.report.sweep import SweepModels, more_seeds, resolve_by_seeds
     from poslens.train.sweep import SweepConfig, resolve_matrix
@@ -142,4 +142,4 @@ def test_a_scoped_row_is_not_said_to_be_decided_against_by_more_seeds():
     row = Claim("x", "kim2025", "S", "c", (wrong_side,), scope="1.5B models (this pair: 0.6M tokens)")
     resolve_by_seeds(sw, [row])
     line = row.resolve_line()
-    assert line.count("failing side") == 1 and "reads not resolved" in line and "against the claim" not in line
+    assert line.count("failing side") == 1 and "fail at this scale" in line and "against the claim" not in line

@@ -75,6 +75,28 @@ def _ctx(tmp_path):
     return SimpleNamespace(figures=fig, save=save, draw=True)
 
 
+def test_verdicts_at_this_scale_have_their_own_name_colour_and_count(tmp_path):
+    """A scoped row that fails here reads 'fails at this scale' (not 'not resolved'), in its own colour, counted
+    apart; the headline counts the rows on trained models (a section that runs models) apart from the rows on exact
+    or simulated quantities; the row says what its verdict at this scale covers."""
+    exact = Section("E", "", [Claim("kim-e", "kim2025", "S3", "e", (Test("e", 0.5, "<", 1.0),))], name="e")
+    down = Test("slope", -0.5, ">", 0.0, -0.8, -0.2, "95% t-interval over 8 seeds")
+    models = Section("M", "", [Claim("kim-m", "kim2025", "S4.2", "m", (down,), scope="1.5B models (this: tiny)"),
+                               Claim("kim-o", "kim2025", "S4.2", "o", (Test("o", 0.1, ">", 0.0, -0.1, 0.3),))],
+                     name="m", models=True)
+    write_report(tmp_path, "T", "intro", [exact, models])
+    assert headlines([exact, models]) == ["Kim et al. (2025): 3 claims; on exact or simulated quantities 1: 1 holds; "
+                                          "on trained models 2: 1 fails at this scale, 1 not resolved"]
+    page = (tmp_path / "report.html").read_text()
+    colour = re.search(r"\.v-fails-at-this-scale\{color:(#[0-9a-f]+)\}", page).group(1)
+    others = re.findall(r"\.v-(?!fails-at-this-scale)[a-z-]+\{color:(#[0-9a-f]+)\}", page)
+    assert colour not in others and len(others) == 7  # its own colour, apart from the seven other verdicts'
+    assert "<span class='v v-fails-at-this-scale'>fails at this scale</span>" in page
+    assert "<b>At this scale:</b> the pattern fails at this scale; the claim is about 1.5B models," in page
+    md = (tmp_path / "report.md").read_text()
+    assert "- fails at this scale: [m](#kim-m)" in md and "| fails at this scale: the pattern fails" in md
+
+
 def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     rng = np.random.default_rng(0)
     m = np.tril(rng.random((12, 12)))
@@ -94,10 +116,11 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     write_report(tmp_path, "T", "intro", [sec], prov)
     assert check_report_images(tmp_path) == ["line"]
     page = (tmp_path / "report.html").read_text()
-    assert headlines([sec]) == ["Kim et al. (2025): 1 claim: 1 holds",
-                                "other papers (Haviv et al. 2022, Kazemnejad et al. 2023): 1 claim: 1 not resolved",
+    assert headlines([sec]) == ["Kim et al. (2025): 1 claim, on exact or simulated quantities: 1 holds",
+                                "other papers (Haviv et al. 2022, Kazemnejad et al. 2023): 1 claim, on exact or "
+                                "simulated quantities: 1 not resolved",
                                 "poslens's own checks and questions (the software's checks; the questions past the "
-                                "training length): 1 claim: 1 holds"]
+                                "training length): 1 claim, on exact or simulated quantities: 1 holds"]
     for text in headlines([sec]) + ["Measured on a small model", "git abc", "model: from the cache<br>corpus"]:
         assert text.replace("'", "&#x27;") in page, text
     for c in claims:  # a summary line linking to the row, and the row

@@ -36,11 +36,12 @@ AS_CLAIMED = {"nope": [1.0, 1.0, 1.0, 1.0], "rope": [1.0, 1.5, 2.0, 2.5], "ntk":
 REVERSED = {"nope": [1.0] * 4, "rope": [1.0, 1.5, 2.0, 2.5], "ntk": [2.0, 2.5, 3.0, 3.5], "window": [2.0] * 4}
 
 
-@pytest.mark.parametrize("energies, bos, outcome, verdict", [(AS_CLAIMED, 0.4, "pass", "holds"),
-                                                              (REVERSED, -0.3, "fail", "not resolved")])
+@pytest.mark.parametrize("energies, bos, outcome, verdict", [(AS_CLAIMED, 0.4, "pass", "holds at this scale"),
+                                                              (REVERSED, -0.3, "fail", "fails at this scale")])
 def test_sweep_rows_pass_or_fail_by_what_is_planted(energies, bos, outcome, verdict):
-    """Planted as the paper says, every test passes and the rows hold; planted the other way, the tests fail, and
-    since the claims are about billion-parameter models the tiny sweep leaves them not resolved (the rule's scope)."""
+    """Planted as the paper says, every test passes and the rows hold at this scale; planted the other way, the tests
+    fail, and since the claims are about billion-parameter models the tiny sweep reads them fails at this scale (the
+    rule's scope), not contradicted."""
     m = sweep(energies, bos)
     claim, context = sl.architecture_claim(m, LABELS, "planted", max_offset=31)
     assert combine(claim.tests) == outcome and claim.verdict == verdict and len(claim.tests) == 4
@@ -78,10 +79,12 @@ def with_sinks(m: dict, change: float | None, half: float = 0.02, missing: tuple
     return out
 
 
-@pytest.mark.parametrize("change, outcome, verdict", [(-0.4, "pass", "holds"), (0.05, "fail", "not resolved")])
+@pytest.mark.parametrize("change, outcome, verdict", [(-0.4, "pass", "holds at this scale"),
+                                                      (0.05, "fail", "fails at this scale")])
 def test_token_anchored_row_on_the_sweep_is_t_over_seeds_with_the_text_half_width_added(change, outcome, verdict):
     """Sinks that collapse under the BOS replacement in every seed pass the test (held: seen at this scale);
-    sinks that keep their attention fail it, which for a claim about billion-parameter models reads not resolved.
+    sinks that keep their attention fail it, which for a claim about billion-parameter models reads fails at this
+    scale.
     The interval is the t-interval over seeds with each seed's jackknife half-width (0.02) added in quadrature."""
     import math
 

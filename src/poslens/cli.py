@@ -84,6 +84,8 @@ class ReproduceOptions:
     sizes: list[str] | None = option(None, metavar="SECTION.KEY=VALUE,...",
                                      help="change a section's size, e.g. leakage.sequences=64,real-model.sequences=512 "
                                      "(the names and defaults: run.json's config.sizes of a report)")
+    robustness: bool = option(False, help="retrain the sweep's models with another CPU kernel set (ATen's default "
+                              "kernels, MKL's COMPATIBLE path) and say, per row on them, whether its verdict stays")
 
 
 def parse_sizes(items: list[str] | None) -> dict[str, dict]:
@@ -175,7 +177,8 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
     o = from_args(ReproduceOptions, args)
     reproduce(out=args.out, quick=o.quick, force=args.force, models=o.models, progress=not args.quiet, seed=o.seed,
-              samples=o.samples, sizes=parse_sizes(o.sizes), command=shlex.join(["poslens", *args.argv]))
+              samples=o.samples, sizes=parse_sizes(o.sizes), command=shlex.join(["poslens", *args.argv]),
+              robustness=o.robustness)
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

@@ -15,14 +15,16 @@ The rule (also in the README, "What the paper says and what poslens measured"):
 2. A claim's tests are a conjunction: it passes when all pass, fails when any fails, else it is open.
 3. **holds** = passes; **contradicted** = fails; **not resolved** = open (`resolve` says what would decide it,
    only where something could).
-4. `scope`: a claim about a larger scale than the measurement (e.g. "1.3B-parameter models") cannot be
-   contradicted by it: a failure there is **not resolved**.
-5. **ambiguous**: the paper's wording admits several readings (`readings`, each with its own tests). When one
-   reading holds and another is contradicted, the row says each one and its verdict is ambiguous; otherwise an
-   unresolved reading makes the row not resolved, and readings that agree give their common verdict. Readings that
-   predict opposite sides of one and the same statistic (`opposite`) cannot both hold at any scale: once the
-   statistic is resolved one of them fails, a contradiction between the paper's own wordings, so rule 4 does not
-   turn that reading's failure into not resolved (which reading holds is still a statement at this scale).
+4. `scope`: a claim about a larger scale than the measurement (e.g. "1.3B-parameter models") can be neither
+   contradicted nor confirmed by it: a pass there is **holds at this scale**, a failure **fails at this scale** (a
+   verdict of its own, counted apart from not resolved, where the interval straddles the threshold).
+5. **ambiguous**: the paper's wording admits several readings (`readings`, each with its own tests). When the
+   readings are decided differently (one holds and another is contradicted; at a scope, one holds at this scale
+   and another fails at this scale), the row says each one and its verdict is ambiguous; otherwise an unresolved
+   reading makes the row not resolved, and readings that agree give their common verdict. Readings that predict
+   opposite sides of one and the same statistic (`opposite`) cannot both hold at any scale: once the statistic is
+   resolved one of them fails, a contradiction between the paper's own wordings, so rule 4 is not applied to them
+   (they read holds and contradicted; which reading holds is still a statement at this scale).
 6. **erratum**: `errata` test a formula or number the paper prints; when one fails while the claim's own tests
    pass (the conclusion stands), the verdict is erratum.
 7. **finding**: a measured fact the paper does not state (`finding=True`) reads finding when its tests pass, and
@@ -39,7 +41,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
-VERDICTS = ("holds", "contradicted", "ambiguous", "erratum", "not resolved", "finding")
+VERDICTS = ("holds", "holds at this scale", "contradicted", "fails at this scale", "ambiguous", "erratum",
+            "not resolved", "finding")
+AT_SCALE = {"pass": "holds at this scale", "fail": "fails at this scale"}  # rule 4
 SIDES = (">", "<")
 
 
@@ -218,7 +222,9 @@ class Claim:
     id: a stable anchor, unique within a report ("kim-s3-layer2-increasing"). measured: words on what was measured
     beyond the tests (settings, caveats). paper_number: the number the paper prints, shown beside ours. key: the
     number of the summary line (default: the first test's). figure: the figure that shows it. command: a command
-    that re-measures the row and prints its key number. resolve: what would decide a not-resolved row."""
+    that re-measures the row and prints its key number. resolve: what would decide a not-resolved row. robustness:
+    for a row on the models trained here, whether its verdict stays with the models trained on other CPU kernels
+    (`poslens.report.robustness`)."""
 
     id: str
     paper: str
@@ -236,6 +242,7 @@ class Claim:
     figure: str = ""
     command: str = ""
     key: str = ""
+    robustness: str = ""  # whether the verdict stays with the models trained on other CPU kernels (report.robustness)
 
     def __post_init__(self) -> None:
         if self.paper not in PAPERS:
@@ -250,10 +257,10 @@ class Claim:
 
     @staticmethod
     def _verdict(outcome: str, scope: str, finding: bool) -> str:
-        if outcome == "fail" and scope:
-            return "not resolved"  # rule 4
         if outcome == "pass" and finding:
             return "finding"  # rule 7
+        if scope and outcome in AT_SCALE:
+            return AT_SCALE[outcome]  # rule 4
         return _BY_OUTCOME[outcome]
 
     def reading_verdicts(self) -> list[str]:
@@ -287,35 +294,38 @@ class Claim:
         return out
 
     def resolve_line(self) -> str:
-        """What would resolve a not-resolved row. A claim about a larger scale (`scope`) with a test that fails at
-        this scale (its interval wholly on the failing side) cannot be resolved here: more seeds or sequences would
-        keep showing the failure, which rule 4 reads not resolved; only a measurement at the claim's own scale would
-        decide it. A test that is open with its estimate on the failing side could still resolve either way: the
-        row's own line stands, with what a resolution on the failing side would mean."""
+        """What would resolve a not-resolved row. A claim about a larger scale (`scope`) whose statistic is undefined
+        on these models cannot be resolved here: only a measurement at the claim's own scale would decide it. A scoped
+        test that is open with its estimate on the failing side could still resolve either way: the row's own line
+        stands, with what a resolution on the failing side would read (fails at this scale). A row decided at this
+        scale (holds or fails at this scale) has no line: `scale_line` says what its verdict covers."""
         if self.verdict != "not resolved":
             return ""
         tests = [t for _, t in self.all_tests()]
-        failed = [t for t in tests if t.outcome() == "fail"]
         undefined = [t for t in tests if not _defined(t.value)]
         one = len(tests) == 1
-        if self.scope and (failed or undefined):
-            fail = "fails" if len(failed) == 1 else "fail"
-            why = ([("its test fails" if one else f"{len(failed)} of its {len(tests)} tests {fail}") + " here, which "
-                    "the scope rule reads not resolved, and more seeds or sequences would only narrow the failure"]
-                   if failed else [])
-            why += ([("its statistic is" if one else f"the statistic of {len(undefined)} of its {len(tests)} tests is")
-                     + " undefined on these models"] if undefined else [])
-            return (f"not more data at this scale: {'; '.join(why)}; only a measurement at the claim's own scale "
-                    f"would decide it ({self.claim_scale})")
+        if self.scope and undefined:
+            what = ("its statistic is" if one else
+                    f"the statistic of {len(undefined)} of its {len(tests)} tests is")
+            return (f"not more data at this scale: {what} undefined on these models; only a measurement at the "
+                    f"claim's own scale would decide it ({self.claim_scale})")
         leaning = [t for t in tests if t.outcome() == "open" and t.against()]
         if self.scope and leaning:
             lean = ("its estimate lies" if one else f"the estimate{'' if len(leaning) == 1 else 's'} of "
                     f"{len(leaning)} of its {len(tests)} tests lie{'s' if len(leaning) == 1 else ''}")
             first = f"{self.resolve}; " if self.resolve else ""
             return (f"{first}{lean} on the failing side, so if the estimates stayed where they are, that much more "
-                    f"data would show a failure, which at this scale reads not resolved: only a measurement at the "
-                    f"claim's own scale could contradict it ({self.claim_scale})")
+                    f"data would make the row fail at this scale; only a measurement at the claim's own scale could "
+                    f"contradict it ({self.claim_scale})")
         return self.resolve
+
+    def scale_line(self) -> str:
+        """What a verdict at this scale (rule 4) covers: '' for any other verdict."""
+        if self.verdict not in AT_SCALE.values():
+            return ""
+        seen = "is seen" if self.verdict == "holds at this scale" else "fails"
+        return (f"the pattern {seen} at this scale; the claim is about {self.claim_scale}, and only a measurement at "
+                "that scale would confirm or contradict it")
 
     @property
     def claim_scale(self) -> str:
@@ -332,7 +342,7 @@ class Claim:
             keys = [next((t for t in r.tests if t.outcome() == "fail"), r.tests[0]).key() for r in self.readings]
             return "; ".join(dict.fromkeys(keys))
         undecided = sorted((t for t in self.tests if t.outcome() != "pass"), key=lambda t: t.outcome() != "fail")
-        if self.verdict in ("not resolved", "contradicted") and undecided:
+        if self.verdict in ("not resolved", "contradicted", "fails at this scale") and undecided:
             return undecided[0].key()
         first = self.tests or self.readings[0].tests
         return first[0].key()
@@ -349,35 +359,63 @@ class Claim:
                 "readings": [{"text": r.text, "verdict": v} for r, v in zip(self.readings, self.reading_verdicts())],
                 "measured": self.measured, "paper_number": self.paper_number, "scope": self.scope,
                 "finding": self.finding, "opposite": self.opposite,
-                "resolve": self.resolve_line(), "figure": self.figure, "command": self.command}
+                "resolve": self.resolve_line(), "figure": self.figure, "command": self.command,
+                "robustness": self.robustness}
+
+
+BASES = {"exact": "on exact or simulated quantities", "models": "on trained models"}
+
+
+def _counted(counts: dict[str, int]) -> str:
+    """'19 hold, 2 errata, 4 not resolved' (zero counts left out)."""
+    words = {"holds": ("holds", "hold"), "holds at this scale": ("holds at this scale", "hold at this scale"),
+             "fails at this scale": ("fails at this scale", "fail at this scale"), "erratum": ("erratum", "errata"),
+             "finding": ("finding", "findings")}
+    parts = []
+    for v, n in counts.items():
+        if n:
+            one, many = words.get(v, (v, v))
+            parts.append(f"{n} {one if n == 1 else many}")
+    return ", ".join(parts)
 
 
 @dataclass
 class LedgerCount:
-    """How many claims of one ledger got each verdict."""
+    """How many claims of one ledger got each verdict, in all and by basis (`BASES`: rows decided on exact or
+    simulated quantities, rows on trained models)."""
 
     name: str
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
+    by_basis: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
+    def add(self, verdict: str, basis: str | None = None) -> None:
+        self.counts[verdict] += 1
+        if basis is not None:
+            self.by_basis.setdefault(basis, dict.fromkeys(VERDICTS, 0))[verdict] += 1
+
     def headline(self) -> str:
-        """'Kim et al. (2025): 38 claims: 30 hold, 1 ambiguous, 2 errata, 5 not resolved' (zero counts left out)."""
-        words = {"holds": ("holds", "hold"), "erratum": ("erratum", "errata"), "finding": ("finding", "findings")}
-        parts = []
-        for v, n in self.counts.items():
-            if n:
-                one, many = words.get(v, (v, v))
-                parts.append(f"{n} {one if n == 1 else many}")
-        return f"{LEDGERS[self.name]}: {self.total} {'claim' if self.total == 1 else 'claims'}" + (
-            ": " + ", ".join(parts) if parts else "")
+        """'Kim et al. (2025): 38 claims: 30 hold, 1 ambiguous, 2 errata, 5 not resolved' (zero counts left out);
+        with bases, each apart: '...: 41 claims; on exact or simulated quantities 20: 19 hold, 1 erratum; on
+        trained models 21: 4 hold at this scale, ...' ('..., on trained models: ...' when all are on one)."""
+        head = f"{LEDGERS[self.name]}: {self.total} {'claim' if self.total == 1 else 'claims'}"
+        if not self.by_basis:
+            return head + (": " + _counted(self.counts) if self.total else "")
+        parts = [(b, c) for b in BASES if (c := self.by_basis.get(b)) and sum(c.values())]
+        if len(parts) == 1:  # all on one basis: 'Kim et al. (2025): 3 claims, on trained models: 3 hold'
+            return f"{head}, {BASES[parts[0][0]]}: {_counted(parts[0][1])}"
+        return head + "".join(f"; {BASES[b]} {sum(c.values())}: {_counted(c)}" for b, c in parts)
 
 
-def ledgers(claims: list[Claim]) -> dict[str, LedgerCount]:
-    """Verdict counts per ledger (kim2025, ruscio2026, other, poslens), in that order, empty ledgers left out."""
+def ledgers(claims: list[Claim], on_models: set[str] | None = None) -> dict[str, LedgerCount]:
+    """Verdict counts per ledger (kim2025, ruscio2026, other, poslens), in that order, empty ledgers left out.
+    `on_models`: the ids of the rows measured on trained models (the rest are on exact or simulated quantities);
+    given, each ledger also counts the two apart."""
     out = {name: LedgerCount(name) for name in LEDGERS}
     for c in claims:
-        out[c.ledger].counts[c.verdict] += 1
+        basis = None if on_models is None else "models" if c.id in on_models else "exact"
+        out[c.ledger].add(c.verdict, basis)
     return {k: v for k, v in out.items() if v.total}

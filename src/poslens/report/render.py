@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens.report.claims import PAPERS, Claim, ledgers
+from poslens.report.claims import PAPERS, Claim, LedgerCount, ledgers
+from poslens.report.robustness import robustness_line
 from poslens.report.section import Figure, Panel, Section
 
 _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
@@ -36,9 +37,20 @@ def all_claims(sections: list[Section]) -> list[Claim]:
     return [c for s in sections for c in s.claims]
 
 
+def on_models(sections: list[Section]) -> set[str]:
+    """The ids of the rows measured on trained models (those of a section that runs models)."""
+    return {c.id for s in sections if s.models for c in s.claims}
+
+
+def section_ledgers(sections: list[Section]) -> dict[str, LedgerCount]:
+    """The ledgers of the sections' rows, each counting the rows on exact or simulated quantities and the rows on
+    trained models apart."""
+    return ledgers(all_claims(sections), on_models(sections))
+
+
 def headlines(sections: list[Section]) -> list[str]:
-    """One line per ledger: 'Kim et al. (2025): 40 claims: 30 hold, ...'."""
-    return [led.headline() for led in ledgers(all_claims(sections)).values()]
+    """One line per ledger: 'Kim et al. (2025): 41 claims; on exact or simulated quantities 20: 19 hold, ...'."""
+    return [led.headline() for led in section_ledgers(sections).values()]
 
 
 def titles(ledger: str) -> str:
@@ -72,7 +84,7 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
     if scales:
         out += ["**Scale.** " + " ".join(scales), ""]
     out += [f"- **{led.headline()}** {titles(name)}".rstrip()
-            for name, led in ledgers(all_claims(sections)).items()] + [""]
+            for name, led in section_ledgers(sections).items()] + [""]
     for s in sections:
         if not s.claims:
             continue
@@ -88,7 +100,8 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
             for c in s.claims:
                 tests = "; ".join(f"{role}: {t.text()}" if role != "claim" else t.text() for role, t in c.all_tests())
                 claim = f"<a id='{c.id}'></a>{c.claim} ({_where(c)})" + (f". {c.measured}" if c.measured else "")
-                verdict = c.verdict + (f": {c.resolve_line()}" if c.resolve_line() else "")
+                verdict = c.verdict + "".join(f": {x}" for x in (c.resolve_line(), c.scale_line()) if x) + (
+                    f". Robust to the machine: {robustness_line(c)}" if robustness_line(c) else "")
                 cells = [claim, tests, verdict, c.paper_number, c.figure, f"`{c.command}`" if c.command else ""]
                 out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
             out.append("")
@@ -110,13 +123,16 @@ table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px sol
 vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;overflow-wrap:anywhere}
 .v{display:inline-block;min-width:7.2em;font-weight:600}.v-holds{color:#116611}.v-contradicted{color:#aa1111}
 .v-erratum{color:#8a5a00}.v-not-resolved{color:#555}.v-ambiguous{color:#7a2a9a}.v-finding{color:#0b5c8a}
+.v-holds-at-this-scale{color:#4f7f1f}.v-fails-at-this-scale{color:#c0561a}
 .banner{background:#fff7e0;border:1px solid #e8c36a;padding:.6em 1em;margin:1em 0}
 .summary{background:#f7f7f7;border:1px solid #ddd;padding:.5em 1em;margin:1em 0;font-size:.92em}
 .summary h3{font-size:1em;margin:.7em 0 .2em}.summary div{margin:.1em 0}.summary .key{color:#333}
 .ledgers li{font-weight:600}.ledgers .title{font-weight:400;color:#444}
 .claim{border-left:4px solid #ccc;padding:.3em .8em;margin:.9em 0}
 .claim.c-holds{border-color:#4a4}.claim.c-contradicted{border-color:#c33}.claim.c-erratum{border-color:#c90}
-.claim.c-ambiguous{border-color:#a5c}.claim.c-finding{border-color:#38c}.claim p{margin:.25em 0}
+.claim.c-ambiguous{border-color:#a5c}.claim.c-finding{border-color:#38c}
+.claim.c-holds-at-this-scale{border-color:#9c6}.claim.c-fails-at-this-scale{border-color:#e8904a}
+.claim p{margin:.25em 0}
 .claim ul{margin:.2em 0 .2em 1.2em;padding:0}.where{color:#555;font-size:.9em}.note{color:#333;font-size:.93em}
 figure{margin:1.5em 0}img{max-width:100%}.wide{overflow-x:auto}.wide img{max-width:none;width:auto}
 figcaption{font-size:.92em;color:#222}.warn{color:#a40;font-weight:600}
@@ -320,10 +336,15 @@ def _claim_html(c: Claim, figures: list[Figure] = (), scope_said: bool = False) 
     if c.scope and scope_said:
         parts.append("<p class='note'><b>Scope:</b> as for the rows above.</p>")
     elif c.scope:
-        parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale would "
-                     "read not resolved, not contradicted, and a pass says only that it is seen at this scale too.</p>")
+        parts.append(f"<p class='note'><b>Scope:</b> the claim is about {e(c.scope)}; a failure at this scale reads "
+                     "fails at this scale, not contradicted, and a pass holds at this scale: it says only that the "
+                     "pattern is seen at this scale too.</p>")
+    if c.scale_line():
+        parts.append(f"<p class='note'><b>At this scale:</b> {prose(c.scale_line())}.</p>")
     if c.resolve_line():
         parts.append(f"<p class='note'><b>What would resolve it:</b> {prose(c.resolve_line())}</p>")
+    if robustness_line(c):
+        parts.append(f"<p class='note'><b>Robust to the machine:</b> {prose(robustness_line(c))}</p>")
     tail = []
     if c.figure:
         f = figure_of(c.figure, list(figures))
@@ -350,7 +371,7 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
         out.append(f"<p class='banner'><b>Quick run.</b> {e(size)}</p>")
     out.append("<ul class='ledgers'>" + "".join(
         f"<li>{e(led.headline())} <span class='title'>{e(titles(name))}</span></li>"
-        for name, led in ledgers(all_claims(sections)).items()) + "</ul>")
+        for name, led in section_ledgers(sections).items()) + "</ul>")
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out.append("<div class='banner'><b>Scale of the real-model measurements.</b> " + " ".join(map(e, scales))

@@ -25,7 +25,8 @@ from poslens.errors import UsageError, check_int
 from poslens.io.results import check_output, cpu_name, run_directory, source_revision, write_run
 from poslens.report.claims import VERDICTS, ledgers
 from poslens.report.context import Context
-from poslens.report.render import headlines, write_report
+from poslens.report.render import headlines, on_models, write_report
+from poslens.report.robustness import robustness_line
 from poslens.report.section import SectionSpec, registry
 
 TITLE = "poslens: reproduction report"
@@ -60,11 +61,12 @@ def plan(quick: bool, models: bool, sizes: Mapping | None) -> list[tuple[Section
     return [(s, s.size(quick, (sizes or {}).get(s.name))) for s in specs if models or not s.models]
 
 
-def _config(quick: bool, samples: int, seed: int, models: bool, sizes: list) -> dict:
+def _config(quick: bool, samples: int, seed: int, models: bool, sizes: list, robustness: bool = False) -> dict:
     from poslens import __version__
 
     return {"quick": quick, "samples": samples, "seed": seed, "models": models,
-            "sizes": {s.name: size for s, size in sizes}, "poslens": __version__}
+            "sizes": {s.name: size for s, size in sizes}, "poslens": __version__} | (
+        {"robustness": True} if robustness else {})
 
 
 def size_line(quick: bool, steps: list) -> str:
@@ -92,21 +94,24 @@ def up_to_date(target: Path, config: dict) -> bool:
 
 def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False, models: bool = True,
               progress: bool = True, seed: int = 0, samples: int | None = None,
-              sizes: Mapping[str, Mapping] | None = None, command: str | None = None) -> Path:
+              sizes: Mapping[str, Mapping] | None = None, command: str | None = None,
+              robustness: bool = False) -> Path:
     """Build every registered section and write the report into `out`; returns its path.
 
     samples: Monte Carlo samples per setting (default 100,000; 10,000 with quick). sizes: per-section overrides of
     the quick/full sizes, e.g. {"real-model": {"sequences": 48}} (names and keys in each SectionSpec). command: the
     command line to print in the report header (`poslens reproduce` passes its own). When `out` already holds
     a report made with the same settings, nothing is recomputed (force=True recomputes); a report with other
-    settings needs force or another `out`. Every argument is checked before any work.
+    settings needs force or another `out`. Every argument is checked before any work. robustness: retrain the
+    sweep's models with another CPU kernel set and give every row on them a robustness line
+    (`poslens.report.robustness`); without it those lines say "not checked".
     """
     started, cpu0 = time.perf_counter(), time.process_time()
     samples = (10_000 if quick else 100_000) if samples is None else samples
     check_int("samples", samples, 1)
     check_int("seed", seed, 0)
     steps = plan(quick, models, sizes)
-    config = _config(quick, samples, seed, models, steps)
+    config = _config(quick, samples, seed, models, steps, robustness)
     target = Path(out).expanduser().absolute()
     if not force and up_to_date(target, config):
         print(f"report is up to date: {target / 'report.html'} (same settings; force=True / --force recomputes)")
@@ -130,13 +135,18 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                 print(f"[{k}/{len(steps)}] {spec.title} (started at {time.perf_counter() - started:.0f} s)", flush=True)
             t0, c0 = time.perf_counter(), time.process_time()
             sec = spec.build(ctx, size)
-            sec.name = spec.name
+            sec.name, sec.models = spec.name, spec.models
             for c in sec.claims:  # a row without a stock command is re-measured by its section
                 c.command = c.command or ctx.remeasure(c.id)
             sections.append(sec)
             timings[spec.name] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
             if progress:
                 print(f"[{k}/{len(steps)}] {spec.title}: done in {timings[spec.name]['seconds']:.0f} s", flush=True)
+        if robustness:
+            from poslens.report.robustness import check
+
+            check(steps, sections, lambda: Context(parts / "robustness" / "root", target, parts / "robustness",
+                                                   samples, seed, quick, progress, draw=False), progress)
         claims = [c for s in sections for c in s.claims]
         ids = [c.id for c in claims]
         if len(ids) != len(set(ids)):
@@ -159,20 +169,22 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
                  "verdict follows one written rule from the tests shown with it (statistic, threshold, direction): "
                  "holds, contradicted, ambiguous (the paper's wording admits readings the measurement decides "
                  "differently), erratum (a printed formula is wrong, the conclusion stands), not resolved (an "
-                 "interval straddles the threshold or its statistic is undefined on these models, or a test fails "
-                 "on a model smaller than the claim's: see the "
-                 "scope below; the row says what would resolve it), finding (a measured fact "
-                 "the paper did not state). A claim about a larger scale than the one measured (its row's scope) "
-                 "cannot be contradicted by a smaller model: a failure there reads not resolved, and holds means only "
-                 "that the pattern is seen at this scale too. Layers are numbered from 1, and so are positions in "
-                 "maps and figures; where a row says 'position 0' or 'key 0' (the section on Ruscio, Nanni & "
-                 "Silvestri), it keeps that paper's numbering: position 0 is the first token.")
+                 "interval straddles the threshold or its statistic is undefined on these models; the row says what "
+                 "would resolve it), finding (a measured fact the paper did not state). A claim about a larger scale "
+                 "than the one measured (its row's scope) can be neither contradicted nor confirmed by a smaller "
+                 "model: its rows read holds at this scale or fails at this scale, counted apart, meaning only "
+                 "that the pattern is, or is not, seen at this scale. Each ledger counts the rows decided on exact or "
+                 "simulated quantities apart from the rows on trained models. Layers are numbered from 1, and so "
+                 "are positions in maps and figures; where a row says 'position 0' or 'key 0' (the section on "
+                 "Ruscio, Nanni & Silvestri), it keeps that paper's numbering: position 0 is the first token.")
         write_report(tmp, TITLE, intro, sections, prov)
-        led = ledgers(claims)
+        led = ledgers(claims, on_models(sections))
         write_run(tmp, ctx.tensors, {
             "kind": "reproduce", "config": config, "provenance": prov, "inputs": ctx.inputs,
-            "metrics": {"claims": [c.to_json(s.title) | {"section_name": s.name} for s in sections for c in s.claims],
-                        "ledgers": {k: v.counts for k, v in led.items()}, "verdicts_known": list(VERDICTS),
+            "metrics": {"claims": [c.to_json(s.title) | {"section_name": s.name, "robustness": robustness_line(c)}
+                                   for s in sections for c in s.claims],
+                        "ledgers": {k: v.counts for k, v in led.items()},
+                        "ledgers_by_basis": {k: v.by_basis for k, v in led.items()}, "verdicts_known": list(VERDICTS),
                         "context": {s.name: [{"what": a, "measured": b} for a, b in s.context] for s in sections}},
             "timings": {"seconds": total, "cpu_seconds": cpu, "sections": timings}})
     shutil.rmtree(parts, ignore_errors=True)

@@ -59,7 +59,8 @@ class Section:
     """A report section: text, claims (each with its tests and verdict), figures, and context.
 
     context: (what, measured) facts shown beside the claims without a verdict (not counted). scale: one line
-    stating the scale of a real-model measurement against the paper's (collected into the report's banner)."""
+    stating the scale of a real-model measurement against the paper's (collected into the report's banner). models:
+    its rows are measured on trained models, not on exact or simulated quantities (the ledgers count them apart)."""
 
     title: str
     text: str = ""
@@ -68,6 +69,7 @@ class Section:
     context: list[tuple[str, str]] = field(default_factory=list)
     scale: str = ""
     name: str = ""  # the registry name; set by reproduce
+    models: bool = False  # its rows are on trained models (its spec's `models`; set by reproduce)
 
 
 Build = Callable[..., Section]

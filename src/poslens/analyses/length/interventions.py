@@ -20,7 +20,11 @@ Specs (`parse`):
     yarn[:F]    YaRN (Peng et al. 2023) by transformers' own yarn init: frequencies blended between interpolation and
                 extrapolation by wavelength, and the attention factor 0.1 ln F + 1 on cos and sin; F as ntk
     window[:W]  sliding window: keys W or more positions back are masked (W defaults to L), by an explicit mask
-                (masks.py) on top of the model's own windows
+                (masks.py) on top of the model's own windows. It also hides key 0 from every query past W, so on
+                a model with sink heads it removes the sink as well as the far context
+    sink-window[:W]  the window that keeps the sink (StreamingLLM's and LM-Infinite's masks): key 0 and the last
+                W - 1 keys, so a query sees at most W keys, as under window[:W]; set against window[:W], it
+                separates "far context hurts" from "the sink is gone"
     freeze      position 0's whole trajectory replaced by that of a fixed first token (the leakage analysis's
                 `freeze`, reused): every sequence then shows the same key 0 in every layer
 """
@@ -41,7 +45,7 @@ from poslens.analyses.length.points import query_point
 from poslens.engine.families import rotary_modules
 from poslens.errors import UsageError, check_float, check_int
 
-SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "freeze")
+SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "sink-window", "freeze")
 
 
 @dataclass
@@ -172,21 +176,26 @@ class RopeScaling(Intervention):
 
 @dataclass
 class Window(Intervention):
-    """Keys `window` or more positions back masked, on top of the model's own windows (window None = L)."""
+    """Keys `window` or more positions back masked, on top of the model's own windows (window None = L); with
+    `sinks` (1: the sink window), the first `sinks` keys stay visible besides the last window - sinks."""
 
     train_len: int
     window: int | None = None
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         check_int("train_len", self.train_len, 2)
+        check_int("sinks", self.sinks, 0)
         if self.window is not None:
-            check_int("window", self.window, 1)
-        self.name = "window" if self.window is None else f"window:{self.window}"
+            check_int("window", self.window, self.sinks + 1)
+        kind = "sink-window" if self.sinks else "window"
+        self.name = kind if self.window is None else f"{kind}:{self.window}"
 
     @contextmanager
     def applied(self, hm, ids, attention_mask=None):
         keys = None if attention_mask is None else right_padded(attention_mask)
-        yield Pass(ids, attention_mask=model_mask(hm.model, ids.shape[1], self.window or self.train_len, keys))
+        yield Pass(ids, attention_mask=model_mask(hm.model, ids.shape[1], self.window or self.train_len, keys,
+                                                  self.sinks))
 
 
 @dataclass
@@ -211,9 +220,9 @@ class Freeze(Intervention):
 def parse(spec: str, train_len: int) -> Intervention:
     """An intervention from its spec (module docstring), e.g. "ntk", "yarn:4", "window:64"; one-line errors."""
     name, _, arg = str(spec).strip().partition(":")
-    if name not in SPECS or (arg and name not in ("ntk", "yarn", "window")):
+    if name not in SPECS or (arg and name not in ("ntk", "yarn", "window", "sink-window")):
         raise UsageError(f"interventions: unknown intervention {spec!r}; use none, logn, logn-all, ntk[:F], "
-                         "yarn[:F], window[:W] or freeze", param="interventions")
+                         "yarn[:F], window[:W], sink-window[:W] or freeze", param="interventions")
     try:
         value = float(arg) if arg else None
     except ValueError:
@@ -227,4 +236,6 @@ def parse(spec: str, train_len: int) -> Intervention:
         return RopeScaling(name, train_len, value)
     if name == "window":
         return Window(train_len, None if value is None else check_int("window", value, 1))
+    if name == "sink-window":
+        return Window(train_len, None if value is None else check_int("sink-window", value, 2), sinks=1)
     return Freeze()

@@ -7,6 +7,10 @@ explicit mask is how to (a) run with position ids that do not start at 0 without
 SmolLM3 with `layer_types`) take a dict {layer type: mask}; the others one mask for every layer.
 
 allowed(i, j) = j <= i  and  i - j < W  (W = 0: no window)  and  key j is a real token.
+
+A window that keeps the sink (StreamingLLM's and LM-Infinite's masks): the first S keys stay visible to every query
+besides the last W - S, so a query still sees at most W keys: allowed(i, j) = j <= i and (i - j < W - S or j < S),
+on top of the model's own windows (a key 0 a layer's own window hides stays hidden).
 """
 
 from __future__ import annotations
@@ -40,22 +44,32 @@ def as_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None):
+def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None, sinks: int = 0):
     """The explicit mask of `model` for n tokens with every layer's window capped at `window` (0: the model's own
-    windows): one tensor, or {layer type: tensor} for a model whose layers differ in their window."""
+    windows), the first `sinks` keys kept visible besides the last `window - sinks` (module docstring): one tensor,
+    or {layer type: tensor} for a model whose layers differ in their window."""
     device = model.get_input_embeddings().weight.device
     native = sliding_windows(model.config)
+    if sinks and not 0 < sinks < window:
+        raise UsageError(f"a window that keeps {sinks} sink keys needs more than {sinks} keys, got window {window}")
 
     def capped(w: int) -> int:
         return min(w, window) if w and window else (w or window)
 
+    def allowed(w: int) -> torch.Tensor:
+        if not sinks:
+            return causal_allowed(n, capped(w), keys, device)
+        recent = causal_allowed(n, window - sinks, None, device)
+        first = torch.arange(n, device=device)[None, None, None, :] < sinks
+        return causal_allowed(n, w, keys, device) & (recent | first)
+
     if len(set(native)) == 1:
-        return as_model_mask(causal_allowed(n, capped(native[0]), keys, device), model)
+        return as_model_mask(allowed(native[0]), model)
     types = model.config.layer_types
     out = {}
     for t, w in zip(types, native):
         if t not in out:
-            out[t] = as_model_mask(causal_allowed(n, capped(w), keys, device), model)
+            out[t] = as_model_mask(allowed(w), model)
     return out
 
 

@@ -23,7 +23,10 @@ over the models with a t-interval over seeds (`compare.over_seeds`): the error b
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,11 +51,11 @@ from poslens.engine.stats import Estimate
 from poslens.errors import UsageError, check_int
 from poslens.options import option, option_of
 
-ALL = ("logn", "ntk", "yarn", "window", "freeze")  # what "all" runs (logn-all on request)
+ALL = ("logn", "ntk", "yarn", "window", "sink-window", "freeze")  # what "all" runs (logn-all on request)
 MAP_METRICS = ("scores/trf", "log_probs/trf", "split/fraction", "split/share_partition", "split/share_logit",
                "split/share_cross", "split/e_partition", "split/e_logit")  # the lean set (maps.LEAN): no fits
-PROFILED = ("logn", "window")  # passes that also read the attention profile (besides none): they change the
-# softmax's denominator or the keys it sums over; the others are measured by their loss
+PROFILED = ("logn", "window", "sink-window")  # passes that also read the attention profile (besides none): they
+# change the softmax's denominator or the keys it sums over; the others are measured by their loss
 BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
 
 
@@ -83,6 +86,7 @@ class LengthConfig(ModelData):
     def validate(self) -> None:
         super().validate()
         self.specs(explicit_only=True)
+        _distinct_models(self.model, self.seed_models)
         if self.eval_lens is not None:
             if self.train_len is not None:
                 self.settle(None)
@@ -166,10 +170,11 @@ class Length(Analysis):
                 self.skipped[spec] = str(e).split(": ", 1)[-1]
                 continue
             native = sliding_windows(model.config)
-            if isinstance(iv, Window) and spec not in self.explicit and all(0 < w <= (iv.window or cfg.train_len)
-                                                                               for w in native):
-                self.skipped[spec] = (f"every layer already attends to at most {max(native)} keys, so a window of "
-                                      f"{iv.window or cfg.train_len} is the identity")
+            width = iv.window or cfg.train_len if isinstance(iv, Window) else 0
+            if width and spec not in self.explicit and all(0 < w <= width for w in native):
+                self.skipped[spec] = (f"every layer already attends to at most {max(native)} keys, so " + (
+                    f"its own window hides key 1 from every query past {max(native)}: a window that keeps key 1 "
+                    "cannot keep it" if iv.sinks else f"a window of {width} is the identity"))
                 continue
             chosen.append(spec)
         cfg.interventions = chosen
@@ -182,13 +187,14 @@ class Length(Analysis):
     def check(self, job: Job) -> None:
         self.weights = {}
         self.current = [0]
+        seen = {job.config.model: _weights_digest(job.model)}
         for k, spec in enumerate(job.config.seed_models, 1):
-            self.weights[k] = _same_variant(job, spec)
+            self.weights[k] = _same_variant(job, spec, seen)
 
     def memory(self, job: Job) -> dict[str, tuple[float, str]]:
         cfg = job.config
         n_layers = len(cfg.map_layers) if cfg.map_layers else job.hm.n_layers
-        window = any(s.startswith("window") for s in cfg.interventions)
+        window = any(s.startswith(("window", "sink-window")) for s in cfg.interventions)
         est = memory_estimate(job.model, cfg.seq_len, cfg.batch_size, groups=cfg.groups, map_layers=n_layers,
                               map_keys=2 if cfg.maps else 0, window_mask=window)
         models = 1 + len(cfg.seed_models)
@@ -333,14 +339,68 @@ def edges_of(train_len: int, lens: list[int]) -> list[int]:
 # ---------------------------------------------------------------- other seeds
 
 
-def _same_variant(job: Job, spec: str) -> str:
+def _distinct_models(model: str, seeds: list[str]) -> None:
+    """Refuse a seed model that names the evaluated model or another seed model again (the same directory: a
+    t-interval over copies of one model has zero width and says nothing), before anything is loaded."""
+    from poslens.engine.models import resolve
+
+    def where(spec: str) -> str:
+        ms = resolve(spec)
+        return os.path.realpath(ms.path) if ms.kind in ("local", "gguf") and ms.path else ms.spec
+
+    first: dict[str, str] = {where(model): model}
+    for spec in seeds:
+        key = where(spec)
+        if key in first:
+            what = "the evaluated model" if first[key] == model else f"seed model {first[key]}"
+            raise UsageError(f"seed_models: {spec} is {what} again; give each seed's model once (a model twice gives "
+                             "an interval of zero width over copies of one model)", param="seed_models")
+        first[key] = spec
+
+
+def _weights_digest(model) -> str:
+    """A digest of every parameter and buffer of `model` (names, shapes, dtypes and bytes): equal for copies."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def trained_length(spec: str, model) -> int:
+    """The length a model was trained at: the `seq_len` its poslens training run recorded (run.json beside the
+    weights), else its max_position_embeddings."""
+    from poslens.engine.models import max_positions, resolve
+
+    ms = resolve(spec)
+    record = Path(ms.path) / "run.json" if ms.kind == "local" and ms.path else None
+    if record is not None and record.is_file():
+        try:
+            meta = json.loads(record.read_text())
+            if meta.get("kind") == "train" and isinstance(meta.get("config", {}).get("seq_len"), int):
+                return int(meta["config"]["seq_len"])
+        except (OSError, ValueError):
+            pass
+    return max_positions(model)
+
+
+def _vocabulary(tokenizer) -> tuple | None:
+    """What decides how a tokenizer cuts text into ids: its vocabulary (token -> id) and its special ids."""
+    if tokenizer is None:
+        return None
+    return (tuple(sorted(tokenizer.get_vocab().items())), tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+
+def _same_variant(job: Job, spec: str, seen: dict[str, str] | None = None) -> str:
     """Check, up front, that `spec` is another seed of the loaded model's variant (same class, parameter shapes,
-    positional encoding, windows, rotary settings and vocabulary); returns it (its weights are loaded when its
+    positional encoding, windows, rotary settings, vocabulary, tokenizer and training length, and other weights
+    than every model before it: `seen`, model spec -> weights digest); returns it (its weights are loaded when its
     passes start)."""
     from poslens.engine.families import positional_encoding, sliding_windows
-    from poslens.engine.models import load_model
+    from poslens.engine.models import load_model, load_tokenizer
 
-    other, _ = load_model(spec, dtype=job.config.dtype, device="cpu", pe=job.config.pe)
+    cfg = job.config
+    other, other_tok = load_model(spec, dtype=cfg.dtype, device="cpu", pe=cfg.pe)
     a, b = job.model, other
     shapes = {n: tuple(t.shape) for n, t in a.state_dict().items()}
     facts = {"architecture": (type(a).__name__, type(b).__name__),
@@ -351,8 +411,24 @@ def _same_variant(job: Job, spec: str) -> str:
              "rope base": (_rope_base(a), _rope_base(b))}
     for what, (x, y) in facts.items():
         if x != y:
-            raise UsageError(f"seed_models: {spec} is not another seed of {job.config.model}'s variant: its {what} "
+            raise UsageError(f"seed_models: {spec} is not another seed of {cfg.model}'s variant: its {what} "
                              "differs; give models trained alike but for the seed", param="seed_models")
+    own, theirs = trained_length(cfg.model, a), trained_length(spec, b)
+    if own != theirs:
+        raise UsageError(f"seed_models: {spec} was trained at length {theirs} and {cfg.model} at {own}; give seeds "
+                         "trained at the same length", param="seed_models")
+    mine = _vocabulary(load_tokenizer(cfg.model) if cfg.tokenizer is not None else job.tokenizer)
+    if mine is not None and _vocabulary(other_tok) is not None and _vocabulary(other_tok) != mine:
+        raise UsageError(f"seed_models: {spec} has another tokenizer than {cfg.model} (its vocabulary or special "
+                         "ids differ), so the same text would be other ids to it; give seeds trained with the same "
+                         "tokenizer", param="seed_models")
+    if seen is not None:
+        digest = _weights_digest(b)
+        same = next((name for name, d in seen.items() if d == digest), None)
+        if same is not None:
+            raise UsageError(f"seed_models: {spec} has the same weights as {same} (a copy of one model gives an "
+                             "interval of zero width); give models trained with other seeds", param="seed_models")
+        seen[spec] = digest
     del other
     return spec
 
@@ -486,8 +562,25 @@ def over_models(per_model: list[dict], level: float) -> dict:
 
 
 def run_length(cfg: LengthConfig, out: str | Path, force: bool = False, progress: bool = True) -> Path | None:
-    """Evaluate past the training length and write the run directory on rank 0 (returns its path there)."""
+    """Evaluate past the training length and write the run directory on rank 0 (returns its path there). An `out`
+    inside a model directory or the data it reads is refused (a run never writes into what it reads)."""
+    check_out_outside(cfg, out)
     return run_analysis(Length(), cfg, out, force=force, progress=progress)
+
+
+def check_out_outside(cfg: LengthConfig, out: str | Path) -> None:
+    """A one-line error when `out` lies inside one of the run's input directories (a model, a seed model, the
+    tokenizer, the data): the run directory would be written into what the run reads."""
+    from poslens.engine.pipeline import inputs_of
+
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).strip():
+        return  # the run directory's own checks say what is wrong with it
+    real = Path(os.path.realpath(os.path.expanduser(os.fspath(out))))
+    for given in inputs_of(cfg):
+        p = Path(os.path.realpath(os.path.expanduser(os.fspath(given))))
+        if p.is_dir() and p in real.parents:
+            raise UsageError(f"--out {out} is inside this run's input {given}; a run never writes into what it "
+                             "reads, choose an --out outside it")
 
 
 def _ci(e: dict, signed: bool = False) -> str:

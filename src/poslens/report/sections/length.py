@@ -40,7 +40,11 @@ SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "
 SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None}
 EFFECTS = "which intervention helps which variant"  # the figure the rows point to (its title)
 NAMES = {"logn": "log-n scaling", "logn-all": "log-n scaling at every position", "ntk": "NTK at T/L",
-         "yarn": "YaRN at T/L", "window": "window of L", "freeze": "position 1 frozen"}
+         "yarn": "YaRN at T/L", "window": "window of L", "sink-window": "window of L keeping key 1",
+         "freeze": "position 1 frozen"}
+KEEPS = ("the window of L keeping key 1: the first key (the sink) and the last L - 1 keys, as StreamingLLM's and "
+         "LM-Infinite's masks keep it, so that a query still sees L keys and the one key that differs from the "
+         "window of L is the sink")
 TL = "T the evaluation length, L the training length"  # said where a row first names T/L
 
 
@@ -123,7 +127,8 @@ def build(ctx, size: dict) -> Section:
     rise_range = (f"the loss over {positions(T // 2, T)} minus over {positions(max(1, L // 2), L)}, on the same "
                   "sequences")
     variants = list(runs)
-    if "nope" in variants and "rope" in variants and effect("rope", "window") and effect("nope", "window"):
+    windows = ("window", "sink-window")
+    if "nope" in variants and "rope" in variants and all(effect(v, w) for v in ("rope", "nope") for w in windows):
         claims.append(Claim(
             "kazemnejad-nope-extrapolates", "kazemnejad2023", "abstract",
             "a decoder without positional encoding generalises past its training length better than one with RoPE",
@@ -131,18 +136,24 @@ def build(ctx, size: dict) -> Section:
                    "NoPE, per seed (nats)", paired("rope", "nope", "rise"), ">"),
              _test(f"how much more RoPE gains than NoPE from cutting each query's context to its last {L} keys: "
                    f"window-of-L effect, RoPE minus NoPE, per seed (loss over {past}, nats)",
-                   paired_effects(per["rope"], "window", "nope", t, other=per["nope"]), "<")),
-            measured=f"'generalises better' read two ways, both required: the loss rises less past L (the rise "
-                     f"alone mixes position with the text at those positions; the difference of two models' rises "
-                     f"on the same sequences does not), and context past L hurts less (the window-of-L effect: the "
-                     f"loss with the context cut to the last L keys minus with the full context, same tokens; below 0 "
-                     f"when context past L hurts). Rise: NoPE {_ci(rise('nope'))}, RoPE {_ci(rise('rope'))}; window "
-                     f"effect: NoPE {_ci(effect('nope', 'window'))}, RoPE {_ci(effect('rope', 'window'))} (mean over "
+                   paired_effects(per["rope"], "window", "nope", t, other=per["nope"]), "<"),
+             _test(f"the same with the window of L keeping key 1 (the sink and the last {L - 1} keys): its effect, "
+                   f"RoPE minus NoPE, per seed (loss over {past}, nats)",
+                   paired_effects(per["rope"], "sink-window", "nope", t, other=per["nope"]), "<")),
+            measured=f"'generalises better' read two ways, all three tests required: the loss rises less past L (the "
+                     f"rise alone mixes position with the text at those positions; the difference of two models' "
+                     f"rises on the same sequences does not), and context past L hurts less, by both windows (the "
+                     f"window-of-L effect: the loss with the context cut to the last L keys minus with the full "
+                     f"context, same tokens, below 0 when context past L hurts; the window of L also hides key 1, so "
+                     f"on models with sink heads it removes the sink too, and {KEEPS}). Rise: NoPE "
+                     f"{_ci(rise('nope'))}, RoPE {_ci(rise('rope'))}; window effect: NoPE "
+                     f"{_ci(effect('nope', 'window'))}, RoPE {_ci(effect('rope', 'window'))}; keeping key 1: NoPE "
+                     f"{_ci(effect('nope', 'sink-window'))}, RoPE {_ci(effect('rope', 'sink-window'))} (mean over "
                      f"seeds, 95% t-interval). The paper's models were ~100M-parameter decoders on synthetic tasks; "
                      f"these are language models {here}.",
             scope="~100M-parameter decoders on synthetic reasoning and arithmetic tasks",
             figure=EFFECTS, command=ctx.remeasure("kazemnejad-nope-extrapolates")))
-    if "nope" in variants and effect("nope", "logn") is not None and effect("nope", "window") is not None:
+    if "nope" in variants and effect("nope", "logn") is not None and all(effect("nope", w) for w in windows):
         claims.append(Claim(
             "length-mask-decides-nope", "poslens", "this report (length question)",
             "the mask's position signal decides NoPE's length generalisation here: the model whose only position "
@@ -152,10 +163,14 @@ def build(ctx, size: dict) -> Section:
             "spread thinner as the number of keys grows)",
             (_test(f"NoPE: the window of L's paired effect on the loss over {past} (nats; below 0: context past "
                    "L hurts)", effect("nope", "window"), "<"),
+             _test(f"NoPE: the window of L keeping key 1's paired effect on the loss over {past} (nats; below 0: "
+                   "context past L hurts with the sink kept)", effect("nope", "sink-window"), "<"),
              _test(f"NoPE: log-n scaling's paired effect on the loss over {past} (nats)", effect("nope", "logn"),
                    "<")),
-            measured=f"{here}. Both effects are paired on the same tokens (intervention minus none), so the text's "
-                     "variation cancels; the window keeps every query's denominator to as many keys as in training.",
+            measured=f"{here}. The effects are paired on the same tokens (intervention minus none), so the text's "
+                     "variation cancels; both windows keep every query's denominator to as many keys as in training, "
+                     f"and 'hurt by context past L' is judged on both: the window of L also hides key 1 (the sink), "
+                     f"and {KEEPS}.",
             finding=True, figure=EFFECTS, command=ctx.remeasure("length-mask-decides-nope")))
     if "rope" in variants and effect("rope", "logn") is not None and effect("rope", "ntk") is not None:
         claims.append(Claim(
@@ -169,7 +184,7 @@ def build(ctx, size: dict) -> Section:
                      "means the frequencies' rescaling helps more.",
             finding=True, figure=EFFECTS, command=ctx.remeasure("length-mask-or-frequencies-rope")))
     for v in variants:
-        for spec in ("ntk", "yarn", "window"):
+        for spec in ("ntk", "yarn", "window", "sink-window"):
             e = effect(v, spec)
             if v == "rope" and e is not None:
                 claims.append(Claim(

@@ -280,7 +280,7 @@ def _scale(cfg: TrainConfig) -> str:
 
 def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
     """The rows of Figure 3. Each is a claim about the paper's 1.5B-parameter NoPE model trained on 20B tokens, so
-    a model of this scale cannot contradict it (the verdict rule's scope: a failure reads not resolved); the W_O
+    a model of this scale cannot contradict it (the verdict rule's scope: a failure reads fails at this scale); the W_O
     row is ambiguous in its wording whatever the scale, and keeps both readings without a scope."""
     p, ch, amp = im["panels"], im["changes"], im["amplification"]
     out = []
