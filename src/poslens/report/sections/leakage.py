@@ -3,11 +3,12 @@ judged on causal terms: absolute-position leakage in a RoPE model (SmolLM2-135M)
 with a BOS first (`poslens sweep`), and in the parameter-free stack (context only).
 
 Only an editorial summary of the paper could be read (docs/leakage.md). Each claim is judged on what `poslens
-leakage` computes as a cause: the mask's denominator counterfactual (`cf/mask_only`: this layer's mask alone on
-relative scores), the residual-stream interventions (position 0's state replaced with the mask fixed: their
-removed share of the scores' absolute term, `cf/absolute_scores`), key 0 in and out, against the nulls (windows
-inside documents, the circular shift). The exact algebraic split (`split/e_logit`, `split/e_partition`) is a
-descriptive identity, shown as context under its own names. Training effects (the BOS replacement on models
+leakage` computes as properties of the attention, unchanged by any constant per query added to the scores (which
+no softmax sees): the mask-only term (`attn/mask_only`: the causal softmax of the lag profile r of the two-way fit
+s_ij = a_i + r(i - j) + e_ij), the residual-stream interventions (position 0's state replaced with the mask fixed:
+their removed share of the residual term, `attn/residual`), key 0 in and out, against the nulls (windows inside
+documents, the circular shift). The raw-score statistics (`scores/energy`, `scores/offset_share`) describe the
+scores, shown as context under their own names, never as causes. Training effects (the BOS replacement on models
 trained with a BOS, the architectures) are judged on the sweep, one run per seed, with the spread over seeds as
 the error bar (`poslens.report.sweep_leakage`). Facts true by construction (position 0's state is the same for
 every input with a fixed first token; `freeze`; `shift:K` in a RoPE model) are tests of poslens
@@ -87,30 +88,30 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
         words = RESIDUAL_WORDS.get(spec, spec)
         for k in ("key0_in", "key0_out"):  # an energy is > 0 by construction; its share can fall below a floor
             tests.append(estimate_test(f"the mask's term: share of the early-query non-relative energy of the "
-                                       f"log-probabilities carried by the mask-only counterfactual (summed over "
-                                       f"layers, key 0 {k[5:]})", over["cf/share_mask_only"][k], ">", MASK_FLOOR,
+                                       f"log-probabilities carried by the mask-only term (summed over "
+                                       f"layers, key 0 {k[5:]})", over["attn/share_mask_only"][k], ">", MASK_FLOOR,
                                        interval))
         for k in ("key0_in", "key0_out"):
-            tests.append(estimate_test(f"residual stream: share of the early-query absolute-scores term (summed over "
+            tests.append(estimate_test(f"residual stream: share of the early-query residual term (summed over "
                                        f"layers, key 0 {k[5:]}) removed with {words} (the mask fixed)",
-                                       gone["cf/absolute_scores"][k], ">", 0.0, interval))
+                                       gone["attn/residual"][k], ">", 0.0, interval))
         nulls = ""
         if offset is not None:
-            kept = offset["over_layers"]["removed"]["early"]["cf/absolute_scores"]
+            kept = offset["over_layers"]["removed"]["early"]["attn/residual"]
             diffs = []
             for k in ("key0_in", "key0_out"):
-                a_, b_ = gone["cf/absolute_scores"][k], kept[k]  # two runs on different windows: not paired
+                a_, b_ = gone["attn/residual"][k], kept[k]  # two runs on different windows: not paired
                 diffs.append(interval_text({"value": a_["value"] - b_["value"], "lo": a_["lo"] - b_["hi"],
                                             "hi": a_["hi"] - b_["lo"]}))
             nulls = ("; at document starts minus in the offset null (windows that start inside documents; "
                      "conservative, from the two intervals' far ends: the runs are not paired), key 0 in / out: "
                      f"{diffs[0]} / {diffs[1]}: context, not a test, since the claim says position 0 carries the "
                      "first token's fingerprint whatever that token is, which a window inside a document has too"
-                     "; the nulls' removed shares of the absolute-scores term (key 0 in / out; offset: the same "
+                     "; the nulls' removed shares of the residual term (key 0 in / out; offset: the same "
                      "intervention on windows that start inside documents; circular: each sequence's tokens after the "
                      "first rolled by a random shift): ") + "; ".join(
-                f"{n} {interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_in'])} / "
-                f"{interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_out'])}"
+                f"{n} {interval_text(c['over_layers']['removed']['early']['attn/residual']['key0_in'])} / "
+                f"{interval_text(c['over_layers']['removed']['early']['attn/residual']['key0_out'])}"
                 for n, c in m["nulls"].items())
         claims.append(Claim(
             "ruscio-both-sources", "ruscio2026", "summary",
@@ -118,17 +119,18 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             "residual stream (position 0's trajectory)", tuple(tests),
             measured=f"{name}, {seqs}, early queries i <= {m['domains']['early_queries']}: 'leaks' read as: the "
                      f"mask's share of the non-relative energy is above {MASK_FLOOR:g}, and the intervention removes "
-                     "part of the absolute-scores term. The mask's term is the "
-                     "mask-only counterfactual (this layer's probabilities with the log-partition of the Toeplitz-"
-                     "projected scores: the mask alone, everything upstream held fixed); the residual stream's is "
-                     "the share of the absolute-scores term (the energy that the absolute content of this layer's "
-                     f"scores adds to the mask's own) removed with {words}, paired on the same sequences{nulls} "
-                     "(docs/leakage.md).",
+                     "part of the residual term. The mask's term is the mask-only term (the causal softmax of this "
+                     "layer's lag profile: each sequence's scores fitted as one offset per query plus a function of "
+                     "i - j, the offset dropped since no softmax sees it, and the rest set to 0; everything upstream "
+                     "held fixed); the residual stream's is the share of the residual term (what the scores' part "
+                     "that is neither a per-query offset nor a function of i - j adds to the mask-only term, through "
+                     f"the numerator and the denominator) removed with {words}, paired on the same "
+                     f"sequences{nulls} (docs/leakage.md).",
             resolve=more_sequences(tests, n_seqs),
-            figure="the mask's term and the scores' absolute term", scope=f"{PAPER_SCALE} (this one: {name})",
+            figure="the mask-only term and the residual term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
-                f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
-                f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
+                f"{interval_text(gone['attn/residual']['key0_in'])} (key 0 in) / "
+                f"{interval_text(gone['attn/residual']['key0_out'])} (out)"))
     anchor = next((s for s in ("mean", "random") if (m.get("interventions", {}).get(s) or {}).get("sink_attention")),
                   None)
     if anchor is not None:
@@ -158,18 +160,16 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"change {interval_text(sa['change'])} (alpha_0 {interval_text(sa['base'])} -> "
                 f"{interval_text(sa['pass'])})"))
-    context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into each "
-                    "layer's log-partition term (each query's softmax denominator) and the upstream logit term (the "
-                    "part of the scores this layer reads that is not a function of i - j), early queries, summed over "
-                    "layers, key 0 in / out",
+    context.append(("the scores' own non-relative energy (a description of the scores, not a cause: it moves with any "
+                    "constant per query, which no softmax sees) and the share of it that one offset per query "
+                    "explains, early queries, key 0 in / out (energy summed over layers, share averaged over layers)",
                     "; ".join(f"{w} {interval_text(over[t]['key0_in'])} / {interval_text(over[t]['key0_out'])}"
-                              for w, t in (("log-partition term", "split/e_partition"),
-                                           ("upstream logit term", "split/e_logit")))))
+                              for w, t in (("energy", "scores/energy"), ("offset share", "scores/offset_share")))))
     for s, e in m.get("interventions", {}).items():
         if s in ("mean", "random") or s.startswith("token"):
-            gone = e["over_layers"]["removed"]["early"]["cf/absolute_scores"]
+            gone = e["over_layers"]["removed"]["early"]["attn/residual"]
             first = UNTRAINED_BOS.get(name)
-            context.append((f"{name}: {RESIDUAL_WORDS.get(s, s)}, share of the early-query absolute-scores term "
+            context.append((f"{name}: {RESIDUAL_WORDS.get(s, s)}, share of the early-query residual term "
                             "removed, key 0 in / out" + (f"; its first token is {first}, so not comparable with a "
                                                          "model trained with a BOS (ruscio-bos-replacement above)"
                                                          if first else ""),
@@ -194,9 +194,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     if stack is not None:
         a = load(stack, tensors=False).metrics["architectures"]
         context.append(("the parameter-free stack (no trained weights; exact, d -> infinity): last-layer "
-                        "absolute-scores energy, all queries (each architecture on its own domain: the window hides "
+                        "residual term, all queries (each architecture on its own domain: the window hides "
                         "offsets past its width)",
-                        ", ".join(f"{k} {num(v['exact']['cf/absolute_scores'][-1])}" for k, v in a.items())))
+                        ", ".join(f"{k} {num(v['exact']['residual'][-1])}" for k, v in a.items())))
     return claims, context
 
 
@@ -210,8 +210,8 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     interval = f"{100 * m.get('level', 0.95):g}% jackknife over {m.get('groups')} groups"
     n_seqs, L = r.meta.get("data", {}).get("sequences"), r.config.get("seq_len")
     iv = m["interventions"]["mean"]
-    gone = iv["over_layers"]["removed"]["early"]["cf/absolute_scores"]
-    tests = tuple(estimate_test(f"Gemma-3-270M: share of the early-query absolute-scores term (summed over layers, "
+    gone = iv["over_layers"]["removed"]["early"]["attn/residual"]
+    tests = tuple(estimate_test(f"Gemma-3-270M: share of the early-query residual term (summed over layers, "
                                 f"key 0 {k[5:]}) removed by the BOS replacement", gone[k], ">", 0.0, interval)
                   for k in ("key0_in", "key0_out"))
     heads = iv.get("heads") or {}
@@ -221,7 +221,7 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
         if h:
             sinks = h["sink_heads"]
             lost = [c for c in sinks if c["lo"] > 0]
-            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early absolute-scores term {h['removed']} "
+            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early residual term {h['removed']} "
                             f"of {h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected "
                             f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
                             + (f"part ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
@@ -239,7 +239,7 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     binds = f", where its {max(windows)}-key windows bind" if L > max(windows) else \
         f" (its {max(windows)}-key windows do not bind at this length)"
     arch = (f"Gemma-3-270M at {L:,} tokens ({n_seqs} sequences){binds}, debiased "
-            "absolute-scores energy per layer (all queries, key 0 in): global (full-attention) layers "
+            "residual term per layer (all queries, key 0 in): global (full-attention) layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in full) + "; sliding-window layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in local))
     sk = m["sinks"]
@@ -359,13 +359,15 @@ def build(ctx, size: dict) -> Section:
         "AIssential's editorial summary of the paper could be read (its full text could not), so each row states a "
         "claim of that summary, quoting it where its wording is ambiguous. Each claim is judged on causal terms of "
         "`poslens leakage` (docs/leakage.md): "
-        "the mask's denominator counterfactual (the mask alone on this layer's relative scores) and the residual "
-        "stream's intervention (position 0's state replaced with the mask fixed), key 0 in and out (every metric "
+        "the mask-only term (the causal softmax of the scores' lag profile, after one offset per query, which no "
+        "softmax sees, is fitted out) and the residual stream's intervention (position 0's state replaced with the "
+        "mask fixed), key 0 in and out (every metric "
         "computed with the first key's column, the attention sink's, inside its domain and again without it), "
         "against the nulls (windows inside documents); 'early queries' are the queries i <= E in the paper's "
         "numbering from 0 (E = 32, or half the sequence when shorter); RoPE (ntk:8) is RoPE with its base "
-        "scaled by NTK's rule for a length factor of 8. The exact algebraic split is a descriptive identity, "
-        "shown as context. "
+        "scaled by NTK's rule for a length factor of 8. Every term is unchanged by a constant per query added to the "
+        "scores; the scores' own statistics (their non-relative energy and the share of it that is such an offset) "
+        "describe the scores and are context. "
         f"Measured on SmolLM2-135M ({seqs} sequences of {seq_len} tokens of the embedded text, its `<|im_start|>` "
         "first, 95% jackknife intervals), on the sweep's models trained with a BOS first (the "
         f"{sw.config.preset} sweep: {sw.describe()}; one run per model, the "
@@ -398,38 +400,37 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
     out = []
     m = load(run, tensors=False).metrics
     early = m["original"]["per_layer"]["early"]
-    xs = np.arange(1, len(early["cf/mask_only"]["key0_in"]["value"]) + 1)
+    xs = np.arange(1, len(early["attn/mask_only"]["key0_in"]["value"]) + 1)
     series, errors = {}, {}
     for k in ("key0_in", "key0_out"):
-        for label, key in (("mask's term (mask-only counterfactual)", "cf/mask_only"),
-                           ("absolute-scores term", "cf/absolute_scores")):
+        for label, key in (("mask-only term", "attn/mask_only"), ("residual term", "attn/residual")):
             e = early[key][k]
             series[f"{label}, key 0 {k[5:]}"] = e["value"]
             errors[f"{label}, key 0 {k[5:]}"] = interval_errors(e["value"], e["lo"], e["hi"])
     out.append(lines(
         ctx, "leakage_sources", xs, series,
         "SmolLM2-135M-Instruct: the causal terms of the non-relative energy of the mean log-probabilities at early "
-        "queries, per layer from 1, key 0 in and out, with 95% jackknife intervals (log scale): the mask's denominator "
-        "counterfactual and what the absolute content of the "
-        "scores adds (docs/leakage.md).", "layer",
-        "non-relative energy (early queries)", "SmolLM2-135M-Instruct: the mask's term and the scores' absolute term",
+        "queries, per layer from 1, key 0 in and out, with 95% jackknife intervals (log scale): the mask-only term "
+        "(the causal softmax of the scores' lag profile) and the residual term (what the scores beyond one offset per "
+        "query and a function of i - j add); both unchanged by a constant per query (docs/leakage.md).", "layer",
+        "non-relative energy (early queries)", "SmolLM2-135M-Instruct: the mask-only term and the residual term",
         errors=errors, logy=True))
-    names = {"log-partition term (softmax denominator)": "split/e_partition", "upstream logit term": "split/e_logit"}
+    share = m["original"]["per_layer"]["all"]["scores/offset_share"]
     out.append(lines(
-        ctx, "leakage_exact_split", xs, {label: early[key]["key0_in"]["value"] for label, key in names.items()},
-        "The exact split of the same energy (key 0 in): a descriptive identity, not a split into causes (a query "
-        "term in the scores moves both terms and cancels in their cross term; docs/leakage.md; log scale).", "layer",
-        "non-relative energy (early queries)", "SmolLM2-135M-Instruct: the exact split (descriptive)",
-        errors={label: interval_errors(*(early[key]["key0_in"][k] for k in ("value", "lo", "hi")))
-                for label, key in names.items()}, logy=True))
+        ctx, "leakage_score_offset", xs, {f"key 0 {k[5:]}": share[k]["value"] for k in share},
+        "The share of the scores' non-relative energy (their Toeplitz residual) that one offset per query explains, "
+        "per layer, all queries, with 95% jackknife intervals: the part of the raw-score pattern that no softmax "
+        "sees (a description of the scores; docs/leakage.md).", "layer", "offset share of ||P S||^2",
+        "SmolLM2-135M-Instruct: the per-query offset in the scores' pattern",
+        errors={f"key 0 {k[5:]}": interval_errors(*(share[k][x] for x in ("value", "lo", "hi"))) for k in share}))
     if metrics:
         series, errors = sl.architecture_series(metrics, labels)
         xs = np.arange(1, len(next(iter(series.values()))) + 1)
         out.append(lines(ctx, "leakage_architectures", xs, series,
-                         "The sweep's models: absolute energy of the scores' absolute term per layer (from 1), "
+                         "The sweep's models: the residual term per layer (from 1), "
                          "debiased (without the sampling-noise term; log scale), all queries, offsets "
                          f"0-{max_offset} for every variant (the common domain), key 0 "
-                         "in; mean over seeds with 95% t-intervals over seeds.", "layer", "absolute-scores energy",
-                         "The sweep: the scores' absolute term by architecture",
+                         "in; mean over seeds with 95% t-intervals over seeds.", "layer", "residual term",
+                         "The sweep: the residual term by architecture",
                          errors={k: np.array(v) for k, v in errors.items()}, logy=True))
     return out
