@@ -106,19 +106,35 @@ def test_planted_position0_term_is_found_in_the_scores_and_not_in_the_mask_term(
 def test_both_sources_row_holds_on_a_planted_bos_and_fails_when_position0_adds_the_term(
         uniform, planted, tmp_path):
     """The report's "both sources" row (Ruscio et al.) on causal terms can go either way. Planted BOS state:
-    the mask-only term is there and patching position 0 removes the scores' absolute term (share 1): holds (the
-    offset null, all content tokens alike, removes none of it: context, not a test). Uniform stream with a random
-    position-0 embedding (`random`): the intervention creates the absolute term instead of removing it: its test
-    fails, and since the claim is about billion-parameter models a tiny model leaves the row not resolved (the
-    rule's scope), not contradicted."""
+    the mask-only term is there and patching position 0 removes the residual term (share 1). The offset null is a
+    test, not context: the removal at document starts must exceed the same intervention's on windows inside
+    documents, paired. Where the run holds no such pass the two tests are open (not resolved, saying what would
+    decide it); with the paired numbers written into the run it holds when they lie above 0 and its test fails
+    when they lie below. Uniform stream with a random position-0 embedding (`random`): the intervention creates
+    the residual term instead of removing it: its test fails, and since the claim is about billion-parameter
+    models a tiny model leaves the row not resolved (the rule's scope), not contradicted."""
+    import json
+
     from poslens.report.sections.leakage import leakage_claims
 
     run(planted, tmp_path / "planted", interventions=["patch:inside:1@0"], nulls=["offset"])
     claims, context = leakage_claims(tmp_path / "planted")
     both = next(c for c in claims if c.id == "ruscio-both-sources")
-    assert [t.outcome() for t in both.tests] == ["pass"] * 4 and both.verdict == "holds"
+    assert [t.outcome() for t in both.tests[:4]] == ["pass"] * 4
     assert "offset null" in both.measured
     assert any(what.startswith("the scores' own non-relative energy") for what, _ in context)
+    meta = json.loads((tmp_path / "planted" / "run.json").read_text())
+    offset = meta["metrics"]["nulls"]["offset"]
+    if "interventions" not in offset:  # the pass inside the documents not run: the control is open
+        assert [t.outcome() for t in both.tests[4:]] == ["open", "open"] and both.verdict == "not resolved"
+        assert "--nulls offset" in both.resolve
+    for value, outcome, verdict in ((0.5, "pass", "holds"), (-0.5, "fail", "not resolved")):
+        cell = {"value": value, "lo": value - 0.1, "hi": value + 0.1}
+        removed = {"early": {"attn/residual": {"key0_in": cell, "key0_out": cell}}}
+        offset["interventions"] = {"patch:inside:1@0": {"paired": {"over_layers": {"removed": removed}}}}
+        (tmp_path / "planted" / "run.json").write_text(json.dumps(meta))
+        both = next(c for c in leakage_claims(tmp_path / "planted")[0] if c.id == "ruscio-both-sources")
+        assert [t.outcome() for t in both.tests] == ["pass"] * 4 + [outcome] * 2 and both.verdict == verdict
     run(uniform, tmp_path / "uniform", interventions=["random"], nulls=["offset"])
     claims, _ = leakage_claims(tmp_path / "uniform", residual=("random",))
     both = next(c for c in claims if c.id == "ruscio-both-sources")

@@ -116,8 +116,9 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     assert "removed with the BOS embedding replaced by the mean embedding" in both.tests[2].statistic
     prose = [both.measured, both.key] + [t.statistic for t in both.tests] + [f"{w}: {v}" for w, v in context]
     assert not any(key in text for text in prose for key in ("cf/", "split/", "attn/", "scores/", "patch:"))
-    assert len(both.tests) == 4 and both.verdict in VERDICTS  # the mask's term and the removal, key 0 in and out
-    assert "offset null" in both.measured  # the null is context: the claim holds for any token at position 0
+    # the mask's term, the removal and the removal at document starts minus inside documents, key 0 in and out
+    assert len(both.tests) == 6 and both.verdict in VERDICTS
+    assert "offset null" in both.measured and "offset null" in both.tests[4].statistic  # the null is a test
     assert not any("energy" in t.statistic and "scores' own" in t.statistic for t in both.tests)  # context only
     assert any(what.startswith("the scores' own non-relative energy") for what, _ in context)
     assert not any(what.startswith("position 0") for what, _ in context)  # true by construction: asserted above

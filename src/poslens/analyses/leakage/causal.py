@@ -67,6 +67,16 @@ def two_way_fit(scores: torch.Tensor, visible: torch.Tensor | None = None) -> tu
     has the constant as its one null direction (every query sees offset 0), so (M + 1 1^T / D) r = b is solved
     exactly with sum r = 0 (b sums to 0).
     """
+    rows, r, keys = _lag_fit(scores, visible)
+    t = scores.shape[-1]
+    a = (rows - r.cumsum(-1).gather(-1, (keys - 1).expand(*r.shape[:-1], t))) / keys.to(torch.float64)
+    r = torch.cat([r, torch.full((*r.shape[:-1], t - r.shape[-1]), -torch.inf, dtype=torch.float64)], -1)
+    return a.to(scores.device), r.to(scores.device)
+
+
+def _lag_fit(scores: torch.Tensor, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row sums [..., T], the lag profile r [..., D] over the offsets seen, k [T]: the keys each query sees), float64
+    on the CPU (`two_way_fit`; the mask checked once)."""
     t = scores.shape[-1]
     visible = torch.isfinite(scores) if visible is None else visible
     keys = visible.sum(-1)  # k_i
@@ -77,27 +87,23 @@ def two_way_fit(scores: torch.Tensor, visible: torch.Tensor | None = None) -> tu
     first = keys.reshape(-1, t)[0]
     if not bool((keys == first).all()):
         raise UsageError("the two-way fit needs one mask for every map of a batch")
-    solve, seen = _lag_solver(tuple(first.tolist()))
-    k = first.to(torch.float64).cpu()
-    z = torch.where(visible, scores, 0.0)
-    rows = z.sum(-1, dtype=torch.float64).cpu()
-    diag = _diagonal_sums(z.to(torch.float64)).cpu()[..., :seen]
-    cover = (torch.arange(seen)[None, :] < first.cpu()[:, None]).to(torch.float64)  # C [T, D]
-    b = diag - (rows / k) @ cover
-    r = b @ solve  # the solver is symmetric
-    a = (rows - r.cumsum(-1).gather(-1, (first.cpu() - 1).expand(*r.shape[:-1], t))) / k
-    r = torch.cat([r, torch.full((*r.shape[:-1], t - seen), -torch.inf, dtype=torch.float64)], -1)
-    return a.to(scores.device), r.to(scores.device)
+    first = first.cpu()
+    solve, cover = _lag_solver(tuple(first.tolist()))
+    z = torch.where(visible, scores, 0.0)  # sums in the scores' precision (float32 or better), solved in float64
+    rows = z.sum(-1).to(torch.float64).cpu()
+    diag = _diagonal_sums(z).to(torch.float64).cpu()[..., : cover.shape[1]]
+    b = diag - (rows / first.to(torch.float64)) @ cover
+    return rows, b @ solve, first  # the solver is symmetric
 
 
 @functools.lru_cache(maxsize=16)
-def _lag_solver(keys: tuple[int, ...]) -> tuple[torch.Tensor, int]:
-    """(M + 1 1^T / D)^-1 [D, D] for the mask whose query i sees keys[i] offsets, and D (the offsets seen)."""
+def _lag_solver(keys: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """((M + 1 1^T / D)^-1 [D, D], C [T, D]) for the mask whose query i sees keys[i] offsets (D: the offsets seen)."""
     k = torch.tensor(keys, dtype=torch.float64)
     seen = int(max(keys))
     cover = (torch.arange(seen)[None, :] < k[:, None]).to(torch.float64)
     m = torch.diag(cover.sum(0)) - cover.T @ (cover / k[:, None]) + 1.0 / seen
-    return torch.linalg.inv(m), seen
+    return torch.linalg.inv(m), cover
 
 
 def lag_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,11 +112,9 @@ def lag_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None)
     any per-query constant added to the scores). The visible offsets of query i are 0 .. k_i - 1, so
     L0_i = logcumsumexp(r)_{k_i - 1}. Purely relative scores phi(i - j) + g(i) give r - L0 = phi - log sum exp phi:
     the causal softmax of phi (the mask-only counterfactual)."""
-    visible = torch.isfinite(scores) if visible is None else visible
-    _, r = two_way_fit(scores, visible)
-    keys = visible.sum(-1)
-    cumulative = torch.logcumsumexp(r, -1)  # log sum_{d' <= d} exp r_d'
-    return cumulative.gather(-1, (keys - 1).clamp(min=0)).masked_fill(keys == 0, -torch.inf)
+    _, r, keys = _lag_fit(scores, visible)
+    cumulative = torch.logcumsumexp(r, -1)  # log sum_{d' <= d} exp r_d' (every query sees offset 0: k_i >= 1)
+    return cumulative.gather(-1, (keys - 1).expand(*r.shape[:-1], len(keys))).to(scores.device)
 
 
 def _diagonal_sums(x: torch.Tensor) -> torch.Tensor:

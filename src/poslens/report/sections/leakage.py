@@ -66,6 +66,16 @@ def more_sequences(tests, n: int | None, size: str = "leakage.sequences") -> str
             f"(each interval is a jackknife over groups of sequences; `poslens reproduce --sizes {size}={need}`)")
 
 
+def inside_pairs(offset: dict | None, spec: str, energy: str = "attn/residual") -> dict | None:
+    """{key0_in, key0_out: estimate} of intervention `spec`'s removed share of the early-query `energy` (summed over
+    layers) at document starts minus the same on the offset null's windows inside documents, paired by group
+    (run.json `nulls.offset.interventions[spec].paired`); None when the run did not measure it."""
+    paired = (((offset or {}).get("interventions") or {}).get(spec) or {}).get("paired")
+    if not paired:
+        return None
+    return paired["over_layers"]["removed"]["early"][energy]
+
+
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
                    residual: tuple[str, ...] = RESIDUAL) -> tuple[list[Claim], list]:
     """Claims and context rows from a `poslens leakage` run directory and, optionally, a `poslens leakage-stack`
@@ -95,21 +105,21 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             tests.append(estimate_test(f"residual stream: share of the early-query residual term (summed over "
                                        f"layers, key 0 {k[5:]}) removed with {words} (the mask fixed)",
                                        gone["attn/residual"][k], ">", 0.0, interval))
-        nulls = ""
-        if offset is not None:
-            kept = offset["over_layers"]["removed"]["early"]["attn/residual"]
-            diffs = []
-            for k in ("key0_in", "key0_out"):
-                a_, b_ = gone["attn/residual"][k], kept[k]  # two runs on different windows: not paired
-                diffs.append(interval_text({"value": a_["value"] - b_["value"], "lo": a_["lo"] - b_["hi"],
-                                            "hi": a_["hi"] - b_["lo"]}))
-            nulls = ("; at document starts minus in the offset null (windows that start inside documents; "
-                     "conservative, from the two intervals' far ends: the runs are not paired), key 0 in / out: "
-                     f"{diffs[0]} / {diffs[1]}: context, not a test, since the claim says position 0 carries the "
-                     "first token's fingerprint whatever that token is, which a window inside a document has too"
-                     "; the nulls' removed shares of the residual term (key 0 in / out; offset: the same "
-                     "intervention on windows that start inside documents; circular: each sequence's tokens after the "
-                     "first rolled by a random shift): ") + "; ".join(
+        paired = inside_pairs(offset, spec)
+        for k in ("key0_in", "key0_out"):  # nulls are tests: the effect of position 0 must exceed it inside documents
+            tests.append(estimate_test(
+                f"the same removal at document starts minus on windows inside documents (the offset null's pass of "
+                f"the same intervention, paired by group of sequences; key 0 {k[5:]})"
+                + ("" if paired else ": not measured, the run has no offset null under this intervention "
+                                     "(`poslens leakage --nulls offset` runs it)"),
+                paired[k] if paired else {"value": None, "lo": None, "hi": None}, ">", 0.0, interval))
+        nulls = ("; 'position 0' read as position 0 of a document: the removal must be larger at document starts "
+                 "than when the same intervention replaces position 0 of a window that starts inside a document "
+                 "(the offset null), paired on the same documents and groups (the last two tests)")
+        if m.get("nulls"):
+            nulls += ("; the nulls' removed shares of the residual term, against the original at document starts "
+                      "(key 0 in / out; offset: the unmodified model on windows inside documents; circular: each "
+                      "sequence's tokens after the first rolled by a random shift): ") + "; ".join(
                 f"{n} {interval_text(c['over_layers']['removed']['early']['attn/residual']['key0_in'])} / "
                 f"{interval_text(c['over_layers']['removed']['early']['attn/residual']['key0_out'])}"
                 for n, c in m["nulls"].items())
@@ -126,11 +136,15 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                      "that is neither a per-query offset nor a function of i - j adds to the mask-only term, through "
                      f"the numerator and the denominator) removed with {words}, paired on the same "
                      f"sequences{nulls} (docs/leakage.md).",
-            resolve=more_sequences(tests, n_seqs),
+            resolve=("the same intervention on the offset null's windows (`--nulls offset`, which runs every "
+                     "intervention inside the documents too), then " if paired is None else "")
+            + more_sequences(tests, n_seqs),
             figure="the mask-only term and the residual term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
                 f"{interval_text(gone['attn/residual']['key0_in'])} (key 0 in) / "
-                f"{interval_text(gone['attn/residual']['key0_out'])} (out)"))
+                f"{interval_text(gone['attn/residual']['key0_out'])} (out)"
+                + (f"; minus inside documents, paired: {interval_text(paired['key0_in'])} / "
+                   f"{interval_text(paired['key0_out'])}" if paired else "; not compared inside documents")))
     anchor = next((s for s in ("mean", "random") if (m.get("interventions", {}).get(s) or {}).get("sink_attention")),
                   None)
     if anchor is not None:
