@@ -122,6 +122,9 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     assert not any("energy" in t.statistic and "scores' own" in t.statistic for t in both.tests)  # context only
     assert any(what.startswith("the scores' own non-relative energy") for what, _ in context)
     assert not any(what.startswith("position 0") for what, _ in context)  # true by construction: asserted above
+    offset = next(c for c in claims if c.id == "offset-share-ruscio")  # the finding row: one test per later layer
+    assert offset.finding and len(offset.tests) == 2 and offset.verdict in VERDICTS
+    assert offset.tests[0].value == m["original"]["per_layer"]["all"]["scores/offset_share"]["key0_out"]["value"][1]
     sa = m["interventions"]["mean"]["sink_attention"]  # sinks in this tiny model, or none: either way consistent
     anchored = [c for c in claims if c.id == "ruscio-token-anchored"]
     assert len(anchored) == (sa is not None)

@@ -197,6 +197,23 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
         key=f"change {interval_text(change)}")
 
 
+def offset_lines(metrics: dict, labels: dict[str, str], key0: str = "key0_out") -> list[str]:
+    """Per variant: the share of the scores' non-relative energy that one offset per query explains (no softmax sees
+    it), averaged over layers (all queries), the mean over seeds with its t-interval, and per layer."""
+    out = []
+    for v in labels:
+        seeds = _seeds(metrics, v)
+        if not seeds:
+            continue
+        mean = seed_interval([metrics[v, s]["original"]["over_layers"]["all"]["scores/offset_share"][key0]["value"]
+                              for s in seeds], support=(0.0, 1.0))
+        layers = zip(*(metrics[v, s]["original"]["per_layer"]["all"]["scores/offset_share"][key0]["value"]
+                       for s in seeds))
+        out.append(f"{labels[v]} {interval_text(mean)} (per layer, mean over seeds: "
+                   + ", ".join(f"{sum(x) / len(x):.2f}" for x in layers) + ")")
+    return out
+
+
 def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean") -> Claim:
     """"Both sources appear in all three architectures", on the sweep: for each RoPE-family variant, the mask's
     term (the mask-only term's share of the early-query non-relative energy of the log-probabilities,

@@ -26,7 +26,7 @@ import numpy as np
 
 from poslens.analyses.leakage.summary import sink_bounds
 from poslens.io.results import load
-from poslens.report.claims import Claim, estimate_test, interval_text, num
+from poslens.report.claims import Claim, Test, estimate_test, interval_text, num
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
@@ -74,6 +74,33 @@ def inside_pairs(offset: dict | None, spec: str, energy: str = "attn/residual") 
     if not paired:
         return None
     return paired["over_layers"]["removed"]["early"][energy]
+
+
+# "carries part": a per-query offset's share of a pattern above 5% in a layer. A pattern that is no offset at all
+# leaks a little into the offset fit (a key term (-1)^j: 1-2% at 16 tokens, tests/test_leakage_offset.py), so the
+# floor sits above that
+OFFSET_FLOOR = 0.05
+
+
+def offset_claim(cid: str, statistic: str, per_layer: list[tuple[float, float, float]], interval: str,
+                 measured: str, figure: str = "", resolve: str = "") -> Claim:
+    """The finding that a per-query offset (one constant per query: no softmax sees it) carries part of a
+    non-relative score statistic in every layer after the first: per layer (value, lo, hi) of its offset share, one
+    test per layer, share > OFFSET_FLOOR. The tests are a conjunction (every layer must pass), so each layer's own
+    95% interval is the right one (an intersection-union test needs no correction for the number of layers)."""
+    tests = tuple(Test(f"layer {k + 1}: share of {statistic} explained by one offset per query", float(v), ">",
+                       OFFSET_FLOOR, float(lo), float(hi), interval) for k, (v, lo, hi) in enumerate(per_layer)
+                  if k >= 1)
+    values = [float(v) for v, _, _ in per_layer[1:]]
+    low = min(range(len(values)), key=lambda k: values[k]) + 2 if values else 0
+    key = (f"per layer from 2: {min(values):.2f} (layer {low}) to {max(values):.2f}, median "
+           f"{float(np.median(values)):.2f}" if values else "no layer after the first")
+    unresolved = [t.statistic.split(":")[0] for t in tests if t.outcome() == "open"]
+    return Claim(
+        cid, "poslens", "this report (the scores' gauge: a constant per query changes no attention weight)",
+        f"part of {statistic} is a per-query offset, which no softmax sees: more than {OFFSET_FLOOR:.0%} of it in "
+        "every layer after the first", tests, measured=measured, finding=True, figure=figure, key=key,
+        resolve=resolve or (f"more sequences ({', '.join(unresolved)} open)" if unresolved else ""))
 
 
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
@@ -145,6 +172,21 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                 f"{interval_text(gone['attn/residual']['key0_out'])} (out)"
                 + (f"; minus inside documents, paired: {interval_text(paired['key0_in'])} / "
                    f"{interval_text(paired['key0_out'])}" if paired else "; not compared inside documents")))
+    share = m["original"]["per_layer"]["all"].get("scores/offset_share")
+    if share is not None:  # Ruscio et al.'s reading of the scores: their non-Toeplitz energy, key 0 out as Kim's
+        e = share["key0_out"]
+        claims.append(offset_claim(
+            "offset-share-ruscio", "the scores' non-relative energy (their Toeplitz residual ||P S||^2)",
+            list(zip(e["value"], e["lo"], e["hi"])), interval,
+            f"{name}, {seqs}, all queries, offsets up to {m['domains']['max_offset'] or 'n / 2'}, key 0 out: per "
+            "layer, the mean score map's non-relative energy and the share of it that a least-squares fit with one "
+            "offset per query (beside one per offset i - j) explains; delete-one-group jackknife intervals. The "
+            "share is of a plug-in energy, whose sampling noise is not an offset, so it leans low at few sequences. "
+            "Such an offset is not part of the attention (the softmax removes it): it moves the scores' statistics "
+            "and none of the decomposition's terms (docs/leakage.md, \"The decomposition\"). Per layer (from 1): "
+            + "; ".join(f"{k + 1}: {interval_text({'value': v, 'lo': lo, 'hi': hi}, 2)}"
+                        for k, (v, lo, hi) in enumerate(zip(e["value"], e["lo"], e["hi"]))) + ".",
+            figure="the per-query offset in the scores' pattern"))
     anchor = next((s for s in ("mean", "random") if (m.get("interventions", {}).get(s) or {}).get("sink_attention")),
                   None)
     if anchor is not None:
@@ -260,6 +302,13 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     context = [("attention sinks in Gemma-3-270M (Gu et al.'s test: mean attention on key 0 above the threshold)",
                 f"sink rate {sk['rate']:.3f} at {sk['tokens']} tokens" + (f" ({b})" if (b := sink_bounds(sk)) else "")
                 + f", {len(sk['sink_heads'])} heads above {sk['epsilon']}")]
+    share = m["original"]["per_layer"]["all"].get("scores/offset_share")
+    if share is not None:
+        e = share["key0_out"]
+        context.append(("Gemma-3-270M: share of the scores' non-relative energy that one offset per query explains "
+                        "(no softmax sees it; a description of the scores), per layer from 1, all queries, key 0 out, "
+                        f"{interval}", "; ".join(f"{k + 1}: {interval_text({'value': v, 'lo': lo, 'hi': hi}, 2)}"
+                                                 for k, (v, lo, hi) in enumerate(zip(e["value"], e["lo"], e["hi"])))))
     return tests, text, key, context, arch
 
 
@@ -353,6 +402,10 @@ def build(ctx, size: dict) -> Section:
                             "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
                             f"embedding, with 95% jackknife intervals over each run's groups (no row: {none} of the "
                             f"{len(lines)} models form no sink head)", "; ".join(lines)))
+    if offsets := sl.offset_lines(metrics, sw.labels):
+        context.append(("the sweep's models: share of the scores' non-relative energy that one offset per query "
+                        "explains (no softmax sees it; a description of the scores), averaged over layers, all "
+                        "queries, key 0 out, mean over seeds with 95% t-intervals over seeds", "; ".join(offsets)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset, real=gemma_arch)
         swept.append(arch)
