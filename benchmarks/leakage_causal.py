@@ -32,8 +32,7 @@ from poslens.analyses.leakage.causal import ENERGIES, METRICS, VARIANTS, Domains
 from poslens.analyses.leakage.contrast import contrast, excludes_zero
 
 INTERVENTIONS = ("mean", "patch:inside:1@0", "patch:inside:1@4", "patch:inside:1@15", "patch:mean:33@4")
-HEADLINE = ("split/e_logit", "split/e_partition", "cf/mask_only", "cf/absolute_scores", "scores/trf",
-            "log_probs/trf")
+HEADLINE = ("scores/energy", "attn/e_total", "attn/mask_only", "attn/residual", "scores/trf", "log_probs/trf")
 
 
 def run_passes(args) -> dict:
@@ -146,9 +145,8 @@ def summarise(saved: dict) -> dict:
     _, est = orig.estimates()
     layer = est["metrics"]
     out["orig"] = {v: {m: items(layer, (i, METRICS.index(m))) for m in HEADLINE} for i, v in enumerate(variants)}
-    ratio = layer.value[:, METRICS.index("cf/mask_only_over_partition")]
-    out["mask_only_over_partition_range"] = {v: [float(ratio[i].min()), float(ratio[i].max())]
-                                             for i, v in enumerate(variants)}
+    ratio = layer.value[:, METRICS.index("attn/share_mask_only")]
+    out["share_mask_only_range"] = {v: [float(ratio[i].min()), float(ratio[i].max())] for i, v in enumerate(variants)}
     alpha = est["alpha0"].value
     sink = alpha > 0.3
     out["sink_heads"] = int(sink.sum())
@@ -171,12 +169,12 @@ def summarise(saved: dict) -> dict:
                  "removed_per_layer": {v: {e: items(c["removed"], (i, k)) for k, e in enumerate(ENERGIES)}
                                        for i, v in enumerate(variants)}}
         out["contrasts"][name] = entry
-    # per head: the BOS replacement's effect on the scores' absolute term of sink-reading heads and the others
+    # per head: the BOS replacement's effect on the residual term of sink-reading heads and the others
     heads = contrast(orig, stats["mean"], heads=True)
-    k = ENERGIES.index("cf/absolute_scores")
+    k = ENERGIES.index("attn/residual")
     early = variants.index("early")
     removed = heads["removed"]
-    sig = excludes_zero(heads["difference"])[early, METRICS.index("cf/absolute_scores")]
+    sig = excludes_zero(heads["difference"])[early, METRICS.index("attn/residual")]
     out["heads_mean"] = {"sink_heads_removal_excluding_zero": int(sig[sink].sum()),
                          "other_heads_removal_excluding_zero": int(sig[~sink].sum()),
                          "sink_heads": int(sink.sum()), "other_heads": int((~sink).sum()),
@@ -231,7 +229,7 @@ def main() -> None:
                              for k, c in summary["contrasts"].items()}
     (out / "headline.json").write_text(json.dumps(headline, indent=1))
     print(json.dumps({k: summary[k] for k in ("cost_ratio_to_plain", "hook_ratio_to_plain", "summary_ratio_to_plain",
-                                              "mask_only_over_partition_range", "heads_mean", "predecessor")},
+                                              "share_mask_only_range", "heads_mean", "predecessor")},
                      indent=1))
 
 

@@ -154,7 +154,8 @@ class Case(NamedTuple):
 
 
 SCORES = {"scores": torch.randn(2, 4, 4)}
-SHARES = {"per_layer_all": {"split/share_logit": {"value": [0.1, 0.2]}, "split/share_partition": {"value": [0.9, 0.8]}}}
+SHARES = {"per_layer_all": {"attn/share_mask_only": {"value": [0.1, 0.2]},
+                            "attn/share_residual": {"value": [0.9, 0.8]}}}
 # two batches of one sequence: an interval needs 2 groups
 TINY = ["--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"]
 
@@ -222,7 +223,7 @@ CASES = [
     Case(["compare", "r"], run("r", "scores", {"scores": torch.zeros(5)}), "its scores have shape (5,), not [layers"),
     Case(["compare", "r", "--first", "2"], run("r", "scores", {"scores": torch.full((3, 4, 4), math.nan)}),
          "the scores of layer 1 are all NaN or infinite, nothing to draw"),
-    Case(["leakage-compare", "r"], run("r", "leakage"), "has no per-layer split (metrics.per_layer_all"),
+    Case(["leakage-compare", "r"], run("r", "leakage"), "has no per-layer decomposition (metrics.per_layer_all"),
     Case(["leakage-compare", "r"], run("r", "scores", SCORES), "leakage-compare needs runs of `poslens leakage`"),
     Case(["leakage-compare", "r", "s"], both(run("r", "leakage-stack", metrics=SHARES),
                                              run("s", "leakage-stack", metrics=SHARES)), "would both be labelled"),

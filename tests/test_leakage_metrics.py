@@ -196,7 +196,11 @@ def test_leakage_metrics_collects_everything_over_layers():
     s = causal(torch.randn(2, 4, N, N, generator=g, dtype=torch.float64))
     lp = torch.logsumexp(torch.nan_to_num(s, nan=-math.inf), -1)
     out = lm.leakage_metrics({"scores": s, "log_partition": lp, "log_probs": s - lp[..., None]}, lm.Domain())
-    assert {"scores/trf", "scores/dr2_abs", "split/share_logit", "log_probs/drift", "scores/sink_excess"} <= set(out)
+    assert {"scores/trf", "scores/dr2_abs", "split/share_logit", "log_probs/drift", "scores/sink_excess",
+            "scores/offset_share", "scores/energy"} <= set(out)
+    out = lm.leakage_metrics({"scores": s, "log_partition": lp, "lag_log_partition": lp - 0.1}, lm.Domain())
+    assert {"attn/e_total", "attn/mask_only", "attn/residual", "attn/share_cross"} <= set(out)
+    assert not any(k.startswith("split/") for k in out)
     assert all(v.shape == (2, 4) for v in out.values())
 
 
@@ -245,10 +249,19 @@ def test_moments_agree_with_materialised_residuals(dom):
     torch.testing.assert_close(out["e_partition"], energy(l_), **close)
     torch.testing.assert_close(out["cross"], -2 * (p(y) * p(l_)).sum(-1), **close)
     torch.testing.assert_close(out["fraction"], energy(y - l_) / centred(y - l_), **close)
-    cf = lm.counterfactual_split(s, lp, rel, dom)
+    cf = lm.attention_split(s, lp, rel, dom)
+    torch.testing.assert_close(cf["e_total"], energy(y - l_), **close)
     torch.testing.assert_close(cf["mask_only"], energy(r_), **close)
-    torch.testing.assert_close(cf["absolute_scores"], energy(y - (l_ - r_)), **close)
+    torch.testing.assert_close(cf["residual"], energy(y - (l_ - r_)), **close)
     torch.testing.assert_close(cf["cross"], -2 * (p(r_) * p(y - (l_ - r_))).sum(-1), **close)
+    # the offset share: 1 - RSS of the lag + query fit / RSS of the lag fit, by least squares on Omega's entries
+    x = torch.zeros(ix.size, 2 * n, dtype=torch.float64)
+    x[torch.arange(ix.size), ix.d] = 1.0
+    x[torch.arange(ix.size), n + i] = 1.0
+    fit = x @ (torch.linalg.pinv(x) @ y.T)
+    share = lm.offset_share(s, dom)
+    torch.testing.assert_close(share["energy"], energy(y), **close)
+    torch.testing.assert_close(share["offset_share"], 1 - ((y.T - fit) ** 2).sum(0) / energy(y), rtol=1e-8, atol=1e-10)
     x = torch.log1p(i.to(torch.float64)).expand_as(y)
     torch.testing.assert_close(lm.drift(s, dom)["slope"], (p(x) * p(y)).sum(-1) / (p(x) ** 2).sum(-1), **close)
     prof = lm.key_profile(s, dom)["profile"]
@@ -258,3 +271,29 @@ def test_moments_agree_with_materialised_residuals(dom):
         torch.testing.assert_close(prof[..., j], expected, equal_nan=True, **close)
     logp = lm.leakage_metrics({"scores": s, "log_partition": lp}, dom)
     torch.testing.assert_close(logp["log_probs/trf"], lm.toeplitz_fraction(s - lp[..., None], dom), **close)
+
+
+def test_offset_power_is_kim_et_al_s_pattern_power_and_finds_a_planted_query_offset():
+    """`offset_power`'s pattern term is Kim et al.'s Section 5.2 statistic (measures.pattern_power with the sink
+    column left out: the noise-free mean square of the diagonal-normalised map) to 1e-12 on random halves; on halves
+    phi(i - j) + g(i) + independent noise of their own the offset share is 1 within its noise, and with a key term
+    (-1)^j instead of g it is near 0: the statistic separates what a softmax ignores from what it sees."""
+    from poslens.report.sections import measures as ms
+
+    n = 24
+    i, j = torch.arange(n)[:, None].double(), torch.arange(n)[None].double()
+    g = torch.Generator().manual_seed(11)
+
+    def halves(plant: torch.Tensor, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(causal(0.3 * torch.cos(i - j) + plant + noise * torch.randn(n, n, generator=g,
+                                                                                 dtype=torch.float64))
+                     for _ in range(2))
+
+    dom = lm.Domain(max_offset=n - 1, first_key=False)
+    a, b = halves(torch.zeros(n, n, dtype=torch.float64), 1.0)
+    torch.testing.assert_close(lm.offset_power(a, b, dom)["pattern"],
+                               ms.pattern_power(a.numpy(), b.numpy(), sink=True), rtol=1e-12, atol=1e-15)
+    query = lm.offset_power(*halves(torch.log1p(i).expand(n, n) ** 2, 0.01), dom)
+    assert float(query["share"]) == pytest.approx(1.0, abs=0.01)
+    key = lm.offset_power(*halves((1 - 2 * (j % 2)).expand(n, n), 0.01), dom)
+    assert float(key["share"]) < 0.1

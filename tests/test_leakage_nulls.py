@@ -89,7 +89,7 @@ def test_paired_contrast_has_its_nominal_size_on_passes_without_an_effect():
     rate = excludes_zero(diff).double().mean(-1)[..., 0]  # [V, M], over the repetitions
     tol = 3 * math.sqrt(0.05 * 0.95 / reps)
     for v, (variant, _, _) in enumerate(VARIANTS):
-        for metric in ("scores/trf", "split/e_logit", "split/e_partition", "cf/mask_only", "cf/absolute_scores",
+        for metric in ("scores/trf", "scores/energy", "attn/e_total", "attn/mask_only", "attn/residual",
                        "log_probs/trf"):
             got = float(rate[v, METRICS.index(metric)])
             assert abs(got - 0.05) <= tol, (variant, metric, got)

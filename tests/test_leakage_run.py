@@ -64,16 +64,13 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
                     assert set(c[section][part][scope]) == set(keys)
                     for n in keys:
                         sides(c[section][part][scope][n], 3 if section == "per_layer" else None)
-    # both splits add up exactly, layer by layer, on every domain
+    # the decomposition adds up exactly, layer by layer, on every domain
     for scope in ("all", "early"):
         o = m["original"]["per_layer"][scope]
         for k in ("key0_in", "key0_out"):
-            total = o["split/e_total"][k]["value"]
-            assert [a + b + c for a, b, c in zip(*(o[f"split/{t}"][k]["value"] for t in ("e_logit", "e_partition",
-                                                                                          "cross")))] == \
-                pytest.approx(total, rel=1e-9)
-            assert [a + b + c for a, b, c in zip(*(o[f"cf/{t}"][k]["value"] for t in ("mask_only", "absolute_scores",
-                                                                                       "cross")))] == \
+            total = o["attn/e_total"][k]["value"]
+            assert [a + b + c for a, b, c in zip(*(o[f"attn/{t}"][k]["value"] for t in ("mask_only", "residual",
+                                                                                         "cross")))] == \
                 pytest.approx(total, rel=1e-9)
     # every energy also carries its debiased value (the jackknife's bias correction: the sampling-noise term of an
     # energy of a mean map removed), never above the plug-in value for equal groups (a quadratic of the group means)
@@ -89,16 +86,15 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     for spec in ("shift:50", "freeze"):
         for scope in ("all", "early"):
             for k in ("key0_in", "key0_out"):
-                assert abs(iv[spec]["over_layers"]["removed"][scope]["split/e_total"][k]["value"]) < 1e-4
-    assert abs(iv["shift:50"]["removed_all_layers"]["value"]) < 1e-4  # the previous layout's number is kept
+                assert abs(iv[spec]["over_layers"]["removed"][scope]["attn/e_total"][k]["value"]) < 1e-4
     assert max(abs(x) for x in m["position0_spread"]) < 1e-6
     assert m["position0_spread_interval"]["groups"] == 4 and len(m["position0_spread_interval"]["hi"]) == 4
     # a patch at layer 2 leaves layer 1 as it was: its difference there is exactly 0 on every domain
     diff = iv["patch:inside:1@1"]["per_layer"]["difference"]
     assert all(diff[s][n][k]["value"][0] == 0 for s in ("all", "early") for n in m["energies"]
                for k in ("key0_in", "key0_out"))
-    # replacing the BOS embedding does change the scores' absolute term (in either direction for random weights)
-    assert abs(iv["mean"]["over_layers"]["removed"]["early"]["cf/absolute_scores"]["key0_in"]["value"]) > 1e-3
+    # replacing the BOS embedding does change the residual term (in either direction for random weights)
+    assert abs(iv["mean"]["over_layers"]["removed"]["early"]["attn/residual"]["key0_in"]["value"]) > 1e-3
     pred = m["predecessor"]
     # 12 heads: BH's first threshold 0.05 / 12 = 4.2e-3; 8 sequences: the 256 sign vectors enumerated (fewer than
     # the 479 flips BH asks for), smallest p 1/256 = 3.9e-3, so a head can be detected, just
@@ -111,20 +107,24 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
               "alpha0"):
         assert (tmp_path / "run" / "figures" / f"{f}.png").exists()
     lines = summary_lines(run.meta)
-    assert any(line.strip().startswith("cf/absolute_scores") for line in lines)
+    assert any(line.strip().startswith("attn/residual") for line in lines)
     assert any("key 0 in" in line and "key 0 out" in line for line in lines)
     assert any(line.startswith("predecessor: ") and line.endswith("detectable)") for line in lines)
     claims, context = leakage_claims(tmp_path / "run")  # the report section reads the run
     both = next(c for c in claims if c.id == "ruscio-both-sources")  # on causal terms: the mask-only term, the
-    assert "mask-only counterfactual" in both.tests[0].statistic  # intervention, named in words (no run.json keys)
+    assert "mask-only term" in both.tests[0].statistic  # intervention, named in words (no run.json keys)
     assert "removed with the BOS embedding replaced by the mean embedding" in both.tests[2].statistic
     prose = [both.measured, both.key] + [t.statistic for t in both.tests] + [f"{w}: {v}" for w, v in context]
-    assert not any(key in text for text in prose for key in ("cf/", "split/", "e_logit", "e_partition", "patch:"))
-    assert len(both.tests) == 4 and both.verdict in VERDICTS  # the mask's term and the removal, key 0 in and out
-    assert "offset null" in both.measured  # the null is context: the claim holds for any token at position 0
-    assert not any("split/" in t.statistic for t in both.tests)  # the exact split is context, not a test
-    assert any(what.startswith("the exact split") for what, _ in context)
+    assert not any(key in text for text in prose for key in ("cf/", "split/", "attn/", "scores/", "patch:"))
+    # the mask's term, the removal and the removal at document starts minus inside documents, key 0 in and out
+    assert len(both.tests) == 6 and both.verdict in VERDICTS
+    assert "offset null" in both.measured and "offset null" in both.tests[4].statistic  # the null is a test
+    assert not any("energy" in t.statistic and "scores' own" in t.statistic for t in both.tests)  # context only
+    assert any(what.startswith("the scores' own non-relative energy") for what, _ in context)
     assert not any(what.startswith("position 0") for what, _ in context)  # true by construction: asserted above
+    offset = next(c for c in claims if c.id == "offset-share-ruscio")  # the finding row: one test per later layer
+    assert offset.finding and len(offset.tests) == 2 and offset.verdict in VERDICTS
+    assert offset.tests[0].value == m["original"]["per_layer"]["all"]["scores/offset_share"]["key0_out"]["value"][1]
     sa = m["interventions"]["mean"]["sink_attention"]  # sinks in this tiny model, or none: either way consistent
     anchored = [c for c in claims if c.id == "ruscio-token-anchored"]
     assert len(anchored) == (sa is not None)
@@ -145,16 +145,16 @@ def test_per_head_contrasts_of_a_one_head_model_are_its_layer_contrasts(tmp_path
         assert heads.shape == (*layers.shape, 1)
         assert torch.allclose(heads[..., 0], layers, rtol=1e-5, atol=1e-6)
         entry = m["interventions"][name]["heads"]
-        assert entry["energy"] == "cf/absolute_scores" and entry["key0_in"]["heads"] == 3
+        assert entry["energy"] == "attn/residual" and entry["key0_in"]["heads"] == 3
         for key0 in ("key0_in", "key0_out"):
             e = entry[key0]
-            per_layer = m["interventions"][name]["per_layer"]["removed"]["early"]["cf/absolute_scores"][key0]
+            per_layer = m["interventions"][name]["per_layer"]["removed"]["early"]["attn/residual"][key0]
             for cell in e["largest"]:
                 assert cell["value"] == pytest.approx(per_layer["value"][cell["layer"] - 1], rel=1e-5, abs=1e-6)
             assert e["removed"] == sum(lo > 0 for lo in per_layer["lo"])
             assert e["added"] == sum(hi < 0 for hi in per_layer["hi"])
     lines = summary_lines(run.meta)
-    assert sum(line.strip().startswith("per head, share of cf/absolute_scores removed") for line in lines) == 2
+    assert sum(line.strip().startswith("per head, share of attn/residual removed") for line in lines) == 2
 
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
@@ -273,7 +273,7 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
                 out, progress=False)
     tests, text, key, context, arch = gemma_measurement(out)
     m = poslens.io.results.load(out, tensors=False).metrics
-    gone = m["interventions"]["mean"]["over_layers"]["removed"]["early"]["cf/absolute_scores"]
+    gone = m["interventions"]["mean"]["over_layers"]["removed"]["early"]["attn/residual"]
     assert len(tests) == 2
     for t, k in zip(tests, ("key0_in", "key0_out")):
         assert (t.value, t.lo, t.hi, t.side, t.threshold) == (gone[k]["value"], gone[k]["lo"], gone[k]["hi"], ">", 0)

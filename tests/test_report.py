@@ -219,7 +219,7 @@ def test_line_plots_tick_from_the_first_value_name_categories_and_keep_the_legen
     assert not ax.get_legend() and len(fig.legends) == 1
     assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0
     plotting.plt.close(fig)
-    long = {f"the scores' absolute term (cf/absolute_scores), key 0 {k}": layers for k in ("in", "out", "a")}
+    long = {f"the residual term (attn/residual), key 0 {k}": layers for k in ("in", "out", "a")}
     fig = plotting.line_plot(layers, long, "layer", "y")
     fig.canvas.draw()
     box = fig.legends[0].get_window_extent()

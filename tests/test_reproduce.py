@@ -38,7 +38,7 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     for stem in ("figure1", "figure2", "figure2_profiles", "figure3", "figure3_profiles", "figure4", "figure5",
                  "figure6", "figure7", "figure8", "figure9", "figure10", "convergence", "appendix_a1_h",
                  "layer2_profiles", "model_pattern_power", "model_key_profile", "model_rope_normalised",
-                 "training_curves", "position_probe", "leakage_sources", "leakage_exact_split",
+                 "training_curves", "position_probe", "leakage_sources", "leakage_score_offset",
                  "leakage_architectures"):
         assert stem in figs, stem
     check_report_images(report)

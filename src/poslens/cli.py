@@ -270,13 +270,15 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "Diagonal-normalised maps of the first layers of several runs, one row per run.",
             configs=("poslens.cli:CompareOptions",), out="runs/compare", quiet=False,
             handler="poslens.cli:cmd_compare", arguments="poslens.cli:_labels"),
-    Command("leakage-stack", "the leakage split in the parameter-free stack for three architectures",
-            "Mask / logit split per layer for standard RoPE, NTK-scaled RoPE and a sliding window in the "
-            "parameter-free stack: exact (d -> infinity, Gram flow) and Monte Carlo.",
+    Command("leakage-stack", "the leakage decomposition in the parameter-free stack for three architectures",
+            "Per layer, the non-relative energy of the log-probabilities split into the mask-only term (the causal "
+            "softmax of the scores' lag profile), the residual term and their interaction, for standard RoPE, "
+            "NTK-scaled RoPE and a sliding window in the parameter-free stack: exact (d -> infinity, Gram flow) and "
+            "Monte Carlo.",
             configs=("poslens.analyses.leakage.command:StackLeakageOptions",), out="runs/leakage-stack", quiet=False,
             handler="poslens.analyses.leakage.command:cmd_stack"),
     Command("leakage-compare", "component shares by depth of several leakage runs in one figure",
-            "One figure: the logit and mask shares per layer of each run.",
+            "One figure per component: the mask-only and residual shares per layer of each run (docs/leakage.md).",
             configs=("poslens.analyses.leakage.command:LeakageCompareOptions",), out="runs/leakage-compare",
             quiet=False, handler="poslens.analyses.leakage.command:cmd_compare", arguments="poslens.cli:_labels"),
     Command("train", "train a NoPE or RoPE Llama-style decoder (SmolLM3) from scratch",

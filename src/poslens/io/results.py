@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from poslens.errors import UsageError
@@ -152,6 +152,19 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
         what = f"{META} is not a JSON object" if not isinstance(meta, dict) else f"{wrong[0]!r} is not an object"
         raise UsageError(f"{path}: corrupt run directory ({what}); rerun the command that wrote it")
     return Run(path=path, tensors=maps, meta=meta)
+
+
+def check_tensors(path: str | os.PathLike) -> None:
+    """A one-line UsageError unless the run directory's tensors file is whole: its header parses and its entries lie
+    within the file (a truncated file fails here), without reading the tensors (`load(tensors=False)` reads
+    run.json alone)."""
+    path = Path(path)
+    try:
+        with safe_open(str(path / TENSORS), "pt"):
+            pass
+    except (OSError, SafetensorError) as e:
+        raise UsageError(f"{path}: corrupt run directory ({TENSORS}: {type(e).__name__}); rerun the command that "
+                         "wrote it") from None
 
 
 def cpu_name() -> str:

@@ -24,10 +24,10 @@ from poslens.train.sweep import seed_interval
 ROPE_FAMILY = ("rope", "ntk", "window")  # the sweep's variants with rotary scores (nope: the control)
 PAPER_SCALE = ("the paper's RoPE language models (Llama-3.2-3B; Qwen and Mistral models whose sizes the summary does "
                "not give, presumably billions of parameters too)")  # a claim's scope (claims.py rule 4)
-ENERGY = "cf/absolute_scores"  # the scores' absolute content, read for the residual stream's (docs/leakage.md)
+ENERGY = "attn/residual"  # the residual term, read for the residual stream's (docs/leakage.md)
 INTERVENTIONS = ["mean"]  # what the sweep's rows read: the BOS replacement and the original pass (two passes)
 HEADLINE = 0.40  # the paper's printed share of the residual-stream component a BOS replacement removes
-MASK_FLOOR = 0.01  # "the mask leaks": its counterfactual carries more than 1% of the non-relative energy
+MASK_FLOOR = 0.01  # "the mask leaks": its mask-only term carries more than 1% of the non-relative energy
 
 
 def common_max_offset(sw) -> int:
@@ -95,7 +95,7 @@ def _test(statistic: str, e: dict) -> Test:
 def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean",
               variant: str = "rope", real: tuple[tuple[Test, ...], str, str] | None = None) -> Claim:
     """The BOS-replacement claim judged on the sweep's `variant` (trained with a BOS first): the share of the
-    early-query absolute-scores term (summed over layers) that replacing the BOS embedding by the mean embedding
+    early-query residual term (summed over layers) that replacing the BOS embedding by the mean embedding
     removes, one value per seed, key 0 in and out; the other RoPE-family variants as context. `real`: the same
     measurement on a pre-trained model trained with its BOS first (its tests, its description, its key number),
     whose tests join the sweep's: one row for the one claim."""
@@ -103,7 +103,7 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
         return seed_interval([removed(metrics[v, s], spec, "early", key0) for s in _seeds(metrics, v)],
                              support=(-math.inf, 1.0))  # 1 - E(pass) / E(original), energies >= 0
 
-    tests = tuple(_test(f"{labels[variant]}: share of the early-query absolute-scores term (summed over layers, key 0 "
+    tests = tuple(_test(f"{labels[variant]}: share of the early-query residual term (summed over layers, key 0 "
                         f"{k[5:]}) removed by the BOS replacement", share(variant, k)) for k in ("key0_in", "key0_out"))
     sweep_key = (f"{labels[variant]} {interval_text(share(variant, 'key0_in'))} (key 0 in) / "
                  f"{interval_text(share(variant, 'key0_out'))} (out)")
@@ -115,8 +115,9 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
         measured=f"the sweep's {labels[variant]} models, trained with the same first token (the BOS) in every "
                  f"sequence ({describe}); one `poslens leakage` run per seed, the BOS replacement: the BOS embedding "
                  "replaced by the mean token embedding, with the mask and every other position kept; the residual-"
-                 "stream component is read as the absolute-scores term (docs/leakage.md: the energy that the absolute "
-                 "content of the scores each layer reads adds to the mask's own). That term is everything upstream "
+                 "stream component is read as the residual term (docs/leakage.md: what the scores beyond one offset "
+                 "per query, which no softmax sees, and a function of i - j add to the mask-only term). That term "
+                 "is everything upstream "
                  "of this layer's mask that makes its scores non-relative: the residual stream's content, which "
                  "carries the earlier layers' masks too, so it is not the residual stream's own term alone (the "
                  "NoPE control and the parameter-free stack have it as well: context below). Only the direction "
@@ -196,23 +197,40 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
         key=f"change {interval_text(change)}")
 
 
+def offset_lines(metrics: dict, labels: dict[str, str], key0: str = "key0_out") -> list[str]:
+    """Per variant: the share of the scores' non-relative energy that one offset per query explains (no softmax sees
+    it), averaged over layers (all queries), the mean over seeds with its t-interval, and per layer."""
+    out = []
+    for v in labels:
+        seeds = _seeds(metrics, v)
+        if not seeds:
+            continue
+        mean = seed_interval([metrics[v, s]["original"]["over_layers"]["all"]["scores/offset_share"][key0]["value"]
+                              for s in seeds], support=(0.0, 1.0))
+        layers = zip(*(metrics[v, s]["original"]["per_layer"]["all"]["scores/offset_share"][key0]["value"]
+                       for s in seeds))
+        out.append(f"{labels[v]} {interval_text(mean)} (per layer, mean over seeds: "
+                   + ", ".join(f"{sum(x) / len(x):.2f}" for x in layers) + ")")
+    return out
+
+
 def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean") -> Claim:
     """"Both sources appear in all three architectures", on the sweep: for each RoPE-family variant, the mask's
-    term (the mask-only counterfactual's share of the early-query non-relative energy of the log-probabilities,
+    term (the mask-only term's share of the early-query non-relative energy of the log-probabilities,
     summed over layers) above MASK_FLOOR, and the residual stream's (the share of the early-query absolute-scores
     term the BOS replacement removes) above 0; key 0 out (the sink's column left out), t over seeds."""
     tests = []
     for v in ROPE_FAMILY:
         if not _seeds(metrics, v):
             continue
-        mask = seed_interval([metrics[v, s]["original"]["over_layers"]["early"]["cf/share_mask_only"]["key0_out"]
+        mask = seed_interval([metrics[v, s]["original"]["over_layers"]["early"]["attn/share_mask_only"]["key0_out"]
                               ["value"] for s in _seeds(metrics, v)], support=(0.0, math.inf))
         tests.append(estimate_test(f"{labels[v]}: the mask's term, share of the early-query non-relative energy of the "
-                                   "log-probabilities carried by the mask-only counterfactual (summed over layers, "
+                                   "log-probabilities carried by the mask-only term (summed over layers, "
                                    "key 0 out)", mask, ">", MASK_FLOOR))
         gone = seed_interval([removed(metrics[v, s], spec, "early", "key0_out") for s in _seeds(metrics, v)],
                              support=(-math.inf, 1.0))
-        tests.append(_test(f"{labels[v]}: the residual stream's, share of the early-query absolute-scores term "
+        tests.append(_test(f"{labels[v]}: the residual stream's, share of the early-query residual term "
                            "(summed over layers, key 0 out) removed by the BOS replacement", gone))
     return Claim(
         "ruscio-sources-every-architecture", "ruscio2026", "summary",
@@ -222,8 +240,8 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
         measured=f"the sweep's {', '.join(labels[v] for v in ROPE_FAMILY if _seeds(metrics, v))} models (the sweep: "
                  f"{describe}), one `poslens leakage` run per seed; 'appear' read as "
                  f"in ruscio-both-sources: the mask's term above {MASK_FLOOR:g} of the non-relative energy, and the "
-                 "BOS replacement (the residual stream's intervention these runs make) removing part of the scores' "
-                 "absolute term; key 0 out, so that the sink's column, which the replacement changes most, does not "
+                 "BOS replacement (the residual stream's intervention these runs make) removing part of the residual "
+                 "term; key 0 out, so that the sink's column, which the replacement changes most, does not "
                  "decide the residual stream's test alone.",
         scope=f"{PAPER_SCALE} (these: the sweep's models)",
         resolve="the same measurement on models of the paper's scale and architectures")
@@ -231,7 +249,7 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
 
 def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max_offset: int,
                        real: str | None = None) -> tuple[Claim, list[tuple[str, str]]]:
-    """The architecture claim judged on the sweep: absolute energies of the scores' absolute term over all
+    """The architecture claim judged on the sweep: absolute energies of the residual term over all
     queries on the common domain, not shares. NTK suppresses it: summed over layers, standard minus NTK > 0, seed
     by seed. A sliding window lets it accumulate with depth: its growth from the first to the last layer, window
     minus standard > 0, seed by seed. Both with key 0 in and out; NoPE as context (the control)."""
@@ -248,11 +266,11 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
 
     tests = []
     for k in ("key0_in", "key0_out"):
-        tests.append(_test(f"summed absolute-scores energy (debiased) over layers (all queries, offsets <= "
+        tests.append(_test(f"summed residual term's energy (debiased) over layers (all queries, offsets <= "
                            f"{max_offset}, key 0 {k[5:]}): standard RoPE minus NTK-scaled, per seed",
                            paired("rope", "ntk", k, total)))
     for k in ("key0_in", "key0_out"):
-        tests.append(_test(f"growth of the absolute-scores energy (debiased) from the first to the last layer (all "
+        tests.append(_test(f"growth of the residual term's energy (debiased) from the first to the last layer (all "
                            f"queries, offsets <= {max_offset}, key 0 {k[5:]}): sliding window minus standard RoPE, "
                            "per seed",
                            paired("window", "rope", k, growth)))
@@ -261,7 +279,7 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
                            for layer in range(len(energies(metrics[v, _seeds(metrics, v)[0]], "all", k)))]
                        for k in ("key0_in", "key0_out")}
                    for v in labels if _seeds(metrics, v)}
-    context = [(f"{labels[v]}: absolute-scores energy (debiased) per layer (all queries, offsets <= {max_offset}, "
+    context = [(f"{labels[v]}: residual term's energy (debiased) per layer (all queries, offsets <= {max_offset}, "
                 "key 0 in; mean over seeds, 95% t-interval)"
                 + (" (the control: no rotary encoding)" if v == "nope" else ""),
                 "; ".join(f"layer {i + 1} {interval_text(e)}" for i, e in enumerate(per_variant[v]["key0_in"])))
@@ -271,8 +289,8 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
         "NTK scaling suppresses the residual-stream component, sliding-window attention lets it accumulate with "
         "depth, standard RoPE sits between", tuple(tests),
         measured=f"the sweep ({describe}): standard RoPE, NTK-scaled RoPE and RoPE with a sliding window trained on "
-                 "identical tokens, batches and initial weights per seed, NoPE as the control; absolute energies of "
-                 "the scores' absolute term, debiased (the jackknife's bias-corrected value: without the sampling-"
+                 "identical tokens, batches and initial weights per seed, NoPE as the control; energies of "
+                 "the residual term, debiased (the jackknife's bias-corrected value: without the sampling-"
                  "noise term an energy of a mean map carries), on one domain for every variant (offsets "
                  f"0-{max_offset}, below the window, so the window hides no entry of it), not shares. The term is "
                  "read for the residual stream's component; it carries the earlier layers' masks too (the NoPE "
@@ -287,12 +305,12 @@ def architecture_claim(metrics: dict, labels: dict[str, str], describe: str, max
         resolve="the real-model half: a full-attention model of Gemma-3's family at 1,024 tokens beside Gemma-3-270M "
                 "(whose 512-token window binds there), or a model of the paper's scale with each architecture",
         scope=f"{PAPER_SCALE} (these: the sweep's models)",
-        figure="the scores' absolute term by architecture")
+        figure="the residual term by architecture")
     return claim, context
 
 
 def architecture_series(metrics: dict, labels: dict[str, str], key0: str = "key0_in") -> tuple[dict, dict]:
-    """Per variant, the mean over seeds of the absolute-scores energy per layer (all queries) and its error bars
+    """Per variant, the mean over seeds of the residual term's energy per layer (all queries) and its error bars
     ([2, L]: the t-interval over seeds), for the figure."""
     series, errors = {}, {}
     for v in labels:

@@ -1,20 +1,22 @@
-"""The leakage maps of one pass over sequences, with the mask-only counterfactual, as an engine Statistic.
+"""The leakage maps of one pass over sequences, with the decomposition's lag log-partition, as an engine Statistic.
 
 `LeakageMaps` reads the dense scores of every layer (`blocks.{l}.attn.hook_attn_scores`) and adds, per group of
 sequences, per layer and head:
 
-    scores                  s_ij                              (mean map; float32 sums)
-    log_partition           l_i = log sum_{j seen by i} exp s_ij
-    relative_log_partition  l^rel_i = log sum_{j seen by i} exp mu_{i-j}   (the mask-only counterfactual)
-    key0                    A_i0 (attention on key 0: Gu et al.'s alpha_0 is its mean over queries)
-and, over heads, the mean probabilities A_ij. mu is the Toeplitz projection of that sequence's and head's scores:
-mu_d = mean of s_ij over the entries with i - j = d that i can see (`relative_log_partition`). Every metric is a
-smooth function of these means, so `result` gives each one a delete-one-group jackknife interval, per layer
-(head-mean maps) and per head, on four domains: all queries or early ones, key 0 in or out.
+    scores             s_ij                              (mean map; float32 sums)
+    log_partition      l_i = log sum_{j seen by i} exp s_ij
+    lag_log_partition  L0_i = log sum_{j seen by i} exp r(i - j)   (the mask-only counterfactual's log-partition)
+    key0               A_i0 (attention on key 0: Gu et al.'s alpha_0 is its mean over queries)
+and, over heads, the mean probabilities A_ij. r is the lag profile of that sequence's and head's scores in the
+two-way fit s_ij = a_i + r(i - j) + e_ij over the visible entries (`two_way_fit`): any constant per query goes
+to a_i, so r and L0 are properties of the attention. Every metric is a smooth function of these means, so
+`result` gives each one a delete-one-group jackknife interval, per layer (head-mean maps) and per head, on four
+domains: all queries or early ones, key 0 in or out.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,12 +32,18 @@ from poslens.errors import UsageError, check_int
 VARIANTS = (("all", False, True), ("all_no_key0", False, False), ("early", True, True),
             ("early_no_key0", True, False))
 METRICS = ("scores/trf", "scores/drift", "scores/dr2_q", "scores/dr2_k", "scores/dr2_abs", "scores/sink_excess",
-           "scores/early_key_slope", "log_probs/trf", "log_probs/drift", "split/e_total", "split/e_logit",
-           "split/e_partition", "split/cross", "split/share_logit", "split/share_partition", "split/share_cross",
-           "split/fraction", "cf/mask_only", "cf/absolute_scores", "cf/cross", "cf/share_mask_only",
-           "cf/share_absolute_scores", "cf/share_cross", "cf/mask_only_over_partition")
+           "scores/early_key_slope", "scores/energy", "scores/offset_share", "log_probs/trf", "log_probs/drift",
+           "attn/e_total", "attn/mask_only", "attn/residual", "attn/cross", "attn/share_mask_only",
+           "attn/share_residual", "attn/share_cross")
 HEAD_MEAN_ONLY = ("probs/trf", "probs/drift")  # the probabilities are kept as a head mean only
-ENERGIES = ("split/e_total", "split/e_logit", "split/e_partition", "cf/mask_only", "cf/absolute_scores")
+ENERGIES = ("attn/e_total", "attn/mask_only", "attn/residual", "scores/energy")
+# metrics of earlier releases: old name -> the name now, or None where it is gone (docs/leakage.md, "Renamed")
+RENAMED = {"split/e_total": "attn/e_total", "cf/mask_only": "attn/mask_only", "cf/absolute_scores": "attn/residual",
+           "cf/cross": "attn/cross", "cf/share_mask_only": "attn/share_mask_only",
+           "cf/share_absolute_scores": "attn/share_residual", "cf/share_cross": "attn/share_cross",
+           "split/e_logit": "scores/energy", "split/fraction": "log_probs/trf", "split/e_partition": None,
+           "split/cross": None, "split/share_logit": None, "split/share_partition": None, "split/share_cross": None,
+           "cf/mask_only_over_partition": None}
 
 
 def over_layers(values: torch.Tensor, names: tuple[str, ...] = METRICS + HEAD_MEAN_ONLY) -> torch.Tensor:
@@ -46,16 +54,29 @@ def over_layers(values: torch.Tensor, names: tuple[str, ...] = METRICS + HEAD_ME
     return torch.where(summed[None], flat.sum(-1), flat.mean(-1))
 
 
-def relative_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """l^rel [..., T] (float64) of score maps [..., T, T] with -inf where a key is hidden (`visible`: their
-    isfinite, when the caller has it).
+def two_way_fit(scores: torch.Tensor, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least-squares fit s_ij = a_i + r(i - j) + e_ij over the visible entries of score maps [..., T, T]
+    (-inf where a key is hidden; `visible`: their isfinite, when the caller has it): (a [..., T], r [..., T]),
+    float64, r fixed by sum_d r_d = 0 over the offsets seen and -inf at offsets no query sees.
 
-    Per map: mu_d = mean of s_ij over the visible entries with i - j = d (Toeplitz projection, one value per
-    offset), l^rel_i = log sum over the visible j of exp mu_{i-j}. The visible offsets of query i must be
-    0 .. k_i - 1 (a causal mask, with or without a sliding window): then l^rel_i = logcumsumexp(mu)_{k_i - 1},
-    and offset d is seen by the queries with k_i > d. Relative scores (s_ij = phi(i - j) on the visible entries)
-    give l^rel = l exactly.
+    A constant c_i added to row i is absorbed by a_i: r and the residual e do not change. The visible offsets of
+    query i must be 0 .. k_i - 1 (a causal mask, with or without a sliding window), the same in every map. The
+    fit is linear in s (it needs only the row sums and the diagonal sums of s), so the fit of a mean map is the
+    mean of the maps' fits. Eliminating a_i = (row_i - sum_{d < k_i} r_d) / k_i leaves M r = b with
+    M = diag(n_d) - C^T diag(1/k) C (C_id = 1[d < k_i], n_d = #{i : k_i > d}) and b = diag - C^T (row / k); M
+    has the constant as its one null direction (every query sees offset 0), so (M + 1 1^T / D) r = b is solved
+    exactly with sum r = 0 (b sums to 0).
     """
+    rows, r, keys = _lag_fit(scores, visible)
+    t = scores.shape[-1]
+    a = (rows - r.cumsum(-1).gather(-1, (keys - 1).expand(*r.shape[:-1], t))) / keys.to(torch.float64)
+    r = torch.cat([r, torch.full((*r.shape[:-1], t - r.shape[-1]), -torch.inf, dtype=torch.float64)], -1)
+    return a.to(scores.device), r.to(scores.device)
+
+
+def _lag_fit(scores: torch.Tensor, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row sums [..., T], the lag profile r [..., D] over the offsets seen, k [T]: the keys each query sees), float64
+    on the CPU (`two_way_fit`; the mask checked once)."""
     t = scores.shape[-1]
     visible = torch.isfinite(scores) if visible is None else visible
     keys = visible.sum(-1)  # k_i
@@ -63,13 +84,37 @@ def relative_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = 
     if not torch.equal(visible, (offset >= 0) & (offset < keys[..., None])):
         raise UsageError("the mask-only counterfactual needs a causal mask (with or without a sliding window): "
                          "every query must see the keys at offsets 0 .. k - 1")
-    sums = _diagonal_sums(torch.where(visible, scores, 0.0)).to(torch.float64)
-    histogram = torch.zeros(*keys.shape[:-1], t + 1, dtype=torch.float64, device=keys.device)
-    histogram.scatter_add_(-1, keys, torch.ones_like(keys, dtype=torch.float64))  # queries by k_i
-    counts = keys.shape[-1] - histogram.cumsum(-1)[..., :t]  # #{i : k_i > d}
-    mu = (sums / counts).nan_to_num(nan=-torch.inf)  # an offset no query sees never enters a sum
-    cumulative = torch.logcumsumexp(mu, -1)  # log sum_{d' <= d} exp mu_d'
-    return cumulative.gather(-1, (keys - 1).clamp(min=0)).masked_fill(keys == 0, -torch.inf)
+    first = keys.reshape(-1, t)[0]
+    if not bool((keys == first).all()):
+        raise UsageError("the two-way fit needs one mask for every map of a batch")
+    first = first.cpu()
+    solve, cover = _lag_solver(tuple(first.tolist()))
+    z = torch.where(visible, scores, 0.0)  # sums in the scores' precision (float32 or better), solved in float64
+    rows = z.sum(-1).to(torch.float64).cpu()
+    diag = _diagonal_sums(z).to(torch.float64).cpu()[..., : cover.shape[1]]
+    b = diag - (rows / first.to(torch.float64)) @ cover
+    return rows, b @ solve, first  # the solver is symmetric
+
+
+@functools.lru_cache(maxsize=16)
+def _lag_solver(keys: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """((M + 1 1^T / D)^-1 [D, D], C [T, D]) for the mask whose query i sees keys[i] offsets (D: the offsets seen)."""
+    k = torch.tensor(keys, dtype=torch.float64)
+    seen = int(max(keys))
+    cover = (torch.arange(seen)[None, :] < k[:, None]).to(torch.float64)
+    m = torch.diag(cover.sum(0)) - cover.T @ (cover / k[:, None]) + 1.0 / seen
+    return torch.linalg.inv(m), cover
+
+
+def lag_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """L0 [..., T] (float64): the log-partition of the lag profile alone under the causal mask,
+    L0_i = log sum over the visible j of exp r(i - j), with r from `two_way_fit` (so invariant, with r - L0, to
+    any per-query constant added to the scores). The visible offsets of query i are 0 .. k_i - 1, so
+    L0_i = logcumsumexp(r)_{k_i - 1}. Purely relative scores phi(i - j) + g(i) give r - L0 = phi - log sum exp phi:
+    the causal softmax of phi (the mask-only counterfactual)."""
+    _, r, keys = _lag_fit(scores, visible)
+    cumulative = torch.logcumsumexp(r, -1)  # log sum_{d' <= d} exp r_d' (every query sees offset 0: k_i >= 1)
+    return cumulative.gather(-1, (keys - 1).expand(*r.shape[:-1], len(keys))).to(scores.device)
 
 
 def _diagonal_sums(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +153,7 @@ class Domains:
 def evaluate(means: dict[str, torch.Tensor], domains: Domains, windows: list[int],
              names: tuple[str, ...] = METRICS, metrics=leakage_metrics) -> torch.Tensor:
     """Metrics `names` of mean maps over the VARIANTS: [V, M, L, ...] float64 (maps [L, ..., n, n]; layer l
-    uses windows[l]). `means`: scores, log_partition, relative_log_partition and optionally probs. `metrics`: the
+    uses windows[l]). `means`: scores, log_partition, lag_log_partition and optionally probs. `metrics`: the
     function that computes them (`metrics.energy_metrics` when only energies are asked for)."""
     n = means["scores"].shape[-1]
     by_window: dict[int, list[int]] = {}
@@ -132,7 +177,7 @@ class LeakageMaps(Statistic):
     """Mean maps of one pass (see the module docstring) and every leakage metric with its interval."""
 
     name = "leakage_maps"
-    KEYS = ("scores", "log_partition", "relative_log_partition", "key0", "probs")
+    KEYS = ("scores", "log_partition", "lag_log_partition", "key0", "probs")
 
     def __init__(self, groups: int = DEFAULT_GROUPS, domains: Domains | None = None) -> None:
         super().__init__(groups)
@@ -156,7 +201,7 @@ class LeakageMaps(Statistic):
         buf = self.sums.buffer
         buf("scores", g, (L, h, t, t), dtype=f32)[l] += torch.where(visible, s, 0.0).sum(0).cpu()
         buf("log_partition", g, (L, h, t))[l] += lse.sum(0).double().cpu()
-        buf("relative_log_partition", g, (L, h, t))[l] += relative_log_partition(s, visible).sum(0).cpu()
+        buf("lag_log_partition", g, (L, h, t))[l] += lag_log_partition(s, visible).sum(0).cpu()
         buf("key0", g, (L, h, t))[l] += probs[..., 0].sum(0).double().cpu()
         buf("probs", g, (L, t, t), dtype=f32)[l] += probs.sum((0, 1)).cpu() / h
         if l == L - 1:  # the deepest point read: the batch is complete
@@ -191,7 +236,7 @@ class LeakageMaps(Statistic):
     def head_metrics(self, means: dict[str, torch.Tensor], names: tuple[str, ...] = METRICS,
                      metrics=leakage_metrics) -> torch.Tensor:
         """[V, M, L, H] per head (`names`, computed by `metrics`; `causal.evaluate`)."""
-        m = {k: means[k] for k in ("scores", "log_partition", "relative_log_partition")}
+        m = {k: means[k] for k in ("scores", "log_partition", "lag_log_partition")}
         return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]), names, metrics)
 
     def head_energies(self, means: dict[str, torch.Tensor]) -> torch.Tensor:

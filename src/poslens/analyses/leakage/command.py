@@ -31,7 +31,7 @@ class LeakageCompareOptions:
                              metavar="RUN")
 
 
-FRACTIONS = ("scores/trf", "split/fraction")  # residual fractions of the scores and of log A (= log_probs/trf)
+FRACTIONS = ("scores/trf", "log_probs/trf")  # residual fractions of the scores and of log A
 
 
 def _est(e: dict) -> str:

@@ -10,9 +10,10 @@ import numpy as np
 
 from poslens import plotting
 
-SHARES = ("share_logit", "share_partition", "share_cross")
-LABELS = {"share_logit": "upstream logit term", "share_partition": "this layer's log-partition term",
-          "share_cross": "cross term"}
+SHARES = ("share_mask_only", "share_residual", "share_cross")
+FIGURE_SHARES = SHARES[:2]  # the components `architecture_figure` draws
+LABELS = {"share_mask_only": "mask-only term (causal softmax of the lag profile)",
+          "share_residual": "residual term (scores beyond lag and per-query offset)", "share_cross": "interaction"}
 
 
 def _errors(entry: dict) -> list[np.ndarray]:
@@ -20,24 +21,24 @@ def _errors(entry: dict) -> list[np.ndarray]:
     return np.stack([v - lo, hi - v])
 
 
-TERMS = {"split/e_logit": "upstream logit term", "split/e_partition": "this layer's log-partition term",
-         "cf/mask_only": "mask-only counterfactual", "cf/absolute_scores": "absolute content of the scores"}
+TERMS = {"attn/e_total": "non-relative energy of log A", "attn/mask_only": "mask-only term",
+         "attn/residual": "residual term"}
 KEY0 = {"key0_in": "key 0 in", "key0_out": "key 0 out"}
 
 
 def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -> list[Path]:
-    """shares_by_layer_{all,early} (the exact split's shares, key 0 in), energies_by_layer_{all,early} (both
-    splits' terms, key 0 in and out), removed_by_layer (each intervention and null: the share of the scores'
-    absolute term it removes at early queries, key 0 in and out), fractions_against_nulls (the residual fraction
+    """shares_by_layer_{all,early} (the decomposition's shares, key 0 in), energies_by_layer_{all,early} (its
+    terms, key 0 in and out), removed_by_layer (each intervention and null: the share of the residual term it
+    removes at early queries, key 0 in and out), fractions_against_nulls (the residual fraction
     of the scores, original and each null), alpha0 (layer x head). Layers from 1."""
     paths: list[Path] = []
     layers = np.arange(1, metrics["layers"] + 1)
     for scope in ("all", "early"):
         per = metrics[f"per_layer_{scope}"]
-        series = {LABELS[k]: per[f"split/{k}"]["value"] for k in SHARES}
-        errors = {LABELS[k]: _errors(per[f"split/{k}"]) for k in SHARES}
+        series = {LABELS[k]: per[f"attn/{k}"]["value"] for k in SHARES}
+        errors = {LABELS[k]: _errors(per[f"attn/{k}"]) for k in SHARES}
         fig = plotting.line_plot(layers, series, "layer", "share of ||P log A||^2",
-                                 f"{label}: the exact split's shares ({scope} queries, key 0 in)", errors=errors)
+                                 f"{label}: the decomposition's shares ({scope} queries, key 0 in)", errors=errors)
         paths += plotting.save(fig, directory, f"shares_by_layer_{scope}")
         per = metrics["original"]["per_layer"][scope]
         series, errors = {}, {}
@@ -53,9 +54,9 @@ def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -
         series, errors = {}, {}
         for name, entry in contrasts.items():
             for k, key0 in KEY0.items():
-                e = entry["per_layer"]["removed"]["early"]["cf/absolute_scores"][k]
+                e = entry["per_layer"]["removed"]["early"]["attn/residual"][k]
                 series[f"{name}, {key0}"], errors[f"{name}, {key0}"] = e["value"], _errors(e)
-        fig = plotting.line_plot(layers, series, "layer", "removed share of the scores' absolute term",
+        fig = plotting.line_plot(layers, series, "layer", "removed share of the residual term",
                                  f"{label}: interventions and nulls (early queries)", errors=errors)
         paths += plotting.save(fig, directory, "removed_by_layer")
     if metrics.get("nulls"):
@@ -81,11 +82,12 @@ def leakage_figures(metrics: dict, tensors: dict, directory: Path, label: str) -
 def architecture_figure(results: dict[str, dict], directory: Path, stem: str = "architectures",
                         title: str = "leakage components") -> list[Path]:
     """Component shares by depth per architecture: `results` maps an architecture (or model) name to
-    {"share_logit": [L], "share_partition": [L]} (optionally "<key>_err": [2, L] error bars); one figure per component,
-    stem_logit and stem_partition (depths may differ: shorter series end early)."""
+    {"share_mask_only": [L], "share_residual": [L]} (optionally "<key>_err": [2, L] error bars); one figure per
+    component, stem_mask_only and stem_residual (depths may differ: shorter series end early)."""
     paths: list[Path] = []
-    depth = max(len(np.asarray(r["share_logit"])) for r in results.values())
-    for key, short in (("share_logit", "logit"), ("share_partition", "partition")):
+    depth = max(len(np.asarray(r[FIGURE_SHARES[0]])) for r in results.values())
+    for key in FIGURE_SHARES:
+        short = key.removeprefix("share_")
         series, errors = {}, {}
         for arch, shares in results.items():
             v = np.asarray(shares[key], dtype=float)

@@ -1,17 +1,16 @@
-"""The mask / logit split of leakage in the parameter-free stack (paper Eq. 1), for three architectures.
+"""The decomposition of leakage in the parameter-free stack (paper Eq. 1), for three architectures.
 
 Standard RoPE, NTK-scaled RoPE (a larger base) and sliding-window attention, each as a `StackConfig`. Two ways:
 
 * Monte Carlo (`monte_carlo`): the stack run on random inputs drawn exactly as `poslens.stack.simulate` draws
   them (`draw_inputs`, block-seeded), in float64, keeping per layer the sums of the scores s_ij and of the
-  log-partition l_i = log sum_{j seen by i} exp s_ij (and the mask-only counterfactual's l^rel_i,
-  `causal.relative_log_partition`) for G groups of blocks, so every share gets a jackknife interval
+  log-partition l_i = log sum_{j seen by i} exp s_ij (and the lag profile's log-partition L0_i,
+  `causal.lag_log_partition`) for G groups of blocks, so every share gets a jackknife interval
   (`poslens.engine.stats.GroupedSums`). `position_offset` runs every position shifted by a constant.
 * The infinite-width limit (`exact_split`): as d -> infinity the scores of the Gram flow
   (`poslens.stack.gramflow`, docs/gramflow.md) are deterministic, so the log-partition is exactly the
-  logsumexp of the Gram-flow scores over the visible keys and the split (metrics.split) is exact, and so is the
-  counterfactual split (metrics.counterfactual_split, keys "cf/..."): with one deterministic map per layer the
-  per-sequence Toeplitz projection is that of the map.
+  logsumexp of the Gram-flow scores over the visible keys and the decomposition (metrics.attention_split) is
+  exact: with one deterministic map per layer the per-sequence two-way fit is that of the map.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from poslens.analyses.leakage.causal import relative_log_partition
-from poslens.analyses.leakage.metrics import Domain, counterfactual_split, split
+from poslens.analyses.leakage.causal import lag_log_partition
+from poslens.analyses.leakage.metrics import Domain, Moments, attention_split
 from poslens.engine.stats import GroupedSums
 from poslens.errors import check_choice, check_float, check_int
 from poslens.stack.config import StackConfig, visible
@@ -32,9 +31,10 @@ from poslens.stack.rope import cos_sin, rotate
 from poslens.stack.simulate import BLOCK, draw_inputs, l2_normalize, layer_norm
 
 ARCHITECTURES = ("standard", "ntk", "sliding")
-SPLIT_KEYS = ("e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction",
-              "cf/mask_only", "cf/absolute_scores", "cf/cross", "cf/share_mask_only", "cf/share_absolute_scores",
-              "cf/mask_only_over_partition")
+# e_total = ||P log A||^2, scores_energy = ||P S||^2 (a description of the scores); with a causal mask also the
+# decomposition (metrics.attention_split)
+SPLIT_KEYS = ("e_total", "scores_energy", "mask_only", "residual", "cross", "share_mask_only", "share_residual",
+              "share_cross")
 
 
 def architecture(name: str, base: StackConfig, ntk_scaling: float = 8.0, window: int | None = None) -> StackConfig:
@@ -56,23 +56,24 @@ def log_partition(scores: np.ndarray | torch.Tensor, vis: np.ndarray) -> torch.T
 
 
 def exact_split(config: StackConfig, domain: Domain | None = None) -> dict[str, torch.Tensor]:
-    """The split and the counterfactual split ("cf/...") per layer ([L] tensors) in the d -> infinity limit."""
+    """The decomposition per layer ([L] tensors, SPLIT_KEYS) in the d -> infinity limit."""
     domain = domain or Domain(window=config.window)
     flow = gram_flow(config)
     vis = visible(config.n, config.mask, config.window)
     hidden = ~torch.as_tensor(vis)
     scores = torch.as_tensor(flow.scores, dtype=torch.float64)
-    relative = None if config.mask == "none" else relative_log_partition(scores.masked_fill(hidden, -math.inf))
+    relative = None if config.mask == "none" else lag_log_partition(scores.masked_fill(hidden, -math.inf))
     return both_splits(scores.masked_fill(hidden, math.nan), log_partition(scores, vis), relative, domain)
 
 
 def both_splits(scores: torch.Tensor, log_partition: torch.Tensor, relative: torch.Tensor | None,
                 domain: Domain) -> dict[str, torch.Tensor]:
-    """metrics.split and, with a causal mask (`relative` given), metrics.counterfactual_split (keys "cf/...")."""
-    out = split(scores, log_partition, domain)
+    """e_total = ||P log A||^2 and scores_energy = ||P S||^2 and, with a causal mask (`relative`: the lag profile's
+    log-partition L0 given), metrics.attention_split."""
+    mo = Moments.of(scores, domain)
+    out = {"e_total": mo.minus_rows(log_partition).residual(), "scores_energy": mo.residual()}
     if relative is not None:
-        cf = counterfactual_split(scores, log_partition, relative, domain)
-        out.update({f"cf/{k}": v for k, v in cf.items()})
+        out.update(attention_split(scores, log_partition, relative, domain))
     return out
 
 
@@ -92,14 +93,14 @@ def _forward(config: StackConfig, x: torch.Tensor, cos, sin, vis: torch.Tensor):
         scores.append(s)
         parts.append(lse)
         if config.mask != "none":  # the counterfactual needs a causal mask
-            relative.append(relative_log_partition(z))
+            relative.append(lag_log_partition(z))
     return torch.stack(scores), torch.stack(parts), torch.stack(relative) if relative else None
 
 
 def monte_carlo(config: StackConfig, samples: int, groups: int = 10, seed: int = 0,
                 position_offset: int = 0) -> GroupedSums:
     """Sums of the scores ("scores" [L, n, n]), log-partitions ("log_partition" [L, n]) and counterfactual
-    log-partitions ("relative_log_partition" [L, n]) over `samples` inputs, block b of BLOCK samples into group
+    log-partitions ("lag_log_partition" [L, n]) over `samples` inputs, block b of BLOCK samples into group
     b mod `groups`. Positions run from `position_offset`."""
     samples = check_int("samples", samples, 1)
     check_int("position_offset", position_offset, 0)
@@ -117,21 +118,21 @@ def monte_carlo(config: StackConfig, samples: int, groups: int = 10, seed: int =
         sums.add("scores", block, s.sum(1), size)
         sums.add("log_partition", block, lse.sum(1), size)
         if rel is not None:
-            sums.add("relative_log_partition", block, rel.sum(1), size)
+            sums.add("lag_log_partition", block, rel.sum(1), size)
     return sums
 
 
 def mc_split(config: StackConfig, samples: int, domain: Domain | None = None, groups: int = 10, seed: int = 0,
              level: float = 0.95, position_offset: int = 0) -> dict[str, dict[str, torch.Tensor]]:
-    """The split per layer from the Monte Carlo means, each key with its jackknife interval over the groups:
+    """The decomposition per layer from the Monte Carlo means, each key with its jackknife interval over the groups:
     {key: {"value", "lo", "hi", "se"}} with [L] tensors."""
     domain = domain or Domain(window=config.window)
     sums = monte_carlo(config, samples, groups, seed, position_offset)
 
-    keys = [k for k in SPLIT_KEYS if "relative_log_partition" in sums or not k.startswith("cf/")]
+    keys = [k for k in SPLIT_KEYS if "lag_log_partition" in sums or k in ("e_total", "scores_energy")]
 
     def stacked(m: dict) -> torch.Tensor:
-        parts = both_splits(m["scores"], m["log_partition"], m.get("relative_log_partition"), domain)
+        parts = both_splits(m["scores"], m["log_partition"], m.get("lag_log_partition"), domain)
         return torch.stack([parts[k] for k in keys])
 
     est = sums.estimate(stacked, level=level)  # one jackknife for every key
@@ -140,7 +141,8 @@ def mc_split(config: StackConfig, samples: int, domain: Domain | None = None, gr
 
 def compare(base: StackConfig, samples: int = 0, domain: Domain | None = None, ntk_scaling: float = 8.0,
             window: int | None = None, groups: int = 10, seed: int = 0) -> dict[str, dict]:
-    """Per architecture: its config, the exact split (Gram flow) and, with samples > 0, the Monte Carlo split."""
+    """Per architecture: its config, the exact decomposition (Gram flow) and, with samples > 0, the Monte Carlo
+    one."""
     out = {}
     for name in ARCHITECTURES:
         cfg = architecture(name, base, ntk_scaling, window)

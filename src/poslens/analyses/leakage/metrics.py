@@ -289,7 +289,7 @@ def split(scores: torch.Tensor, log_partition: torch.Tensor, domain: Domain) -> 
         cross       = -2 <P S, P(l 1^T)>   (negative when the logits partly cancel the denominator).
     Also their shares of e_total and `fraction` = e_total / V_tot(L) (the TRF of L). The terms are not causes:
     a query term g(i) added to the scores moves e_logit and e_partition and cancels in the cross term
-    (`counterfactual_split` separates what the mask alone would do).
+    (`attention_split` is the decomposition that is a property of the attention).
     """
     return _split(Moments.of(scores, domain), log_partition)
 
@@ -304,40 +304,39 @@ def _split(mo: Moments, log_partition: torch.Tensor, logp: Moments | None = None
             "fraction": total / logp.total()}
 
 
-def counterfactual_split(scores: torch.Tensor, log_partition: torch.Tensor, relative_log_partition: torch.Tensor,
-                         domain: Domain) -> dict[str, torch.Tensor]:
-    """The non-relative part of the mean log-probabilities split into the mask-only counterfactual and what the
-    scores' absolute content adds (docs/leakage.md, "The mask-only counterfactual").
+def attention_split(scores: torch.Tensor, log_partition: torch.Tensor, lag_log_partition: torch.Tensor,
+                    domain: Domain) -> dict[str, torch.Tensor]:
+    """The non-relative part of the mean log-probabilities split into what the causal mask alone does to the
+    scores' lag profile and what the rest of the scores adds (docs/leakage.md, "The decomposition").
 
-    `relative_log_partition` is the mean over sequences of l^rel_i = log sum_{j seen by i} exp mu_{i-j}, with mu
-    the per-sequence Toeplitz projection of that sequence's scores (causal.relative_log_partition). The
-    counterfactual log-probabilities mu_{i-j} - l^rel_i keep this layer's mask and relative profile and drop
-    the absolute content of its scores; mu is Toeplitz, so P of their mean is -P(l^rel 1^T) and
-        P L = -P(l^rel 1^T) + [P S - P((l - l^rel) 1^T)]
-        e_total = mask_only + absolute_scores + cross,
-        mask_only       = ||P(l^rel 1^T)||^2                  (the mask alone, on relative scores)
-        absolute_scores = ||P S - P((l - l^rel) 1^T)||^2      (the scores' absolute content, through numerator
-                                                               and denominator)
-        cross           = -2 <P(l^rel 1^T), P S - P((l - l^rel) 1^T)>.
-    Also their shares of e_total and `mask_only_over_partition` = mask_only / e_partition (how far the split's
-    log-partition term is from the mask's own effect).
+    Per sequence the scores are fitted as s_ij = a_i + r(i - j) + e_ij on the causal domain (causal.two_way_fit:
+    a per-query offset a_i absorbs any constant the softmax ignores), and with L0_i the log-partition of r alone
+    under the causal mask (`lag_log_partition`, its mean over sequences) and l_i that of s (`log_partition`),
+        log p_ij = [r(i - j) - L0_i] + e_ij - [(l_i - a_i) - L0_i].
+    r is Toeplitz, so with P the diagonal-mean residual on Omega, P L = -P(L0 1^T) + [P S - P((l - L0) 1^T)] and
+        e_total  = ||P L||^2 = mask_only + residual + cross,
+        mask_only = ||P(L0 1^T)||^2                (the causal softmax of the lag profile alone)
+        residual  = ||P S - P((l - L0) 1^T)||^2    (= ||P e - P((l - a - L0) 1^T)||^2: the residual e, through
+                                                    the numerator and the denominator)
+        cross     = -2 <P(L0 1^T), P S - P((l - L0) 1^T)>,
+    with their shares of e_total. Every term is unchanged by any c_i added to row i of the scores (L, L0 and
+    P S - P(l 1^T) are), unlike ||P S||^2 (`scores/energy`).
     """
     mo = Moments.of(scores, domain)
-    return _counterfactual(mo, log_partition, relative_log_partition, _split(mo, log_partition))
+    return _attention(mo, log_partition, lag_log_partition)
 
 
-def _counterfactual(mo: Moments, log_partition: torch.Tensor, relative_log_partition: torch.Tensor,
-                    split: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The counterfactual split from the scores' moments and their `split` (its e_total and e_partition)."""
+def _attention(mo: Moments, log_partition: torch.Tensor, lag_log_partition: torch.Tensor,
+               logp: Moments | None = None) -> dict[str, torch.Tensor]:
+    """The decomposition from the scores' moments (`logp`: the moments of L = S - l 1^T when the caller has them)."""
     lp = torch.as_tensor(log_partition).to(torch.float64).cpu()
-    rel = torch.as_tensor(relative_log_partition).to(torch.float64).cpu()
-    mask = Moments.rows(rel, mo.ix).residual()
-    absolute = mo.minus_rows(lp - rel).residual()
-    total, e_part = split["e_total"], split["e_partition"]
-    cross = total - mask - absolute
-    return {"mask_only": mask, "absolute_scores": absolute, "cross": cross, "share_mask_only": mask / total,
-            "share_absolute_scores": absolute / total, "share_cross": cross / total,
-            "mask_only_over_partition": mask / e_part}
+    lag = torch.as_tensor(lag_log_partition).to(torch.float64).cpu()
+    total = (mo.minus_rows(lp) if logp is None else logp).residual()
+    mask = Moments.rows(lag, mo.ix).residual()
+    residual = mo.minus_rows(lp - lag).residual()
+    cross = total - mask - residual
+    return {"e_total": total, "mask_only": mask, "residual": residual, "cross": cross,
+            "share_mask_only": mask / total, "share_residual": residual / total, "share_cross": cross / total}
 
 
 def drift(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
@@ -400,10 +399,12 @@ def sink_rate(probs: torch.Tensor, epsilon: float = 0.3, key: int = 0) -> float:
 def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
     """Every smooth metric of this module from a dict of mean maps, flat names -> tensors over leading axes.
 
-    Uses what is there: "scores" (TRF, Delta R^2, drift, key profile), with "log_partition" also the split and
-    the log-probabilities' TRF and drift (of S - l 1^T, unless "log_probs" is given), with
-    "relative_log_partition" also the counterfactual split ("cf/..."), and "probs" (TRF and drift). Each map is
-    read once (`Moments`). The engine's jackknife evaluates this on each replicate.
+    Uses what is there: "scores" (TRF, Delta R^2, drift, key profile, `scores/energy` = ||P S||^2 and
+    `scores/offset_share`: the share of it a per-query offset explains, descriptions of the scores, not causes),
+    with "log_partition" also the log-probabilities' TRF and drift (of S - l 1^T, unless "log_probs" is given),
+    with "lag_log_partition" also the decomposition ("attn/...", `attention_split`; without it the descriptive
+    split, "split/..."), and "probs" (TRF and drift). Each map is read once (`Moments`). The engine's jackknife
+    evaluates this on each replicate.
     """
     early_keys = check_int("early_keys", early_keys, 2)
     moments = {k: Moments.of(means[k], domain) for k in ("scores", "log_probs", "probs") if k in means}
@@ -425,25 +426,59 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
             prof = _key_profile(mo, early_keys)
             out["scores/sink_excess"] = prof["sink_excess"]
             out["scores/early_key_slope"] = prof["early_key_slope"]
+            out.update(_score_energy(mo))
     out.update(_energies(moments.get("scores"), means, logp))
     return out
 
 
+def offset_share(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
+    """The non-relative energy of maps m [..., n, n] on Omega, ||P m||^2 (`energy`), and the share of it that
+    one offset per query explains (`offset_share` = 1 - RSS(offset + query) / RSS(offset)): the part of a score
+    pattern that a softmax removes (a constant per query changes no attention weight). NaN for a Toeplitz map."""
+    return _score_energy(Moments.of(m, domain), "")
+
+
+def offset_power(ma: torch.Tensor, mb: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
+    """Noise-free powers of two independent halves' mean maps ma, mb [..., n, n] on Omega (per entry):
+    `pattern` = <P m_a, P m_b> / |Omega| (Kim et al.'s Section 5.2 statistic when Omega drops key 0: the mean square
+    of the diagonal-normalised map without its noise term), `offset` = <O m_a, O m_b> / |Omega| with
+    O = P - H the part of the pattern that one offset per query explains (H: the residual of the lag + query fit;
+    O and H are orthogonal, so pattern = offset + the rest in expectation) and `share` = offset / pattern: the
+    share of the non-relative pattern that no softmax sees. Each inner product by polarisation,
+    <x, y> = (||x + y||^2 - ||x - y||^2) / 4, from the moments of the halves' sum and difference."""
+    ma, mb = torch.as_tensor(ma), torch.as_tensor(mb)
+    plus, minus = Moments.of(ma + mb, domain), Moments.of(ma - mb, domain)
+
+    def inner(energy) -> torch.Tensor:
+        return (energy(plus) - energy(minus)) / (4 * plus.ix.size)
+
+    pattern = inner(lambda mo: mo.residual())
+    offset = inner(lambda mo: mo.residual() - mo.residual(("d", "q")))
+    return {"pattern": pattern, "offset": offset, "share": offset / pattern}
+
+
+def _score_energy(mo: Moments, prefix: str = "scores/") -> dict[str, torch.Tensor]:
+    energy = mo.residual()
+    return {f"{prefix}energy": energy, f"{prefix}offset_share": 1.0 - mo.residual(("d", "q")) / energy}
+
+
 def energy_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
-    """Only the two splits of the non-relative energy (`split/...`, with "relative_log_partition" also `cf/...`):
-    what a removed share needs, without the fits of the other metrics (`early_keys` unused, for the same call)."""
+    """Only the energies (`attn/...` with "lag_log_partition", `scores/energy`): what a removed share needs,
+    without the fits of the other metrics (`early_keys` unused, for the same call)."""
     if "scores" not in means or "log_partition" not in means:
         return {}
-    return _energies(Moments.of(means["scores"], domain), means)
+    mo = Moments.of(means["scores"], domain)
+    return {"scores/energy": mo.residual(), **_energies(mo, means)}
 
 
 def _energies(scores: Moments | None, means: dict[str, torch.Tensor],
               logp: Moments | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    if scores is not None and "log_partition" in means:
-        parts = _split(scores, means["log_partition"], logp)
-        out.update({f"split/{k}": v for k, v in parts.items()})
-        if "relative_log_partition" in means:
-            cf = _counterfactual(scores, means["log_partition"], means["relative_log_partition"], parts)
-            out.update({f"cf/{k}": v for k, v in cf.items()})
+    if scores is None or "log_partition" not in means:
+        return out
+    if "lag_log_partition" in means:
+        parts = _attention(scores, means["log_partition"], means["lag_log_partition"], logp)
+        out.update({f"attn/{k}": v for k, v in parts.items()})
+    else:
+        out.update({f"split/{k}": v for k, v in _split(scores, means["log_partition"], logp).items()})
     return out

@@ -108,13 +108,13 @@ class LeakageConfig(ModelData):
 
 
 class MeanMaps(LeakageMaps):
-    """`poslens stat leakage_maps`: the head-mean scores, log-partitions (of the scores and of their Toeplitz
-    projection) and probabilities of every layer, with intervals."""
+    """`poslens stat leakage_maps`: the head-mean scores, log-partitions (of the scores and of their lag
+    profile, `causal.lag_log_partition`) and probabilities of every layer, with intervals."""
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         lower = None
-        for key in ("scores", "log_partition", "relative_log_partition", "probs"):
+        for key in ("scores", "log_partition", "lag_log_partition", "probs"):
             def fn(m, k=key):
                 x = head_mean({k: m[k]})[k]
                 if x.dim() == 3:  # maps: NaN above the diagonal (keys the softmax never sees)

@@ -10,9 +10,10 @@ import numpy as np
 import torch
 
 from poslens.analyses.leakage import flow
+from poslens.analyses.leakage.figures import FIGURE_SHARES as SHARES
 from poslens.analyses.leakage.figures import architecture_figure
 from poslens.errors import UsageError, check_int, check_memory
-from poslens.io.results import Run, load, run_directory, write_run
+from poslens.io.results import Run, check_tensors, load, run_directory, write_run
 from poslens.stack.config import StackConfig, check_window
 from poslens.stack.simulate import BLOCK
 
@@ -70,12 +71,12 @@ def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
         entry = {"config": r["config"], "exact": {k: v.tolist() for k, v in r["exact"].items()}}
         for k, v in r["exact"].items():
             tensors[f"{arch}/exact/{k}"] = v
-        exact_fig[arch] = {k: r["exact"][k] for k in ("share_logit", "share_partition")}
+        exact_fig[arch] = {k: r["exact"][k] for k in SHARES}
         if "monte_carlo" in r:
             mc = r["monte_carlo"]
             entry["monte_carlo"] = {k: {s: t.tolist() for s, t in v.items()} for k, v in mc.items()}
             mc_fig[arch] = {}
-            for k in ("share_logit", "share_partition"):
+            for k in SHARES:
                 v = mc[k]
                 mc_fig[arch][k] = v["value"]
                 mc_fig[arch][f"{k}_err"] = torch.stack([v["value"] - v["lo"], v["hi"] - v["value"]]).abs()
@@ -83,13 +84,12 @@ def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
                     tensors[f"{arch}/monte_carlo/{k}_{s}"] = t
         metrics["architectures"][arch] = entry
     # the same per-layer layout as `leakage` runs, for leakage-compare (exact split, all queries)
-    metrics["per_layer_all"] = {f"split/{k}": {"value": res["standard"]["exact"][k].tolist()}
-                                for k in ("share_logit", "share_partition")}
+    metrics["per_layer_all"] = {f"attn/{k}": {"value": res["standard"]["exact"][k].tolist()} for k in SHARES}
     return tensors, metrics, exact_fig, mc_fig
 
 
 def shares(run: Run) -> dict[str, np.ndarray]:
-    """The upstream-logit and log-partition shares per layer of a `leakage` or `leakage-stack` run (all queries),
+    """The mask-only and residual shares per layer of a `leakage` or `leakage-stack` run (all queries, key 0 in),
     with their interval half-widths where the run has them; a one-line UsageError when the run holds none."""
     kind = run.meta.get("kind")
     if kind not in ("leakage", "leakage-stack"):
@@ -97,16 +97,17 @@ def shares(run: Run) -> dict[str, np.ndarray]:
                          "`poslens leakage-stack`")
     per = run.metrics.get("per_layer_all")
     entry = {}
-    for key in ("share_logit", "share_partition"):
-        e = per.get(f"split/{key}") if isinstance(per, dict) else None
+    for key in SHARES:
+        e = per.get(f"attn/{key}") if isinstance(per, dict) else None
         try:
             value = np.asarray(e["value"], dtype=float)
             bounds = [np.asarray(e[b], dtype=float) for b in ("lo", "hi") if b in e]
         except (TypeError, KeyError, ValueError):
-            raise UsageError(f"{run.path}: its {kind} run.json has no per-layer split (metrics.per_layer_all."
-                             f"split/{key}); rerun `poslens {kind}` on it") from None
+            raise UsageError(f"{run.path}: its {kind} run.json has no per-layer decomposition (metrics.per_layer_all."
+                             f"attn/{key}; runs of earlier releases had the gauge-dependent split); rerun "
+                             f"`poslens {kind}` on it") from None
         if value.ndim != 1 or any(b.shape != value.shape for b in bounds) or not np.isfinite(value).any():
-            raise UsageError(f"{run.path}: metrics.per_layer_all.split/{key} is not a list of per-layer numbers "
+            raise UsageError(f"{run.path}: metrics.per_layer_all.attn/{key} is not a list of per-layer numbers "
                              f"(shape {value.shape}, {int(np.isfinite(value).sum())} finite); rerun `poslens {kind}`")
         entry[key] = value
         if len(bounds) == 2:
@@ -115,7 +116,7 @@ def shares(run: Run) -> dict[str, np.ndarray]:
 
 
 def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, force: bool = False) -> Path:
-    """One figure of the upstream-logit and log-partition shares by depth of each run (`leakage` or `leakage-stack`)."""
+    """One figure of the mask-only and residual shares by depth of each run (`leakage` or `leakage-stack`)."""
     if not runs:
         raise UsageError("runs: give at least one run directory of `poslens leakage` or `leakage-stack`")
     if labels is not None and len(labels) != len(runs):
@@ -124,6 +125,7 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         series = {}
         for k, path in enumerate(runs):
             run = load(path, tensors=False)
+            check_tensors(path)  # a damaged input run is refused, not drawn from its run.json alone
             name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
             if name in series:
                 raise UsageError(f"labels: two runs would both be labelled {name!r} (the second is {path}); give "

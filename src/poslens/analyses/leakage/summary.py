@@ -94,8 +94,7 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
                  "over_layers": {"pass": by_domain(c["pass_over_layers"], NAMES),
                                  "difference": by_domain(c["difference_over_layers"], NAMES, False),
                                  "removed": by_domain(c["removed_all"], ENERGIES, False)}}
-        if kind == "intervention":  # the previous layout's number, kept for its readers
-            entry["removed_all_layers"] = entry["over_layers"]["removed"]["early"]["split/e_logit"]["key0_in"]
+        if kind == "intervention":
             removed_heads = removed_by_head(orig, p.statistics[0], level=level)  # [V, E, L, H]
             ests[f"{p.name}/heads/removed"] = removed_heads
             entry["heads"] = head_record(removed_heads, ests["original/alpha0"].value, cfg.sink_threshold)
@@ -152,12 +151,12 @@ def sink_bounds(s: dict) -> str:
             "reaches above it)")
 
 
-HEAD_ENERGY, HEAD_SCOPE = "cf/absolute_scores", "early"  # the scores' absolute term, where the BOS claim is made
+HEAD_ENERGY, HEAD_SCOPE = "attn/residual", "early"  # the residual term, where the BOS claim is made
 
 
 def head_record(removed: Estimate, a0: torch.Tensor, threshold: float, k: int = 5) -> dict:
-    """run.json's per-head entry of an intervention: the share of the early queries' absolute-scores energy it
-    removes in each (layer, head) [L, H] (key 0 in and out), how many heads' intervals lie above or below 0, the k
+    """run.json's per-head entry of an intervention: the share of the early queries' residual term it removes
+    in each (layer, head) [L, H] (key 0 in and out), how many heads' intervals lie above or below 0, the k
     largest, and every sink-reading head (alpha_0 > threshold) beside it."""
     e = ENERGIES.index(HEAD_ENERGY)
     out: dict = {"energy": HEAD_ENERGY, "scope": HEAD_SCOPE, "level": removed.level, "groups": removed.groups}

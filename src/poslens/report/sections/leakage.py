@@ -3,11 +3,12 @@ judged on causal terms: absolute-position leakage in a RoPE model (SmolLM2-135M)
 with a BOS first (`poslens sweep`), and in the parameter-free stack (context only).
 
 Only an editorial summary of the paper could be read (docs/leakage.md). Each claim is judged on what `poslens
-leakage` computes as a cause: the mask's denominator counterfactual (`cf/mask_only`: this layer's mask alone on
-relative scores), the residual-stream interventions (position 0's state replaced with the mask fixed: their
-removed share of the scores' absolute term, `cf/absolute_scores`), key 0 in and out, against the nulls (windows
-inside documents, the circular shift). The exact algebraic split (`split/e_logit`, `split/e_partition`) is a
-descriptive identity, shown as context under its own names. Training effects (the BOS replacement on models
+leakage` computes as properties of the attention, unchanged by any constant per query added to the scores (which
+no softmax sees): the mask-only term (`attn/mask_only`: the causal softmax of the lag profile r of the two-way fit
+s_ij = a_i + r(i - j) + e_ij), the residual-stream interventions (position 0's state replaced with the mask fixed:
+their removed share of the residual term, `attn/residual`), key 0 in and out, against the nulls (windows inside
+documents, the circular shift). The raw-score statistics (`scores/energy`, `scores/offset_share`) describe the
+scores, shown as context under their own names, never as causes. Training effects (the BOS replacement on models
 trained with a BOS, the architectures) are judged on the sweep, one run per seed, with the spread over seeds as
 the error bar (`poslens.report.sweep_leakage`). Facts true by construction (position 0's state is the same for
 every input with a fixed first token; `freeze`; `shift:K` in a RoPE model) are tests of poslens
@@ -25,7 +26,7 @@ import numpy as np
 
 from poslens.analyses.leakage.summary import sink_bounds
 from poslens.io.results import load
-from poslens.report.claims import Claim, estimate_test, interval_text, num
+from poslens.report.claims import Claim, Test, estimate_test, interval_text, num
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
@@ -65,6 +66,43 @@ def more_sequences(tests, n: int | None, size: str = "leakage.sequences") -> str
             f"(each interval is a jackknife over groups of sequences; `poslens reproduce --sizes {size}={need}`)")
 
 
+def inside_pairs(offset: dict | None, spec: str, energy: str = "attn/residual") -> dict | None:
+    """{key0_in, key0_out: estimate} of intervention `spec`'s removed share of the early-query `energy` (summed over
+    layers) at document starts minus the same on the offset null's windows inside documents, paired by group
+    (run.json `nulls.offset.interventions[spec].paired`); None when the run did not measure it."""
+    paired = (((offset or {}).get("interventions") or {}).get(spec) or {}).get("paired")
+    if not paired:
+        return None
+    return paired["over_layers"]["removed"]["early"][energy]
+
+
+# "carries part": a per-query offset's share of a pattern above 5% in a layer. A pattern that is no offset at all
+# leaks a little into the offset fit (a key term (-1)^j: 1-2% at 16 tokens, tests/test_leakage_offset.py), so the
+# floor sits above that
+OFFSET_FLOOR = 0.05
+
+
+def offset_claim(cid: str, statistic: str, per_layer: list[tuple[float, float, float]], interval: str,
+                 measured: str, figure: str = "", resolve: str = "") -> Claim:
+    """The finding that a per-query offset (one constant per query: no softmax sees it) carries part of a
+    non-relative score statistic in every layer after the first: per layer (value, lo, hi) of its offset share, one
+    test per layer, share > OFFSET_FLOOR. The tests are a conjunction (every layer must pass), so each layer's own
+    95% interval is the right one (an intersection-union test needs no correction for the number of layers)."""
+    tests = tuple(Test(f"layer {k + 1}: share of {statistic} explained by one offset per query", float(v), ">",
+                       OFFSET_FLOOR, float(lo), float(hi), interval) for k, (v, lo, hi) in enumerate(per_layer)
+                  if k >= 1)
+    values = [float(v) for v, _, _ in per_layer[1:]]
+    low = min(range(len(values)), key=lambda k: values[k]) + 2 if values else 0
+    key = (f"per layer from 2: {min(values):.2f} (layer {low}) to {max(values):.2f}, median "
+           f"{float(np.median(values)):.2f}" if values else "no layer after the first")
+    unresolved = [t.statistic.split(":")[0] for t in tests if t.outcome() == "open"]
+    return Claim(
+        cid, "poslens", "this report (the scores' gauge: a constant per query changes no attention weight)",
+        f"part of {statistic} is a per-query offset, which no softmax sees: more than {OFFSET_FLOOR:.0%} of it in "
+        "every layer after the first", tests, measured=measured, finding=True, figure=figure, key=key,
+        resolve=resolve or (f"more sequences ({', '.join(unresolved)} open)" if unresolved else ""))
+
+
 def leakage_claims(run: str | Path, stack: str | Path | None = None,
                    residual: tuple[str, ...] = RESIDUAL) -> tuple[list[Claim], list]:
     """Claims and context rows from a `poslens leakage` run directory and, optionally, a `poslens leakage-stack`
@@ -87,30 +125,30 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
         words = RESIDUAL_WORDS.get(spec, spec)
         for k in ("key0_in", "key0_out"):  # an energy is > 0 by construction; its share can fall below a floor
             tests.append(estimate_test(f"the mask's term: share of the early-query non-relative energy of the "
-                                       f"log-probabilities carried by the mask-only counterfactual (summed over "
-                                       f"layers, key 0 {k[5:]})", over["cf/share_mask_only"][k], ">", MASK_FLOOR,
+                                       f"log-probabilities carried by the mask-only term (summed over "
+                                       f"layers, key 0 {k[5:]})", over["attn/share_mask_only"][k], ">", MASK_FLOOR,
                                        interval))
         for k in ("key0_in", "key0_out"):
-            tests.append(estimate_test(f"residual stream: share of the early-query absolute-scores term (summed over "
+            tests.append(estimate_test(f"residual stream: share of the early-query residual term (summed over "
                                        f"layers, key 0 {k[5:]}) removed with {words} (the mask fixed)",
-                                       gone["cf/absolute_scores"][k], ">", 0.0, interval))
-        nulls = ""
-        if offset is not None:
-            kept = offset["over_layers"]["removed"]["early"]["cf/absolute_scores"]
-            diffs = []
-            for k in ("key0_in", "key0_out"):
-                a_, b_ = gone["cf/absolute_scores"][k], kept[k]  # two runs on different windows: not paired
-                diffs.append(interval_text({"value": a_["value"] - b_["value"], "lo": a_["lo"] - b_["hi"],
-                                            "hi": a_["hi"] - b_["lo"]}))
-            nulls = ("; at document starts minus in the offset null (windows that start inside documents; "
-                     "conservative, from the two intervals' far ends: the runs are not paired), key 0 in / out: "
-                     f"{diffs[0]} / {diffs[1]}: context, not a test, since the claim says position 0 carries the "
-                     "first token's fingerprint whatever that token is, which a window inside a document has too"
-                     "; the nulls' removed shares of the absolute-scores term (key 0 in / out; offset: the same "
-                     "intervention on windows that start inside documents; circular: each sequence's tokens after the "
-                     "first rolled by a random shift): ") + "; ".join(
-                f"{n} {interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_in'])} / "
-                f"{interval_text(c['over_layers']['removed']['early']['cf/absolute_scores']['key0_out'])}"
+                                       gone["attn/residual"][k], ">", 0.0, interval))
+        paired = inside_pairs(offset, spec)
+        for k in ("key0_in", "key0_out"):  # nulls are tests: the effect of position 0 must exceed it inside documents
+            tests.append(estimate_test(
+                f"the same removal at document starts minus on windows inside documents (the offset null's pass of "
+                f"the same intervention, paired by group of sequences; key 0 {k[5:]})"
+                + ("" if paired else ": not measured, the run has no offset null under this intervention "
+                                     "(`poslens leakage --nulls offset` runs it)"),
+                paired[k] if paired else {"value": None, "lo": None, "hi": None}, ">", 0.0, interval))
+        nulls = ("; 'position 0' read as position 0 of a document: the removal must be larger at document starts "
+                 "than when the same intervention replaces position 0 of a window that starts inside a document "
+                 "(the offset null), paired on the same documents and groups (the last two tests)")
+        if m.get("nulls"):
+            nulls += ("; the nulls' removed shares of the residual term, against the original at document starts "
+                      "(key 0 in / out; offset: the unmodified model on windows inside documents; circular: each "
+                      "sequence's tokens after the first rolled by a random shift): ") + "; ".join(
+                f"{n} {interval_text(c['over_layers']['removed']['early']['attn/residual']['key0_in'])} / "
+                f"{interval_text(c['over_layers']['removed']['early']['attn/residual']['key0_out'])}"
                 for n, c in m["nulls"].items())
         claims.append(Claim(
             "ruscio-both-sources", "ruscio2026", "summary",
@@ -118,17 +156,37 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             "residual stream (position 0's trajectory)", tuple(tests),
             measured=f"{name}, {seqs}, early queries i <= {m['domains']['early_queries']}: 'leaks' read as: the "
                      f"mask's share of the non-relative energy is above {MASK_FLOOR:g}, and the intervention removes "
-                     "part of the absolute-scores term. The mask's term is the "
-                     "mask-only counterfactual (this layer's probabilities with the log-partition of the Toeplitz-"
-                     "projected scores: the mask alone, everything upstream held fixed); the residual stream's is "
-                     "the share of the absolute-scores term (the energy that the absolute content of this layer's "
-                     f"scores adds to the mask's own) removed with {words}, paired on the same sequences{nulls} "
-                     "(docs/leakage.md).",
-            resolve=more_sequences(tests, n_seqs),
-            figure="the mask's term and the scores' absolute term", scope=f"{PAPER_SCALE} (this one: {name})",
+                     "part of the residual term. The mask's term is the mask-only term (the causal softmax of this "
+                     "layer's lag profile: each sequence's scores fitted as one offset per query plus a function of "
+                     "i - j, the offset dropped since no softmax sees it, and the rest set to 0; everything upstream "
+                     "held fixed); the residual stream's is the share of the residual term (what the scores' part "
+                     "that is neither a per-query offset nor a function of i - j adds to the mask-only term, through "
+                     f"the numerator and the denominator) removed with {words}, paired on the same "
+                     f"sequences{nulls} (docs/leakage.md).",
+            resolve=("the same intervention on the offset null's windows (`--nulls offset`, which runs every "
+                     "intervention inside the documents too), then " if paired is None else "")
+            + more_sequences(tests, n_seqs),
+            figure="the mask-only term and the residual term", scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"{RESIDUAL_WORDS.get(spec, spec)}: removed share "
-                f"{interval_text(gone['cf/absolute_scores']['key0_in'])} (key 0 in) / "
-                f"{interval_text(gone['cf/absolute_scores']['key0_out'])} (out)"))
+                f"{interval_text(gone['attn/residual']['key0_in'])} (key 0 in) / "
+                f"{interval_text(gone['attn/residual']['key0_out'])} (out)"
+                + (f"; minus inside documents, paired: {interval_text(paired['key0_in'])} / "
+                   f"{interval_text(paired['key0_out'])}" if paired else "; not compared inside documents")))
+    share = m["original"]["per_layer"]["all"].get("scores/offset_share")
+    if share is not None:  # Ruscio et al.'s reading of the scores: their non-Toeplitz energy, key 0 out as Kim's
+        e = share["key0_out"]
+        claims.append(offset_claim(
+            "offset-share-ruscio", "the scores' non-relative energy (their Toeplitz residual ||P S||^2)",
+            list(zip(e["value"], e["lo"], e["hi"])), interval,
+            f"{name}, {seqs}, all queries, offsets up to {m['domains']['max_offset'] or 'n / 2'}, key 0 out: per "
+            "layer, the mean score map's non-relative energy and the share of it that a least-squares fit with one "
+            "offset per query (beside one per offset i - j) explains; delete-one-group jackknife intervals. The "
+            "share is of a plug-in energy, whose sampling noise is not an offset, so it leans low at few sequences. "
+            "Such an offset is not part of the attention (the softmax removes it): it moves the scores' statistics "
+            "and none of the decomposition's terms (docs/leakage.md, \"The decomposition\"). Per layer (from 1): "
+            + "; ".join(f"{k + 1}: {interval_text({'value': v, 'lo': lo, 'hi': hi}, 2)}"
+                        for k, (v, lo, hi) in enumerate(zip(e["value"], e["lo"], e["hi"]))) + ".",
+            figure="the per-query offset in the scores' pattern"))
     anchor = next((s for s in ("mean", "random") if (m.get("interventions", {}).get(s) or {}).get("sink_attention")),
                   None)
     if anchor is not None:
@@ -158,18 +216,16 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             scope=f"{PAPER_SCALE} (this one: {name})",
             key=f"change {interval_text(sa['change'])} (alpha_0 {interval_text(sa['base'])} -> "
                 f"{interval_text(sa['pass'])})"))
-    context.append(("the exact split of the non-relative energy (a descriptive identity, not causes) into each "
-                    "layer's log-partition term (each query's softmax denominator) and the upstream logit term (the "
-                    "part of the scores this layer reads that is not a function of i - j), early queries, summed over "
-                    "layers, key 0 in / out",
+    context.append(("the scores' own non-relative energy (a description of the scores, not a cause: it moves with any "
+                    "constant per query, which no softmax sees) and the share of it that one offset per query "
+                    "explains, early queries, key 0 in / out (energy summed over layers, share averaged over layers)",
                     "; ".join(f"{w} {interval_text(over[t]['key0_in'])} / {interval_text(over[t]['key0_out'])}"
-                              for w, t in (("log-partition term", "split/e_partition"),
-                                           ("upstream logit term", "split/e_logit")))))
+                              for w, t in (("energy", "scores/energy"), ("offset share", "scores/offset_share")))))
     for s, e in m.get("interventions", {}).items():
         if s in ("mean", "random") or s.startswith("token"):
-            gone = e["over_layers"]["removed"]["early"]["cf/absolute_scores"]
+            gone = e["over_layers"]["removed"]["early"]["attn/residual"]
             first = UNTRAINED_BOS.get(name)
-            context.append((f"{name}: {RESIDUAL_WORDS.get(s, s)}, share of the early-query absolute-scores term "
+            context.append((f"{name}: {RESIDUAL_WORDS.get(s, s)}, share of the early-query residual term "
                             "removed, key 0 in / out" + (f"; its first token is {first}, so not comparable with a "
                                                          "model trained with a BOS (ruscio-bos-replacement above)"
                                                          if first else ""),
@@ -194,9 +250,9 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
     if stack is not None:
         a = load(stack, tensors=False).metrics["architectures"]
         context.append(("the parameter-free stack (no trained weights; exact, d -> infinity): last-layer "
-                        "absolute-scores energy, all queries (each architecture on its own domain: the window hides "
+                        "residual term, all queries (each architecture on its own domain: the window hides "
                         "offsets past its width)",
-                        ", ".join(f"{k} {num(v['exact']['cf/absolute_scores'][-1])}" for k, v in a.items())))
+                        ", ".join(f"{k} {num(v['exact']['residual'][-1])}" for k, v in a.items())))
     return claims, context
 
 
@@ -210,8 +266,8 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     interval = f"{100 * m.get('level', 0.95):g}% jackknife over {m.get('groups')} groups"
     n_seqs, L = r.meta.get("data", {}).get("sequences"), r.config.get("seq_len")
     iv = m["interventions"]["mean"]
-    gone = iv["over_layers"]["removed"]["early"]["cf/absolute_scores"]
-    tests = tuple(estimate_test(f"Gemma-3-270M: share of the early-query absolute-scores term (summed over layers, "
+    gone = iv["over_layers"]["removed"]["early"]["attn/residual"]
+    tests = tuple(estimate_test(f"Gemma-3-270M: share of the early-query residual term (summed over layers, "
                                 f"key 0 {k[5:]}) removed by the BOS replacement", gone[k], ">", 0.0, interval)
                   for k in ("key0_in", "key0_out"))
     heads = iv.get("heads") or {}
@@ -221,7 +277,7 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
         if h:
             sinks = h["sink_heads"]
             lost = [c for c in sinks if c["lo"] > 0]
-            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early absolute-scores term {h['removed']} "
+            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early residual term {h['removed']} "
                             f"of {h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected "
                             f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
                             + (f"part ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
@@ -239,13 +295,20 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     binds = f", where its {max(windows)}-key windows bind" if L > max(windows) else \
         f" (its {max(windows)}-key windows do not bind at this length)"
     arch = (f"Gemma-3-270M at {L:,} tokens ({n_seqs} sequences){binds}, debiased "
-            "absolute-scores energy per layer (all queries, key 0 in): global (full-attention) layers "
+            "residual term per layer (all queries, key 0 in): global (full-attention) layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in full) + "; sliding-window layers "
             + ", ".join(f"{i}: {num(e)}" for i, e in local))
     sk = m["sinks"]
     context = [("attention sinks in Gemma-3-270M (Gu et al.'s test: mean attention on key 0 above the threshold)",
                 f"sink rate {sk['rate']:.3f} at {sk['tokens']} tokens" + (f" ({b})" if (b := sink_bounds(sk)) else "")
                 + f", {len(sk['sink_heads'])} heads above {sk['epsilon']}")]
+    share = m["original"]["per_layer"]["all"].get("scores/offset_share")
+    if share is not None:
+        e = share["key0_out"]
+        context.append(("Gemma-3-270M: share of the scores' non-relative energy that one offset per query explains "
+                        "(no softmax sees it; a description of the scores), per layer from 1, all queries, key 0 out, "
+                        f"{interval}", "; ".join(f"{k + 1}: {interval_text({'value': v, 'lo': lo, 'hi': hi}, 2)}"
+                                                 for k, (v, lo, hi) in enumerate(zip(e["value"], e["lo"], e["hi"])))))
     return tests, text, key, context, arch
 
 
@@ -339,6 +402,10 @@ def build(ctx, size: dict) -> Section:
                             "sink-reading heads' attention on key 0 when the BOS embedding is replaced by the mean "
                             f"embedding, with 95% jackknife intervals over each run's groups (no row: {none} of the "
                             f"{len(lines)} models form no sink head)", "; ".join(lines)))
+    if offsets := sl.offset_lines(metrics, sw.labels):
+        context.append(("the sweep's models: share of the scores' non-relative energy that one offset per query "
+                        "explains (no softmax sees it; a description of the scores), averaged over layers, all "
+                        "queries, key 0 out, mean over seeds with 95% t-intervals over seeds", "; ".join(offsets)))
     if all((v, s) in metrics for v in ("rope", "ntk", "window") for s in sw.seeds):
         arch, arch_context = sl.architecture_claim(metrics, sw.labels, describe, offset, real=gemma_arch)
         swept.append(arch)
@@ -359,13 +426,15 @@ def build(ctx, size: dict) -> Section:
         "AIssential's editorial summary of the paper could be read (its full text could not), so each row states a "
         "claim of that summary, quoting it where its wording is ambiguous. Each claim is judged on causal terms of "
         "`poslens leakage` (docs/leakage.md): "
-        "the mask's denominator counterfactual (the mask alone on this layer's relative scores) and the residual "
-        "stream's intervention (position 0's state replaced with the mask fixed), key 0 in and out (every metric "
+        "the mask-only term (the causal softmax of the scores' lag profile, after one offset per query, which no "
+        "softmax sees, is fitted out) and the residual stream's intervention (position 0's state replaced with the "
+        "mask fixed), key 0 in and out (every metric "
         "computed with the first key's column, the attention sink's, inside its domain and again without it), "
         "against the nulls (windows inside documents); 'early queries' are the queries i <= E in the paper's "
         "numbering from 0 (E = 32, or half the sequence when shorter); RoPE (ntk:8) is RoPE with its base "
-        "scaled by NTK's rule for a length factor of 8. The exact algebraic split is a descriptive identity, "
-        "shown as context. "
+        "scaled by NTK's rule for a length factor of 8. Every term is unchanged by a constant per query added to the "
+        "scores; the scores' own statistics (their non-relative energy and the share of it that is such an offset) "
+        "describe the scores and are context. "
         f"Measured on SmolLM2-135M ({seqs} sequences of {seq_len} tokens of the embedded text, its `<|im_start|>` "
         "first, 95% jackknife intervals), on the sweep's models trained with a BOS first (the "
         f"{sw.config.preset} sweep: {sw.describe()}; one run per model, the "
@@ -398,38 +467,37 @@ def figures(ctx, run: Path, metrics: dict, labels: dict, max_offset: int) -> lis
     out = []
     m = load(run, tensors=False).metrics
     early = m["original"]["per_layer"]["early"]
-    xs = np.arange(1, len(early["cf/mask_only"]["key0_in"]["value"]) + 1)
+    xs = np.arange(1, len(early["attn/mask_only"]["key0_in"]["value"]) + 1)
     series, errors = {}, {}
     for k in ("key0_in", "key0_out"):
-        for label, key in (("mask's term (mask-only counterfactual)", "cf/mask_only"),
-                           ("absolute-scores term", "cf/absolute_scores")):
+        for label, key in (("mask-only term", "attn/mask_only"), ("residual term", "attn/residual")):
             e = early[key][k]
             series[f"{label}, key 0 {k[5:]}"] = e["value"]
             errors[f"{label}, key 0 {k[5:]}"] = interval_errors(e["value"], e["lo"], e["hi"])
     out.append(lines(
         ctx, "leakage_sources", xs, series,
         "SmolLM2-135M-Instruct: the causal terms of the non-relative energy of the mean log-probabilities at early "
-        "queries, per layer from 1, key 0 in and out, with 95% jackknife intervals (log scale): the mask's denominator "
-        "counterfactual and what the absolute content of the "
-        "scores adds (docs/leakage.md).", "layer",
-        "non-relative energy (early queries)", "SmolLM2-135M-Instruct: the mask's term and the scores' absolute term",
+        "queries, per layer from 1, key 0 in and out, with 95% jackknife intervals (log scale): the mask-only term "
+        "(the causal softmax of the scores' lag profile) and the residual term (what the scores beyond one offset per "
+        "query and a function of i - j add); both unchanged by a constant per query (docs/leakage.md).", "layer",
+        "non-relative energy (early queries)", "SmolLM2-135M-Instruct: the mask-only term and the residual term",
         errors=errors, logy=True))
-    names = {"log-partition term (softmax denominator)": "split/e_partition", "upstream logit term": "split/e_logit"}
+    share = m["original"]["per_layer"]["all"]["scores/offset_share"]
     out.append(lines(
-        ctx, "leakage_exact_split", xs, {label: early[key]["key0_in"]["value"] for label, key in names.items()},
-        "The exact split of the same energy (key 0 in): a descriptive identity, not a split into causes (a query "
-        "term in the scores moves both terms and cancels in their cross term; docs/leakage.md; log scale).", "layer",
-        "non-relative energy (early queries)", "SmolLM2-135M-Instruct: the exact split (descriptive)",
-        errors={label: interval_errors(*(early[key]["key0_in"][k] for k in ("value", "lo", "hi")))
-                for label, key in names.items()}, logy=True))
+        ctx, "leakage_score_offset", xs, {f"key 0 {k[5:]}": share[k]["value"] for k in share},
+        "The share of the scores' non-relative energy (their Toeplitz residual) that one offset per query explains, "
+        "per layer, all queries, with 95% jackknife intervals: the part of the raw-score pattern that no softmax "
+        "sees (a description of the scores; docs/leakage.md).", "layer", "offset share of ||P S||^2",
+        "SmolLM2-135M-Instruct: the per-query offset in the scores' pattern",
+        errors={f"key 0 {k[5:]}": interval_errors(*(share[k][x] for x in ("value", "lo", "hi"))) for k in share}))
     if metrics:
         series, errors = sl.architecture_series(metrics, labels)
         xs = np.arange(1, len(next(iter(series.values()))) + 1)
         out.append(lines(ctx, "leakage_architectures", xs, series,
-                         "The sweep's models: absolute energy of the scores' absolute term per layer (from 1), "
+                         "The sweep's models: the residual term per layer (from 1), "
                          "debiased (without the sampling-noise term; log scale), all queries, offsets "
                          f"0-{max_offset} for every variant (the common domain), key 0 "
-                         "in; mean over seeds with 95% t-intervals over seeds.", "layer", "absolute-scores energy",
-                         "The sweep: the scores' absolute term by architecture",
+                         "in; mean over seeds with 95% t-intervals over seeds.", "layer", "residual term",
+                         "The sweep: the residual term by architecture",
                          errors={k: np.array(v) for k, v in errors.items()}, logy=True))
     return out

@@ -155,6 +155,7 @@ def build(ctx, size: dict) -> Section:
               f"sequences of {seq_len} tokens of embedded technical text; the paper measured Llama-3.1-8B, Phi-4 "
               "(14B) and Qwen3-8B over 1,000 FineWeb-Edu sequences of 1,024 tokens.")
     s.claims += claims(ctx, sums, st, mean, layers, stats["sequences"])
+    s.claims.append(offset_row(ctx, sums, seq_len, stats["sequences"]))
     for c in s.claims:  # claims about the paper's 8B-14B models: a 135M model cannot contradict them (rule 4)
         c.scope = (f"the paper's 8B-14B RoPE models (Llama-3.1-8B, Phi-4, Qwen3-8B) over 1,000 sequences of 1,024 "
                    f"tokens (this one: SmolLM2-135M, {stats['sequences']} sequences of {seq_len} tokens)")
@@ -173,6 +174,30 @@ def build(ctx, size: dict) -> Section:
                       "with its Bonferroni-adjusted bounds", per_layer(*st["share"])))
     s.figures += figures(ctx, st, mean, se, layers, sums)
     return s
+
+
+def offset_row(ctx, sums: GroupedSums, seq_len: int, sequences: int) -> Claim:
+    """The finding that part of Section 5.2's non-relative pattern is one offset per query, which no softmax sees:
+    per layer, the noise-free share of the pattern power (two halves, key 0 out) that a least-squares fit with one
+    offset per query explains (`metrics.offset_power`), with its jackknife interval over the groups."""
+    from poslens.analyses.leakage import metrics as lm
+    from poslens.report.sections.leakage import offset_claim
+
+    domain = lm.Domain(max_offset=seq_len - 1, first_key=False)  # Section 5.2's entries: 1 <= j <= i
+    est = sums.estimate(lambda m: lm.offset_power(m["a"], m["b"], domain)["share"])
+    per_layer = list(zip(est.value.tolist(), est.lo.tolist(), est.hi.tolist()))
+    claim = offset_claim(
+        "offset-share-kim-52", "Section 5.2's non-relative pattern (the diagonal-normalised mean score map, key 0 "
+        "out)", per_layer, f"95% jackknife over {est.groups} groups",
+        f"{MODEL}, the section's {sequences} sequences of {seq_len} tokens (document starts): the pattern's "
+        "noise-free power (the product of two independent halves, as for the rows above) and the part of it that a "
+        "least-squares fit with one offset per query (beside one per offset i - j) explains, their ratio per layer. "
+        "Such an offset changes no attention weight (the softmax removes it): this part of the pattern Kim et al. "
+        "measure is invisible to the model's attention (docs/leakage.md, \"The scores' descriptions\"). Per layer "
+        "(from 1): " + "; ".join(f"{k + 1}: {num(v, 2)} [{num(lo, 2)}, {num(hi, 2)}]"
+                                 for k, (v, lo, hi) in enumerate(per_layer)) + ".")
+    claim.command = ctx.remeasure(claim.id)
+    return claim
 
 
 def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequences: int) -> list[Claim]:
