@@ -2,9 +2,10 @@
 HookedModel.run (docs/leakage.md, "Interventions").
 
 Specs (the `--interventions` values):
-    mean       position 0's embedding replaced by the mean token embedding (over the whole vocabulary)
+    mean       position 0's embedding replaced by the mean token embedding (over the whole vocabulary), times the
+               model's embedding scale
     random     ... by a random vector of the same norm as the original (seeded)
-    token:ID   ... by the embedding of token ID
+    token:ID   ... by the embedding of token ID (times the embedding scale: what the model writes for that token)
     nobos      position 0 dropped altogether (the maps are one position shorter)
     patch:SOURCE:K@L
                the residual stream entering layer L (`blocks.L.hook_resid_pre`, L from 0) at positions 0..K-1
@@ -16,9 +17,11 @@ Specs (the `--interventions` values):
                sequence: with a fixed first token a no-op by causality (a test of the code, not a finding)
     shift:K    every position id moved by K: for RoPE without length-dependent scaling a no-op by construction
                (a test of the code); for other encodings a real intervention
-The embedding replacements act on `hook_embed` (after any embedding scale, e.g. Gemma's sqrt(d)), i.e. what
-enters the first layer, before the forward pass. `check` refuses parameters outside the model (a token beyond
-the vocabulary, a shift past its positions, a layer it lacks) before any work.
+The embedding replacements act on `hook_embed` (the embedding module's output, after any embedding scale, e.g.
+Gemma's sqrt(d)), i.e. what enters the first layer, before the forward pass; so an embedding row written there is
+multiplied by the model's scale (`engine.families.embedding_scale`), as the model multiplies its own rows.
+`check` refuses parameters outside the model (a token beyond the vocabulary, a shift past its positions, a layer
+it lacks) before any work.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from poslens.engine.families import embedding_scale
 from poslens.errors import UsageError
 
 NAMES = ("mean", "random", "token", "nobos", "freeze", "shift", "patch")
@@ -109,7 +113,7 @@ def describe(spec: str) -> str:
         source = {"other": "another sequence of the batch", "mean": "the batch's mean",
                   "inside": "a window starting inside the same document (a content token first, no BOS)"}[s.source]
         return f"the residual stream entering layer {s.layer + 1} at {where} replaced by the states of {source}"
-    return {"mean": "position 1's embedding replaced by the mean token embedding",
+    return {"mean": "position 1's embedding replaced by the mean token embedding (at the model's embedding scale)",
             "random": "position 1's embedding replaced by a random direction of the same norm",
             "token": f"position 1's embedding replaced by token {s.value}'s",
             "nobos": "position 1 dropped (maps one position shorter)",
@@ -132,6 +136,7 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
     """
     s = check([spec], model, ids.shape[1], ids.shape[0])[0]
     emb = _embedding_matrix(model)
+    scale = embedding_scale(model)
     if s.name == "nobos":
         return ids[:, 1:], {}, None
     if s.name == "shift":
@@ -150,7 +155,7 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
             state = state.float().mean(0, keepdim=True)
         return ids, {point: _replace(s.value, lambda x0: state.to(x0.device).expand_as(x0))}, None
     if s.name == "mean":
-        mean = emb.detach().float().mean(0)
+        mean = emb.detach().float().mean(0) * scale
         hook = _replace(1, lambda x0: mean.to(x0.device).expand_as(x0))
     elif s.name == "random":
         gen = torch.Generator().manual_seed(int(seed))
@@ -163,7 +168,6 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
         hook = _replace(1, rand)
     else:
         other = emb.detach()[s.value]
-        scale = _embed_scale(model)
         hook = _replace(1, lambda x0: (other.float() * scale).to(x0.device).expand_as(x0))
     return ids, {"hook_embed": hook}, None
 
@@ -197,9 +201,3 @@ def _replace(count: int, value: Callable[[torch.Tensor], torch.Tensor]):
 
     return hook
 
-
-def _embed_scale(model) -> float:
-    """The factor the model's embedding module applies to a looked-up row (Gemma: sqrt(d); else 1)."""
-    module = model.get_input_embeddings()
-    scale = getattr(module, "embed_scale", None)
-    return float(scale) if scale is not None else 1.0
