@@ -77,6 +77,35 @@ def test_embedding_replacements_are_written_at_the_models_scale(family):
     torch.testing.assert_close(states(hm, ids, hooks)[:, 0], states(hm, own)[:, 0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_patch_from_another_documents_start_writes_its_first_token(family):
+    """`patch:start:1@L`: position 0 (a fixed BOS) entering layer L takes the state that the previous sequence's
+    first content token has at position 0 when it starts a sequence itself (a real token at the model's scale,
+    unlike `mean`): entering layer 0 it is the model's own embedding of that token, entering layer 1 the first
+    layer's output for that token alone; every other position is untouched there, and later layers' scores move
+    (with a fixed BOS, `patch:other:1@L` would change nothing)."""
+    model = build(family)
+    hm = HookedModel(model)
+    ids = token_batch(4, 12, seed=7)
+    ids[:, 0] = 1
+    firsts = ids.roll(1, 0)[:, 1:2]  # the previous sequence's first content token, alone at position 0
+    def read(ids: torch.Tensor, point: str, write=None) -> torch.Tensor:
+        got = []
+        hm.run(ids, hooks={point: [*([write] if write else []), lambda x, ctx: got.append(x.clone())]})
+        return got[0]
+
+    for layer in (0, 1):
+        point = f"blocks.{layer}.hook_resid_pre"
+        _, hooks, _ = iv.prepare(f"patch:start:1@{layer}", model, hm, ids)
+        got, want, plain = read(ids, point, hooks[point]), read(firsts, point), read(ids, point)
+        torch.testing.assert_close(got[:, 0], want[:, 0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[:, 1:], plain[:, 1:], rtol=0, atol=0)
+        assert not torch.allclose(got[:, 0], plain[:, 0])
+    torch.testing.assert_close(states(hm, firsts)[:, 0],  # entering layer 0: the model's own embedding
+                               model.get_input_embeddings()(firsts)[:, 0].detach().float(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(layer2_scores(hm, ids, "patch:start:1@0", model), layer2_scores(hm, ids), atol=1e-4)
+
+
 def layer2_scores(hm, ids, spec=None, model=None) -> torch.Tensor:
     """Layer 2's scores [B, H, T, T] of a plain forward or under the intervention `spec`."""
     got = []

@@ -12,7 +12,10 @@ Specs (the `--interventions` values):
                (K = 1: position 0 alone; larger K: the prefix) replaced by the states, at the same layer and
                positions, of SOURCE: `other` (another sequence of the batch), `inside` (a window of the same
                document starting at a random offset inside it, without a BOS: its position 0 is a content
-               token), `mean` (the mean over the batch's sequences). The mask and the other positions are kept.
+               token), `start` (another document's start, without its BOS: its position 0 is that document's
+               first token, a real token where the model saw document starts; with a fixed BOS at position 0,
+               `patch:start:1@0` is the in-distribution counterpart of `mean`), `mean` (the mean over the
+               batch's sequences). The mask and the other positions are kept.
     freeze     position 0's whole trajectory (embedding and every layer's output) replaced by that of a reference
                sequence: with a fixed first token a no-op by causality (a test of the code, not a finding)
     shift:K    every position id moved by K: for RoPE without length-dependent scaling a no-op by construction
@@ -35,8 +38,9 @@ from poslens.engine.families import embedding_scale
 from poslens.errors import UsageError
 
 NAMES = ("mean", "random", "token", "nobos", "freeze", "shift", "patch")
-SOURCES = ("other", "inside", "mean")
-USAGE = "use mean, random, token:ID, nobos, freeze, shift:K or patch:SOURCE:K@L (SOURCE other, inside or mean)"
+SOURCES = ("other", "inside", "start", "mean")
+USAGE = ("use mean, random, token:ID, nobos, freeze, shift:K or patch:SOURCE:K@L (SOURCE other, inside, start "
+         "or mean)")
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def check(specs: list[str], model_or_config, seq_len: int, batch_size: int | Non
                 bad = f"layer {s.layer} is outside the model's layers (0-{layers - 1})"
             elif not 1 <= s.value <= seq_len - 1:
                 bad = f"{s.value} patched positions: use 1 to seq_len - 1 = {seq_len - 1}"
-            elif s.source in ("other", "mean") and batch_size is not None and batch_size < 2:
+            elif s.source in ("other", "start", "mean") and batch_size is not None and batch_size < 2:
                 bad = f"a {s.source} source needs batch_size >= 2"
         if bad:
             raise UsageError(f"interventions: {text}: {bad}")
@@ -111,6 +115,7 @@ def describe(spec: str) -> str:
     if s.name == "patch":
         where = "position 1" if s.value == 1 else f"positions 1-{s.value}"
         source = {"other": "another sequence of the batch", "mean": "the batch's mean",
+                  "start": "another document's start without its BOS (that document's first token first)",
                   "inside": "a window starting inside the same document (a content token first, no BOS)"}[s.source]
         return f"the residual stream entering layer {s.layer + 1} at {where} replaced by the states of {source}"
     return {"mean": "position 1's embedding replaced by the mean token embedding (at the model's embedding scale)",
@@ -127,12 +132,13 @@ def _embedding_matrix(model) -> torch.Tensor:
 
 
 def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | None = None, seed: int = 0, *,
-            inside: torch.Tensor | None = None, bos_prepended: bool = True):
+            inside: torch.Tensor | None = None, bos_prepended: bool = True, starts: torch.Tensor | None = None):
     """The inputs of one intervention on a batch `ids` [B, T]: (ids, hooks, position_ids).
 
     `reference` [T] is the sequence whose position-0 trajectory `freeze` imposes (default: ids[0]); `inside`
     [B, T] are the batch's windows starting inside the same documents (`engine.data.document_windows`, same BOS
-    policy as ids: with `bos_prepended` their BOS is dropped, so the source's position 0 is a content token).
+    policy as ids: with `bos_prepended` their BOS is dropped, so the source's position 0 is a content token);
+    `starts` [B, T] the documents' starts a `start` patch copies from (default: ids, which are starts).
     """
     s = check([spec], model, ids.shape[1], ids.shape[0])[0]
     emb = _embedding_matrix(model)
@@ -149,7 +155,7 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
         return ids, {p: _replace(1, lambda x0, p=p: states[p][:, :1].expand_as(x0)) for p in points}, None
     if s.name == "patch":
         point = f"blocks.{s.layer}.hook_resid_pre"
-        source = _patch_source(s, ids, inside, bos_prepended)
+        source = _patch_source(s, ids if starts is None else starts.to(ids.device), inside, bos_prepended)
         state = _states(hm, source, [point])[point][:, : s.value]  # [B', K, d]
         if s.source == "mean":
             state = state.float().mean(0, keepdim=True)
@@ -178,6 +184,9 @@ def _patch_source(s: Spec, ids: torch.Tensor, inside: torch.Tensor | None, bos_p
         if inside is None:
             raise UsageError(f"interventions: patch:{s.source} needs windows inside the documents")
         return inside[:, 1:] if bos_prepended else inside
+    if s.source == "start":  # the previous sequence of the batch, its BOS dropped
+        other = ids.roll(1, 0)
+        return other[:, 1:] if bos_prepended else other
     return ids.roll(1, 0) if s.source == "other" else ids
 
 

@@ -67,10 +67,11 @@ def prepare_intervention(spec: str, model, hm, ids: torch.Tensor, *, inside: tor
     """The intervention `spec` on the offset null's windows of a batch: `interventions.prepare` itself (one code
     path), on `inside` (the batch's windows inside the same documents) in place of `ids` (their starts), with the
     starts as the source an `inside` patch copies (the other window of the same document: at a start the source is
-    the window inside, here the start, each without its BOS)."""
+    the window inside, here the start, each without its BOS; a `start` patch copies another document's start, as at
+    the starts)."""
     if inside is None or inside.shape != ids.shape:
         raise UsageError("the offset null needs windows inside the same documents, one per sequence")
-    return iv.prepare(spec, model, hm, inside, reference, seed, inside=ids, bos_prepended=bos_prepended)
+    return iv.prepare(spec, model, hm, inside, reference, seed, inside=ids, bos_prepended=bos_prepended, starts=ids)
 
 
 def describe_intervention(spec: str, min_offset: int = 128) -> str:

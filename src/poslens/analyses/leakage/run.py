@@ -48,7 +48,7 @@ class LeakageConfig(ModelData):
     interventions: list[str] = option(["mean", "patch:inside:1@0"],
                                       help="interventions, each a pass contrasted with the original: mean, random, "
                                            "token:ID, nobos, freeze, shift:K, patch:SOURCE:K@L (SOURCE other, "
-                                           "inside or mean; comma-separated; none: no intervention)")
+                                           "inside, start or mean; comma-separated; none: no intervention)")
     nulls: list[str] = option(["offset", "circular"], help="null passes: offset (windows at random offsets "
                               "inside the same documents, as they are and under every intervention), circular "
                               "(tokens after the BOS rolled); none: no null "
