@@ -122,3 +122,35 @@ def test_windows_inside_documents_are_slices_of_the_same_documents():
     assert all(sorted(r.tolist()) == sorted(s.tolist()) for r, s in zip(rolled, start))
     with pytest.raises(UsageError, match="2 of 4 documents"):
         document_windows(tok, docs[:3], 9, 4, min_offset=4, seed=5, bos="always")
+
+
+@pytest.mark.parametrize("spec", ["mean", "token:9", "patch:inside:1@1", "patch:start:1@0", "nobos"])
+def test_offset_intervention_is_the_start_intervention_on_the_inside_windows(spec):
+    """The offset null's pass of an intervention runs the windows inside the documents (not their starts) through
+    `interventions.prepare`, with the starts as an `inside` patch's source: the same inputs, hooks and forward as
+    the intervention at starts given the two windows the other way round (bit for bit; a `start` patch copies
+    another document's start in both), and not the same as the unmodified inside windows."""
+    from tiny_models import build, token_batch
+
+    from poslens.analyses.leakage import interventions as iv
+    from poslens.engine.hooks import HookedModel
+
+    model = build("llama")
+    hm = HookedModel(model)
+    starts, inside = token_batch(3, 12, seed=5), token_batch(3, 12, seed=6)
+    starts[:, 0] = inside[:, 0] = 1  # the BOS
+
+    def scores(prepared) -> torch.Tensor:
+        ids, hooks, pos = prepared
+        got = []
+        hm.run(ids, hooks={**hooks, "blocks.2.attn.hook_attn_scores": lambda s, ctx: got.append(s.clone())},
+               position_ids=pos)
+        return got[0]
+
+    prepared = nulls.prepare_intervention(spec, model, hm, starts, inside=inside, seed=3)
+    assert torch.equal(prepared[0], inside if spec != "nobos" else inside[:, 1:])
+    same = scores(iv.prepare(spec, model, hm, inside, None, 3, inside=starts, starts=starts))
+    assert torch.equal(scores(prepared), same)
+    assert not torch.allclose(scores((inside, {}, None))[..., -same.shape[-1]:, -same.shape[-1]:], same)
+    with pytest.raises(UsageError, match="offset null"):
+        nulls.prepare_intervention(spec, model, hm, starts, inside=None)

@@ -8,6 +8,7 @@ from tiny_models import build, token_batch
 
 from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage import position0 as p0
+from poslens.engine.families import embedding_scale
 from poslens.engine.hooks import HookedModel
 from poslens.errors import UsageError
 
@@ -49,6 +50,60 @@ def test_freeze_imposes_the_reference_trajectory_and_mean_replaces_the_embedding
     got = states(hm, ids, hooks)[:, 0]
     mean = model.get_input_embeddings().weight.float().mean(0)
     torch.testing.assert_close(got, mean.expand_as(got), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
+def test_embedding_replacements_are_written_at_the_models_scale(family):
+    """Gemma-2 and Gemma-3 multiply every looked-up embedding row by sqrt(hidden_size) (8 at d = 64) before the
+    first layer; Llama by 1. `mean` writes the mean embedding at that scale (its norm is the scaled mean
+    embedding's, to float32 rounding, 1e-6 relative) and `token:ID` writes exactly what the model writes for
+    token ID (the same value as an unmodified forward of that token at position 0)."""
+    model = build(family)
+    hm = HookedModel(model)
+    expected = math.sqrt(model.config.hidden_size) if family.startswith("gemma") else 1.0
+    assert embedding_scale(model) == pytest.approx(expected, rel=1e-7)
+    ids = token_batch(3, 10, seed=4)
+    weight = model.get_input_embeddings().weight.detach().float()
+    torch.testing.assert_close(model.get_input_embeddings()(ids).float(), weight[ids] * embedding_scale(model),
+                               rtol=1e-6, atol=0)
+    _, hooks, _ = iv.prepare("mean", model, hm, ids)
+    got = states(hm, ids, hooks)[:, 0]  # [B, d] position 0 entering the first layer
+    scaled_mean = weight.mean(0) * expected
+    assert float(got.norm(dim=-1).min()) == pytest.approx(float(scaled_mean.norm()), rel=1e-6)
+    torch.testing.assert_close(got, scaled_mean.expand_as(got), rtol=1e-6, atol=1e-7)
+    _, hooks, _ = iv.prepare("token:7", model, hm, ids)
+    own = ids.clone()
+    own[:, 0] = 7
+    torch.testing.assert_close(states(hm, ids, hooks)[:, 0], states(hm, own)[:, 0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_patch_from_another_documents_start_writes_its_first_token(family):
+    """`patch:start:1@L`: position 0 (a fixed BOS) entering layer L takes the state that the previous sequence's
+    first content token has at position 0 when it starts a sequence itself (a real token at the model's scale,
+    unlike `mean`): entering layer 0 it is the model's own embedding of that token, entering layer 1 the first
+    layer's output for that token alone; every other position is untouched there, and later layers' scores move
+    (with a fixed BOS, `patch:other:1@L` would change nothing)."""
+    model = build(family)
+    hm = HookedModel(model)
+    ids = token_batch(4, 12, seed=7)
+    ids[:, 0] = 1
+    firsts = ids.roll(1, 0)[:, 1:2]  # the previous sequence's first content token, alone at position 0
+    def read(ids: torch.Tensor, point: str, write=None) -> torch.Tensor:
+        got = []
+        hm.run(ids, hooks={point: [*([write] if write else []), lambda x, ctx: got.append(x.clone())]})
+        return got[0]
+
+    for layer in (0, 1):
+        point = f"blocks.{layer}.hook_resid_pre"
+        _, hooks, _ = iv.prepare(f"patch:start:1@{layer}", model, hm, ids)
+        got, want, plain = read(ids, point, hooks[point]), read(firsts, point), read(ids, point)
+        torch.testing.assert_close(got[:, 0], want[:, 0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[:, 1:], plain[:, 1:], rtol=0, atol=0)
+        assert not torch.allclose(got[:, 0], plain[:, 0])
+    torch.testing.assert_close(states(hm, firsts)[:, 0],  # entering layer 0: the model's own embedding
+                               model.get_input_embeddings()(firsts)[:, 0].detach().float(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(layer2_scores(hm, ids, "patch:start:1@0", model), layer2_scores(hm, ids), atol=1e-4)
 
 
 def layer2_scores(hm, ids, spec=None, model=None) -> torch.Tensor:

@@ -57,6 +57,18 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
                 sides(m["original"][section][scope][n], 3 if section == "per_layer" else None)
     assert set(m["interventions"]) == {"mean", "shift:50", "freeze", "nobos", "patch:inside:1@1"}
     assert set(m["nulls"]) == {"offset", "circular"}
+    # the offset null under every intervention, paired with the intervention at document starts by group
+    offset = m["nulls"]["offset"]["interventions"]
+    assert set(offset) == set(m["interventions"])
+    for spec, c in offset.items():
+        start = m["interventions"][spec]["over_layers"]["removed"]
+        for scope in ("all", "early"):
+            for n in m["energies"]:
+                for k in ("key0_in", "key0_out"):
+                    got = c["paired"]["over_layers"]["removed"][scope][n][k]
+                    want = start[scope][n][k]["value"] - c["over_layers"]["removed"][scope][n][k]["value"]
+                    assert got["value"] == pytest.approx(want, rel=1e-9, abs=1e-12)
+                    assert got["lo"] <= got["value"] <= got["hi"]
     for c in (*m["interventions"].values(), *m["nulls"].values()):
         for section in ("per_layer", "over_layers"):
             for part, keys in (("pass", names), ("difference", names), ("removed", m["energies"])):
@@ -131,6 +143,39 @@ def test_run_directory_reports_both_splits_contrasts_and_nulls_with_key0_in_and_
     if sa is not None:
         assert sa["change"]["value"] == pytest.approx(sa["pass"]["value"] - sa["base"]["value"], abs=1e-9)
         assert anchored[0].tests[0].side == "<" and anchored[0].verdict in VERDICTS
+
+
+def test_offset_null_runs_every_intervention_on_windows_inside_documents(model_dir, tmp_path):
+    """The offset null's pass of each intervention is `interventions.prepare` on the windows inside the documents
+    (one code path): on documents of one repeated character (byte-level tokens, no merges) a window inside a
+    document is token for token its start, so every intervention inside the documents gives exactly what it gives
+    at the starts (the same floats: same inputs, same code), and the paired difference starts minus inside is 0
+    exactly, per layer and over layers, with its interval; run.json records it beside the offset null."""
+    import json
+
+    data = tmp_path / "letters.jsonl"
+    data.write_text("".join(json.dumps({"text": c * 300}) + "\n" for c in "abcdefgh"))
+    specs = ["mean", "random", "patch:inside:1@0", "nobos"]
+    run = poslens.load(run_leakage(cfg(model_dir, data=str(data), interventions=specs, nulls=["offset"],
+                                       predecessor=False, figures=False), tmp_path / "run", progress=False))
+    m = run.metrics
+    inside = m["nulls"]["offset"]["interventions"]
+    assert set(inside) == set(specs) and set(m["interventions"]) == set(specs)
+    for spec in specs:
+        at_start, at_inside = m["interventions"][spec], inside[spec]
+        assert at_inside["base"] == "offset" and "offset null's windows" in at_inside["what"]
+        for section in ("per_layer", "over_layers"):
+            for part in ("pass", "difference", "removed"):
+                assert at_inside[section][part] == at_start[section][part], (spec, section, part)
+        paired = at_inside["paired"]
+        for section, part in (("per_layer", "removed"), ("over_layers", "removed"), ("over_layers", "difference")):
+            for scope in paired[section][part].values():
+                for cell in scope.values():
+                    for e in cell.values():
+                        for k in ("value", "lo", "hi"):
+                            values = e[k] if isinstance(e[k], list) else [e[k]]
+                            assert all(v is None or v == 0 for v in values), (spec, section, part, k)
+    assert run["offset/interventions/mean/paired/removed_all"].abs().max() == 0
 
 
 def test_per_head_contrasts_of_a_one_head_model_are_its_layer_contrasts(tmp_path, capsys):

@@ -34,6 +34,60 @@ def test_shipped_presets_resolve_to_the_four_variants():
         assert all(x.config.bos for x in m.members)
 
 
+@pytest.mark.parametrize("name, base", [("bos-sinks", "pe-sinks"), ("bos-quick", "pe-quick")])
+def test_bos_matrices_are_one_factor_variants_beside_their_sweep(name, base, tmp_path):
+    """The BOS matrices extend the sweep the report trains (its training fields and seeds): their `rope` is the very
+    configuration of the sweep's `rope` (so the cache trains it once: same model directory), `rope-doc` differs
+    from it in the blocks alone (document starts, BOS first), `rope-doc-nobos` from `rope-doc` in the BOS alone;
+    each has its own label. A matrix that extends itself is refused in one line."""
+    from dataclasses import asdict
+
+    from poslens.train.cache import trained_model_dir
+
+    m, parent = resolve_matrix(SweepConfig(preset=name)), resolve_matrix(SweepConfig(preset=base))
+    assert list(m.variants) == ["rope", "rope-doc", "rope-doc-nobos"] and m.seeds == parent.seeds
+    for seed in m.seeds:
+        cfg = {x.variant: asdict(x.config) for x in m.members if x.seed == seed}
+        same = next(asdict(x.config) for x in parent.members if x.seed == seed and x.variant == "rope")
+        assert cfg["rope"] == same
+
+        def differ(a, b):
+            return {k for k in a if a[k] != b[k]}
+
+        assert differ(cfg["rope-doc"], cfg["rope"]) == {"blocks"} and cfg["rope-doc"]["blocks"] == "doc-start"
+        assert differ(cfg["rope-doc-nobos"], cfg["rope-doc"]) == {"bos"} and not cfg["rope-doc-nobos"]["bos"]
+    tokens = tmp_path / "tok"
+    tokens.mkdir()
+    (tokens / "header.json").write_text("{}")
+    rope = next(x.config for x in m.members if x.variant == "rope")
+    twin = next(x.config for x in parent.members if x.variant == "rope" and x.seed == rope.seed)
+    assert trained_model_dir(rope, tokens) == trained_model_dir(twin, tokens)
+    labels = {x.variant: x.label for x in m.members}
+    assert labels == {"rope": "RoPE", "rope-doc": "RoPE; document starts, BOS first",
+                      "rope-doc-nobos": "RoPE; document starts, no BOS"}
+    loop = tmp_path / "loop.json"
+    loop.write_text(json.dumps({"extends": str(loop), "variants": {"a": {"pe": "rope"}}}))
+    with pytest.raises(UsageError, match="extends it back"):
+        resolve_matrix(SweepConfig(preset=str(loop)))
+
+
+def test_a_sweep_over_the_data_convention_trains_each_variant_as_configured(tmp_path, tokens):
+    """Variants that differ in the blocks and the BOS train end to end in one sweep: each model's run.json says its
+    blocks and BOS, each has its own cached directory and a finite held-out loss (over document starts for the
+    document-start variants)."""
+    preset = _matrix_file(tmp_path, tokens, {"packed": {"pe": "rope"}, "doc": {"pe": "rope", "blocks": "doc-start"},
+                                             "doc-nobos": {"pe": "rope", "blocks": "doc-start", "bos": False}},
+                          seeds=(0,))
+    meta = run_sweep(SweepConfig(preset=preset, jobs=1), tmp_path / "sweep", progress=False)
+    models = {m["variant"]: m for m in meta["models"]}
+    assert len({m["path"] for m in models.values()}) == 3
+    for variant, (blocks, bos) in {"packed": ("packed", True), "doc": ("doc-start", True),
+                                   "doc-nobos": ("doc-start", False)}.items():
+        run = json.loads(Path(models[variant]["path"], "run.json").read_text())
+        assert (run["config"]["blocks"], run["config"]["bos"]) == (blocks, bos)
+        assert math.isfinite(meta["metrics"]["heldout_loss"][variant]["value"])
+
+
 def test_flags_and_bad_matrices(tmp_path, tokens):
     m = resolve_matrix(SweepConfig(preset="pe-quick", variants="a:pe=none,b:pe=rope+rope_scaling=linear:2",
                                    seeds=[5], train="steps=20+warmup=2"))

@@ -120,3 +120,59 @@ def test_more_sequences_is_the_count_at_which_the_half_width_falls_below_the_gap
     passing = Test("y", 0.5, ">", 0.0, 0.4, 0.6, "95% jackknife over 8 groups")
     assert "about 47" in more_sequences((open_, passing), 32)
     assert "about" not in more_sequences((Test("z", 0.0, ">", 0.0, -0.1, 0.1, "j"),), 32)
+
+
+def with_offset(m: dict, paired: float) -> dict:
+    """Every run of `m` with the offset null's pass of the BOS replacement: its removal at document starts minus
+    inside the documents `paired` (+ 0.01 s), key 0 in and out alike."""
+    out = {}
+    for (v, s), run in m.items():
+        cell = {"early": {sl.ENERGY: {k: est(paired + 0.01 * s) for k in ("key0_in", "key0_out")}}}
+        out[v, s] = {**run, "nulls": {"offset": {"interventions": {"mean": {
+            "paired": {"over_layers": {"removed": cell}}}}}}}
+    return out
+
+
+def test_bos_row_is_judged_on_the_document_start_models_with_the_packed_ones_beside():
+    """On the BOS matrix the row's tests read `rope-doc` (document starts, BOS first) alone: planted removals of 0.4
+    there and -0.3 in the packed `rope` pass the tests; the packed models' numbers and the offset null's paired
+    difference (starts minus inside) are printed beside, not tested."""
+    labels = {"rope": "RoPE", "rope-doc": "RoPE; document starts, BOS first",
+              "rope-doc-nobos": "RoPE; document starts, no BOS"}
+    m = {**sweep({"rope-doc": [1.0] * 4}, 0.4), **sweep({"rope": [1.0] * 4}, -0.3)}
+    m = with_offset(m, 0.25)
+    row = sl.bos_claim(m, labels, "planted", variant=sl.BOS_VARIANT, contrast=sl.PACKED_VARIANT)
+    assert combine(row.tests) == "pass" and len(row.tests) == 2
+    assert all(t.statistic.startswith("RoPE; document starts, BOS first:") for t in row.tests)
+    e = seed_interval([0.4 + 0.01 * s for s in SEEDS])
+    assert row.tests[0].value == pytest.approx(e["value"])
+    packed = seed_interval([-0.3 + 0.01 * s for s in SEEDS])
+    assert "The contrast, RoPE models trained otherwise" in row.measured
+    assert f"{packed['value']:.3g}" in row.measured
+    assert "document starts minus on windows inside the same documents" in row.measured
+    assert sl.starts_minus_inside(m, "rope-doc").startswith("key 0 in 0.26")
+    assert sl.starts_minus_inside(sweep({"rope-doc": [1.0] * 4}, 0.4), "rope-doc") == ""  # no offset null: no text
+    flipped = {**sweep({"rope-doc": [1.0] * 4}, -0.3), **sweep({"rope": [1.0] * 4}, 0.4)}
+    assert combine(sl.bos_claim(flipped, labels, "planted", variant=sl.BOS_VARIANT,
+                                contrast=sl.PACKED_VARIANT).tests) == "fail"
+
+
+@pytest.mark.parametrize("patched, outcome", [(-0.3, "pass"), (0.05, "fail")])
+def test_token_anchored_row_also_needs_the_in_distribution_patch(patched, outcome):
+    """With the patch from another document's start run, the row has two tests: the mean replacement's change and
+    the patch's, each t over seeds; sinks that collapse under the mean embedding but keep their attention with a
+    real token at position 0 fail the second test (not anchored to the token: broken by an unseen input)."""
+    m = with_sinks(sweep({"rope-doc": [1.0] * 4, "rope": [1.0] * 4}, 0.4), -0.4)
+    for (_, s), run in m.items():
+        c = patched + 0.01 * s
+        run["interventions"][sl.START_PATCH] = {"sink_attention": {
+            "heads": 3, "threshold": 0.3, "base": est(0.5), "pass": est(0.5 + c),
+            "change": {"value": c, "lo": c - 0.02, "hi": c + 0.02}}}
+    labels = {"rope": "RoPE", "rope-doc": "RoPE; document starts, BOS first"}
+    row = sl.anchored_claim(m, labels, "planted", variant=sl.BOS_VARIANT, patch=sl.START_PATCH,
+                            context_variants=("rope-doc", "rope"))
+    assert len(row.tests) == 2 and combine(row.tests[:1]) == "pass" and combine(row.tests[1:]) == outcome
+    assert combine(row.tests) == outcome and "another document's start" in row.tests[1].statistic
+    assert "from another document's start" in row.key and "rope seed 0" in row.measured
+    assert "patch:" not in row.measured
+    assert len(sl.anchored_claim(m, labels, "planted", variant=sl.BOS_VARIANT).tests) == 1  # without the patch

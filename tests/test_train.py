@@ -166,6 +166,71 @@ def test_bos_blocks_start_with_bos_and_tile_the_stream():
     assert num_blocks(stream, 8, bos=7) == 99 // 7 and num_blocks(stream, 8) == 99 // 8
 
 
+def test_doc_start_blocks_begin_with_the_bos_at_a_document_start():
+    """--blocks doc-start: block b is document b's start, BOS first (or, without BOS, the document's first token),
+    its separator the last counted target of a document shorter than the block and PAD after it; a document longer
+    than the block gives its first seq_len tokens; empty documents (two separators in a row) are not blocks."""
+    from poslens.train.data import PAD, blocks, counted_rows
+
+    sep, bos = 0, 1
+    docs = [[10, 11, 12], list(range(100, 120)), [30]]
+    stream = np.array([t for d in docs for t in [*d, sep]][:-1] + [sep, sep], dtype=np.int64)  # an empty one too
+    assert num_blocks(stream, 8, bos, separator=sep) == 3
+    b = blocks(stream, 8, torch.arange(3), bos=bos, separator=sep)
+    assert b.shape == (3, 9) and (b[:, 0] == bos).all()
+    assert b[0].tolist() == [bos, 10, 11, 12, sep] + [PAD] * 4
+    assert b[1].tolist() == [bos, *range(100, 108)]
+    assert b[2].tolist() == [bos, 30, sep] + [PAD] * 6
+    assert counted_rows(b) == (4 + 8 + 2) / 8  # padded targets are not counted
+    nobos = blocks(stream, 8, torch.arange(3), separator=sep)
+    assert nobos[0].tolist() == [10, 11, 12, sep] + [PAD] * 5 and nobos[1].tolist() == list(range(100, 109))
+
+
+def test_doc_start_loss_counts_no_padding(tokens):
+    """On real documents (the session's token directory): every block starts with the BOS followed by a document's
+    first token (the stream's first token or one right after a separator); the loss of a padded block is the mean
+    cross-entropy over its counted targets (recomputed per token, independently, to 1e-6) and does not change when
+    the padded inputs are other tokens (they come after every counted target); a step's micro-batches are weighed
+    by their counted targets (`loss_shares`), so the step's loss is the mean over every counted target."""
+    import torch.nn.functional as F
+
+    from poslens.train.data import PAD, loss_shares, train_batches
+    from poslens.train.loop import next_token_loss
+
+    tf = open_tokens(tokens)
+    sep, bos = tf.separator_id, tf.header["bos_token_id"]
+    micro = train_batches(tf.train, 64, 0, 16, 8, 0, 1, 0, bos, separator=sep)
+    every = torch.cat(micro)
+    assert (every[:, 0] == bos).all()
+    train = torch.from_numpy(np.asarray(tf.train, dtype=np.int64))
+    for row in every:
+        first = int(row[1])
+        matches = [i for i in (train == first).nonzero().flatten().tolist() if i == 0 or int(train[i - 1]) == sep]
+        assert any(torch.equal(train[i:i + 63][row[1:64] != PAD], row[1:64][row[1:64] != PAD]) for i in matches)
+    # a block made short by hand: a short document padded
+    block = every[:2].clone()
+    block[0, 20:] = PAD
+    block[0, 19] = sep
+    model = build_model(resolve_config("tiny", **{**MICRO, "pe": "rope", "seq_len": 64}), tf.vocab_size,
+                        bos_token_id=bos, eos_token_id=sep).eval()
+    with torch.no_grad():
+        got = next_token_loss(model, block)
+        logits = model(input_ids=block[:, :-1].clamp(min=0)).logits
+        per_token = F.cross_entropy(logits.flatten(0, 1), block[:, 1:].clamp(min=0).flatten(), reduction="none")
+        want = per_token[(block[:, 1:] != PAD).flatten()].mean()
+        assert float(got) == pytest.approx(float(want), rel=1e-6)
+        other = block.clone()
+        other[0, 20:] = 5  # other padded inputs; the targets stay padding
+        logits2 = model(input_ids=other[:, :-1]).logits
+        again = F.cross_entropy(logits2.flatten(0, 1), block[:, 1:].flatten(), ignore_index=PAD)
+        assert float(again) == pytest.approx(float(got), rel=1e-6)
+        shares = loss_shares([block[:1], block[1:]])
+        assert shares == pytest.approx([19 / (19 + 64), 64 / (19 + 64)])
+        step = sum(share * next_token_loss(model, b) for share, b in zip(shares, (block[:1], block[1:])))
+        assert float(step) == pytest.approx(float(want), rel=1e-6)
+    assert loss_shares([block[1:], block[1:]]) is None  # nothing padded: the mean of means, as before
+
+
 # ---------------------------------------------------------------- training runs
 
 
@@ -218,6 +283,45 @@ def test_bos_run_scores_and_saves_with_bos(tokens, tmp_path):
     record = model_record(model)["variant"]
     assert record["bos"] is True and record["label"] == "RoPE, window 8 in all layers"
     assert load(out).meta["variant"] == record
+
+
+def test_doc_start_training_end_to_end(tokens, tmp_path):
+    """`--blocks doc-start --bos` on a tiny RoPE config trains, saves and reloads; its held-out loss is the
+    reloaded model's mean cross-entropy over the counted targets of the first held-out documents' starts (BOS
+    first), recomputed independently (float32 sums in another order: 1e-5); the configuration and the cache name
+    record the blocks, and a packed configuration keeps the cache key it had before the field existed."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from poslens.engine.models import load_model
+    from poslens.io.checkpoint import fingerprint
+    from poslens.io.results import load
+    from poslens.train.cache import CACHE_VERSION, slug, trained_model_dir
+    from poslens.train.data import PAD, eval_batches
+
+    out = tmp_path / "doc"
+    cfg = micro(tokens, bos=True, pe="rope", blocks="doc-start")
+    metrics = train(cfg, out, progress=False)
+    assert math.isfinite(metrics["final_eval_loss"]) and load(out).meta["config"]["blocks"] == "doc-start"
+    model, _ = load_model(str(out), dtype="float32")
+    tf = open_tokens(tokens)
+    held = torch.cat(eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, 64, 0, 1,
+                                  bos=tf.header["bos_token_id"], separator=tf.separator_id))
+    assert (held[:, 0] == tf.header["bos_token_id"]).all()
+    with torch.no_grad():
+        logits = model(held[:, :-1].clamp(min=0)).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), held[:, 1:].flatten(), ignore_index=PAD).item()
+    assert loss == pytest.approx(metrics["final_eval_loss"], rel=1e-5)
+    assert slug(cfg).endswith("-bos-doc-start")
+    packed = dataclasses.replace(cfg, blocks="packed")
+    # the key of a release without the field (pinned: a change orphans every cached model)
+    before = {k: v for k, v in dataclasses.asdict(packed).items()
+              if k not in ("device", "tensorboard", "tokens", "blocks")}
+    header = json.loads((Path(tokens) / "header.json").read_text())
+    key = fingerprint({**before, "tokens": str(tokens), "tokens_header": header, "cache_version": CACHE_VERSION})
+    assert trained_model_dir(packed, Path(tokens)).name.endswith(key[:10])
+    assert trained_model_dir(cfg, Path(tokens)) != trained_model_dir(packed, Path(tokens))
 
 
 def test_quiet_run_draws_no_progress_bars(tokens, tmp_path, capfd):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from poslens.engine.pe import PE_ATTR, PositionalEncoding
@@ -126,6 +127,19 @@ def positional_encoding_record(model_or_config: Any) -> dict[str, Any]:
 def known_nope(spec: str) -> str | None:
     """Why a model spec is known to be NoPE (a hub id in KNOWN_NOPE), else None."""
     return KNOWN_NOPE.get(spec.strip().lower())
+
+
+def embedding_scale(model: nn.Module) -> float:
+    """The factor between a row of the input embedding matrix and what the decoder receives for that token (the
+    value at the hook point `hook_embed`, the embedding module's output): Gemma-2 and Gemma-3 multiply the looked-up
+    row by sqrt(hidden_size) inside their embedding module (`embed_scale`, cast to the weights' dtype as the module
+    casts it); every other family by 1. A vector written at position 0 in place of an embedding row (the leakage
+    interventions' `mean`, `token:ID`) is multiplied by it, so it enters at the model's scale."""
+    module = model.get_input_embeddings()
+    scale = getattr(module, "embed_scale", None)
+    if scale is None:
+        return 1.0
+    return float(torch.as_tensor(scale).to(module.weight.dtype))
 
 
 def _identity_rotation(module: nn.Module, args, output):

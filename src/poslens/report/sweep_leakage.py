@@ -26,6 +26,14 @@ PAPER_SCALE = ("the paper's RoPE language models (Llama-3.2-3B; Qwen and Mistral
                "not give, presumably billions of parameters too)")  # a claim's scope (claims.py rule 4)
 ENERGY = "attn/residual"  # the residual term, read for the residual stream's (docs/leakage.md)
 INTERVENTIONS = ["mean"]  # what the sweep's rows read: the BOS replacement and the original pass (two passes)
+# Ruscio et al.'s BOS rows, on the BOS matrix (`poslens sweep --preset bos-sinks`, `bos-quick`): judged on standard RoPE
+# trained on document starts with the BOS first, the packed models (the sweep's own rope) as the contrast; the
+# in-distribution replacement (position 0 from another document's start: its first token) beside `mean`, and the
+# offset null, which runs both again on windows inside the documents (the BOS-versus-document-start confound)
+BOS_VARIANT, PACKED_VARIANT, NOBOS_VARIANT = "rope-doc", "rope", "rope-doc-nobos"
+START_PATCH = "patch:start:1@0"
+BOS_INTERVENTIONS = ["mean", START_PATCH]
+BOS_NULLS = ["offset"]
 HEADLINE = 0.40  # the paper's printed share of the residual-stream component a BOS replacement removes
 MASK_FLOOR = 0.01  # "the mask leaks": its mask-only term carries more than 1% of the non-relative energy
 
@@ -37,20 +45,25 @@ def common_max_offset(sw) -> int:
     return min([L // 2, *(w - 1 for w in windows)])
 
 
-def sweep_leakage_runs(ctx, sw, size: dict) -> dict[tuple[str, int], Path]:
+def sweep_leakage_runs(ctx, sw, size: dict, interventions: list[str] = INTERVENTIONS,
+                       nulls: list[str] | None = None) -> dict[tuple[str, int], Path]:
     """One `poslens leakage` run per model of the sweep `sw` (kept in the report's parts, so a resumed reproduce
-    reuses them): {(variant, seed): run directory}. Sizes: `sweep_sequences`, `sweep_groups`."""
+    reuses them): {(variant, seed): run directory}, with `interventions` and `nulls` (default none), each model's
+    documents read as it was trained (with its BOS first, or without one). Sizes: `sweep_sequences`,
+    `sweep_groups`."""
     from poslens.analyses.leakage.run import LeakageConfig, run_leakage
     from poslens.io.checkpoint import fingerprint
 
     L = sw.matrix.members[0].config.seq_len
     seqs, groups = size["sweep_sequences"], size["sweep_groups"]
+    bos = {(m.variant, m.seed): m.config.bos for m in sw.matrix.members}
     out = {}
     for (variant, seed), path in sw.paths.items():
         cfg = LeakageConfig(model=str(path), data=str(sw.tokens), seq_len=L, num_sequences=seqs,
                             batch_size=max(1, seqs // groups), groups=groups, early_queries=min(32, L // 2),
-                            max_offset=common_max_offset(sw), interventions=INTERVENTIONS, nulls=["none"],
-                            predecessor=False, figures=False)
+                            max_offset=common_max_offset(sw), interventions=list(interventions),
+                            nulls=list(nulls or ["none"]), predecessor=False, figures=False,
+                            bos="always" if bos[variant, seed] else "never")
         run = Path(ctx.parts) / f"leakage-{variant}-s{seed}-{fingerprint(asdict(cfg))[:10]}"
         if not (run / "run.json").exists():
             if ctx.progress:
@@ -93,21 +106,33 @@ def _test(statistic: str, e: dict) -> Test:
 
 
 def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean",
-              variant: str = "rope", real: tuple[tuple[Test, ...], str, str] | None = None) -> Claim:
+              variant: str = "rope", real: tuple[tuple[Test, ...], str, str] | None = None,
+              contrast: str | None = None) -> Claim:
     """The BOS-replacement claim judged on the sweep's `variant` (trained with a BOS first): the share of the
     early-query residual term (summed over layers) that replacing the BOS embedding by the mean embedding
     removes, one value per seed, key 0 in and out; the other RoPE-family variants as context. `real`: the same
     measurement on a pre-trained model trained with its BOS first (its tests, its description, its key number),
-    whose tests join the sweep's: one row for the one claim."""
+    whose tests join the sweep's: one row for the one claim. `contrast`: a variant trained otherwise (the packed
+    models beside the document-start ones), its numbers beside the tests; where the runs ran the offset null, the
+    removal at document starts minus inside the documents (paired by group, then t over seeds) is shown too."""
     def share(v: str, key0: str) -> dict:
         return seed_interval([removed(metrics[v, s], spec, "early", key0) for s in _seeds(metrics, v)],
                              support=(-math.inf, 1.0))  # 1 - E(pass) / E(original), energies >= 0
+
+    def beside(v: str) -> str:
+        return (f"key 0 in {interval_text(share(v, 'key0_in'))}, out {interval_text(share(v, 'key0_out'))}"
+                + (f"; at document starts minus inside the documents {confound}" if (confound := starts_minus_inside(
+                    metrics, v, spec)) else ""))
 
     tests = tuple(_test(f"{labels[variant]}: share of the early-query residual term (summed over layers, key 0 "
                         f"{k[5:]}) removed by the BOS replacement", share(variant, k)) for k in ("key0_in", "key0_out"))
     sweep_key = (f"{labels[variant]} {interval_text(share(variant, 'key0_in'))} (key 0 in) / "
                  f"{interval_text(share(variant, 'key0_out'))} (out)")
-    others = [v for v in ROPE_FAMILY if v != variant and _seeds(metrics, v)]
+    others = [v for v in ROPE_FAMILY if v not in (variant, contrast) and _seeds(metrics, v)]
+    versus = (f" The contrast, {labels[contrast]} models trained otherwise on the same tokens (every other "
+              f"training field and the seeds the same): {beside(contrast)}." if contrast and _seeds(metrics, contrast)
+              else "")
+    own = starts_minus_inside(metrics, variant, spec)
     claim = Claim(
         "ruscio-bos-replacement", "ruscio2026", "summary",
         "replacing the BOS embedding before the forward pass removes part (40%) of the residual-stream component at "
@@ -122,10 +147,12 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  "carries the earlier layers' masks too, so it is not the residual stream's own term alone (the "
                  "NoPE control and the parameter-free stack have it as well: context below). Only the direction "
                  "is tested ('removes part': a share above 0); the paper's 40% is a size at its scale, printed "
-                 "beside ours, not a threshold a model this small could be held to. Other variants "
-                 "trained with a BOS: "
-                 + ("; ".join(f"{labels[v]} key 0 in {interval_text(share(v, 'key0_in'))}, "
-                              f"out {interval_text(share(v, 'key0_out'))}" for v in others) or "none") + "."
+                 "beside ours, not a threshold a model this small could be held to."
+                 + (f" The same replacement at document starts minus on windows inside the same documents (the "
+                    f"offset null's windows, BOS kept; paired by group, t over seeds): {own}: the part of the "
+                    "removal that the document start adds to the BOS." if own else "")
+                 + versus + " Other variants trained with a BOS: "
+                 + ("; ".join(f"{labels[v]} {beside(v)}" for v in others) or "none") + "."
                  + (" " + real[1] if real else " Not measured here on a pre-trained model trained with its BOS "
                     "first: the full run adds Gemma-3-270M's tests to this row when that optional extra is installed "
                     "(bash setup.sh --gemma); a --quick run leaves it out."),
@@ -137,6 +164,22 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                 + ("" if real else " (or, a step closer, Gemma-3-270M, which the full run measures when it is "
                                    "installed: bash setup.sh --gemma)"))
     return claim
+
+
+def starts_minus_inside(metrics: dict, variant: str, spec: str = "mean") -> str:
+    """The replacement `spec`'s removed share of the early-query residual term (summed over layers) at
+    document starts minus on the offset null's windows inside the documents, key 0 in and out, t over seeds of
+    the per-seed paired values; '' where the runs have no offset null (`nulls.paired_with_starts`)."""
+    seeds = _seeds(metrics, variant)
+    rows = [((metrics[variant, s].get("nulls", {}).get("offset") or {}).get("interventions") or {}).get(spec)
+            for s in seeds]
+    if not seeds or not all(rows):
+        return ""
+    parts = []
+    for key0 in ("key0_in", "key0_out"):
+        e = seed_interval([r["paired"]["over_layers"]["removed"]["early"][ENERGY][key0]["value"] for r in rows])
+        parts.append(f"key 0 {key0[5:]} {interval_text(e)}")
+    return ", ".join(parts)
 
 
 def sink_attention(metrics: dict, variant: str, seed: int, spec: str = "mean") -> dict | None:
@@ -162,24 +205,38 @@ def anchored_lines(metrics: dict, variants: tuple[str, ...] = ROPE_FAMILY, spec:
 
 
 def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean",
-                   variant: str = "rope", elsewhere: str = "") -> Claim | None:
+                   variant: str = "rope", elsewhere: str = "", patch: str | None = None,
+                   context_variants: tuple[str, ...] = ROPE_FAMILY) -> Claim | None:
     """"Attention sinks are token-anchored", on the sweep's `variant` (trained with a BOS first): the change of
     the sink-reading heads' mean attention on key 0 when the BOS embedding is replaced by the mean embedding at
     the same position, one value per seed, t over seeds with each seed's jackknife half-width over the held-out text
     (the same text for every seed) added in quadrature. None when a seed forms no sink head: there is then
-    nothing to anchor in that seed, and the row is judged elsewhere (`elsewhere`: that measurement, as context)."""
+    nothing to anchor in that seed, and the row is judged elsewhere (`elsewhere`: that measurement, as context).
+    `patch` (START_PATCH): a second test, the same change when position 0 takes another document's start instead
+    (that document's first token, its own state at position 0: a real token, where `mean` writes an embedding no
+    token has), so that "anchored to the token" is told from "broken by an input never seen"; `context_variants`:
+    the models listed as context."""
     seeds = _seeds(metrics, variant)
     sas = [sink_attention(metrics, variant, s, spec) for s in seeds]
     if len(seeds) < 2 or not all(sas):
         return None
     change = combine_seeds([{**sa["change"], "support": [-1.0, 1.0]} for sa in sas])  # t over seeds + text
+    tests = [estimate_test(f"{labels[variant]}: change of the sink-reading heads' mean attention on key 0 (alpha_0, "
+                           "Gu et al.'s test) when the BOS embedding is replaced by the mean token embedding at the "
+                           "same position", change, "<", 0.0)]
+    key = f"change {interval_text(change)}"
+    patched = [sink_attention(metrics, variant, s, patch) for s in seeds] if patch else []
+    if patched and all(patched):
+        moved = combine_seeds([{**sa["change"], "support": [-1.0, 1.0]} for sa in patched])
+        tests.append(estimate_test(f"{labels[variant]}: the same change when position 0 takes another document's "
+                                   "start instead (that document's first token and its own state at position 0: a "
+                                   "real token, where the mean embedding is no token's)", moved, "<", 0.0))
+        key += f"; from another document's start {interval_text(moved)}"
     return Claim(
         "ruscio-token-anchored", "ruscio2026", "summary",
         "attention sinks are token-anchored: the sink-reading heads attend to the first key because of the token "
         "there, not because of its position",
-        (estimate_test(f"{labels[variant]}: change of the sink-reading heads' mean attention on key 0 (alpha_0, Gu "
-                       "et al.'s test) when the BOS embedding is replaced by the mean token embedding at the same "
-                       "position", change, "<", 0.0),),
+        tuple(tests),
         measured=f"the sweep's {labels[variant]} models, trained with the same first token (the BOS) in every sequence "
                  f"({describe}); in each, the heads whose mean attention on key 0 exceeds the sink threshold "
                  f"({sas[0]['threshold']:g}) in the original pass (chosen again inside each jackknife replicate), "
@@ -189,12 +246,14 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
                  "attention (a sink anchored to the first position would keep it). Only the direction is tested; "
                  "the summary gives no size. Tested on the standard-RoPE seeds; the other RoPE-family models are "
                  "context. "
-                 "Every RoPE-family model: " + "; ".join(anchored_lines(metrics)) + "."
+                 + ("With position 0 from another document's start: "
+                    + "; ".join(anchored_lines(metrics, (variant,), patch)) + ". " if patched and all(patched) else "")
+                 + "Every RoPE-family model: " + "; ".join(anchored_lines(metrics, context_variants)) + "."
                  + (f" {elsewhere}" if elsewhere else ""),
         scope=f"{PAPER_SCALE} (these: the sweep's models)",
         resolve="the same measurement on a model of the paper's scale trained with a BOS (e.g. Gemma-3, where its "
                 "GGUF is installed)",
-        key=f"change {interval_text(change)}")
+        key=key)
 
 
 def offset_lines(metrics: dict, labels: dict[str, str], key0: str = "key0_out") -> list[str]:
@@ -217,7 +276,7 @@ def offset_lines(metrics: dict, labels: dict[str, str], key0: str = "key0_out") 
 def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = "mean") -> Claim:
     """"Both sources appear in all three architectures", on the sweep: for each RoPE-family variant, the mask's
     term (the mask-only term's share of the early-query non-relative energy of the log-probabilities,
-    summed over layers) above MASK_FLOOR, and the residual stream's (the share of the early-query absolute-scores
+    summed over layers) above MASK_FLOOR, and the residual stream's (the share of the early-query residual
     term the BOS replacement removes) above 0; key 0 out (the sink's column left out), t over seeds."""
     tests = []
     for v in ROPE_FAMILY:

@@ -27,7 +27,8 @@ def tokens_of(cfg: TrainConfig, progress: bool = False) -> Path:
 
 def slug(cfg: TrainConfig) -> str:
     """A readable name of the model: preset (a .json preset's file name), positional encoding (none, rope or
-    mixed-PATTERN), scaling, window, bos: ``tiny-none``, ``cpu-rope-ntk-8-window-32-bos``."""
+    mixed-PATTERN), scaling, window, bos, blocks other than packed: ``tiny-none``, ``cpu-rope-ntk-8-window-32-bos``,
+    ``tiny-rope-bos-doc-start``."""
     name = Path(cfg.preset).stem if cfg.preset.endswith(".json") else cfg.preset
     parts = [name, cfg.pe if cfg.pe_layers is None else "mixed-" + str(cfg.pe_layers).replace(",", "")]
     if cfg.rope_scaling:
@@ -36,6 +37,8 @@ def slug(cfg: TrainConfig) -> str:
         parts.append(f"window-{cfg.sliding_window}")
     if cfg.bos:
         parts.append("bos")
+    if cfg.blocks != "packed":
+        parts.append(cfg.blocks)
     return "-".join(parts)
 
 
@@ -48,6 +51,8 @@ def trained_model_dir(cfg: TrainConfig, tokens: Path) -> Path:
     header = json.loads((tokens / HEADER).read_text())
     # what the model is: every field but where it runs and logs; the tokens by their resolved path and header
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("device", "tensorboard", "tokens")}
+    if fields.get("blocks") == "packed":  # added later: at its default left out, so earlier models keep their key
+        del fields["blocks"]
     key = fingerprint({**fields, "tokens": str(tokens), "tokens_header": header, "cache_version": CACHE_VERSION})
     return cache_root() / "trained" / f"{slug(cfg)}-s{cfg.seed}-{key[:10]}"
 

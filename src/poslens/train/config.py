@@ -21,6 +21,7 @@ PRESETS = ("tiny", "cpu", "small", "paper-1.5b")
 PE = ("none", "rope")
 PRECISIONS = ("auto", "fp32", "bf16")
 PARALLEL = ("ddp", "fsdp")
+BLOCKS = ("packed", "doc-start")
 
 
 @dataclass
@@ -52,6 +53,10 @@ class TrainConfig:
                                                 "layer when --sliding-window is set")
     bos: bool = option(False, help="start every training and held-out sequence with the BOS token (as Llama "
                                    "is trained); the saved tokenizer then adds BOS by itself")
+    blocks: str = option("packed", help="training blocks: packed (cuts of the token stream, documents back to back "
+                                        "with their separator) or doc-start (each block one document's start, with "
+                                        "--bos the BOS first; a shorter document padded, the padding not counted in "
+                                        "the loss; docs/training.md)", choices=BLOCKS)
     seq_len: int = option(128, help="context length in tokens (BOS included with --bos)")
     # optimisation
     steps: int = option(150, help="optimizer steps")
@@ -87,6 +92,7 @@ class TrainConfig:
         require(self.hidden % self.heads == 0, f"heads ({self.heads}) must divide hidden ({self.hidden})")
         require((self.hidden // self.heads) % 2 == 0, "hidden / heads (the head size) must be even for RoPE")
         check_choice("pe", self.pe, PE)
+        check_choice("blocks", self.blocks, BLOCKS)
         check_int("seq_len", self.seq_len, 3 if self.bos else 2)
         self.positional_encoding()
         check_int("steps", self.steps, 1)
@@ -125,7 +131,7 @@ class TrainConfig:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 MODEL_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
-                "rope_scaling", "sliding_window", "layer_types", "bos")
+                "rope_scaling", "sliding_window", "layer_types", "bos", "blocks")
 
 
 def parse_tokenizer(spec: str) -> tuple[str, int | None]:

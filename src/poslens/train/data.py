@@ -8,6 +8,17 @@ first target is the token after it. Epoch e visits the blocks in a seeded random
 global samples ``[s*B, (s+1)*B)`` of that endless sequence, rank r of W the contiguous part
 ``[r*B/W, (r+1)*B/W)``. The data position of a run is therefore its step count: resuming needs nothing
 else, and W ranks read exactly what one process reads.
+
+Document-start blocks (`separator` given, ``poslens train --blocks doc-start``): block b is the start of document b
+of the stream (documents end with the separator token, `poslens tokenize`'s layout): with `bos`, ``[BOS] +`` its
+first seq_len tokens, else its first seq_len + 1; so position 0 is always the BOS (or the document's first token)
+and the first target the document's first token. A document shorter than that (its separator included, the last
+target: the model learns where a document ends) is padded with `PAD`: a padded target is not counted in the loss
+and a padded input comes after every counted target of its row, so no counted prediction sees it (the causal
+mask). Documents are never joined: every block holds one document, as the leakage analyses read them (each
+document's start with the BOS first). Only the first seq_len tokens of each document are read, so the stream
+holds as many blocks as documents (the embedded corpus: 2,476 training documents, 0.6% of them shorter than 64
+tokens).
 """
 
 from __future__ import annotations
@@ -19,11 +30,33 @@ import torch
 
 from poslens.errors import require
 
+PAD = -100  # a padded target (torch's cross-entropy ignore_index): never counted in the loss
 
-def num_blocks(tokens: np.ndarray, seq_len: int, bos: int | None = None) -> int:
+
+def num_blocks(tokens: np.ndarray, seq_len: int, bos: int | None = None, separator: int | None = None) -> int:
     """How many blocks of seq_len + 1 tokens (overlapping by one; with `bos`, BOS and seq_len stream tokens) the
-    stream holds."""
+    stream holds; with `separator` (document-start blocks), how many documents."""
+    if separator is not None:
+        return len(document_spans(tokens, separator)[0])
     return max(0, (len(tokens) - 1) // (seq_len - (bos is not None)))
+
+
+_SPANS: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def document_spans(tokens: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the stream's non-empty documents: document k is tokens[starts[k]:ends[k]], its separator
+    at ends[k] (text after the last separator, which `poslens tokenize` never leaves, is not a document). Kept per
+    stream (a training run asks at every step)."""
+    key = (id(tokens), len(tokens), int(separator))
+    if key not in _SPANS:
+        ends = np.flatnonzero(np.asarray(tokens) == separator)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+        keep = ends > starts
+        if len(_SPANS) >= 4:
+            _SPANS.clear()
+        _SPANS[key] = (starts[keep], ends[keep])
+    return _SPANS[key]
 
 
 @functools.lru_cache(maxsize=4)
@@ -32,10 +65,21 @@ def _order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def blocks(tokens: np.ndarray, seq_len: int, index: torch.Tensor, bos: int | None = None) -> torch.Tensor:
-    """Blocks number `index` as a LongTensor [len(index), seq_len + 1] (with `bos`: BOS, then seq_len tokens)."""
+def blocks(tokens: np.ndarray, seq_len: int, index: torch.Tensor, bos: int | None = None,
+           separator: int | None = None) -> torch.Tensor:
+    """Blocks number `index` as a LongTensor [len(index), seq_len + 1] (with `bos`: BOS, then seq_len tokens); with
+    `separator`, document b's start, padded with PAD past its separator (see the module docstring)."""
     body = seq_len - (bos is not None)
-    rows = [np.asarray(tokens[b * body: b * body + body + 1], dtype=np.int64) for b in index.tolist()]
+    if separator is None:
+        rows = [np.asarray(tokens[b * body: b * body + body + 1], dtype=np.int64) for b in index.tolist()]
+    else:
+        starts, ends = document_spans(tokens, separator)
+        rows = []
+        for b in index.tolist():
+            row = np.full(body + 1, PAD, dtype=np.int64)
+            part = np.asarray(tokens[starts[b]: min(ends[b] + 1, starts[b] + body + 1)], dtype=np.int64)
+            row[: len(part)] = part
+            rows.append(row)
     out = torch.from_numpy(np.stack(rows))
     if bos is not None:
         out = torch.cat([torch.full((out.shape[0], 1), bos, dtype=torch.long), out], dim=1)
@@ -56,21 +100,41 @@ def step_samples(step: int, batch_size: int, rank: int, world: int, n: int, seed
 
 
 def train_batches(tokens: np.ndarray, seq_len: int, step: int, batch_size: int, micro_batch: int,
-                  rank: int, world: int, seed: int, bos: int | None = None) -> list[torch.Tensor]:
-    """The micro-batches ([micro_batch, seq_len + 1] each) that `rank` processes at `step`."""
-    n = num_blocks(tokens, seq_len, bos)
-    require(n >= batch_size, f"the training tokens hold {n} sequences of seq_len {seq_len}, fewer than one batch "
+                  rank: int, world: int, seed: int, bos: int | None = None,
+                  separator: int | None = None) -> list[torch.Tensor]:
+    """The micro-batches ([micro_batch, seq_len + 1] each) that `rank` processes at `step` (with `separator`:
+    document-start blocks)."""
+    n = num_blocks(tokens, seq_len, bos, separator)
+    what = "documents" if separator is not None else f"sequences of seq_len {seq_len}"
+    require(n >= batch_size, f"the training tokens hold {n} {what}, fewer than one batch "
                              f"(batch_size {batch_size}); use more text, a shorter --seq-len or a smaller --batch-size")
     idx = step_samples(step, batch_size, rank, world, n, seed)
-    return [blocks(tokens, seq_len, chunk, bos) for chunk in idx.split(micro_batch)]
+    return [blocks(tokens, seq_len, chunk, bos, separator) for chunk in idx.split(micro_batch)]
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, count: int, micro_batch: int, rank: int,
-                 world: int, bos: int | None = None) -> list[torch.Tensor]:
-    """Held-out micro-batches of `rank`: the first `count` validation blocks (fewer if the file is
-    shorter), rows r, r + W, ... of them."""
-    n = min(num_blocks(tokens, seq_len, bos), count)
+                 world: int, bos: int | None = None, separator: int | None = None) -> list[torch.Tensor]:
+    """Held-out micro-batches of `rank`: the first `count` validation blocks (with `separator`: the first `count`
+    validation documents' starts; fewer if the file is shorter), rows r, r + W, ... of them."""
+    n = min(num_blocks(tokens, seq_len, bos, separator), count)
     require(n >= 1, f"the validation tokens ({len(tokens)}) are shorter than one sequence of seq_len {seq_len}; "
                     "tokenize with a larger --val-fraction or use a shorter --seq-len")
     idx = torch.arange(rank, n, world)
-    return [blocks(tokens, seq_len, chunk, bos) for chunk in idx.split(micro_batch)]
+    return [blocks(tokens, seq_len, chunk, bos, separator) for chunk in idx.split(micro_batch)]
+
+
+def counted_rows(block: torch.Tensor) -> float:
+    """How many rows' worth of targets of `block` [B, T + 1] the loss counts (padded targets not): B without
+    padding, exactly."""
+    targets = block[:, 1:]
+    return float((targets != PAD).sum()) / targets.shape[1]
+
+
+def loss_shares(micro: list[torch.Tensor]) -> list[float] | None:
+    """The weight of each micro-batch's mean loss in the step's mean over counted targets; None when no block is
+    padded (then every micro-batch weighs 1 / len(micro), as before document-start blocks existed)."""
+    rows = [counted_rows(b) for b in micro]
+    if all(r == b.shape[0] for r, b in zip(rows, micro)):
+        return None
+    total = sum(rows)
+    return [r / total for r in rows]

@@ -28,7 +28,7 @@ from poslens.engine.distributed import Dist, setup
 from poslens.errors import UsageError, check_int, require
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
-from poslens.train.data import eval_batches, num_blocks, train_batches
+from poslens.train.data import PAD, counted_rows, eval_batches, loss_shares, num_blocks, train_batches
 from poslens.train.model import build_model, check_compatible, check_memory_fits, count_parameters, flops_per_token
 from poslens.train.tokens import TokenFile, default_tokens, open_tokens
 
@@ -65,7 +65,7 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of `logits` [B, T, V] against `targets` [B, T], the log-softmax in float32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
 @functools.cache
@@ -75,9 +75,11 @@ def compiled_cross_entropy() -> Any:
 
 
 def next_token_loss(model: torch.nn.Module, block: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """Mean cross-entropy of predicting block[:, 1:] from block[:, :-1] (no padding, implicit causal mask);
+    """Mean cross-entropy of predicting block[:, 1:] from block[:, :-1] (implicit causal mask) over the counted
+    targets: a padded one (`data.PAD`, after a document shorter than a document-start block) is not counted, and a
+    padded input reads as token 0, after every counted target of its row (so no counted prediction sees it);
     `compiled`: the loss through `compiled_cross_entropy` (with a compiled model)."""
-    logits = model(input_ids=block[:, :-1]).logits
+    logits = model(input_ids=block[:, :-1].clamp(min=0)).logits
     return (compiled_cross_entropy() if compiled else cross_entropy)(logits, block[:, 1:])
 
 
@@ -245,16 +247,23 @@ def bos_id(cfg: TrainConfig, tf: TokenFile) -> int | None:
     return tf.bos_id("training with bos") if cfg.bos else None
 
 
+def document_separator(cfg: TrainConfig, tf: TokenFile) -> int | None:
+    """With document-start blocks (`cfg.blocks`), the token that ends every document of the stream; else None
+    (packed cuts). `poslens.train.data` takes it as `separator`."""
+    return tf.separator_id if cfg.blocks == "doc-start" else None
+
+
 def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -> float:
     """Held-out loss: mean next-token cross-entropy over the first eval_batches x micro_batch validation blocks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)
     with torch.no_grad(), _autocast(cfg, d.device):
         for block in eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch,
-                                  d.rank, d.world, bos_id(cfg, tf)):
+                                  d.rank, d.world, bos_id(cfg, tf), document_separator(cfg, tf)):
+            rows = counted_rows(block)  # the block's rows, less its padded targets
             block = block.to(d.device)
-            total[0] += next_token_loss(model, block).double() * block.shape[0]
-            total[1] += block.shape[0]
+            total[0] += next_token_loss(model, block).double() * rows
+            total[1] += rows
     if d.world > 1:
         dist.all_reduce(total)
     model.train()
@@ -309,12 +318,13 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
            stop_after: int | None, label: str | None) -> dict[str, Any]:
     check_batch(cfg.batch_size, cfg.micro_batch, d.world)
     tf = _tokens(cfg, d, progress)
-    bos = bos_id(cfg, tf)
-    n_train = num_blocks(tf.train, cfg.seq_len, bos)
-    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} sequences of seq_len "
-                                       f"{cfg.seq_len}, fewer than one batch ({cfg.batch_size}); use more text, a "
-                                       "shorter --seq-len or a smaller --batch-size")
-    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos)  # fails early when the held-out text is too short
+    bos, separator = bos_id(cfg, tf), document_separator(cfg, tf)
+    n_train = num_blocks(tf.train, cfg.seq_len, bos, separator)
+    what = "documents" if separator is not None else f"sequences of seq_len {cfg.seq_len}"
+    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} {what}, fewer than "
+                                       f"one batch ({cfg.batch_size}); use more text, a shorter --seq-len or a "
+                                       "smaller --batch-size")
+    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos, separator)  # fails early when the held-out text is too short
     header = {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
     check_memory_fits(cfg, tf.vocab_size, d.device, d.world)
 
@@ -422,14 +432,16 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: To
           d: Dist, step: int, first: bool) -> tuple[float, float]:
     """One optimizer step: accumulate gradients over this rank's micro-batches, clip, update, schedule."""
     micro = train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, d.rank, d.world, cfg.seed,
-                          bos_id(cfg, tf))
+                          bos_id(cfg, tf), document_separator(cfg, tf))
+    shares = loss_shares(micro)  # None without padding: each micro-batch's mean weighs 1 / len(micro)
     total = torch.zeros((), device=d.device)
     with oom_hint(cfg) if first else contextlib.nullcontext():
         for i, block in enumerate(micro):
             block = block.to(d.device, non_blocking=True)
             sync = i == len(micro) - 1 or d.world == 1 or cfg.parallel != "ddp"
             with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(cfg, d.device):
-                loss = next_token_loss(model, block, compiled=cfg.compile) / len(micro)
+                loss = next_token_loss(model, block, compiled=cfg.compile)
+                loss = loss / len(micro) if shares is None else loss * shares[i]
             loss.backward()
             total += loss.detach()
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))

@@ -5,8 +5,13 @@ A matrix (a JSON file, a shipped preset, or flags) has
 
     "train":    the fields every model shares (a `TrainConfig` preset and fields on top: data, optimisation, size)
     "variants": name -> the model fields that differ (pe, pe_layers, rope_theta, rope_scaling, sliding_window,
-                layer_types, and the shape fields); data and optimisation fields may not differ, so that every
-                variant reads the same tokens in the same batches for the same number of steps
+                layer_types, and the shape fields), or the data convention (bos, blocks: a BOS first or not,
+                packed cuts or document starts); every other data and optimisation field may not differ, so that
+                every variant reads the same tokens in the same batches for the same number of steps (variants
+                that differ in the data convention read the same tokens cut another way: that is their factor)
+    "extends":  optional, another matrix (a shipped preset's name or a .json file) whose train fields and seeds
+                this one takes (its own train fields on top): a one-factor matrix beside it shares its models
+                where a variant's configuration is the same (the model cache trains it once)
     "seeds":    the seeds; seed s sets the initial weights and the data order, the same for every variant, so
                 the variants of one seed start from the same weights (when their shapes agree) and see the same
                 batches: differences between variants are paired by seed
@@ -38,9 +43,10 @@ from poslens.errors import UsageError, check_float, check_int, require
 from poslens.options import option
 from poslens.train.config import FIELDS, TrainConfig, load_preset, preset_path, resolve_config
 
-PRESETS = ("pe", "pe-quick", "pe-sinks")
+PRESETS = ("pe", "pe-quick", "pe-sinks", "bos-quick", "bos-sinks")
 VARIANT_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
-                  "rope_scaling", "sliding_window", "layer_types")
+                  "rope_scaling", "sliding_window", "layer_types", "bos", "blocks")
+DATA_CONVENTION = ("bos", "blocks")  # variant fields that change what a block holds (the factor is the data itself)
 
 
 @dataclass
@@ -72,7 +78,12 @@ class Member:
 
     @property
     def label(self) -> str:
-        return self.config.positional_encoding().label()
+        """The positional encoding in words, and the data convention where it is not packed cuts: 'RoPE',
+        'RoPE; document starts, BOS first'."""
+        pe = self.config.positional_encoding().label()
+        if self.config.blocks == "packed":
+            return pe
+        return f"{pe}; document starts, {'BOS first' if self.config.bos else 'no BOS'}"
 
 
 @dataclass
@@ -130,15 +141,26 @@ def parse_variants(spec: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise UsageError(f"sweep preset {path}: cannot read it ({type(e).__name__})") from None
     require(isinstance(data, dict), f"sweep preset {path}: must hold a JSON object with train, variants, seeds")
     data = {k: v for k, v in data.items() if not k.startswith("_")}
-    unknown = sorted(set(data) - {"train", "variants", "seeds"})
-    require(not unknown, f"sweep preset {path}: unknown key(s) {', '.join(unknown)}; use train, variants, seeds")
+    unknown = sorted(set(data) - {"train", "variants", "seeds", "extends"})
+    require(not unknown, f"sweep preset {path}: unknown key(s) {', '.join(unknown)}; use train, variants, seeds "
+                         "(and extends)")
+    if "extends" in data:
+        base = data.pop("extends")
+        require(isinstance(base, str) and base, f"sweep preset {path}: extends names another matrix")
+        parent_path = preset_path(base, PRESETS, "sweep-")
+        require(parent_path.resolve() not in seen, f"sweep preset {path}: extends {base}, which extends it back")
+        parent = _read(parent_path, (*seen, path.resolve()))
+        require(all(isinstance(x.get("train") or {}, dict) for x in (parent, data)),
+                f"sweep preset {path}: train must be an object of fields")
+        data = {"train": {**(parent.get("train") or {}), **(data.get("train") or {})},
+                "seeds": data.get("seeds", parent.get("seeds")), "variants": data.get("variants")}
     return data
 
 

@@ -70,6 +70,12 @@ def summary_lines(meta: dict) -> list[str]:
             lines += _table(c["over_layers"]["difference"], FRACTIONS, scopes, "    ")
             if "heads" in c:
                 lines += _head_lines(c["heads"], scopes)
+    for spec, c in m["nulls"].get("offset", {}).get("interventions", {}).items():
+        lines.append(f"intervention {spec} on the offset null's windows, paired with it at document starts:")
+        lines.append("  share of each energy removed inside the documents, 1 - sum over layers E(pass) / E(offset):")
+        lines += _table(c["over_layers"]["removed"], m["energies"], scopes, "    ")
+        lines.append("  removed at document starts minus removed inside the documents (paired by group):")
+        lines += _table(c["paired"]["over_layers"]["removed"], m["energies"], scopes, "    ")
     pred = m.get("predecessor")
     if pred:
         pw = pred["power"]

@@ -2,23 +2,29 @@
 HookedModel.run (docs/leakage.md, "Interventions").
 
 Specs (the `--interventions` values):
-    mean       position 0's embedding replaced by the mean token embedding (over the whole vocabulary)
+    mean       position 0's embedding replaced by the mean token embedding (over the whole vocabulary), times the
+               model's embedding scale
     random     ... by a random vector of the same norm as the original (seeded)
-    token:ID   ... by the embedding of token ID
+    token:ID   ... by the embedding of token ID (times the embedding scale: what the model writes for that token)
     nobos      position 0 dropped altogether (the maps are one position shorter)
     patch:SOURCE:K@L
                the residual stream entering layer L (`blocks.L.hook_resid_pre`, L from 0) at positions 0..K-1
                (K = 1: position 0 alone; larger K: the prefix) replaced by the states, at the same layer and
                positions, of SOURCE: `other` (another sequence of the batch), `inside` (a window of the same
                document starting at a random offset inside it, without a BOS: its position 0 is a content
-               token), `mean` (the mean over the batch's sequences). The mask and the other positions are kept.
+               token), `start` (another document's start, without its BOS: its position 0 is that document's
+               first token, a real token where the model saw document starts; with a fixed BOS at position 0,
+               `patch:start:1@0` is the in-distribution counterpart of `mean`), `mean` (the mean over the
+               batch's sequences). The mask and the other positions are kept.
     freeze     position 0's whole trajectory (embedding and every layer's output) replaced by that of a reference
                sequence: with a fixed first token a no-op by causality (a test of the code, not a finding)
     shift:K    every position id moved by K: for RoPE without length-dependent scaling a no-op by construction
                (a test of the code); for other encodings a real intervention
-The embedding replacements act on `hook_embed` (after any embedding scale, e.g. Gemma's sqrt(d)), i.e. what
-enters the first layer, before the forward pass. `check` refuses parameters outside the model (a token beyond
-the vocabulary, a shift past its positions, a layer it lacks) before any work.
+The embedding replacements act on `hook_embed` (the embedding module's output, after any embedding scale, e.g.
+Gemma's sqrt(d)), i.e. what enters the first layer, before the forward pass; so an embedding row written there is
+multiplied by the model's scale (`engine.families.embedding_scale`), as the model multiplies its own rows.
+`check` refuses parameters outside the model (a token beyond the vocabulary, a shift past its positions, a layer
+it lacks) before any work.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from poslens.engine.families import embedding_scale
 from poslens.errors import UsageError
 
 NAMES = ("mean", "random", "token", "nobos", "freeze", "shift", "patch")
-SOURCES = ("other", "inside", "mean")
-USAGE = "use mean, random, token:ID, nobos, freeze, shift:K or patch:SOURCE:K@L (SOURCE other, inside or mean)"
+SOURCES = ("other", "inside", "start", "mean")
+USAGE = ("use mean, random, token:ID, nobos, freeze, shift:K or patch:SOURCE:K@L (SOURCE other, inside, start "
+         "or mean)")
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ def check(specs: list[str], model_or_config, seq_len: int, batch_size: int | Non
                 bad = f"layer {s.layer} is outside the model's layers (0-{layers - 1})"
             elif not 1 <= s.value <= seq_len - 1:
                 bad = f"{s.value} patched positions: use 1 to seq_len - 1 = {seq_len - 1}"
-            elif s.source in ("other", "mean") and batch_size is not None and batch_size < 2:
+            elif s.source in ("other", "start", "mean") and batch_size is not None and batch_size < 2:
                 bad = f"a {s.source} source needs batch_size >= 2"
         if bad:
             raise UsageError(f"interventions: {text}: {bad}")
@@ -107,9 +115,10 @@ def describe(spec: str) -> str:
     if s.name == "patch":
         where = "position 1" if s.value == 1 else f"positions 1-{s.value}"
         source = {"other": "another sequence of the batch", "mean": "the batch's mean",
+                  "start": "another document's start without its BOS (that document's first token first)",
                   "inside": "a window starting inside the same document (a content token first, no BOS)"}[s.source]
         return f"the residual stream entering layer {s.layer + 1} at {where} replaced by the states of {source}"
-    return {"mean": "position 1's embedding replaced by the mean token embedding",
+    return {"mean": "position 1's embedding replaced by the mean token embedding (at the model's embedding scale)",
             "random": "position 1's embedding replaced by a random direction of the same norm",
             "token": f"position 1's embedding replaced by token {s.value}'s",
             "nobos": "position 1 dropped (maps one position shorter)",
@@ -123,15 +132,17 @@ def _embedding_matrix(model) -> torch.Tensor:
 
 
 def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | None = None, seed: int = 0, *,
-            inside: torch.Tensor | None = None, bos_prepended: bool = True):
+            inside: torch.Tensor | None = None, bos_prepended: bool = True, starts: torch.Tensor | None = None):
     """The inputs of one intervention on a batch `ids` [B, T]: (ids, hooks, position_ids).
 
     `reference` [T] is the sequence whose position-0 trajectory `freeze` imposes (default: ids[0]); `inside`
     [B, T] are the batch's windows starting inside the same documents (`engine.data.document_windows`, same BOS
-    policy as ids: with `bos_prepended` their BOS is dropped, so the source's position 0 is a content token).
+    policy as ids: with `bos_prepended` their BOS is dropped, so the source's position 0 is a content token);
+    `starts` [B, T] the documents' starts a `start` patch copies from (default: ids, which are starts).
     """
     s = check([spec], model, ids.shape[1], ids.shape[0])[0]
     emb = _embedding_matrix(model)
+    scale = embedding_scale(model)
     if s.name == "nobos":
         return ids[:, 1:], {}, None
     if s.name == "shift":
@@ -144,13 +155,13 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
         return ids, {p: _replace(1, lambda x0, p=p: states[p][:, :1].expand_as(x0)) for p in points}, None
     if s.name == "patch":
         point = f"blocks.{s.layer}.hook_resid_pre"
-        source = _patch_source(s, ids, inside, bos_prepended)
+        source = _patch_source(s, ids if starts is None else starts.to(ids.device), inside, bos_prepended)
         state = _states(hm, source, [point])[point][:, : s.value]  # [B', K, d]
         if s.source == "mean":
             state = state.float().mean(0, keepdim=True)
         return ids, {point: _replace(s.value, lambda x0: state.to(x0.device).expand_as(x0))}, None
     if s.name == "mean":
-        mean = emb.detach().float().mean(0)
+        mean = emb.detach().float().mean(0) * scale
         hook = _replace(1, lambda x0: mean.to(x0.device).expand_as(x0))
     elif s.name == "random":
         gen = torch.Generator().manual_seed(int(seed))
@@ -163,7 +174,6 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
         hook = _replace(1, rand)
     else:
         other = emb.detach()[s.value]
-        scale = _embed_scale(model)
         hook = _replace(1, lambda x0: (other.float() * scale).to(x0.device).expand_as(x0))
     return ids, {"hook_embed": hook}, None
 
@@ -174,6 +184,9 @@ def _patch_source(s: Spec, ids: torch.Tensor, inside: torch.Tensor | None, bos_p
         if inside is None:
             raise UsageError(f"interventions: patch:{s.source} needs windows inside the documents")
         return inside[:, 1:] if bos_prepended else inside
+    if s.source == "start":  # the previous sequence of the batch, its BOS dropped
+        other = ids.roll(1, 0)
+        return other[:, 1:] if bos_prepended else other
     return ids.roll(1, 0) if s.source == "other" else ids
 
 
@@ -197,9 +210,3 @@ def _replace(count: int, value: Callable[[torch.Tensor], torch.Tensor]):
 
     return hook
 
-
-def _embed_scale(model) -> float:
-    """The factor the model's embedding module applies to a looked-up row (Gemma: sqrt(d); else 1)."""
-    module = model.get_input_embeddings()
-    scale = getattr(module, "embed_scale", None)
-    return float(scale) if scale is not None else 1.0

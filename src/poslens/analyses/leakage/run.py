@@ -4,9 +4,10 @@ with its power, position 0 and sinks; one run directory (docs/leakage.md, "Real 
 
 An analysis on the pipeline (`poslens.engine.pipeline`), in passes over the same sequences in the same groups:
 "original" (as they are), one per intervention (`interventions.prepare`: the batch changed, or a value written,
-before the forward) and one per null (`nulls.prepare`: windows inside the same documents, or the circular token
-shift, which is also the predecessor's null). Every pass runs `causal.LeakageMaps` (the grouped sums every metric
-is a smooth function of); the original and the circular null keep the predecessor's per-sequence Delta R^2
+before the forward), one per null (`nulls.prepare`: windows inside the same documents, or the circular token
+shift, which is also the predecessor's null) and, with the offset null, every intervention again on its windows
+(`nulls.prepare_intervention`, passes "offset/SPEC"). Every pass runs `causal.LeakageMaps` (the grouped sums
+every metric is a smooth function of); the original and the circular null keep the predecessor's per-sequence Delta R^2
 (`predecessor.DeltaR2Rows`), the original position 0's states. `summary.summarise` turns the sums into
 estimates with delete-one-group jackknife intervals, paired between passes (`contrast.contrast`).
 """
@@ -47,9 +48,10 @@ class LeakageConfig(ModelData):
     interventions: list[str] = option(["mean", "patch:inside:1@0"],
                                       help="interventions, each a pass contrasted with the original: mean, random, "
                                            "token:ID, nobos, freeze, shift:K, patch:SOURCE:K@L (SOURCE other, "
-                                           "inside or mean; comma-separated; none: no intervention)")
+                                           "inside, start or mean; comma-separated; none: no intervention)")
     nulls: list[str] = option(["offset", "circular"], help="null passes: offset (windows at random offsets "
-                              "inside the same documents), circular (tokens after the BOS rolled); none: no null "
+                              "inside the same documents, as they are and under every intervention), circular "
+                              "(tokens after the BOS rolled); none: no null "
                               "(the predecessor's test still runs the circular pass)")
     min_offset: int = option(128, lo=1, help="the offset null's and the inside patches' windows start at least "
                                              "this many tokens into their documents")
@@ -91,6 +93,11 @@ class LeakageConfig(ModelData):
     def null_passes(self) -> list[str]:
         """The nulls to run, in `nulls.NULLS` order: the circular one also when only the predecessor needs it."""
         return [n for n in nl.NULLS if n in self.nulls or (n == "circular" and self.predecessor)]
+
+    @property
+    def offset_specs(self) -> list[str]:
+        """The interventions the offset null runs again on its windows: every one, when the offset null runs."""
+        return list(self.specs) if "offset" in self.nulls else []
 
     @property
     def windows(self) -> bool:
@@ -189,7 +196,7 @@ class Leakage(Analysis):
         cfg, c = job.config, job.model.config
         L, H, T, d = job.hm.n_layers, c.num_attention_heads, cfg.seq_len, c.hidden_size
         n = cfg.num_sequences or DEFAULT_SEQUENCES
-        passes = 1 + len(cfg.specs) + len(cfg.null_passes)
+        passes = 1 + len(cfg.specs) + len(cfg.null_passes) + len(cfg.offset_specs)
         per_group = L * H * T * T * 4 + 3 * L * H * T * 8 + L * T * T * 4  # LeakageMaps' sums of one group
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
                 # every pass's sums, twice while a checkpoint is written, and the estimates' replicates
@@ -230,6 +237,11 @@ class Leakage(Analysis):
             out.append(Pass(name, [maps(), *([DeltaR2Rows(seed=cfg.seed)] if name == "circular" else [])],
                             prepare=lambda ids, index, name=name: nl.prepare(
                                 name, ids, inside=inside(index, ids), batch_index=index, seed=cfg.seed,
+                                bos_prepended=bos_prepended)))
+        for spec in cfg.offset_specs:  # every intervention again on the offset null's windows, paired by group
+            out.append(Pass(nl.OFFSET_PASS + spec, [maps()], meta={"offset_intervention": spec},
+                            prepare=lambda ids, index, spec=spec: nl.prepare_intervention(
+                                spec, model, hm, ids, inside=inside(index, ids), reference=reference, seed=cfg.seed,
                                 bos_prepended=bos_prepended)))
         return out
 

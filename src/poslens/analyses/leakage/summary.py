@@ -82,6 +82,8 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
     # every other pass against the original
     metrics["interventions"], metrics["nulls"] = {}, {}
     for p in passes[1:]:
+        if "offset_intervention" in p.meta:
+            continue  # below, beside the offset null
         c = contrast(orig, p.statistics[0], level=level)
         for key, est in c.items():
             ests[f"{p.name}/{key}"] = est
@@ -100,6 +102,7 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
             entry["heads"] = head_record(removed_heads, ests["original/alpha0"].value, cfg.sink_threshold)
             entry["sink_attention"] = sink_attention(orig, p.statistics[0], cfg.sink_threshold, level)
         metrics["interventions" if kind == "intervention" else "nulls"][p.name] = entry
+    offset_interventions(job, passes, metrics, ests)
     for name, est in ests.items():
         tensors.update({k: v.float() for k, v in est.as_dict(name).items()})
 
@@ -124,6 +127,43 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
                 tensors[f"predecessor/{k}"] = v.float()
         metrics["predecessor"] = predecessor_record(test)
     return Output(tensors, metrics)
+
+
+def offset_interventions(job: Job, passes: list[Pass], metrics: dict, ests: dict[str, Estimate]) -> None:
+    """run.json's `nulls.offset.interventions` (docs/leakage.md, "The offset null under every intervention"): per
+    intervention run again on the offset null's windows, its contrast with the offset pass (the layout of an
+    intervention's), its sink heads' attention on key 0, and `paired`: the removed shares and changes at document
+    starts minus those inside the documents, paired by group (`nulls.paired_with_starts`)."""
+    cfg, level = job.config, job.config.level
+    stats = {p.name: p.statistics[0] for p in passes}
+    records = {}
+    for p in passes:
+        spec = p.meta.get("offset_intervention")
+        if spec is None:
+            continue
+        base, inside = stats["offset"], p.statistics[0]
+        c = contrast(base, inside, level=level)
+        paired = nl.paired_with_starts(stats["original"], stats[spec], base, inside, level=level)
+        prefix = f"offset/interventions/{spec}"
+        ests.update({f"{prefix}/{k}": v for k, v in c.items()})
+        ests.update({f"{prefix}/paired/{k}": v for k, v in paired.items()})
+        records[spec] = {
+            "kind": "intervention", "what": nl.describe_intervention(spec, cfg.min_offset), "base": "offset",
+            "per_layer": {"pass": by_domain(c["pass"], NAMES), "difference": by_domain(c["difference"], NAMES, False),
+                          "removed": by_domain(c["removed"], ENERGIES, False)},
+            "over_layers": {"pass": by_domain(c["pass_over_layers"], NAMES),
+                            "difference": by_domain(c["difference_over_layers"], NAMES, False),
+                            "removed": by_domain(c["removed_all"], ENERGIES, False)},
+            "sink_attention": sink_attention(base, inside, cfg.sink_threshold, level),
+            "paired": {"what": "at document starts minus inside the documents, paired by group: removed shares "
+                               "(1 - E(pass) / E(its base)) and changes over layers",
+                       "per_layer": {"removed": by_domain(paired["removed"], ENERGIES, False)},
+                       "over_layers": {"removed": by_domain(paired["removed_all"], ENERGIES, False),
+                                       "difference": by_domain(paired["difference_over_layers"], NAMES, False)},
+                       "sink_attention": nl.paired_sink_attention(stats["original"], stats[spec], base, inside,
+                                                                  cfg.sink_threshold, level)}}
+    if records:
+        metrics["nulls"]["offset"]["interventions"] = records
 
 
 def sinks(a0: Estimate, a0_64: torch.Tensor, threshold: float, seq_len: int) -> dict:

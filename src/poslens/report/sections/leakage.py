@@ -313,11 +313,14 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
 
 
 # gemma_sequences: Gemma-3-270M's sequences of GEMMA_LEN tokens, 0 = not run (the full run runs it when installed)
+# bos_sweep: the matrix of Ruscio et al.'s BOS rows (standard RoPE on packed cuts, on document starts with the BOS
+# first, without a BOS), extending the sweep (its training fields and seeds; docs/training.md, "Sweeps")
 SIZES_QUICK = {**SWEEP_QUICK, "sequences": 16, "seq_len": 64, "groups": 4, "stack_samples": 0, "predecessor": True,
-               "sweep_sequences": 16, "sweep_groups": 4, "gemma_sequences": 0, "gemma_groups": 8}
+               "sweep_sequences": 16, "sweep_groups": 4, "gemma_sequences": 0, "gemma_groups": 8,
+               "bos_sweep": "bos-quick"}
 SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "seq_len": 128, "groups": 8, "stack_samples": 512, "predecessor": True,
               "sweep_sequences": 32, "sweep_groups": 8, "gemma_sequences": 16 if gemma_installed() else 0,
-              "gemma_groups": 8}
+              "gemma_groups": 8, "bos_sweep": "bos-sinks"}
 
 
 @section("leakage", "absolute-position leakage (Ruscio, Nanni & Silvestri)", models=True, quick=SIZES_QUICK,
@@ -379,15 +382,24 @@ def build(ctx, size: dict) -> Section:
     L, offset = sw.matrix.members[0].config.seq_len, sl.common_max_offset(sw)
     describe = (f"{sw.short()}; {size['sweep_sequences']} held-out sequences of {L} tokens per model, one run per "
                 "seed")
+    # the BOS rows: on standard RoPE trained on document starts with the BOS first, the packed models beside
+    bsw = sweep_models(ctx, {**size, "sweep": size["bos_sweep"]})
+    bmetrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, bsw, size, sl.BOS_INTERVENTIONS, sl.BOS_NULLS))
+    bdescribe = (f"{bsw.short()}, beside {sw.config.preset}; {size['sweep_sequences']} held-out documents' starts "
+                 f"of {L} tokens per model, one run per seed")
     swept = []
     if all((v, s) in metrics for v in sl.ROPE_FAMILY for s in sw.seeds):
         swept.append(sl.sources_claim(metrics, sw.labels, describe))
-    if all(("rope", s) in metrics for s in sw.seeds):
-        swept.append(sl.bos_claim(metrics, sw.labels, describe, real=gemma))
+    if all((sl.BOS_VARIANT, s) in bmetrics for s in bsw.seeds):
+        swept.append(sl.bos_claim({**metrics, **bmetrics}, {**sw.labels, **bsw.labels}, bdescribe,
+                                  variant=sl.BOS_VARIANT, real=gemma, contrast=sl.PACKED_VARIANT))
     smollm2 = next((c for c in claims if c.id == "ruscio-token-anchored"), None)
-    anchored = sl.anchored_claim(metrics, sw.labels, describe, elsewhere="" if smollm2 is None else (
-        f"SmolLM2-135M, as context (its first token is not a trained BOS): {smollm2.key} (95% jackknife over its "
-        "groups of sequences)."))
+    anchored = sl.anchored_claim(
+        {**metrics, **bmetrics}, {**sw.labels, **bsw.labels}, bdescribe, variant=sl.BOS_VARIANT,
+        patch=sl.START_PATCH, context_variants=(*bsw.variants, *(v for v in sl.ROPE_FAMILY if v not in bsw.variants)),
+        elsewhere="" if smollm2 is None else (
+            f"SmolLM2-135M, as context (its first token is not a trained BOS): {smollm2.key} (95% jackknife over its "
+            "groups of sequences)."))
     if anchored is not None:  # every seed forms sink heads: the row is judged on the BOS-trained models
         claims = [c for c in claims if c.id != "ruscio-token-anchored"]
         swept.append(anchored)
@@ -448,7 +460,10 @@ def build(ctx, size: dict) -> Section:
         f"do poslens leakage $m --data {sw.tokens} --seq-len {L} --num-sequences {size['sweep_sequences']} --groups "
         f"{size['sweep_groups']} --max-offset {offset} --interventions {','.join(sl.INTERVENTIONS)} --nulls none "
         "--no-predecessor --out runs/leakage-$(basename $m); done`; the sweep: "
-        f"`{sw.command}`.",
+        f"`{sw.command}`. Ruscio et al.'s BOS rows read the {bsw.config.preset} matrix ({bsw.describe()}; "
+        f"`{bsw.command}`), each model's run the same but with `--interventions {','.join(sl.BOS_INTERVENTIONS)} "
+        f"--nulls {','.join(sl.BOS_NULLS)} --max-offset {sl.common_max_offset(bsw)}` (and `--bos never` for the models "
+        "trained without a BOS).",
         claims=claims, context=context,
         scale=f"The leakage section measures SmolLM2-135M-Instruct (4-bit Q4_1 weights dequantised to float32) over "
               f"{seqs} sequences of {seq_len} tokens and the sweep's "
