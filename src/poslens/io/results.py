@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from poslens.errors import UsageError
-from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory, share
-from poslens.io.space import disk_space
+from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory
+from poslens.io.writing import write_tensors, write_text
 
 __all__ = ["META", "TENSORS", "Run", "check_output", "environment", "jsonable", "load", "open_run",
            "run_directory", "sharded_run_directory", "write_run"]
@@ -121,18 +121,16 @@ def jsonable(x):
 
 def write_run(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write tensors (safetensors, on the CPU, contiguous) and run.json (meta + environment) into `directory`.
-    A full disk is a one-line UsageError naming the file and its size (the caller's build directory goes)."""
+    A full disk or a short write is a one-line UsageError naming the file and its size (the caller's build
+    directory goes)."""
     directory = Path(directory)
     cpu = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).detach().cpu().contiguous()
            for k, v in tensors.items()}
-    with disk_space(directory / TENSORS, sum(t.nbytes for t in cpu.values()) + 1024):
-        save_file(cpu, str(directory / TENSORS))
-    share(directory / TENSORS)  # safetensors writes 0600; results are as shareable as the umask says
+    write_tensors(directory / TENSORS, cpu)  # complete and hashed as it is written (poslens.io.writing)
     rest = {k: v for k, v in meta.items() if k != MARKER}  # the marker is poslens's to set, first in the file
     meta = {MARKER: 1, **rest, "environment": {**environment(), **meta.get("environment", {})}}
     text = json.dumps(jsonable(meta), indent=2, sort_keys=False) + "\n"
-    with disk_space(directory / META, len(text.encode())):
-        (directory / META).write_text(text)
+    write_text(directory / META, text)
 
 
 def load(path: str | os.PathLike, tensors: bool = True) -> Run:
@@ -143,6 +141,8 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
     try:
         meta = json.loads((path / META).read_text(encoding="utf-8"))
         maps = load_file(str(path / TENSORS)) if tensors else {}
+        if not tensors:
+            _check_complete(path / TENSORS)  # read or not, a cut tensors file means a broken run
     except (ValueError, OSError, SafetensorError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise UsageError(f"{path}: corrupt run directory ({type(e).__name__}); rerun the command that wrote it") \
             from None
@@ -152,6 +152,23 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
         what = f"{META} is not a JSON object" if not isinstance(meta, dict) else f"{wrong[0]!r} is not an object"
         raise UsageError(f"{path}: corrupt run directory ({what}); rerun the command that wrote it")
     return Run(path=path, tensors=maps, meta=meta)
+
+
+def _check_complete(path: Path) -> None:
+    """A one-line error unless the safetensors file `path` is as long as its header says (reads the header only);
+    ValueError for a header that does not parse."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > 100 << 20:
+            raise ValueError("header too large")
+        header = json.loads(f.read(n))
+    entries = [v for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
+    if entries is None or not all(isinstance(v, dict) and isinstance(v.get("data_offsets"), list) for v in entries):
+        raise ValueError("malformed header")
+    want, got = 8 + n + max((int(v["data_offsets"][-1]) for v in entries), default=0), path.stat().st_size
+    if got != want:
+        raise UsageError(f"{path.parent}: corrupt run directory ({path.name} holds {got:,} bytes, its header says "
+                         f"{want:,}: cut short or changed); rerun the command that wrote it")
 
 
 def cpu_name() -> str:

@@ -26,7 +26,7 @@ def building(path: Path, what: str) -> Iterator[None]:
     ``.NAME.lock`` that writing the entry takes."""
     from poslens.io.lock import cache_lock
 
-    with cache_lock(path.with_name(path.name + ".cache"), what):
+    with cache_lock(path.with_name(path.name + ".cache"), what, entry=path):
         yield
 
 

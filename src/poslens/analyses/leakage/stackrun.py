@@ -11,7 +11,7 @@ import torch
 
 from poslens.analyses.leakage import flow
 from poslens.analyses.leakage.figures import architecture_figure
-from poslens.errors import UsageError, check_int, check_memory
+from poslens.errors import UsageError, check_duration, check_int, check_memory
 from poslens.io.results import Run, load, run_directory, write_run
 from poslens.stack.config import StackConfig, check_window
 from poslens.stack.simulate import BLOCK
@@ -39,6 +39,8 @@ def check_stack_options(o) -> StackConfig:
                              f"groups <= {blocks}" + (" (at least 2)" if blocks < 2 else ""), param="samples")
         check_memory((base.layers + 4) * BLOCK * base.n ** 2 * 8, f"the Monte Carlo (n={base.n}, layers="
                      f"{base.layers}, {BLOCK} samples at a time)", "use a smaller n or fewer layers (or samples 0)")
+        check_duration(3 * base.operations(samples), f"the Monte Carlo of three architectures with {samples:,} "
+                       f"samples (n={base.n}, d={base.d}, {base.layers} layers)", "lower samples")
     return base
 
 
