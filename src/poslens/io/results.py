@@ -27,7 +27,7 @@ from poslens.errors import UsageError
 from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory
 from poslens.io.writing import write_tensors, write_text
 
-__all__ = ["META", "TENSORS", "Run", "check_output", "environment", "jsonable", "load", "open_run",
+__all__ = ["META", "TENSORS", "Run", "check_complete", "check_output", "environment", "jsonable", "load", "open_run",
            "run_directory", "sharded_run_directory", "write_run"]
 
 TENSORS = "tensors.safetensors"
@@ -141,8 +141,6 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
     try:
         meta = json.loads((path / META).read_text(encoding="utf-8"))
         maps = load_file(str(path / TENSORS)) if tensors else {}
-        if not tensors:
-            _check_complete(path / TENSORS)  # read or not, a cut tensors file means a broken run
     except (ValueError, OSError, SafetensorError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise UsageError(f"{path}: corrupt run directory ({type(e).__name__}); rerun the command that wrote it") \
             from None
@@ -154,9 +152,20 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
     return Run(path=path, tensors=maps, meta=meta)
 
 
-def _check_complete(path: Path) -> None:
-    """A one-line error unless the safetensors file `path` is as long as its header says (reads the header only);
-    ValueError for a header that does not parse."""
+def check_complete(run: str | os.PathLike) -> None:
+    """A one-line error unless the run's tensors file is as long as its header says (reads the header only): for a
+    reader of run.json alone (`load(..., tensors=False)`) that must not accept a run cut short."""
+    path = Path(run) / TENSORS
+    try:
+        _complete(path)
+    except UsageError:
+        raise
+    except (ValueError, OSError, RecursionError, KeyError, TypeError, IndexError) as e:
+        raise UsageError(f"{run}: corrupt run directory ({TENSORS}: {type(e).__name__}); rerun the command that "
+                         "wrote it") from None
+
+
+def _complete(path: Path) -> None:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > 100 << 20:

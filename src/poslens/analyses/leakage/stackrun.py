@@ -12,7 +12,7 @@ import torch
 from poslens.analyses.leakage import flow
 from poslens.analyses.leakage.figures import architecture_figure
 from poslens.errors import UsageError, check_duration, check_int, check_memory
-from poslens.io.results import Run, load, run_directory, write_run
+from poslens.io.results import Run, check_complete, load, run_directory, write_run
 from poslens.stack.config import StackConfig, check_window
 from poslens.stack.simulate import BLOCK
 
@@ -126,6 +126,7 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         series = {}
         for k, path in enumerate(runs):
             run = load(path, tensors=False)
+            check_complete(path)  # its tensors are not read here, but a run cut short is not a run
             name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
             if name in series:
                 raise UsageError(f"labels: two runs would both be labelled {name!r} (the second is {path}); give "
