@@ -34,12 +34,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from test_cli import tiny_model_dir  # noqa: F401 (a fixture)
-from test_rundir import FullDisk, light_process, safetensors_full, tree
+from test_rundir import FullDisk, FullFile, light_process, safetensors_full, tree
 
 import poslens
 from poslens.cli import main
 from poslens.errors import one_line
-from poslens.io import checkpoint, lock, manifest, results, rundir
+from poslens.io import checkpoint, lock, manifest, results, rundir, writing
 from poslens.io.results import run_directory, write_run
 
 STACK = ["--n", "6", "--d", "8", "--layers", "2"]  # small, so that a case that wrongly runs stays fast
@@ -244,12 +244,12 @@ CASES = [
     Case(["scores", "smollm2-135m", *TINY], both(files({"cachefile": "x"}), env("POSLENS_CACHE", "cachefile")),
          "point POSLENS_CACHE at a writable directory"),
     # a full disk, in the results writer, the lock file and a checkpoint; an interruption
-    Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(results, "save_file", safetensors_full),
+    Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(writing, "os", FullFile("tensors.safetensors")),
          "no space left on the device to write"),
     Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(lock, "os", FullDisk()), ".o.lock (it needs"),
     Case(["simulate", *STACK, "--samples", "200", "--quiet", "--out", "o"],
          patch(checkpoint, "save_file", safetensors_full), ".o.partial/simulate-"),
-    Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(results, "save_file", interrupted),
+    Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(results, "write_tensors", interrupted),
          "interrupted; nothing was written to --out", 130),
 ]
 

@@ -7,6 +7,7 @@ UsageError. Killed runs are imitated by the files they leave (a kill leaves exac
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 
 import poslens
 from poslens.errors import UsageError
-from poslens.io import checkpoint, lock, manifest, results, rundir, space
+from poslens.io import checkpoint, lock, manifest, rundir, space, writing
 from poslens.io.lock import cache_lock
 from poslens.io.results import check_output, open_run, run_directory, write_run
 
@@ -97,7 +98,12 @@ def test_a_run_records_every_file_and_folder_it_wrote(tmp_path):
         (run.build / "empty").mkdir()
     listed = manifest.read_manifest(out)
     assert listed == manifest.entries(out) | {manifest.NAME: {"type": "file"}}
-    assert listed["figures/deep/x.png"] == {"type": "file", "bytes": 30} and listed["empty"] == {"type": "dir"}
+    png = {"type": "file", "bytes": 30, "sha256": hashlib.sha256(b"png" * 10).hexdigest()}
+    assert listed["figures/deep/x.png"] == png
+    assert listed["empty"] == {"type": "dir"}
+    # what poslens wrote itself was hashed while it was written: the recorded hash is the file's
+    for name in ("tensors.safetensors", "run.json"):
+        assert listed[name]["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
     assert manifest.foreign(out) is None
 
 
@@ -169,13 +175,13 @@ def test_release_02_runs_are_replaced_only_when_they_hold_what_02_wrote(tmp_path
     assert sorted(p.name for p in runs["reproduce"].iterdir()) == [manifest.NAME, "run.json", "tensors.safetensors"]
 
 
-@pytest.mark.parametrize("relation", ["same", "parent", "grandparent", "link-to-it", "file"])
+@pytest.mark.parametrize("relation", ["same", "parent", "grandparent", "link-to-it", "file", "inside", "deep"])
 def test_a_run_never_writes_over_its_inputs(tmp_path, relation):
     data = tmp_path / "runs" / "m"
     poslens_run(data)
     (tmp_path / "link").symlink_to(tmp_path / "runs")
     out = {"same": data, "parent": data.parent, "grandparent": tmp_path, "link-to-it": tmp_path / "link" / "m",
-           "file": data / "run.json"}[relation]
+           "file": data / "run.json", "inside": data / "sub", "deep": tmp_path / "link" / "m" / "a" / "b"}[relation]
     given = data / "run.json" if relation == "file" else data
     before = tree(tmp_path)
     for force in (False, True):
@@ -185,7 +191,7 @@ def test_a_run_never_writes_over_its_inputs(tmp_path, relation):
                 call()
             one_line(e)
     assert tree(tmp_path) == before
-    assert check_output(data / "inside", inputs=[data]) == data / "inside"  # below an input is not over it
+    assert check_output(tmp_path / "beside", inputs=[data]) == tmp_path / "beside"  # beside an input is fine
 
 
 def test_a_run_json_that_only_looks_like_poslens_is_not_enough(tmp_path):
@@ -526,22 +532,38 @@ def safetensors_full(tensors, filename, metadata=None):
     raise SafetensorError(ENOSPC_SAFETENSORS)
 
 
+class FullFile:
+    """`os` (for `poslens.io.writing`) whose `write` to a file named `name` takes the first 10 bytes, then fails with
+    `err` (ENOSPC: a full disk; EFBIG: the file-size limit); with `short`, it only ever takes 10 bytes and then
+    reports 0 written (a device that takes nothing, with no error number)."""
+
+    def __init__(self, name: str, err: int = errno.ENOSPC, short: bool = False):
+        self.name, self.err, self.short = name, err, short
+
+    def __getattr__(self, attr):
+        return getattr(os, attr)
+
+    def write(self, fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1] != self.name:
+            return os.write(fd, data)
+        if os.fstat(fd).st_size >= 10:
+            if self.short:
+                return 0
+            raise OSError(self.err, os.strerror(self.err))
+        return os.write(fd, bytes(memoryview(data)[:10]))
+
+
 @pytest.mark.parametrize("writer", ["tensors.safetensors", "run.json", "poslens-manifest.json"])
-def test_a_full_disk_while_writing_a_run_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, writer):
-    if writer == "tensors.safetensors":
-        monkeypatch.setattr(results, "save_file", safetensors_full)
-    else:
-        write_text = Path.write_text
-
-        def full(self, text, *args, **kwargs):
-            if self.name == writer:
-                write_text(self, text[:10], *args, **kwargs)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return write_text(self, text, *args, **kwargs)
-
-        monkeypatch.setattr(Path, "write_text", full)
-    with pytest.raises(UsageError, match=rf"^no space left on the device to write \S+/{writer} \(it needs [\d,]+ "
-                                         r"bytes, .* free\); free some space or write elsewhere$"):
+@pytest.mark.parametrize("fault", ["ENOSPC", "EFBIG", "short"])
+def test_a_full_disk_while_writing_a_run_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, writer, fault):
+    monkeypatch.setattr(writing, "os", FullFile(writer, getattr(errno, fault, 0), short=fault == "short"))
+    want = {"ENOSPC": rf"^no space left on the device to write \S+/{writer} \(it needs [\d,]+ bytes, .* free\); "
+                      "free some space or write elsewhere$",
+            "EFBIG": rf"^cannot write \S+/{writer}: the file-size limit \(ulimit -f\) stops it short of the [\d,]+ "
+                     r"bytes it needs \(File too large\); raise the limit or write elsewhere$",
+            "short": rf"^\S+/{writer} was written short: [\d,]+ bytes of [\d,]+ bytes reached the disk; free some "
+                     "space or write elsewhere$"}[fault]
+    with pytest.raises(UsageError, match=want):
         poslens_run(tmp_path / "a" / "r")
     rundir.remove_empty_parents()
     assert list(tmp_path.iterdir()) == []

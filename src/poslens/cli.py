@@ -417,6 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         message = flag_message(str(e), getattr(e, "param", None), getattr(args, "flag_names", {}))
         print(f"poslens {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk or the file-size limit inside a library's own writer: one line too
+        from poslens.io.space import write_failure
+
+        line = write_failure(e)
+        if line is None:
+            raise
+        _close_progress_bars()
+        print(f"poslens {args.command}: error: {line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         _close_progress_bars()
         print(f"poslens {args.command}: interrupted; nothing was written to --out (rerun the same command; "

@@ -116,6 +116,33 @@ def check_memory(need: float, what: str, fix: str, available: int | None = None)
         raise UsageError(f"{what} would need about {gib(need)} of memory but {gib(available)} is available; {fix}")
 
 
+# Operations per second a job is assumed to run at when its time is estimated: generous for the device (a CPU
+# of a few cores reaches about 1e10 float32 operations per second in poslens's small matmuls, an H100 about 1e14
+# in large ones), so a job refused by `check_duration` would take longer still.
+RATE = {"cpu": 1e11, "cuda": 1e14}
+DAYS = 7.0  # a job estimated to take longer than this at RATE is refused before any work
+
+
+def duration(seconds: float) -> str:
+    """Seconds for a message: '40 s', '12 min', '5.0 h', '3.2 days', '1.2e+04 years'."""
+    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size * (2 if unit != "years" else 1):
+            n = seconds / size
+            return f"{n:.3g} {unit}" if n < 1e4 else f"{n:.1e} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def check_duration(operations: float, what: str, fix: str, device: str = "cpu") -> None:
+    """Refuse, before any work, a job of about `operations` floating-point operations that would take more than
+    `DAYS` days even at the generous `RATE` of its device ("cpu" or "cuda..."); the message gives the estimate."""
+    rate = RATE["cuda" if str(device).startswith("cuda") else "cpu"]
+    seconds = float(operations) / rate
+    if seconds > DAYS * 86400:
+        raise UsageError(f"{what} is about {operations:.2g} floating-point operations: {duration(seconds)} even at "
+                         f"{rate:.0e} per second on the {'GPU' if rate == RATE['cuda'] else 'CPU'}, more than "
+                         f"{DAYS:g} days; {fix}")
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...] | list[str]) -> str:
     """`value` must be one of `choices`."""
     if not isinstance(value, str) or value not in choices:

@@ -309,14 +309,21 @@ DPI = 100  # raster figures for the HTML report; PDFs are vector
 def save(fig, directory: str | os.PathLike, stem: str, formats: Sequence[str] = ("png", "pdf"),
          dpi: int = DPI) -> list[Path]:
     """Save `fig` as directory/stem.{png,pdf} (or any of png, jpg, pdf) and close it. JPEG (quality 85) keeps
-    large heatmap grids small in the HTML report."""
+    large heatmap grids small in the HTML report. Each image is drawn in memory and written complete
+    (`poslens.io.writing`: a full disk or a file-size limit is one line naming the file)."""
+    import io
+
+    from poslens.io.writing import write_bytes
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext in formats:
         p = directory / f"{stem}.{ext}"
         extra = {"pil_kwargs": {"quality": 85}} if ext == "jpg" else {}
-        fig.savefig(p, dpi=dpi if ext != "pdf" else None, **extra)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=ext, dpi=dpi if ext != "pdf" else None, **extra)
+        write_bytes(p, buffer.getvalue())
         fig.set_layout_engine("none")  # the layout is solved once; later formats reuse it
         paths.append(p)
     plt.close(fig)

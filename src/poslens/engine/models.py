@@ -131,6 +131,10 @@ def _random_spec(spec: str, rest: str) -> ModelSpec:
         where = str(path.parent.resolve())
     require(isinstance(config, dict) and isinstance(config.get("model_type"), str),
             f"model {spec}: a random-model config needs a \"model_type\" field, e.g. \"llama\"")
+    layers = config.get("num_hidden_layers", 1)
+    require(isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1,
+            f"model {spec}: num_hidden_layers must be an integer >= 1 (a decoder with layers to measure), got "
+            f"{layers!r}")
     return ModelSpec("random", spec, path=where, config=config)
 
 
@@ -228,9 +232,11 @@ def choose_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) ->
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted models live: `cache_dir`, else $POSLENS_CACHE, else ~/.cache/poslens."""
-    root = cache_dir or os.environ.get("POSLENS_CACHE") or Path.home() / ".cache" / "poslens"
-    return Path(root).expanduser()
+    """Where converted models live: `cache_dir`, else $POSLENS_CACHE, else ~/.cache/poslens (one rule,
+    `poslens.io.protect.cache_root`, which also keeps every --out out of it)."""
+    from poslens.io.protect import cache_root as root
+
+    return root(cache_dir)
 
 
 def _source_stamp(gguf: Path) -> dict[str, Any]:

@@ -157,7 +157,8 @@ class PositionalEncoding:
         `layer_types` pattern (``SSSF``) marks sliding."""
         layers = check_int("layers", layers, 1)
         require(pe in ("none", "rope"), f"pe must be none or rope; got {pe!r}")
-        flags = [int(pe == "rope")] * layers if pe_layers in (None, "") else parse_rope_flags(pe_layers, layers)
+        require(pe_layers != "", "pe_layers is empty; give a pattern such as 0111 (1 = RoPE) or leave it out")
+        flags = [int(pe == "rope")] * layers if pe_layers is None else parse_rope_flags(pe_layers, layers)
         check_float("rope_theta", rope_theta, 1.0, math.inf, hi_open=True)
         scaling = Scaling.parse(rope_scaling)
         require(scaling is None or any(flags), f"rope_scaling {scaling.spec() if scaling else ''} needs RoPE in "
@@ -166,6 +167,9 @@ class PositionalEncoding:
         if layer_types not in (None, ""):
             require(window > 0, "layer_types marks sliding layers but sliding_window is 0; give the window too")
             types = parse_layer_types(layer_types, layers)
+            require("sliding_attention" in types, f"layer_types {layer_types!r} marks no layer sliding, so "
+                                                  f"sliding_window {window} would be unused; mark a layer S or drop "
+                                                  "the window")
         else:
             types = ["sliding_attention" if window else "full_attention"] * layers
         return cls(rope=tuple("rope" if f else "none" for f in flags),

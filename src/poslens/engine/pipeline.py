@@ -152,7 +152,10 @@ def inputs_of(config: ModelData) -> list[str]:
     for spec in (config.model, config.tokenizer, *config.more_models()):
         if spec is not None:
             ms = resolve(spec)
-            if ms.kind in ("local", "gguf", "random") and ms.path:
+            given = Path(str(spec).removeprefix("random:").strip()).expanduser()
+            if ms.kind == "random" and given.suffix == ".json" and given.is_file():
+                found.append(str(given))  # a config file: the file, not the folder it sits in
+            elif ms.kind in ("local", "gguf", "random") and ms.path:
                 found.append(ms.path)
     if config.data is not None:
         found.append(config.data)

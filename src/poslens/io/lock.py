@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from poslens.errors import UsageError
+from poslens.io.protect import building
 from poslens.io.space import disk_space
 
 try:
@@ -158,15 +159,23 @@ def alive(pid: int | None) -> bool:
 
 
 @contextmanager
-def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
+def cache_lock(path: str | os.PathLike, what: str, entry: str | os.PathLike | None = None) -> Iterator[None]:
     """Hold the lock of the shared cache entry `path` (``.NAME.cache.lock`` beside it) for the block.
 
     A second process waits, printing one line ("waiting for another poslens process (pid N) to finish building
     WHAT"), then runs its block: check there for the finished entry before building it. The entry's directory
     is created; one that cannot be written is refused in one line before any work. The block may write the
-    entry as a run directory (`poslens.io.rundir.run_directory(path, force=True)`): a run's lock is another file.
+    entry (`entry`, default `path`) as a run directory (`poslens.io.rundir.run_directory(path, force=True)`: a
+    run's lock is another file): inside the block it is the one output allowed inside the cache
+    (`poslens.io.protect`). Folders created for the entry are removed again if the block leaves them empty (a
+    build that failed on a full disk leaves no empty ``trained/`` behind).
     """
     path = Path(path)
+    created = []
+    parent = path.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        created.append(parent)
+        parent = parent.parent
     try:
         with disk_space(path.parent, 4096):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +183,20 @@ def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
         raise
     except OSError as e:
         raise UsageError(f"cache directory {path.parent} cannot be created: {e.strerror}; {CACHE_FIX}") from None
+    try:
+        with _locked(path, what), building(path if entry is None else entry):
+            yield
+    finally:
+        for p in created:  # deepest first; rmdir removes only an empty folder
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+
+@contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """The cache lock of `path`, waited for (one line says so)."""
 
     def waiting(pid: int | None) -> None:
         who = f" (pid {pid})" if pid is not None else ""
@@ -188,9 +211,9 @@ def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
 
 
 @contextmanager
-def building(path: Path, what: str) -> Iterator[None]:
+def entry_lock(path: Path, what: str) -> Iterator[None]:
     """Hold the cache lock of entry `path` while it is checked and built: a second process waits (one line says
     so), then finds the entry complete. The lock file is ``.NAME.cache.lock``, apart from the run lock
     ``.NAME.lock`` that writing the entry takes."""
-    with cache_lock(path.with_name(path.name + ".cache"), what):
+    with cache_lock(path.with_name(path.name + ".cache"), what, entry=path):
         yield

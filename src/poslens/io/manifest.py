@@ -3,9 +3,11 @@ run only when nothing else is in it.
 
 A run directory carries ``poslens-manifest.json``, written when the run is placed (`write_manifest`, from what
 is in its build directory): each path relative to the run, its type (file, dir, link) and, for a file, its
-size. `foreign` walks a directory and names the first entry that is not listed, has another type, or (a
-file) another size: something of the user's, or a file the user changed. A directory is replaceable when it
-is empty or `foreign` finds nothing.
+size and the SHA-256 of its content (computed while poslens wrote it where `poslens.io.writing` wrote it, else
+read once here). `foreign` walks a directory and names the first entry that is not listed, has another type,
+or (a file) another size or content: something of the user's, or a file the user changed, even by one byte
+and without changing its size. A directory is replaceable when it is empty or `foreign` finds nothing.
+(Manifests written before content hashes, format 1 without "sha256", are checked by size.)
 
 Runs written by release 0.2 have no manifest. One counts as poslens's when its ``run.json`` says poslens wrote
 it and every entry is one that 0.2's command of that kind wrote (`LEGACY`): ``run.json``,
@@ -23,7 +25,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from poslens.io.space import disk_space
+from poslens.io.writing import file_sha256, write_text
 
 NAME = "poslens-manifest.json"
 FORMAT = 1
@@ -51,7 +53,7 @@ def _kind(st: os.stat_result) -> str:
 
 
 def entries(directory: str | os.PathLike) -> dict[str, dict]:
-    """Every path under `directory` (links not followed), sorted: {relative path: {"type", "bytes"}}."""
+    """Every path under `directory` (links not followed), sorted: {relative path: {"type", "bytes", "sha256"}}."""
     out: dict[str, dict] = {}
 
     def visit(path: Path, rel: str) -> None:
@@ -59,7 +61,8 @@ def entries(directory: str | os.PathLike) -> dict[str, dict]:
             name = f"{rel}{entry.name}"
             st = entry.stat(follow_symlinks=False)
             kind = _kind(st)
-            out[name] = {"type": kind, "bytes": st.st_size} if kind == "file" else {"type": kind}
+            out[name] = ({"type": kind, "bytes": st.st_size, "sha256": file_sha256(entry.path)} if kind == "file"
+                         else {"type": kind})
             if kind == "dir":
                 visit(Path(entry.path), f"{name}/")
 
@@ -74,9 +77,7 @@ def write_manifest(directory: str | os.PathLike) -> None:
     listed[NAME] = {"type": "file"}
     lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(listed.items()))
     text = f'{{"poslens_manifest": {FORMAT}, "entries": {{\n{lines}\n}}}}\n'  # one entry per line
-    path = directory / NAME
-    with disk_space(path, len(text.encode())):
-        path.write_text(text, encoding="utf-8")
+    write_text(directory / NAME, text)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, dict] | None:
@@ -127,6 +128,9 @@ def foreign(directory: str | os.PathLike) -> str | None:
             if kind == "file" and want.get("bytes") != size:
                 return (f"{directory / rel} was changed after poslens wrote it ({size} bytes, written as "
                         f"{want.get('bytes')})")
+            if kind == "file" and "sha256" in want and _sha256(directory / rel) != want["sha256"]:
+                return (f"{directory / rel} was changed after poslens wrote it (its content differs from the "
+                        f"SHA-256 in {NAME})")
             return None
 
         return _first(directory, "", accept)
@@ -134,6 +138,13 @@ def foreign(directory: str | os.PathLike) -> str | None:
     if meta is None:
         return None if is_empty(directory) else f"{directory} has no {NAME} or poslens {META} (it may hold your files)"
     return _first(directory, "", _legacy(directory, meta))
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None
 
 
 def _legacy(directory: Path, meta: dict) -> Accept:

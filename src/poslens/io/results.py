@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from poslens.errors import UsageError
-from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory, share
-from poslens.io.space import disk_space
+from poslens.io.rundir import MARKER, check_output, open_run, run_directory, sharded_run_directory
+from poslens.io.writing import write_tensors, write_text
 
-__all__ = ["META", "TENSORS", "Run", "check_output", "environment", "jsonable", "load", "open_run",
+__all__ = ["META", "TENSORS", "Run", "check_complete", "check_output", "environment", "jsonable", "load", "open_run",
            "run_directory", "sharded_run_directory", "write_run"]
 
 TENSORS = "tensors.safetensors"
@@ -121,18 +121,16 @@ def jsonable(x):
 
 def write_run(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write tensors (safetensors, on the CPU, contiguous) and run.json (meta + environment) into `directory`.
-    A full disk is a one-line UsageError naming the file and its size (the caller's build directory goes)."""
+    A full disk or a short write is a one-line UsageError naming the file and its size (the caller's build
+    directory goes)."""
     directory = Path(directory)
     cpu = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).detach().cpu().contiguous()
            for k, v in tensors.items()}
-    with disk_space(directory / TENSORS, sum(t.nbytes for t in cpu.values()) + 1024):
-        save_file(cpu, str(directory / TENSORS))
-    share(directory / TENSORS)  # safetensors writes 0600; results are as shareable as the umask says
+    write_tensors(directory / TENSORS, cpu)  # complete and hashed as it is written (poslens.io.writing)
     rest = {k: v for k, v in meta.items() if k != MARKER}  # the marker is poslens's to set, first in the file
     meta = {MARKER: 1, **rest, "environment": {**environment(), **meta.get("environment", {})}}
     text = json.dumps(jsonable(meta), indent=2, sort_keys=False) + "\n"
-    with disk_space(directory / META, len(text.encode())):
-        (directory / META).write_text(text)
+    write_text(directory / META, text)
 
 
 def load(path: str | os.PathLike, tensors: bool = True) -> Run:
@@ -154,17 +152,32 @@ def load(path: str | os.PathLike, tensors: bool = True) -> Run:
     return Run(path=path, tensors=maps, meta=meta)
 
 
-def check_tensors(path: str | os.PathLike) -> None:
-    """A one-line UsageError unless the run directory's tensors file is whole: its header parses and its entries lie
-    within the file (a truncated file fails here), without reading the tensors (`load(tensors=False)` reads
-    run.json alone)."""
-    path = Path(path)
+def check_complete(run: str | os.PathLike) -> None:
+    """A one-line error unless the run's tensors file is as long as its header says (reads the header only): for a
+    reader of run.json alone (`load(..., tensors=False)`) that must not accept a run cut short."""
+    path = Path(run) / TENSORS
     try:
-        with safe_open(str(path / TENSORS), "pt"):
-            pass
-    except (OSError, SafetensorError) as e:
-        raise UsageError(f"{path}: corrupt run directory ({TENSORS}: {type(e).__name__}); rerun the command that "
+        _complete(path)
+    except UsageError:
+        raise
+    except (ValueError, OSError, RecursionError, KeyError, TypeError, IndexError) as e:
+        raise UsageError(f"{run}: corrupt run directory ({TENSORS}: {type(e).__name__}); rerun the command that "
                          "wrote it") from None
+
+
+def _complete(path: Path) -> None:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > 100 << 20:
+            raise ValueError("header too large")
+        header = json.loads(f.read(n))
+    entries = [v for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
+    if entries is None or not all(isinstance(v, dict) and isinstance(v.get("data_offsets"), list) for v in entries):
+        raise ValueError("malformed header")
+    want, got = 8 + n + max((int(v["data_offsets"][-1]) for v in entries), default=0), path.stat().st_size
+    if got != want:
+        raise UsageError(f"{path.parent}: corrupt run directory ({path.name} holds {got:,} bytes, its header says "
+                         f"{want:,}: cut short or changed); rerun the command that wrote it")
 
 
 def cpu_name() -> str:

@@ -14,11 +14,12 @@ Guarantees:
 
 * A run records what it wrote: ``poslens-manifest.json`` lists every file and folder of the build when it is
   placed (`poslens.io.manifest`). ``force`` replaces only an empty directory or one whose every entry is in
-  its manifest, with the size it was written with (a run of release 0.2, which wrote no manifest: only the
-  files 0.2 wrote, see `poslens.io.manifest.LEGACY`); never the current directory, a parent of it, the home
-  directory or ``/``, a symbolic link or a file. A refusal names the first foreign entry.
+  its manifest, with the size and content (SHA-256) it was written with (a run of release 0.2, which wrote no
+  manifest: only the files 0.2 wrote, see `poslens.io.manifest.LEGACY`); never the current directory, a parent
+  of it, the home directory or ``/``, a symbolic link or a file. A refusal names the first foreign entry.
 * A run never writes over its inputs: an output equal to one of `inputs` or containing one (compared after
-  resolving links) is refused, with or without ``force``.
+  resolving links) is refused, with or without ``force``; so is one that is, holds or lies inside the poslens
+  cache, whose entries every command reads (`poslens.io.protect`), unless it is the cache entry being built.
 * Two runs with the same output at once: the second is refused (one-line `UsageError`) while the first
   holds the lock. The final placement is a no-replace rename (``renameat2(RENAME_NOREPLACE)`` on Linux;
   elsewhere ``rename``, which can only replace an empty directory), so whatever appeared at NAME during
@@ -54,6 +55,7 @@ from pathlib import Path
 from poslens.errors import UsageError
 from poslens.io.lock import FileLock, alive, lock_path
 from poslens.io.manifest import MARKER, META, foreign, is_empty, write_manifest
+from poslens.io.protect import check_not_input
 from poslens.io.space import disk_space
 
 __all__ = ["MARKER", "META", "RunDir", "check_output", "current_run", "open_run", "remove_empty_parents",
@@ -132,26 +134,12 @@ def _name_limit(parent: Path) -> int:
         return 255
 
 
-def _check_inputs(path: Path, inputs: Iterable[str | os.PathLike | None]) -> None:
-    """Refuse an output that is one of the run's inputs or contains one, after resolving links (an input that
-    does not exist, or None, has nothing to protect)."""
-    real = Path(os.path.realpath(path))
-    for given in inputs:
-        if given is None or not os.path.lexists(os.path.expanduser(os.fspath(given))):
-            continue
-        p = Path(os.path.realpath(os.path.expanduser(os.fspath(given))))
-        if real == p or real in p.parents:
-            how = "is" if real == p else "contains"
-            raise UsageError(f"--out {path} {how} this run's input {given}; a run never writes over what it reads, "
-                             "choose another --out")
-
-
 def _check(path: Path, force: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Everything about `path` that can be checked without writing (see the module docstring)."""
     why = _protected(path)
     if why:
         raise UsageError(f"--out {path}: {why}; poslens never writes over it, choose a new directory")
-    _check_inputs(path, inputs)
+    check_not_input(path, inputs)
     limit = _name_limit(path.parent) - NAME_MARGIN
     if len(os.fsencode(path.name)) > limit:
         raise UsageError(f"--out name is {len(os.fsencode(path.name))} bytes long; at most {limit} fit here "

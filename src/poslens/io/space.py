@@ -22,8 +22,10 @@ from pathlib import Path
 
 from poslens.errors import UsageError, gib
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
-_MESSAGES = ("os error 28", "os error 122", "no space left", "quota exceeded")  # errno 28 ENOSPC, 122 EDQUOT
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# errno 28 ENOSPC, 122 EDQUOT, 27 EFBIG (a file-size limit: `ulimit -f`, RLIMIT_FSIZE; Python ignores SIGXFSZ)
+_MESSAGES = ("os error 28", "os error 122", "os error 27", "no space left", "quota exceeded", "file too large")
+_LIMIT = ("os error 27", "file too large")
 _WRITER_FAILURES = ("inline_container", "pytorchstreamwriter", "file write failed", "i/o error")
 
 
@@ -55,7 +57,8 @@ def nbytes(obj: object) -> int:
 
 
 def is_disk_full(e: BaseException, path: str | os.PathLike, need: int) -> bool:
-    """Whether exception `e`, raised while writing `need` bytes to `path`, means the disk (or quota) is full."""
+    """Whether exception `e`, raised while writing `need` bytes to `path`, means the disk (or quota, or the
+    file-size limit) is full."""
     if isinstance(e, OSError) and e.errno in FULL:
         return True
     text = str(e).lower()
@@ -67,8 +70,16 @@ def is_disk_full(e: BaseException, path: str | os.PathLike, need: int) -> bool:
     return False
 
 
-def full_message(path: str | os.PathLike, need: int) -> str:
-    """The one line for a full disk: the path, the bytes needed and what is free."""
+def is_size_limit(e: BaseException) -> bool:
+    """Whether `e` is the file-size limit (EFBIG, "File too large") rather than a full disk."""
+    return (isinstance(e, OSError) and e.errno == errno.EFBIG) or any(m in str(e).lower() for m in _LIMIT)
+
+
+def full_message(path: str | os.PathLike, need: int, limit: bool = False) -> str:
+    """The one line for a full disk (`limit`: the file-size limit): the path, the bytes needed and what is free."""
+    if limit:
+        return (f"cannot write {path}: the file-size limit (ulimit -f) stops it short of the {size(need)} it needs "
+                "(File too large); raise the limit or write elsewhere")
     free = free_bytes(path)
     have = f", {size(free)} free" if free is not None else ""
     return (f"no space left on the device to write {path} (it needs {size(need)}{have}); free some space or write "
@@ -89,4 +100,17 @@ def disk_space(path: str | os.PathLike, need: int) -> Iterator[None]:
     except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError
         if isinstance(e, UsageError) or not is_disk_full(e, path, need):
             raise
-        raise UsageError(full_message(path, need)) from None
+        raise UsageError(full_message(path, need, is_size_limit(e))) from None
+
+
+def write_failure(e: BaseException) -> str | None:
+    """The one line for a failed write that reached the command line without a `disk_space` around it (a full disk,
+    a quota or the file-size limit, in a library's own writer), naming the file where the error does; else None."""
+    if not (isinstance(e, OSError) and e.errno in FULL) and not any(m in str(e).lower() for m in _MESSAGES):
+        return None
+    where = getattr(e, "filename", None)
+    what = f"write {where}" if where else "write the output"
+    if is_size_limit(e):
+        return (f"cannot {what}: the file-size limit (ulimit -f) stops it short (File too large); raise the limit or "
+                "write elsewhere")
+    return f"no space left on the device to {what}; free some space or write elsewhere"

@@ -17,6 +17,7 @@ tokenizer folder is there. Each problem is a one-line `UsageError` naming the pa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from poslens.errors import UsageError, check_choice, require
+from poslens.io.space import disk_space
+from poslens.io.writing import check_size, remember, write_text
 
 FORMAT = "poslens-tokens"
 VERSION = 1
@@ -139,6 +142,7 @@ def check_header(header: Any, path: Path) -> dict[str, Any]:
         value = _int_field(header, key, path, optional=key != "separator_token_id")
         if value is not None and value >= vocab:
             raise Corrupt(path, f"header.json: {key} {value} is not below vocab_size {vocab}")
+        header[key] = value  # an optional id left out reads None, as `tokenize` writes it
     for split in SPLITS:
         if not isinstance(header.get(split), dict):
             raise Corrupt(path, f"header.json: no {split} counts")
@@ -198,24 +202,43 @@ class TokenWriter:
         self.dtype = np.dtype(dtype_for(self.vocab_size))
         self.counts = {split: {"tokens": 0, "documents": 0} for split in SPLITS}
         self.files = {split: open(bin_path(self.directory, split), "wb") for split in SPLITS}
+        self.hashes = {split: hashlib.sha256() for split in SPLITS}  # hashed as written, for the run's manifest
 
     def add(self, split: str, ids: list[int]) -> None:
-        """Append one document's ids (its separator included) to `split`."""
-        np.asarray(ids, dtype=self.dtype).tofile(self.files[split])
+        """Append one document's ids (its separator included) to `split` (a failed write: one line, `disk_space`)."""
+        data = np.asarray(ids, dtype=self.dtype).tobytes()
+        with disk_space(bin_path(self.directory, split), self._bytes(split) + len(data)):
+            self.files[split].write(data)
+        self.hashes[split].update(data)
         self.counts[split]["tokens"] += len(ids)
         self.counts[split]["documents"] += 1
 
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+    def _bytes(self, split: str) -> int:
+        return self.counts[split]["tokens"] * self.dtype.itemsize
+
+    def close(self, quiet: bool = False) -> None:
+        """Close the files, flushing them (a failed flush is one line; `quiet`: ignored, when another error is on
+        its way out)."""
+        for split, f in self.files.items():
+            if not f.closed:
+                try:
+                    with disk_space(bin_path(self.directory, split), self._bytes(split)):
+                        f.close()
+                except (UsageError, OSError):
+                    if not quiet:
+                        raise
 
     def finish(self, tok: Any, separator_token_id: int, **fields: Any) -> dict[str, Any]:
-        """Close the files, save the tokenizer `tok` into tokenizer/ and write header.json; returns the header."""
+        """Close the files (checking that every byte reached them), save the tokenizer `tok` into tokenizer/ and write
+        header.json; returns the header."""
         self.close()
+        for split in SPLITS:
+            check_size(bin_path(self.directory, split), self._bytes(split))
+            remember(bin_path(self.directory, split), self.hashes[split].hexdigest())
         tok.save_pretrained(self.directory / TOKENIZER)
         header = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name, "vocab_size": self.vocab_size,
                   "separator_token_id": int(separator_token_id), "bos_token_id": tok.bos_token_id,
                   "eos_token_id": tok.eos_token_id, **fields, **self.counts}
         check_header(header, self.directory)
-        (self.directory / HEADER).write_text(json.dumps(header, indent=2) + "\n")
+        write_text(self.directory / HEADER, json.dumps(header, indent=2) + "\n")
         return header

@@ -28,10 +28,25 @@ def settings(run: Path) -> dict:
     """The reproduce run's run.json (a one-line error when `run` is not a reproduce report)."""
     try:
         meta = json.loads((run / "run.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         raise UsageError(f"run: {run} is not a poslens reproduce report (no readable run.json)") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"run: {run}/run.json is not a JSON object; rerun `poslens reproduce`")
     if meta.get("kind") != "reproduce":
         raise UsageError(f"run: {run} is a {meta.get('kind')!r} run, not a reproduce report")
+    cfg, metrics = meta.get("config"), meta.get("metrics")
+    broken = ("config is not an object" if not isinstance(cfg, dict)
+              else "metrics is not an object" if not isinstance(metrics, dict)
+              else "metrics.claims is not a list of claims" if not isinstance(metrics.get("claims"), list)
+              or not all(isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("section_name"), str)
+                         for c in metrics["claims"])
+              else "config has no samples, seed, quick and sizes" if not (
+                  isinstance(cfg.get("samples"), int) and isinstance(cfg.get("seed"), int)
+                  and isinstance(cfg.get("quick"), bool) and isinstance(cfg.get("sizes"), dict))
+              else None)
+    if broken:
+        raise UsageError(f"run: {run}/run.json is not a complete reproduce report ({broken}); rerun `poslens "
+                         "reproduce`")
     return meta
 
 
@@ -46,11 +61,16 @@ def remeasure(run: str | Path, claim_id: str, progress: bool = False) -> Claim:
     key = (str(run), name)
     if key not in _built:
         cfg = meta["config"]
+        sizes = cfg["sizes"].get(name)
+        if not isinstance(sizes, dict):
+            raise UsageError(f"run: {run}/run.json has no sizes of section {name} (config.sizes); rerun `poslens "
+                             "reproduce`")
+        sizes = spec(name).size(cfg["quick"], sizes)  # checked as reproduce checks --sizes
         with tempfile.TemporaryDirectory(prefix="poslens-remeasure-") as tmp:
             ctx = Context(Path(tmp) / "report", run, Path(tmp) / "parts", cfg["samples"], cfg["seed"], cfg["quick"],
                           progress, draw=False)
             ctx.parts.mkdir(parents=True)
-            section = spec(name).build(ctx, dict(cfg["sizes"][name]))
+            section = spec(name).build(ctx, sizes)
         _built[key] = {c.id: c for c in section.claims}
     return _built[key][claim_id]
 

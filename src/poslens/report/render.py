@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poslens.io.writing import write_text
 from poslens.report.claims import PAPERS, Claim, LedgerCount, ledgers
 from poslens.report.robustness import robustness_line
 from poslens.report.section import Figure, Panel, Section
@@ -420,7 +421,7 @@ def write_report(directory: Path, title: str, intro: str, sections: list[Section
                  provenance: dict[str, str] | None = None) -> tuple[Path, Path]:
     """Write report.md and report.html into `directory`."""
     md = directory / "report.md"
-    md.write_text(render_markdown(title, intro, sections, directory, provenance))
+    write_text(md, render_markdown(title, intro, sections, directory, provenance))  # complete, or one line
     page = directory / "report.html"
-    page.write_text(render_html(title, intro, sections, directory, provenance))
+    write_text(page, render_html(title, intro, sections, directory, provenance))
     return md, page

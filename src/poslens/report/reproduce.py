@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poslens.errors import UsageError, check_int
+from poslens.errors import UsageError, check_duration, check_int
 from poslens.io.results import check_output, cpu_name, run_directory, source_revision, write_run
 from poslens.report.claims import VERDICTS, ledgers
 from poslens.report.context import Context
@@ -58,7 +58,31 @@ def plan(quick: bool, models: bool, sizes: Mapping | None) -> list[tuple[Section
     for name in sizes or {}:
         if name not in names:
             raise UsageError(f"sizes: no report section named {name!r}; sections: {', '.join(sorted(names))}")
+        if not models and next(s for s in specs if s.name == name).models:
+            raise UsageError(f"sizes: section {name} runs models and is skipped here (--no-models); drop its sizes "
+                             "or run the models")
     return [(s, s.size(quick, (sizes or {}).get(s.name))) for s in specs if models or not s.models]
+
+
+def check_time(samples: int, steps: list[tuple[SectionSpec, dict]]) -> None:
+    """Refuse, before any work, Monte Carlo sizes that would run for more than a week even at a generous rate
+    (`poslens.errors.check_duration`): the run's samples per setting of the paper's stack, the convergence
+    section's samples at its widest d, the leakage section's stack samples."""
+    from poslens.analyses.leakage.command import StackLeakageOptions
+    from poslens.stack.config import StackConfig
+
+    check_duration(StackConfig().operations(samples), f"one Monte Carlo setting of {samples:,} samples", "lower "
+                   "--samples")
+    for spec, size in steps:
+        if spec.name == "convergence":
+            d = max(size["widths"])
+            check_duration(StackConfig(n=24, layers=3, d=d).operations(size["samples"]), f"the convergence "
+                           f"section's {size['samples']:,} samples at d = {d}", "lower convergence.samples")
+        if spec.name == "leakage" and size.get("stack_samples"):
+            o = StackLeakageOptions()
+            check_duration(3 * StackConfig(n=o.n, d=o.d, layers=o.layers).operations(size["stack_samples"]),
+                           f"the leakage section's {size['stack_samples']:,} stack samples", "lower "
+                           "leakage.stack_samples")
 
 
 def _config(quick: bool, samples: int, seed: int, models: bool, sizes: list, robustness: bool = False) -> dict:
@@ -111,6 +135,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
     check_int("samples", samples, 1)
     check_int("seed", seed, 0)
     steps = plan(quick, models, sizes)
+    check_time(samples, steps)
     config = _config(quick, samples, seed, models, steps, robustness)
     target = Path(out).expanduser().absolute()
     if not force and up_to_date(target, config):

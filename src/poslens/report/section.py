@@ -88,20 +88,50 @@ class SectionSpec:
     full: Mapping = field(default_factory=dict)
 
     def size(self, quick: bool, override: Mapping | None = None) -> dict:
-        """The sizes to build with: the quick or full defaults, updated by `override` (unknown keys refused)."""
+        """The sizes to build with: the quick or full defaults, updated by `override`; every override checked
+        (`check_size`) before any work."""
         base = dict(self.quick if quick else self.full)
         for k, v in (override or {}).items():
             if k not in base:
                 raise UsageError(f"sizes: section {self.name} has no size {k!r} (it has {', '.join(base) or 'none'})")
-            d = base[k]
-            kind = float if isinstance(d, float) else type(d)  # an int is fine where a float is
-            if d is not None and not (isinstance(v, kind) and isinstance(v, bool) == isinstance(d, bool)):
-                raise UsageError(f"sizes: section {self.name}'s {k} takes a value like {d!r}, not {v!r}")
-            base[k] = v
+            base[k] = self.check_size(k, v, base[k])
         return base
+
+    def check_size(self, key: str, value, like):
+        """`value` for size `key` (default `like`) checked: the default's kind (an int where a float is; a list of
+        positive integers where a pair or list of them is; the kind in `NONE_KINDS` where the default is None),
+        and a count at least 1 (2 for groups; 0 only where a default is 0, which means off). Returns the value."""
+        what = f"sizes: section {self.name}'s {key}"
+        if like is None:
+            kind = NONE_KINDS.get(key)
+            if value is None or (kind is not None and isinstance(value, kind)
+                                 and (kind is not list or all(isinstance(x, (int, str)) for x in value))):
+                return value
+            raise UsageError(f"{what} takes {NONE_HELP.get(key, 'null')}, not {value!r}")
+        if isinstance(like, (tuple, list)):
+            ok = (isinstance(value, (tuple, list)) and len(value) >= 1 and (len(like) != 2 or len(value) == 2)
+                  and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value))
+            if not ok:
+                raise UsageError(f"{what} takes {'a pair' if len(like) == 2 else 'a list'} of positive integers like "
+                                 f"{list(like)}, not {value!r}")
+            return type(like)(value)
+        kind = float if isinstance(like, float) else type(like)  # an int is fine where a float is
+        if not (isinstance(value, kind) and isinstance(value, bool) == isinstance(like, bool)):
+            raise UsageError(f"{what} takes a value like {like!r}, not {value!r}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            off = 0 in (self.quick.get(key), self.full.get(key))
+            lo = 0 if off else 2 if key == "groups" or key.endswith("_groups") else 1
+            if not value >= lo:
+                why = " (an interval needs two groups)" if lo == 2 else " (0 means off)" if off else ""
+                raise UsageError(f"{what} must be >= {lo}{why}, got {value!r}")
+        return value
 
 
 REGISTRY: list[SectionSpec] = []
+# sizes whose default is None (the section's own choice) and what they take instead
+NONE_KINDS = {"sweep_train": str, "sweep_seeds": list, "variants": list}
+NONE_HELP = {"sweep_train": 'training fields as text, e.g. "steps=300"', "sweep_seeds": "a list of seeds, e.g. [0,1,2]",
+             "variants": 'a list of variant names, e.g. ["nope","rope"]'}
 
 
 def section(name: str, title: str, *, models: bool = False, quick: Mapping | None = None,

@@ -87,6 +87,11 @@ class StackConfig:
         """Norm of every row of Y = Norm(X): 1 for l2, sqrt(d) for LayerNorm."""
         return 1.0 if self.norm == "l2" else math.sqrt(self.d)
 
+    def operations(self, samples: int) -> float:
+        """About how many floating-point operations `samples` Monte Carlo samples of this stack take: per layer
+        R(Y) R(Y)^T and softmax(S) Y, n^2 d multiply-adds each (for `poslens.errors.check_duration`)."""
+        return 4.0 * samples * self.layers * self.n ** 2 * self.d
+
     def to_dict(self) -> dict:
         return asdict(self)
 

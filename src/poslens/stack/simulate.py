@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from poslens.errors import UsageError, available_memory, check_int, check_memory
+from poslens.errors import UsageError, available_memory, check_duration, check_int, check_memory
 from poslens.io.checkpoint import fingerprint, load_partial, save_partial
 from poslens.io.rundir import current_run
 from poslens.stack.config import StackConfig, visible
@@ -364,6 +364,8 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
         raise UsageError(f"config must be a StackConfig, got {type(config).__name__}")
     samples = check_int("samples", samples, 1)
     seed = check_int("seed", seed, 0)
+    check_duration(config.operations(samples), f"simulate with {samples:,} samples (n={config.n}, d={config.d}, "
+                   f"{config.layers} layers)", "lower samples", str(device))
     if checkpoint_every is not None:
         checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
     maps = _check_maps(maps)

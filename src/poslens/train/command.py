@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from poslens.errors import UsageError
 from poslens.options import add_options, from_args, option
 from poslens.train.config import FIELDS, TrainConfig, resolve_config
 from poslens.train.sweep import SweepConfig
@@ -75,7 +76,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The preset named by --preset (default tiny) with every given flag on top."""
     given = {k: getattr(args, k) for k in FIELDS if hasattr(args, k)}
-    return resolve_config(given.pop("preset", "tiny"), **given)
+    cfg = resolve_config(given.pop("preset", "tiny"), **given)
+    if "rope_theta" in given and not any(cfg.positional_encoding().flags):  # a preset's own theta is not asked for
+        raise UsageError("--rope-theta has no effect: no layer of this model has RoPE (--pe none); give --pe rope "
+                         "or a --pe-layers pattern with a 1, or leave --rope-theta out")
+    return cfg
 
 
 def default_out(cfg: TrainConfig) -> str:

@@ -94,6 +94,8 @@ class TrainConfig:
         check_choice("pe", self.pe, PE)
         check_choice("blocks", self.blocks, BLOCKS)
         check_int("seq_len", self.seq_len, 3 if self.bos else 2)
+        require(self.sliding_window <= self.seq_len, f"sliding_window {self.sliding_window} is longer than seq_len "
+                                                     f"{self.seq_len}: it would never bind; use a window <= seq_len")
         self.positional_encoding()
         check_int("steps", self.steps, 1)
         check_int("batch_size", self.batch_size, 1)

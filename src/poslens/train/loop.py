@@ -299,7 +299,8 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
         with contextlib.ExitStack() as stack:
             stack.enter_context(ckpt.progress_bars(progress))  # save_pretrained's "Writing model shards" bars
             if d.main:  # an --out equal to the token directory or containing it is refused
-                run = stack.enter_context(open_run(target, force, inputs=[cfg.tokens] if cfg.tokens else []))
+                preset = cfg.preset if cfg.preset.endswith(".json") else None  # a preset file is an input too
+                run = stack.enter_context(open_run(target, force, inputs=[cfg.tokens, preset]))
                 work, build = Work(run.work), run.build
             else:
                 work, build = work_directory(target), None

@@ -172,6 +172,10 @@ def _config(train: dict[str, Any], variant: dict[str, Any], seed: int) -> TrainC
 def resolve_matrix(cfg: SweepConfig) -> Matrix:
     """The matrix of `cfg` (preset, then flags), every member's configuration checked before anything runs."""
     data = _read(preset_path(cfg.preset, PRESETS, "sweep-"))
+    for key, kind in (("train", dict), ("variants", dict), ("seeds", list)):
+        require(isinstance(data.get(key, kind()), kind), f"sweep preset {cfg.preset}: {key} must be a JSON "
+                                                         f"{'object' if kind is dict else 'list'}, got "
+                                                         f"{type(data[key]).__name__}")
     train = dict(data.get("train") or {})
     if cfg.train:
         train.update(parse_fields(cfg.train, "train"))
@@ -199,7 +203,17 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
     matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds)
     for m in matrix.members:  # every configuration checked up front
         m.config.check()
+    if train.get("tokens") is not None:  # the token directory too: one line for a file, a missing or corrupt one
+        from poslens.io.tokenfile import open_tokens
+
+        open_tokens(train["tokens"], check=())
     return matrix
+
+
+def matrix_inputs(cfg: SweepConfig, matrix: Matrix) -> list[str | None]:
+    """What a sweep reads besides the cache: its token directory and its preset files (an --out may be none)."""
+    presets = [p for p in (cfg.preset, matrix.train.get("preset")) if isinstance(p, str) and p.endswith(".json")]
+    return [matrix.train.get("tokens"), *presets]
 
 
 # ---------------------------------------------------------------- statistics over seeds
@@ -390,7 +404,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, force: bool = False, pro
 
     matrix = resolve_matrix(cfg)
     started = time.perf_counter()
-    with open_run(out, force) as run:
+    with open_run(out, force, inputs=matrix_inputs(cfg, matrix)) as run:
         paths = train_matrix(matrix, progress, cfg.jobs)
         runs = {key: load(path) for key, path in paths.items()}
         names, seeds = list(matrix.variants), matrix.seeds

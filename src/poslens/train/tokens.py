@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from poslens.errors import UsageError, check_float, check_int, require
-from poslens.io.lock import building
+from poslens.io.lock import entry_lock
 from poslens.io.tokenfile import VERSION, TokenFile, TokenWriter, open_tokens
 from poslens.train.config import parse_tokenizer
 
@@ -108,9 +108,11 @@ def tokenize_corpus(source: str | None, out: str | os.PathLike, tokenizer: str =
                     if text:
                         writer.add("val" if is_validation(i, val_fraction, seed) else "train", row + [sep])
                 bar.update(len(batch))
+        except BaseException:
+            writer.close(quiet=True)  # the error on its way out is the one to report
+            raise
         finally:
             bar.close()
-            writer.close()
         counts = writer.counts
         require(counts["val"]["documents"] > 0 and counts["train"]["documents"] > 0,
                 f"the text has {counts['train']['documents'] + counts['val']['documents']} documents: too few to "
@@ -137,13 +139,15 @@ def default_tokens(tokenizer: str, progress: bool = True) -> Path:
     """The embedded corpus tokenized with `tokenizer`, cached under the poslens cache directory.
 
     Built once: a second process asking for it meanwhile waits for the first (one line says so) and uses its
-    result; a cached entry that does not open (`poslens.io.tokenfile.open_tokens`) is rebuilt, saying why.
+    result; a cached entry that does not open (`poslens.io.tokenfile.open_tokens`) or whose files differ from the
+    content hashes of its manifest is rebuilt, saying why.
     """
     import shutil
     import sys
 
     from poslens.engine.data import default_documents
     from poslens.engine.models import cache_root
+    from poslens.io.manifest import foreign, read_manifest
     from poslens.io.tokenfile import Corrupt, is_token_directory
 
     digest = hashlib.sha256(f"{tokenizer}|v{VERSION}".encode())
@@ -151,11 +155,14 @@ def default_tokens(tokenizer: str, progress: bool = True) -> Path:
         digest.update(text.encode("utf-8", "surrogatepass"))
     key = digest.hexdigest()[:12]
     path = cache_root() / "tokens" / f"embedded-{re.sub(r'[^A-Za-z0-9]+', '-', tokenizer)}-{key}"
-    with building(path, f"the embedded corpus tokenized with {tokenizer}"):
+    with entry_lock(path, f"the embedded corpus tokenized with {tokenizer}"):
         if path.exists():
             try:
                 open_tokens(path)
-                return path
+                changed = foreign(path) if read_manifest(path) is not None else None  # content, by its SHA-256
+                if changed is None:
+                    return path
+                raise Corrupt(path, changed)
             except Corrupt as e:
                 print(f"{path}: the cached token directory is corrupt ({e.reason}); rebuilding it", file=sys.stderr,
                       flush=True)

@@ -12,8 +12,8 @@ import torch
 from poslens.analyses.leakage import flow
 from poslens.analyses.leakage.figures import FIGURE_SHARES as SHARES
 from poslens.analyses.leakage.figures import architecture_figure
-from poslens.errors import UsageError, check_int, check_memory
-from poslens.io.results import Run, check_tensors, load, run_directory, write_run
+from poslens.errors import UsageError, check_duration, check_int, check_memory
+from poslens.io.results import Run, check_complete, load, run_directory, write_run
 from poslens.stack.config import StackConfig, check_window
 from poslens.stack.simulate import BLOCK
 
@@ -40,6 +40,8 @@ def check_stack_options(o) -> StackConfig:
                              f"groups <= {blocks}" + (" (at least 2)" if blocks < 2 else ""), param="samples")
         check_memory((base.layers + 4) * BLOCK * base.n ** 2 * 8, f"the Monte Carlo (n={base.n}, layers="
                      f"{base.layers}, {BLOCK} samples at a time)", "use a smaller n or fewer layers (or samples 0)")
+        check_duration(3 * base.operations(samples), f"the Monte Carlo of three architectures with {samples:,} "
+                       f"samples (n={base.n}, d={base.d}, {base.layers} layers)", "lower samples")
     return base
 
 
@@ -125,7 +127,7 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         series = {}
         for k, path in enumerate(runs):
             run = load(path, tensors=False)
-            check_tensors(path)  # a damaged input run is refused, not drawn from its run.json alone
+            check_complete(path)  # its tensors are not read here, but a run cut short is not a run
             name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
             if name in series:
                 raise UsageError(f"labels: two runs would both be labelled {name!r} (the second is {path}); give "

@@ -162,6 +162,10 @@ class Length(Analysis):
         chosen = []
         for spec in cfg.specs():
             iv = parse(spec, cfg.train_len)
+            if isinstance(iv, Window) and (iv.window or cfg.train_len) >= cfg.seq_len:  # masks no key: an identity
+                raise UsageError(f"interventions: {spec} masks nothing: its window {iv.window or cfg.train_len} is not "
+                                 f"below the longest evaluation length {cfg.seq_len}; use a window below it",
+                                 param="interventions")
             try:
                 iv.check(model)
             except UsageError as e:
