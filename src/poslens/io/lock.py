@@ -188,7 +188,7 @@ def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
 
 
 @contextmanager
-def building(path: Path, what: str) -> Iterator[None]:
+def entry_lock(path: Path, what: str) -> Iterator[None]:
     """Hold the cache lock of entry `path` while it is checked and built: a second process waits (one line says
     so), then finds the entry complete. The lock file is ``.NAME.cache.lock``, apart from the run lock
     ``.NAME.lock`` that writing the entry takes."""

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from poslens.io.lock import building
+from poslens.io.lock import entry_lock
 from poslens.train.config import TrainConfig
 
 CACHE_VERSION = 1  # bump when training changes what a cached model would be
@@ -60,7 +60,7 @@ def trained_model(cfg: TrainConfig, progress: bool = True, label: str | None = N
 
     tokens = tokens or tokens_of(cfg, progress)
     target = trained_model_dir(cfg, tokens)
-    with building(target, f"the model {target.name}"):
+    with entry_lock(target, f"the model {target.name}"):
         if not (target / "run.json").is_file():
             train(dataclasses.replace(cfg, tokens=str(tokens)), target, progress=progress, label=label)
     return target

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from poslens.errors import UsageError, check_float, check_int, require
-from poslens.io.lock import building
+from poslens.io.lock import entry_lock
 from poslens.io.tokenfile import VERSION, TokenFile, TokenWriter, open_tokens
 from poslens.train.config import parse_tokenizer
 
@@ -151,7 +151,7 @@ def default_tokens(tokenizer: str, progress: bool = True) -> Path:
         digest.update(text.encode("utf-8", "surrogatepass"))
     key = digest.hexdigest()[:12]
     path = cache_root() / "tokens" / f"embedded-{re.sub(r'[^A-Za-z0-9]+', '-', tokenizer)}-{key}"
-    with building(path, f"the embedded corpus tokenized with {tokenizer}"):
+    with entry_lock(path, f"the embedded corpus tokenized with {tokenizer}"):
         if path.exists():
             try:
                 open_tokens(path)
