@@ -1,6 +1,5 @@
-"""The analysis pipeline (poslens.engine.pipeline): the composed config and its groups rule, per-sequence rows, and
-the recipes of docs/architecture.md, "Add an analysis" and "Add a command", followed to the letter on a tiny
-Llama and checked against an eager recomputation."""
+"""The analysis pipeline (poslens.engine.pipeline): the composed config and its groups rule, per-sequence rows, the
+import graph, and the driver's guarantees for every analysis (the recipes of docs/architecture.md: test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -122,106 +121,6 @@ def test_shards_cover_every_sequence_once_and_number_batches_run_wide(n, world, 
             index += 1
 
 
-# ---------------------------------------------------------------- recipe: add an analysis (docs/architecture.md)
-
-from poslens.engine.pipeline import Analysis, Output, Pass, run_analysis  # noqa: E402  (the recipe's imports)
-from poslens.engine.statistics import ActivationNorm  # noqa: E402
-from poslens.engine.stats import GroupedSums  # noqa: E402
-from poslens.options import option  # noqa: E402
-
-
-@dataclasses.dataclass
-class ShiftConfig(ModelData):
-    shift: int = option(100, lo=1, help="how far every position id moves")
-
-
-class ShiftAnalysis(Analysis):
-    """Do the last layer's residual norms change when every position id moves by `shift`? (RoPE: no.)"""
-
-    kind = "shift"
-
-    def passes(self, job):
-        last = [job.hm.n_layers - 1]
-        point = "blocks.{l}.hook_resid_post"
-
-        def moved(ids, index):  # an intervention: (input ids, write hooks, position ids)
-            return ids, {}, torch.arange(ids.shape[1], device=ids.device).expand_as(ids) + job.config.shift
-
-        return [Pass("orig", [ActivationNorm(point, last, job.groups)]),
-                Pass("moved", [ActivationNorm(point, last, job.groups)], prepare=moved)]
-
-    def finish(self, job, passes):
-        orig, moved = (p.statistics[0].sums for p in passes)
-        joint = GroupedSums(job.groups)  # both passes' sums: one jackknife over the same groups
-        for prefix, sums in (("orig", orig), ("moved", moved)):
-            joint.sums.update({f"{prefix}/{k}": v for k, v in sums.sums.items()})
-            joint.counts.update({f"{prefix}/{k}": v for k, v in sums.counts.items()})
-        name = orig.names()[0]
-        ratio = joint.estimate(lambda m: m[f"moved/{name}"] / m[f"orig/{name}"], job.config.level)
-        norms = {f"norm_{p}": joint.mean(f"{p}/{name}") for p in ("orig", "moved")}
-        return Output({**ratio.as_dict("ratio"), **norms}, {"largest_change": float((ratio.value - 1).abs().max())})
-
-
-def run_shift(cfg: ShiftConfig, out, force=False, progress=True):
-    return run_analysis(ShiftAnalysis(), cfg, out, force=force, progress=progress)
-
-
-def test_recipe_add_an_analysis(model_dir, tmp_path):
-    cfg = ShiftConfig(model=str(model_dir), data=text_of(model_dir), mode="pack", seq_len=32, num_sequences=8,
-                      batch_size=2, groups=4, shift=100)
-    run = poslens.load(run_shift(cfg, tmp_path / "shift", progress=False))
-    assert run.meta["kind"] == "shift" and run.meta["groups"]["used"] == 4
-    # reference without poslens's hooks: the same sequences through the plain model, a torch forward hook on the
-    # last decoder layer, positions moved by hand
-    from poslens.engine.data import iter_documents, make_sequences
-    from poslens.engine.models import load_model
-
-    model, tok = load_model(str(model_dir))
-    ids, _ = make_sequences(tok, iter_documents(cfg.data), 32, 8, mode="pack")
-    kept = {}
-    for s in (0, 100):
-        handle = model.model.layers[-1].register_forward_hook(
-            lambda m, args, out, s=s: kept.__setitem__(s, (out[0] if isinstance(out, tuple) else out).double()
-                                                       .norm(dim=-1).mean(0)))
-        with torch.no_grad():
-            model(ids, position_ids=torch.arange(32).expand_as(ids) + s)
-        handle.remove()
-    assert run["ratio"].shape == (32,)
-    # the same float32 forwards (read-only hooks leave the forward bit-identical); the means differ only by the
-    # order of float64 sums over groups: 1e-12 relative
-    torch.testing.assert_close(run["norm_orig"], kept[0], rtol=1e-12, atol=0)
-    torch.testing.assert_close(run["norm_moved"], kept[100], rtol=1e-12, atol=0)
-    # RoPE depends on i - j only: moving every position changes the norms by float32 rounding alone (1e-5 relative)
-    assert run.metrics["largest_change"] < 1e-5
-    assert bool((run["ratio_lo"] <= run["ratio"]).all() and (run["ratio"] <= run["ratio_hi"]).all())
-
-
-# ---------------------------------------------------------------- recipe: add a command (docs/architecture.md)
-
-
-def test_recipe_add_a_command(model_dir, tmp_path, capsys, monkeypatch):
-    from poslens import cli
-
-    monkeypatch.setitem(cli.COMMANDS, "shift", cli.Command(
-        "shift", "how much moving every position id changes the last layer's residual norms",
-        "Runs the shift analysis of docs/architecture.md.", configs=("test_pipeline:ShiftConfig",),
-        run="test_pipeline:run_shift", summary="test_pipeline:shift_summary", out="runs/shift"))
-    out = tmp_path / "cmd"
-    assert cli.main(["shift", str(model_dir), "--data", text_of(model_dir), "--mode", "pack", "--seq-len", "32",
-                     "--num-sequences", "8", "--batch-size", "2", "--shift", "7", "--quiet", "--out", str(out)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    run = poslens.load(out)
-    assert run.config["shift"] == 7 and run.config["groups"] == 20 and run.meta["groups"]["used"] == 4
-    assert lines == [f"largest change {run.metrics['largest_change']:.2g}", run.meta["groups"]["note"],
-                     f"wrote {out}"]
-    assert cli.main(["shift", str(model_dir), "--shift", "0", "--out", str(tmp_path / "bad")]) == 2
-    assert capsys.readouterr().err.strip() == "poslens shift: error: --shift must be >= 1, got 0"
-
-
-def shift_summary(meta: dict) -> list[str]:
-    return [f"largest change {meta['metrics']['largest_change']:.2g}"]
-
-
 # ---------------------------------------------------------------- layering (docs/architecture.md, "Import rules")
 
 LAYERS = [("errors", "options"), ("maps", "plotting", "io"), ("stack",), ("engine",), ("train",), ("analyses",),
@@ -251,6 +150,91 @@ def test_imports_follow_the_layers():
                         level[target[1]] > level[parts[0]] and (module, name) not in ALLOWED:
                     broken.append(f"{module} imports {name}")
     assert broken == []
+
+
+def module_imports(top_level_only: bool) -> dict[str, set[str]]:
+    """The import graph of src/poslens by module: module -> the poslens modules it imports (`from P import M` counts
+    P and P.M when M is a module). `top_level_only`: only the statements that run when the module is imported
+    (those in its body, its `if`/`try` blocks included, `if TYPE_CHECKING:` left out), not those inside functions."""
+    import ast
+
+    root = Path(poslens.__file__).parent
+    files = {".".join(("poslens", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in sorted(root.rglob("*.py"))}
+
+    def statements(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            yield node
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                yield from statements([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                                       *(h for handler in getattr(node, "handlers", []) for h in handler.body)])
+
+    graph = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        nodes = statements(tree.body) if top_level_only else ast.walk(tree)
+        targets = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_module_import_graph_has_no_cycle():
+    """No two modules import each other, directly or through others, at import time (module level), and the
+    detector finds a planted cycle (so the test can fail)."""
+    assert cycles(module_imports(top_level_only=True)) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_training_modules_import_each_other_nowhere_in_a_cycle():
+    """Not even inside functions: the trained-model cache, the loop and the token files (the cache lock they share
+    lives in poslens.io.lock)."""
+    train = [c for c in cycles(module_imports(top_level_only=False)) if any(m.startswith("poslens.train") for m in c)]
+    assert train == []
 
 
 # ---------------------------------------------------------------- the guarantees, for every analysis on the driver

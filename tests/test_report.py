@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import poslens.report.sections  # noqa: F401  (registers the real sections before the recipe test patches the registry)
 from poslens import plotting
-from poslens.report import section as registry_module
 from poslens.report.claims import Claim, Test
 from poslens.report.render import figure_of, headlines, prose, write_report
 from poslens.report.section import Figure, Panel, Section
@@ -216,29 +214,6 @@ def test_offdiag_limits_ignore_a_constant_diagonal():
     m[np.triu_indices(6, 1)] = np.nan
     lo, hi = plotting.offdiag_limits(m)
     assert (lo, hi) == pytest.approx((0.1, 0.14))
-
-
-def test_add_a_report_section_recipe(tmp_path, monkeypatch):
-    """docs/architecture.md, "Add a report section", followed step by step: a function returning a Section with
-    one Claim, registered with @section; reproduce walks the registry and the row lands in run.json."""
-    from poslens.report import reproduce as rep
-
-    monkeypatch.setattr(registry_module, "REGISTRY", [])  # only the section below (the real ones stay imported)
-
-    @registry_module.section("demo", "a demo section", quick={"n": 8}, full={"n": 50})
-    def build(ctx, size: dict) -> Section:
-        value = float(np.arange(size["n"]).mean())
-        return Section("Demo", "What it measures.", [Claim(
-            "poslens-demo-mean", "poslens", "docs/architecture.md", "the mean of 0..n-1 is (n-1)/2",
-            (Test("mean - (n-1)/2", abs(value - (size["n"] - 1) / 2), "<", 1e-12),),
-            command=ctx.remeasure("poslens-demo-mean"))])
-
-    out = rep.reproduce(out=str(tmp_path / "r"), quick=True, progress=False)
-    meta = json.loads((Path(out) / "run.json").read_text())
-    (row,) = meta["metrics"]["claims"]
-    assert (row["id"], row["verdict"], row["section_name"]) == ("poslens-demo-mean", "holds", "demo")
-    assert meta["config"]["sizes"] == {"demo": {"n": 8}}
-    assert "poslens-demo-mean" in (Path(out) / "report.html").read_text()
 
 
 def test_real_model_maps_flag_layers_where_noise_rivals_the_pattern():

@@ -1,5 +1,5 @@
-"""`poslens stat NAME MODEL`: every registered statistic to a run directory with intervals and a figure, and the
-recipe of docs/architecture.md, "Add a statistic", followed to the letter and checked against an eager forward."""
+"""`poslens stat NAME MODEL`: every registered statistic to a run directory with intervals and a figure (the recipe
+of docs/architecture.md, "Add a statistic", runs as printed in test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 from test_pipeline import saved_tiny_llama, text_of
 
 import poslens
-from poslens.analyses.stat import StatConfig, run_stat
 from poslens.cli import main
 from poslens.engine.statistics import REGISTRY
 
@@ -28,55 +27,6 @@ def eager_sequences(model_dir, attn_implementation="eager"):
     model, tok = load_model(str(model_dir), attn_implementation=attn_implementation)
     ids, _ = make_sequences(tok, iter_documents(text_of(model_dir)), 32, 8, mode="pack")
     return model, ids
-
-
-# ---------------------------------------------------------------- recipe: add a statistic (docs/architecture.md)
-
-from poslens.engine.statistics import Spec  # noqa: E402  (the recipe's imports, as a user writes them)
-from poslens.engine.statistics.spec import NoOptions  # noqa: E402
-from poslens.engine.stats import Statistic  # noqa: E402
-
-
-class AttentionToKey0(Statistic):
-    """Mean attention of every query on key 0, per layer (heads averaged)."""
-
-    name = "attention_to_key0"
-
-    def hooks(self, hm):
-        return {f"blocks.{l}.attn.hook_pattern": self._read for l in range(hm.n_layers)}
-
-    def _read(self, pattern, ctx):  # [B, H, T, T]
-        self.sums.add(f"layer{ctx.layer}", self.group, pattern[..., 0].double().mean(1).sum(0), pattern.shape[0])
-
-    def result(self, level=0.95):
-        names = sorted(self.sums.names(), key=lambda n: int(n[5:]))
-        return self.sums.estimate(lambda m: torch.stack([m[n] for n in names]), level).as_dict("key0")
-
-
-SPEC = Spec("attention_to_key0", "mean attention on key 0 per layer and query", NoOptions,
-            lambda hm, options, groups: AttentionToKey0(groups))
-
-
-def test_recipe_add_a_statistic(model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(REGISTRY, "attention_to_key0", "test_stat:SPEC")
-    api = poslens.load(run_stat("attention_to_key0", StatConfig(
-        model=str(model_dir), data=text_of(model_dir), seq_len=32, num_sequences=8, batch_size=2, groups=4,
-        mode="pack"), out=tmp_path / "api", progress=False))
-    assert main(["stat", "attention_to_key0", str(model_dir), "--data", text_of(model_dir), *SMALL,
-                 "--out", str(tmp_path / "cli")]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    cli = poslens.load(tmp_path / "cli")
-    model, ids = eager_sequences(model_dir)
-    with torch.no_grad():
-        attentions = model(ids, output_attentions=True).attentions  # the eager softmax, per layer [B, H, T, T]
-    eager = torch.stack([a[..., 0].double().mean((0, 1)) for a in attentions])
-    # both softmaxes are float32 of the same scores (poslens's from q.k * scaling, eager's own): 1e-6 absolute
-    for run in (api, cli):
-        torch.testing.assert_close(run["key0"], eager, rtol=0, atol=1e-6)
-        assert bool((run["key0_lo"] <= run["key0"]).all() and (run["key0"] <= run["key0_hi"]).all())
-    assert torch.equal(api["key0_se"], cli["key0_se"]) and cli.meta["statistic"]["name"] == "attention_to_key0"
-    assert lines[0].startswith("key0 [3 x 32]: mean ") and lines[-1] == f"wrote {tmp_path / 'cli'}"
-    assert (tmp_path / "cli" / "figures" / "key0.png").is_file()
 
 
 # ---------------------------------------------------------------- the registered statistics

@@ -21,7 +21,7 @@ adds that normed output to the residual; (f) is `pre_feedforward_layernorm` (ln2
 `post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
 softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
 
-Every per-head Gram is a head-summed GEMM: sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T, and the sum over the
+Every per-head Gram is a head-summed GEMM: `sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T`, and the sum over the
 sequences of a batch joins the same inner dimension, so one [T, B*H*D] x [B*H*D, T] product per batch; for
 grouped-query attention the query heads sharing a key head are summed first. No [B, H, T, T] tensor is formed.
 Entries above the diagonal are NaN as in the paper (and, in a sliding-window layer, keys outside the window in

@@ -21,7 +21,7 @@ from poslens.engine.pipeline import Analysis, Job, Output, Pass, report_lines, r
 from poslens.engine.statistics import REGISTRY, Spec, spec
 from poslens.options import add_options, add_output_args, from_args, option_of
 
-MAX_LINES = 8  # a table with more rows than this is drawn as a heatmap
+MAX_LINES = 8  # a square table with more rows than this (not per layer) is drawn as a map
 
 
 @dataclass
@@ -110,14 +110,17 @@ def summary_lines(meta: dict) -> list[str]:
 
 
 def figure(tensors: dict[str, torch.Tensor], name: str, directory: Path, title: str) -> list[Path]:
-    """The default figure of an estimated tensor: lines with error bars (a vector, or a table of at most
-    MAX_LINES rows, one line per row), else heatmaps (one per leading index of a stack of square maps)."""
+    """The default figure of an estimated tensor: heatmaps for maps (a stack of square maps, one per leading index,
+    or one square map whose rows are not layers), else lines with error bars (a vector, or a table: one line per
+    row, e.g. per layer against position)."""
     from poslens import plotting
 
     value = np.asarray(tensors[name].double().cpu())
     lo, hi = (np.asarray(t.double().cpu()) for t in interval(tensors, name))
     rows = [f"layer {int(i) + 1}" for i in tensors["layers"]] if "layers" in tensors else None
-    if value.ndim == 1 or (value.ndim == 2 and value.shape[0] <= MAX_LINES):
+    square_map = value.ndim == 3 and value.shape[1] == value.shape[2] or \
+        value.ndim == 2 and value.shape[0] == value.shape[1] and value.shape[0] > MAX_LINES and not rows
+    if value.ndim in (1, 2) and not square_map:
         table, low, high = (np.atleast_2d(x) for x in (value, lo, hi))
         labels = rows if rows and len(rows) == len(table) else [f"row {i}" for i in range(len(table))]
         series = {labels[i] if len(table) > 1 else name: table[i] for i in range(len(table))}

@@ -194,7 +194,7 @@ class GroupedSums:
         return self.counts[name][group % self.groups]
 
     def add(self, name: str, group: int, total: torch.Tensor | float, count: torch.Tensor | float = 1) -> None:
-        """S[name][group] += total; C[name][group] += count (count broadcasts against total)."""
+        """`S[name][group] += total; C[name][group] += count` (count broadcasts against total)."""
         total = torch.as_tensor(total)
         count = torch.as_tensor(count, dtype=torch.float64)
         dtype = total.dtype if total.dtype in (torch.float32, torch.float64) else torch.float64

@@ -185,3 +185,12 @@ def cache_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+@contextmanager
+def building(path: Path, what: str) -> Iterator[None]:
+    """Hold the cache lock of entry `path` while it is checked and built: a second process waits (one line says
+    so), then finds the entry complete. The lock file is ``.NAME.cache.lock``, apart from the run lock
+    ``.NAME.lock`` that writing the entry takes."""
+    with cache_lock(path.with_name(path.name + ".cache"), what):
+        yield

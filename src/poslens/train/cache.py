@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
+from poslens.io.lock import building
 from poslens.train.config import TrainConfig
 
 CACHE_VERSION = 1  # bump when training changes what a cached model would be
-
-
-@contextmanager
-def building(path: Path, what: str) -> Iterator[None]:
-    """Hold the cache lock of entry `path` while it is checked and built: a second process waits (one line says
-    so), then finds the entry complete. The lock file is ``.NAME.cache.lock``, apart from the run lock
-    ``.NAME.lock`` that writing the entry takes."""
-    from poslens.io.lock import cache_lock
-
-    with cache_lock(path.with_name(path.name + ".cache"), what):
-        yield
 
 
 def tokens_of(cfg: TrainConfig, progress: bool = False) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from poslens.errors import UsageError, check_float, check_int, require
+from poslens.io.lock import building
 from poslens.io.tokenfile import VERSION, TokenFile, TokenWriter, open_tokens
 from poslens.train.config import parse_tokenizer
 
@@ -144,7 +145,6 @@ def default_tokens(tokenizer: str, progress: bool = True) -> Path:
     from poslens.engine.data import default_documents
     from poslens.engine.models import cache_root
     from poslens.io.tokenfile import Corrupt, is_token_directory
-    from poslens.train.cache import building
 
     digest = hashlib.sha256(f"{tokenizer}|v{VERSION}".encode())
     for text in default_documents():  # the key follows the text itself, so an enlarged corpus is re-tokenized

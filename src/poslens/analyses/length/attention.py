@@ -17,14 +17,17 @@ attending uniformly to everything it sees; attention that fades with length keep
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from poslens.analyses.length.masks import allowed_from, causal_allowed, right_padded
 from poslens.analyses.length.points import rotated
 from poslens.engine.hooks import from_factors
+from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import check_int
+from poslens.options import option
 
 QUANTITIES = ("entropy", "key0", "log_keys")
 
@@ -106,3 +109,16 @@ class AttentionProfile(Statistic):
         out["log_keys"] = self.estimate("log_keys", level).value
         out["layers"] = torch.tensor(self._layers())
         return out
+
+
+@dataclass
+class AttentionProfileOptions:
+    """`poslens stat attention_profile`: which layers, how many queries."""
+
+    layers: list[int] | None = option(None, help="comma-separated layer indices (default all)")
+    every: int = option(1, lo=1, help="read queries 0, k, 2k, ... only (a k-fold cheaper reader; the others are NaN)")
+
+
+SPEC = Spec("attention_profile", "attention entropy, its gap to uniform attention, and the share on key 0, per "
+            "layer and query", AttentionProfileOptions,
+            lambda hm, o, groups: AttentionProfile(o.layers, groups, o.every))

@@ -45,7 +45,7 @@ class LengthMaps(Statistic):
         self.model = model
         self.capture = Capture(model, layers, probs=probs, log_probs=True, groups=groups)
 
-    # ---- the Statistic protocol (poslens.engine.runner)
+    # ---- the Statistic interface (poslens.engine.stats.Statistic, run by poslens.engine.runner)
 
     def hooks(self, hm) -> dict:
         return self.capture.hooks()

@@ -13,14 +13,15 @@ from __future__ import annotations
 import importlib
 
 from poslens.engine.statistics.activation_norm import ActivationNorm
-from poslens.engine.statistics.spec import Spec
+from poslens.engine.statistics.spec import NoOptions, Spec
 from poslens.errors import UsageError
 
-__all__ = ["REGISTRY", "ActivationNorm", "Spec", "spec"]
+__all__ = ["REGISTRY", "ActivationNorm", "NoOptions", "Spec", "spec"]
 
 REGISTRY: dict[str, str | Spec] = {
     "activation_norm": "poslens.engine.statistics.activation_norm:SPEC",
     "attention_maps": "poslens.engine.statistics.attention_maps:SPEC",
+    "attention_profile": "poslens.analyses.length.attention:SPEC",
     "intermediates": "poslens.analyses.intermediates:SPEC",
     "leakage_maps": "poslens.analyses.leakage.run:MAPS_SPEC",
     "position0": "poslens.analyses.leakage.run:POSITION0_SPEC",

@@ -19,7 +19,7 @@ from poslens.options import option
 
 
 class AttentionMaps(Statistic):
-    """The capture engine under the Statistic protocol: its hooks, its sums, its `result`."""
+    """The capture engine as a `Statistic`: its hooks, its sums, its `result`."""
 
     name = "attention_maps"
 

@@ -1,13 +1,4 @@
-"""The sections of `poslens reproduce`. Each module registers one section with `@poslens.report.section.section`;
-importing this package registers them all, in the order of the imports below, which is the report's order (add a
-new module here)."""
-# ruff: noqa: I001  (the order of the imports is the order of the report)
-
-from poslens.report.sections import closed_forms  # noqa: F401
-from poslens.report.sections import nope  # noqa: F401
-from poslens.report.sections import rope  # noqa: F401
-from poslens.report.sections import convergence  # noqa: F401
-from poslens.report.sections import real_model  # noqa: F401
-from poslens.report.sections import trained  # noqa: F401
-from poslens.report.sections import leakage  # noqa: F401
-from poslens.report.sections import length  # noqa: F401
+"""The sections of `poslens reproduce`, one module each. Each module registers one section with
+`@poslens.report.section.section`; `poslens.report.section.SECTIONS` lists them in report order (add a new module
+there). This package imports nothing, so a section module importing a sibling (`figures`, `measures`) makes no
+import cycle."""
