@@ -77,7 +77,7 @@ def test_a_sweep_over_the_data_convention_trains_each_variant_as_configured(tmp_
     document-start variants)."""
     preset = _matrix_file(tmp_path, tokens, {"packed": {"pe": "rope"}, "doc": {"pe": "rope", "blocks": "doc-start"},
                                              "doc-nobos": {"pe": "rope", "blocks": "doc-start", "bos": False}},
-                          seeds=(0,))
+                          seeds=(11,))  # a seed no other test trains: the session's model cache is shared
     meta = run_sweep(SweepConfig(preset=preset, jobs=1), tmp_path / "sweep", progress=False)
     models = {m["variant"]: m for m in meta["models"]}
     assert len({m["path"] for m in models.values()}) == 3
