@@ -65,6 +65,12 @@ def test_bos_matrices_are_one_factor_variants_beside_their_sweep(name, base, tmp
     labels = {x.variant: x.label for x in m.members}
     assert labels == {"rope": "RoPE", "rope-doc": "RoPE; document starts, BOS first",
                       "rope-doc-nobos": "RoPE; document starts, no BOS"}
+    from poslens.report.sweep import SweepModels
+
+    text = SweepModels(SweepConfig(preset=name), m, {}, None).describe()  # the report says each model's blocks
+    assert text.endswith("blocks per variant: rope: packed cuts, BOS first, rope-doc: document starts, BOS first, "
+                         "rope-doc-nobos: document starts, no BOS")
+    assert SweepModels(SweepConfig(preset=base), parent, {}, None).describe().endswith(", BOS first")
     loop = tmp_path / "loop.json"
     loop.write_text(json.dumps({"extends": str(loop), "variants": {"a": {"pe": "rope"}}}))
     with pytest.raises(UsageError, match="extends it back"):
