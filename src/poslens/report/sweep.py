@@ -114,7 +114,12 @@ class SweepModels:
         c = self.matrix.members[0].config
         heads = f"{c.heads} heads" + (f" sharing {c.kv_heads} key/value heads" if c.kv_heads != c.heads else "")
         bos = ", BOS first" if c.bos else ""
-        if c.bos and self.tokens is not None:
+        conventions = {m.variant: (m.config.bos, m.config.blocks) for m in self.matrix.members}
+        if len(set(conventions.values())) > 1:  # the data convention is a factor of this matrix: say it per variant
+            bos = ", blocks per variant: " + ", ".join(
+                f"{v}: {'document starts' if blocks == 'doc-start' else 'packed cuts'}, "
+                f"{'BOS first' if b else 'no BOS'}" for v, (b, blocks) in conventions.items())
+        if any(m.config.bos for m in self.matrix.members) and self.tokens is not None:
             from poslens.io.tokenfile import open_tokens
 
             tf = open_tokens(self.tokens, check=())

@@ -41,22 +41,23 @@ def num_blocks(tokens: np.ndarray, seq_len: int, bos: int | None = None, separat
     return max(0, (len(tokens) - 1) // (seq_len - (bos is not None)))
 
 
-_SPANS: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+_SPANS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
 def document_spans(tokens: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarray]:
     """(starts, ends) of the stream's non-empty documents: document k is tokens[starts[k]:ends[k]], its separator
     at ends[k] (text after the last separator, which `poslens tokenize` never leaves, is not a document). Kept per
-    stream (a training run asks at every step)."""
-    key = (id(tokens), len(tokens), int(separator))
-    if key not in _SPANS:
+    stream object (a training run asks at every step; the cache holds the stream itself, so its id is not reused)."""
+    key = (id(tokens), int(separator))
+    entry = _SPANS.get(key)
+    if entry is None or entry[0] is not tokens:
         ends = np.flatnonzero(np.asarray(tokens) == separator)
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
         keep = ends > starts
         if len(_SPANS) >= 4:
             _SPANS.clear()
-        _SPANS[key] = (starts[keep], ends[keep])
-    return _SPANS[key]
+        entry = _SPANS[key] = (tokens, starts[keep], ends[keep])
+    return entry[1], entry[2]
 
 
 @functools.lru_cache(maxsize=4)
