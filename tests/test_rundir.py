@@ -623,3 +623,19 @@ def test_only_the_cache_entry_being_built_may_be_written_inside_the_cache(tmp_pa
         with pytest.raises(UsageError, match="is inside the poslens cache"):
             check_output(entry.with_name("other"))  # another entry, even then
     assert poslens.load(entry).meta["kind"] == "test"
+
+
+def test_torch_save_past_the_file_size_limit_is_one_line(tmp_path):
+    # torch.save's writer names no error number ("file write failed"): under a file-size limit below what it writes
+    # it is still the one line of the limit (RLIMIT_FSIZE lowered for this process only, and restored)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        with pytest.raises(UsageError, match=r"^cannot write \S+big.pt: the file-size limit \(ulimit -f\) stops it "
+                                             r"short of the 80,000 bytes it needs"):
+            with space.disk_space(tmp_path / "big.pt", 80_000):
+                torch.save({"a": torch.zeros(20_000)}, tmp_path / "big.pt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
