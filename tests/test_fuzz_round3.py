@@ -132,6 +132,8 @@ CASES = [
          both(copy_tokens("tok"), files({"m/m.json": json.dumps({"train": {"tokens": "tok", "steps": 2, "warmup": 1},
                                                                  "variants": {"a": {"pe": "none"}}, "seeds": [0]})})),
          "contains this run's input m/m.json"),
+    Case(["reproduce", "--quick", "--quiet", "--sizes", "trained.sweep_train=tokens=tok+steps=2", "--out", "tok",
+          "--force"], copy_tokens("tok"), "is this run's input tok;"),
     Case(["gramflow", *STACK, "--out", "cache/trained/m", "--force"], cache_entry("trained/m"),
          "is inside the poslens cache"),
     Case(["gramflow", *STACK, "--out", "cache/trained/new"], cache_entry("trained/m"), "is inside the poslens cache"),

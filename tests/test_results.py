@@ -99,3 +99,28 @@ def test_a_missing_tensor_is_a_usage_error(tmp_path):
         write_run(tmp, {"a": torch.zeros(3)}, {"kind": "scores"})
     with pytest.raises(UsageError, match=r"the run has no tensor 'scores' \(it has: a\); rerun"):
         poslens.load(tmp_path / "run")["scores"]
+
+
+def test_the_tensors_writer_is_byte_identical_to_safetensors(tmp_path):
+    """poslens writes tensors.safetensors itself, a tensor at a time, hashing as it writes (poslens.io.writing): the
+    file is byte for byte the one safetensors' own writer makes (the independent reference), for every dtype and
+    shape (0-d, empty), and the hash it recorded for the manifest is the file's."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from poslens.io.writing import recorded, write_tensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f64": torch.randn(3, 2, dtype=torch.float64, generator=g), "f32": torch.randn(5, generator=g),
+               "bf16": torch.randn(4, generator=g).bfloat16(), "f16": torch.randn(3, generator=g).half(),
+               "i64": torch.arange(7), "i32": torch.arange(3, dtype=torch.int32), "i16": torch.arange(2).short(),
+               "i8": torch.arange(-2, 3, dtype=torch.int8), "u8": torch.arange(5, dtype=torch.uint8),
+               "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "c64": torch.randn(2, dtype=torch.complex64, generator=g), "u16": torch.zeros(3, dtype=torch.uint16),
+               "e4m3": torch.zeros(2, dtype=torch.float8_e4m3fn), "b": torch.randn(2, 2, generator=g).t()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "reference.safetensors"))
+    write_tensors(tmp_path / "ours.safetensors", tensors)
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "reference.safetensors").read_bytes()
+    assert recorded(tmp_path / "ours.safetensors") == hashlib.sha256(ours).hexdigest()

@@ -598,3 +598,44 @@ def test_the_disk_space_helper_recognises_torch_save_on_a_full_disk(tmp_path, mo
     with pytest.raises(KeyError):  # other errors pass through
         with space.disk_space(tmp_path / "state.pt", 1):
             raise KeyError("x")
+
+
+def test_a_failed_cache_build_leaves_no_empty_folders(tmp_path):
+    # issue 37: a full cache left empty trained/, models/ and corpus/ folders behind
+    entry = tmp_path / "cache" / "trained" / "m"
+    with pytest.raises(UsageError, match="disk full"):
+        with cache_lock(entry, "the test model"):
+            assert (tmp_path / "cache" / "trained").is_dir()
+            raise UsageError("disk full")
+    assert list(tmp_path.iterdir()) == []
+    with cache_lock(entry, "the test model"):  # a build that succeeds keeps its folders
+        entry.mkdir()
+    assert entry.is_dir() and sorted(p.name for p in entry.parent.iterdir()) == ["m"]
+
+
+def test_only_the_cache_entry_being_built_may_be_written_inside_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "trained" / "m"
+    with pytest.raises(UsageError, match=r"is inside the poslens cache .*; a run never writes over what it reads"):
+        check_output(entry)
+    with cache_lock(entry.with_name("m.cache"), "the test model", entry=entry):
+        poslens_run(entry)  # its builder, under its lock
+        with pytest.raises(UsageError, match="is inside the poslens cache"):
+            check_output(entry.with_name("other"))  # another entry, even then
+    assert poslens.load(entry).meta["kind"] == "test"
+
+
+def test_torch_save_past_the_file_size_limit_is_one_line(tmp_path):
+    # torch.save's writer names no error number ("file write failed"): under a file-size limit below what it writes
+    # it is still the one line of the limit (RLIMIT_FSIZE lowered for this process only, and restored)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        with pytest.raises(UsageError, match=r"^cannot write \S+big.pt: the file-size limit \(ulimit -f\) stops it "
+                                             r"short of the 80,000 bytes it needs"):
+            with space.disk_space(tmp_path / "big.pt", 80_000):
+                torch.save({"a": torch.zeros(20_000)}, tmp_path / "big.pt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -185,7 +185,8 @@ def test_cached_tokens_are_built_once_while_a_second_process_waits_and_rebuilt_w
                                                                                             capfd):
     """Two callers building the same cached token directory at once (threads here: each holds its own lock file
     descriptor, as two processes do): one builds it, the other says it waits and then uses it. A cached entry
-    that no longer opens is rebuilt, saying why, instead of failing on every run."""
+    that no longer opens, or whose content differs from its manifest's hashes, is rebuilt, saying why, instead of
+    failing on every run or being used as it is."""
     import threading
 
     import poslens.engine.corpus as corpus
@@ -216,3 +217,12 @@ def test_cached_tokens_are_built_once_while_a_second_process_waits_and_rebuilt_w
     assert tokens.default_tokens("bpe:300", progress=False) == path and len(built) == 2
     assert "cached token directory is corrupt (val.bin has" in capfd.readouterr().err
     open_tokens(path)
+    # issue 34: an id changed at the same size (still below the vocabulary, so the entry opens) was used without a
+    # word; the manifest's content hash finds it, and the entry is rebuilt
+    data = bytearray((path / "train.bin").read_bytes())
+    data[0] ^= 1
+    (path / "train.bin").write_bytes(bytes(data))
+    open_tokens(path)
+    assert tokens.default_tokens("bpe:300", progress=False) == path and len(built) == 3
+    assert "train.bin was changed after poslens wrote it (its content differs" in capfd.readouterr().err
+    assert (path / "train.bin").read_bytes() != bytes(data)

@@ -65,14 +65,30 @@ def is_disk_full(e: BaseException, path: str | os.PathLike, need: int) -> bool:
     if any(m in text for m in _MESSAGES):
         return True
     if isinstance(e, (RuntimeError, OSError)) or type(e).__name__ == "SafetensorError":
-        free = free_bytes(path)
-        return any(m in text for m in _WRITER_FAILURES) and free is not None and free < need
+        free, limit = free_bytes(path), size_limit()
+        return any(m in text for m in _WRITER_FAILURES) and ((free is not None and free < need)
+                                                              or (limit is not None and limit < need))
     return False
 
 
-def is_size_limit(e: BaseException) -> bool:
-    """Whether `e` is the file-size limit (EFBIG, "File too large") rather than a full disk."""
-    return (isinstance(e, OSError) and e.errno == errno.EFBIG) or any(m in str(e).lower() for m in _LIMIT)
+def size_limit() -> int | None:
+    """The largest file this process may write (RLIMIT_FSIZE, `ulimit -f`), or None when unlimited or unknown."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError, AttributeError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def is_size_limit(e: BaseException, need: int = 0) -> bool:
+    """Whether `e` is the file-size limit (EFBIG, "File too large"; or a writer that names no error while the
+    limit is below the `need` bytes) rather than a full disk."""
+    if (isinstance(e, OSError) and e.errno == errno.EFBIG) or any(m in str(e).lower() for m in _LIMIT):
+        return True
+    limit = size_limit()
+    return limit is not None and limit < need and not isinstance(e, OSError)
 
 
 def full_message(path: str | os.PathLike, need: int, limit: bool = False) -> str:
@@ -100,7 +116,7 @@ def disk_space(path: str | os.PathLike, need: int) -> Iterator[None]:
     except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError
         if isinstance(e, UsageError) or not is_disk_full(e, path, need):
             raise
-        raise UsageError(full_message(path, need, is_size_limit(e))) from None
+        raise UsageError(full_message(path, need, is_size_limit(e, need))) from None
 
 
 def write_failure(e: BaseException) -> str | None:

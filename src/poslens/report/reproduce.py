@@ -64,6 +64,18 @@ def plan(quick: bool, models: bool, sizes: Mapping | None) -> list[tuple[Section
     return [(s, s.size(quick, (sizes or {}).get(s.name))) for s in specs if models or not s.models]
 
 
+def sweep_tokens(sizes: Mapping | None) -> list[str]:
+    """Token directories the sections' sweeps read (`sweep_train` "tokens=DIR+..."): inputs --out may not be."""
+    from poslens.train.sweep import parse_fields
+
+    found = []
+    for size in (sizes or {}).values():
+        train = size.get("sweep_train") if isinstance(size, Mapping) else None
+        if isinstance(train, str) and parse_fields(train, "sweep_train").get("tokens"):
+            found.append(parse_fields(train, "sweep_train")["tokens"])
+    return found
+
+
 def check_time(samples: int, steps: list[tuple[SectionSpec, dict]]) -> None:
     """Refuse, before any work, Monte Carlo sizes that would run for more than a week even at a generous rate
     (`poslens.errors.check_duration`): the run's samples per setting of the paper's stack, the convergence
@@ -149,9 +161,10 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
         if kind == "reproduce":
             raise UsageError(f"out: {target} holds a report made with other settings; pass --force to replace it "
                              "or choose another --out")
-    target = check_output(out, force)
+    inputs = sweep_tokens(sizes)
+    target = check_output(out, force, inputs)
     parts = target.parent / f".{target.name}.parts"
-    with run_directory(target, force) as tmp:
+    with run_directory(target, force, inputs) as tmp:
         parts.mkdir(exist_ok=True)
         ctx = Context(tmp, target, parts, samples, seed, quick, progress)
         sections, timings = [], {}
