@@ -121,7 +121,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                    residual: tuple[str, ...] = RESIDUAL) -> tuple[list[Claim], list]:
     """Claims and context rows from a `poslens leakage` run directory and, optionally, a `poslens leakage-stack`
     run (the API behind this section; docs/leakage.md). `residual`: the interventions, in order of preference,
-    whose removal of the scores' absolute term stands for the residual stream's source."""
+    whose removal of the residual term stands for the residual stream's source."""
     r = load(run, tensors=False)
     m, model = r.metrics, r.config.get("model")
     level = m.get("level", 0.95)
