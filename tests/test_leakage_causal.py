@@ -329,7 +329,31 @@ def test_sink_attention_reads_the_sink_heads_of_the_base_pass_in_both_passes():
     assert out["pass"]["value"] == pytest.approx(0.525, abs=1e-12)
     assert out["change"]["value"] == pytest.approx(-0.225, abs=1e-12)
     assert out["change"]["hi"] - out["change"]["lo"] == pytest.approx(0.0, abs=1e-12)
+    assert [(h["layer"], h["head"], round(h["value"], 12)) for h in out["per_head"]] == [(1, 2, -0.45), (2, 1, 0.0)]
+    assert all(h["chosen_on"] == [0, 1] for h in out["per_head"])
     assert sink_attention(base, other, threshold=0.95) is None
+
+
+def test_sink_heads_are_chosen_on_other_sequences_than_those_they_are_measured_on():
+    """A head above the threshold in the even groups only (0.5 there, 0.1 in the odd ones): it is chosen on the
+    even groups' sequences and measured on the odd ones', so its base attention reads 0.1, not the 0.5 that chose
+    it (choosing and measuring on the same sequences would report 0.5, or 0.3 over all of them); the other pass
+    equals the base, so the change is exactly 0, and its interval comes from every group."""
+    from poslens.analyses.leakage.contrast import sink_attention
+
+    def uneven() -> LeakageMaps:
+        stat = LeakageMaps(groups=4)
+        for g in range(4):
+            key0 = torch.full((2, 2, 8), 1 / 8, dtype=torch.float64)
+            key0[1, 1] = 0.5 if g % 2 == 0 else 0.1
+            stat.sums.add("key0", g, 3 * key0, 3)
+        return stat
+
+    out = sink_attention(uneven(), uneven(), threshold=0.3)
+    assert out["heads"] == 1 and out["per_head"][0]["chosen_on"] == [0]
+    assert out["base"]["value"] == pytest.approx(0.1, abs=1e-12)
+    assert out["change"]["value"] == pytest.approx(0.0, abs=1e-12)
+    assert "cross-fitted" in out["selection"]
 
 
 def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():

@@ -61,3 +61,32 @@ def test_kim_offset_row_on_grouped_halves_finds_a_planted_query_offset():
         row = offset_row(ctx, sums, n, 8)
         assert row.id == "offset-share-kim-52" and len(row.tests) == layers - 1 and row.verdict == verdict
         assert all((t.value > 0.9) if verdict == "finding" else (t.hi < 0.03) for t in row.tests)
+
+
+def test_kim_control_inside_documents_reads_windows_that_start_inside(tmp_path, monkeypatch):
+    """kim-52-every-layer's control: the same pattern power on windows that start at least INSIDE_OFFSET tokens into
+    documents (a tiny Llama, byte tokens, documents of 600 bytes): the row names the windows' offsets, each at least
+    INSIDE_OFFSET, and a text too short for any window is a row that says it was not measured (nothing raised)."""
+    from types import SimpleNamespace
+
+    from test_pipeline import saved_tiny_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from poslens.engine import corpus
+    from poslens.report.sections import real_model as rm
+
+    path = saved_tiny_llama(tmp_path / "tiny")
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    ctx = SimpleNamespace(parts=tmp_path, progress=False)
+    size = {"seq_len": 32, "sequences": 4, "batch": 1, "groups": 2}
+
+    def per_layer(v, lo, hi) -> str:
+        return "; ".join(f"{k + 1}: {v[k]:.3g} [{lo[k]:.3g}, {hi[k]:.3g}]" for k in range(len(v)))
+
+    monkeypatch.setattr(corpus, "documents", lambda: [f"document {k}: " + "some words of text " * 30 for k in range(6)])
+    what, text = rm.inside_control(ctx, model, tok, size, 3, per_layer)
+    assert "inside documents" in what and text.startswith("4 windows (offsets ")
+    low = int(text.split("offsets ")[1].split(" to ")[0])
+    assert low >= rm.INSIDE_OFFSET and "of 2 layers after the first" in text
+    monkeypatch.setattr(corpus, "documents", lambda: ["too short"] * 6)
+    assert rm.inside_control(ctx, model, tok, size, 3, per_layer)[1].startswith("not measured: ")

@@ -239,9 +239,9 @@ def anchored_claim(metrics: dict, labels: dict[str, str], describe: str, spec: s
         tuple(tests),
         measured=f"the sweep's {labels[variant]} models, trained with the same first token (the BOS) in every sequence "
                  f"({describe}); in each, the heads whose mean attention on key 0 exceeds the sink threshold "
-                 f"({sas[0]['threshold']:g}) in the original pass (chosen again inside each jackknife replicate), "
-                 "paired on the same sequences; choosing and measuring on the same sequences leans the change below "
-                 "0, toward the claim. "
+                 f"({sas[0]['threshold']:g}) in the original pass, chosen on one half of the groups of sequences "
+                 "and measured on the other, both ways, averaged (choosing and measuring on the same sequences would "
+                 "lean the change below 0, toward the claim), paired on the same sequences. "
                  "'Token-anchored' read as: with the BOS embedding replaced and its position kept, the sinks lose "
                  "attention (a sink anchored to the first position would keep it). Only the direction is tested; "
                  "the summary gives no size. Tested on the standard-RoPE seeds; the other RoPE-family models are "

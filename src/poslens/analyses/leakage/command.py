@@ -15,12 +15,12 @@ class StackLeakageOptions:
     """`leakage-stack`: the parameter-free comparison of standard RoPE, NTK-scaled RoPE and a sliding window."""
 
     n: int = option(64, help="tokens per sequence")
-    d: int = option(64, help="hidden size of the Monte Carlo (the exact split is d -> infinity)")
+    d: int = option(64, help="hidden size of the Monte Carlo (the exact decomposition is d -> infinity)")
     alpha: float = option(0.2, help="mean inner product of the inputs")
     layers: int = option(6, help="layers")
     ntk_scaling: float = option(8.0, help="NTK factor s: base theta * s^(d/(d-2))")
     window: int | None = option(None, help="sliding window (default n // 4)")
-    samples: int = option(2048, help="Monte Carlo samples (0: exact split only)")
+    samples: int = option(2048, help="Monte Carlo samples (0: the exact decomposition only)")
     groups: int = option(8, help="groups for the jackknife intervals")
     seed: int = option(0, lo=0, help="random seed")
 

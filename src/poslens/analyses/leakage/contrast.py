@@ -10,7 +10,9 @@ on each leave-one-group-out pair of means: the jackknife interval of a differenc
     removed_all = 1 - sum_l E(other) / sum_l E(base)               over all layers (and heads)
     removed_by_head                                                `removed` per head, the energies alone
     sink_attention                                                 alpha_0 of the base's sink-reading heads
-                                                                   in both passes and its change
+                                                                   in both passes and its change (heads chosen
+                                                                   on one half of the groups, measured on the
+                                                                   other: `by_parity`)
     pass_over_layers, difference_over_layers                       [V, M]: `causal.over_layers` of the two
                                                                    (energies summed, other metrics averaged)
 
@@ -24,7 +26,7 @@ import math
 import torch
 
 from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, alpha0, joint, over_layers, unprefix
-from poslens.engine.stats import Estimate
+from poslens.engine.stats import Estimate, GroupedSums
 
 
 def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: bool = False) -> dict[str, Estimate]:
@@ -61,32 +63,77 @@ def removed_by_head(base: LeakageMaps, other: LeakageMaps, level: float = 0.95) 
     return sums.estimate(fn, level=level)
 
 
+HALVES = (0, 1)  # groups split by parity: heads chosen on one half of the sequences, measured on the other
+
+
+def by_parity(sums: GroupedSums, names: tuple[str, ...]) -> GroupedSums:
+    """`sums` with each quantity of `names` also split by group parity: `0:NAME` pooled over the even groups, `1:NAME`
+    over the odd ones (the other half's sums and counts zeroed), so a jackknife over every group re-evaluates both
+    halves, each from its own groups."""
+    out = GroupedSums(sums.groups)
+    for name in names:
+        s, c = sums.sums[name], sums.counts[name]
+        parity = torch.arange(sums.groups, device=s.device) % 2
+        for h in HALVES:
+            keep = (parity == h).to(torch.float64)
+            out.sums[f"{h}:{name}"] = s * keep.reshape(-1, *(1,) * (s.dim() - 1)).to(s.dtype)
+            out.counts[f"{h}:{name}"] = c * keep.reshape(-1, *(1,) * (c.dim() - 1))
+    return out
+
+
 def sink_attention(base: LeakageMaps, other: LeakageMaps, threshold: float, level: float = 0.95) -> dict | None:
-    """Attention on key 0 of the sink-reading heads (alpha_0 > `threshold` in the base pass, Gu et al.'s test):
-    their mean alpha_0 in the base pass, in the other, and the change other - base, each {value, lo, hi} with a
-    paired jackknife. The heads are chosen on the base pass inside each replicate, so the interval carries the
-    choice's own variation; choosing and measuring on the same sequences still leans the base value up (regression
-    to the mean), which makes the change lean below 0. None when no head is a sink. A sink anchored to the first
-    token loses attention when that token's embedding is replaced (change < 0); one anchored to the first position
-    keeps it."""
-    heads = alpha0(base.sums.mean("key0"), windows=base.windows) > threshold  # [L, H]
-    if not bool(heads.any()):
+    """Attention on key 0 of the sink-reading heads (alpha_0 > `threshold` in the base pass, Gu et al.'s test),
+    chosen on other sequences than those they are measured on: the groups split by parity, the heads chosen on one
+    half's base pass and their mean alpha_0 measured on the other half's base and other pass, and the two directions
+    averaged (cross-fitting: choosing and measuring on the same sequences leans the base value up, by regression to
+    the mean, and the change below 0). {base, pass, change} as {value, lo, hi} with a paired jackknife over every
+    group (each replicate chooses again on its halves), and `per_head`: each head chosen on either half, its change
+    measured on the half(s) it was not chosen on, with its own interval. None when no head is a sink on either
+    half. A sink anchored to the first token loses attention when that token's embedding is replaced (change < 0);
+    one anchored to the first position keeps it."""
+    sums = by_parity(joint({"base": base, "other": other}), ("base/key0", "other/key0"))
+
+    def alphas(means: dict) -> dict[tuple[str, int], torch.Tensor]:
+        return {(p, h): alpha0(means[f"{h}:{p}/key0"], windows=(base if p == "base" else other).windows)
+                for p in ("base", "other") for h in HALVES}
+
+    a = alphas({k: sums.mean(k) for k in sums.names()})
+    chosen = {h: a["base", h] > threshold for h in HALVES}  # [L, H] on each half
+    if not any(bool(c.any()) for c in chosen.values()):
         return None
-    sums = joint({"base": base, "other": other})
 
     def fn(means: dict) -> torch.Tensor:
-        a0 = alpha0(unprefix(means, "base")["key0"], windows=base.windows)
-        chosen = a0 > threshold
-        if not bool(chosen.any()):
-            return torch.full((3,), math.nan, dtype=torch.float64)
-        a = a0[chosen].mean()
-        b = alpha0(unprefix(means, "other")["key0"], windows=other.windows)[chosen].mean()
-        return torch.stack([a, b, b - a])
+        al = alphas(means)
+        parts = []
+        for pick, measure in ((0, 1), (1, 0)):
+            sel = al["base", pick] > threshold
+            if bool(sel.any()):
+                x, y = al["base", measure][sel].mean(), al["other", measure][sel].mean()
+                parts.append(torch.stack([x, y, y - x]))
+        return torch.stack(parts).mean(0) if parts else torch.full((3,), math.nan, dtype=torch.float64)
 
     est = sums.estimate(fn, level=level)
     cell = [{"value": float(est.value[k]), "lo": float(est.lo[k]), "hi": float(est.hi[k])} for k in range(3)]
-    return {"heads": int(heads.sum()), "threshold": threshold, "level": est.level, "groups": est.groups,
-            "base": cell[0], "pass": cell[1], "change": cell[2]}
+    heads = (chosen[0] | chosen[1]).nonzero().tolist()
+
+    def per_head(means: dict) -> torch.Tensor:  # each head's change on the half (or halves) it was not chosen on
+        al = alphas(means)
+        change = {h: al["other", h] - al["base", h] for h in HALVES}
+        out = []
+        for layer, head in heads:
+            on = [change[1 - h][layer, head] for h in HALVES if bool(chosen[h][layer, head])]
+            out.append(torch.stack(on).mean())
+        return torch.stack(out)
+
+    ph = sums.estimate(per_head, level=level)
+    return {"heads": len(heads), "threshold": threshold, "level": est.level, "groups": est.groups,
+            "selection": "cross-fitted: chosen on the even groups' sequences and measured on the odd ones', and the "
+                         "reverse, averaged",
+            "base": cell[0], "pass": cell[1], "change": cell[2],
+            "per_head": [{"layer": layer + 1, "head": head + 1, "index": [layer, head],
+                          "chosen_on": [h for h in HALVES if bool(chosen[h][layer, head])],
+                          "value": float(ph.value[k]), "lo": float(ph.lo[k]), "hi": float(ph.hi[k])}
+                         for k, (layer, head) in enumerate(heads)]}
 
 
 def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:

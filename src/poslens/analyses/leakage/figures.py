@@ -95,7 +95,8 @@ def architecture_figure(results: dict[str, dict], directory: Path, stem: str = "
             if f"{key}_err" in shares:
                 e = np.asarray(shares[f"{key}_err"], dtype=float)
                 errors[arch] = np.pad(e, ((0, 0), (0, depth - e.shape[1])), constant_values=np.nan)
-        fig = plotting.line_plot(np.arange(1, depth + 1), series, "layer", f"{LABELS[key]} share",
+        fig = plotting.line_plot(np.arange(1, depth + 1), series, "layer",
+                                 f"share of ||P log A||^2 ({short.replace('_', '-')} term)",
                                  f"{title}: {LABELS[key]}", errors=errors or None)
         paths += plotting.save(fig, directory, f"{stem}_{short}")
     return paths

@@ -66,6 +66,20 @@ def more_sequences(tests, n: int | None, size: str = "leakage.sequences") -> str
             f"(each interval is a jackknife over groups of sequences; `poslens reproduce --sizes {size}={need}`)")
 
 
+SPLIT_WORDS = ("the heads are chosen on one half of the groups of sequences and measured on the other, both ways, "
+               "averaged: choosing and measuring on the same sequences would lean the change below 0, toward the "
+               "claim")
+
+
+def head_changes(sa: dict) -> str:
+    """' Per head (each measured on the sequences it was not chosen on): L1H2 -0.45 [..]; ...' or ''."""
+    cells = sa.get("per_head") or []
+    if not cells:
+        return ""
+    return (" Per sink-reading head, its own change measured on the sequences it was not chosen on: "
+            + "; ".join(f"layer {c['layer']} head {c['head']} {interval_text(c, 2)}" for c in cells) + ".")
+
+
 def inside_pairs(offset: dict | None, spec: str, energy: str = "attn/residual") -> dict | None:
     """{key0_in, key0_out: estimate} of intervention `spec`'s removed share of the early-query `energy` (summed over
     layers) at document starts minus the same on the offset null's windows inside documents, paired by group
@@ -107,7 +121,7 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
                    residual: tuple[str, ...] = RESIDUAL) -> tuple[list[Claim], list]:
     """Claims and context rows from a `poslens leakage` run directory and, optionally, a `poslens leakage-stack`
     run (the API behind this section; docs/leakage.md). `residual`: the interventions, in order of preference,
-    whose removal of the scores' absolute term stands for the residual stream's source."""
+    whose removal of the residual term stands for the residual stream's source."""
     r = load(run, tensors=False)
     m, model = r.metrics, r.config.get("model")
     level = m.get("level", 0.95)
@@ -202,9 +216,10 @@ def leakage_claims(run: str | Path, stack: str | Path | None = None,
             "token there, not because of its position", tests_anchor,
             measured=f"{name}, {seqs}: the {sa['heads']} heads whose mean attention on key 0 exceeds "
                      f"{sa['threshold']:g} in the original pass attend {interval_text(sa['base'])} to it, and "
-                     f"{interval_text(sa['pass'])} after the replacement (paired on the same sequences; the heads are "
-                     "chosen again inside each jackknife replicate; choosing and measuring on the same sequences "
-                     "leans the change below 0, toward the claim). 'Token-anchored' read as: with the first token's "
+                     f"{interval_text(sa['pass'])} after the replacement (paired on the same sequences; "
+                     + (SPLIT_WORDS if sa.get("per_head") is not None else "the heads chosen and measured on the same "
+                        "sequences, which leans the change below 0, toward the claim (a run of an earlier release)")
+                     + ")." + head_changes(sa) + " 'Token-anchored' read as: with the first token's "
                      "embedding replaced and its position kept, the sinks lose attention (a sink anchored to the "
                      "first position would keep it). Only the direction is tested; the summary gives no size."
                      + (f" The first token here is {first}, so this model's sinks formed in pre-training without a "

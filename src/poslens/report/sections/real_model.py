@@ -172,8 +172,40 @@ def build(ctx, size: dict) -> Section:
                       per_layer(*st["power"])))
     s.context.append(("share of each layer's score variance that is not relative (power / variance), per layer "
                       "with its Bonferroni-adjusted bounds", per_layer(*st["share"])))
+    s.context.append(inside_control(ctx, model, tok, size, layers, per_layer))
     s.figures += figures(ctx, st, mean, se, layers, sums)
     return s
+
+
+INSIDE_OFFSET = 128  # windows inside documents start at least this many tokens in (as `poslens leakage`'s)
+
+
+def inside_control(ctx, model, tok, size: dict, layers: int, per_layer) -> tuple[str, str]:
+    """The control of `kim-52-every-layer`, whose sequences all start at document starts: the same pattern power on
+    windows that start at least INSIDE_OFFSET tokens inside documents (position 0 a content token, not a document's
+    first), so text position and token position are told apart. A context row beside the claim (cached like the
+    starts' sums); when the text holds too few long documents, the row says so."""
+    from poslens.engine import corpus
+    from poslens.engine.data import document_windows
+    from poslens.errors import UsageError
+
+    seq_len, num_seq, batch, groups = size["seq_len"], size["sequences"], size["batch"], size["groups"]
+    what = (f"the control of kim-52-every-layer: pattern power per layer (from layer 1) with its Bonferroni-adjusted "
+            f"bounds on windows of {seq_len} tokens starting at least {INSIDE_OFFSET} tokens inside documents (so "
+            "token position 0 is not a document's start), beside the rows' document starts")
+    try:
+        _, inside, data = document_windows(tok, corpus.documents(), seq_len, num_seq, min_offset=INSIDE_OFFSET)
+    except UsageError as e:
+        return what, f"not measured: {e}"
+
+    def compute():
+        return capture_groups(model, inside, batch, groups, "SmolLM2-135M (inside documents)", ctx.progress)
+
+    sums = cached_sums(ctx, f"model-rope-inside-{seq_len}-{num_seq}-{batch}-{groups}-{INSIDE_OFFSET}", groups, compute)
+    st = statistics(sums, layers)
+    resolved = sum(bool(st["power"][1][k] > 0) for k in range(1, layers))
+    return what, (f"{data['sequences']} windows (offsets {min(data['offsets'])} to {max(data['offsets'])}): "
+                  f"resolved above 0 in {resolved} of {layers - 1} layers after the first; " + per_layer(*st["power"]))
 
 
 def offset_row(ctx, sums: GroupedSums, seq_len: int, sequences: int) -> Claim:
