@@ -109,7 +109,7 @@ def main() -> None:
     import transformer_lens  # noqa: F401  (fails here, before any work, when not installed)
 
     from poslens.engine.data import iter_documents, make_sequences
-    from poslens.engine.hooks import HookedModel
+    from poslens.engine.hooks import OPTIONAL, HookedModel
     from poslens.engine.models import load_model
 
     torch.set_grad_enabled(False)
@@ -117,7 +117,9 @@ def main() -> None:
     ids, _ = make_sequences(tok, iter_documents(None), args.seq_len, args.batch, mode="first", bos="auto")
     hm = HookedModel(model)
     tl = transformer_lens_model(model, tok)
-    no_head = [n for n in hm.points if not n.startswith("unembed.")]
+    # every point but the LM head's two and TransformerLens's optional ones (attn.hook_result, hook_mlp_in: off in
+    # TransformerLens's default configuration, so not in its run_with_cache either)
+    no_head = [n for n in hm.points if not n.startswith("unembed.") and n.split(".", 2)[-1] not in OPTIONAL]
 
     def read(x, ctx):  # takes every value, keeps none
         return None

@@ -63,3 +63,34 @@ def test_worked_example_agrees_with_transformer_lens(example):
 def test_get_act_name_gives_transformer_lens_names():
     for args, full in REFERENCE["get_act_name"]:
         assert get_act_name(*args) == full, args
+
+
+def test_model_surface_agrees_with_transformer_lens(smollm2):
+    """cfg, tokenization (TransformerLens's BOS rule: 15 tokens for the prompt, not the tokenizer's 14), the loss and
+    every weight view against TransformerLens 3.9's unprocessed model on the same weights: the same shapes, the same
+    entries at five fixed places and the same float64 sum of |entries| (both copy the model's float32 numbers into the
+    same layout: equal to float64 summation rounding, 1e-12); the loss within TOLERANCE."""
+    from poslens.engine.hooks import HookedModel
+
+    model, tok, _ = smollm2
+    hm = HookedModel(model, tok)
+    ref = REFERENCE["surface"]
+    for field, value in ref["cfg"].items():
+        if field == "tokenizer_prepends_bos":  # TransformerLens re-makes the tokenizer with add_bos_token=True (True
+            continue  # there); poslens keeps the one load_model gives (False): the same tokens either way, below
+        ours = getattr(hm.cfg, field)
+        assert ours == pytest.approx(value, rel=1e-6) if isinstance(value, float) else ours == value, field
+    texts = ["The causal mask encodes position.", "When Mary and John went to the store, John gave a drink to"]
+    assert [hm.to_tokens(t)[0].tolist() for t in texts] == ref["to_tokens"]
+    assert [hm.to_tokens(t, prepend_bos=False)[0].tolist() for t in texts] == ref["to_tokens_no_bos"]
+    assert hm.to_tokens(texts).tolist() == ref["to_tokens_batch"]
+    assert [hm.to_str_tokens(t) for t in texts] == ref["to_str_tokens"]
+    assert hm.to_string(hm.to_tokens(texts[0])[0]) == ref["to_string"]
+    with torch.no_grad():
+        loss = float(hm(hm.to_tokens(texts[1]), return_type="loss"))
+    assert abs(loss - ref["loss"]) <= TOLERANCE * ref["loss"]
+    for name, summary in ref["weights"].items():
+        flat = getattr(hm, name).detach().double().reshape(-1)
+        assert list(getattr(hm, name).shape) == summary["shape"], name
+        assert [float(flat[i]) for i in summary["at"]] == summary["values"], name
+        assert float(flat.abs().sum()) == pytest.approx(summary["abs_sum"], rel=1e-12, abs=1e-12), name

@@ -4,9 +4,10 @@ Runs the worked example of docs/hooks.md ("Coming from TransformerLens") with Tr
 in place of HookedModel: the example's code unchanged but for its model-loading line, on the same weights (the
 embedded SmolLM2-135M that poslens loads, converted by TransformerLens's Llama converter with from_pretrained's
 default processing: norms folded, unembedding centred). Stores what it prints, its results at full precision
-(tl_example.example_numbers), and TransformerLens's own
-`utils.get_act_name` of every shortcut the tests use. TransformerLens is not a poslens dependency: install it in a
-venv of its own, CPU torch first (see benchmarks/hooks_vs_transformerlens.py), then
+(tl_example.example_numbers), TransformerLens's own `utils.get_act_name` of every shortcut the tests use, and its
+model surface on the unprocessed model (`from_pretrained_no_processing`'s weights: cfg, tokenization, the loss, a
+summary of every weight). TransformerLens is not a poslens dependency: install it in a venv of its own, CPU torch
+first (see benchmarks/hooks_vs_transformerlens.py), then
 
     PYTHONPATH=src:benchmarks /tmp/tlvenv/bin/python tests/reference/make_tl_reference.py \\
         --out tests/reference/tl39_worked_example.json
@@ -39,6 +40,39 @@ SHORTCUTS = [("embed", None, None), ("pos_embed", None, None), ("resid_pre", 10,
              ("resid_pre", None, None), ("blocks.0.hook_resid_post", None, None)]
 
 
+CFG_FIELDS = ["n_layers", "d_model", "n_heads", "d_head", "d_mlp", "n_ctx", "d_vocab", "d_vocab_out",
+              "n_key_value_heads", "act_fn", "eps", "positional_embedding_type", "rotary_dim", "rotary_base",
+              "default_prepend_bos", "tokenizer_prepends_bos", "gated_mlp", "final_rms"]
+WEIGHTS = ["W_E", "W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_gate", "W_in", "W_out", "b_in", "b_out",
+           "W_U", "b_U"]
+TEXTS = ["The causal mask encodes position.", "When Mary and John went to the store, John gave a drink to"]
+
+
+def weight_summary(w) -> dict:
+    """A weight's shape, the float64 sum of its absolute values and its entries at a few fixed places (first, last,
+    and three in between along the flattened order)."""
+    flat = w.detach().double().reshape(-1)
+    at = [0, flat.numel() // 3, flat.numel() // 2, 2 * flat.numel() // 3, flat.numel() - 1]
+    return {"shape": list(w.shape), "abs_sum": float(flat.abs().sum()), "at": at,
+            "values": [float(flat[i]) for i in at]}
+
+
+def surface(tl) -> dict:
+    """TransformerLens's model surface on the unprocessed model: cfg, tokenization, the loss, the weights."""
+    import torch
+
+    tokens = tl.to_tokens(TEXTS[1])
+    with torch.no_grad():
+        loss = float(tl(tokens, return_type="loss"))
+    return {"cfg": {f: getattr(tl.cfg, f) for f in CFG_FIELDS},
+            "to_tokens": [tl.to_tokens(t)[0].tolist() for t in TEXTS],
+            "to_tokens_no_bos": [tl.to_tokens(t, prepend_bos=False)[0].tolist() for t in TEXTS],
+            "to_tokens_batch": tl.to_tokens(TEXTS).tolist(),
+            "to_str_tokens": [tl.to_str_tokens(t) for t in TEXTS],
+            "to_string": tl.to_string(tl.to_tokens(TEXTS[0])[0]),
+            "loss": loss, "weights": {w: weight_summary(getattr(tl, w)) for w in WEIGHTS}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -62,6 +96,7 @@ def main() -> None:
         "printed": printed,
         "numbers": example_numbers(namespace),
         "get_act_name": [[list(s), utils.get_act_name(*s)] for s in SHORTCUTS],
+        "surface": surface(transformer_lens_model(model, tok)),
     }
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print("\n".join(printed))

@@ -295,16 +295,23 @@ class HookedModel(TransformerLensSurface, TLWeights):
                              f"(0-{vocab - 1})")
         return input_ids
 
-    def _check_mask(self, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+    def _check_mask(self, input_ids: torch.Tensor, attention_mask):
         """The attention mask [B, T] of input_ids (1 = a real token), refused in one line unless it has their shape
-        and holds only 0 and 1."""
-        if attention_mask is None:
-            return None
+        and holds only 0 and 1. transformers' own forms pass as the model takes them: a [B, 1, T, T'] mask whose
+        query dimension is T, or a dict of them by layer type."""
+        if attention_mask is None or isinstance(attention_mask, dict):
+            return attention_mask
         if not isinstance(attention_mask, torch.Tensor):
             raise UsageError(f"attention_mask must be a tensor [batch, pos] of 0 and 1, got "
                              f"{type(attention_mask).__name__}")
         if attention_mask.dim() == 1 and input_ids.shape[0] == 1:
             attention_mask = attention_mask[None]
+        if attention_mask.dim() == 4:
+            b, t = input_ids.shape
+            if attention_mask.shape[0] not in (1, b) or attention_mask.shape[-2] != t:
+                raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}: a 4-D mask must be "
+                                 f"[batch, 1, {t}, keys] for token ids {tuple(input_ids.shape)}")
+            return attention_mask
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}, the token ids "
                              f"{tuple(input_ids.shape)}: it needs one entry per token (1 = real, 0 = padding)")

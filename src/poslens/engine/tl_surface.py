@@ -234,14 +234,15 @@ class TransformerLensSurface:
                              f"{return_type!r}")
         tokens, mask = self._input(input, attention_mask, prepend_bos, padding_side, method)
         mask = self._check_mask(tokens, mask)
-        positions = None if mask is None else offset_positions(mask)
+        per_token = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None  # not a 4-D or dict mask
+        positions = None if per_token is None else offset_positions(per_token)
         out = self._forward(tokens, mask, table, logits=return_type is not None, position_ids=positions, grad=grad)
         if out is None:
             return None
         logits = out.logits
         if return_type == "logits":
             return logits
-        loss = lm_loss(logits, tokens, mask, loss_per_token)
+        loss = lm_loss(logits, tokens, per_token, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
     def __call__(self, input, return_type: str | None = "logits", loss_per_token: bool = False,
