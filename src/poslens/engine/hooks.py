@@ -4,9 +4,13 @@
     hm.run(input_ids, hooks={"blocks.0.attn.hook_rot_q": read, "blocks.3.attn.hook_z": patch})
     logits, cache = hm.run_with_cache(input_ids)       # as TransformerLens's HookedTransformer.run_with_cache
     logits = hm.run_with_hooks(input_ids, fwd_hooks=[("blocks.3.attn.hook_q", fn)])   # fn(x, hook), as TL's
+    # and the rest of TransformerLens's model surface: poslens.engine.tl_surface, poslens.engine.tl_weights
 
-A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward. A
-replacement takes effect downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
+A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward; an
+edit of x in place takes effect too, as in TransformerLens (where the model would recompute a value from scratch -
+SDPA instead of the hooked pattern, rsqrt instead of the hooked scale - a tensor whose version counter moved during
+its hooks is used as a replacement; one untouched lets the model's own kernels run). A replacement takes effect
+downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
 has a q-norm) and rotated afterwards; one written at `ln1.hook_normalized` is multiplied by the gain. `ctx` (a
 HookContext) names the point and layer; at the attention kernel's points (`attn.hook_rot_q` to `attn.hook_z`) it also
 holds `rot_q`, `rot_k` and `v` as the kernel receives them ([B, H, T, D], heads before positions), `scaling`, `window`
