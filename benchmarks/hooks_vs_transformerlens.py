@@ -43,24 +43,26 @@ from pathlib import Path
 import torch
 
 
-def transformer_lens_model(model, tok):
-    """The loaded Hugging Face Llama as TransformerLens 3.9's HookedTransformer, offline and unprocessed.
+def transformer_lens_model(model, tok, processed: bool = False):
+    """The loaded Hugging Face Llama as TransformerLens 3.9's HookedTransformer, offline; unprocessed, or with
+    `processed=True` as `HookedTransformer.from_pretrained` processes it by default (the norms' gains folded into the
+    next weights, RMSNorm then "RMSPre"; the unembedding centred; value biases folded).
 
-    `from_pretrained_no_processing` only takes names of its official list; its own steps are done by hand: the
-    config from the model's config.json (written to a temporary directory, TransformerLens's local-path branch,
-    Llama conversion), the weights by TransformerLens's Llama converter, loaded with every processing step off."""
+    `from_pretrained` only takes names of its official list; its own steps are done by hand: the config from the
+    model's config.json (written to a temporary directory, TransformerLens's local-path branch, Llama conversion),
+    the weights by TransformerLens's Llama converter, loaded with its processing steps on or off."""
     from transformer_lens import HookedTransformer
     from transformer_lens import loading_from_pretrained as loading
     from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
 
     directory = tempfile.mkdtemp(prefix="poslens-tl-config-")
     model.config.save_pretrained(directory)
-    cfg = loading.get_pretrained_model_config(directory, hf_cfg=model.config.to_dict(), fold_ln=False,
+    cfg = loading.get_pretrained_model_config(directory, hf_cfg=model.config.to_dict(), fold_ln=processed,
                                               device="cpu", dtype=model.dtype)
     tl = HookedTransformer(cfg, tok, move_to_device=False)
-    tl.load_and_process_state_dict(convert_llama_weights(model, cfg), fold_ln=False, center_writing_weights=False,
-                                   center_unembed=False, fold_value_biases=False,
-                                   refactor_factored_attn_matrices=False)
+    tl.load_and_process_state_dict(convert_llama_weights(model, cfg), fold_ln=processed,
+                                   center_writing_weights=processed, center_unembed=processed,
+                                   fold_value_biases=processed, refactor_factored_attn_matrices=False)
     return tl.eval()
 
 
@@ -107,7 +109,7 @@ def main() -> None:
     import transformer_lens  # noqa: F401  (fails here, before any work, when not installed)
 
     from poslens.engine.data import iter_documents, make_sequences
-    from poslens.engine.hooks import HookedModel
+    from poslens.engine.hooks import OPTIONAL, HookedModel
     from poslens.engine.models import load_model
 
     torch.set_grad_enabled(False)
@@ -115,7 +117,9 @@ def main() -> None:
     ids, _ = make_sequences(tok, iter_documents(None), args.seq_len, args.batch, mode="first", bos="auto")
     hm = HookedModel(model)
     tl = transformer_lens_model(model, tok)
-    no_head = [n for n in hm.points if not n.startswith("unembed.")]
+    # every point but the LM head's two and TransformerLens's optional ones (attn.hook_result, hook_mlp_in: off in
+    # TransformerLens's default configuration, so not in its run_with_cache either)
+    no_head = [n for n in hm.points if not n.startswith("unembed.") and n.split(".", 2)[-1] not in OPTIONAL]
 
     def read(x, ctx):  # takes every value, keeps none
         return None

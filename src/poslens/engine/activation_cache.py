@@ -161,6 +161,10 @@ class ActivationCache(Mapping):
             if (incl_mid and l < layer) or (mlp_input and l == layer):
                 parts.append(self[("resid_mid", l)])
                 labels.append(f"{l}_mid")
+        return self._stacked(parts, labels, layer, mlp_input, pos_slice, apply_ln, return_labels)
+
+    def _stacked(self, parts, labels, layer, mlp_input, pos_slice, apply_ln, return_labels):
+        """The components [batch, pos, d] stacked after the position slice, through the norm when apply_ln."""
         stack = torch.stack([_slice(p, pos_slice, -2) for p in parts])
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
@@ -186,10 +190,7 @@ class ActivationCache(Mapping):
         if mlp_input and mode != "mlp":
             parts.append(self[("attn_out", layer)])
             labels.append(f"{layer}_attn_out")
-        stack = torch.stack([_slice(p, pos_slice, -2) for p in parts])
-        if apply_ln:
-            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
-        return (stack, labels) if return_labels else stack
+        return self._stacked(parts, labels, layer, mlp_input, pos_slice, apply_ln, return_labels)
 
     def stack_head_results(self, layer: int | None = None, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice=None, apply_ln: bool = False):

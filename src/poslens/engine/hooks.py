@@ -4,9 +4,13 @@
     hm.run(input_ids, hooks={"blocks.0.attn.hook_rot_q": read, "blocks.3.attn.hook_z": patch})
     logits, cache = hm.run_with_cache(input_ids)       # as TransformerLens's HookedTransformer.run_with_cache
     logits = hm.run_with_hooks(input_ids, fwd_hooks=[("blocks.3.attn.hook_q", fn)])   # fn(x, hook), as TL's
+    # and the rest of TransformerLens's model surface: poslens.engine.tl_surface, poslens.engine.tl_weights
 
-A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward. A
-replacement takes effect downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
+A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward; an
+edit of x in place takes effect too, as in TransformerLens (where the model would recompute a value from scratch -
+SDPA instead of the hooked pattern, rsqrt instead of the hooked scale - a tensor whose version counter moved during
+its hooks is used as a replacement; one untouched lets the model's own kernels run). A replacement takes effect
+downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
 has a q-norm) and rotated afterwards; one written at `ln1.hook_normalized` is multiplied by the gain. `ctx` (a
 HookContext) names the point and layer; at the attention kernel's points (`attn.hook_rot_q` to `attn.hook_z`) it also
 holds `rot_q`, `rot_k` and `v` as the kernel receives them ([B, H, T, D], heads before positions), `scaling`, `window`
@@ -295,16 +299,23 @@ class HookedModel(TransformerLensSurface, TLWeights):
                              f"(0-{vocab - 1})")
         return input_ids
 
-    def _check_mask(self, input_ids: torch.Tensor, attention_mask) -> torch.Tensor | None:
+    def _check_mask(self, input_ids: torch.Tensor, attention_mask):
         """The attention mask [B, T] of input_ids (1 = a real token), refused in one line unless it has their shape
-        and holds only 0 and 1."""
-        if attention_mask is None:
-            return None
+        and holds only 0 and 1. transformers' own forms pass as the model takes them: a [B, 1, T, T'] mask whose
+        query dimension is T, or a dict of them by layer type."""
+        if attention_mask is None or isinstance(attention_mask, dict):
+            return attention_mask
         if not isinstance(attention_mask, torch.Tensor):
             raise UsageError(f"attention_mask must be a tensor [batch, pos] of 0 and 1, got "
                              f"{type(attention_mask).__name__}")
         if attention_mask.dim() == 1 and input_ids.shape[0] == 1:
             attention_mask = attention_mask[None]
+        if attention_mask.dim() == 4:
+            b, t = input_ids.shape
+            if attention_mask.shape[0] not in (1, b) or attention_mask.shape[-2] != t:
+                raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}: a 4-D mask must be "
+                                 f"[batch, 1, {t}, keys] for token ids {tuple(input_ids.shape)}")
+            return attention_mask
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}, the token ids "
                              f"{tuple(input_ids.shape)}: it needs one entry per token (1 = real, 0 = padding)")

@@ -119,8 +119,8 @@ class TransformerLensSurface:
         if t.dim() > 2:
             raise UsageError(f"to_string: tokens must be 1-D or [batch, pos], got {t.dim()}-D")
         if t.dim() == 2:
-            return [tok.decode(row) for row in t.tolist()]
-        return tok.decode(t.reshape(-1).tolist())
+            return [tok.decode(row, clean_up_tokenization_spaces=False) for row in t.tolist()]
+        return tok.decode(t.reshape(-1).tolist(), clean_up_tokenization_spaces=False)
 
     def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None) -> list:
         """Each token as its text: of a text (tokenized by to_tokens' rule), of ids [pos] or [1, pos]; a list of
@@ -135,7 +135,7 @@ class TransformerLensSurface:
             if ids.dim() == 2 and ids.shape[0] > 1:
                 return [self.to_str_tokens(row) for row in ids]
             ids = ids.reshape(-1)
-        return [tok.decode([i]) for i in ids.tolist()]
+        return [tok.decode([i], clean_up_tokenization_spaces=False) for i in ids.tolist()]
 
     def to_single_token(self, string: str) -> int:
         """The id of a text that is one token (no BOS); a one-line error otherwise."""
@@ -234,14 +234,15 @@ class TransformerLensSurface:
                              f"{return_type!r}")
         tokens, mask = self._input(input, attention_mask, prepend_bos, padding_side, method)
         mask = self._check_mask(tokens, mask)
-        positions = None if mask is None else offset_positions(mask)
+        per_token = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None  # not a 4-D or dict mask
+        positions = None if per_token is None else offset_positions(per_token)
         out = self._forward(tokens, mask, table, logits=return_type is not None, position_ids=positions, grad=grad)
         if out is None:
             return None
         logits = out.logits
         if return_type == "logits":
             return logits
-        loss = lm_loss(logits, tokens, mask, loss_per_token)
+        loss = lm_loss(logits, tokens, per_token, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
     def __call__(self, input, return_type: str | None = "logits", loss_per_token: bool = False,
@@ -318,8 +319,9 @@ class TransformerLensSurface:
                  return_type: str = "input", verbose: bool = True, **unsupported):
         """TransformerLens's `generate`: extend a text or token ids by up to `max_new_tokens` tokens (sampled, or the
         most likely with do_sample=False), with the hooks added by add_hook; every step runs the whole sequence (no
-        key/value cache: `use_past_kv_cache` only changes speed in TransformerLens). Returns the text when the input
-        was text (return_type="input"), else the token ids; "str" or "tokens" choose."""
+        key/value cache: `use_past_kv_cache` only changes speed in TransformerLens). Returns the text (special tokens
+        such as the BOS left out, as TransformerLens) when the input was text (return_type="input"), else the token
+        ids; "str" or "tokens" choose."""
         self._refuse("generate", unsupported)
         if return_type not in ("input", "str", "tokens"):
             raise UsageError(f"generate: return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
@@ -340,9 +342,9 @@ class TransformerLensSurface:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
             if stop_at_eos and eos is not None and bool(done.all()):
                 break
-        if return_type == "str" or (return_type == "input" and text):
-            strings = self.to_string(tokens)
-            return strings[0] if isinstance(input, str) else strings
+        if return_type == "str" or (return_type == "input" and text):  # TransformerLens: without special tokens
+            strings = [self.tokenizer.decode(row, skip_special_tokens=True) for row in tokens.tolist()]
+            return strings[0] if len(strings) == 1 else strings
         return tokens
 
     def _refuse(self, method: str, unsupported: dict) -> None:
