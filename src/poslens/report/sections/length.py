@@ -322,7 +322,9 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
                      f"Each intervention's paired effect on the loss over positions L + 1 to 8L ({positions(L, T)}; "
                      "intervention minus none on the same sequences), by variant, mean over seeds with 95% "
                      "t-intervals; below 0 the intervention helps; "
-                     "an intervention that does not apply to a variant has no point there.",
+                     "an intervention that does not apply to a variant, or is not run on it (no row reads the "
+                     "effects of the variants outside the section's size effects_of, NoPE and RoPE by default), has "
+                     "no point there.",
                      "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
                      errors=errors, zero=True, xticklabels=[f"{v}\n{textwrap.fill(sw.labels[v], 16)}" for v in runs],
                      joined=False))
