@@ -102,6 +102,28 @@ def test_command_past_max_position_embeddings(models, tmp_path, capsys):
         assert (out / "figures" / f).exists()
 
 
+def test_what_the_report_does_not_read_can_be_left_out_with_the_same_numbers(models, tmp_path):
+    """NTK and YaRN at the longest length only (`scaled_at="longest"`) and no attention profile under the
+    interventions give the very numbers of the full run where both have them (the same passes on the same batches:
+    equal to the last bit): the effects at the longest length, the loss curves, the profile without intervention;
+    the shorter lengths' NTK and YaRN effects and the interventions' profiles are then absent."""
+    cfg = dict(model=str(models["a"]), data=text(models["a"]), train_len=L, eval_lens=[16, 32, 64], num_sequences=8,
+               batch_size=2, groups=4, interventions=["logn", "ntk", "yarn", "window", "sink-window"], maps=False,
+               figures=False)
+    full = poslens.load(run_length(LengthConfig(**cfg), tmp_path / "full", progress=False))
+    lean = poslens.load(run_length(LengthConfig(**cfg, scaled_at="longest", intervention_profiles=False),
+                                   tmp_path / "lean", progress=False))
+    a, b = full.metrics["models"][0], lean.metrics["models"][0]
+    for spec in ("ntk", "yarn"):
+        assert set(a["effects"][spec]) == {"32", "64"} and set(b["effects"][spec]) == {"64"}
+        assert b["effects"][spec]["64"] == a["effects"][spec]["64"]
+    for spec in ("logn", "window", "sink-window"):
+        assert b["effects"][spec] == a["effects"][spec]
+        assert f"profile/{spec}/gap" in full.tensors and f"profile/{spec}/gap" not in lean.tensors
+    assert b["profile"] == a["profile"]
+    torch.testing.assert_close(lean["loss"], full["loss"], rtol=0, atol=0, equal_nan=True)  # position 1: no loss
+
+
 def test_seeds_give_a_t_interval_and_resume_swaps_the_right_weights(models, tmp_path, monkeypatch):
     cfg = dict(model=str(models["a"]), data=text(models["a"]), train_len=L, eval_lens=[16, 32], num_sequences=4,
                batch_size=2, groups=2, interventions=["logn"], seed_models=[str(models["b"])], maps=False,

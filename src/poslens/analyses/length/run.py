@@ -82,6 +82,12 @@ class LengthConfig(ModelData):
     map_layers: list[int] | None = option(None, help="layers whose maps are captured, from 0 (default all)")
     profile_every: int = option(1, lo=1, help="attention entropy and key-0 share at every k-th query (k-fold "
                                 "cheaper on long sequences)")
+    scaled_at: str = option("each", choices=("each", "longest"), help="ntk and yarn (factor T/L) at each "
+                            "evaluation length T past L, or at the longest only (one pass each instead of one per "
+                            "length; the effects at the shorter lengths are then not measured)")
+    intervention_profiles: bool = option(True, help="skip the attention profile under the interventions (their "
+                                         "loss is still measured; the profile of none stays)",
+                                         flag="--no-intervention-profiles")
 
     def validate(self) -> None:
         super().validate()
@@ -242,7 +248,8 @@ class Length(Analysis):
             for spec in cfg.interventions:
                 iv = parse(spec, L)
                 if isinstance(iv, RopeScaling):
-                    pairs = [(T, iv.factor)] if iv.factor is not None else [(t, t / L) for t in lens if t > L]
+                    each = [t for t in lens if t > L] if cfg.scaled_at == "each" else [T]
+                    pairs = [(T, iv.factor)] if iv.factor is not None else [(t, t / L) for t in each]
                     for t, factor in pairs:
                         name = f"{tag}{spec}" if iv.factor is not None else f"{tag}{spec}@{t}"
                         out.append(Pass(name, stats(t, profile=False), prepare=self._plain(job, t),
@@ -251,7 +258,7 @@ class Length(Analysis):
                     continue
                 if isinstance(iv, Freeze):
                     iv.token = reference
-                profile = spec.startswith(PROFILED)
+                profile = cfg.intervention_profiles and spec.startswith(PROFILED)
                 out.append(Pass(f"{tag}{spec}", stats(T, profile=profile), prepare=self._applied(job, iv), context=use,
                                 meta={"model": k, "spec": spec, "length": T}))
         return out

@@ -35,9 +35,14 @@ from poslens.report.section import Panel, Section, section
 from poslens.report.sections.figures import heatmaps, lines
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
 
-# variants: the sweep's variants to evaluate (None: all; the tests take nope and rope)
-SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None}
-SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None}
+# variants: the sweep's variants to evaluate (None: all; the tests take nope and rope). effects_of: the variants whose
+# interventions run (None: all); the others are evaluated without any (their loss, profile and maps), since no row's
+# verdict reads their interventions. jobs: variants evaluated at once, each in its own process with torch's threads
+# shared out (1: one after the other in this process).
+SIZES_QUICK = {**SWEEP_QUICK, "sequences": 4, "groups": 2, "profile_every": 8, "maps": True, "variants": None,
+               "effects_of": ["nope", "rope"], "jobs": 2}
+SIZES_FULL = {**SWEEP_FULL, "sequences": 32, "groups": 8, "profile_every": 2, "maps": True, "variants": None,
+              "effects_of": ["nope", "rope"], "jobs": 2}
 EFFECTS = "which intervention helps which variant"  # the figure the rows point to (its title)
 NAMES = {"logn": "log-n scaling", "logn-all": "log-n scaling at every position", "ntk": "NTK at T/L",
          "yarn": "YaRN at T/L", "window": "window of L", "sink-window": "window of L keeping key 1",
@@ -70,27 +75,70 @@ _ci = interval_text  # 'value [lo, hi]' of an estimate
 
 def length_runs(ctx, size: dict) -> tuple[object, dict[str, Path], int]:
     """One `poslens length` run per variant of the sweep (its seeds together), from the report's parts when done;
-    returns the sweep, run directory per variant (in the parts) and L."""
-    from poslens.analyses.length.run import LengthConfig, run_length
+    returns the sweep, run directory per variant (in the parts) and L.
+
+    What the verdicts do not read is not run: NTK and YaRN only at the longest length (factor 8, the effects the
+    rows read), the attention profile only without an intervention (the entropy figure's), and no intervention on
+    the variants outside `effects_of` (no row reads their effects). `jobs` runs run at once in processes of their
+    own (torch's threads shared out)."""
+    from poslens.analyses.length.run import LengthConfig
     from poslens.io.checkpoint import fingerprint
 
     sw = sweep_models(ctx, size)
     L = sw.matrix.members[0].config.seq_len
     groups = size["groups"]
-    runs = {}
+    runs, todo = {}, []
+    effects_of = size.get("effects_of")
     for v in [v for v in sw.variants if size.get("variants") is None or v in size["variants"]]:
         paths = [str(sw.path(v, s)) for s in sw.seeds]
         cfg = LengthConfig(model=paths[0], seed_models=paths[1:], data=str(sw.tokens), bos="always", train_len=L,
                            eval_lens=[L, 2 * L, 4 * L, 8 * L], num_sequences=size["sequences"],
-                           batch_size=max(1, size["sequences"] // groups), groups=groups, interventions=["all"],
-                           maps=size["maps"], profile_every=size["profile_every"], figures=False)
+                           batch_size=max(1, size["sequences"] // groups), groups=groups,
+                           interventions=["all"] if effects_of is None or v in effects_of else ["none"],
+                           maps=size["maps"], profile_every=size["profile_every"], figures=False,
+                           scaled_at="longest", intervention_profiles=False)
         key = fingerprint(asdict(cfg))[:10]
         runs[v] = Path(ctx.parts) / f"length-{v}-{key}"
         if not (runs[v] / "run.json").exists():
-            if ctx.progress:
-                print(f"  poslens length: {v} ({len(paths)} seeds) to {8 * L} tokens", flush=True)
-            run_length(cfg, runs[v], force=runs[v].exists(), progress=ctx.progress)
+            todo.append((v, cfg, runs[v]))
+    jobs = max(1, min(int(size.get("jobs") or 1), len(todo)))
+    if ctx.progress and todo:
+        print(f"  poslens length: {', '.join(v for v, _, _ in todo)} ({len(sw.seeds)} seeds each) to {8 * L} tokens"
+              + (f", {jobs} at a time" if jobs > 1 else ""), flush=True)
+    if jobs == 1:
+        for _, cfg, out in todo:
+            _run_one(cfg, out, ctx.progress)
+    else:
+        _run_side_by_side(todo, jobs, ctx.progress)
     return sw, runs, L
+
+
+def _run_one(cfg, out: Path, progress: bool, threads: int | None = None) -> None:
+    """One `poslens length` run into `out` (over what an interrupted attempt left there); `threads`: torch's."""
+    from poslens.analyses.length.run import run_length
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    run_length(cfg, out, force=out.exists(), progress=progress)
+
+
+def _run_side_by_side(todo: list, jobs: int, progress: bool) -> None:
+    """The runs of `todo` (variant, config, out), `jobs` at a time, each in a spawned process with torch's threads
+    shared out; a run's error is raised here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    import torch
+
+    threads = max(1, torch.get_num_threads() // jobs)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = {pool.submit(_run_one, cfg, out, False, threads): v for v, cfg, out in todo}
+        for f in as_completed(pending):
+            f.result()
+            if progress:
+                print(f"  poslens length: {pending[f]} done", flush=True)
 
 
 @section("length", "past the training length (the sweep's models)", models=True, quick=SIZES_QUICK,
@@ -202,6 +250,10 @@ def build(ctx, size: dict) -> Section:
                                                      for s, e in seeds[v]["effects"].items() if t in e))
                for v in variants]
     for v, r in runs.items():
+        if not r.metrics["interventions"] and not r.metrics.get("skipped"):
+            context.append((f"{v}: no intervention run", "no row's verdict reads this variant's intervention "
+                            "effects (the section's size effects_of), so only its loss, attention profile and maps "
+                            "are measured"))
         for spec, why in r.metrics.get("skipped", {}).items():
             context.append((f"{v}: {NAMES.get(spec, spec)} not run", why))
         for note in r.metrics.get("notes", []):
@@ -270,7 +322,9 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
                      f"Each intervention's paired effect on the loss over positions L + 1 to 8L ({positions(L, T)}; "
                      "intervention minus none on the same sequences), by variant, mean over seeds with 95% "
                      "t-intervals; below 0 the intervention helps; "
-                     "an intervention that does not apply to a variant has no point there.",
+                     "an intervention that does not apply to a variant, or is not run on it (no row reads the "
+                     "effects of the variants outside the section's size effects_of, NoPE and RoPE by default), has "
+                     "no point there.",
                      "variant", "effect on the loss past L (nats)", "Which intervention helps which variant",
                      errors=errors, zero=True, xticklabels=[f"{v}\n{textwrap.fill(sw.labels[v], 16)}" for v in runs],
                      joined=False))
