@@ -133,7 +133,7 @@ def figures(models: list[dict], directory: Path) -> dict[str, Path]:
         xs = list(range(1, max(len(s) for s in series.values()) + 1)) if xs is None else xs
         if any(len(s) != len(xs) for s in series.values()):  # models of different depths: one x per layer each
             xs = list(range(1, len(next(iter(series.values()))) + 1))
-        fig = plotting.line_plot(xs, series, xlabel, ylabel, title, errors=errors, paired=len(models) > 1)
+        fig = plotting.line_plot(xs, series, xlabel, ylabel, title, errors=errors)
         return plotting.save(fig, directory, stem, formats=("png",))[0]
 
     def layers(m):
@@ -141,6 +141,7 @@ def figures(models: list[dict], directory: Path) -> dict[str, Path]:
 
     out = {"scores": draw("scores", layers, lambda m: {
         "pattern RMS": [r["rms"] for r in m["scores"]],
+        "noise RMS": [(r["noise"] if r["noise"] is not None else math.nan, None, None) for r in m["scores"]],
         "offset share": [r["offset_share"]["key0_out"] for r in m["scores"]]},
         "layer", "RMS / share", "non-relative score pattern (key 0 out) and its per-query-offset share")}
     out["leakage"] = draw("leakage", layers, lambda m: {
