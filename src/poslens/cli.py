@@ -261,6 +261,17 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "intervals over groups of sequences; with --seed-models, also over seeds (docs/length.md).",
             configs=("poslens.analyses.length.run:LengthConfig",), run="poslens.analyses.length.run:run_length",
             summary="poslens.analyses.length.run:summary_lines", out="runs/length", skip=("seq_len",)),
+    Command("card", "where a model's positional information comes from, per layer, on one page (several models "
+            "side by side)",
+            "Run scores, leakage, a residual-stream probe of absolute position (stat position_probe) and length on "
+            "each model into sub-run directories of --out (kept: each with the command that re-measures it; a "
+            "rerun reuses the finished ones), then write card.md and a self-contained card.html in OUT/card: the "
+            "positional scheme per layer, Kim et al.'s non-relative score pattern and its per-query-offset share, "
+            "the attention's absolute-position terms with key 0 in and out, sinks and sink-reading heads, the "
+            "probe's held-out R^2 per layer, and the held-out loss by position past a length L with the scheme's "
+            "length interventions, all with intervals (docs/card.md).",
+            configs=("poslens.analyses.card.run:CardConfig",), out="runs/card",
+            handler="poslens.analyses.card.run:cmd_card"),
     Command("stat", "any registered statistic of a causal LM over real text, with intervals and a figure",
             "Run one statistic of poslens.engine.statistics.REGISTRY (poslens stat NAME --help lists its options) on "
             "a model over real text: its tensors with jackknife intervals over groups of sequences, a summary and "

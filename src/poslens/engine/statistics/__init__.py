@@ -25,6 +25,7 @@ REGISTRY: dict[str, str | Spec] = {
     "intermediates": "poslens.analyses.intermediates:SPEC",
     "leakage_maps": "poslens.analyses.leakage.run:MAPS_SPEC",
     "position0": "poslens.analyses.leakage.run:POSITION0_SPEC",
+    "position_probe": "poslens.analyses.card.probe:SPEC",
 }
 
 

@@ -1,0 +1,189 @@
+"""`poslens card`: the residual-stream probe against an independent ridge fit, the panels on constructed models with
+a known answer (a NoPE model: no rotary position anywhere, and absolute position that only the causal mask can have
+put in the stream), the run directory's layout and commands, resume, two models side by side, bad input."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import numpy as np
+import pytest
+import torch
+from test_pipeline import saved_tiny_llama, text_of
+
+from poslens.analyses.card.probe import PositionProbe
+from poslens.analyses.card.run import CardConfig, plan
+from poslens.cli import build_parser, main
+from poslens.options import from_args
+
+SIZES = ",".join([
+    *(f"{a}.{k}={v}" for a in ("scores", "leakage") for k, v in
+      (("seq_len", 24), ("num_sequences", 8), ("batch_size", 2), ("groups", 4))),
+    "leakage.early_queries=8",
+    "probe.seq_len=24", "probe.num_sequences=24", "probe.batch_size=2", "probe.groups=4",
+    "length.train_len=16", "length.num_sequences=4", "length.batch_size=2", "length.groups=2"])
+
+
+# ---------------------------------------------------------------- the probe, without a model
+
+
+def _feed(probe: PositionProbe, x: torch.Tensor, batch_size: int) -> None:
+    """x [N, T, d] through the probe's hidden-state-0 reader, batch b in group b mod G (the runner's rule)."""
+    read = probe._reader(0)
+    for b, chunk in enumerate(x.split(batch_size)):
+        probe.group = b % probe.sums.groups
+        read(chunk, None)
+
+
+def _direct_r2(x: np.ndarray, groups: int, batch_size: int, ridge: float, skip: int) -> list[float]:
+    """Held-out R^2 per fold by an explicit ridge fit on the other folds' tokens (numpy, float64): the reference."""
+    n, t_len, d = x.shape
+    fold = (np.arange(n) // batch_size) % groups
+    t = np.arange(skip, t_len, dtype=np.float64)
+    out = []
+    for k in range(groups):
+        tr, te = x[fold != k][:, skip:].reshape(-1, d), x[fold == k][:, skip:].reshape(-1, d)
+        ttr = np.tile(t, (fold != k).sum())
+        tte = np.tile(t, (fold == k).sum())
+        mean, scale = tr.mean(0), np.maximum(tr.std(0), 1e-12)
+        z = (tr - mean) / scale
+        w = np.linalg.solve(z.T @ z / len(z) + ridge * np.eye(d), z.T @ (ttr - ttr.mean()) / len(z))
+        pred = (te - mean) / scale @ w + ttr.mean()
+        out.append(1 - ((tte - pred) ** 2).sum() / ((tte - ttr.mean()) ** 2).sum())
+    return out
+
+
+@pytest.mark.parametrize("signal", ["none", "weak", "exact"])
+def test_the_cross_fitted_r2_equals_an_explicit_ridge_fit_on_held_out_folds(signal):
+    # features: noise; weak: plus 0.05 x the position in one coordinate; exact: that coordinate is the position.
+    # 1e-9: the same ridge solved from float64 normal equations and from the tokens themselves
+    gen = torch.Generator().manual_seed(0)
+    n, t_len, d = 24, 16, 6
+    x = torch.randn(n, t_len, d, generator=gen, dtype=torch.float64)
+    t = torch.arange(t_len, dtype=torch.float64)
+    if signal == "weak":
+        x[..., 2] += 0.05 * t
+    if signal == "exact":
+        x[..., 2] = t
+    probe = PositionProbe(groups=4, ridge=1e-2, skip_first=1)
+    _feed(probe, x, batch_size=3)
+    folds = [1 - sse / sst for sse, sst in probe.fold_errors(0)]
+    ref = _direct_r2(x.numpy(), 4, 3, 1e-2, 1)
+    assert np.allclose(folds, ref, rtol=0, atol=1e-9)
+    r = probe.result()
+    assert float(r["r2"][0]) == pytest.approx(np.mean(ref), abs=1e-9)
+    assert float(r["r2_lo"][0]) <= float(r["r2"][0]) <= float(r["r2_hi"][0])
+    if signal == "exact":  # R^2 is 1 up to the ridge's shrinkage (1e-2 relative: a 1% shrink, R^2 ~ 1 - 1e-4)
+        assert float(r["r2_lo"][0]) > 0.999
+    if signal == "none":  # nothing to find: held out, a fitted probe does no better than the mean position
+        assert float(r["r2"][0]) < 0.0
+
+
+# ---------------------------------------------------------------- one card of two models
+
+
+@pytest.fixture(scope="module")
+def card(tmp_path_factory):
+    """One card of a tiny RoPE Llama and a tiny NoPE SmolLM3 (RoPE off in every layer) on the same text."""
+    root = tmp_path_factory.mktemp("card")
+    rope = saved_tiny_llama(root / "rope")
+    nope = saved_tiny_llama(root / "nope", family="smollm3", no_rope_layers=[0, 0, 0])
+    out = root / "out"
+    argv = ["card", str(rope), str(nope), "--data", text_of(rope), "--mode", "pack", "--sizes", SIZES,
+            "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    return {"argv": argv, "out": out, "meta": json.loads((out / "card" / "run.json").read_text())}
+
+
+def _model(card, label):
+    return next(m for m in card["meta"]["models"] if m["label"] == label)
+
+
+def test_the_run_directory_holds_every_sub_run_and_the_page(card):
+    out = card["out"]
+    for label in ("rope", "nope"):
+        for analysis in ("scores", "leakage", "probe", "length"):
+            assert json.loads((out / label / analysis / "run.json").read_text())["kind"] in (analysis, "stat")
+    page = (out / "card" / "card.html").read_text()
+    assert "data:image/png;base64," in page and "src='figures" not in page  # self-contained
+    md = (out / "card" / "card.md").read_text()
+    assert card["meta"]["kind"] == "card" and len(card["meta"]["runs"]) == 8
+    for run in card["meta"]["runs"]:
+        assert run["command"] in md and run["command"] in page.replace("&#x27;", "'")
+
+
+def test_every_printed_command_parses_to_the_config_the_card_ran(card):
+    # the command under a panel re-measures exactly that sub-run: parsed, it gives the same config
+    cfg = from_args(CardConfig, build_parser("card").parse_args(card["argv"]))
+    for sub in plan(cfg, card["out"]):
+        argv = shlex.split(sub.command)[1:]
+        args = build_parser(argv[0]).parse_args(argv)
+        if sub.analysis == "probe":
+            from poslens.analyses.stat import StatConfig
+
+            got = from_args(StatConfig, args)
+        else:
+            got = from_args(type(sub.config), args)
+            if sub.analysis == "length":
+                got.validate()
+                got.settle(None)
+        assert got == sub.config, sub.command
+        assert args.out == str(sub.path)
+
+
+def test_a_nope_model_has_no_rotary_position_and_the_rope_model_has_it(card):
+    assert {r["scheme"] for r in _model(card, "nope")["scheme"]["layers"]} == {"none"}
+    assert {r["scheme"] for r in _model(card, "rope")["scheme"]["layers"]} == {"rope"}
+    md = (card["out"] / "card" / "card.md").read_text()
+    assert "| 1 | rope | full | none | full |" in md  # the scheme rows, side by side
+    # NoPE has nothing for NTK or YaRN to rescale: the length panel runs only the interventions that apply
+    assert not {"ntk", "yarn"} & set(_model(card, "nope")["length"]["effects"])
+    assert {"ntk", "yarn"} <= set(_model(card, "rope")["length"]["effects"])
+
+
+def test_in_a_nope_model_only_the_mask_can_put_position_in_the_stream(card):
+    # The embeddings of a NoPE model are a function of the token alone, and in packed text the token is independent
+    # of its position: held out, no probe of the embeddings beats the mean position (R^2 <= 0 up to noise). After
+    # the attention layers (causal mask, no RoPE) position is decodable: above the embeddings, beyond both intervals.
+    r2 = _model(card, "nope")["probe"]  # (value, lo, hi) per hidden state
+    assert r2[0][0] < 0.02
+    assert max(r[1] for r in r2[1:]) > r2[0][2]
+
+
+def test_a_rerun_reuses_every_sub_run_and_other_settings_are_refused(card, capsys):
+    out = card["out"]
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")}
+    assert main(card["argv"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")} == stamps
+    assert "reused: 8 of 8" in (out / "card" / "card.md").read_text()
+    capsys.readouterr()
+    argv = [a.replace("probe.groups=4", "probe.groups=3") for a in card["argv"]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "other settings" in err and "--force" in err
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")} == stamps
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--sizes", "probe.folds=3"], "probe has no size 'folds'"),
+    (["--sizes", "scores.seq_len=long"], "takes a value like 128"),
+    (["--sizes", "fit.ridge=1"], "no analysis 'fit'"),
+    (["--sizes", "length.multiple=1"], "length.multiple must be >= 2"),
+    (["--labels", "a,b"], "2 labels for 1 models"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(extra, words, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["card", str(tmp_path / "no-model"), *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_an_out_holding_other_things_is_refused(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["card", "smollm2-135m", "--out", str(out)]) == 2
+    assert "not a card directory" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
