@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 
 import numpy as np
 import pytest
@@ -156,6 +157,9 @@ def test_a_rerun_reuses_every_sub_run_and_other_settings_are_refused(card, capsy
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")}
     assert main(card["argv"]) == 0
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")} == stamps
+    assert "reused: 8 of 8" in (out / "card" / "card.md").read_text()
+    shutil.rmtree(out / "card")  # as a card stopped before its page: the sub-runs alone are a card to resume
+    assert main(card["argv"]) == 0
     assert "reused: 8 of 8" in (out / "card" / "card.md").read_text()
     capsys.readouterr()
     argv = [a.replace("probe.groups=4", "probe.groups=3") for a in card["argv"]]
