@@ -30,7 +30,8 @@ PANELS = {
                 "log-probabilities (Ruscio, Nanni & Silvestri, \"Where does Absolute Position come from in "
                 "decoder-only Transformers?\"; docs/leakage.md): `attn/mask_only` (what the causal mask alone makes "
                 "of the scores' lag profile) and `attn/residual` (the scores' own absolute part), with their shares "
-                "of `attn/e_total`, key 0 in and out.",
+                "of `attn/e_total`, key 0 in and out. With the cross term's share they sum to 1, so a share above 1 "
+                "comes with a negative cross term (the two terms partly cancel).",
                 "Shows: which term carries absolute position into the attention weights, and how much of it is the "
                 "sink column. Cannot show: where the residual term comes from upstream (the probe panel reads the "
                 "stream itself)."),
