@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 
 import numpy as np
 import pytest
@@ -90,8 +91,9 @@ def card(tmp_path_factory):
     rope = saved_tiny_llama(root / "rope")
     nope = saved_tiny_llama(root / "nope", family="smollm3", no_rope_layers=[0, 0, 0])
     out = root / "out"
-    argv = ["card", str(rope), str(nope), "--data", text_of(rope), "--mode", "pack", "--sizes", SIZES,
-            "--out", str(out), "--quiet"]
+    # one tokenizer for both (each saved tiny model numbers its byte alphabet in its own order)
+    argv = ["card", str(rope), str(nope), "--data", text_of(rope), "--tokenizer", str(rope), "--mode", "pack",
+            "--sizes", SIZES, "--out", str(out), "--quiet"]
     assert main(argv) == 0
     return {"argv": argv, "out": out, "meta": json.loads((out / "card" / "run.json").read_text())}
 
@@ -157,6 +159,9 @@ def test_a_rerun_reuses_every_sub_run_and_other_settings_are_refused(card, capsy
     assert main(card["argv"]) == 0
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")} == stamps
     assert "reused: 8 of 8" in (out / "card" / "card.md").read_text()
+    shutil.rmtree(out / "card")  # as a card stopped before its page: the sub-runs alone are a card to resume
+    assert main(card["argv"]) == 0
+    assert "reused: 8 of 8" in (out / "card" / "card.md").read_text()
     capsys.readouterr()
     argv = [a.replace("probe.groups=4", "probe.groups=3") for a in card["argv"]]
     assert main(argv) == 2
@@ -187,3 +192,19 @@ def test_an_out_holding_other_things_is_refused(tmp_path, capsys):
     assert main(["card", "smollm2-135m", "--out", str(out)]) == 2
     assert "not a card directory" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_two_models_on_one_tokenizer_get_a_paired_probe_difference(card):
+    # both tiny models read the same tokens (one tokenizer) of the same text in the same groups: the probe panel
+    # pairs them fold by fold; the mean of the per-fold differences is the difference of the means (1e-12: float64)
+    from poslens.analyses.card.page import paired_probe
+
+    rope, nope = _model(card, "rope"), _model(card, "nope")
+    assert rope["tokens_checksum"] == nope["tokens_checksum"]
+    diff = paired_probe(rope, nope, 0.95)
+    assert diff is not None and len(diff) == len(rope["probe"])
+    for (v, lo, hi), a, b in zip(diff, rope["probe"], nope["probe"]):
+        assert v == pytest.approx(a[0] - b[0], abs=1e-12) and lo <= v <= hi
+    assert "rope - nope, paired" in (card["out"] / "card" / "card.md").read_text()
+    other = dict(nope, tokens_checksum=[x + 1 for x in nope["tokens_checksum"]])  # other tokens: not paired
+    assert paired_probe(rope, other, 0.95) is None

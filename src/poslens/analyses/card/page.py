@@ -30,7 +30,8 @@ PANELS = {
                 "log-probabilities (Ruscio, Nanni & Silvestri, \"Where does Absolute Position come from in "
                 "decoder-only Transformers?\"; docs/leakage.md): `attn/mask_only` (what the causal mask alone makes "
                 "of the scores' lag profile) and `attn/residual` (the scores' own absolute part), with their shares "
-                "of `attn/e_total`, key 0 in and out.",
+                "of `attn/e_total`, key 0 in and out. With the cross term's share they sum to 1, so a share above 1 "
+                "comes with a negative cross term (the two terms partly cancel).",
                 "Shows: which term carries absolute position into the attention weights, and how much of it is the "
                 "sink column. Cannot show: where the residual term comes from upstream (the probe panel reads the "
                 "stream itself)."),
@@ -97,6 +98,8 @@ def read_model(runs: list) -> dict:
     t = probe.tensors
     out["probe"] = [(float(t["r2"][i]), float(t["r2_lo"][i]), float(t["r2_hi"][i])) for i in range(len(t["r2"]))]
     out["probe_folds"] = int(t["folds"].min())
+    out["probe_fold_r2"] = t["r2_folds"].tolist() if "r2_folds" in t else None
+    out["tokens_checksum"] = t["tokens_checksum"].tolist() if "tokens_checksum" in t else None
     lm = length.meta["metrics"]
     L, lens = lm["train_len"], lm["eval_lens"]
     width = max(1, L // 4)
@@ -162,7 +165,7 @@ def figures(models: list[dict], directory: Path) -> dict[str, Path]:
 # ---------------------------------------------------------------- tables
 
 
-def tables(models: list[dict]) -> dict[str, tuple[list[str], list[list[str]]]]:
+def tables(models: list[dict], level: float = 0.95) -> dict[str, tuple[list[str], list[list[str]]]]:
     """(header, rows) of every panel; the models side by side (a model without that layer shows a dash)."""
     labels = [m["label"] for m in models]
     multi = len(models) > 1
@@ -215,9 +218,13 @@ def tables(models: list[dict]) -> dict[str, tuple[list[str], list[list[str]]]]:
 
     out["sinks"] = (head("sink-reading heads (attention on key 0)"), by_layer(depth, sinks))
     probe_depth = max(len(m["probe"]) for m in models)
-    out["probe"] = (["hidden state"] + [f"R^2 ({x})" if multi else "held-out R^2" for x in labels],
+    pairs = [(m, paired_probe(models[0], m, level)) for m in models[1:]]
+    pairs = [(m, d) for m, d in pairs if d is not None]
+    out["probe"] = (["hidden state"] + [f"R^2 ({x})" if multi else "held-out R^2" for x in labels]
+                    + [f"{models[0]['label']} - {m['label']}, paired" for m, _ in pairs],
                     [["embeddings" if i == 0 else f"after layer {i}"]
                      + [_iv(*m["probe"][i]) if i < len(m["probe"]) else "-" for m in models]
+                     + [_iv(*d[i]) if i < len(d) else "-" for _, d in pairs]
                      for i in range(probe_depth)])
     nbins = max(len(m["length"]["bins"]) for m in models)
     out["length"] = (["target positions"] + [f"loss ({x})" if multi else "loss" for x in labels],
@@ -225,6 +232,22 @@ def tables(models: list[dict]) -> dict[str, tuple[list[str], list[list[str]]]]:
                        if b < len(models[0]["length"]["bins"]) else "-"]
                       + [_iv(*m["length"]["bins"][b]["loss"]) if b < len(m["length"]["bins"]) else "-"
                          for m in models] for b in range(nbins)])
+    return out
+
+
+def paired_probe(a: dict, b: dict, level: float) -> list[tuple[float, float, float]] | None:
+    """R^2(a) - R^2(b) per hidden state both have, as the mean over folds of the per-fold differences with a
+    t-interval over folds: only when both probes read the same tokens in the same groups (equal checksums: one
+    tokenizer on the same text); None otherwise."""
+    from poslens.engine.stats import over_seeds
+
+    if not (a["tokens_checksum"] and a["tokens_checksum"] == b["tokens_checksum"] and a["probe_fold_r2"]
+            and b["probe_fold_r2"] and len(a["probe_fold_r2"][0]) == len(b["probe_fold_r2"][0])):
+        return None
+    out = []
+    for fa, fb in zip(a["probe_fold_r2"], b["probe_fold_r2"]):
+        est = over_seeds([x - y for x, y in zip(fa, fb)], level)
+        out.append((float(est.value), float(est.lo), float(est.hi)))
     return out
 
 
@@ -272,10 +295,11 @@ CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;p
        ".banner{background:#fff6dd;border:1px solid #e8d48a;padding:.5em}")
 
 
-def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]) -> tuple[str, str]:
+def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str],
+           level: float = 0.95) -> tuple[str, str]:
     """(markdown, html) of the card."""
     e = html.escape
-    tabs = tables(models)
+    tabs = tables(models, level)
     names = ", ".join(m["label"] for m in models)
     title = f"Position card: {names}"
     md = [f"# {title}", ""]
@@ -284,8 +308,9 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
     intro = ("Where each model's positional information comes from, per layer, with intervals. Every number is read "
              "from a run directory of poslens's own analyses; the command under each panel re-measures it.")
     if len(models) > 1:
-        intro += (" The models are shown side by side on the same text; paired differences between models are not "
-                  "computed (each model's intervals are its own).")
+        intro += (" The models are shown side by side on the same text, each with its own intervals; the probe panel "
+                  "also gives paired differences (per fold, t over folds) where two models read the same tokens "
+                  "(one tokenizer); the other panels are not paired.")
     md += [intro, ""]
     ht.append(f"<p>{e(intro)}</p>")
     for k, v in provenance.items():
@@ -307,6 +332,10 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
             extra = [f"{m['label']}: {sink_line(m)}" for m in models]
         if key == "probe":
             extra = [f"{m['label']}: {m['probe_folds']} folds" for m in models]
+            extra += [f"{models[0]['label']} - {m['label']}: " + (
+                "paired over the same folds (the same token sequences), layers by index"
+                if paired_probe(models[0], m, level) else "not paired (the two read different tokens)")
+                for m in models[1:]]
         if key == "length":
             extra = [f"{m['label']}: L = {m['length']['train_len']} tokens, the card's length.train_len (evaluated "
                      f"at {', '.join(map(str, m['length']['eval_lens']))})" for m in models]
@@ -350,7 +379,7 @@ def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
         raise UsageError(f"out: {target} exists and was not written by poslens card; move it away", param="out")
     with run_directory(target, force=True) as build:
         figs = figures(models, build / "figures") if _figures_ok(models) else {}
-        md, page = render(models, figs, provenance)
+        md, page = render(models, figs, provenance, cfg.level)
         (build / "card.md").write_text(md)
         (build / "card.html").write_text(page)
         tensors = {f"{m['label']}/probe_r2": torch.tensor([r[0] for r in m["probe"]]) for m in models}

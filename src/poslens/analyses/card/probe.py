@@ -55,6 +55,10 @@ class PositionProbe(_ProbeFit):
                 return
             t = torch.arange(self.skip_first, self.skip_first + x.shape[1], dtype=torch.float64, device=x.device)
             self._add(index, x.double().reshape(-1, x.shape[-1]), t.repeat(x.shape[0]))
+            ids = getattr(ctx, "input_ids", None)
+            if index == 0 and ids is not None:  # which tokens each group read: two runs pair only on the same ones
+                weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.float64, device=ids.device)
+                self.sums.add("tokens_checksum", self.group, (ids.double() * weights).sum(), 1)
 
         return read
 
@@ -91,12 +95,15 @@ class PositionProbe(_ProbeFit):
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """`r2` [L + 1] (mean over folds, with `_lo`/`_hi`/`_se`: t over folds), `r2_pooled` (1 - the summed
-        SSE over the summed SST) and `folds`."""
-        indices = sorted({int(name.split("/")[1]) for name in self.sums.names()})
-        ests, pooled, folds = [], [], []
+        SSE over the summed SST), `folds`, `r2_folds` [L + 1, folds] (R^2 of each fold) and `tokens_checksum`
+        [G] (sum of token id x (position + 1) per group: equal in two runs that read the same tokens in the same
+        groups, so that their per-fold R^2 can be paired)."""
+        indices = sorted({int(name.split("/")[1]) for name in self.sums.names() if "/" in name})
+        ests, pooled, folds, per_fold = [], [], [], []
         for i in indices:
             errs = self.fold_errors(i)
             r2 = [1.0 - sse / sst if sst > 0 else math.nan for sse, sst in errs]
+            per_fold.append(r2)
             est = over_seeds(r2, level)
             ests.append(dataclasses.replace(est, method="t over folds"))
             total = sum(sst for _, sst in errs)
@@ -104,8 +111,13 @@ class PositionProbe(_ProbeFit):
             folds.append(len(errs))
         est = Estimate(*(torch.stack([getattr(e, k) for e in ests]) for k in ("value", "lo", "hi", "se")),
                        groups=min(folds), level=level, method="t over folds")
-        return {**est.as_dict("r2"), "r2_pooled": torch.tensor(pooled, dtype=torch.float64),
-                "folds": torch.tensor(folds, dtype=torch.float64)}
+        out = {**est.as_dict("r2"), "r2_pooled": torch.tensor(pooled, dtype=torch.float64),
+               "folds": torch.tensor(folds, dtype=torch.float64)}
+        if len(set(folds)) == 1:  # every index scored on the same folds: R^2 per fold, for paired differences
+            out["r2_folds"] = torch.tensor(per_fold, dtype=torch.float64)
+        if "tokens_checksum" in self.sums:
+            out["tokens_checksum"] = self.sums.sums["tokens_checksum"].double()
+        return out
 
 
 SPEC = Spec("position_probe", "held-out R^2 of a linear probe of absolute position from the residual stream, per "

@@ -235,13 +235,14 @@ def same_config(sub: SubRun) -> bool | None:
             and all(meta.get(k) == v for k, v in extra.items()))
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Refuse an --out that is something other than a card directory (a file, or a folder with other things)."""
+def check_out(out: Path, force: bool, labels: list[str]) -> None:
+    """Refuse an --out that is something other than a card directory (a file, or a folder with other things than
+    a card's page and sub-runs: those of `labels`, when the page was never written because a sub-run stopped)."""
     if not out.exists():
         return
     if not out.is_dir():
         raise UsageError(f"out: {out} is a file; choose another --out", param="out")
-    entries = [p for p in out.iterdir() if not p.name.startswith(".")]
+    entries = [p for p in out.iterdir() if not p.name.startswith(".") and p.name not in (*labels, "card")]
     if entries and recorded(out / "card") is None and not force:
         raise UsageError(f"out: {out} exists and is not a card directory (no card/run.json); choose another --out, "
                          "or --force to write the card into it", param="out")
@@ -254,7 +255,7 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
 
     cfg.validate()
     out = Path(out).expanduser().absolute()
-    check_out(out, force)
+    check_out(out, force, cfg.model_labels())
     runs = plan(cfg, out)
     for sub in runs:
         same = same_config(sub)
