@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import re
 import shlex
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poslens.errors import UsageError
-from poslens.options import Parser, add_options, add_output_args, check_options, flags, from_args, option
+from poslens.options import Parser, add_options, add_output_args, check_options, flags, from_args, option, parse_sizes
 
 __all__ = ["COMMANDS", "Command", "Parser", "build_parser", "flag_message", "main"]
 
@@ -86,23 +85,6 @@ class ReproduceOptions:
                                      "(the names and defaults: run.json's config.sizes of a report)")
     robustness: bool = option(False, help="retrain the sweep's models with another CPU kernel set (ATen's default "
                               "kernels, MKL's COMPATIBLE path) and say, per row on them, whether its verdict stays")
-
-
-def parse_sizes(items: list[str] | None) -> dict[str, dict]:
-    """`--sizes` entries SECTION.KEY=VALUE -> {section: {key: value}} (values read as JSON where they parse: 64, 0.5,
-    true, "pe"; else as text)."""
-    out: dict[str, dict] = {}
-    for item in items or []:
-        name, eq, value = item.partition("=")
-        section, dot, key = name.partition(".")
-        if not (eq and dot and section and key):
-            raise UsageError(f"--sizes: {item!r} is not SECTION.KEY=VALUE (e.g. leakage.sequences=64)")
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = value
-        out.setdefault(section, {})[key] = parsed
-    return out
 
 
 @dataclass

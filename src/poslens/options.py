@@ -264,3 +264,24 @@ def flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """dest -> main flag of every optional argument of `parser` (for naming parameters in error messages)."""
     return {a.dest: a.option_strings[0] for a in parser._actions  # argparse keeps no public list
             if a.option_strings and a.dest not in ("help", "version")}
+
+
+def parse_sizes(items: list[str] | None, example: str = "leakage.sequences=64") -> dict[str, dict[str, Any]]:
+    """`sizes` entries PART.KEY=VALUE -> {part: {key: value}}, values read as JSON where they parse (64, 0.5, true,
+    "pe"), else as text (`reproduce --sizes`, `card --sizes`); `example` is shown when an entry is malformed."""
+    import json
+
+    from poslens.errors import UsageError
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        name, eq, value = item.partition("=")
+        part, dot, key = name.partition(".")
+        if not (eq and dot and part and key):
+            raise UsageError(f"sizes: {item!r} is not SECTION.KEY=VALUE (e.g. {example})", param="sizes")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        out.setdefault(part, {})[key] = parsed
+    return out

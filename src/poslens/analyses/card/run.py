@@ -27,7 +27,7 @@ from typing import Any
 from poslens.engine.config import DTYPES
 from poslens.engine.data import BOS_POLICIES, MODES
 from poslens.errors import UsageError
-from poslens.options import check_options, default_of, field_kind, flag_of, option, option_fields
+from poslens.options import check_options, default_of, field_kind, flag_of, option, option_fields, parse_sizes
 
 ANALYSES = ("scores", "leakage", "probe", "length")
 
@@ -81,28 +81,21 @@ class CardConfig:
     def size_table(self) -> dict[str, dict[str, Any]]:
         """SIZES updated by `sizes` (unknown analyses, keys or values of another type refused in one line)."""
         out = {k: dict(v) for k, v in SIZES.items()}
-        for item in self.sizes or []:
-            name, eq, value = item.partition("=")
-            analysis, dot, key = name.partition(".")
-            if not (eq and dot and analysis and key):
-                raise UsageError(f"sizes: {item!r} is not ANALYSIS.KEY=VALUE (e.g. probe.num_sequences=64)",
-                                 param="sizes")
+        for analysis, given in parse_sizes(self.sizes, "probe.num_sequences=64").items():
             if analysis not in out:
                 raise UsageError(f"sizes: no analysis {analysis!r}; analyses: {', '.join(out)}", param="sizes")
-            if key not in out[analysis]:
-                raise UsageError(f"sizes: {analysis} has no size {key!r} (it has {', '.join(out[analysis])})",
-                                 param="sizes")
-            try:
-                parsed = json.loads(value)
-            except ValueError:
-                parsed = value
-            default = out[analysis][key]
-            if isinstance(default, float) and isinstance(parsed, int) and not isinstance(parsed, bool):
-                parsed = float(parsed)
-            if type(parsed) is not type(default):
-                raise UsageError(f"sizes: {analysis}.{key} takes a value like {default!r}, not {value!r}",
-                                 param="sizes")
-            out[analysis][key] = parsed
+            for key, parsed in given.items():
+                if key not in out[analysis]:
+                    raise UsageError(f"sizes: {analysis} has no size {key!r} (it has {', '.join(out[analysis])})",
+                                     param="sizes")
+                value = json.dumps(parsed) if not isinstance(parsed, str) else parsed
+                default = out[analysis][key]
+                if isinstance(default, float) and isinstance(parsed, int) and not isinstance(parsed, bool):
+                    parsed = float(parsed)
+                if type(parsed) is not type(default):
+                    raise UsageError(f"sizes: {analysis}.{key} takes a value like {default!r}, not {value!r}",
+                                     param="sizes")
+                out[analysis][key] = parsed
         if out["length"]["multiple"] < 2:
             raise UsageError("sizes: length.multiple must be >= 2 (the loss past L is what the panel shows)",
                              param="sizes")
