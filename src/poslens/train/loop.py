@@ -52,8 +52,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains are not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
+    return adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
+
+
+def adamw(decay: list[torch.Tensor], rest: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW of `cfg` over two groups: `decay` (weight decay) and `rest` (none), in this order."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
@@ -261,6 +264,18 @@ def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -
     return float(total[0] / total[1])
 
 
+def check_training_data(cfg: TrainConfig, tf: TokenFile) -> dict[str, Any]:
+    """One-line errors for token files too short for one batch or one held-out sequence; returns the token file's
+    identity as a checkpoint records it (vocabulary size, source, tokenizer)."""
+    bos = bos_id(cfg, tf)
+    n_train = num_blocks(tf.train, cfg.seq_len, bos)
+    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} sequences of seq_len "
+                                       f"{cfg.seq_len}, fewer than one batch ({cfg.batch_size}); use more text, a "
+                                       "shorter --seq-len or a smaller --batch-size")
+    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos)  # fails early when the held-out text is too short
+    return {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+
+
 class _Stopped(Exception):
     """Raised to leave the run directory without placing it (stop_after reached); carries the metrics."""
 
@@ -309,13 +324,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
            stop_after: int | None, label: str | None) -> dict[str, Any]:
     check_batch(cfg.batch_size, cfg.micro_batch, d.world)
     tf = _tokens(cfg, d, progress)
-    bos = bos_id(cfg, tf)
-    n_train = num_blocks(tf.train, cfg.seq_len, bos)
-    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} sequences of seq_len "
-                                       f"{cfg.seq_len}, fewer than one batch ({cfg.batch_size}); use more text, a "
-                                       "shorter --seq-len or a smaller --batch-size")
-    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos)  # fails early when the held-out text is too short
-    header = {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+    header = check_training_data(cfg, tf)
     check_memory_fits(cfg, tf.vocab_size, d.device, d.world)
 
     model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
