@@ -10,8 +10,9 @@ variants of the first seeds), two at a time (``batched=False, jobs=2``). Arm "ba
 variants x --batched / 4 seeds), as one computation in two parts side by side (``jobs=2``). The arms alternate
 (alone, batched, alone, ...) --rounds times so that both meet the same load of a shared machine; each round gives
 one ratio of models per minute, batched over alone; printed: each arm's median models per minute, the geometric
-mean of the ratios with a 95% t-interval over rounds, and the 4x bar: met (lower end >= 4), not met (upper end
-< 4) or not resolved. --json PATH writes every timing.
+mean of the ratios with a 95% t-interval over rounds, each arm's CPU seconds per model (user + system of the
+process and its workers: what the load of a shared machine inflates least), and the 4x bar: met (lower end >= 4),
+not met (upper end < 4) or not resolved. --json PATH writes every timing.
 
     nice .venv/bin/python benchmarks/sweep_batched.py --steps 100 --rounds 3 --json /tmp/sweep_batched.json
 """
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -45,13 +47,19 @@ def configs(steps: int, models: int) -> list:
     return [dataclasses.replace(m.config, steps=steps, warmup=max(1, steps // 10), tokens=tokens) for m in members]
 
 
-def timed(cfgs: list, batched: bool, jobs: int) -> float:
-    """Seconds to train `cfgs` into an empty cache with the sweep's trainer."""
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children (the sweep's worker processes)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(cfgs: list, batched: bool, jobs: int) -> tuple[float, float]:
+    """Wall and CPU seconds to train `cfgs` into an empty cache with the sweep's trainer."""
     with tempfile.TemporaryDirectory(prefix="sweep-batched-") as cache:
         os.environ["POSLENS_CACHE"] = cache
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         train_models([(c, f"model {i}") for i, c in enumerate(cfgs)], progress=False, jobs=jobs, batched=batched)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, cpu_seconds() - c0
 
 
 def main() -> None:
@@ -67,13 +75,15 @@ def main() -> None:
     alone, many = configs(args.steps, args.alone), configs(args.steps, args.batched)
     rows = []
     for r in range(args.rounds):
-        a = timed(alone, False, args.jobs)
-        b = timed(many, True, args.jobs)
+        a, a_cpu = timed(alone, False, args.jobs)
+        b, b_cpu = timed(many, True, args.jobs)
         rows.append({"round": r, "alone_s": a, "batched_s": b, "alone_per_min": 60 * len(alone) / a,
-                     "batched_per_min": 60 * len(many) / b})
+                     "batched_per_min": 60 * len(many) / b, "alone_cpu_per_model": a_cpu / len(alone),
+                     "batched_cpu_per_model": b_cpu / len(many)})
         rows[-1]["ratio"] = rows[-1]["batched_per_min"] / rows[-1]["alone_per_min"]
         print(f"round {r}: alone {len(alone)} models in {a:.1f} s ({rows[-1]['alone_per_min']:.2f}/min), batched "
-              f"{len(many)} in {b:.1f} s ({rows[-1]['batched_per_min']:.2f}/min): {rows[-1]['ratio']:.2f}x",
+              f"{len(many)} in {b:.1f} s ({rows[-1]['batched_per_min']:.2f}/min): {rows[-1]['ratio']:.2f}x; CPU s per "
+              f"model {a_cpu / len(alone):.1f} alone, {b_cpu / len(many):.1f} batched",
               flush=True)
     if own_cache is None:
         os.environ.pop("POSLENS_CACHE", None)

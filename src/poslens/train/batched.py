@@ -394,31 +394,20 @@ class _Stopped(Exception):
 def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], progress: bool,
                stop_after: int | None, label: str | None) -> list[dict[str, Any]]:
     from poslens.engine.distributed import setup
-    from poslens.train import checkpoint as ckpt
-    from poslens.train.loop import _finish, _truncate_metrics, check_training_data
-    from poslens.train.model import build_model, check_compatible
+    from poslens.train.loop import _finish, _truncate_metrics, check_batch, check_training_data, resume_state
+    from poslens.train.model import build_model
     from poslens.train.tokens import open_tokens
 
     d = setup(cfgs[0].device)
     require(d.world == 1, "batched training runs in one process (not under torchrun)")
+    check_batch(cfgs[0].batch_size, cfgs[0].micro_batch, 1)
     tf = open_tokens(cfgs[0].tokens)
     header = check_training_data(cfgs[0], tf)
     members = []
     for cfg, work, build in zip(cfgs, works, builds):
         model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
                             eos_token_id=tf.header["eos_token_id"])
-        start, trainer = 0, None
-        found = ckpt.find(work.path)
-        if found is not None:
-            trainer = ckpt.load_trainer(found)
-            check_compatible(trainer["config"], cfg, f"checkpoint {found}")
-            require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
-                                                 f"({trainer['tokens']}); delete it or choose another --out")
-            require(trainer.get("optimizer_format") == "plain", f"checkpoint {found} holds a "
-                                                                f"{trainer.get('optimizer_format')} optimizer state; "
-                                                                "resume it with poslens train under torchrun")
-            ckpt.load_weights(found, model)
-            start = int(trainer["step"])
+        start, trainer = resume_state(work, model, cfg, header, "plain")
         _truncate_metrics(work.metrics, start)
         members.append(_Member(cfg, model, work, build, start, trainer))
     tokenizer = tf.tokenizer()

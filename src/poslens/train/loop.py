@@ -276,6 +276,25 @@ def check_training_data(cfg: TrainConfig, tf: TokenFile) -> dict[str, Any]:
     return {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
 
 
+def resume_state(work: Work, model: torch.nn.Module, cfg: TrainConfig, header: dict[str, Any],
+                 fmt: str) -> tuple[int, dict[str, Any] | None]:
+    """The step and trainer state of the newest checkpoint in `work`, its weights loaded into `model`; (0, None)
+    without one. One-line errors for a checkpoint of another configuration, token file (`header`) or optimizer
+    format `fmt`."""
+    found = ckpt.find(work.path)
+    if found is None:
+        return 0, None
+    trainer = ckpt.load_trainer(found)
+    check_compatible(trainer["config"], cfg, f"checkpoint {found}")
+    require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
+                                         f"({trainer['tokens']}); delete it or choose another --out")
+    require(trainer.get("optimizer_format") == fmt, f"checkpoint {found} holds a {trainer.get('optimizer_format')} "
+                                                    f"optimizer state and this run needs {fmt}; resume with the "
+                                                    "same --parallel (fsdp under torchrun, or not)")
+    ckpt.load_weights(found, model)
+    return int(trainer["step"]), trainer
+
+
 class _Stopped(Exception):
     """Raised to leave the run directory without placing it (stop_after reached); carries the metrics."""
 
@@ -329,19 +348,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
 
     model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
                         eos_token_id=tf.header["eos_token_id"])
-    start, trainer = 0, None
-    found = ckpt.find(work.path)
-    if found is not None:
-        trainer = ckpt.load_trainer(found)
-        check_compatible(trainer["config"], cfg, f"checkpoint {found}")
-        require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
-                                             f"({trainer['tokens']}); delete it or choose another --out")
-        fmt = _optimizer_format(cfg, d)
-        require(trainer.get("optimizer_format") == fmt, f"checkpoint {found} holds a {trainer.get('optimizer_format')} "
-                                                        f"optimizer state and this run needs {fmt}; resume with the "
-                                                        "same --parallel (fsdp under torchrun, or not)")
-        ckpt.load_weights(found, model)
-        start = int(trainer["step"])
+    start, trainer = resume_state(work, model, cfg, header, _optimizer_format(cfg, d))
     model.to(d.device)
     raw = model
     model = _wrap(model, cfg, d)  # FSDP2 swaps in sharded parameters: the optimizer must come after

@@ -60,9 +60,9 @@ class SweepConfig:
     jobs: int = option(0, help="processes training at once, torch's threads shared out among them; 0: one per torch "
                                "thread on the CPU, 1 on a GPU (another thread count sums in another order: weights "
                                "differ at float32 rounding)")
-    batched: bool = option(True, help="train the models that differ only in seed and positional encoding as one "
+    batched: bool = option(True, help="models that differ only in seed and positional encoding train as one "
                                       "computation (stacked weights, batched matrix products), in --jobs parts; "
-                                      "off: each model alone, --jobs of them at once")
+                                      "--no-batched: each model alone, --jobs of them at once")
 
 
 @dataclass(frozen=True)
