@@ -370,7 +370,7 @@ def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool
     from poslens.train.loop import Work
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(ckpt.progress_bars(progress))
+        stack.enter_context(ckpt.progress_bars(False))  # no "Writing model shards" bar per model and checkpoint
         runs = [stack.enter_context(open_run(t, False, inputs=[cfgs[0].tokens])) for t in targets]
         works = [Work(r.work) for r in runs]
         try:
