@@ -170,7 +170,7 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     monkeypatch.setattr(loop, "train", counting)
     preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}, "rope": {"pe": "rope"},
                                              "nope2": {"pe": "none"}})
-    cfg = SweepConfig(preset=preset, jobs=1)  # in this process, where `counting` sees each training
+    cfg = SweepConfig(preset=preset, jobs=1, batched=False)  # each alone in this process, where `counting` sees it
     with pytest.raises(KeyboardInterrupt):
         run_sweep(cfg, tmp_path / "sweep", progress=False)
     assert not (tmp_path / "sweep").exists()
@@ -179,7 +179,8 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     # nope s0 trained before the interrupt, nope s1 interrupted and trained again, then rope s0, rope s1; nope2 cached
     assert trained == [("none", 0), ("none", 1), ("none", 1), ("rope", 0), ("rope", 1)]
     # two worker processes train a new seed's models side by side (this process's train is not called)
-    more = run_sweep(SweepConfig(preset=preset, seeds=[0, 1, 2], jobs=2), tmp_path / "sweep3", progress=False)
+    more = run_sweep(SweepConfig(preset=preset, seeds=[0, 1, 2], jobs=2, batched=False), tmp_path / "sweep3",
+                     progress=False)
     assert len(trained) == 5 and all(Path(m["path"], "run.json").is_file() for m in more["models"])
     assert [m["path"] for m in more["models"] if m["seed"] < 2] == [m["path"] for m in meta["models"]]  # cached
     run = load(tmp_path / "sweep")
@@ -191,6 +192,40 @@ def test_sweep_trains_pairs_caches_and_resumes(tmp_path, tokens, monkeypatch):
     assert diffs["nope - nope2"]["per_seed"] == [0.0, 0.0] and diffs["nope - nope2"]["lo"] == 0.0
     assert meta["models"][0]["path"] == meta["models"][4]["path"]  # the same configuration: one cached model
     assert (tmp_path / "sweep" / "figures" / "heldout_loss.png").is_file()
+
+
+def test_a_batched_sweep_killed_midway_resumes_to_the_uninterrupted_sweep(tmp_path, tokens, monkeypatch):
+    """The default sweep trains its models as one computation (here its six in one part, in this process); killed
+    after its first checkpoints and rerun, it gives bit-identical held-out losses and weights to a sweep that was
+    never interrupted (each in its own cache)."""
+    import torch
+    from safetensors.torch import load_file
+
+    import poslens.train.batched as batched
+
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}, "rope": {"pe": "rope"},
+                                             "window": {"pe": "rope", "sliding_window": 8}})
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache-whole"))
+    train = "steps=4+save_every=2+eval_every=2"
+    whole = run_sweep(SweepConfig(preset=preset, train=train, jobs=1), tmp_path / "whole", progress=False)
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache-killed"))
+    original = batched._save
+
+    def killed(*args, **kw):
+        original(*args, **kw)
+        raise KeyboardInterrupt  # killed right after the first checkpoints
+
+    monkeypatch.setattr(batched, "_save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(SweepConfig(preset=preset, train=train, jobs=1), tmp_path / "resumed", progress=False)
+    monkeypatch.setattr(batched, "_save", original)
+    resumed = run_sweep(SweepConfig(preset=preset, train=train, jobs=1), tmp_path / "resumed", progress=False)
+    assert whole["metrics"]["heldout_loss"] == resumed["metrics"]["heldout_loss"]
+    for a, b in zip(whole["models"], resumed["models"]):
+        wa = load_file(str(Path(a["path"], "model.safetensors")))
+        wb = load_file(str(Path(b["path"], "model.safetensors")))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+        assert json.loads(Path(b["path"], "run.json").read_text())["metrics"]["batched_models"] == 6
 
 
 def test_auto_jobs_is_one_model_per_cpu_thread_and_one_on_a_gpu(monkeypatch):

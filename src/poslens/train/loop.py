@@ -52,8 +52,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains are not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
+    return adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
+
+
+def adamw(decay: list[torch.Tensor], rest: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW of `cfg` over two groups: `decay` (weight decay) and `rest` (none), in this order."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
@@ -270,6 +273,38 @@ def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -
     return float(total[0] / total[1])
 
 
+def check_training_data(cfg: TrainConfig, tf: TokenFile) -> dict[str, Any]:
+    """One-line errors for token files too short for one batch or one held-out sequence; returns the token file's
+    identity as a checkpoint records it (vocabulary size, source, tokenizer)."""
+    bos, separator = bos_id(cfg, tf), document_separator(cfg, tf)
+    n_train = num_blocks(tf.train, cfg.seq_len, bos, separator)
+    what = "documents" if separator is not None else f"sequences of seq_len {cfg.seq_len}"
+    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} {what}, fewer than "
+                                       f"one batch ({cfg.batch_size}); use more text, a shorter --seq-len or a "
+                                       "smaller --batch-size")
+    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos, separator)  # fails early when the held-out text is too short
+    return {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+
+
+def resume_state(work: Work, model: torch.nn.Module, cfg: TrainConfig, header: dict[str, Any],
+                 fmt: str) -> tuple[int, dict[str, Any] | None]:
+    """The step and trainer state of the newest checkpoint in `work`, its weights loaded into `model`; (0, None)
+    without one. One-line errors for a checkpoint of another configuration, token file (`header`) or optimizer
+    format `fmt`."""
+    found = ckpt.find(work.path)
+    if found is None:
+        return 0, None
+    trainer = ckpt.load_trainer(found)
+    check_compatible(trainer["config"], cfg, f"checkpoint {found}")
+    require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
+                                         f"({trainer['tokens']}); delete it or choose another --out")
+    require(trainer.get("optimizer_format") == fmt, f"checkpoint {found} holds a {trainer.get('optimizer_format')} "
+                                                    f"optimizer state and this run needs {fmt}; resume with the "
+                                                    "same --parallel (fsdp under torchrun, or not)")
+    ckpt.load_weights(found, model)
+    return int(trainer["step"]), trainer
+
+
 class _Stopped(Exception):
     """Raised to leave the run directory without placing it (stop_after reached); carries the metrics."""
 
@@ -319,31 +354,12 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
            stop_after: int | None, label: str | None) -> dict[str, Any]:
     check_batch(cfg.batch_size, cfg.micro_batch, d.world)
     tf = _tokens(cfg, d, progress)
-    bos, separator = bos_id(cfg, tf), document_separator(cfg, tf)
-    n_train = num_blocks(tf.train, cfg.seq_len, bos, separator)
-    what = "documents" if separator is not None else f"sequences of seq_len {cfg.seq_len}"
-    require(n_train >= cfg.batch_size, f"the training tokens ({len(tf.train)}) hold {n_train} {what}, fewer than "
-                                       f"one batch ({cfg.batch_size}); use more text, a shorter --seq-len or a "
-                                       "smaller --batch-size")
-    eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos, separator)  # fails early when the held-out text is too short
-    header = {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+    header = check_training_data(cfg, tf)
     check_memory_fits(cfg, tf.vocab_size, d.device, d.world)
 
     model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
                         eos_token_id=tf.header["eos_token_id"])
-    start, trainer = 0, None
-    found = ckpt.find(work.path)
-    if found is not None:
-        trainer = ckpt.load_trainer(found)
-        check_compatible(trainer["config"], cfg, f"checkpoint {found}")
-        require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
-                                             f"({trainer['tokens']}); delete it or choose another --out")
-        fmt = _optimizer_format(cfg, d)
-        require(trainer.get("optimizer_format") == fmt, f"checkpoint {found} holds a {trainer.get('optimizer_format')} "
-                                                        f"optimizer state and this run needs {fmt}; resume with the "
-                                                        "same --parallel (fsdp under torchrun, or not)")
-        ckpt.load_weights(found, model)
-        start = int(trainer["step"])
+    start, trainer = resume_state(work, model, cfg, header, _optimizer_format(cfg, d))
     model.to(d.device)
     raw = model
     model = _wrap(model, cfg, d)  # FSDP2 swaps in sharded parameters: the optimizer must come after

@@ -63,9 +63,12 @@ class SweepConfig:
     train: str | None = option(None, help="shared training fields on top of the preset's: FIELD=VALUE+... "
                                           "(e.g. steps=300+tokens=runs/tok)")
     level: float = option(0.95, help="confidence level of the between-seed t-intervals")
-    jobs: int = option(0, help="models trained at once, each in its own process with torch's threads shared out; 0: "
-                               "one per torch thread on the CPU, 1 on a GPU (another thread count sums in another "
-                               "order: weights differ at float32 rounding)")
+    jobs: int = option(0, help="processes training at once, torch's threads shared out among them; 0: one per torch "
+                               "thread on the CPU, 1 on a GPU (another thread count sums in another order: weights "
+                               "differ at float32 rounding)")
+    batched: bool = option(True, help="models that differ only in seed and positional encoding train as one "
+                                      "computation (stacked weights, batched matrix products), in --jobs parts; "
+                                      "--no-batched: each model alone, --jobs of them at once")
 
 
 @dataclass(frozen=True)
@@ -266,12 +269,13 @@ def summarise(losses: dict[str, list[float]], level: float = 0.95) -> dict[str, 
 # ---------------------------------------------------------------- running
 
 
-def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 0) -> dict[tuple[str, int], Path]:
+def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 0,
+                 batched: bool = True) -> dict[tuple[str, int], Path]:
     """Every member's model directory: from the cache, or trained now (`train_models`). Progress lines name each
     model, k of N, and the time left, estimated from the models trained so far."""
     members = matrix.members
     heads = [f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}" for k, m in enumerate(members, 1)]
-    paths = train_models([(m.config, h) for m, h in zip(members, heads)], progress, jobs)
+    paths = train_models([(m.config, h) for m, h in zip(members, heads)], progress, jobs, batched)
     return {(m.variant, m.seed): t for m, t in zip(members, paths)}
 
 
@@ -290,11 +294,15 @@ def auto_jobs(cfgs: list[TrainConfig]) -> int:
     return 1 if gpu or small else max(1, min(len(cfgs), torch.get_num_threads()))
 
 
-def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, jobs: int = 0) -> list[Path]:
+def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, jobs: int = 0,
+                 batched: bool = True) -> list[Path]:
     """The model directory of each (configuration, progress label): from the cache, or trained now into it. The
-    configurations share one token directory (the first's). `jobs` > 1 trains that many models at once, each in its
-    own process with torch's threads shared out among them; their own progress bars are off then; 0 picks
-    `auto_jobs`."""
+    configurations share one token directory (the first's).
+
+    `batched` (the default): the models that can (`poslens.train.batched.batch_key`: all but seed and positional
+    encoding equal) train as one computation, in `jobs` parts side by side (one process each, torch's threads shared
+    out; 0 picks `auto_jobs`), each part at most `poslens.train.batched.max_models` models. Otherwise `jobs` > 1
+    trains that many models at once, each alone in its own process; their own progress bars are off then."""
     from poslens.train.cache import tokens_of, trained_model_dir
 
     jobs = check_int("jobs", jobs, 0, 64)
@@ -311,14 +319,48 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
             print(f"{heads[i]}: {'cached' if t not in todo else 'the same model as ' + heads[todo[t]]}", flush=True)
     jobs = min(jobs or auto_jobs([cfgs[i] for i in todo.values()] or cfgs), max(1, len(todo)))
     clock = _Clock(len(todo), progress)
-    if jobs == 1:
+    if batched:
+        units = _units([cfgs[i] for i in todo.values()], list(todo.values()), jobs, tokens)
+        parts = [[(cfgs[i], heads[i]) for i in unit] for unit in units]
+        if jobs == 1 or len(parts) == 1:
+            for part in parts:
+                head = _unit_head(part)
+                clock.start(head, part[0][0].steps)
+                _train_unit(part, tokens, None, progress)
+                clock.done(head, len(part))
+        else:
+            _train_parallel(parts, tokens, jobs, clock)
+    elif jobs == 1:
         for i in todo.values():
             clock.start(heads[i], cfgs[i].steps)
             _train_member(cfgs[i], tokens, None, heads[i] if progress else None)
             clock.done(heads[i])
     else:
-        _train_parallel([(cfgs[i], heads[i]) for i in todo.values()], tokens, jobs, clock)
+        _train_parallel([[(cfgs[i], heads[i])] for i in todo.values()], tokens, jobs, clock)
     return targets
+
+
+def _units(cfgs: list[TrainConfig], index: list[int], jobs: int, tokens: Path) -> list[list[int]]:
+    """The models (`index`, configurations `cfgs`) cut into the parts that train as one computation: each group of
+    one `batch_key` into `jobs` parts of nearly equal size (a part at most `max_models` models)."""
+    from poslens.engine.distributed import setup
+    from poslens.train.batched import groups, max_models
+    from poslens.train.tokens import open_tokens
+
+    units: list[list[int]] = []
+    vocab = open_tokens(tokens).vocab_size
+    for group in groups(cfgs):
+        cap = max_models(cfgs[group[0]], vocab, setup(cfgs[group[0]].device).device)
+        parts = max(min(jobs, len(group)), math.ceil(len(group) / cap))
+        size = math.ceil(len(group) / parts)
+        units += [[index[g] for g in group[k:k + size]] for k in range(0, len(group), size)]
+    return units
+
+
+def _unit_head(part: list[tuple[TrainConfig, str]]) -> str:
+    if len(part) == 1:
+        return part[0][1]
+    return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models as one"
 
 
 class _Clock:
@@ -338,8 +380,8 @@ class _Clock:
             print(f"{head}: training {steps} steps; {self.total - self.finished} model(s) to train, {self.left()}",
                   flush=True)
 
-    def done(self, head: str) -> None:
-        self.finished += 1
+    def done(self, head: str, models: int = 1) -> None:
+        self.finished += models
         if self.on and self.finished < self.total:
             print(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}", flush=True)
 
@@ -355,13 +397,46 @@ def _train_member(cfg: TrainConfig, tokens: Path, threads: int | None, label: st
     return str(trained_model(cfg, progress=label is not None, label=label, tokens=tokens))
 
 
+def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int | None, progress: bool) -> None:
+    """Train the models of `part` into the cache as one computation (in this process, or in a worker with `threads`
+    torch threads): each model's cache lock is held while it trains; a model another process finished meanwhile is
+    left out."""
+    import contextlib
+    import dataclasses
+
+    from poslens.io.lock import entry_lock
+    from poslens.train.batched import train_batched
+    from poslens.train.cache import trained_model_dir
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    if part[0][0].blocks != "packed":  # document-start blocks (padded, PAD not counted): the plain loop, one by one
+        for cfg, head in part:
+            _train_member(cfg, tokens, None, head if progress else None)
+        return
+    with contextlib.ExitStack() as stack:
+        left = []
+        for cfg, _ in part:
+            target = trained_model_dir(cfg, tokens)
+            stack.enter_context(entry_lock(target, f"the model {target.name}"))
+            if not (target / "run.json").is_file():
+                left.append((dataclasses.replace(cfg, tokens=str(tokens)), target))
+        if left:
+            train_batched([c for c, _ in left], [t for _, t in left], progress=progress,
+                          label=_unit_head(part) if progress else None)
+
+
 def _ignore_interrupt() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers; each keeps its last checkpoint
 
 
-def _train_parallel(work: list[tuple[TrainConfig, str]], tokens: Path, jobs: int, clock: _Clock) -> None:
+def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jobs: int, clock: _Clock) -> None:
+    """Train `parts` in `jobs` worker processes: a part of one model alone (`_train_member`), a larger one as one
+    computation (`_train_unit`)."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
@@ -370,18 +445,23 @@ def _train_parallel(work: list[tuple[TrainConfig, str]], tokens: Path, jobs: int
     threads = max(1, torch.get_num_threads() // jobs)
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_ignore_interrupt)
-    pending: dict[Any, str] = {}
+    pending: dict[Any, tuple[str, int]] = {}
     try:
-        queue = list(work)
+        queue = list(parts)
         while queue or pending:
             while queue and len(pending) < jobs:
-                cfg, head = queue.pop(0)
-                clock.start(head, cfg.steps)
-                pending[pool.submit(_train_member, cfg, tokens, threads, None)] = head
+                part = queue.pop(0)
+                head = _unit_head(part)
+                clock.start(head, part[0][0].steps)
+                if len(part) == 1:
+                    future = pool.submit(_train_member, part[0][0], tokens, threads, None)
+                else:
+                    future = pool.submit(_train_unit, part, tokens, threads, False)
+                pending[future] = (head, len(part))
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
                 f.result()  # a worker's error is raised here, as one line
-                clock.done(pending.pop(f))
+                clock.done(*pending.pop(f))
         pool.shutdown()
     except BaseException:
         for p in list(getattr(pool, "_processes", {}).values()):  # stop the workers now: what they checkpointed stays
@@ -405,7 +485,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, force: bool = False, pro
     matrix = resolve_matrix(cfg)
     started = time.perf_counter()
     with open_run(out, force, inputs=matrix_inputs(cfg, matrix)) as run:
-        paths = train_matrix(matrix, progress, cfg.jobs)
+        paths = train_matrix(matrix, progress, cfg.jobs, cfg.batched)
         runs = {key: load(path) for key, path in paths.items()}
         names, seeds = list(matrix.variants), matrix.seeds
         final = torch.tensor([[float(runs[(v, s)]["eval_loss"][-1]) for s in seeds] for v in names],

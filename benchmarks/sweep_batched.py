@@ -1,0 +1,106 @@
+"""Benchmark: sweep training throughput, models of the `pe-sinks` shape per minute, trained as one computation
+(`poslens.train.batched`, the sweep's default) against each model alone, two processes at a time (the sweep before
+it). Run by hand, not a test.
+
+Both arms call the sweep's own `poslens.train.sweep.train_models` on the `pe-sinks` matrix's configurations (4
+layers, d = 64, 8 heads of 8, 2,000-entry BPE, 8 x 64 tokens per step at lr 0.04), shortened to --steps steps (the
+warm-up cut to a tenth), each model into a fresh cache, so everything a sweep does per model is timed: start-up of
+the worker processes, the step-0 and final held-out loss, writing the model. Arm "alone": --alone models (the four
+variants of the first seeds), two at a time (``batched=False, jobs=2``). Arm "batched": --batched models (the four
+variants x --batched / 4 seeds), as one computation in two parts side by side (``jobs=2``). The arms alternate
+(alone, batched, alone, ...) --rounds times so that both meet the same load of a shared machine; each round gives
+one ratio of models per minute, batched over alone; printed: each arm's median models per minute, the geometric
+mean of the ratios with a 95% t-interval over rounds, each arm's CPU seconds per model (user + system of the
+process and its workers: what the load of a shared machine inflates least), and the 4x bar: met (lower end >= 4),
+not met (upper end < 4) or not resolved. --json PATH writes every timing.
+
+    nice .venv/bin/python benchmarks/sweep_batched.py --steps 100 --rounds 3 --json /tmp/sweep_batched.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from poslens.engine.stats import t_quantile
+from poslens.train.cache import tokens_of
+from poslens.train.sweep import SweepConfig, resolve_matrix, train_models
+
+BAR = 4.0
+
+
+def configs(steps: int, models: int) -> list:
+    """`models` configurations of the pe-sinks matrix (its four variants over seeds 0, 1, ...), `steps` steps."""
+    matrix = resolve_matrix(SweepConfig(preset="pe-sinks", seeds=list(range(math.ceil(models / 4)))))
+    tokens = str(tokens_of(matrix.members[0].config))
+    members = sorted(matrix.members, key=lambda m: (m.seed, list(matrix.variants).index(m.variant)))[:models]
+    return [dataclasses.replace(m.config, steps=steps, warmup=max(1, steps // 10), tokens=tokens) for m in members]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children (the sweep's worker processes)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(cfgs: list, batched: bool, jobs: int) -> tuple[float, float]:
+    """Wall and CPU seconds to train `cfgs` into an empty cache with the sweep's trainer."""
+    with tempfile.TemporaryDirectory(prefix="sweep-batched-") as cache:
+        os.environ["POSLENS_CACHE"] = cache
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        train_models([(c, f"model {i}") for i, c in enumerate(cfgs)], progress=False, jobs=jobs, batched=batched)
+        return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--alone", type=int, default=4, help="models in the two-at-a-time arm")
+    ap.add_argument("--batched", type=int, default=32, help="models in the batched arm")
+    ap.add_argument("--jobs", type=int, default=2, help="processes side by side in each arm")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    own_cache = os.environ.get("POSLENS_CACHE")
+    alone, many = configs(args.steps, args.alone), configs(args.steps, args.batched)
+    rows = []
+    for r in range(args.rounds):
+        a, a_cpu = timed(alone, False, args.jobs)
+        b, b_cpu = timed(many, True, args.jobs)
+        rows.append({"round": r, "alone_s": a, "batched_s": b, "alone_per_min": 60 * len(alone) / a,
+                     "batched_per_min": 60 * len(many) / b, "alone_cpu_per_model": a_cpu / len(alone),
+                     "batched_cpu_per_model": b_cpu / len(many)})
+        rows[-1]["ratio"] = rows[-1]["batched_per_min"] / rows[-1]["alone_per_min"]
+        print(f"round {r}: alone {len(alone)} models in {a:.1f} s ({rows[-1]['alone_per_min']:.2f}/min), batched "
+              f"{len(many)} in {b:.1f} s ({rows[-1]['batched_per_min']:.2f}/min): {rows[-1]['ratio']:.2f}x; CPU s per "
+              f"model {a_cpu / len(alone):.1f} alone, {b_cpu / len(many):.1f} batched",
+              flush=True)
+    if own_cache is None:
+        os.environ.pop("POSLENS_CACHE", None)
+    logs = [math.log(x["ratio"]) for x in rows]
+    mean = statistics.fmean(logs)
+    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    bar = "met" if lo >= BAR else "not met" if hi < BAR else "not resolved"
+    print(f"models per minute, median: alone (two at a time) {statistics.median(x['alone_per_min'] for x in rows):.2f},"
+          f" batched {statistics.median(x['batched_per_min'] for x in rows):.2f}; ratio {math.exp(mean):.2f}x "
+          f"[{lo:.2f}, {hi:.2f}] (95% t over {len(rows)} rounds); the {BAR:g}x bar: {bar}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "rounds": rows, "ratio": math.exp(mean), "lo": lo, "hi": hi,
+                       "bar": bar, "command": " ".join(sys.argv)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,545 @@
+"""Many small models of one shape trained as one computation: stacked parameters, one batched forward and backward,
+one AdamW step for all.
+
+The models of a sweep that share their parameter shapes (its seeds, and variants that differ only in positional
+encoding: RoPE, NTK-scaled RoPE, linear or YaRN scaling, a sliding window, NoPE, per-layer patterns) are trained
+together: every weight is stacked over a leading model axis [N, ...], every matrix product is a batched one over
+it (``torch.bmm``), and what differs between the models is data inside the one computation: each model's rotary
+table per layer (the stock model's own ``rotary_emb`` output, an identity rotation where a layer has no RoPE) and
+its attention mask per layer (causal, or causal within a sliding window). Each model keeps its own seed (initial
+weights: each is built alone by `poslens.train.model.build_model`, then stacked), its own data order (the blocks of
+its seed, `poslens.train.data.train_batches`), its own gradient clipping (the norm over its own gradients) and its
+own record (metrics.jsonl, checkpoints, run directory), exactly as `poslens.train.loop.train` writes them, so a
+model's checkpoint resumes under either trainer and each finished model is a stock transformers checkpoint.
+
+AdamW is elementwise, so one AdamW over the stacked parameters is each model's AdamW when the hyperparameters agree
+(which `batch_key` makes sure of). What differs from training each model alone is the order in which the batched
+matrix products sum, at float32 rounding (tests/test_batched.py states and checks the tolerance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from poslens.errors import check_int, require
+from poslens.train.config import TrainConfig
+
+# the fields that may differ between models trained together (and the seed): none of them changes a parameter shape
+PE_FIELDS = ("pe", "pe_layers", "rope_theta", "rope_scaling", "sliding_window", "layer_types")
+_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+          "post_attention_layernorm.weight")
+
+
+def batch_key(cfg: TrainConfig) -> str:
+    """What models trained together must share: every training field but the seed and the positional encoding
+    (`PE_FIELDS`), and where the model runs. Two configurations with equal keys have equal parameter shapes, data,
+    batches, schedule and optimizer."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in PE_FIELDS and k not in ("seed", "tensorboard", "preset")}
+    return json.dumps(fields, sort_keys=True)
+
+
+def groups(cfgs: Sequence[TrainConfig]) -> list[list[int]]:
+    """Indices of `cfgs` grouped by `batch_key`, in order of first appearance."""
+    out: dict[str, list[int]] = {}
+    for i, c in enumerate(cfgs):
+        out.setdefault(batch_key(c), []).append(i)
+    return list(out.values())
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc's allocator to keep freed memory for reuse (largest mmap threshold, 32 MiB; no trimming of the
+    heap) rather than hand it back to the kernel, so that the same tensors each step do not fault in fresh zeroed
+    pages. Measured on the 2-core development machine: a `pe-sinks` model's CPU step 104 ms before, 48 ms after
+    (one thread; BENCHMARKS.md "Sweep training as one computation"). Once per process; nothing where the C library
+    is not glibc."""
+    global _KEPT
+    if _KEPT:
+        return
+    _KEPT = True
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
+_KEPT = False
+
+
+def max_models(cfg: TrainConfig, vocab_size: int, device: torch.device, share: float = 0.25) -> int:
+    """How many models of `cfg` to train at once: `share` of the free memory (MemAvailable on the CPU) over one
+    model's `poslens.train.model.memory_estimate` twice over (the batched forward keeps a few more [tokens, vocab]
+    tensors than the plain one), at least 1."""
+    from poslens.train.model import memory_estimate
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = 8 << 30
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    return max(1, int(share * free // (2 * memory_estimate(cfg, vocab_size))))
+
+
+# ---------------------------------------------------------------- stacked parameters and the batched forward
+
+
+def parameter_names(model: torch.nn.Module) -> list[str]:
+    """The trainable parameter names of a poslens SmolLM3 model in `model.parameters()` order (the tied LM head once,
+    as the embedding); refuses a model with parameters the batched forward does not compute (biases, untied head)."""
+    names = [n for n, _ in model.named_parameters()]
+    layers = model.config.num_hidden_layers
+    known = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{p}" for i in range(layers) for p in _LAYER}
+    require(set(names) == known and model.config.tie_word_embeddings,
+            "batched training needs the poslens decoder (tied embeddings, no biases); train this model alone")
+    return names
+
+
+def stack_parameters(models: Sequence[torch.nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter of `models` stacked over a new leading model axis, as leaf tensors that require grad."""
+    names = parameter_names(models[0])
+    own = [dict(m.named_parameters()) for m in models]
+    return {n: torch.stack([p[n].detach() for p in own]).to(device).requires_grad_(True) for n in names}
+
+
+def unstack_into(params: dict[str, torch.Tensor], index: int, model: torch.nn.Module) -> torch.nn.Module:
+    """Copy model `index`'s slice of the stacked `params` into `model` (a module of the same configuration)."""
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in params.items():
+            own[n].copy_(p[index].to(own[n].device))
+    return model
+
+
+class BatchedDecoder:
+    """The forward pass of N SmolLM3 decoders of one shape over stacked parameters, each with its own positional
+    encoding: per layer, a rotary table per model (``rotary_emb``'s cos and sin of the model; cos 1 and sin 0, the
+    identity, where the model's layer has no RoPE) and an attention mask per model (causal; causal within the
+    sliding window where the model's layer slides)."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], seq_len: int, device: torch.device):
+        c = models[0].config
+        self.n, self.layers, self.heads, self.kv = len(models), c.num_hidden_layers, c.num_attention_heads, \
+            c.num_key_value_heads
+        self.head_dim, self.eps, self.vocab = c.head_dim, c.rms_norm_eps, c.vocab_size
+        for m in models:
+            k = m.config
+            require((k.num_hidden_layers, k.hidden_size, k.intermediate_size, k.num_attention_heads,
+                     k.num_key_value_heads, k.head_dim, k.vocab_size, k.hidden_act) ==
+                    (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                     c.num_key_value_heads, c.head_dim, c.vocab_size, "silu"),
+                    "batched training needs models of one shape (layers, widths, heads, vocabulary)")
+        self.seq_len, self.device = seq_len, device
+        pos = torch.arange(seq_len)
+        probe = torch.zeros(1, dtype=torch.float32)
+        tables = []
+        for m in models:
+            with torch.no_grad():
+                cos, sin = m.model.rotary_emb(probe, pos[None])  # [1, T, hd]: the stock model's own table
+            tables.append((cos[0].float(), sin[0].float()))
+        self.rope: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.masks: list[torch.Tensor | None] = []
+        causal = pos[None, :] <= pos[:, None]  # [T (query), T (key)]
+        for layer in range(self.layers):
+            uses = [bool(m.model.layers[layer].self_attn.use_rope) for m in models]
+            if any(uses):
+                cos = torch.stack([t[0] if u else torch.ones_like(t[0]) for t, u in zip(tables, uses)])
+                sin = torch.stack([t[1] if u else torch.zeros_like(t[1]) for t, u in zip(tables, uses)])
+                # [N, 1 (batch), 1 (heads), T, hd]
+                self.rope.append((cos[:, None, None].to(device), sin[:, None, None].to(device)))
+            else:
+                self.rope.append(None)
+            windows = [m.model.layers[layer].self_attn.sliding_window for m in models]
+            if any(windows):
+                mask = torch.stack([causal & (pos[:, None] - pos[None, :] < w) if w else causal for w in windows])
+                self.masks.append(mask[:, None, None].to(device))  # [N, 1, 1, T, T]
+            else:
+                self.masks.append(None)
+        self.causal = causal.to(device)
+        self._expanded: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def _mask(self, layer: int, n: int, b: int, t: int) -> torch.Tensor:
+        """Layer `layer`'s boolean mask [N * B, 1, T, T] (True: the query sees the key). An explicit mask, also where
+        every model is causal: CPU SDPA ran forward and backward in 7.1 ms with it against 10.7 ms with
+        ``is_causal`` on [32, 8, 64, 8] (one thread)."""
+        require(t == self.seq_len, f"batched training reads sequences of {self.seq_len} tokens; got {t}")
+        key = (layer, n, b)
+        if key not in self._expanded:
+            mask = self.masks[layer] if self.masks[layer] is not None else self.causal[None, None, None]
+            self._expanded[key] = mask.expand(n, b, 1, t, t).reshape(n * b, 1, t, t)
+        return self._expanded[key]
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return weight[:, None, :] * (x * torch.rsqrt(variance + eps))
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def logits(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """Logits [N, B, T, V] of input ids [N, B, T] (row n read by model n)."""
+        n, b, t = ids.shape
+        x = self.hidden(params, ids)
+        return torch.bmm(x, params["model.embed_tokens.weight"].transpose(1, 2)).reshape(n, b, t, self.vocab)
+
+    def hidden(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [N, B * T, d] for input ids [N, B, T]."""
+        n, b, t = ids.shape
+        hd, h, kv = self.head_dim, self.heads, self.kv
+        embed = params["model.embed_tokens.weight"]  # [N, V, d]
+        offsets = (torch.arange(n, device=ids.device) * self.vocab)[:, None, None]
+        x = F.embedding((ids + offsets).reshape(n, b * t), embed.reshape(n * self.vocab, -1))  # [N, BT, d]
+        for layer in range(self.layers):
+            p = f"model.layers.{layer}."
+            y = self._norm(x, params[p + "input_layernorm.weight"], self.eps)
+            qkv = torch.cat([params[p + f"self_attn.{k}_proj.weight"] for k in "qkv"], dim=1)  # [N, (H+2K)hd, d]
+            qkv = torch.bmm(y, qkv.transpose(1, 2))
+            q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+            q = q.reshape(n, b, t, h, hd).transpose(2, 3)  # [N, B, H, T, hd]
+            k = k.reshape(n, b, t, kv, hd).transpose(2, 3)
+            v = v.reshape(n, b, t, kv, hd).transpose(2, 3)
+            if self.rope[layer] is not None:
+                cos, sin = self.rope[layer]
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if kv != h:  # grouped-query attention: each key/value head serves heads / kv_heads query heads
+                k = k[:, :, :, None].expand(n, b, kv, h // kv, t, hd).reshape(n, b, h, t, hd)
+                v = v[:, :, :, None].expand(n, b, kv, h // kv, t, hd).reshape(n, b, h, t, hd)
+            q, k, v = (z.reshape(n * b, h, t, hd) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(layer, n, b, t), scale=hd ** -0.5)
+            a = a.reshape(n, b, h, t, hd).transpose(2, 3).reshape(n, b * t, h * hd)
+            x = x + torch.bmm(a, params[p + "self_attn.o_proj.weight"].transpose(1, 2))
+            y = self._norm(x, params[p + "post_attention_layernorm.weight"], self.eps)
+            gu = torch.cat([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], dim=1)
+            gate, up = torch.bmm(y, gu.transpose(1, 2)).chunk(2, dim=-1)
+            x = x + torch.bmm(F.silu(gate) * up, params[p + "mlp.down_proj.weight"].transpose(1, 2))
+        return self._norm(x, params["model.norm.weight"], self.eps)
+
+    def losses(self, params: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
+        """Each model's mean next-token cross-entropy [N] on its rows of `block` [N, B, T + 1] (in the weights'
+        dtype), through `head_loss` (the logits are never held whole)."""
+        x = self.hidden(params, block[..., :-1])
+        targets = block[..., 1:].reshape(x.shape[0], -1)
+        return head_loss(x, params["model.embed_tokens.weight"], targets)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of the tied LM head, chunked over tokens: each chunk's logits are made, turned into the
+    loss and (when gradients are needed) into the gradients of the hidden states and of the embedding, and dropped;
+    the backward pass only scales the stored gradients. The [tokens, vocabulary] logits never exist whole, so every
+    step stays in cache (a plain cross-entropy of 8 x 64 tokens x 2,048 entries per model reads and writes 4 MB
+    several times per step)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, grads: bool,
+                chunk: int) -> torch.Tensor:
+        n, t, _ = x.shape
+        loss = torch.zeros(n, dtype=x.dtype, device=x.device)
+        gx = torch.empty_like(x) if grads else None
+        gw = torch.zeros_like(w) if grads else None
+        for m in range(n):
+            for s in range(0, t, chunk):
+                xs, ys = x[m, s:s + chunk], targets[m, s:s + chunk]
+                logits = xs @ w[m].T  # [c, V]
+                lse = torch.logsumexp(logits, dim=-1)
+                loss[m] += (lse - logits.gather(1, ys[:, None])[:, 0]).sum()
+                if grads:  # d loss / d logits = (softmax - one-hot) / t
+                    p = logits.sub_(lse[:, None]).exp_()
+                    p.scatter_add_(1, ys[:, None], torch.full_like(lse[:, None], -1.0))
+                    p.div_(t)
+                    torch.mm(p, w[m], out=gx[m, s:s + chunk])
+                    gw[m].addmm_(p.T, xs)
+        if grads:
+            ctx.save_for_backward(gx, gw)
+        return loss / t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gx, gw = ctx.saved_tensors
+        return gx * grad[:, None, None], gw * grad[:, None, None], None, None, None
+
+
+def head_loss(x: torch.Tensor, embed: torch.Tensor, targets: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """Each model's mean next-token cross-entropy [N] of hidden states `x` [N, tokens, d] through its tied LM head
+    `embed` [N, V, d] against `targets` [N, tokens], `chunk` tokens at a time (`_HeadLoss`)."""
+    grads = torch.is_grad_enabled() and (x.requires_grad or embed.requires_grad)
+    return _HeadLoss.apply(x, embed, targets, grads, chunk)
+
+
+def clip_per_model(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip each model's gradient to norm `max_norm` over its own gradients (``clip_grad_norm_`` applied to each
+    model alone: the norm of the per-tensor norms, coefficient max_norm / (norm + 1e-6) capped at 1); returns the
+    norms [N] before clipping. `max_norm` inf: measure only."""
+    grads = [p.grad for p in params if p.grad is not None]
+    per_tensor = torch.stack([g.flatten(1).norm(dim=1) for g in grads])  # [tensors, N]
+    total = per_tensor.norm(dim=0)  # [N]
+    if max_norm != float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.reshape(-1, *[1] * (g.dim() - 1)))
+    return total
+
+
+# ---------------------------------------------------------------- optimizer state, one model's slice of it
+
+
+def slice_optimizer(state: dict[str, Any], index: int) -> dict[str, Any]:
+    """Model `index`'s AdamW state out of the stacked optimizer's `state_dict()`: the state dict of its own AdamW
+    (the same parameter indices and groups), as `poslens.train.loop` saves it."""
+    own = {}
+    for i, s in state["state"].items():
+        own[i] = {k: (v.clone() if k == "step" else v[index].clone()) for k, v in s.items()}
+    return {"state": own, "param_groups": [dict(g) for g in state["param_groups"]]}
+
+
+def stack_optimizer(states: Sequence[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """The stacked optimizer's state dict from the models' own AdamW state dicts (their step counts must agree)."""
+    first = states[0]
+    out = {}
+    for i, s in first["state"].items():
+        steps = {float(st["state"][i]["step"]) for st in states}
+        require(len(steps) == 1, "models trained together must resume from the same step")
+        out[i] = {k: (v.clone() if k == "step" else torch.stack([st["state"][i][k] for st in states]).to(device))
+                  for k, v in s.items()}
+    return {"state": out, "param_groups": [dict(g) for g in first["param_groups"]]}
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclasses.dataclass
+class _Member:
+    cfg: TrainConfig
+    model: torch.nn.Module  # float32, on the CPU: built from the seed, loaded from a checkpoint, written at the end
+    work: Any  # poslens.train.loop.Work
+    build: Path
+    start: int
+    trainer: dict[str, Any] | None
+
+
+def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progress: bool = True,
+                  stop_after: int | None = None, label: str | None = None) -> list[dict[str, Any]]:
+    """Train every configuration of `cfgs` (equal `batch_key`: one token directory, shape, data and optimisation;
+    each its own seed and positional encoding) as one computation, and write model i into `outs[i]` exactly as
+    `poslens.train.loop.train` would (a stock transformers checkpoint and a poslens run directory, resumable from
+    ``.OUT.partial/``); returns each model's final metrics.
+
+    Models whose checkpoints are at different steps train in turn, each set of equal steps as one computation.
+    `stop_after`: stop (as if interrupted) after that many steps, leaving each model's checkpoint behind."""
+    require(len(cfgs) == len(outs) and len(cfgs) >= 1, "train_batched needs one output per configuration")
+    for c in cfgs:
+        c.check()
+    require(len({batch_key(c) for c in cfgs}) == 1,
+            "models trained together must share every training field but the seed and the positional encoding")
+    require(cfgs[0].tokens is not None, "batched training needs a token directory (cfg.tokens)")
+    require(not cfgs[0].compile, "batched training does not compile the model; train with compile off")
+    require(cfgs[0].blocks == "packed", "batched training reads packed blocks; train document-start blocks "
+                                       "(blocks=\"doc-start\") with poslens.train.loop.train, one model at a time")
+    if stop_after is not None:
+        check_int("stop_after", stop_after, 1)
+    keep_freed_memory()
+    targets = [Path(o).expanduser().absolute() for o in outs]
+    require(len(set(targets)) == len(targets), "train_batched: two configurations share one output directory")
+    try:
+        return _open_and_train(list(cfgs), targets, progress, stop_after, label)
+    except _Stopped as stopped:
+        return stopped.metrics
+
+
+def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool, stop_after: int | None,
+                    label: str | None) -> list[dict[str, Any]]:
+    from poslens.io.results import open_run
+    from poslens.train import checkpoint as ckpt
+    from poslens.train.loop import Work
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ckpt.progress_bars(False))  # no "Writing model shards" bar per model and checkpoint
+        runs = [stack.enter_context(open_run(t, False, inputs=[cfgs[0].tokens])) for t in targets]
+        works = [Work(r.work) for r in runs]
+        try:
+            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label)
+        except BaseException as e:
+            if not isinstance(e, _Stopped):
+                for w in works:
+                    if ckpt.find(w.path) is None:
+                        w.metrics.unlink(missing_ok=True)
+            raise
+
+
+class _Stopped(Exception):
+    """Raised to leave the run directories unplaced (stop_after reached); carries each model's metrics."""
+
+    def __init__(self, metrics: list[dict[str, Any]]):
+        super().__init__("stopped")
+        self.metrics = metrics
+
+
+def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], progress: bool,
+               stop_after: int | None, label: str | None) -> list[dict[str, Any]]:
+    from poslens.engine.distributed import setup
+    from poslens.train.loop import _finish, _truncate_metrics, check_batch, check_training_data, resume_state
+    from poslens.train.model import build_model
+    from poslens.train.tokens import open_tokens
+
+    d = setup(cfgs[0].device)
+    require(d.world == 1, "batched training runs in one process (not under torchrun)")
+    check_batch(cfgs[0].batch_size, cfgs[0].micro_batch, 1)
+    tf = open_tokens(cfgs[0].tokens)
+    header = check_training_data(cfgs[0], tf)
+    members = []
+    for cfg, work, build in zip(cfgs, works, builds):
+        model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
+                            eos_token_id=tf.header["eos_token_id"])
+        start, trainer = resume_state(work, model, cfg, header, "plain")
+        _truncate_metrics(work.metrics, start)
+        members.append(_Member(cfg, model, work, build, start, trainer))
+    tokenizer = tf.tokenizer()
+    if cfgs[0].bos:
+        tokenizer.add_bos_token = True
+    results: dict[int, dict[str, Any]] = {}
+    starts = sorted({m.start for m in members})
+    for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
+        idx = [i for i, m in enumerate(members) if m.start == start]
+        out = _run([members[i] for i in idx], tf, header, tokenizer, d.device, progress, stop_after, label)
+        results.update(zip(idx, out))
+    if any(r.get("stopped") for r in results.values()):
+        raise _Stopped([results[i] for i in range(len(members))])
+    final = []
+    for i, m in enumerate(members):
+        _finish(m.build, m.model, None, tokenizer, m.cfg, m.work, results[i], tf)
+        final.append({**results[i], "tokens_path": str(tf.path)})
+    return final
+
+
+def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: torch.device, progress: bool,
+         stop_after: int | None, label: str | None) -> list[dict[str, Any]]:
+    """Train `members` (all at the same step) as one computation; returns each model's metrics."""
+    from tqdm.auto import tqdm
+
+    from poslens.train import checkpoint as ckpt
+    from poslens.train.data import eval_batches, train_batches
+    from poslens.train.loop import adamw, bos_id, gemm_flops, make_scheduler, peak_flops
+    from poslens.train.model import count_parameters, flops_per_token
+
+    cfg, n, start = members[0].cfg, len(members), members[0].start
+    bos = bos_id(cfg, tf)
+    decoder = BatchedDecoder([m.model for m in members], cfg.seq_len, device)
+    params = stack_parameters([m.model for m in members], device)
+    ordered = list(params.values())
+    dims = [members[0].model.get_parameter(k).dim() for k in params]
+    opt = adamw([p for p, k in zip(ordered, dims) if k >= 2], [p for p, k in zip(ordered, dims) if k < 2], cfg)
+    sched = make_scheduler(opt, cfg)
+    if start:
+        opt.load_state_dict(stack_optimizer([m.trainer["optimizer"] for m in members], device))
+        sched.load_state_dict(members[0].trainer["scheduler"])
+        ckpt.set_rng_state(members[0].trainer["rng"])
+    logs = [m.work.metrics.open("a") for m in members]
+    fpt = flops_per_token(members[0].model.config, cfg.seq_len)
+    peak, peak_label = peak_flops(device)
+    if peak is None:
+        peak, peak_label = gemm_flops(device), "measured float32 GEMM"
+    counts = count_parameters(members[0].model)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    val = eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch, 0, 1, bos)
+
+    def record(i: int, row: dict[str, Any]) -> None:
+        logs[i].write(json.dumps(row) + "\n")
+        logs[i].flush()
+
+    def evaluate() -> list[float]:
+        total, count = torch.zeros(n, dtype=torch.float64, device=device), 0
+        with torch.no_grad():
+            for block in val:
+                rows = block.to(device)[None].expand(n, *block.shape)
+                total += decoder.losses(params, rows).double() * block.shape[0]
+                count += block.shape[0]
+        return (total / count).tolist()
+
+    seeds = sorted({m.cfg.seed for m in members})
+    what = label or f"training {n} models as one ({cfg.preset}, {counts['total'] / 1e6:.2f}M params each)"
+    bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not progress, unit="step")
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    last: list[dict[str, Any]] = [{} for _ in members]
+    try:
+        if start == 0:
+            for i, e in enumerate(evaluate()):
+                record(i, {"step": 0, "eval_loss": e})
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            per_seed = {s: train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, 0, 1, s, bos)
+                        for s in seeds}
+            micro = len(per_seed[seeds[0]])
+            total = torch.zeros(n, device=device)
+            for j in range(micro):
+                block = torch.stack([per_seed[m.cfg.seed][j] for m in members]).to(device)
+                loss = decoder.losses(params, block) / micro
+                loss.sum().backward()  # the models' parameters are disjoint: each gets its own gradient
+                total += loss.detach()
+            norms = clip_per_model(ordered, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            tps = tokens_per_step / dt  # each model's own tokens per second of wall time (n of them at once)
+            lr = sched.get_last_lr()[0]
+            for i, (loss, gnorm) in enumerate(zip(total.tolist(), norms.tolist())):
+                last[i] = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+                           "mfu": tps * n * fpt / peak, "step_s": dt, "models": n}
+                record(i, last[i])
+            bar.set_postfix(loss=f"{sum(total.tolist()) / n:.3f}", tok_s=f"{tps * n:,.0f}")
+            bar.update(1)
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                for i, e in enumerate(evaluate()):
+                    last[i]["eval_loss"] = e
+                    record(i, {"step": done, "eval_loss": e})
+            if done < cfg.steps and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
+                _save(members, params, opt, sched, done, header, tokenizer)
+    finally:
+        bar.close()
+        for f in logs:
+            f.close()
+    for i, m in enumerate(members):
+        unstack_into(params, i, m.model)
+    if end < cfg.steps:
+        return [{**r, "stopped": True} for r in last]
+    return [{"final_loss": r.get("loss"), "final_eval_loss": r.get("eval_loss"), "tokens_per_s": r.get("tokens_per_s"),
+             "mfu": r.get("mfu"), "mfu_reference": peak_label, "mfu_peak_flops": peak, "flops_per_token": fpt,
+             "parameters": counts, "ranks": 1, "tokens_seen": cfg.steps * tokens_per_step, "batched_models": n}
+            for r in last]
+
+
+def _save(members: list[_Member], params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, sched: Any, step: int,
+          header: dict, tokenizer: Any) -> None:
+    """Each model's own checkpoint, in `poslens.train.loop`'s format (its weights, its slice of AdamW's state)."""
+    from poslens.train import checkpoint as ckpt
+
+    state = opt.state_dict()
+    for i, m in enumerate(members):
+        unstack_into(params, i, m.model)
+        trainer = {"step": step, "config": dataclasses.asdict(m.cfg), "tokens": header,
+                   "optimizer": slice_optimizer(state, i), "optimizer_format": "plain",
+                   "scheduler": sched.state_dict(), "rng": ckpt.rng_state()}
+        ckpt.save(m.work.path, m.model, None, trainer, tokenizer)
+

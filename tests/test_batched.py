@@ -1,0 +1,144 @@
+"""Many small models trained as one computation (`poslens.train.batched`): equal to training each alone, each saved
+as its own stock checkpoint that keeps its encoding, and resumable after an interruption, on micro models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from poslens.train.batched import BatchedDecoder, batch_key, groups, stack_parameters, train_batched
+from poslens.train.config import resolve_config
+from poslens.train.model import build_model
+
+pytest_plugins = ("train_fixtures",)  # the session's token directory (fixture `tokens`)
+# two micro-batches per step (accumulation) and a clipping threshold every step binds at (per-model clipping)
+MICRO = dict(layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, seq_len=16, steps=4, batch_size=4,
+             micro_batch=2, warmup=1, eval_every=2, eval_batches=1, save_every=0, grad_clip=0.5, lr=0.01,
+             device="cpu")
+# every variant kind the sweep batches: NoPE, RoPE, NTK-scaled RoPE, a sliding window (8 < 16 binds), a per-layer
+# pattern with YaRN; two seeds of RoPE
+VARIANTS = [dict(pe="none"), dict(pe="rope"), dict(pe="rope", rope_scaling="ntk:8"),
+            dict(pe="rope", sliding_window=8), dict(pe_layers="01", rope_scaling="yarn:4")]
+
+
+def _cfgs(tokens, bos=True):
+    out = [resolve_config("tiny", **MICRO, **v, bos=bos, seed=0, tokens=str(tokens)) for v in VARIANTS]
+    return out + [resolve_config("tiny", **MICRO, pe="rope", bos=bos, seed=1, tokens=str(tokens))]
+
+
+def _rows(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_batched_forward_is_the_stock_forward_in_float64(monkeypatch):
+    """In float64 the batched forward and backward equal each stock model's own to 1e-12 (relative): the same
+    computation (a wrong rotary table or mask differs at 1e-3 or more), so what remains in float32 training is
+    rounding. Stock RMSNorm rounds through float32 even in a float64 model (1e-10 to 1e-7 here); for this
+    comparison it computes in the model's dtype, the same formula."""
+    from transformers.models.smollm3 import modeling_smollm3
+
+    def norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_smollm3.SmolLM3RMSNorm, "forward", norm)
+    torch.manual_seed(0)
+    cfgs = [resolve_config("tiny", **MICRO, **v, bos=True, seed=s) for v in VARIANTS for s in (0, 1)]
+    models = [build_model(c, 512).double() for c in cfgs]
+    decoder = BatchedDecoder(models, 16, torch.device("cpu"))
+    params = stack_parameters(models, torch.device("cpu"))
+    block = torch.randint(0, 512, (len(models), 3, 17))
+    losses = decoder.losses(params, block)
+    losses.sum().backward()
+    for i, m in enumerate(models):
+        logits = m(input_ids=block[i, :, :-1]).logits
+        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), block[i, :, 1:].flatten())
+        ref.backward()
+        assert abs(losses[i].item() - ref.item()) < 1e-12 * ref.item()
+        for name, p in params.items():
+            g = m.get_parameter(name).grad
+            assert (p.grad[i] - g).abs().max() <= 1e-12 * g.abs().max()
+
+
+def test_batched_training_equals_training_each_alone(tmp_path, tokens):
+    """N models (every variant kind, two seeds; with and without BOS first) trained as one computation give each
+    model's loss per step within 2e-5 of training it alone and final weights within lr / 100 = 1e-4 (absolute):
+    float32 rounding of batched against plain matrix products, which AdamW's first steps amplify where a gradient
+    is near 0 (2.4e-5 seen); a model whose computation differed (a mask, a rotary table, the clipping, its data)
+    moves its weights by up to lr per step, 1e-2.
+    Each saved model reloads with stock `from_pretrained`, keeps its positional encoding and computes the alone
+    model's logits within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from poslens.engine.pe import PositionalEncoding
+    from poslens.train.loop import train
+
+    cfgs = _cfgs(tokens) + _cfgs(tokens, bos=False)[:2]
+    assert [len(g) for g in groups(cfgs)] == [6, 2]  # BOS first changes the data: its own computation
+    for group in groups(cfgs):
+        train_batched([cfgs[i] for i in group], [tmp_path / f"b{i}" for i in group], progress=False)
+    block = torch.randint(0, 512, (2, 16))
+    for i, cfg in enumerate(cfgs):
+        alone = tmp_path / f"a{i}"
+        train(cfg, alone, progress=False)
+        rows_a, rows_b = _rows(alone), _rows(tmp_path / f"b{i}")
+        assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+        for a, b in zip(rows_a, rows_b):
+            for key in ("loss", "eval_loss", "grad_norm"):
+                if key in a:
+                    assert abs(a[key] - b[key]) < 2e-5, (i, a, b)
+        wa, wb = load_file(str(alone / "model.safetensors")), load_file(str(tmp_path / f"b{i}" / "model.safetensors"))
+        assert wa.keys() == wb.keys()
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+        ma = AutoModelForCausalLM.from_pretrained(alone)
+        mb = AutoModelForCausalLM.from_pretrained(tmp_path / f"b{i}")
+        assert PositionalEncoding.of(mb).record() == PositionalEncoding.of(ma).record()
+        assert PositionalEncoding.of(mb).label() == cfg.positional_encoding().label()
+        assert mb.config.poslens_variant == ma.config.poslens_variant
+        with torch.no_grad():
+            assert (ma(input_ids=block).logits - mb(input_ids=block).logits).abs().max() < 1e-4
+        run = json.loads((tmp_path / f"b{i}" / "run.json").read_text())
+        assert run["config"]["seed"] == cfg.seed and run["metrics"]["batched_models"] == len(
+            [g for g in groups(cfgs) if i in g][0])
+
+
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, tokens):
+    """Stopped after 2 of 4 steps (each model's checkpoint, in the plain trainer's format) and rerun, the batched
+    models are bit-identical to an uninterrupted batched run: loss curves and weights (also when the resumed part
+    holds 3 of the 4 models: a model's arithmetic does not depend on the others); the fourth model resumes under
+    the plain trainer (`poslens train`) from its batched checkpoint."""
+    from poslens.train.loop import train
+
+    cfgs = _cfgs(tokens)[:4]
+    cfgs = [dataclasses.replace(c, save_every=2) for c in cfgs]
+    whole = [tmp_path / f"w{i}" for i in range(4)]
+    parts = [tmp_path / f"p{i}" for i in range(4)]
+    train_batched(cfgs, whole, progress=False)
+    train_batched(cfgs, parts, progress=False, stop_after=2)
+    assert not any(p.exists() for p in parts)
+    assert all((p.parent / f".{p.name}.partial" / "checkpoint" / "trainer.pt").is_file() for p in parts)
+    train(cfgs[3], parts[3], progress=False)  # the plain trainer resumes a batched checkpoint
+    train_batched(cfgs[:3], parts[:3], progress=False)
+    for i, (w, p) in enumerate(zip(whole, parts)):
+        ra, rb = _rows(w), _rows(p)
+        wa, wb = load_file(str(w / "model.safetensors")), load_file(str(p / "model.safetensors"))
+        if i < 3:
+            timing = ("step_s", "tokens_per_s", "mfu", "models")  # the resumed part trained 3 models as one, not 4
+            assert [{k: v for k, v in r.items() if k not in timing} for r in ra] == \
+                [{k: v for k, v in r.items() if k not in timing} for r in rb]
+            assert all(torch.equal(wa[k], wb[k]) for k in wa)
+        else:  # the last two steps alone: within the float32 tolerance of the test above
+            assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+def test_models_that_differ_in_more_than_encoding_and_seed_do_not_train_together(tokens):
+    from poslens.errors import UsageError
+
+    a = resolve_config("tiny", **MICRO, pe="rope", tokens=str(tokens))
+    assert batch_key(a) == batch_key(dataclasses.replace(a, pe="none", sliding_window=4, seed=3))
+    assert batch_key(a) != batch_key(dataclasses.replace(a, lr=0.02))
+    with pytest.raises(UsageError, match="share every training field"):
+        train_batched([a, dataclasses.replace(a, hidden=64)], ["x", "y"], progress=False)
