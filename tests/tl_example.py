@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
 HEADING = "### A worked example"
 LOADING_LINE = re.compile(r"^model = HookedModel\.from_pretrained\(.*$", re.M)  # the one line a port changes
@@ -35,7 +37,9 @@ def run_example(loading: str | None = None, **names) -> tuple[list[str], dict]:
 
     out = io.StringIO()
     namespace = {"__name__": "__example__", **names}
-    with contextlib.redirect_stdout(out):
+    # the example turns gradients off for the session, as a notebook does: torch's grad-mode context restores the
+    # caller's mode on leaving, so the rest of the test session keeps it
+    with contextlib.redirect_stdout(out), torch.set_grad_enabled(torch.is_grad_enabled()):
         exec(compile(example_code(loading), "docs/hooks.md worked example", "exec"), namespace)
     return out.getvalue().splitlines(), namespace
 

@@ -99,8 +99,9 @@ class SectionSpec:
 
     def check_size(self, key: str, value, like):
         """`value` for size `key` (default `like`) checked: the default's kind (an int where a float is; a list of
-        positive integers where a pair or list of them is; the kind in `NONE_KINDS` where the default is None),
-        and a count at least 1 (2 for groups; 0 only where a default is 0, which means off). Returns the value."""
+        positive integers where a pair or list of them is; names where the default is names; the kind in
+        `NONE_KINDS` where the default is None), and a count at least 1 (2 for groups; 0 only where a default is 0,
+        which means off). Returns the value."""
         what = f"sizes: section {self.name}'s {key}"
         if like is None:
             kind = NONE_KINDS.get(key)
@@ -108,6 +109,11 @@ class SectionSpec:
                                  and (kind is not list or all(isinstance(x, (int, str)) for x in value))):
                 return value
             raise UsageError(f"{what} takes {NONE_HELP.get(key, 'null')}, not {value!r}")
+        if isinstance(like, (tuple, list)) and like and all(isinstance(x, str) for x in like):
+            names = isinstance(value, (tuple, list)) and all(isinstance(x, str) and x for x in value)
+            if not (names and len(value) >= 1):
+                raise UsageError(f"{what} takes a list of names like {list(like)}, not {value!r}")
+            return type(like)(value)
         if isinstance(like, (tuple, list)):
             ok = (isinstance(value, (tuple, list)) and len(value) >= 1 and (len(like) != 2 or len(value) == 2)
                   and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value))
