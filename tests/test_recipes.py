@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_pipeline import saved_tiny_llama, text_of
+from test_stat import eager_sequences
 
 import poslens
 from poslens.analyses.stat import StatConfig, run_stat
@@ -54,16 +55,6 @@ def install(monkeypatch, directory: Path, dotted: str, code: str):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return saved_tiny_llama(tmp_path_factory.mktemp("recipes") / "tiny")
-
-
-def eager_sequences(model_dir, attn_implementation="eager"):
-    """The model loaded as transformers runs it (no poslens hook) and the sequences a run of SMALL reads."""
-    from poslens.engine.data import iter_documents, make_sequences
-    from poslens.engine.models import load_model
-
-    model, tok = load_model(str(model_dir), attn_implementation=attn_implementation)
-    ids, _ = make_sequences(tok, iter_documents(text_of(model_dir)), 32, 8, mode="pack")
-    return model, ids
 
 
 def test_the_page_has_every_recipe():
