@@ -360,7 +360,8 @@ def _units(cfgs: list[TrainConfig], index: list[int], jobs: int, tokens: Path) -
 def _unit_head(part: list[tuple[TrainConfig, str]]) -> str:
     if len(part) == 1:
         return part[0][1]
-    return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models as one"
+    together = "as one" if part[0][0].blocks == "packed" else "one at a time (document-start blocks)"
+    return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models {together}"
 
 
 class _Clock:
