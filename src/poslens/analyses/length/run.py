@@ -574,24 +574,9 @@ def over_models(per_model: list[dict], level: float) -> dict:
 
 def run_length(cfg: LengthConfig, out: str | Path, force: bool = False, progress: bool = True) -> Path | None:
     """Evaluate past the training length and write the run directory on rank 0 (returns its path there). An `out`
-    inside a model directory or the data it reads is refused (a run never writes into what it reads)."""
-    check_out_outside(cfg, out)
+    inside a model directory or the data it reads is refused by the run directory's own check of its inputs
+    (`poslens.io.protect.check_not_input`)."""
     return run_analysis(Length(), cfg, out, force=force, progress=progress)
-
-
-def check_out_outside(cfg: LengthConfig, out: str | Path) -> None:
-    """A one-line error when `out` lies inside one of the run's input directories (a model, a seed model, the
-    tokenizer, the data): the run directory would be written into what the run reads."""
-    from poslens.engine.pipeline import inputs_of
-
-    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out).strip():
-        return  # the run directory's own checks say what is wrong with it
-    real = Path(os.path.realpath(os.path.expanduser(os.fspath(out))))
-    for given in inputs_of(cfg):
-        p = Path(os.path.realpath(os.path.expanduser(os.fspath(given))))
-        if p.is_dir() and p in real.parents:
-            raise UsageError(f"--out {out} is inside this run's input {given}; a run never writes into what it "
-                             "reads, choose an --out outside it")
 
 
 def _ci(e: dict, signed: bool = False) -> str:
