@@ -408,3 +408,23 @@ def test_activation_norm_reads_per_head_points_and_refuses_maps():
     torch.testing.assert_close(stat.result()["norm"][0], q.double().norm(dim=-1).mean((0, 1)), rtol=1e-6, atol=0)
     with pytest.raises(UsageError, match="not laid out"):
         ActivationNorm("blocks.{l}.attn.hook_pattern")
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_grouped_scores_equal_repeated_keys_bit_for_bit(heads, kv_heads):
+    """The dense scores and the pattern-times-values of a grouped-query model are computed without repeating the
+    key/value heads (one GEMM per key head); each product is the same dot product as with transformers' repeat_kv,
+    so the result is bit-identical, not only close."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from poslens.engine.hooks import _grouped_matmul
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, 37, 16, generator=g)
+    k = torch.randn(2, kv_heads, 37, 16, generator=g)
+    p = torch.softmax(torch.randn(2, heads, 37, 37, generator=g), dim=-1)
+    groups = heads // kv_heads
+    assert torch.equal(_grouped_matmul(q, k.transpose(-1, -2)), q @ repeat_kv(k, groups).transpose(-1, -2))
+    assert torch.equal(_grouped_matmul(p, k), p @ repeat_kv(k, groups))
+    assert torch.equal(_grouped_matmul(q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(-1, -2)),
+                       q @ repeat_kv(k, groups).transpose(-1, -2))  # a non-contiguous query (a hook's replacement)

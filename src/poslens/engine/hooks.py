@@ -85,7 +85,7 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
@@ -629,8 +629,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             new_pattern = fire("attn.hook_pattern", pattern, pattern_fns)
             replaced |= new_pattern is not pattern or pattern._version != seen
         if replaced:  # a hook changed the scores or the pattern: the output follows from the pattern
-            groups = query.shape[1] // value.shape[1]
-            out = torch.matmul(new_pattern, repeat_kv(value, groups)).transpose(1, 2).contiguous()
+            out = _grouped_matmul(new_pattern, value).transpose(1, 2).contiguous()  # [B, T, H, D]
         else:
             out, _ = inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return fire("attn.hook_z", out), None  # [B, T, H, D]
@@ -651,9 +650,8 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
                                                                                    -math.inf)
             if hidden is not None:
                 hidden[key] = bias
-        s = torch.matmul(q * scaling, repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2))
-        return s.add_(bias)
-    s = torch.matmul(q, repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2)).mul_(scaling)
+        return _grouped_matmul(q * scaling, k.transpose(-1, -2)).add_(bias)
+    s = _grouped_matmul(q, k.transpose(-1, -2)).mul_(scaling)
     if softcap is not None:
         s = (s / softcap).tanh() * softcap if torch.is_grad_enabled() else s.div_(softcap).tanh_().mul_(softcap)
     if attention_mask is None:
@@ -663,6 +661,17 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
         hides = attention_mask[..., :m] != 0
     return s.masked_fill_(hides, -math.inf)
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, N] = a [B, H, T, M] @ b [B, K, M, N] where query head h reads key/value head h // (H / K), as
+    transformers' repeat_kv pairs them, without repeating b: the H / K query heads of one key head are one GEMM
+    (rows stacked), so b is read in place (same products and sums as with repeat_kv; bit-identical on CPU, tested)."""
+    bsz, h, t, m = a.shape
+    kh = b.shape[1]
+    if h == kh:
+        return torch.matmul(a, b)
+    return torch.matmul(a.reshape(bsz, kh, (h // kh) * t, m), b).view(bsz, h, t, b.shape[-1])
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
