@@ -192,7 +192,7 @@ class Length(Analysis):
     def memory(self, job: Job) -> dict[str, tuple[float, str]]:
         cfg = job.config
         n_layers = len(cfg.map_layers) if cfg.map_layers else job.hm.n_layers
-        window = any(s.startswith(("window", "sink-window")) for s in cfg.interventions)
+        window = any(isinstance(parse(s, cfg.train_len), Window) for s in cfg.interventions)
         est = memory_estimate(job.model, cfg.seq_len, cfg.batch_size, groups=cfg.groups, map_layers=n_layers,
                               map_keys=2 if cfg.maps else 0, window_mask=window)
         models = 1 + len(cfg.seed_models)
