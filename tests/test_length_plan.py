@@ -4,13 +4,14 @@ read back by their fields, never by their names; and the up-front maps check as 
 from __future__ import annotations
 
 import pytest
-from tiny_models import build
+from tiny_models import build, token_batch
 
-from poslens.analyses.length import LengthPass, plan_passes
+from poslens.analyses.length import LengthPass, PositionLoss, parse, plan_passes, run_pass
 from poslens.analyses.length.checks import check_maps_length
 from poslens.analyses.length.interventions import Freeze, LogScaling, RopeScaling, Window
 from poslens.analyses.length.plan import statistics_for
 from poslens.analyses.length.run import LengthConfig
+from poslens.engine.hooks import HookedModel
 from poslens.errors import UsageError
 
 
@@ -80,3 +81,10 @@ def test_maps_length_is_checked_by_a_plain_function():
         check_maps_length(dynamic, 48)
     assert "\n" not in str(e.value)
     check_maps_length(build("llama", max_position_embeddings=16), 48)  # default RoPE: computed on the fly
+
+
+def test_run_pass_takes_batches_of_one_length():
+    """An intervention may change the model for a length (ntk, yarn: factor T / L), so a pass is of one length."""
+    hm = HookedModel(build("llama", max_position_embeddings=16))
+    with pytest.raises(UsageError, match=r"one length .* got lengths \[8, 12\]"):
+        run_pass(hm, [PositionLoss([1, 8])], [token_batch(1, 8), token_batch(1, 12)], parse("ntk", 8))

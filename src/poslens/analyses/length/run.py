@@ -37,9 +37,9 @@ from poslens.analyses.length.checks import (
     check_maps_length,
     length_notes,
     memory_estimate,
-    reset_rotary,
 )
 from poslens.analyses.length.interventions import Intervention, Window, parse
+from poslens.analyses.length.passes import prepared
 from poslens.analyses.length.plan import LengthPass, LengthStatistics, edges_of, plan_passes, statistics_for
 from poslens.analyses.length.seeds import SeedWeights, check_same_variant, distinct_models, weights_digest
 from poslens.analyses.length.summary import over_models, summarise_model
@@ -221,7 +221,7 @@ class Length(Analysis):
         for p in plan_passes(cfg):
             iv = p.built(cfg.train_len, first_token)
             stats = statistics_for(p, cfg, job.model, job.groups)
-            out.append(Pass(p.name(models), stats.listed(), prepare=functools.partial(_prepared, job, iv, p.length),
+            out.append(Pass(p.name(models), stats.listed(), prepare=prepared(job.hm, iv, p.length),
                             context=functools.partial(self._forwards, job, p, iv),
                             meta={"pass": p, "statistics": stats}))
         return out
@@ -262,14 +262,6 @@ class Length(Analysis):
         from poslens.analyses.length.figures import length_figures
 
         return length_figures(output.metrics, output.tensors, directory, job.label)
-
-
-def _prepared(job: Job, iv: Intervention, length: int, ids, index: int) -> tuple:
-    """One batch of a pass: the rotary modules reset (dynamic RoPE: each batch as if it were the first), the first
-    `length` tokens, and the intervention's forward (ids, write hooks, position ids, mask)."""
-    reset_rotary(job.model)
-    f = iv.prepare(job.hm, ids[:, :length])
-    return f.ids, f.hooks, f.position_ids, f.attention_mask
 
 
 # ---------------------------------------------------------------- the command
