@@ -242,7 +242,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "each measured by the loss past L against no intervention on the same sequences, with jackknife "
             "intervals over groups of sequences; with --seed-models, also over seeds (docs/length.md).",
             configs=("poslens.analyses.length.run:LengthConfig",), run="poslens.analyses.length.run:run_length",
-            summary="poslens.analyses.length.run:summary_lines", out="runs/length", skip=("seq_len",)),
+            summary="poslens.analyses.length.summary:summary_lines", out="runs/length", skip=("seq_len",)),
     Command("card", "where a model's positional information comes from, per layer, on one page (several models "
             "side by side)",
             "Run scores, leakage, a residual-stream probe of absolute position (stat position_probe) and length on "

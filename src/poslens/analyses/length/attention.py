@@ -87,17 +87,21 @@ class AttentionProfile(Statistic):
         for name, x in sums.items():
             self.sums.add(f"{name}/{ctx.layer}", self.group, x.cpu(), count)
 
-    def _layers(self) -> list[int]:
+    def layers_read(self) -> list[int]:
+        """The layers (from 0) whose sums this statistic holds."""
         return sorted({int(n.split("/")[1]) for n in self.sums.names()})
 
-    def estimate(self, quantity: str, level: float = 0.95) -> Estimate:
-        """[layers, T] means of one quantity: entropy, key0, log_keys, or gap (= log_keys - entropy)."""
-        layers = self._layers()
+    def estimate(self, quantity: str, level: float = 0.95, edges: list[int] | None = None) -> Estimate:
+        """[layers, T] means of one quantity: entropy, key0, log_keys, or gap (= log_keys - entropy); with `edges`,
+        [layers, buckets]: the mean over the queries read in each bucket [e_k, e_{k+1}) of query indices."""
+        layers = self.layers_read()
 
         def f(m):
-            if quantity == "gap":
-                return torch.stack([m[f"log_keys/{l}"] - m[f"entropy/{l}"] for l in layers])
-            return torch.stack([m[f"{quantity}/{l}"] for l in layers])
+            rows = [m[f"log_keys/{l}"] - m[f"entropy/{l}"] if quantity == "gap" else m[f"{quantity}/{l}"]
+                    for l in layers]
+            if edges is not None:
+                rows = [torch.stack([x[a:b].nanmean() for a, b in zip(edges, edges[1:])]) for x in rows]
+            return torch.stack(rows)
 
         return self.sums.estimate(f, level)
 
@@ -107,7 +111,7 @@ class AttentionProfile(Statistic):
         for q in ("entropy", "gap", "key0"):
             out.update(self.estimate(q, level).as_dict(q))
         out["log_keys"] = self.estimate("log_keys", level).value
-        out["layers"] = torch.tensor(self._layers())
+        out["layers"] = torch.tensor(self.layers_read())
         return out
 
 

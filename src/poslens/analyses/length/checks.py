@@ -19,7 +19,8 @@ modules and mask code, and tested in tests/test_length_checks.py):
 
 poslens's Capture refuses sequences longer than `max_position_embeddings`; `context_limit_lifted` lifts that
 guard for the duration of a capture when the model computes positions on the fly and nothing it runs reads
-`max_position_embeddings` (checked), so the maps past L are the model's own.
+`max_position_embeddings` (checked by `check_maps_length`, which a run calls up front), so the maps past L are the
+model's own.
 """
 
 from __future__ import annotations
@@ -104,21 +105,29 @@ def reset_rotary(model: nn.Module) -> None:
             setattr(m, f"{prefix}max_seq_len_cached", m.original_max_seq_len)
 
 
+def check_maps_length(model: nn.Module, eval_len: int) -> None:
+    """Refuse, in one line, capturing the averaged maps at `eval_len` tokens: past a position table, or past
+    `max_position_embeddings` for a rope type that reads that limit during the forward."""
+    check_eval_length(model, eval_len)
+    limit = max_positions(model)
+    moving = sorted(t for t in rope_types(model) if t not in STATIC_ROPE)
+    if eval_len > limit and moving:
+        raise UsageError(f"eval_len {eval_len}: the averaged maps cannot be captured past max_position_embeddings "
+                         f"({limit}) for rope_type {moving[0]}, whose frequencies transformers computes from that "
+                         "limit during the forward; capture maps at lengths up to it", param="eval_len")
+
+
 @contextmanager
 def context_limit_lifted(model: nn.Module, eval_len: int):
     """Let Capture run `eval_len` tokens past `max_position_embeddings` (its guard reads the config) while the
-    model computes the same thing: refused for a position table or a rope type that reads the limit in a forward."""
-    check_eval_length(model, eval_len)
+    model computes the same thing: refused (`check_maps_length`) for a position table or a rope type that reads the
+    limit in a forward."""
+    check_maps_length(model, eval_len)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     limit = max_positions(model)
     if eval_len <= limit:
         yield
         return
-    moving = sorted(t for t in rope_types(model) if t not in STATIC_ROPE)
-    if moving:
-        raise UsageError(f"eval_len {eval_len}: the averaged maps cannot be captured past max_position_embeddings "
-                         f"({limit}) for rope_type {moving[0]}, whose frequencies transformers computes from that "
-                         "limit during the forward; capture maps at lengths up to it", param="eval_len")
     name = next(n for n in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
                 if isinstance(getattr(config, n, None), int))
     setattr(config, name, eval_len)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from poslens import plotting
+from poslens.analyses.length.loss import bin_spans
 
 
 def _err(t: dict, name: str) -> np.ndarray:
@@ -18,13 +19,9 @@ def _err(t: dict, name: str) -> np.ndarray:
 
 
 def bin_centres(train_len: int, n: int) -> np.ndarray:
-    """Centres of the loss curve's bins (run.binned), as positions from 1: the bins are the 0-based target indices
-    [1, L/4), [L/4, L/2), ... up to n, i.e. positions 2 to L/4, L/4 + 1 to L/2, ..."""
-    from poslens.analyses.length.run import BINS_PER_L
-
-    width = max(1, train_len // BINS_PER_L)
-    spans = [(max(1, s), min(n, s + width)) for s in range(0, n, width) if min(n, s + width) > max(1, s)]
-    return np.array([(a + b - 1) / 2 + 1 for a, b in spans])
+    """Centres of the loss curve's bins (`loss.bin_spans`), as positions from 1: the bins are the 0-based target
+    indices [1, L/4), [L/4, L/2), ... up to n, i.e. positions 2 to L/4, L/4 + 1 to L/2, ..."""
+    return np.array([(a + b - 1) / 2 + 1 for a, b in bin_spans(train_len, n)])
 
 
 def length_figures(metrics: dict, tensors: dict, directory: Path, label: str) -> list[Path]:

@@ -4,6 +4,11 @@
     with iv.applied(hm, ids) as p:            # p.ids, p.hooks (writes), p.attention_mask, p.position_ids
         hm.run(p.ids, p.attention_mask, hooks={**p.hooks, **readers}, position_ids=p.position_ids)
 
+`applied` is the two parts of an intervention together: `changed(hm, length)`, a context in which the model itself
+is changed for forwards of `length` tokens and restored after (ntk and yarn: the rotary frequencies), and
+`prepare(hm, ids)`, a plain function giving one batch's forward (logn: write hooks, window: a mask, freeze: write
+hooks and ids); the length analysis enters the first around a pass and calls the second per batch.
+
 Specs (`parse`):
 
     none        the model as it is
@@ -34,7 +39,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +54,7 @@ SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "sink-window", "fr
 
 
 @dataclass
-class Pass:
+class Forward:
     """What one forward of an intervention runs: ids, write hooks (point -> list), and model arguments."""
 
     ids: torch.Tensor
@@ -59,16 +64,27 @@ class Pass:
 
 
 class Intervention:
-    """Base: the model as it is. Subclasses change `applied`; `check` refuses a model they cannot act on."""
+    """Base: the model as it is. Subclasses change `prepare` (one batch's forward) or `changed` (the model, for a
+    block); `check` refuses a model they cannot act on."""
 
     name = "none"
 
     def check(self, model) -> None:
         """A one-line UsageError when this intervention cannot act on `model` (before any work)."""
 
+    def prepare(self, hm, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Forward:
+        """One batch's forward under the intervention: its ids, write hooks, mask and position ids."""
+        return Forward(ids, attention_mask=attention_mask)
+
+    def changed(self, hm, length: int) -> AbstractContextManager:
+        """A context in which the model is changed for forwards of `length` tokens, restored on exit (none here)."""
+        return nullcontext()
+
     @contextmanager
-    def applied(self, hm, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[Pass]:
-        yield Pass(ids, attention_mask=attention_mask)
+    def applied(self, hm, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[Forward]:
+        """One forward's `prepare` inside `changed` for its length."""
+        with self.changed(hm, ids.shape[1]):
+            yield self.prepare(hm, ids, attention_mask)
 
 
 def log_scale(n: int, train_len: int, clamp: bool = True) -> torch.Tensor:
@@ -88,8 +104,7 @@ class LogScaling(Intervention):
         check_int("train_len", self.train_len, 2)
         self.name = "logn" if self.clamp else "logn-all"
 
-    @contextmanager
-    def applied(self, hm, ids, attention_mask=None):
+    def prepare(self, hm, ids, attention_mask=None):
         lam = log_scale(ids.shape[1], self.train_len, self.clamp)
         hooks = {}
         for l in range(hm.n_layers):
@@ -101,7 +116,7 @@ class LogScaling(Intervention):
                 return q * lam.to(q.device, q.dtype).view(shape)
 
             hooks[point] = [scale]
-        yield Pass(ids, hooks, attention_mask)
+        return Forward(ids, hooks, attention_mask)
 
 
 @dataclass
@@ -128,11 +143,8 @@ class RopeScaling(Intervention):
             raise UsageError(f"{self.name}: the model's RoPE is already scaled (rope_type {sorted(types)[0]}); "
                              "NTK and YaRN at evaluation act on default RoPE")
 
-    @contextmanager
-    def applied(self, hm, ids, attention_mask=None):
-        factor = self.factor if self.factor is not None else max(1.0, ids.shape[1] / self.train_len)
-        with self.scaled(hm, factor):
-            yield Pass(ids, attention_mask=attention_mask)
+    def changed(self, hm, length):
+        return self.scaled(hm, self.factor if self.factor is not None else max(1.0, length / self.train_len))
 
     @contextmanager
     def scaled(self, hm, factor: float):
@@ -191,10 +203,9 @@ class Window(Intervention):
         kind = "sink-window" if self.sinks else "window"
         self.name = kind if self.window is None else f"{kind}:{self.window}"
 
-    @contextmanager
-    def applied(self, hm, ids, attention_mask=None):
+    def prepare(self, hm, ids, attention_mask=None):
         keys = None if attention_mask is None else right_padded(attention_mask)
-        yield Pass(ids, attention_mask=model_mask(hm.model, ids.shape[1], self.window or self.train_len, keys,
+        return Forward(ids, attention_mask=model_mask(hm.model, ids.shape[1], self.window or self.train_len, keys,
                                                   self.sinks))
 
 
@@ -205,8 +216,7 @@ class Freeze(Intervention):
     token: int | None = None
     name = "freeze"
 
-    @contextmanager
-    def applied(self, hm, ids, attention_mask=None):
+    def prepare(self, hm, ids, attention_mask=None):
         from poslens.analyses.leakage.interventions import prepare
 
         if self.token is None:
@@ -214,7 +224,7 @@ class Freeze(Intervention):
         # position 0 depends on token 0 alone (causality; its rotation is the identity), so one token is the reference
         reference = torch.tensor([self.token], device=ids.device)
         run_ids, hooks, _ = prepare("freeze", hm.model, hm, ids, reference)
-        yield Pass(run_ids, {k: [v] for k, v in hooks.items()}, attention_mask)
+        return Forward(run_ids, {k: [v] for k, v in hooks.items()}, attention_mask)
 
 
 def parse(spec: str, train_len: int) -> Intervention:

@@ -23,6 +23,8 @@ from poslens.analyses.length.points import final_norm_point
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import check_int, require
 
+BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
+
 
 def doubling_edges(train_len: int, eval_len: int) -> list[int]:
     """Bucket edges [1, L, 2L, 4L, ..., eval_len]: the training range, then each doubling past it."""
@@ -136,6 +138,12 @@ def check_spans(stat: PositionLoss, spans: Sequence[tuple[int, int]]) -> None:
         block = counts[:, lo:hi]
         require(bool((block == block[:, :1]).all()), f"span [{lo}, {hi}): not every sequence reaches every "
                                                      "position (padding); use spans the shortest sequence covers")
+
+
+def bin_spans(train_len: int, n: int) -> list[tuple[int, int]]:
+    """The loss curve's bins: target positions [s, s + L/4) from 1 up to n (the figure's points)."""
+    width = max(1, train_len // BINS_PER_L)
+    return [(max(1, s), min(n, s + width)) for s in range(0, n, width) if min(n, s + width) > max(1, s)]
 
 
 def span_means(curve: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
