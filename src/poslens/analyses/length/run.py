@@ -507,9 +507,9 @@ def summarise_model(cfg: LengthConfig, base: Pass, passes: list[Pass], level: fl
         entry["maps"] = {str(t): {k: {"value": e.value.tolist(), "lo": e.lo.tolist(), "hi": e.hi.tolist()}
                                   for k, e in met.items()}
                          for t, met in maps.metrics_at(lens, level, MAP_METRICS).items()}
-        res = maps.capture.result(level=level)
+        res = maps.result(level=level, metrics=False)
         tensors.update({"maps/scores": res["scores"].float(), "maps/scores_se": res["scores_se"].float(),
-                        "maps/layers": torch.as_tensor(maps.capture.layers)})
+                        "maps/layers": torch.as_tensor(maps.layers)})
     return entry, tensors
 
 
