@@ -45,8 +45,7 @@ def main() -> None:
             continue
         c0 = time.process_time()
         cap = Capture(model)
-        with cap:
-            cap.update(x)
+        cap.update(x)
         torch.save({"scores": cap.result()["scores"], "n": x.shape[0]}, path)
         cpu += time.process_time() - c0
         done += x.shape[0]

@@ -415,3 +415,33 @@ def test_group_standard_errors_equal_a_jackknife_over_separate_captures():
         se = torch.sqrt(3 / 4 * ((loo - loo.mean(0)) ** 2).sum(0))
         torch.testing.assert_close(got[f"{key}_se"].double(), se, rtol=1e-4, atol=1e-6, equal_nan=True)
     assert int(got["groups"]) == 4 and float(got["t_quantile"]) == pytest.approx(3.18245, abs=1e-4)
+
+
+def test_capture_is_a_statistic_the_runner_runs_like_any_other():
+    """The capture is a `Statistic`: a pass of the runner (its forward, `begin_batch`/`end_batch`, batch b in group
+    b mod G) gives exactly the sums and maps of `update` per batch; the registered `attention_maps` is the capture
+    itself (no adapter); `estimate` of the identity map is `result`'s mean and SE (both from GroupedSums.estimate)."""
+    from poslens.analyses.length.maps import LengthMaps
+    from poslens.engine.hooks import HookedModel
+    from poslens.engine.runner import run_statistics
+    from poslens.engine.statistics import spec
+    from poslens.engine.statistics.attention_maps import AttentionMapsOptions
+    from poslens.engine.stats import Statistic
+
+    model = build("llama")
+    batches = [(token_batch(2, 16, seed=40 + b), None) for b in range(6)]
+    run = Capture(model, probs=True, log_probs=True, groups=3)
+    assert isinstance(run, Statistic) and issubclass(LengthMaps, Capture)
+    run_statistics(model, [run], batches)
+    own = Capture(model, probs=True, log_probs=True, groups=3)
+    for x, _ in batches:
+        own.update(x)
+    a, b = run.result(), own.result()
+    assert set(a) == set(b) and "scores_se" in a
+    for key in a:
+        assert_identical(a[key], b[key])
+    assert type(spec("attention_maps").build(HookedModel(model), AttentionMapsOptions(), 3)) is Capture
+    est = own.estimate(lambda m: m)
+    for slot, e in enumerate(est):
+        assert_identical(e.value.float(), b["scores"][slot])
+        assert_identical(e.se.float(), b["scores_se"][slot])

@@ -401,17 +401,6 @@ def test_scaled_down_nope_shape_with_pe_none_equals_rope_removed_by_hand(smollm2
         torch.testing.assert_close(run[name], by_hand[name], rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-def test_diagonal_normalisation_matches_the_maps_module():
-    from poslens.analyses.intermediates import diagonal_normalised, masked
-    from poslens.maps import diagonal_normalise
-
-    g = torch.Generator().manual_seed(3)
-    m = masked(torch.randn(3, 15, 15, generator=g, dtype=torch.float64), 6)  # a sliding window hides far keys
-    got = diagonal_normalised(m)
-    torch.testing.assert_close(got, torch.as_tensor(diagonal_normalise(m.numpy())), rtol=0, atol=1e-12,
-                               equal_nan=True)
-
-
 def test_command_line_bad_layer_is_one_line_exit_2(smollm2, capsys, tmp_path):
     from poslens import cli
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from poslens.errors import UsageError
+from poslens.masks import nan_hidden
 
 
 def as_numpy(m) -> np.ndarray:
@@ -28,35 +29,43 @@ def offsets(n: int) -> np.ndarray:
 def diagonal_means(m, causal: bool = True) -> np.ndarray:
     """Mean of each diagonal k = i - j over its finite entries; index k + n - 1 (k from -(n-1) to n-1).
 
-    With causal=True only the lower diagonals k >= 0 are used (the upper ones are NaN). One pass over the
-    map (a weighted bincount by offset), so O(n^2) for an n x n map.
+    With causal=True only the lower diagonals k >= 0 are used (the upper ones are NaN). `diagonal_sums` in
+    float64: one pass over the map, so O(n^2) for an n x n map.
     """
-    m = as_numpy(m)
+    sums, counts = diagonal_sums(torch.from_numpy(as_numpy(m)), causal)
+    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.nan)[..., :-1].numpy()
+
+
+def diagonal_sums(m: torch.Tensor, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, counts) [..., 2n] of the finite entries of each diagonal k = i - j of maps m [..., n, n], at index
+    k + n - 1; the last bin holds what is left out (the upper diagonals when causal). One scatter-add by offset
+    over all maps at once, in m's dtype, each bin summed in row-major order."""
     n = m.shape[-1]
-    k = (offsets(n) + n - 1).ravel()
-    vals = m.ravel()
-    ok = np.isfinite(vals) & ((k >= n - 1) if causal else True)
-    sums = np.bincount(k[ok], weights=vals[ok], minlength=2 * n - 1)
-    counts = np.bincount(k[ok], minlength=2 * n - 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    flat = m.reshape(-1, n * n)
+    k = (torch.arange(n)[:, None] - torch.arange(n)[None]).to(m.device)
+    idx = (torch.where(k >= 0, k + n - 1, 2 * n - 1) if causal else k + n - 1).reshape(1, -1).expand_as(flat)
+    ok = torch.isfinite(flat) & (idx < 2 * n - 1)
+    sums = torch.zeros(flat.shape[0], 2 * n, dtype=m.dtype, device=m.device).scatter_add_(1, idx, flat.where(ok, 0))
+    counts = torch.zeros_like(sums).scatter_add_(1, idx, ok.to(m.dtype))
+    return sums.reshape(*m.shape[:-2], 2 * n), counts.reshape(*m.shape[:-2], 2 * n)
+
+
+def diagonal_normalised(m: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Each diagonal i - j = k of maps m [..., n, n] minus its mean over finite entries (`diagonal_sums`); with
+    causal=True the lower diagonals only, the upper triangle NaN (Figure 8). The one diagonal normalisation."""
+    n = m.shape[-1]
+    sums, counts = diagonal_sums(m, causal)
+    mean = torch.where(counts > 0, sums / counts.clamp(min=1), torch.nan).reshape(-1, 2 * n)
+    k = (torch.arange(n)[:, None] - torch.arange(n)[None]).to(m.device)
+    idx = (k + n - 1).reshape(1, -1).expand(mean.shape[0], -1)
+    out = (m.reshape(-1, n * n) - mean.gather(1, idx)).reshape(m.shape)
+    return nan_hidden(out) if causal else out
 
 
 def diagonal_normalise(m, causal: bool = True) -> np.ndarray:
-    """Subtract each diagonal's mean. causal=True: lower triangle only, the upper triangle becomes NaN.
-
-    Works on one map [n, n] or a stack [..., n, n].
-    """
-    m = as_numpy(m)
-    if m.ndim > 2:
-        return np.stack([diagonal_normalise(x, causal) for x in m])
-    n = m.shape[-1]
-    k = offsets(n)
-    mu = diagonal_means(m, causal)[k + n - 1]
-    out = m - mu
-    if causal:
-        out[k < 0] = np.nan
-    return out
+    """`diagonal_normalised` of a tensor or array as a float64 numpy array: subtract each diagonal's mean;
+    causal=True: lower triangle only, the upper triangle becomes NaN. One map [n, n] or a stack [..., n, n]."""
+    return diagonal_normalised(torch.from_numpy(as_numpy(m)), causal).numpy()
 
 
 def quantile_limits(m, q: tuple[float, float] = (0.01, 0.99)) -> tuple[float, float]:

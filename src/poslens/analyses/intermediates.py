@@ -48,6 +48,8 @@ from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import UsageError, check_int
+from poslens.maps import diagonal_normalised
+from poslens.masks import nan_hidden
 from poslens.options import option, option_of
 
 DEFAULT_SEQ_LEN = 50  # the paper's Figure 3: 1,000 sequences of the first 50 tokens of each document
@@ -89,19 +91,6 @@ def check_tolerance(dtype: torch.dtype) -> float:
 
 
 # ---------------------------------------------------------------- map arithmetic (float64, the paper's layout)
-
-
-def visible(n: int, window: int = 0) -> torch.Tensor:
-    """[n, n] bool: entry (i, j) is shown, j <= i (and i - j < window in a sliding-window layer)."""
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None]
-    ok = j <= i
-    return ok & (i - j < window) if window else ok
-
-
-def masked(m: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """The map with NaN above the diagonal (and outside the window), as the paper draws it."""
-    return m.masked_fill(~visible(m.shape[-1], window).to(m.device), math.nan)
 
 
 def gram_sum(x: torch.Tensor) -> torch.Tensor:
@@ -198,21 +187,6 @@ def offdiag_ratio(m: torch.Tensor) -> torch.Tensor:
     low = torch.tril(torch.ones(n, n, dtype=torch.bool, device=m.device), -1) & torch.isfinite(m)
     diag = torch.diagonal(m).mean()
     return m[low].mean() / diag if bool(diag > 0) else torch.full((), math.nan, dtype=m.dtype, device=m.device)
-
-
-def diagonal_normalised(m: torch.Tensor) -> torch.Tensor:
-    """Each lower diagonal i - j = k minus its mean over finite entries; the upper triangle NaN (Figure 8).
-
-    m: [..., n, n]; one scatter-add by offset over all maps at once."""
-    n = m.shape[-1]
-    flat = m.reshape(-1, n * n)
-    k = (torch.arange(n)[:, None] - torch.arange(n)[None]).to(m.device)
-    idx = torch.where(k >= 0, k, n).reshape(1, -1).expand_as(flat)  # upper entries go to a dump bin n
-    ok = torch.isfinite(flat) & (idx < n)
-    sums = torch.zeros(flat.shape[0], n + 1, dtype=m.dtype, device=m.device).scatter_add_(1, idx, flat.where(ok, 0))
-    cnt = torch.zeros_like(sums).scatter_add_(1, idx, ok.to(m.dtype))
-    mean = sums / cnt.clamp(min=1)
-    return masked((flat - mean.gather(1, idx)).reshape(m.shape))
 
 
 # ---------------------------------------------------------------- the statistic
@@ -337,7 +311,7 @@ class Intermediates(Statistic):
     def panel_map(self, letter: str, means: dict[str, torch.Tensor]) -> torch.Tensor:
         """Panel `letter`'s mean map [T, T] from pooled means (upper triangle NaN)."""
         name = {"b": f"scores/{self.layer}", "i": f"scores/{self.layer + 1}"}.get(letter, f"panel_{letter}")
-        return masked(means[name], self.window(letter))
+        return nan_hidden(means[name], self.window(letter))
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """panel_a .. panel_i (each with _lo/_hi/_se), scores [layers, T, T] and scores_normalised (Figure 8)."""
@@ -348,7 +322,7 @@ class Intermediates(Statistic):
         layers = self.score_layers()
 
         def stack(m, normalise: bool) -> torch.Tensor:
-            maps = [masked(m[f"scores/{l}"], self.windows[l]) for l in layers]
+            maps = [nan_hidden(m[f"scores/{l}"], self.windows[l]) for l in layers]
             out = torch.stack(maps)
             return diagonal_normalised(out) if normalise else out
 

@@ -1,6 +1,6 @@
 """`poslens scores MODEL`: averaged attention-score maps of a causal LM over real text (Kim et al. 2025, Section 5.2).
 
-One statistic on the analysis pipeline (`poslens.engine.pipeline`): `AttentionMaps` (the capture engine) over the
+One statistic on the analysis pipeline (`poslens.engine.pipeline`): the capture engine (`Capture`) over the
 sequences, optionally with RoPE removed for the pass (`--no-rope`, an ablation of a RoPE model). The summary gives
 per layer the score range next to the size of the non-relative pattern, with its jackknife interval over groups
 of sequences and the noise level of the diagonal-normalised map.
@@ -35,7 +35,7 @@ class ScoresConfig(ModelData):
 
 
 class Scores(Analysis):
-    """The scores analysis: one pass of `AttentionMaps`."""
+    """The scores analysis: one pass of `Capture`."""
 
     kind = "scores"
 
@@ -54,18 +54,18 @@ class Scores(Analysis):
         return {"grouped sums of the maps": (cfg.groups * n_layers * maps * heads * cfg.seq_len ** 2 * 4, "groups")}
 
     def passes(self, job: Job) -> list[Pass]:
-        from poslens.engine.statistics.attention_maps import AttentionMaps
+        from poslens.engine.capture import Capture
 
         cfg = job.config
-        maps = AttentionMaps(job.model, cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
-                             hidden_cosine=cfg.hidden_cosine, device=job.dist.device, groups=job.groups)
+        maps = Capture(job.model, cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
+                       hidden_cosine=cfg.hidden_cosine, device=job.dist.device, groups=job.groups)
         return [Pass("scores", [maps], context=(lambda: _no_rope(job.model)) if cfg.no_rope else None)]
 
     def finish(self, job: Job, passes: list[Pass]) -> Output:
         maps = passes[0].statistics[0]
         result = maps.result(level=job.config.level)
-        result.update(noise_maps(maps.capture))
-        return Output(result, summarise_scores(result, maps.capture, job.config.level))
+        result.update(noise_maps(maps))
+        return Output(result, summarise_scores(result, maps, job.config.level))
 
     def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
         return figures(output.tensors, directory, job.label + (" (RoPE off)" if job.config.no_rope else ""))
@@ -94,7 +94,7 @@ def pattern_rms(m: torch.Tensor) -> float:
 def noise_maps(capture) -> dict[str, torch.Tensor]:
     """Per-entry jackknife standard error of the diagonal-normalised score map (`normalised_se`), when the capture
     kept two or more groups of sequences (the raw maps' `scores_se` comes from `Capture.result`)."""
-    if "scores" not in capture._keys():
+    if "scores" not in capture.keys():
         return {}
     ests = capture.estimate(lambda m: torch.as_tensor(diagonal_normalise(m.numpy())))
     if ests[0].groups < 2:
@@ -111,7 +111,7 @@ def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
     """
     scores = as_numpy(result["scores"])
     layer_ids = result["layers"].tolist() if "layers" in result else list(range(len(scores)))
-    sizes = capture.estimate(pattern_rms, level=level) if capture is not None and "scores" in capture._keys() else None
+    sizes = capture.estimate(pattern_rms, level=level) if capture is not None and "scores" in capture.keys() else None
     layers = []
     for ell, m in enumerate(scores):
         lo, hi = quantile_limits(m)

@@ -1,10 +1,14 @@
-"""Mean attention maps of a Hugging Face causal LM, captured inside its own forward.
+"""Mean attention maps of a Hugging Face causal LM, captured inside its own forward: a `Statistic`.
 
-The capture is a registered transformers attention function: every attention module hands it the query and
-key states after RoPE and any q/k norm, together with its `scaling` (and `sliding_window`, `softcap`), i.e.
-exactly what the softmax sees. It adds the batch to float32 accumulators on the device and then returns the
-model's own attention output (transformers' `sdpa_attention_forward`; Gemma-2's eager function), so hidden
-states and logits are bit-identical to a plain forward with that implementation.
+`Capture` reads the hook point `attn.hook_attn_scores` of each captured layer from its factors
+(`poslens.engine.hooks.from_factors`): the query and key states after RoPE and any q/k norm as the attention
+kernel receives them, with the layer's `scaling`, `window` and `softcap`, i.e. exactly what the softmax sees. No
+[B, H, T, T] tensor is formed for the head means. It adds the batch to float32 sums of its group of sequences on
+the device (a `GroupedSums`, the base class's `sums`; batch b -> group b mod G) and leaves the forward alone: the
+model's own attention runs, so hidden states and logits are bit-identical to a plain forward. `result` finishes
+each map with `GroupedSums.estimate` (the mean, and with two or more groups the delete-a-group jackknife standard
+error of every entry); `estimate` gives any function of a mean map its interval the same way. In a pass of
+`poslens.engine.runner` it is one statistic among others; `update` / `forward` run a batch on their own.
 
 Maps (entry [i, j] = query position i, key position j):
 
@@ -29,7 +33,8 @@ Conventions:
   the number of sequences reaching position i, and every entry (i, j <= i) is a mean over count[i]
   sequences (times heads).
 * Entries the softmax never sees are NaN: above the diagonal, positions no sequence reached, and, on
-  sliding-window layers, keys with i - j >= window. `sliding_window` records the window per layer (0 = none).
+  sliding-window layers, keys with i - j >= window (`poslens.masks`). `sliding_window` records the window per
+  layer (0 = none).
 * `hidden_cosine` is symmetric; only j <= i is stored (NaN above), like the other maps.
 * `update()` runs the base model without the LM head and ends the forward inside the deepest captured
   layer's attention; `forward()` runs the whole model and returns its output. Both run under no_grad; put
@@ -50,8 +55,9 @@ from transformers import PreTrainedModel
 from poslens.engine.families import check_supported
 from poslens.engine.hooks import HookedModel, from_factors
 from poslens.engine.models import max_positions
-from poslens.engine.stats import Estimate, GroupedSums, t_quantile
+from poslens.engine.stats import Estimate, GroupedSums, Statistic, t_quantile
 from poslens.errors import UsageError, check_choice, check_int
+from poslens.masks import visible
 
 MAP_KEYS = ("scores", "probs", "log_probs", "hidden_cosine")
 GEMM_MODES = ("auto", "float32", "split-bf16")
@@ -90,14 +96,6 @@ def _blocks(n: int, block: int, window: int) -> Iterator[tuple[int, int, int]]:
     """Query blocks [s, e) and the first key k0 any of them sees (0, or the window's start)."""
     for s in range(0, n, block):
         yield s, min(n, s + block), max(0, s - window + 1) if window else 0
-
-
-def _seen(n: int, window: int, device=None) -> torch.Tensor:
-    """[n, n] bool: key j is attended by query i (j <= i, and i - j < window when there is one)."""
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    ok = j <= i
-    return ok & (i - j < window) if window else ok
 
 
 def _in_place(acc: torch.Tensor, x: torch.Tensor) -> bool:
@@ -208,25 +206,30 @@ def _pad_square(t: torch.Tensor, n: int, dims: int) -> torch.Tensor:
     return F.pad(t, [0, n - m] * dims)
 
 
-class Capture:
-    """Streaming accumulator of mean attention maps; see the module docstring for the conventions.
+class Capture(Statistic):
+    """Mean attention maps as a `Statistic`: sums per group of sequences, finished with intervals from
+    `GroupedSums.estimate`; see the module docstring for the conventions.
 
     ```
-    cap = Capture(model, layers=[0, 1, 2], probs=True)
+    cap = Capture(model, layers=[0, 1, 2], probs=True, groups=4)
     for ids, mask in batches:
-        cap.update(ids, mask)           # base model only, stops after layer 2
-    maps = cap.result()                 # {"scores": [3, T, T], "probs": ..., "count": [T], ...}
+        cap.update(ids, mask)           # base model only, stops after layer 2; batches go round-robin over groups
+    maps = cap.result()                 # {"scores": [3, T, T], "scores_se": ..., "probs": ..., "count": [T], ...}
     ```
-    `update()` installs the capture for its own duration; `with cap:` keeps it installed across calls.
-    Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head` (per-head maps
-    besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
+    In a pass of the pipeline (`poslens.engine.runner`) the runner runs the forward with `hooks(hm)` between
+    `begin_batch` and `end_batch`, as for any statistic; `update` and `forward` run it with the capture's own
+    HookedModel. Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head`
+    (per-head maps besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
     `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM; default:
     see `block_rows`), `chunk_bytes` (memory for one block of per-head scores in the chunked path), `gemm`
     (the head-mean score GEMM: "float32" upcasts q and k; "split-bf16" keeps bfloat16 keys and writes the
     float32 group-summed queries as hi + lo bfloat16 parts, one GEMM [hi | lo] @ [k ; k]^T with exact products
     and float32 accumulation, relative error ~2^-17, on tensor cores; only for bfloat16 keys, else float32;
-    "auto" = split-bf16 for bfloat16 models on CUDA, else float32).
+    "auto" = split-bf16 for bfloat16 models on CUDA, else float32), `groups` (groups of sequences: intervals need
+    at least two that hold data).
     """
+
+    name = "attention_maps"
 
     def __init__(
         self,
@@ -272,8 +275,7 @@ class Capture:
         self.num_heads = model.config.num_attention_heads
         self._slot = {l: k for k, l in enumerate(self.layers)}
         self.groups = check_int("groups", groups, 1)
-        self.sums = GroupedSums(self.groups, self.device)  # "<key>/<layer>" -> [G, ...] sums, counts per row
-        self.group = 0  # group of the next batch (update() advances it round-robin unless told)
+        super().__init__(self.groups, self.device)  # sums "<key>/<layer>" -> [G, ...]; counts in _count, per row
         self._n = 0  # map size (longest sequence so far)
         self._count = torch.zeros(self.groups, 0, dtype=torch.int64)  # sequences reaching each position, per group
         self._window = torch.zeros(len(self.layers), dtype=torch.int64)
@@ -281,10 +283,10 @@ class Capture:
 
     # ---- hook points read ----------------------------------------------------------------------------
 
-    def hooks(self) -> dict:
+    def hooks(self, hm: HookedModel | None = None) -> dict:
         """The hook points this capture reads: the attention scores of each captured layer, as their factors (the
         post-RoPE ctx.rot_q and ctx.rot_k; no [B, H, T, T] tensor is formed for the head means), and the residual
-        stream for `hidden_cosine`."""
+        stream for `hidden_cosine` (the same for any HookedModel `hm` of the model)."""
         out = {}
         if self.wanted["scores"] or self.wanted["probs"] or self.wanted["log_probs"]:
             for l in self.layers:
@@ -293,12 +295,6 @@ class Capture:
             for l in self.layers:
                 out[f"blocks.{l}.hook_resid_pre"] = self._hidden
         return out
-
-    def __enter__(self) -> Capture:  # kept for callers of the former install/remove API: nothing to install
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
     # ---- running batches -----------------------------------------------------------------------------
 
@@ -325,11 +321,11 @@ class Capture:
 
     def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     group: int | None = None) -> None:
-        """For a driver that runs the forward itself with `hooks()` (poslens.engine.runner): take the batch about
-        to run (checked and aligned as `update` does); `end_batch()` after the forward counts it."""
+        """For a driver that runs the forward itself with `hooks()` (poslens.engine.runner, which sets `self.group` to
+        the batch's index): take the batch about to run (checked and aligned as `update` does) into `group` (default
+        `self.group`) mod G; `end_batch()` after the forward counts it."""
         _, _, batch = self._prepare(input_ids, attention_mask)
-        if group is not None:
-            self.group = check_int("group", group, 0) % self.groups
+        self.group = check_int("group", self.group if group is None else group, 0) % self.groups  # the runner's
         self._grow(batch.valid.shape[1])
         self._batch = batch
 
@@ -395,7 +391,8 @@ class Capture:
 
     # ---- accumulation (called from inside the forward) -----------------------------------------------
 
-    def _keys(self) -> list[str]:
+    def keys(self) -> list[str]:
+        """The maps this capture keeps, in `result`'s order ("log_partition" with `log_probs`)."""
         keys = [k for k in MAP_KEYS if self.wanted[k]]
         return keys + (["log_partition"] if self.wanted["log_probs"] else [])
 
@@ -491,7 +488,7 @@ class Capture:
         q = _align(query.float(), batch, 2).unflatten(1, (hkv, h // hkv))  # [B, Hkv, G, T, D]
         k = _align(key.float(), batch, 2)[:, :, None]  # [B, Hkv, 1, T, D]
         valid = batch.on(query.device).valid
-        seen = _seen(n, window, query.device)
+        seen = visible(n, window, device=query.device)
         rows = max(1, min(n, self.chunk_bytes // (16 * b * h * n)))
         red = (0,) if self.per_head else (0, 1, 2)
 
@@ -553,7 +550,7 @@ class Capture:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Sums (per group) and counts on the CPU (for poslens.io.checkpoint.save_partial); resume with
         load_state_dict()."""
-        state = {f"{k}_sum": self._stacked(k) for k in self._keys()}
+        state = {f"{k}_sum": self._stacked(k) for k in self.keys()}
         state["count"] = self._count.clone()
         state["sliding_window"] = self._window.clone()
         state["layers"] = torch.tensor(self.layers, dtype=torch.int64)
@@ -562,7 +559,7 @@ class Capture:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore the sums written by state_dict() of a Capture with the same layers, options and groups."""
-        expected = {f"{k}_sum" for k in self._keys()} | {"count", "sliding_window", "layers", "group"}
+        expected = {f"{k}_sum" for k in self.keys()} | {"count", "sliding_window", "layers", "group"}
         if set(state) != expected or state["layers"].tolist() != self.layers or \
                 state["count"].dim() != 2 or state["count"].shape[0] != self.groups:
             raise UsageError("checkpoint was written by a capture with other layers, options or groups; "
@@ -572,7 +569,7 @@ class Capture:
         self._window = state["sliding_window"].to(torch.int64).clone()
         self.group = int(state["group"][0]) % self.groups
         self.sums = GroupedSums(self.groups, self.device)
-        for k in self._keys():
+        for k in self.keys():
             t = state[f"{k}_sum"]
             if tuple(t.shape) != (len(self.layers), self.groups, *self._shape(k)):
                 raise UsageError(f"checkpoint {k}_sum has shape {tuple(t.shape)}, expected "
@@ -584,7 +581,7 @@ class Capture:
 
     def merge(self, other: Capture) -> None:
         """Add the sums of another Capture of the same model, layers, options and groups (a shard)."""
-        if other.layers != self.layers or other._keys() != self._keys() or other.groups != self.groups \
+        if other.layers != self.layers or other.keys() != self.keys() or other.groups != self.groups \
                 or other.per_head != self.per_head:
             raise UsageError("merge: the captures differ in layers, options or groups")
         self._grow(other._n)
@@ -603,7 +600,7 @@ class Capture:
         n = torch.tensor([self._n], device=comm)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
         self._grow(int(n.item()))
-        for k in self._keys():  # every rank holds every sum, at the agreed size (a rank may have had no batch)
+        for k in self.keys():  # every rank holds every sum, at the agreed size (a rank may have had no batch)
             for slot in range(len(self.layers)):
                 full = self._full(k, slot)
                 self.sums.sums[self._name(k, slot)] = full
@@ -615,23 +612,47 @@ class Capture:
             dist.all_reduce(x, op=op, group=group)
             setattr(self, attr, x.cpu())
 
-    def result(self, device: str | torch.device | None = None, level: float = 0.95) -> dict[str, torch.Tensor]:
+    def _heads(self, key: str) -> int:
+        """How many maps a sequence adds to one entry of `key`'s head mean (1 for the residual stream's)."""
+        return 1 if key == "hidden_cosine" else self.num_heads
+
+    def _layer_sums(self, key: str, sums: torch.Tensor, count: torch.Tensor) -> GroupedSums:
+        """One layer's [G, (H,) ...] sums of `key` as a GroupedSums "m" of head means: head sums (float64 if per
+        head, else the float32 sums as kept), counts = sequences reaching each row times heads."""
+        gs = GroupedSums(self.groups)
+        per_head = self.per_head and key != "hidden_cosine"
+        gs.sums["m"] = sums.sum(1, dtype=torch.float64) if per_head else sums
+        gs.counts["m"] = count.to(sums.device, torch.float64) * self._heads(key)
+        return gs
+
+    def grouped(self, state: dict[str, torch.Tensor] | None = None) -> GroupedSums:
+        """The per-group sums (a `state_dict`, default this capture's) as one GroupedSums of head-mean maps named
+        `KEY/LAYER`, every one's counts the sequences times heads reaching each query row: what a function of
+        several maps (e.g. poslens.analyses.length.maps's leakage metrics) takes its intervals from."""
+        state = self.state_dict() if state is None else state
+        gs = GroupedSums(self.groups)
+        for key in self.keys():
+            for slot, layer in enumerate(self.layers):
+                one = self._layer_sums(key, state[f"{key}_sum"][slot], state["count"])
+                gs.sums[f"{key}/{layer}"], gs.counts[f"{key}/{layer}"] = one.sums["m"], one.counts["m"]
+        return gs
+
+    def result(self, level: float = 0.95, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
         """Means on the CPU (or `device`): maps [n_layers, (H,) T, T] with NaN where undefined, plus counts and
-        windows. Each layer is finished where its sums live, then copied once (from a GPU through small
-        page-locked staging buffers); `device="cuda"` leaves the maps on the GPU.
+        windows. Each layer is finished where its sums live (`GroupedSums.estimate` of its head means), then copied
+        once (from a GPU through small page-locked staging buffers); `device="cuda"` leaves the maps on the GPU.
 
         Keys: "scores", "probs", "log_probs", "hidden_cosine" (when enabled), their "<key>_per_head" with
         per_head=True (not hidden_cosine), "log_partition" [n_layers, T] (and "_per_head" [n_layers, H, T]),
         "count" [T] (sequences reaching each position), "layers", "sliding_window" (0 = none), "num_heads",
         "groups" (groups that hold data). With two or more such groups, every head-mean map also has "<key>_se":
-        the delete-a-group jackknife standard error of each entry (poslens.engine.stats); an interval at `level`
-        is the mean -/+ "t_quantile" (stored) times the SE.
+        the delete-a-group jackknife standard error of each entry; an interval at `level` is the mean -/+
+        "t_quantile" (stored) times the SE.
         """
         n, count_g = self._n, self._count
         count = count_g.sum(0)
         reached = count > 0
-        filled = [g for g in range(self.groups) if int(count_g[g].sum()) > 0]
-        k = len(filled)
+        k = sum(int(count_g[g].sum()) > 0 for g in range(self.groups))
         out: dict[str, torch.Tensor] = {}
         target = torch.device("cpu") if device is None else torch.device(device)
         masks: dict[tuple, torch.Tensor] = {}  # (device, window, vector) -> where the mean is defined
@@ -639,33 +660,29 @@ class Capture:
         def defined(dev: torch.device, window: int, vector: bool) -> torch.Tensor:
             if (dev, window, vector) not in masks:
                 hit = reached.to(dev)
-                masks[dev, window, vector] = hit if vector else _seen(n, window, dev) & hit[:, None]
+                masks[dev, window, vector] = hit if vector else visible(n, window, device=dev) & hit[:, None]
             return masks[dev, window, vector]
 
-        for key in self._keys():
+        for key in self.keys():
             vector = key == "log_partition"
             per_head = self.per_head and key != "hidden_cosine"
-            heads = 1 if key == "hidden_cosine" else self.num_heads
             shape = (n,) if vector else (n, n)
             mean = torch.empty(len(self.layers), *shape, device=target)
             se = torch.empty(len(self.layers), *shape, device=target) if k >= 2 else None
-            each = torch.empty(len(self.layers), heads, *shape, device=target) if per_head else None
+            each = torch.empty(len(self.layers), self.num_heads, *shape, device=target) if per_head else None
             for slot in range(len(self.layers)):  # one layer at a time: no float64 copy of every map
                 window = int(self._window[slot]) if key != "hidden_cosine" else 0
                 sums = self._full(key, slot)  # [G, (H,) *shape]
-                dev = sums.device  # finish where the sums live (a GPU), then one copy per layer
-                ok = defined(dev, window, vector)
-                cg = count_g.to(dev, torch.float64).view(self.groups, n, *([] if vector else [1]))
-                by_group = sums.sum(1, dtype=torch.float64) if per_head else sums.double()  # head sums
-                total, c = by_group.sum(0), cg.sum(0)
-                _put(mean[slot], torch.where(ok, total / (c * heads), math.nan))
-                if se is not None:  # jackknife: leave each group out, spread of the means (stats module)
-                    loo = [(total - by_group[g]) / ((c - cg[g]) * heads) for g in filled]
-                    centre = torch.stack(loo).mean(0) if len(loo) < 64 else sum(loo) / len(loo)
-                    spread = sum((m - centre) ** 2 for m in loo) * (k - 1) / k
-                    _put(se[slot], torch.where(ok, spread.sqrt(), math.nan))
+                ok = defined(sums.device, window, vector)  # finish where the sums live (a GPU), one copy per layer
+                est = self._layer_sums(key, sums, count_g).estimate(lambda m, ok=ok: torch.where(ok, m["m"], math.nan),
+                                                                    level)
+                _put(mean[slot], est.value)
+                if se is not None:
+                    _put(se[slot], est.se)
                 if per_head:
+                    c = count.to(sums.device, torch.float64).view(n, *([] if vector else [1]))
                     _put(each[slot], torch.where(ok, sums.sum(0, dtype=torch.float64) / c, math.nan))
+                del est
             out[key] = mean
             if se is not None:
                 out[f"{key}_se"] = se
@@ -681,25 +698,19 @@ class Capture:
         return out
 
     def estimate(self, fn, key: str = "scores", level: float = 0.95) -> list[Estimate]:
-        """fn(mean map) per captured layer, with a delete-a-group jackknife interval (poslens.engine.stats).
+        """fn(mean map) per captured layer, with a delete-a-group jackknife interval (`GroupedSums.estimate`).
 
         `fn` takes a float64 [T, T] head-mean map on the CPU (NaN where undefined, as in `result`) and returns a
         tensor or a float (e.g. the size of the diagonal-normalised pattern). Needs all-reduced sums under torchrun.
         """
-        if key not in self._keys() or key == "log_partition":
-            raise UsageError(f"estimate: key must be one of the captured maps {self._keys()}; got {key!r}")
-        n = self._n
-        heads = 1 if key == "hidden_cosine" else self.num_heads
+        if key not in self.keys() or key == "log_partition":
+            raise UsageError(f"estimate: key must be one of the captured maps {self.keys()}; got {key!r}")
         reached = self._count.sum(0) > 0
         out = []
         for slot in range(len(self.layers)):
             window = int(self._window[slot]) if key != "hidden_cosine" else 0
-            ok = _seen(n, window) & reached[:, None]
-            sums = self._full(key, slot)
-            by_group = (sums.sum(1, dtype=torch.float64) if self.per_head and key != "hidden_cosine"
-                        else sums.double()).cpu()
-            gs = GroupedSums(self.groups)
-            gs.sums["m"], gs.counts["m"] = by_group, self._count.double() * heads
+            ok = visible(self._n, window) & reached[:, None]
+            gs = self._layer_sums(key, self._full(key, slot).cpu(), self._count)
             out.append(gs.estimate(lambda m, ok=ok: fn(torch.where(ok, m["m"], math.nan)), level=level))
         return out
 

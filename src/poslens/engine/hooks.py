@@ -93,6 +93,7 @@ from poslens.engine.families import Family, decoder_layers, family_of
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
+from poslens.masks import hidden as hidden_keys
 
 ATTN_SDPA = "poslens_hooks"
 ATTN_EAGER = "poslens_hooks_eager"
@@ -646,8 +647,8 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
         key = (n, m, window, q.device, q.dtype)
         bias = None if hidden is None else hidden.get(key)
         if bias is None:
-            bias = torch.zeros(n, m, dtype=q.dtype, device=q.device).masked_fill_(_hidden_keys(n, m, window, q.device),
-                                                                                   -math.inf)
+            bias = torch.zeros(n, m, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(hidden_keys(n, window, keys=m, device=q.device), -math.inf)
             if hidden is not None:
                 hidden[key] = bias
         return _grouped_matmul(q * scaling, k.transpose(-1, -2)).add_(bias)
@@ -655,7 +656,7 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     if softcap is not None:
         s = (s / softcap).tanh() * softcap if torch.is_grad_enabled() else s.div_(softcap).tanh_().mul_(softcap)
     if attention_mask is None:
-        hides = _hidden_keys(n, m, window, s.device)
+        hides = hidden_keys(n, window, keys=m, device=s.device)
     elif attention_mask.dtype == torch.bool:
         hides = ~attention_mask[..., :m]
     else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
@@ -677,13 +678,6 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a and b are views of the same storage (an in-place edit of one is seen by the other)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _hidden_keys(n: int, m: int, window: int, device) -> torch.Tensor:
-    """[n, m] True where query i (the last n of m positions) cannot see key j: j > i, or i - j >= window."""
-    i = torch.arange(n, device=device)[:, None] + (m - n)
-    j = torch.arange(m, device=device)[None]
-    return (j > i) | ((i - j >= window) if window else False)
 
 
 @functools.cache

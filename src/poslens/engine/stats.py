@@ -276,9 +276,10 @@ class GroupedSums:
             reps = torch.stack([torch.as_tensor(fn(self._means(drop=g, totals=totals)), dtype=torch.float64)
                                 for g in groups])
             k = len(groups)
-            se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
+            centre = reps.mean(0)
+            debiased = k * value - (k - 1) * centre
+            se = torch.sqrt((k - 1) / k * reps.sub_(centre).pow_(2).sum(0))  # in place: the replicates are GBs for maps
             t = t_quantile((1 + level) / 2, k - 1)
-            debiased = k * value - (k - 1) * reps.mean(0)
             return Estimate(value, value - t * se, value + t * se, se, k, level, method, debiased)
         gen = torch.Generator().manual_seed(seed)
         idx = torch.tensor(groups)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from poslens import masks
 from poslens.errors import UsageError, check_choice, check_float, check_int, check_real, require
 from poslens.options import option
 
@@ -108,14 +109,13 @@ def check_window(window: int, n: int) -> int:
 def visible(n: int, mask: str = "causal", window: int | None = None) -> np.ndarray:
     """Boolean [n, n] matrix, True where query i may attend to key j.
 
-    causal: j <= i; none: all pairs; sliding: 0 <= i - j < window (the Hugging Face convention, self included).
+    causal: j <= i; none: all pairs; sliding: 0 <= i - j < window (the Hugging Face convention, self included);
+    the causal ones are `poslens.masks.visible`.
     """
-    i = np.arange(n)[:, None]
-    j = np.arange(n)[None, :]
     if mask == "none":
         return np.ones((n, n), dtype=bool)
     if mask == "causal":
-        return j <= i
+        return masks.visible(n).numpy()
     if mask == "sliding":
-        return (j <= i) & (i - j < int(window))
+        return masks.visible(n, int(window)).numpy()
     raise UsageError(f"mask must be one of {', '.join(MASKS)}; got {mask!r}")

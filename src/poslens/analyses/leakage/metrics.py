@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from poslens.errors import UsageError, check_int
+from poslens.masks import visible
 
 TERMS = ("d", "q", "k")  # one-hot factors of a fit: offset i - j, query i, key j
 MIN_PER_OFFSET = 2  # a diagonal with one entry has no residual: a Toeplitz fit needs at least two
@@ -52,16 +53,11 @@ class Domain:
     def mask(self, n: int) -> torch.Tensor:
         """[n, n] bool: True on Omega."""
         i = torch.arange(n)[:, None]
-        j = torch.arange(n)[None, :]
-        d = i - j
+        d = i - torch.arange(n)[None, :]
         top = n // 2 if self.max_offset is None else self.max_offset
-        ok = (d >= 0) & (d <= top) & (i >= self.min_query)
+        ok = visible(n, self.window or 0, key0=self.first_key) & (d <= top) & (i >= self.min_query)
         if self.max_query is not None:
             ok &= i <= self.max_query
-        if not self.first_key:
-            ok &= j >= 1
-        if self.window is not None:
-            ok &= d < self.window
         return ok
 
     def index(self, n: int) -> _Index:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from poslens.analyses.length.masks import allowed_from, causal_allowed, right_padded
+from poslens.analyses.length.masks import allowed_from, right_padded
 from poslens.analyses.length.points import rotated
 from poslens.engine.hooks import from_factors
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import check_int
+from poslens.masks import allowed
 from poslens.options import option
 
 QUANTITIES = ("entropy", "key0", "log_keys")
@@ -73,7 +74,7 @@ class AttentionProfile(Statistic):
                 ok = explicit[:, :, block, :e].to(q.device)
             else:
                 keys = None if valid is None else valid[:, :e]
-                ok = causal_allowed(e, int(ctx.window or 0), keys, q.device)[:, :, block]
+                ok = allowed(e, int(ctx.window or 0), keys, device=q.device)[:, :, block]
             ok = ok[:, :, None]  # [B or 1, 1, 1, r, e] against the scores' [B, K, G, r, e]
             sc.masked_fill_(~ok, -math.inf)
             sc.sub_(torch.logsumexp(sc, -1, keepdim=True)).exp_()  # the probabilities, in place

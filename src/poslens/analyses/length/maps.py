@@ -1,6 +1,6 @@
 """The averaged attention maps at an evaluation length and their leakage metrics, with intervals.
 
-The maps are poslens's `Capture` (head-mean scores, log-probabilities with the log-partition, probabilities),
+`LengthMaps` is poslens's `Capture` (head-mean scores, log-probabilities with the log-partition, probabilities),
 per group of sequences; the metrics are `poslens.analyses.leakage.metrics.leakage_metrics` of each layer's mean
 maps on the default domain (offsets up to T / 2, each layer's own window), with delete-one-group jackknife
 intervals over the same groups. Past `max_position_embeddings` the capture runs under
@@ -18,7 +18,7 @@ import torch
 from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split, toeplitz_fraction
 from poslens.analyses.length.checks import context_limit_lifted
 from poslens.engine.capture import Capture
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate
 
 KEYS = ("scores", "log_probs", "probs")
 SPLIT = ("e_total", "e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction")
@@ -33,76 +33,41 @@ def lean_metrics(maps: dict[str, torch.Tensor], domain: Domain) -> dict[str, tor
     return out
 
 
-class LengthMaps(Statistic):
-    """Capture at one model, with the leakage metrics of its mean maps: a Statistic for the runner (its hooks, its
-    `begin_batch` past max_position_embeddings), or `update` per batch with Capture's own forward; then `metrics`."""
+class LengthMaps(Capture):
+    """The capture (head-mean scores, log-probabilities with the log-partition, probabilities) at one model, run past
+    max_position_embeddings where the model allows it, with the leakage metrics of its mean maps (`metrics`)."""
 
     name = "length_maps"
 
     def __init__(self, model, layers: list[int] | None = None, groups: int = DEFAULT_GROUPS,
                  probs: bool = True) -> None:
-        super().__init__(groups)
-        self.model = model
-        self.capture = Capture(model, layers, probs=probs, log_probs=True, groups=groups)
+        super().__init__(model, layers, probs=probs, log_probs=True, groups=groups)
 
-    # ---- the Statistic interface (poslens.engine.stats.Statistic, run by poslens.engine.runner)
-
-    def hooks(self, hm) -> dict:
-        return self.capture.hooks()
-
-    def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    group: int | None = None) -> None:
         with context_limit_lifted(self.model, input_ids.shape[1]):  # the guard reads the config here, only here
-            self.capture.begin_batch(input_ids, attention_mask, group=self.group)
-
-    def end_batch(self) -> None:
-        self.capture.end_batch()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.capture.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.capture.load_state_dict(state)
-
-    def merge(self, other: LengthMaps) -> None:
-        self.capture.merge(other.capture)
-
-    def all_reduce(self, group=None) -> None:
-        self.capture.all_reduce(group)
+            super().begin_batch(input_ids, attention_mask, group)
 
     def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                group: int | None = None) -> None:
         """Capture one batch [B, T] into `group` (default: round robin), past max_position_embeddings if need be."""
         with context_limit_lifted(self.model, input_ids.shape[1]):
-            self.capture.update(input_ids, attention_mask, group)
-
-    def grouped(self, state: dict[str, torch.Tensor] | None = None) -> GroupedSums:
-        """The capture's per-group sums (its `state_dict`, or `state`) as a GroupedSums of head-mean maps, named
-        `KEY/LAYER` (counts: sequences times heads reaching each query row)."""
-        state = self.capture.state_dict() if state is None else state
-        heads = self.capture.num_heads
-        count = state["count"].double() * heads  # [G, T]
-        gs = GroupedSums(self.capture.groups)
-        for key in (*[k for k in KEYS if f"{k}_sum" in state], "log_partition"):
-            for slot, layer in enumerate(self.capture.layers):
-                gs.sums[f"{key}/{layer}"] = state[f"{key}_sum"][slot]
-                gs.counts[f"{key}/{layer}"] = count
-        return gs
+            super().update(input_ids, attention_mask, group)
 
     def metrics(self, level: float = 0.95, n: int | None = None, names: tuple[str, ...] | None = None
                 ) -> dict[str, Estimate]:
         """Every leakage metric (or those in `names`) per captured layer ([layers] each), on the top-left n x n block
         of the maps (default: the whole length), with jackknife intervals."""
-        size = self.capture.state_dict()["count"].shape[-1] if n is None else n
+        size = self._n if n is None else n
         return self.metrics_at([size], level, names)[size]
 
     def metrics_at(self, lengths: list[int], level: float = 0.95, names: tuple[str, ...] | None = None
                    ) -> dict[int, dict[str, Estimate]]:
         """`metrics` at several lengths (top-left blocks), from one jackknife over the groups (each replicate's
         means are formed once for every length). Names in `LEAN` only: no fit beyond diagonal means."""
-        state = self.capture.state_dict()
-        gs = self.grouped(state)
-        windows = [int(w) for w in state["sliding_window"]]
-        layers = self.capture.layers
+        gs = self.grouped()
+        windows = [int(w) for w in self._window]
+        layers = self.layers
         keys: list[str] = []
 
         def per_layer(m: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -126,9 +91,10 @@ class LengthMaps(Statistic):
                                    est.method) for i, k in enumerate(keys)}
                 for a, size in enumerate(lengths)}
 
-    def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
-        """The capture's mean maps (with `_se`) and every metric as `metric/NAME` [layers] with `_lo`, `_hi`, `_se`."""
-        out = self.capture.result(level=level)
-        for name, est in self.metrics(level).items():
+    def result(self, level: float = 0.95, metrics: bool = True) -> dict[str, torch.Tensor]:
+        """The capture's mean maps (with `_se`) and, with `metrics`, every metric as `metric/NAME` [layers] with
+        `_lo`, `_hi`, `_se`."""
+        out = super().result(level=level)
+        for name, est in (self.metrics(level) if metrics else {}).items():
             out.update(est.as_dict(f"metric/{name}"))
         return out

@@ -6,7 +6,7 @@ explicit mask is how to (a) run with position ids that do not start at 0 without
 (b) impose a window other than the model's. Models whose layers differ in their window (Gemma-2/3, Qwen2/3 and
 SmolLM3 with `layer_types`) take a dict {layer type: mask}; the others one mask for every layer.
 
-allowed(i, j) = j <= i  and  i - j < W  (W = 0: no window)  and  key j is a real token.
+allowed(i, j) = j <= i  and  i - j < W  (W = 0: no window)  and  key j is a real token (`poslens.masks.allowed`).
 
 A window that keeps the sink (StreamingLLM's and LM-Infinite's masks): the first S keys stay visible to every query
 besides the last W - S, so a query still sees at most W keys: allowed(i, j) = j <= i and (i - j < W - S or j < S),
@@ -19,20 +19,7 @@ import torch
 
 from poslens.engine.families import family_of, sliding_windows
 from poslens.errors import UsageError
-
-
-def causal_allowed(n: int, window: int = 0, keys: torch.Tensor | None = None,
-                   device: torch.device | str | None = None) -> torch.Tensor:
-    """[B or 1, 1, n, n] bool: query i may attend key j (see the module docstring); `keys` [B, n] marks real tokens."""
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    ok = j <= i
-    if window:
-        ok = ok & (i - j < window)
-    ok = ok[None, None]
-    if keys is not None:
-        ok = ok & keys.to(device=ok.device, dtype=torch.bool)[:, None, None, :]
-    return ok
+from poslens.masks import allowed, visible
 
 
 def as_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:
@@ -56,20 +43,18 @@ def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None,
     def capped(w: int) -> int:
         return min(w, window) if w and window else (w or window)
 
-    def allowed(w: int) -> torch.Tensor:
+    def layer(w: int) -> torch.Tensor:
         if not sinks:
-            return causal_allowed(n, capped(w), keys, device)
-        recent = causal_allowed(n, window - sinks, None, device)
-        first = torch.arange(n, device=device)[None, None, None, :] < sinks
-        return causal_allowed(n, w, keys, device) & (recent | first)
+            return allowed(n, capped(w), keys, device=device)
+        return allowed(n, w, keys, device=device) & visible(n, window - sinks, sinks=sinks, device=device)
 
     if len(set(native)) == 1:
-        return as_model_mask(allowed(native[0]), model)
+        return as_model_mask(layer(native[0]), model)
     types = model.config.layer_types
     out = {}
     for t, w in zip(types, native):
         if t not in out:
-            out[t] = as_model_mask(allowed(w), model)
+            out[t] = as_model_mask(layer(w), model)
     return out
 
 

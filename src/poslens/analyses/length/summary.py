@@ -56,9 +56,9 @@ def summarise_model(cfg, passes: list[tuple[LengthPass, LengthStatistics]], leve
         entry["maps"] = {str(t): {k: {"value": e.value.tolist(), "lo": e.lo.tolist(), "hi": e.hi.tolist()}
                                   for k, e in met.items()}
                          for t, met in base.maps.metrics_at(lens, level, MAP_METRICS).items()}
-        res = base.maps.capture.result(level=level)
+        res = base.maps.result(level=level, metrics=False)
         tensors.update({"maps/scores": res["scores"].float(), "maps/scores_se": res["scores_se"].float(),
-                        "maps/layers": torch.as_tensor(base.maps.capture.layers)})
+                        "maps/layers": torch.as_tensor(base.maps.layers)})
     return entry, tensors
 
 

@@ -58,8 +58,7 @@ def capture_groups(model, ids: torch.Tensor, batch: int, groups: int, desc: str,
         bar = tqdm(total=len(batches), desc=desc, unit="batch", leave=False)
     for b, x in enumerate(batches):
         cap = Capture(model)
-        with cap:
-            cap.update(x)
+        cap.update(x)
         sums.add("ab"[(b // groups) % 2], b % groups, cap.result()["scores"] * x.shape[0], x.shape[0])
         if bar is not None:
             bar.update(1)
