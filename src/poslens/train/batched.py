@@ -96,6 +96,18 @@ def max_models(cfg: TrainConfig, vocab_size: int, device: torch.device, share: f
     return max(1, int(share * free // (2 * memory_estimate(cfg, vocab_size))))
 
 
+def chunk_models(cfg: TrainConfig, device: torch.device, cache: int = 2 << 20) -> int:
+    """How many models of `cfg` one batched computation holds on the CPU: as many as keep its largest activation,
+    the MLP's [models, micro-batch x seq_len, intermediate] float32 tensors, within `cache` bytes (2 MiB: one
+    core's L2 on the development machine), at least 1; a part of more models trains these in turn within each
+    step (one loop, one data pass, one evaluation). On the 2-core machine, per `pe-sinks` model and step, one
+    thread: 34 ms at 4 models as one, 41 ms at 8, 42 ms at 16 (BENCHMARKS.md "Sweep training as one computation").
+    On a GPU every model of the part is one computation."""
+    if device.type != "cpu":
+        return 1 << 30
+    return max(1, cache // (cfg.micro_batch * cfg.seq_len * cfg.intermediate * 4))
+
+
 # ---------------------------------------------------------------- stacked parameters and the batched forward
 
 
@@ -161,8 +173,11 @@ class BatchedDecoder:
             if any(uses):
                 cos = torch.stack([t[0] if u else torch.ones_like(t[0]) for t, u in zip(tables, uses)])
                 sin = torch.stack([t[1] if u else torch.zeros_like(t[1]) for t, u in zip(tables, uses)])
-                # [N, 1 (batch), 1 (heads), T, hd]
-                self.rope.append((cos[:, None, None].to(device), sin[:, None, None].to(device)))
+                # [N, 1 (batch), T, 1 (heads), hd]; rotate_half(x) * sin = roll(x, hd / 2) * sin with the first
+                # half of sin negated (the same products: a sign moved from one factor to the other)
+                half = sin.shape[-1] // 2
+                sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+                self.rope.append((cos[:, None, :, None].to(device), sin[:, None, :, None].to(device)))
             else:
                 self.rope.append(None)
             windows = [m.model.layers[layer].self_attn.sliding_window for m in models]
@@ -187,14 +202,7 @@ class BatchedDecoder:
 
     @staticmethod
     def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return weight[:, None, :] * (x * torch.rsqrt(variance + eps))
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return weight[:, None, :] * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
     def logits(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         """Logits [N, B, T, V] of input ids [N, B, T] (row n read by model n)."""
@@ -213,24 +221,21 @@ class BatchedDecoder:
             p = f"model.layers.{layer}."
             y = self._norm(x, params[p + "input_layernorm.weight"], self.eps)
             qkv = torch.cat([params[p + f"self_attn.{k}_proj.weight"] for k in "qkv"], dim=1)  # [N, (H+2K)hd, d]
-            qkv = torch.bmm(y, qkv.transpose(1, 2))
-            q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
-            q = q.reshape(n, b, t, h, hd).transpose(2, 3)  # [N, B, H, T, hd]
-            k = k.reshape(n, b, t, kv, hd).transpose(2, 3)
-            v = v.reshape(n, b, t, kv, hd).transpose(2, 3)
-            if self.rope[layer] is not None:
+            qkv = torch.bmm(y, qkv.transpose(1, 2)).view(n, b, t, h + 2 * kv, hd)  # [N, B, T, heads, hd]
+            qk, v = qkv[..., :h + kv, :], qkv[..., h + kv:, :]
+            if self.rope[layer] is not None:  # queries and keys rotated as one tensor
                 cos, sin = self.rope[layer]
-                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            if kv != h:  # grouped-query attention: each key/value head serves heads / kv_heads query heads
-                k = k[:, :, :, None].expand(n, b, kv, h // kv, t, hd).reshape(n, b, h, t, hd)
-                v = v[:, :, :, None].expand(n, b, kv, h // kv, t, hd).reshape(n, b, h, t, hd)
-            q, k, v = (z.reshape(n * b, h, t, hd) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(layer, n, b, t), scale=hd ** -0.5)
-            a = a.reshape(n, b, h, t, hd).transpose(2, 3).reshape(n, b * t, h * hd)
+                qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
+            q, k = qk[..., :h, :], qk[..., h:, :]
+            # [N B, heads, T, hd] views; grouped-query attention: key/value head g serves query heads g h/K, ...
+            q, k, v = (z.reshape(n * b, t, z.shape[3], hd).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(layer, n, b, t), scale=hd ** -0.5,
+                                               enable_gqa=kv != h)
+            a = a.transpose(1, 2).reshape(n, b * t, h * hd)
             x = x + torch.bmm(a, params[p + "self_attn.o_proj.weight"].transpose(1, 2))
             y = self._norm(x, params[p + "post_attention_layernorm.weight"], self.eps)
-            gu = torch.cat([params[p + "mlp.gate_proj.weight"], params[p + "mlp.up_proj.weight"]], dim=1)
-            gate, up = torch.bmm(y, gu.transpose(1, 2)).chunk(2, dim=-1)
+            gate = torch.bmm(y, params[p + "mlp.gate_proj.weight"].transpose(1, 2))
+            up = torch.bmm(y, params[p + "mlp.up_proj.weight"].transpose(1, 2))
             x = x + torch.bmm(F.silu(gate) * up, params[p + "mlp.down_proj.weight"].transpose(1, 2))
         return self._norm(x, params["model.norm.weight"], self.eps)
 
@@ -337,14 +342,16 @@ class _Member:
 
 
 def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progress: bool = True,
-                  stop_after: int | None = None, label: str | None = None) -> list[dict[str, Any]]:
+                  stop_after: int | None = None, label: str | None = None,
+                  chunk: int | None = None) -> list[dict[str, Any]]:
     """Train every configuration of `cfgs` (equal `batch_key`: one token directory, shape, data and optimisation;
     each its own seed and positional encoding) as one computation, and write model i into `outs[i]` exactly as
     `poslens.train.loop.train` would (a stock transformers checkpoint and a poslens run directory, resumable from
     ``.OUT.partial/``); returns each model's final metrics.
 
     Models whose checkpoints are at different steps train in turn, each set of equal steps as one computation.
-    `stop_after`: stop (as if interrupted) after that many steps, leaving each model's checkpoint behind."""
+    `stop_after`: stop (as if interrupted) after that many steps, leaving each model's checkpoint behind. `chunk`:
+    models per computation (None: `chunk_models`); the parts of a step run in turn."""
     require(len(cfgs) == len(outs) and len(cfgs) >= 1, "train_batched needs one output per configuration")
     for c in cfgs:
         c.check()
@@ -356,17 +363,19 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
                                        "(blocks=\"doc-start\") with poslens.train.loop.train, one model at a time")
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
+    if chunk is not None:
+        check_int("chunk", chunk, 1)
     keep_freed_memory()
     targets = [Path(o).expanduser().absolute() for o in outs]
     require(len(set(targets)) == len(targets), "train_batched: two configurations share one output directory")
     try:
-        return _open_and_train(list(cfgs), targets, progress, stop_after, label)
+        return _open_and_train(list(cfgs), targets, progress, stop_after, label, chunk)
     except _Stopped as stopped:
         return stopped.metrics
 
 
 def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool, stop_after: int | None,
-                    label: str | None) -> list[dict[str, Any]]:
+                    label: str | None, chunk: int | None) -> list[dict[str, Any]]:
     from poslens.io.results import open_run
     from poslens.train import checkpoint as ckpt
     from poslens.train.loop import Work
@@ -376,7 +385,7 @@ def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool
         runs = [stack.enter_context(open_run(t, False, inputs=[cfgs[0].tokens])) for t in targets]
         works = [Work(r.work) for r in runs]
         try:
-            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label)
+            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label, chunk)
         except BaseException as e:
             if not isinstance(e, _Stopped):
                 for w in works:
@@ -394,7 +403,7 @@ class _Stopped(Exception):
 
 
 def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], progress: bool,
-               stop_after: int | None, label: str | None) -> list[dict[str, Any]]:
+               stop_after: int | None, label: str | None, chunk: int | None) -> list[dict[str, Any]]:
     from poslens.engine.distributed import setup
     from poslens.train.loop import _finish, _truncate_metrics, check_batch, check_training_data, resume_state
     from poslens.train.model import build_model
@@ -419,7 +428,7 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     starts = sorted({m.start for m in members})
     for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
         idx = [i for i, m in enumerate(members) if m.start == start]
-        out = _run([members[i] for i in idx], tf, header, tokenizer, d.device, progress, stop_after, label)
+        out = _run([members[i] for i in idx], tf, header, tokenizer, d.device, progress, stop_after, label, chunk)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])
@@ -430,28 +439,42 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     return final
 
 
+class _Chunk:
+    """Models trained as one computation: their decoder, stacked parameters, AdamW and schedule (`members[sl]`)."""
+
+    def __init__(self, members: list[_Member], sl: slice, cfg: TrainConfig, device: torch.device):
+        from poslens.train import checkpoint as ckpt
+        from poslens.train.loop import adamw, make_scheduler
+
+        self.sl, own = sl, members[sl]
+        self.decoder = BatchedDecoder([m.model for m in own], cfg.seq_len, device)
+        self.params = stack_parameters([m.model for m in own], device)
+        self.ordered = list(self.params.values())
+        dims = [own[0].model.get_parameter(k).dim() for k in self.params]
+        # fused AdamW: 1.8-2.1 ms a step for 4 pe-sinks models against 11-14 ms for foreach (one thread)
+        self.opt = adamw([p for p, k in zip(self.ordered, dims) if k >= 2],
+                         [p for p, k in zip(self.ordered, dims) if k < 2], cfg, fused=True)
+        self.sched = make_scheduler(self.opt, cfg)
+        if own[0].start:
+            self.opt.load_state_dict(stack_optimizer([m.trainer["optimizer"] for m in own], device))
+            self.sched.load_state_dict(own[0].trainer["scheduler"])
+            ckpt.set_rng_state(own[0].trainer["rng"])
+
+
 def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: torch.device, progress: bool,
-         stop_after: int | None, label: str | None) -> list[dict[str, Any]]:
-    """Train `members` (all at the same step) as one computation; returns each model's metrics."""
+         stop_after: int | None, label: str | None, chunk: int | None) -> list[dict[str, Any]]:
+    """Train `members` (all at the same step) in one loop, `chunk_models` of them at a time as one computation;
+    returns each model's metrics."""
     from tqdm.auto import tqdm
 
-    from poslens.train import checkpoint as ckpt
     from poslens.train.data import eval_batches, train_batches
-    from poslens.train.loop import adamw, bos_id, gemm_flops, make_scheduler, peak_flops
+    from poslens.train.loop import bos_id, gemm_flops, peak_flops
     from poslens.train.model import count_parameters, flops_per_token
 
     cfg, n, start = members[0].cfg, len(members), members[0].start
     bos = bos_id(cfg, tf)
-    decoder = BatchedDecoder([m.model for m in members], cfg.seq_len, device)
-    params = stack_parameters([m.model for m in members], device)
-    ordered = list(params.values())
-    dims = [members[0].model.get_parameter(k).dim() for k in params]
-    opt = adamw([p for p, k in zip(ordered, dims) if k >= 2], [p for p, k in zip(ordered, dims) if k < 2], cfg)
-    sched = make_scheduler(opt, cfg)
-    if start:
-        opt.load_state_dict(stack_optimizer([m.trainer["optimizer"] for m in members], device))
-        sched.load_state_dict(members[0].trainer["scheduler"])
-        ckpt.set_rng_state(members[0].trainer["rng"])
+    size = chunk or chunk_models(cfg, device)
+    chunks = [_Chunk(members, slice(k, min(n, k + size)), cfg, device) for k in range(0, n, size)]
     logs = [m.work.metrics.open("a") for m in members]
     fpt = flops_per_token(members[0].model.config, cfg.seq_len)
     peak, peak_label = peak_flops(device)
@@ -469,8 +492,9 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
         total, count = torch.zeros(n, dtype=torch.float64, device=device), 0
         with torch.no_grad():
             for block in val:
-                rows = block.to(device)[None].expand(n, *block.shape)
-                total += decoder.losses(params, rows).double() * block.shape[0]
+                for c in chunks:
+                    rows = block.to(device)[None].expand(c.decoder.n, *block.shape)
+                    total[c.sl] += c.decoder.losses(c.params, rows).double() * block.shape[0]
                 count += block.shape[0]
         return (total / count).tolist()
 
@@ -489,20 +513,22 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
                         for s in seeds}
             micro = len(per_seed[seeds[0]])
             total = torch.zeros(n, device=device)
-            for j in range(micro):
-                block = torch.stack([per_seed[m.cfg.seed][j] for m in members]).to(device)
-                loss = decoder.losses(params, block) / micro
-                loss.sum().backward()  # the models' parameters are disjoint: each gets its own gradient
-                total += loss.detach()
-            norms = clip_per_model(ordered, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            norms = torch.zeros(n, device=device)
+            for c in chunks:
+                for j in range(micro):
+                    block = torch.stack([per_seed[m.cfg.seed][j] for m in members[c.sl]]).to(device)
+                    loss = c.decoder.losses(c.params, block) / micro
+                    loss.sum().backward()  # the models' parameters are disjoint: each gets its own gradient
+                    total[c.sl] += loss.detach()
+                norms[c.sl] = clip_per_model(c.ordered, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                c.opt.step()
+                c.opt.zero_grad(set_to_none=True)
+                c.sched.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             tps = tokens_per_step / dt  # each model's own tokens per second of wall time (n of them at once)
-            lr = sched.get_last_lr()[0]
+            lr = chunks[0].sched.get_last_lr()[0]
             for i, (loss, gnorm) in enumerate(zip(total.tolist(), norms.tolist())):
                 last[i] = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
                            "mfu": tps * n * fpt / peak, "step_s": dt, "models": n}
@@ -515,13 +541,15 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
                     last[i]["eval_loss"] = e
                     record(i, {"step": done, "eval_loss": e})
             if done < cfg.steps and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
-                _save(members, params, opt, sched, done, header, tokenizer)
+                for c in chunks:
+                    _save(members[c.sl], c.params, c.opt, c.sched, done, header, tokenizer)
     finally:
         bar.close()
         for f in logs:
             f.close()
-    for i, m in enumerate(members):
-        unstack_into(params, i, m.model)
+    for c in chunks:
+        for j, m in enumerate(members[c.sl]):
+            unstack_into(c.params, j, m.model)
     if end < cfg.steps:
         return [{**r, "stopped": True} for r in last]
     return [{"final_loss": r.get("loss"), "final_eval_loss": r.get("eval_loss"), "tokens_per_s": r.get("tokens_per_s"),

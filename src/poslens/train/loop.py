@@ -55,10 +55,12 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
 
 
-def adamw(decay: list[torch.Tensor], rest: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW of `cfg` over two groups: `decay` (weight decay) and `rest` (none), in this order."""
+def adamw(decay: list[torch.Tensor], rest: list[torch.Tensor], cfg: TrainConfig,
+          fused: bool = False) -> torch.optim.AdamW:
+    """AdamW of `cfg` over two groups: `decay` (weight decay) and `rest` (none), in this order; `fused`: torch's
+    fused kernel (one pass per tensor; the same update up to float32 rounding, the same state dict)."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused or None)
 
 
 def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

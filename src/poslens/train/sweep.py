@@ -55,7 +55,8 @@ class SweepConfig:
 
     preset: str = option("pe", help="matrix: pe (NoPE, RoPE, NTK-scaled RoPE, sliding-window RoPE, all with BOS, "
                                     "3 seeds), pe-quick (the same, smaller), pe-sinks (8 heads of 8, 2,000 steps of "
-                                    "8 x 64 at lr 0.04: all 12 of its models formed sinks), or a .json file")
+                                    "8 x 64 at lr 0.04, 8 seeds: the 12 models of seeds 0-2 formed sinks), or a .json "
+                                    "file")
     variants: str | None = option(None, help="variants instead of the preset's: NAME:FIELD=VALUE+FIELD=VALUE,... "
                                              "(e.g. nope:pe=none,ntk:pe=rope+rope_scaling=ntk:8)")
     seeds: list[int] | None = option(None, help="seeds instead of the preset's (each sets the initial weights and "

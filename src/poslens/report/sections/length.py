@@ -2,9 +2,9 @@
 generalisation here?
 
 The sweep (`poslens sweep`: NoPE, RoPE, NTK-scaled RoPE and RoPE with a sliding window of 32, trained at a length L
-on the embedded corpus with a BOS first, 3 seeds each, the same tokens, batches and initial weights for every
+on the embedded corpus with a BOS first, the preset's seeds, the same tokens, batches and initial weights for every
 variant of a seed) is evaluated by `poslens length` at L, 2L, 4L, 8L on the held-out split of the training tokens,
-each variant's three seeds in one run on the same sequences. Every number is a mean over the seeds with a Student t
+each variant's seeds in one run on the same sequences. Every number is a mean over the seeds with a Student t
 interval over them (the error bar of a training effect); a difference between variants is taken seed by seed (seed s
 of every variant shares its initial weights and data order) before the interval.
 

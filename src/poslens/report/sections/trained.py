@@ -2,7 +2,8 @@
 
 The paper trained a 1.5B decoder without positional encoding and read Figures 3 and 8 from it. Here the NoPE and
 RoPE variants of the sweep the report trains anyway (`poslens sweep`, `poslens.report.sweep`: preset pe-sinks in the
-full run, pe-quick with --quick; identical tokens, batches and steps; three seeds; cached) stand in for it. Each seed
+full run, pe-quick with --quick; identical tokens, batches and steps; eight seeds in the full run, three with
+--quick; cached) stand in for it. Each seed
 is measured on held-out text, each number with a 95% interval over groups of sequences:
 
   Figure 3 and Figure 8 of the NoPE model (`poslens intermediates`), with the panel statistics the paper reads ((a)
