@@ -37,3 +37,17 @@ def test_a_broken_link_fails_the_build(tmp_path):
     (tmp_path / "mkdocs.yml").write_text(config[:config.index("  - mkdocstrings:")])  # the pages alone: faster
     done = build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0 and "missing.md" in done.stderr
+
+
+def test_user_documents_name_no_temporary_path_or_commit():
+    """README.md and docs/ describe runs by date, machine and command: no temporary path of a machine that measured,
+    no commit hash (a 7-40 character hexadecimal word with a letter and a digit), which a reader cannot use."""
+    import re
+
+    commit = re.compile(r"(?<![0-9A-Za-z_./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if "/tmp" in line or commit.search(line):
+                found.append(f"{page.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
