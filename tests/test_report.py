@@ -376,3 +376,20 @@ def test_code_spans_of_the_text_are_code_in_html():
     want = "run <code>poslens sweep --out a&lt;b</code> then &lt;x&gt;"
     assert prose("run `poslens sweep --out a<b` then <x>") == want
     assert prose("no code here") == "no code here"
+
+
+def test_panels_compared_with_each_other_share_one_colour_scale():
+    """share_limits gives every panel the same limits: the 1% and 99% quantiles of all panels' off-diagonal entries
+    together (numpy's quantile on the pooled entries, an independent computation), values and errors unchanged."""
+    from poslens.report.sections.figures import share_limits
+
+    rng = np.random.default_rng(1)
+    maps = [np.tril(rng.normal(k, 1.0 + k, (10, 10))) for k in range(3)]
+    for m in maps:
+        m[np.triu_indices(10, 1)] = np.nan
+        np.fill_diagonal(m, 100.0)  # a large diagonal, left out of the limits
+    panels = share_limits([Panel(f"p{k}", m, m / 10, (0.0, 1.0)) for k, m in enumerate(maps)])
+    off = np.concatenate([m[np.tril_indices(10, -1)] for m in maps])
+    want = tuple(np.quantile(off, (0.01, 0.99)))
+    assert all(np.allclose(p.limits, want, rtol=1e-12) for p in panels)
+    assert all(p.values is m and np.array_equal(p.se, m / 10, equal_nan=True) for p, m in zip(panels, maps))
