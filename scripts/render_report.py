@@ -9,9 +9,9 @@ any Chromium/Chrome found on PATH (--browser to choose). Needs no Python package
 matplotlib already requires.
 
 The page is captured in tiles of --tile pixels (the page shifted up to each tile's top, one screenshot each)
-and stitched: one screenshot of a whole long report comes back blank below about 40,000 px (Chromium draws a
-screenshot into one surface of bounded size, and a 1280-px-wide page of 50,000 px exceeds it), so no single
-screenshot is ever taller than a tile.
+and stitched. One screenshot of a whole full-size report (50,427 px at 1280 px wide) came back blank below about
+40,900 px, while a plain 60,000 px page of coloured bands comes back whole: the limit is not the page's height
+alone (the report's many embedded images and canvases are what differs), so every screenshot is kept to a tile.
 """
 
 from __future__ import annotations

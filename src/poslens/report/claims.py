@@ -5,7 +5,8 @@ value (with an interval when it is an average), a threshold and the side of it t
 never typed by hand: `Claim.verdict` applies the rule below to the tests, so a reader sees that every row could
 have failed.
 
-The rule (also in the README, "What the paper says and what poslens measured"):
+The rule (quoted on the first screen of every report, `poslens.report.render.verdict_rule`; explained in
+docs/reproduce.md, "What `poslens reproduce` writes"):
 
 1. A `Test` passes when its value (its whole interval, when it has one) lies on the claim's side of the threshold,
    fails when it lies on the other side, and is open otherwise (the interval straddles the threshold, or the

@@ -124,7 +124,8 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
                 "|" + " --- |" * 6]
         out += ["| " + " | ".join(_cell(x) for x in (f"[{c.claim}](#{c.id}) ({_where(c)})", c.figure,
                                                         c.paper_number, c.key_line(), our_scale(s), c.verdict)) + " |"
-                for s, c in rows] + [""]
+                for s, c in rows] + ["", "The papers print a number for these rows; the other rows compare with a "
+                                     "figure or a statement of the paper.", ""]
     for s in sections:
         if not s.claims:
             continue
@@ -448,7 +449,8 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
                        f"</td><td>{_figure_link(c, s.figures)}</td><td>{e(c.paper_number)}</td>"
                        f"<td>{e(c.key_line())}</td><td>{e(our_scale(s))}</td><td><span class='v "
                        f"v-{c.verdict.replace(' ', '-')}'>{e(c.verdict)}</span></td></tr>" for s, c in rows)
-                   + "</table>")
+                   + "</table><p class='where'>The papers print a number for these rows; the other rows compare "
+                   "with a figure or a statement of the paper, linked from each row.</p>")
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out.append("<div class='banner'><b>Scale of the real-model measurements.</b> " + " ".join(map(e, scales))
