@@ -40,7 +40,7 @@ def block(run: Path, meta: dict) -> str:
     prov, metrics = meta.get("provenance", {}), meta["metrics"]
     version = prov.get("versions", "").split(",")[0]
     out = [BEGIN, "", f"From the reproduce run `{run.name}` ({version}, {prov.get('date', 'date not recorded')}; "
-           f"{prov.get('size', 'full size')}).", ""]
+           f"{prov.get('size', 'full').split(':')[0]} size).", ""]
     by_basis = metrics.get("ledgers_by_basis", {})
     for name, counts in metrics["ledgers"].items():
         led = LedgerCount(name, {v: counts.get(v, 0) for v in VERDICTS}, by_basis.get(name, {}))
