@@ -183,3 +183,17 @@ def test_readings_of_opposite_sides_are_ambiguous_whatever_the_scope():
     assert claim(readings=(Reading("rises", (OPEN,)), Reading("falls", (open_below,))), scope="1.5B",
                  opposite=True).verdict == "not resolved"
     assert json.loads(json.dumps(claim(readings=readings, opposite=True).to_json()))["opposite"] is True
+
+
+def test_the_summary_key_names_its_statistic_and_threshold():
+    """The summary line of a row quotes the test that decides its verdict: statistic, value [interval] and what the
+    claim needs; a row's own key keeps its words and still names the statistic and threshold."""
+    open_ = Test("ratio", 0.9, ">", 1.0, 0.5, 1.3, "95% jackknife")
+    assert claim(tests=(UP,)).key_line() == "slope = 0.5 [0.2, 0.8], needs > 0"
+    # contradicted: the failing test decides, and the line says it is one of two
+    assert claim(tests=(UP, DOWN)).key_line() == "slope = -0.5 [-0.8, -0.2], needs > 0 (1 of 2 tests)"
+    assert claim(tests=(UP, open_)).key_line() == "ratio = 0.9 [0.5, 1.3], needs > 1 (1 of 2 tests)"
+    assert claim(tests=(UP,), key="0.5-fold").key_line() == "0.5-fold; slope, needs > 0"
+    both = claim(tests=(), readings=(Reading("a", (UP,)), Reading("b", (DOWN,))))
+    assert both.verdict == "ambiguous" and both.key_line() == ("slope = 0.5 [0.2, 0.8], needs > 0; "
+                                                              "slope = -0.5 [-0.8, -0.2], needs > 0")

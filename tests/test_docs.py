@@ -37,3 +37,60 @@ def test_a_broken_link_fails_the_build(tmp_path):
     (tmp_path / "mkdocs.yml").write_text(config[:config.index("  - mkdocstrings:")])  # the pages alone: faster
     done = build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0 and "missing.md" in done.stderr
+
+
+def test_user_documents_name_no_temporary_path_or_commit():
+    """README.md and docs/ describe runs by date, machine and command: no temporary path of a machine that measured,
+    no commit hash (a 7-40 character hexadecimal word with a letter and a digit), which a reader cannot use."""
+    import re
+
+    commit = re.compile(r"(?<![0-9A-Za-z_./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if "/tmp" in line or commit.search(line):
+                found.append(f"{page.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
+
+
+def _docs_numbers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_numbers", ROOT / "scripts" / "docs_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DOCS_RUN = ROOT / "tests" / "reference" / "reproduce-quick-test-sizes"  # the run docs/results.md names
+
+
+def test_the_results_page_numbers_are_the_named_runs(capsys):
+    """docs/results.md's numbers block is exactly what scripts/docs_numbers.py writes from the run it names
+    (tests/reference/reproduce-quick-test-sizes: the fields of a real `poslens reproduce` run.json), so the page
+    cannot drift from that run's report; --check passes on the page as committed."""
+    dn = _docs_numbers()
+    page = (ROOT / "docs" / "results.md").read_text()
+    meta = dn.read_run(DOCS_RUN)
+    expected = dn.block(DOCS_RUN, meta)
+    assert page[page.index(dn.BEGIN):page.index(dn.END) + len(dn.END)] == expected
+    assert dn.main([str(DOCS_RUN), "--doc", str(ROOT / "docs" / "results.md"), "--check"]) == 0
+    for c in meta["metrics"]["claims"]:  # every row of the run, its verdict and key number as the report prints it
+        assert f"- {c['verdict']}: {c['claim']} ({c['key']}) `{c['id']}`" in expected
+    assert "/tmp" not in expected and "runs/" not in expected
+
+
+def test_docs_numbers_rewrites_only_its_block_and_check_fails_on_a_drift(tmp_path, capsys):
+    dn = _docs_numbers()
+    expected = dn.block(DOCS_RUN, dn.read_run(DOCS_RUN))
+    doc = tmp_path / "page.md"
+    doc.write_text(f"before\n\n{dn.BEGIN}\nold numbers\n{dn.END}\n\nafter\n")
+    assert dn.main([str(DOCS_RUN), "--doc", str(doc), "--check"]) == 1  # the drift is caught, nothing written
+    assert "old numbers" in doc.read_text()
+    assert dn.main([str(DOCS_RUN), "--doc", str(doc)]) == 0
+    assert doc.read_text() == f"before\n\n{expected}\n\nafter\n"
+    assert dn.main([str(DOCS_RUN), "--doc", str(doc), "--check"]) == 0
+    doc.write_text("no markers\n")
+    with __import__("pytest").raises(SystemExit, match="needs one block"):
+        dn.main([str(DOCS_RUN), "--doc", str(doc)])
+    assert doc.read_text() == "no markers\n"

@@ -16,7 +16,7 @@ from PIL import Image
 
 from poslens import plotting
 from poslens.report.claims import Claim, Test
-from poslens.report.render import figure_of, headlines, prose, write_report
+from poslens.report.render import figure_of, headlines, prose, verdict_rule, write_report
 from poslens.report.section import Figure, Panel, Section
 from poslens.report.sections.figures import heatmaps, noise_only, profiles
 
@@ -106,7 +106,7 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
                                                     Panel("difference", m - 0.5, None, (-0.5, 0.5), "coolwarm")],
                            "two maps")
     claims = [Claim("kim-x", "kim2025", "Section 3", "x < 1", (Test("x", 0.5, "<", 1.0),), command="poslens x",
-                    figure="a line plot, Figure 2"),
+                    figure="a line plot, Figure 2", paper_number="printed 0.4"),
               Claim("haviv-y", "haviv2022", "Section 4", "y > 0", (Test("y", 0.1, ">", 0.0, -0.1, 0.3),)),
               Claim("poslens-z", "poslens", "docs", "z", (Test("z", 2.0, ">", 1.0),))]
     sec = Section("S", "text", claims, [Figure(static, "a line", title="A line plot"), interactive],
@@ -126,11 +126,24 @@ def test_report_has_ledgers_summary_provenance_and_decodable_figures(tmp_path):
     for c in claims:  # a summary line linking to the row, and the row
         assert f"href='#{c.id}'" in page and f"id='{c.id}'" in page
     assert page.index("href='#kim-x'") < page.index("id='kim-x'")  # the summary comes first
+    # the first screen: the verdict rule (quoted from poslens.report.claims, the one written rule), then the papers'
+    # numbers beside ours, before the summary; every summary line names its statistic and threshold
+    rule = verdict_rule()
+    assert len(rule) == 7 and rule[1] == ("A claim's tests are a conjunction: it passes when all pass, fails when any "
+                                          "fails, else it is open.")
+    assert page.index("The verdict rule") < page.index("The papers' numbers beside ours") < page.index(
+        "class='summary'")
+    table = page[page.index("<table class='papers'>"):page.index("class='summary'")]
+    assert "printed 0.4" in table and "x = 0.5, needs &lt; 1" in table and "id=" not in table
+    assert "(y = 0.1 [-0.1, 0.3], needs &gt; 0)" in page
     assert "figure: <a href='#fig-line'>a line plot, Figure 2</a>" in page  # a row links to the figure it quotes
     assert figure_of("Figure 1", [Figure(static, "Figure 10: x"), Figure(static, "Figure 1 style: y")]).caption \
         == "Figure 1 style: y"
     assert "\u201cBehind RoPE: How Does Causal Mask Encode Positional Information?\u201d" in page  # beside its ledger
-    assert "Rows: query i, columns: key j, both from 1." in page  # the interactive maps have no axes: the caption says
+    # the interactive maps have axes of query i (left) and key j (bottom), ticked by the page's script; the caption
+    # says which is which
+    assert page.count("<canvas class='ya'></canvas><canvas class='m'></canvas><span></span><canvas class='xa'>") == 2
+    assert "Rows: query i (left axis), columns: key j (bottom axis), both from 1." in page
     spec, diff = map(json.loads, HEATMAP.findall(page))
     assert (spec["cm"], diff["cm"]) == ("magma", "coolwarm")  # each panel in its own colour map
     cool = matplotlib.colormaps["coolwarm"](np.linspace(0, 1, 256))[:, :3]
@@ -363,3 +376,20 @@ def test_code_spans_of_the_text_are_code_in_html():
     want = "run <code>poslens sweep --out a&lt;b</code> then &lt;x&gt;"
     assert prose("run `poslens sweep --out a<b` then <x>") == want
     assert prose("no code here") == "no code here"
+
+
+def test_panels_compared_with_each_other_share_one_colour_scale():
+    """share_limits gives every panel the same limits: the 1% and 99% quantiles of all panels' off-diagonal entries
+    together (numpy's quantile on the pooled entries, an independent computation), values and errors unchanged."""
+    from poslens.report.sections.figures import share_limits
+
+    rng = np.random.default_rng(1)
+    maps = [np.tril(rng.normal(k, 1.0 + k, (10, 10))) for k in range(3)]
+    for m in maps:
+        m[np.triu_indices(10, 1)] = np.nan
+        np.fill_diagonal(m, 100.0)  # a large diagonal, left out of the limits
+    panels = share_limits([Panel(f"p{k}", m, m / 10, (0.0, 1.0)) for k, m in enumerate(maps)])
+    off = np.concatenate([m[np.tril_indices(10, -1)] for m in maps])
+    want = tuple(np.quantile(off, (0.01, 0.99)))
+    assert all(np.allclose(p.limits, want, rtol=1e-12) for p in panels)
+    assert all(p.values is m and np.array_equal(p.se, m / 10, equal_nan=True) for p, m in zip(panels, maps))

@@ -5,7 +5,8 @@ value (with an interval when it is an average), a threshold and the side of it t
 never typed by hand: `Claim.verdict` applies the rule below to the tests, so a reader sees that every row could
 have failed.
 
-The rule (also in the README, "What the paper says and what poslens measured"):
+The rule (quoted on the first screen of every report, `poslens.report.render.verdict_rule`; explained in
+docs/reproduce.md, "What `poslens reproduce` writes"):
 
 1. A `Test` passes when its value (its whole interval, when it has one) lies on the claim's side of the threshold,
    fails when it lies on the other side, and is open otherwise (the interval straddles the threshold, or the
@@ -332,20 +333,36 @@ class Claim:
         """The scale the claim is about: the scope without what it adds about this measurement ('(this ...)')."""
         return re.split(r" \((?:this|these)\b", self.scope, maxsplit=1)[0]
 
-    def key_number(self) -> str:
-        """The row's number for the summary: its own `key`, else, for an ambiguous row, each reading's first failing
-        test (else its first), for a row that is not decided in its favour, the first failing test, else the first open
-        one (the test that decides the verdict), else the first test."""
-        if self.key:
-            return self.key
+    def key_tests(self) -> list[Test]:
+        """The tests the summary quotes (the tests that decide the verdict): for an ambiguous row, each reading's
+        first failing test (else its first); for a row not decided in its favour, the first failing test, else the
+        first open one; else the first test."""
         if self.readings and self.verdict == "ambiguous":  # each reading's deciding test: its first failing one
-            keys = [next((t for t in r.tests if t.outcome() == "fail"), r.tests[0]).key() for r in self.readings]
-            return "; ".join(dict.fromkeys(keys))
+            picked = [next((t for t in r.tests if t.outcome() == "fail"), r.tests[0]) for r in self.readings]
+            return list(dict.fromkeys(picked))
         undecided = sorted((t for t in self.tests if t.outcome() != "pass"), key=lambda t: t.outcome() != "fail")
         if self.verdict in ("not resolved", "contradicted", "fails at this scale") and undecided:
-            return undecided[0].key()
+            return [undecided[0]]
         first = self.tests or self.readings[0].tests
-        return first[0].key()
+        return [first[0]]
+
+    def key_number(self) -> str:
+        """The row's number for the summary: its own `key`, else the value [interval] of each of `key_tests`."""
+        if self.key:
+            return self.key
+        return "; ".join(dict.fromkeys(t.key() for t in self.key_tests()))
+
+    def key_line(self) -> str:
+        """The summary's key number with the statistic it is and the threshold the rule compares it with:
+        'mean row slope = 0.0186 [0.0099, 0.0274], needs > 0' (a row's own `key`: 'KEY; mean row slope, needs > 0');
+        '(1 of 5 tests)' when the row has more tests than the one quoted."""
+        tests = self.key_tests()
+        n = len(self.all_tests())
+        if self.key:
+            line = f"{self.key}; " + "; ".join(f"{t.statistic}, needs {t.needs()}" for t in tests)
+        else:
+            line = "; ".join(f"{t.statistic} = {t.key()}, needs {t.needs()}" for t in tests)
+        return line + (f" ({len(tests)} of {n} tests)" if n > len(tests) else "")
 
     @property
     def ledger(self) -> str:

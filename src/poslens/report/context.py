@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from poslens import plotting
 from poslens.engine.stats import GroupedSums
 from poslens.io.checkpoint import fingerprint, read_cache, write_cache
+from poslens.io.protect import cache_root
 from poslens.maps import as_numpy
 from poslens.stack.config import StackConfig
 from poslens.stack.gramflow import GramFlowResult, gram_flow
@@ -160,8 +162,16 @@ class Context:
         self.inputs[name] = {"path": str(path), "how": how, "sha256": digest or sha256(path)}
 
     def remeasure(self, claim_id: str) -> str:
-        """The command that re-measures a claim of this run and prints its tests."""
-        return f"python -m poslens.report.remeasure {self.target} {claim_id}"
+        """The command that re-measures a claim of this run and prints its tests, with the cache this run read its
+        models from (`with_cache`)."""
+        return with_cache(shlex.join(["python", "-m", "poslens.report.remeasure", str(self.target), claim_id]))
+
+
+def with_cache(command: str) -> str:
+    """`command` run against the poslens cache in force now, the one this run reads and trains its models in:
+    'POSLENS_CACHE=/path/to/cache poslens sweep ...', so that the command, run as printed in another shell, reads
+    the same models instead of training them again into another cache."""
+    return f"POSLENS_CACHE={shlex.quote(str(cache_root().absolute()))} {command}"
 
 
 def setting(c: StackConfig) -> str:

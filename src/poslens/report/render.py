@@ -64,6 +64,36 @@ def _where(c: Claim) -> str:
     return f"{p.authors} ({p.year}), {c.where}" if c.paper != "poslens" else f"poslens, {c.where}"
 
 
+def verdict_rule() -> list[str]:
+    """The numbered items of the verdict rule as `poslens.report.claims`' docstring writes them (the one written
+    rule; the report quotes it, so the two cannot differ), each on one line, Markdown emphasis removed."""
+    from poslens.report import claims
+
+    items: list[str] = []
+    for line in (claims.__doc__ or "").split("The rule", 1)[1].splitlines()[1:]:
+        text = line.strip()
+        if re.match(r"\d+\. ", text):
+            items.append(text.split(". ", 1)[1])
+        elif text and items:
+            items[-1] += " " + text
+        elif items:  # the blank line after the list ends it
+            break
+    return [x.replace("**", "") for x in items]
+
+
+def paper_rows(sections: list[Section]) -> list[tuple[Section, Claim]]:
+    """The rows whose paper prints a number (`Claim.paper_number`), in report order: the first screen's table."""
+    return [(s, c) for s in sections for c in s.claims if c.paper_number]
+
+
+def our_scale(s: Section) -> str:
+    """The scale of a row's measurement, in a few words: the trained or real models of its section (the scale
+    banner says which), else exact or simulated quantities."""
+    if s.scale:
+        return f"the models of “{s.title}” (scale above)"
+    return "exact or simulated quantities (the parameter-free stack)"
+
+
 # ---------------------------------------------------------------- Markdown
 
 
@@ -86,11 +116,21 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
         out += ["**Scale.** " + " ".join(scales), ""]
     out += [f"- **{led.headline()}** {titles(name)}".rstrip()
             for name, led in section_ledgers(sections).items()] + [""]
+    out += ["**The verdict rule** (every row's verdict follows from its tests by it):", ""]
+    out += [f"{k}. {item}" for k, item in enumerate(verdict_rule(), 1)] + [""]
+    rows = paper_rows(sections)
+    if rows:
+        out += ["**The papers' numbers beside ours**", "", "| claim | figure | the paper | here | scale | verdict |",
+                "|" + " --- |" * 6]
+        out += ["| " + " | ".join(_cell(x) for x in (f"[{c.claim}](#{c.id}) ({_where(c)})", c.figure,
+                                                        c.paper_number, c.key_line(), our_scale(s), c.verdict)) + " |"
+                for s, c in rows] + ["", "The papers print a number for these rows; the other rows compare with a "
+                                     "figure or a statement of the paper.", ""]
     for s in sections:
         if not s.claims:
             continue
         out.append(f"**{s.title}**")
-        out += [f"- {c.verdict}: [{c.claim}](#{c.id}) ({c.key_number()})" for c in s.claims]
+        out += [f"- {c.verdict}: [{c.claim}](#{c.id}) ({c.key_line()})" for c in s.claims]
         out.append("")
     for s in sections:
         out += [f"## {s.title}", "", s.text, ""]
@@ -128,6 +168,9 @@ vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;ov
 .banner{background:#fff7e0;border:1px solid #e8c36a;padding:.6em 1em;margin:1em 0}
 .summary{background:#f7f7f7;border:1px solid #ddd;padding:.5em 1em;margin:1em 0;font-size:.92em}
 .summary h3{font-size:1em;margin:.7em 0 .2em}.summary div{margin:.1em 0}.summary .key{color:#333}
+.rule{font-size:.82em;margin:.6em 0;color:#222}.rule ol{margin:.2em 0 .2em 1.4em;padding:0}
+.rule summary{cursor:pointer}.papers{font-size:.84em}.papers caption{text-align:left;font-weight:600;
+padding:.2em 0}
 .ledgers li{font-weight:600}.ledgers .title{font-weight:400;color:#444}
 .claim{border-left:4px solid #ccc;padding:.3em .8em;margin:.9em 0}
 .claim.c-holds{border-color:#4a4}.claim.c-contradicted{border-color:#c33}.claim.c-erratum{border-color:#c90}
@@ -137,8 +180,10 @@ vertical-align:top;text-align:left}th{background:#f3f3f3}code{font-size:.86em;ov
 .claim ul{margin:.2em 0 .2em 1.2em;padding:0}.where{color:#555;font-size:.9em}.note{color:#333;font-size:.93em}
 figure{margin:1.5em 0}img{max-width:100%}.wide{overflow-x:auto}.wide img{max-width:none;width:auto}
 figcaption{font-size:.92em;color:#222}.warn{color:#a40;font-weight:600}
-.hm-grid{display:grid;gap:10px 14px}.hm{position:relative}.hm canvas{width:100%;aspect-ratio:1;
-image-rendering:pixelated;cursor:crosshair;border:1px solid #bbb;display:block}
+.hm-grid{display:grid;gap:10px 14px}.hm{position:relative}.hm canvas.m{width:100%;aspect-ratio:1;
+image-rendering:pixelated;cursor:crosshair;border:1px solid #bbb;display:block;box-sizing:border-box}
+.hm .ax{display:grid;grid-template-columns:24px minmax(0,1fr)}.hm canvas.ya{width:24px;height:100%}
+.hm canvas.xa{width:100%;height:15px}
 .hm .t{font-size:.8em;margin-bottom:2px}.hm .cb{display:flex;align-items:center;gap:4px;font-size:.72em}
 .hm .cb span.bar{flex:1;height:8px}.tip{position:fixed;pointer-events:none;background:#222;color:#fff;
 padding:2px 6px;font-size:12px;border-radius:3px;display:none;z-index:9}
@@ -181,8 +226,20 @@ document.querySelectorAll('.hm').forEach(function(el){
   var t=Math.max(0,Math.min(255,Math.round(255*(v-d.lo)/((d.hi-d.lo)||1)))),c=lut[t];
   id.data[o]=c[0];id.data[o+1]=c[1];id.data[o+2]=c[2];id.data[o+3]=255;}
  ic.putImageData(id,0,0);
- var cv=el.querySelector('canvas'),cx=cv.getContext('2d'),view={x:0,y:0,s:n},drag=null;
- function draw(){var px=cv.clientWidth*(window.devicePixelRatio||1)|0;cv.width=px;cv.height=px;
+ var cv=el.querySelector('canvas.m'),cx=cv.getContext('2d'),view={x:0,y:0,s:n},drag=null,
+ xa=el.querySelector('canvas.xa'),ya=el.querySelector('canvas.ya');
+ function axis(ax,along){var dpr=window.devicePixelRatio||1,w=ax.clientWidth*dpr|0,h=ax.clientHeight*dpr|0;
+  ax.width=w;ax.height=h;var g=ax.getContext('2d'),len=along?w:h,raw=view.s/5,
+  p=Math.pow(10,Math.floor(Math.log10(raw))),
+  step=Math.max(1,[1,2,5,10].map(function(k){return k*p;}).filter(function(k){return k>=raw;})[0]);
+  g.fillStyle='#333';g.strokeStyle='#333';g.font=(10*dpr)+'px sans-serif';
+  g.textAlign=along?'center':'right';g.textBaseline=along?'top':'middle';
+  for(var k=Math.ceil((view.x0+1)/step)*step;k<=view.x0+view.s;k+=step){if(k<1)continue;
+   var at=(k-0.5-view.x0)/view.s*len;g.beginPath();
+   if(along){g.moveTo(at,0);g.lineTo(at,3*dpr);g.stroke();g.fillText(k,at,4*dpr);}
+   else{g.moveTo(w,at);g.lineTo(w-3*dpr,at);g.stroke();g.fillText(k,w-4*dpr,at);}}}
+ function axes(){view.x0=view.x;axis(xa,true);view.x0=view.y;axis(ya,false);}
+ function draw(){axes();var px=cv.clientWidth*(window.devicePixelRatio||1)|0;cv.width=px;cv.height=px;
   cx.imageSmoothingEnabled=false;cx.fillStyle='#fff';cx.fillRect(0,0,px,px);
   cx.drawImage(img,view.x,view.y,view.s,view.s,0,0,px,px);
   var c=px/view.s,dpr=window.devicePixelRatio||1;if(c<LABEL*dpr)return;var cells=[],w=0,fs=Math.min(c/3,15*dpr);
@@ -257,7 +314,8 @@ def _panel_html(p: Panel) -> str:
     (v, vs), (se, ss) = _pack(p.values), _pack(p.se)
     spec = {"n": int(p.values.shape[-1]), "lo": float(lo), "hi": float(hi), "v": v, "vs": vs, "se": se, "ss": ss,
             "cm": p.cmap}
-    return (f"<div class='hm'><div class='t'>{e(p.title)}</div><canvas></canvas>"
+    return (f"<div class='hm'><div class='t'>{e(p.title)}</div><div class='ax'><canvas class='ya'></canvas>"
+            "<canvas class='m'></canvas><span></span><canvas class='xa'></canvas></div>"
             f"<div class='cb'><span>{lo:.3g}</span><span class='bar' style='background:linear-gradient(to right,"
             f"{_gradient(p.cmap)})'></span><span>{hi:.3g}</span></div>"
             f"<script type='application/json'>{json.dumps(spec)}</script></div>")
@@ -275,7 +333,8 @@ def _figure_html(f: Figure, root: Path) -> str:
         hover = ("the value and its standard error" if with_se == len(f.panels) else
                  "the value (exact: no standard error)" if not with_se else
                  "the value and, in the panels that have one, its standard error (the others are exact)")
-        how = (" Rows: query i, columns: key j, both from 1. Interactive: wheel to zoom (cells large enough "
+        how = (" Rows: query i (left axis), columns: key j (bottom axis), both from 1. Interactive: wheel to zoom "
+               "(cells large enough "
                f"print their value), drag to pan, double-click to reset, hover for {hover}. "
                f"Static image: {rel} (and .pdf).")
     else:
@@ -306,6 +365,12 @@ def figure_of(ref: str, figures: list[Figure]) -> Figure | None:
         if ref and ref.split(", ")[0].lower() in f.title.lower():
             return f
     return None
+
+
+def _figure_link(c: Claim, figures: list[Figure]) -> str:
+    """A row's figure reference, linked to the figure when the section has it."""
+    f = figure_of(c.figure, list(figures)) if c.figure else None
+    return f"<a href='#fig-{e(f.stem)}'>{e(c.figure)}</a>" if f else e(c.figure)
 
 
 def _claim_html(c: Claim, figures: list[Figure] = (), scope_said: bool = False) -> str:
@@ -348,8 +413,7 @@ def _claim_html(c: Claim, figures: list[Figure] = (), scope_said: bool = False) 
         parts.append(f"<p class='note'><b>Robust to the machine:</b> {prose(robustness_line(c))}</p>")
     tail = []
     if c.figure:
-        f = figure_of(c.figure, list(figures))
-        tail.append(f"figure: <a href='#fig-{e(f.stem)}'>{e(c.figure)}</a>" if f else f"figure: {e(c.figure)}")
+        tail.append(f"figure: {_figure_link(c, figures)}")
     if c.command:
         tail.append(f"re-measure: <code>{e(c.command)}</code>")
     if tail:
@@ -373,6 +437,20 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
     out.append("<ul class='ledgers'>" + "".join(
         f"<li>{e(led.headline())} <span class='title'>{e(titles(name))}</span></li>"
         for name, led in section_ledgers(sections).items()) + "</ul>")
+    out.append("<details open class='rule'><summary><b>The verdict rule</b>: every row's verdict follows from its "
+               "tests by it (no verdict is typed by hand)</summary><ol>"
+               + "".join(f"<li>{prose(item)}</li>" for item in verdict_rule()) + "</ol></details>")
+    rows = paper_rows(sections)
+    if rows:
+        out.append("<table class='papers'><caption>The papers' numbers beside ours</caption><tr><th>claim</th>"
+                   "<th>figure</th><th>the paper</th><th>here (statistic, value [interval], what the claim needs)"
+                   "</th><th>scale here</th><th>verdict</th></tr>" + "".join(
+                       f"<tr><td><a href='#{e(c.id)}'>{e(c.claim)}</a> <span class='where'>({e(_where(c))})</span>"
+                       f"</td><td>{_figure_link(c, s.figures)}</td><td>{e(c.paper_number)}</td>"
+                       f"<td>{e(c.key_line())}</td><td>{e(our_scale(s))}</td><td><span class='v "
+                       f"v-{c.verdict.replace(' ', '-')}'>{e(c.verdict)}</span></td></tr>" for s, c in rows)
+                   + "</table><p class='where'>The papers print a number for these rows; the other rows compare "
+                   "with a figure or a statement of the paper, linked from each row.</p>")
     scales = [s.scale for s in sections if s.scale]
     if scales:
         out.append("<div class='banner'><b>Scale of the real-model measurements.</b> " + " ".join(map(e, scales))
@@ -382,7 +460,7 @@ def render_html(title: str, intro: str, sections: list[Section], root: Path,
         if s.claims:
             out.append(f"<h3>{e(s.title)}</h3>" + "".join(
                 f"<div><span class='v v-{c.verdict.replace(' ', '-')}'>{e(c.verdict)}</span> "
-                f"<a href='#{e(c.id)}'>{e(c.claim)}</a> <span class='key'>({e(c.key_number())})</span></div>"
+                f"<a href='#{e(c.id)}'>{e(c.claim)}</a> <span class='key'>({e(c.key_line())})</span></div>"
                 for c in s.claims))
     out.append("</div>")
     out.append(f"<p>{prose(intro)}</p>")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from poslens.report.claims import Test
+from poslens.report.context import with_cache
 from poslens.train.sweep import Matrix, SweepConfig, resolve_matrix, seed_interval
 
 SWEEP_QUICK = {"sweep": "pe-quick", "sweep_train": None, "sweep_seeds": None}
@@ -94,7 +95,7 @@ class SweepModels:
             argv += ["--train", self.config.train]
         if self.config.seeds is not None:
             argv += ["--seeds", ",".join(map(str, self.config.seeds))]
-        return shlex.join(argv + ["--out", "runs/sweep"])
+        return with_cache(shlex.join(argv + ["--out", "runs/sweep"]))
 
     MACHINE = ("Training is bit-identical when repeated on one machine, not across processors whose CPU kernels "
                "differ (torch's AVX2 against AVX-512: the provenance names both the processor of this run and the one "

@@ -31,6 +31,13 @@ def noise_only(panel: Panel) -> bool:
     return float(np.std(v[ok])) < NOISE_STD * noise and (hi - lo) < VISIBLE * noise
 
 
+def share_limits(panels: Sequence[Panel], q: tuple[float, float] = (0.01, 0.99)) -> list[Panel]:
+    """`panels` with one colour scale, for a figure whose panels are compared with each other: the `q` quantiles of
+    every panel's off-diagonal entries together (`plotting.offdiag_limits`)."""
+    shared = plotting.offdiag_limits(np.stack([as_numpy(p.values) for p in panels]), q)
+    return [Panel(p.title, p.values, p.se, shared, p.cmap) for p in panels]
+
+
 def limits_of(panel: Panel) -> tuple[float, float]:
     return panel.limits if panel.limits is not None else quantile_limits(panel.values, (0.0, 1.0))
 

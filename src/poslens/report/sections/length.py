@@ -29,10 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from poslens import plotting
 from poslens.report.claims import Claim, Test, estimate_test, interval_text
 from poslens.report.section import Panel, Section, section
-from poslens.report.sections.figures import heatmaps, lines
+from poslens.report.sections.figures import heatmaps, lines, share_limits
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, resolve_by_seeds, sweep_models
 
 # variants: the sweep's variants to evaluate (None: all; the tests take nope and rope). effects_of: the variants whose
@@ -355,13 +354,13 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
         maps = load(dirs[v]).tensors
         if "m0/maps/scores" in maps:
             m, se = maps["m0/maps/scores"].double().numpy(), maps["m0/maps/scores_se"].double().numpy()
-            panels += [Panel(f"{sw.labels[v]}, layer {i + 1}", m[i], se[i],
-                             plotting.offdiag_limits(m[i], (0.01, 0.99))) for i in range(m.shape[0])]
-    if panels:
-        out.append(heatmaps(ctx, "length_maps", panels, f"Mean attention scores at 8L = {T} tokens of seed "
-                            f"{sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer (rows: query i, "
-                            "columns: key j, from 1); each panel's colour limits at the 1% and 99% quantiles of its "
-                            "off-diagonal entries (the diagonal, where outside them, at the nearer end).",
+            panels += [Panel(f"{sw.labels[v]}, layer {i + 1}", m[i], se[i]) for i in range(m.shape[0])]
+    if panels:  # NoPE and RoPE are compared panel by panel: one colour scale for the whole figure
+        out.append(heatmaps(ctx, "length_maps", share_limits(panels), f"Mean attention scores at 8L = {T} tokens of "
+                            f"seed {sw.seeds[0]} of NoPE and RoPE (trained at L = {L}), every layer (rows: query i, "
+                            "columns: key j, from 1); one colour scale for every panel, so that NoPE and RoPE "
+                            "compare: its limits at the 1% and 99% quantiles of all panels' off-diagonal entries (an "
+                            "entry outside them at the nearer end).",
                             ncols=len(panels) // 2 or 1, big=True, interactive=False,
                             suptitle=f"Maps past the training length (L = {L}, shown to {T})"))
     series, errors, values = {}, {}, {}
