@@ -21,6 +21,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -82,6 +84,8 @@ SPECS: dict[str, tuple[type, type, dict]] = {
             "final_logit_softcapping": 30.0,
         },
     ),
+    # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"num_key_value_heads": 4}),
 }
 
 FAMILIES: tuple[str, ...] = tuple(SPECS)

@@ -1,7 +1,8 @@
 """One registry of model families: where the parts of a decoder live and how its attention is set up.
 
 A `Family` says, for the transformers classes of one architecture: the block layout (pre-norm, as Llama:
-x + attn(norm(x)), or Gemma's sandwich with a norm after each sublayer too), the names of the norms, whether the
+x + attn(norm(x)); Gemma's sandwich with a norm after each sublayer too; OLMo-2's post-norm, x + norm(attn(x))), the
+names of the norms, whether the
 forward needs the model's eager attention (Gemma-2's logit softcap), and how to read, from a config, the sliding
 window and the positional encoding of every layer. Nothing here imports the analysis engine; the loader
 (`poslens.engine.models`) vets configs with `check_supported` before any weight is read.
@@ -33,7 +34,8 @@ class Family:
     """Facts about one architecture (see the module docstring)."""
 
     name: str
-    layout: str = "pre-norm"  # or "sandwich": norm(sublayer(norm(x))) added to x (Gemma-2, Gemma-3)
+    layout: str = "pre-norm"  # or "sandwich": norm(sublayer(norm(x))) added to x (Gemma-2, Gemma-3), or
+    # "post-norm": norm(sublayer(x)) added to x (OLMo-2; ln1 and ln2 are the norms after attention and after the MLP)
     ln1: str = "input_layernorm"  # the norm before attention
     ln2: str = "post_attention_layernorm"  # the norm before the MLP (pre-norm layout)
     ln1_post: str | None = None  # sandwich: the norm after attention
@@ -41,16 +43,29 @@ class Family:
     ln2_post: str | None = None  # sandwich: the norm after the MLP
     eager_output: bool = False  # the model's output comes from its own eager attention (no SDPA path)
     softcap_attr: str | None = None  # config field of an attention logit softcap passed to the attention function
-    norm_gain: str = "weight"  # RMSNorm gain: "weight" (Llama: w * normalized, cast to the model dtype first) or
-    # "1+weight" (Gemma: (1 + w) * normalized in float32, cast after); read by the hook engine's norm points
+    norm_gain: str = "weight"  # RMSNorm gain: "weight" (Llama: w * normalized, cast to the model dtype first),
+    # "1+weight" (Gemma: (1 + w) * normalized in float32, cast after) or "weight-float32" (OLMo-2: w * normalized in
+    # float32, cast after); read by the hook engine's norm points
     qk_norm_heads_first: bool = False  # the q/k norm (if any) reads [B, heads, T, D] (Gemma-3), not [B, T, heads, D]
+    qk_norm_whole: bool = False  # the q/k norm (if any) normalizes the whole projection [B, T, heads * D] (OLMo-2)
 
     @property
     def norm_points(self) -> dict[str, str]:
         """Hook point (under blocks.{l}.) -> module attribute of the decoder layer, in forward order."""
-        if self.layout == "pre-norm":
+        if self.layout in ("pre-norm", "post-norm"):
             return {"ln1": self.ln1, "ln2": self.ln2}
         return {"ln1": self.ln1, "ln1_post": self.ln1_post, "ln2": self.ln2_pre, "ln2_post": self.ln2_post}
+
+    @property
+    def attn_input(self) -> str:
+        """The hook point (under blocks.{l}.) whose value the q, k and v projections read: the input norm's output, or
+        the residual stream itself where no norm comes first (post-norm)."""
+        return "hook_resid_pre" if self.layout == "post-norm" else "ln1.hook_out"
+
+    @property
+    def mlp_input(self) -> str:
+        """The hook point (under blocks.{l}.) whose value the MLP reads (post-norm: the residual stream)."""
+        return "hook_resid_mid" if self.layout == "post-norm" else "ln2.hook_out"
 
 
 _SANDWICH = dict(layout="sandwich", norm_gain="1+weight", ln1="input_layernorm", ln1_post="post_attention_layernorm",
@@ -66,6 +81,9 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3"),
     "gemma3_text": Family("Gemma-3 (text)", qk_norm_heads_first=True, **_SANDWICH),
     "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
+    # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
+    "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
+                    norm_gain="weight-float32", qk_norm_whole=True),
 }
 
 # Checkpoints known to be trained without positional encoding but saved as RoPE architectures (lower-case hub ids).

@@ -30,12 +30,15 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
 
     hook_embed                          [B, T, d]     TL  token embeddings (Gemma: after its sqrt(d) scale)
     blocks.{l}.hook_resid_pre           [B, T, d]     TL  the residual stream entering layer l
-    blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32)
+    blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32); OLMo-2
+                                                          (post-norm): ln1 is the norm after attention, fired after
+                                                          attn.hook_out, and ln2 the norm after the MLP
     blocks.{l}.ln1.hook_normalized      [B, T, d]     TL  x / scale, before the gain (float32)
     blocks.{l}.ln1.hook_out             [B, T, d]         after the gain: what attention reads
     blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE
     blocks.{l}.attn.q_norm.hook_*       [B*T*H, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of q (scale [., 1],
-                                                          normalized and out [., D]; TL's flattened layout)
+                                                          normalized and out [., D]; TL's flattened layout); OLMo-2:
+                                                          [B, T, .], one RMSNorm over the whole projection (H*D)
     blocks.{l}.attn.hook_k              [B, T, K, D]  TL  k_proj output (K heads: not repeated for GQA, as TL)
     blocks.{l}.attn.k_norm.hook_*       [B*T*K, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of k
     blocks.{l}.attn.hook_v              [B, T, K, D]  TL  v_proj output
@@ -119,15 +122,16 @@ def norm_points(prefix: str) -> list[str]:
 
 def block_points(family: Family, qk_norm: bool) -> list[str]:
     """The points of one block (under blocks.{l}.) in forward order."""
-    sandwich = family.layout == "sandwich"
-    return ["hook_resid_pre", *norm_points("ln1"),
+    sandwich, post = family.layout == "sandwich", family.layout == "post-norm"
+    return ["hook_resid_pre", *([] if post else norm_points("ln1")),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
             "attn.hook_v", *KERNEL_POINTS, "attn.hook_result", "attn.hook_out",
-            *(norm_points("ln1_post") if sandwich else []), "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
-            *norm_points("ln2"),
+            *(norm_points("ln1_post") if sandwich else norm_points("ln1") if post else []), "hook_attn_out",
+            "hook_resid_mid", "hook_mlp_in", *([] if post else norm_points("ln2")),
             "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "mlp.hook_out",
-            *(norm_points("ln2_post") if sandwich else []), "hook_mlp_out", "hook_resid_post"]
+            *(norm_points("ln2_post") if sandwich else norm_points("ln2") if post else []), "hook_mlp_out",
+            "hook_resid_post"]
 
 
 # TransformerLens's optional points: hooked by name; run_with_cache's default and a names_filter function select them
@@ -517,7 +521,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """The family's RMSNorm (the model's own operations, so outputs stay bit-identical) with its points:
         TransformerLens's scale sqrt(mean(x^2) + eps) and normalized x / scale (float32, before the gain), and the
         output after the gain. q/k norms show TransformerLens's flattened layout [B*T*heads, .]."""
-        flat = prefix.endswith(("q_norm", "k_norm"))
+        flat = prefix.endswith(("q_norm", "k_norm")) and not self.family.qk_norm_whole  # OLMo-2's: [B, T, H*D]
         heads_first = flat and self.family.qk_norm_heads_first  # Gemma-3 norms [B, heads, T, D]
         fns = self._run.by_point
 
@@ -546,6 +550,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         normalized = fire("hook_normalized", x32 * inv)
         if self.family.norm_gain == "1+weight":  # Gemma: (1 + w) in float32, then the model's dtype
             out = (normalized * (1.0 + module.weight.float())).type_as(x)
+        elif self.family.norm_gain == "weight-float32":  # OLMo-2: w times the float32 value, then the model's dtype
+            out = (module.weight * normalized).to(x.dtype)
         else:  # Llama: the model's dtype first, then w
             out = module.weight * normalized.to(x.dtype)
         return fire("hook_out", out)
@@ -557,19 +563,25 @@ class HookedModel(TransformerLensSurface, TLWeights):
         def fire(point: str, x):
             return self._fire_at(l, point, x)
 
+        post = fam.layout == "post-norm"  # OLMo-2: x + norm(attn(x)), x + norm(mlp(x)); ln1, ln2 after the sublayers
         x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
-        a, _ = layer_mod.self_attn(hidden_states=getattr(layer_mod, fam.ln1)(x), **attn_kwargs)  # ln1.*, attn.*
+        a, _ = layer_mod.self_attn(hidden_states=x if post else getattr(layer_mod, fam.ln1)(x),
+                                   **attn_kwargs)  # ln1.*, attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
             a = getattr(layer_mod, fam.ln1_post)(a)  # ln1_post.*
+        elif post:
+            a = getattr(layer_mod, fam.ln1)(a)  # ln1.*
         a = fire("hook_attn_out", a)  # [B, T, d] what is added
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
         # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
         mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
-        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(mlp_in)))  # ln2.*, mlp.*; [B, T, d]
+        m = fire("mlp.hook_out", layer_mod.mlp(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))  # [B, T, d]
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
+        elif post:
+            m = getattr(layer_mod, fam.ln2)(m)  # ln2.*
         m = fire("hook_mlp_out", m)  # [B, T, d] what is added
         drop_mlp = getattr(layer_mod, "resid_mlp_dropout", None)
         return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]

@@ -1,7 +1,7 @@
 """A model's configuration and weights in TransformerLens 3.9's names and layouts (`HookedModel.cfg`, `W_Q`, ...).
 
     hm.cfg.n_layers, hm.cfg.d_head, hm.cfg.positional_embedding_type     # "rotary" (or "none": NoPE)
-    hm.W_Q[l, h]      # [d_model, d_head]: q of head h = ln1 output @ W_Q[l, h] + b_Q[l, h]
+    hm.W_Q[l, h]      # [d_model, d_head]: q of head h = ln1 output @ W_Q[l, h] + b_Q[l, h] (OLMo-2: resid_pre)
     hm.W_O[l, h]      # [d_head, d_model]; hm.W_U [d_model, d_vocab]; hm.W_E [d_vocab, d_model]
 
 The weights are the model's own, unprocessed (TransformerLens's `from_pretrained_no_processing`): the norms' gains stay
