@@ -1,6 +1,6 @@
 """The analyses end to end on a tiny random model of each family added after Llama (OLMo-2, ...), from a config
-directory with a byte-level tokenizer (no download): `scores`, `intermediates`, `leakage` and `stat` exit 0, write
-their run directories, and record the family and the positional-encoding type of every layer in run.json."""
+directory with a byte-level tokenizer (no download): `scores`, `intermediates`, `leakage`, `stat` and `length` exit
+0, write their run directories, and record the family and the positional-encoding type of every layer in run.json."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from poslens import cli
 # family -> the positional encoding per layer run.json must record
 EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"])}
 COMMANDS = {"scores": ["scores"], "intermediates": ["intermediates", "--layer", "1"], "leakage": ["leakage"],
-            "stat": ["stat", "attention_maps"]}
+            "stat": ["stat", "attention_maps"], "length": ["length", "--train-len", "20", "--eval-lens", "20,40"]}
 SIZES = ["--seq-len", "40", "--num-sequences", "6", "--batch-size", "2", "--quiet", "--no-figures"]
 
 
@@ -28,8 +28,9 @@ def test_every_analysis_runs_and_records_the_positional_encoding(family, tmp_pat
     name, layers = EXPECTED[family]
     for key, args in COMMANDS.items():
         out = tmp_path / key
+        sizes = SIZES[2:] if key == "length" else SIZES  # length cuts its own sequences (--train-len, --eval-lens)
         extra = ["--early-queries", "8"] if key == "leakage" else []
-        assert cli.main([*args, f"random:{model_dir}", *SIZES, *extra, "--out", str(out)]) == 0, key
+        assert cli.main([*args, f"random:{model_dir}", *sizes, *extra, "--out", str(out)]) == 0, key
         meta = json.loads((out / "run.json").read_text())
         assert meta["model"]["family"] == name, key
         assert meta["model"]["positional_encoding"] == layers, key
