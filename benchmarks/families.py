@@ -32,11 +32,14 @@ from tiny_models import build, token_batch  # noqa: E402
 
 from poslens.engine.hooks import HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2")
+FAMILIES = ("llama", "olmo2", "gpt2")
 
 
 def model_of(family: str, hidden: int, layers: int):
     heads = hidden // 64
+    if family == "gpt2":  # no key/value groups, no head_dim field; MLP 4 x hidden by default
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     max_position_embeddings=1024)
     kv = {"olmo2": heads}.get(family, max(1, heads // 2))
     return build(family, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)

@@ -81,3 +81,38 @@ def test_hooked_forward_equals_hugging_face(family):
         model.set_attn_implementation("sdpa")
     for l in range(hm.n_layers):
         assert (cache[f"blocks.{l}.attn.hook_pattern"] - eager[l]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
+    """GPT-2: hook_pos_embed is W_pos's rows at the positions; zeros written there give the logits of the same model
+    with its table zeroed (Hugging Face's own forward); a value written at ln1.hook_normalized reaches the queries
+    times the gain plus the bias, as TransformerLens's LayerNorm (x - mean) / scale * w + b."""
+    model = _model("gpt2")
+    hm = HookedModel(model)
+    ids = token_batch(2, 12, seed=4)
+    _, cache = hm.run_with_cache(ids, ["hook_pos_embed", "hook_embed", "blocks.0.hook_resid_pre"])
+    assert torch.equal(cache["hook_pos_embed"], hm.W_pos[:12].expand(2, -1, -1))
+    assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
+    zeroed = hm.run(ids, hooks={"hook_pos_embed": lambda x, ctx: torch.zeros_like(x)}, logits=True).logits
+    table = model.transformer.wpe.weight.clone()
+    model.transformer.wpe.weight.zero_()
+    try:
+        reference = model(input_ids=ids).logits
+    finally:
+        model.transformer.wpe.weight.copy_(table)
+    assert (zeroed - reference).abs().max() <= 1e-6 * reference.abs().max()  # float32 rounding of the same ops
+    assert (zeroed - model(input_ids=ids).logits).abs().max() > 1e-2  # the table matters
+    written = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
+    kept = {}
+    hm.run(ids, hooks={"blocks.1.ln1.hook_normalized": lambda x, ctx: written,
+                       "blocks.1.attn.hook_q": lambda x, ctx: kept.setdefault("q", x.clone())})
+    ln = model.transformer.h[1].ln_1
+    q = (written * ln.weight + ln.bias) @ hm.W_Q[1].transpose(0, 1).flatten(1) + hm.b_Q[1].flatten()
+    assert (kept["q"].flatten(-2) - q).abs().max() <= 1e-5 * q.abs().max()
+    # TransformerLens's decompose_resid: embed, pos_embed, then each layer's outputs, summing to the stream
+    _, full = hm.run_with_cache(ids)
+    parts, labels = full.decompose_resid(layer=2, return_labels=True)
+    assert labels == ["embed", "pos_embed", "0_attn_out", "0_mlp_out", "1_attn_out", "1_mlp_out"]
+    resid = full["resid_pre", 2]
+    assert (parts.sum(0) - resid).abs().max() <= 1e-5 * resid.abs().max()  # float32 sums in another order

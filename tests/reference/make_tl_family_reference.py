@@ -62,7 +62,20 @@ def olmo2_config(hf):
         final_rms=True, dtype=torch.float32, device="cpu")
 
 
-FAMILIES = {"olmo2": ("convert_olmo2_weights", olmo2_config)}
+def gpt2_config(hf):
+    """TransformerLens's GPT-2 config (convert_hf_model_config's GPT2LMHeadModel branch; n_ctx: the table's rows)."""
+    from transformer_lens.config import HookedTransformerConfig
+
+    c = hf.config
+    return HookedTransformerConfig(
+        d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head, d_mlp=c.n_embd * 4, n_layers=c.n_layer,
+        n_ctx=c.n_positions, eps=c.layer_norm_epsilon, d_vocab=c.vocab_size, act_fn=c.activation_function,
+        use_attn_scale=c.scale_attn_weights, use_local_attn=False,
+        scale_attn_by_inverse_layer_idx=c.scale_attn_by_inverse_layer_idx, normalization_type="LN",
+        original_architecture="GPT2LMHeadModel", dtype=torch.float32, device="cpu")
+
+
+FAMILIES = {"olmo2": ("convert_olmo2_weights", olmo2_config), "gpt2": ("convert_gpt2_weights", gpt2_config)}
 
 
 def reference(family: str) -> dict:

@@ -7,12 +7,12 @@ forward needs the model's eager attention (Gemma-2's logit softcap), and how to 
 window and the positional encoding of every layer. Nothing here imports the analysis engine; the loader
 (`poslens.engine.models`) vets configs with `check_supported` before any weight is read.
 
-Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer,
-"rope", "partial-rope" (Phi-3's partial rotary factor) or "none"; the whole encoding (RoPE base and scaling,
-sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model loaded with `pe="none"` (a
-Llama-like checkpoint trained without positional encoding, such as the paper's released NoPE model) has its rotary
-embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's per-layer
-`no_rope_layers` is read from the config.
+Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer, "rope",
+"partial-rope" (Phi-3's partial rotary factor), "learned" (GPT-2's position table) or "none"; the whole encoding
+(RoPE base and scaling, sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model
+loaded with `pe="none"` (a Llama-like checkpoint trained without positional encoding, such as the paper's released
+NoPE model) has its rotary embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's
+per-layer `no_rope_layers` is read from the config.
 """
 
 from __future__ import annotations
@@ -48,6 +48,16 @@ class Family:
     # float32, cast after); read by the hook engine's norm points
     qk_norm_heads_first: bool = False  # the q/k norm (if any) reads [B, heads, T, D] (Gemma-3), not [B, T, heads, D]
     qk_norm_whole: bool = False  # the q/k norm (if any) normalizes the whole projection [B, T, heads * D] (OLMo-2)
+    # where the parts live (module attributes): the base model's layers, embeddings and final norm; a layer's
+    # attention; a learned position table (GPT-2's wpe), the norm kind ("rms" or "layer": LayerNorm with a bias)
+    layers_attr: str = "layers"
+    attn_attr: str = "self_attn"
+    embed_attr: str = "embed_tokens"
+    pos_embed_attr: str | None = None
+    final_norm_attr: str = "norm"
+    norm_kind: str = "rms"
+    gated_mlp: bool = True  # gate and up projections (Llama); False: one up projection (GPT-2's c_fc), no
+    # mlp.hook_pre_linear
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -81,6 +91,9 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3"),
     "gemma3_text": Family("Gemma-3 (text)", qk_norm_heads_first=True, **_SANDWICH),
     "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
+    # GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D projections (c_attn fused [q | k | v])
+    "gpt2": Family("GPT-2", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
+                   pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True),
@@ -113,7 +126,12 @@ def check_supported(config: Any) -> None:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a causal LM (or of its base model)."""
-    return model.base_model.layers
+    return getattr(model.base_model, family_of(model.config).layers_attr)
+
+
+def attention_module(model: nn.Module, layer: int) -> nn.Module:
+    """The attention module of decoder layer `layer`."""
+    return getattr(decoder_layers(model)[layer], family_of(model.config).attn_attr)
 
 
 def num_layers(model_or_config: Any) -> int:
@@ -132,8 +150,9 @@ def rotary_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def positional_encoding(model_or_config: Any) -> list[str]:
-    """Per layer: "rope", "partial-rope" or "none" (a model loaded with pe="none" is "none" everywhere). The whole
-    encoding (RoPE base and scaling, sliding windows, a label) is `poslens.engine.pe.PositionalEncoding.of`."""
+    """Per layer: "rope", "partial-rope", "learned" or "none" (a model loaded with pe="none" is "none" everywhere).
+    The whole encoding (RoPE base and scaling, sliding windows, a label) is
+    `poslens.engine.pe.PositionalEncoding.of`."""
     return list(PositionalEncoding.of(model_or_config).rope)
 
 
@@ -178,6 +197,9 @@ def set_positional_encoding(model: nn.Module, pe: str) -> None:
     "auto" leave it as the config says."""
     if pe not in PE_CHOICES:
         raise UsageError(f"pe must be one of {', '.join(PE_CHOICES)}; got {pe!r}")
+    if pe == "none" and "learned" in positional_encoding(model):
+        raise UsageError(f"pe none removes RoPE, and this {family_of(model.config).name} model has none: its positions "
+                         "come from a learned table added to the token embeddings; load it with pe auto")
     if pe == "none" and getattr(model, PE_ATTR, None) != "none":
         if all(p == "none" for p in positional_encoding(model)):
             return  # already NoPE by its config (SmolLM3 with no_rope_layers all 0)
