@@ -436,8 +436,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 fn()
 
     def _projection_hooks(self, l: int, pts: dict) -> list:
-        """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj), the MLP's
-        gate and up (Phi-3: one fused gate_up_proj) and the down projection's input."""
+        """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj; GPT-2: one
+        Conv1D c_attn), the MLP's gate and up (Phi-3: one fused gate_up_proj; GPT-2: c_fc, no gate) and the down
+        projection's input."""
         attn, mlp, cfg = self.attns[l], self.layers[l].mlp, self.model.config
         d, heads = attn.head_dim, cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
