@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_identical
-from tiny_models import FAMILIES, build, token_batch
-from transformers import AttentionInterface, AttentionMaskInterface, GPT2Config, GPT2LMHeadModel
+from tiny_models import ALL_FAMILIES, FAMILIES, build, token_batch
+from transformers import AttentionInterface, AttentionMaskInterface, OPTConfig, OPTForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import eager_mask
 
@@ -51,7 +51,7 @@ _RECORD: dict[int, tuple[torch.Tensor, int | None]] = {}
 
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                          **kwargs):
-    s = torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+    s = torch.matmul(query, repeat_kv(key, query.shape[1] // key.shape[1]).transpose(2, 3)) * scaling
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     _RECORD[module.layer_idx] = (s[0].clone(), kwargs.get("sliding_window"))
@@ -128,7 +128,7 @@ def _padded(sequences: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)  # GPT-2 too: the reference is its own attention
 def test_maps_match_float64_reference(family, dtype):
     """Every map of every family, streamed over two batches of different lengths, equals the reference."""
     model = build(family, dtype=dtype)
@@ -185,7 +185,7 @@ def test_gemma2_scores_are_post_softcap():
 # ---- the forward is untouched -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)  # GPT-2 too: the reference is its own attention
 def test_outputs_bitwise_equal_to_plain_forward(family):
     """Logits and every hidden state of a capturing forward equal the plain sdpa (Gemma-2: eager) forward."""
     model = build(family)
@@ -357,11 +357,12 @@ def test_no_rope_without_rotary_module_is_refused():
 
 
 def test_unsupported_architectures_are_refused():
-    with pytest.raises(UsageError, match=r"'gpt2'.*llama"):
-        check_supported(GPT2Config())
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(UsageError, match="gpt2"):
-        Capture(gpt2)
+    with pytest.raises(UsageError, match=r"'opt'.*llama"):  # OPT: not a family yet (docs/families.md)
+        check_supported(OPTConfig())
+    opt = OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                                   vocab_size=64, word_embed_proj_dim=32))
+    with pytest.raises(UsageError, match="opt"):
+        Capture(opt)
     with pytest.raises(UsageError, match="bidirectional"):
         check_supported(build("gemma3").config.__class__(use_bidirectional_attention=True))
     check_supported(build("gemma2").config)  # supported (post-softcap scores, eager output)

@@ -26,7 +26,8 @@ def _plain_logits(model, ids, mask=None):
 
 
 def _rms(prefix, module, x, gemma, ref, flat=False):
-    """TransformerLens's RMSNorm points: scale = sqrt(mean(x^2) + eps), normalized = x / scale, then the gain."""
+    """TransformerLens's RMSNorm points: scale = sqrt(mean(x^2) + eps), normalized = x / scale, then the gain (q/k
+    norms: over each head's D entries, TL's [B*T*heads, .]; OLMo-2's over the whole projection, x [B, T, heads*D])."""
     eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
     w = module.weight.double()
     scale = ref.get(f"{prefix}.hook_scale!", (x.pow(2).mean(-1, keepdim=True) + eps).sqrt())  # written, or computed
@@ -68,8 +69,9 @@ def _layer(model, family, l, x, written=None):
     attn, mlp = blk.self_attn, blk.mlp
     b, t, _ = x.shape
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    post_norm = family == "olmo2"  # post-norm: attention reads x, ln1 and ln2 normalize the sublayers' outputs
     ref["hook_resid_pre"] = x
-    y = _rms("ln1", blk.input_layernorm, x, gemma, ref)
+    y = x if post_norm else _rms("ln1", blk.input_layernorm, x, gemma, ref)
     if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
         q, k, v = _linear(y, attn.qkv_proj).split([h * d, kv * d, kv * d], -1)
     else:
@@ -77,7 +79,10 @@ def _layer(model, family, l, x, written=None):
     q, k, v = (z.unflatten(-1, (-1, d)) for z in (q, k, v))  # [B, T, heads, D]
     q = ref["attn.hook_q"] = ref.get("attn.hook_q!", q)
     ref["attn.hook_k"], ref["attn.hook_v"] = k, v
-    if hasattr(attn, "q_norm"):
+    if post_norm:  # one RMSNorm over all heads of q (of k)
+        q = _rms("attn.q_norm", attn.q_norm, q.flatten(-2), gemma, ref).unflatten(-1, (-1, d))
+        k = _rms("attn.k_norm", attn.k_norm, k.flatten(-2), gemma, ref).unflatten(-1, (-1, d))
+    elif hasattr(attn, "q_norm"):
         q = _rms("attn.q_norm", attn.q_norm, q, gemma, ref, flat=True)
         k = _rms("attn.k_norm", attn.k_norm, k, gemma, ref, flat=True)
     rope = _cos_sin(model, l, x.float(), torch.arange(t)[None].expand(b, -1))
@@ -98,11 +103,12 @@ def _layer(model, family, l, x, written=None):
     w_o = attn.o_proj.weight.double().T.unflatten(0, (h, d))  # [H, D, d]: each head's rows of W_O
     ref["attn.hook_result"] = torch.einsum("bihd,hde->bihe", z, w_o)
     a = ref["attn.hook_out"] = _linear(z.flatten(-2), attn.o_proj)
-    if gemma:
-        a = _rms("ln1_post", blk.post_attention_layernorm, a, gemma, ref)
+    if gemma or post_norm:
+        a = _rms("ln1" if post_norm else "ln1_post", blk.post_attention_layernorm, a, gemma, ref)
     ref["hook_attn_out"] = a
     mid = ref["hook_resid_mid"] = ref["hook_mlp_in"] = x + a
-    f = _rms("ln2", blk.pre_feedforward_layernorm if gemma else blk.post_attention_layernorm, mid, gemma, ref)
+    f = mid if post_norm else _rms("ln2", blk.pre_feedforward_layernorm if gemma else blk.post_attention_layernorm, mid,
+                              gemma, ref)
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)
         act = mlp.activation_fn
@@ -111,8 +117,8 @@ def _layer(model, family, l, x, written=None):
     ref["mlp.hook_pre"], ref["mlp.hook_pre_linear"] = gate, up
     post = ref["mlp.hook_post"] = act(gate) * up
     m = ref["mlp.hook_out"] = _linear(post, mlp.down_proj)
-    if gemma:
-        m = _rms("ln2_post", blk.post_feedforward_layernorm, m, gemma, ref)
+    if gemma or post_norm:
+        m = _rms("ln2" if post_norm else "ln2_post", blk.post_feedforward_layernorm, m, gemma, ref)
     ref["hook_mlp_out"] = m
     ref["hook_resid_post"] = mid + m
     return {f"blocks.{l}.{k}": v for k, v in ref.items() if not k.endswith("!")}

@@ -83,8 +83,10 @@ def _attention(model, l: int, y, rope: bool = True):
         q, k, v = qkv.split([h * d, hkv * d, hkv * d], -1)
     else:
         q, k, v = _linear(y, attn.q_proj), _linear(y, attn.k_proj), _linear(y, attn.v_proj)
+    if cfg.model_type == "olmo2":  # one RMSNorm over all heads of q (of k)
+        q, k = _norm(q, attn.q_norm, gemma), _norm(k, attn.k_norm, gemma)
     q, k, v = (x.view(b, t, -1, d).transpose(1, 2) for x in (q, k, v))
-    if hasattr(attn, "q_norm"):
+    if hasattr(attn, "q_norm") and cfg.model_type != "olmo2":
         q, k = _norm(q, attn.q_norm, gemma), _norm(k, attn.k_norm, gemma)
     if f["rope"] and rope:
         q, k = _rope(q, f["theta"], f["rot"]), _rope(k, f["theta"], f["rot"])
@@ -114,7 +116,7 @@ def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[tor
     The only thing taken from the model's forward is the residual stream entering each layer
     (output_hidden_states); everything after it is recomputed here."""
     cfg = model.config
-    gemma = cfg.model_type.startswith("gemma")
+    gemma, post_norm = cfg.model_type.startswith("gemma"), cfg.model_type == "olmo2"
     with torch.no_grad():
         hidden = [x.double() for x in model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states]
         blk = model.model.layers[layer]
@@ -123,7 +125,7 @@ def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[tor
             return x @ x.transpose(-1, -2)
 
         x = hidden[layer]
-        y = _norm(x, blk.input_layernorm, gemma)
+        y = x if post_norm else _norm(x, blk.input_layernorm, gemma)  # OLMo-2: attention reads the stream
         s, z, a, _ = _attention(model, layer, y)
         b, t, h, d = z.shape
         zg = torch.einsum("bihd,bjhd->bij", z, z) / h
@@ -131,15 +133,19 @@ def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[tor
             mid = x + _norm(a, blk.post_attention_layernorm, gemma)
             f = _norm(mid, blk.pre_feedforward_layernorm, gemma)
             post = mid + _norm(_mlp(model, layer, f), blk.post_feedforward_layernorm, gemma)
+        elif post_norm:  # OLMo-2: x + norm(attn(x)), then mid + norm(mlp(mid))
+            mid = f = x + _norm(a, blk.post_attention_layernorm, gemma)
+            post = mid + _norm(_mlp(model, layer, f), blk.post_feedforward_layernorm, gemma)
         else:
             mid = x + a
             f = _norm(mid, blk.post_attention_layernorm, gemma)
             post = mid + _mlp(model, layer, f)
-        nxt = _norm(post, model.model.layers[layer + 1].input_layernorm, gemma)
+        nxt = post if post_norm else _norm(post, model.model.layers[layer + 1].input_layernorm, gemma)
         s2, _, _, qk2 = _attention(model, layer + 1, nxt)
         panels = {"a": gram(y), "b": s, "c": zg, "d": gram(a), "e": gram(mid), "f": gram(f), "g": gram(post),
                   "h": gram(nxt), "i": s2, "i_qk": qk2}
-        scores = [_attention(model, l, _norm(hidden[l], model.model.layers[l].input_layernorm, gemma))[0]
+        scores = [_attention(model, l, hidden[l] if post_norm else
+                             _norm(hidden[l], model.model.layers[l].input_layernorm, gemma))[0]
                   for l in range(cfg.num_hidden_layers)]
     return panels, scores
 

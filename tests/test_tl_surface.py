@@ -41,8 +41,9 @@ def test_cfg_and_weight_views_reproduce_the_hook_points(family):
     assert c.rotary_dim == (8 if family == "phi3" else 16)
     ids = token_batch(2, 9, seed=2)
     logits, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
+    fam = hm.family  # what the projections read: the norms' outputs (OLMo-2, post-norm: the residual stream)
     _, own = hm.run_with_cache(ids, [f"blocks.{l}.{p}" for l in range(hm.n_layers)
-                                     for p in ("ln1.hook_out", "ln2.hook_out", "attn.hook_out", "mlp.hook_out")])
+                                     for p in (fam.attn_input, fam.mlp_input, "attn.hook_out", "mlp.hook_out")])
     n, d, h, k = c.n_layers, c.d_model, c.n_heads, c.n_key_value_heads
     W = {w: getattr(hm, w).double() for w in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_gate",
                                               "W_in", "W_out", "b_in", "b_out")}
@@ -51,7 +52,7 @@ def test_cfg_and_weight_views_reproduce_the_hook_points(family):
     if family == "qwen2":
         assert W["b_Q"].abs().max() > 0  # the biases are read, not zeros
     for l in range(n):
-        x = own[f"blocks.{l}.ln1.hook_out"].double()
+        x = own[f"blocks.{l}.{fam.attn_input}"].double()
         q = torch.einsum("btd,hde->bthe", x, W["W_Q"][l]) + W["b_Q"][l]
         _close(q, cache["q", l], f"L{l} q")
         for name in ("k", "v"):  # query head h reads key head h // (h / k): every (h / k)-th expanded head is one
@@ -59,7 +60,7 @@ def test_cfg_and_weight_views_reproduce_the_hook_points(family):
             _close(got[:, :, :: h // k], cache[name, l], f"L{l} {name}")
         out = torch.einsum("bthe,hed->btd", cache["z", l].double(), W["W_O"][l]) + W["b_O"][l]
         _close(out, own[f"blocks.{l}.attn.hook_out"], f"L{l} attn out")
-        y = own[f"blocks.{l}.ln2.hook_out"].double()
+        y = own[f"blocks.{l}.{fam.mlp_input}"].double()
         _close(y @ W["W_gate"][l], cache["pre", l], f"L{l} mlp pre")
         _close(y @ W["W_in"][l] + W["b_in"][l], cache["pre_linear", l], f"L{l} mlp pre_linear")
         _close(cache["post", l].double() @ W["W_out"][l] + W["b_out"][l],

@@ -7,6 +7,7 @@ initialisation, which would make every attention map flat and every comparison t
 
     model = build("qwen3")                   # any of FAMILIES
     model = build("mistral", sliding_window=8, num_hidden_layers=2)   # config overrides
+    model = build("gpt2")                    # any of ALL_FAMILIES (FAMILIES: the RoPE/NoPE ones)
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -82,15 +87,26 @@ SPECS: dict[str, tuple[type, type, dict]] = {
             "final_logit_softcapping": 30.0,
         },
     ),
+    # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"num_key_value_heads": 4}),
+    # learned absolute positions (wpe), LayerNorm with bias, Conv1D c_attn [q | k | v]; 64 wide = 4 heads of 16, an
+    # MLP 4 x 64 wide (GPT-2's n_inner default, which TransformerLens assumes)
+    # (None: a common field GPT-2's config does not have)
+    "gpt2": (GPT2Config, GPT2LMHeadModel, {"max_position_embeddings": 64, "activation_function": "gelu_new",
+                                           "tie_word_embeddings": True,
+                                           "num_key_value_heads": None, "head_dim": None, "intermediate_size": None}),
 }
 
-FAMILIES: tuple[str, ...] = tuple(SPECS)
+ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
+# the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
+# GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
+FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f != "gpt2")
 
 
 def config(family: str, **overrides):
     """The tiny config of `family` (see FAMILIES), with `overrides` applied."""
     config_cls, _, extra = SPECS[family]
-    kwargs = {**COMMON, **extra, **overrides}
+    kwargs = {k: v for k, v in {**COMMON, **extra, **overrides}.items() if v is not None}
     return config_cls(**kwargs)
 
 
@@ -117,8 +133,8 @@ def _rescale_qk(model: PreTrainedModel) -> None:
     """
     cfg = model.config
     hidden = cfg.hidden_size
-    for layer in model.model.layers:
-        attn = layer.self_attn
+    for layer in getattr(model.base_model, "layers", None) or model.base_model.h:
+        attn = getattr(layer, "self_attn", None) or layer.attn
         d = attn.head_dim
         target = (SCORE_STD / (attn.scaling * d**0.5)) ** 0.5
         if hasattr(attn, "q_norm"):
@@ -128,7 +144,9 @@ def _rescale_qk(model: PreTrainedModel) -> None:
                 norm.weight.copy_(gain - 1 if gemma_style else gain)
         else:
             std = target / hidden**0.5
-            if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
+            if hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
+                attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
+            elif hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
                 n_qk = (cfg.num_attention_heads + cfg.num_key_value_heads) * d
                 attn.qkv_proj.weight[:n_qk].normal_(0.0, std)
             else:
@@ -144,12 +162,16 @@ def token_batch(batch: int, seq_len: int, seed: int = 0, low: int = 3) -> torch.
 
 @torch.no_grad()
 def randomize_norm_gains(model: PreTrainedModel, spread: float = 0.3, seed: int = 1) -> PreTrainedModel:
-    """Give every residual-stream RMSNorm (not the q/k norms, which `_rescale_qk` sets) a random gain around 1, so that
-    a value before a norm's gain and after it differ (a fresh model's gains are all exactly 1). Returns the model."""
+    """Give every residual-stream RMSNorm (not the q/k norms, which `_rescale_qk` sets) a random gain around 1 (and
+    every LayerNorm a random bias around 0 too), so that a value before a norm's gain and after it differ (a fresh
+    model's gains are all exactly 1). Returns the model."""
     g = torch.Generator().manual_seed(seed)
     for name, module in model.named_modules():
         if type(module).__name__.endswith("RMSNorm") and not name.endswith(("q_norm", "k_norm")):
             gain = 1 + spread * torch.randn(module.weight.shape, generator=g)
             gemma_style = "Gemma" in type(module).__name__  # output * (1 + weight)
             module.weight.copy_(gain - 1 if gemma_style else gain)
+        elif isinstance(module, torch.nn.LayerNorm):  # GPT-2: a gain and a bias
+            module.weight.copy_(1 + spread * torch.randn(module.weight.shape, generator=g))
+            module.bias.copy_(spread * torch.randn(module.bias.shape, generator=g))
     return model

@@ -18,8 +18,10 @@ T x T Gram matrices of the intermediates that turn causally masked attention int
 Gemma's sandwich layout (a norm after each sublayer too) maps as follows: (d) is the o_proj output before
 Gemma's `post_attention_layernorm` (hook point ln1_post; hook_attn_out comes after it, as in TransformerLens); (e)
 adds that normed output to the residual; (f) is `pre_feedforward_layernorm` (ln2); (g) adds
-`post_feedforward_layernorm(mlp(...))`. Gemma-2's attention logit
-softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
+`post_feedforward_layernorm(mlp(...))`. OLMo-2's post-norm layout has no norm before a sublayer: (a) and (h) are
+`hook_resid_pre` (what attention reads), (f) is `hook_resid_mid` (what the MLP reads, the same stream as (e)),
+(d) is before the norm after attention (ln1), and (g) adds `post_feedforward_layernorm(mlp(...))` (ln2).
+Gemma-2's attention logit softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
 
 Every per-head Gram is a head-summed GEMM: `sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T`, and the sum over the
 sequences of a batch joins the same inner dimension, so one [T, B*H*D] x [B*H*D, T] product per batch; for
@@ -68,9 +70,13 @@ PANELS: tuple[tuple[str, str, str], ...] = (
     ("h", "next_input_norm", "next layer's normalised input"),
     ("i", "next_qk", "next layer's Q K^T * scaling"),
 )
-# residual-stream-shaped panels: hook point (relative to the block) and which of the two layers
-_HIDDEN_POINTS = {"a": ("ln1.hook_out", 0), "d": ("attn.hook_out", 0), "e": ("hook_resid_mid", 0),
-                  "f": ("ln2.hook_out", 0), "g": ("hook_resid_post", 0), "h": ("ln1.hook_out", 1)}
+
+
+def hidden_points(family) -> dict[str, tuple[str, int]]:
+    """Residual-stream-shaped panels: hook point (relative to the block) and which of the two layers. (a), (f) and (h)
+    are what attention and the MLP read: the norms' outputs, or (post-norm, OLMo-2) the residual stream itself."""
+    return {"a": (family.attn_input, 0), "d": ("attn.hook_out", 0), "e": ("hook_resid_mid", 0),
+            "f": (family.mlp_input, 0), "g": ("hook_resid_post", 0), "h": (family.attn_input, 1)}
 
 
 class BlockOutputMismatch(UsageError):
@@ -223,8 +229,9 @@ class Intermediates(Statistic):
 
     def _float64_modules(self, block) -> dict:
         mods = {"mlp": copy.deepcopy(block.mlp).double()}
-        if self.family.layout == "sandwich":
-            mods["post"] = copy.deepcopy(getattr(block, self.family.ln2_post)).double()
+        if self.family.layout in ("sandwich", "post-norm"):  # the norm after the MLP
+            post = self.family.ln2_post if self.family.layout == "sandwich" else self.family.ln2
+            mods["post"] = copy.deepcopy(getattr(block, post)).double()
         return mods
 
     def score_layers(self) -> list[int]:
@@ -242,14 +249,14 @@ class Intermediates(Statistic):
         def add(point: str, fn) -> None:
             out.setdefault(point, []).append(fn)
 
-        for letter, (point, step) in _HIDDEN_POINTS.items():
+        for letter, (point, step) in hidden_points(self.family).items():
             add(f"blocks.{L + step}.{point}", self._gram_reader(f"panel_{letter}"))
         add(f"blocks.{L}.attn.hook_z", self._z_reader)
         for l in self.score_layers():
             add(f"blocks.{l}.attn.hook_attn_scores", from_factors(self._scores_reader(l)))
         if self.check is not None:
             add(f"blocks.{L}.hook_resid_mid", self._keep("mid"))
-            add(f"blocks.{L}.ln2.hook_out", self._keep("ln2"))
+            add(f"blocks.{L}.{self.family.mlp_input}", self._keep("ln2"))
             add(f"blocks.{L}.hook_resid_post", self._check_block)
         return out
 
@@ -395,8 +402,8 @@ class Intermediates(Statistic):
         if self.check is None:
             return None
         return {**self.check, "tolerance": check_tolerance(self.dtype), "dtype": str(self.dtype).removeprefix("torch."),
-                "layer": self.layer, "recomputed": "hook_resid_mid + mlp(ln2.hook_out)"
-                + (" through post_feedforward_layernorm" if self.family.layout == "sandwich" else "")
+                "layer": self.layer, "recomputed": f"hook_resid_mid + mlp({self.family.mlp_input})"
+                + (" through post_feedforward_layernorm" if self.family.layout != "pre-norm" else "")
                 + ", float64, vs hook_resid_post"}
 
     # ---- persistence and combination (sums plus the check's maxima)
@@ -464,11 +471,11 @@ class IntermediatesAnalysis(Analysis):
                                                      all_layers=job.config.all_layers)])]
 
     def finish(self, job: Job, passes: list[Pass]) -> Output:
-        stat, cfg = passes[0].statistics[0], job.config
+        stat, cfg, family = passes[0].statistics[0], job.config, job.hm.family
         return Output(stat.result(cfg.level), stat.summary(cfg.level), {
             "layer_numbering": "indices from 0 in config and tensors; figures number layers from 1",
             "panels": {letter: {"what": what, "layer": cfg.layer + (letter in "hi"),
-                                "hook_point": _hook_point(letter, cfg.layer)} for letter, _, what in PANELS}})
+                                "hook_point": _hook_point(letter, cfg.layer, family)} for letter, _, what in PANELS}})
 
     def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
         paths = figure3(output.tensors, job.config.layer, directory, job.label)
@@ -495,13 +502,13 @@ SPEC = Spec("intermediates", "the Gram matrices of Figure 3 for layers L, L+1 an
             IntermediatesOptions, lambda hm, o, groups: Intermediates(hm, o.layer, groups, o.all_layers))
 
 
-def _hook_point(letter: str, layer: int) -> str:
+def _hook_point(letter: str, layer: int, family) -> str:
     if letter in "bi":
         l = layer + (letter == "i")
         return f"blocks.{l}.attn.hook_rot_q x blocks.{l}.attn.hook_rot_k * scaling"
     if letter == "c":
         return f"blocks.{layer}.attn.hook_z"
-    point, step = _HIDDEN_POINTS[letter]
+    point, step = hidden_points(family)[letter]
     return f"blocks.{layer + step}.{point}"
 
 

@@ -173,7 +173,8 @@ class ActivationCache(Mapping):
     def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, mode: str = "all",
                         apply_ln: bool = False, pos_slice=None, incl_embeds: bool = True, return_labels: bool = False):
         """The residual stream at the input of `layer` as the sum of what wrote to it ([components, batch, pos, d]):
-        "embed" (hook_embed; these models have no positional embedding), then each earlier layer's "{l}_attn_out" and
+        "embed" (hook_embed) and, on a model with a position table (GPT-2), "pos_embed" (hook_pos_embed, as
+        TransformerLens), then each earlier layer's "{l}_attn_out" and
         "{l}_mlp_out" (mode "attn" or "mlp" keeps one kind), and with mlp_input this layer's attention output."""
         if mode not in ("all", "attn", "mlp"):
             raise UsageError(f"decompose_resid: mode must be 'all', 'attn' or 'mlp', got {mode!r}")
@@ -182,6 +183,9 @@ class ActivationCache(Mapping):
         if incl_embeds:
             parts.append(self["hook_embed"])
             labels.append("embed")
+            if self.model is not None and "hook_pos_embed" in self.model.points or "hook_pos_embed" in self.cache_dict:
+                parts.append(self["hook_pos_embed"])
+                labels.append("pos_embed")
         for l in range(layer):
             for kind in ("attn", "mlp"):
                 if mode in ("all", kind):

@@ -252,7 +252,7 @@ class Capture(Statistic):
         self.model = model
         self.base = model.base_model
         self.hm = HookedModel(model)
-        n_layers = len(self.base.layers)
+        n_layers = len(self.hm.layers)
         if layers is None:
             layers = list(range(n_layers))
         for l in layers:
@@ -535,7 +535,7 @@ class Capture(Statistic):
         """The [G, ...] sums of (key, layer slot) at the current map size (zeros where nothing was added)."""
         name = self._name(key, slot)
         if name not in self.sums:
-            dev = self.device or next(self.base.layers[self.layers[slot]].parameters()).device
+            dev = self.device or next(self.hm.layers[self.layers[slot]].parameters()).device
             return torch.zeros(self.groups, *self._shape(key), dtype=self._dtype(key), device=dev)
         return _pad_square(self.sums.sums[name], self._n, 1 if key == "log_partition" else 2)
 
@@ -575,7 +575,7 @@ class Capture(Statistic):
                 raise UsageError(f"checkpoint {k}_sum has shape {tuple(t.shape)}, expected "
                                  f"{(len(self.layers), self.groups, *self._shape(k))}; per_head differs?")
             for slot, l in enumerate(self.layers):
-                dev = self.device or next(self.base.layers[l].parameters()).device
+                dev = self.device or next(self.hm.layers[l].parameters()).device
                 self.sums.sums[self._name(k, slot)] = t[slot].to(dev, self._dtype(k)).clone()
                 self.sums.counts[self._name(k, slot)] = torch.zeros(self.groups, dtype=torch.float64, device=dev)
 

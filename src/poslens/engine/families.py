@@ -1,17 +1,18 @@
 """One registry of model families: where the parts of a decoder live and how its attention is set up.
 
 A `Family` says, for the transformers classes of one architecture: the block layout (pre-norm, as Llama:
-x + attn(norm(x)), or Gemma's sandwich with a norm after each sublayer too), the names of the norms, whether the
+x + attn(norm(x)); Gemma's sandwich with a norm after each sublayer too; OLMo-2's post-norm, x + norm(attn(x))), the
+names of the norms, whether the
 forward needs the model's eager attention (Gemma-2's logit softcap), and how to read, from a config, the sliding
 window and the positional encoding of every layer. Nothing here imports the analysis engine; the loader
 (`poslens.engine.models`) vets configs with `check_supported` before any weight is read.
 
-Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer,
-"rope", "partial-rope" (Phi-3's partial rotary factor) or "none"; the whole encoding (RoPE base and scaling,
-sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model loaded with `pe="none"` (a
-Llama-like checkpoint trained without positional encoding, such as the paper's released NoPE model) has its rotary
-embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's per-layer
-`no_rope_layers` is read from the config.
+Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer, "rope",
+"partial-rope" (Phi-3's partial rotary factor), "learned" (GPT-2's position table) or "none"; the whole encoding
+(RoPE base and scaling, sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model
+loaded with `pe="none"` (a Llama-like checkpoint trained without positional encoding, such as the paper's released
+NoPE model) has its rotary embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's
+per-layer `no_rope_layers` is read from the config.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Family:
     """Facts about one architecture (see the module docstring)."""
 
     name: str
-    layout: str = "pre-norm"  # or "sandwich": norm(sublayer(norm(x))) added to x (Gemma-2, Gemma-3)
+    layout: str = "pre-norm"  # or "sandwich": norm(sublayer(norm(x))) added to x (Gemma-2, Gemma-3), or
+    # "post-norm": norm(sublayer(x)) added to x (OLMo-2; ln1 and ln2 are the norms after attention and after the MLP)
     ln1: str = "input_layernorm"  # the norm before attention
     ln2: str = "post_attention_layernorm"  # the norm before the MLP (pre-norm layout)
     ln1_post: str | None = None  # sandwich: the norm after attention
@@ -41,16 +43,39 @@ class Family:
     ln2_post: str | None = None  # sandwich: the norm after the MLP
     eager_output: bool = False  # the model's output comes from its own eager attention (no SDPA path)
     softcap_attr: str | None = None  # config field of an attention logit softcap passed to the attention function
-    norm_gain: str = "weight"  # RMSNorm gain: "weight" (Llama: w * normalized, cast to the model dtype first) or
-    # "1+weight" (Gemma: (1 + w) * normalized in float32, cast after); read by the hook engine's norm points
+    norm_gain: str = "weight"  # RMSNorm gain: "weight" (Llama: w * normalized, cast to the model dtype first),
+    # "1+weight" (Gemma: (1 + w) * normalized in float32, cast after) or "weight-float32" (OLMo-2: w * normalized in
+    # float32, cast after); read by the hook engine's norm points
     qk_norm_heads_first: bool = False  # the q/k norm (if any) reads [B, heads, T, D] (Gemma-3), not [B, T, heads, D]
+    qk_norm_whole: bool = False  # the q/k norm (if any) normalizes the whole projection [B, T, heads * D] (OLMo-2)
+    # where the parts live (module attributes): the base model's layers, embeddings and final norm; a layer's
+    # attention; a learned position table (GPT-2's wpe), the norm kind ("rms" or "layer": LayerNorm with a bias)
+    layers_attr: str = "layers"
+    attn_attr: str = "self_attn"
+    embed_attr: str = "embed_tokens"
+    pos_embed_attr: str | None = None
+    final_norm_attr: str = "norm"
+    norm_kind: str = "rms"
+    gated_mlp: bool = True  # gate and up projections (Llama); False: one up projection (GPT-2's c_fc), no
+    # mlp.hook_pre_linear
 
     @property
     def norm_points(self) -> dict[str, str]:
         """Hook point (under blocks.{l}.) -> module attribute of the decoder layer, in forward order."""
-        if self.layout == "pre-norm":
+        if self.layout in ("pre-norm", "post-norm"):
             return {"ln1": self.ln1, "ln2": self.ln2}
         return {"ln1": self.ln1, "ln1_post": self.ln1_post, "ln2": self.ln2_pre, "ln2_post": self.ln2_post}
+
+    @property
+    def attn_input(self) -> str:
+        """The hook point (under blocks.{l}.) whose value the q, k and v projections read: the input norm's output, or
+        the residual stream itself where no norm comes first (post-norm)."""
+        return "hook_resid_pre" if self.layout == "post-norm" else "ln1.hook_out"
+
+    @property
+    def mlp_input(self) -> str:
+        """The hook point (under blocks.{l}.) whose value the MLP reads (post-norm: the residual stream)."""
+        return "hook_resid_mid" if self.layout == "post-norm" else "ln2.hook_out"
 
 
 _SANDWICH = dict(layout="sandwich", norm_gain="1+weight", ln1="input_layernorm", ln1_post="post_attention_layernorm",
@@ -66,6 +91,12 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3"),
     "gemma3_text": Family("Gemma-3 (text)", qk_norm_heads_first=True, **_SANDWICH),
     "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
+    # GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D projections (c_attn fused [q | k | v])
+    "gpt2": Family("GPT-2", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
+                   pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False),
+    # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
+    "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
+                    norm_gain="weight-float32", qk_norm_whole=True),
 }
 
 # Checkpoints known to be trained without positional encoding but saved as RoPE architectures (lower-case hub ids).
@@ -95,7 +126,12 @@ def check_supported(config: Any) -> None:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a causal LM (or of its base model)."""
-    return model.base_model.layers
+    return getattr(model.base_model, family_of(model.config).layers_attr)
+
+
+def attention_module(model: nn.Module, layer: int) -> nn.Module:
+    """The attention module of decoder layer `layer`."""
+    return getattr(decoder_layers(model)[layer], family_of(model.config).attn_attr)
 
 
 def num_layers(model_or_config: Any) -> int:
@@ -114,8 +150,9 @@ def rotary_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def positional_encoding(model_or_config: Any) -> list[str]:
-    """Per layer: "rope", "partial-rope" or "none" (a model loaded with pe="none" is "none" everywhere). The whole
-    encoding (RoPE base and scaling, sliding windows, a label) is `poslens.engine.pe.PositionalEncoding.of`."""
+    """Per layer: "rope", "partial-rope", "learned" or "none" (a model loaded with pe="none" is "none" everywhere).
+    The whole encoding (RoPE base and scaling, sliding windows, a label) is
+    `poslens.engine.pe.PositionalEncoding.of`."""
     return list(PositionalEncoding.of(model_or_config).rope)
 
 
@@ -160,6 +197,9 @@ def set_positional_encoding(model: nn.Module, pe: str) -> None:
     "auto" leave it as the config says."""
     if pe not in PE_CHOICES:
         raise UsageError(f"pe must be one of {', '.join(PE_CHOICES)}; got {pe!r}")
+    if pe == "none" and "learned" in positional_encoding(model):
+        raise UsageError(f"pe none removes RoPE, and this {family_of(model.config).name} model has none: its positions "
+                         "come from a learned table added to the token embeddings; load it with pe auto")
     if pe == "none" and getattr(model, PE_ATTR, None) != "none":
         if all(p == "none" for p in positional_encoding(model)):
             return  # already NoPE by its config (SmolLM3 with no_rope_layers all 0)

@@ -29,17 +29,23 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
 `*.hook_out` names are poslens's own, as TransformerLens 4's bridge names them):
 
     hook_embed                          [B, T, d]     TL  token embeddings (Gemma: after its sqrt(d) scale)
+    hook_pos_embed                      [B, T, d]     TL  GPT-2: the position table's rows at the positions (added to
+                                                          hook_embed); only on a family with a learned table
     blocks.{l}.hook_resid_pre           [B, T, d]     TL  the residual stream entering layer l
-    blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32)
+    blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32); OLMo-2
+                                                          (post-norm): ln1 is the norm after attention, fired after
+                                                          attn.hook_out, and ln2 the norm after the MLP
     blocks.{l}.ln1.hook_normalized      [B, T, d]     TL  x / scale, before the gain (float32)
     blocks.{l}.ln1.hook_out             [B, T, d]         after the gain: what attention reads
     blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE
     blocks.{l}.attn.q_norm.hook_*       [B*T*H, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of q (scale [., 1],
-                                                          normalized and out [., D]; TL's flattened layout)
+                                                          normalized and out [., D]; TL's flattened layout); OLMo-2:
+                                                          [B, T, .], one RMSNorm over the whole projection (H*D)
     blocks.{l}.attn.hook_k              [B, T, K, D]  TL  k_proj output (K heads: not repeated for GQA, as TL)
     blocks.{l}.attn.k_norm.hook_*       [B*T*K, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of k
     blocks.{l}.attn.hook_v              [B, T, K, D]  TL  v_proj output
-    blocks.{l}.attn.hook_rot_q          [B, T, H, D]  TL  queries after q-norm and RoPE (as q on a layer without RoPE)
+    blocks.{l}.attn.hook_rot_q          [B, T, H, D]  TL  queries after q-norm and RoPE (as q on a layer without RoPE;
+                                                          none on GPT-2, as in TL: ctx.rot_q is q there)
     blocks.{l}.attn.hook_rot_k          [B, T, K, D]  TL  keys after k-norm and RoPE
     blocks.{l}.attn.hook_attn_scores    [B, H, T, T]  TL  rot_q . rot_k * scaling (Gemma-2: after the softcap), -inf
                                                           where masked
@@ -120,15 +126,17 @@ def norm_points(prefix: str) -> list[str]:
 
 def block_points(family: Family, qk_norm: bool) -> list[str]:
     """The points of one block (under blocks.{l}.) in forward order."""
-    sandwich = family.layout == "sandwich"
-    return ["hook_resid_pre", *norm_points("ln1"),
+    sandwich, post = family.layout == "sandwich", family.layout == "post-norm"
+    return ["hook_resid_pre", *([] if post else norm_points("ln1")),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
-            "attn.hook_v", *KERNEL_POINTS, "attn.hook_result", "attn.hook_out",
-            *(norm_points("ln1_post") if sandwich else []), "hook_attn_out", "hook_resid_mid", "hook_mlp_in",
-            *norm_points("ln2"),
-            "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post", "mlp.hook_out",
-            *(norm_points("ln2_post") if sandwich else []), "hook_mlp_out", "hook_resid_post"]
+            "attn.hook_v", *(KERNEL_POINTS[2:] if family.pos_embed_attr else KERNEL_POINTS),  # GPT-2: no rot_q, rot_k
+            "attn.hook_result", "attn.hook_out",
+            *(norm_points("ln1_post") if sandwich else norm_points("ln1") if post else []), "hook_attn_out",
+            "hook_resid_mid", "hook_mlp_in", *([] if post else norm_points("ln2")),
+            "mlp.hook_pre", *(["mlp.hook_pre_linear"] if family.gated_mlp else []), "mlp.hook_post", "mlp.hook_out",
+            *(norm_points("ln2_post") if sandwich else norm_points("ln2") if post else []), "hook_mlp_out",
+            "hook_resid_post"]
 
 
 # TransformerLens's optional points: hooked by name; run_with_cache's default and a names_filter function select them
@@ -215,20 +223,22 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.family = family_of(model.config)
         self.layers = decoder_layers(model)
         self.n_layers = len(self.layers)
-        attn = self.layers[0].self_attn
-        names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"))
-        self.points = ["hook_embed"] + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
+        self.attns = [getattr(layer, self.family.attn_attr) for layer in self.layers]
+        names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"))
+        embeds = ["hook_embed", *(["hook_pos_embed"] if self.family.pos_embed_attr else [])]
+        self.points = embeds + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
         self._use = {flag: False for flag in OPTIONAL.values()}
         self._set_tl_points()
         self._known = set(self.points)
-        self._norms = {"ln_final": (model.base_model.norm, None)}  # point prefix -> (norm module, layer)
+        final = getattr(model.base_model, self.family.final_norm_attr)
+        self._norms = {"ln_final": (final, None)}  # point prefix -> (norm module, layer)
         for l, layer in enumerate(self.layers):
             for prefix, attr in self.family.norm_points.items():
                 self._norms[f"blocks.{l}.{prefix}"] = (getattr(layer, attr), l)
-            if hasattr(layer.self_attn, "q_norm"):
-                self._norms[f"blocks.{l}.attn.q_norm"] = (layer.self_attn.q_norm, l)
-                self._norms[f"blocks.{l}.attn.k_norm"] = (layer.self_attn.k_norm, l)
+            if hasattr(self.attns[l], "q_norm"):
+                self._norms[f"blocks.{l}.attn.q_norm"] = (self.attns[l].q_norm, l)
+                self._norms[f"blocks.{l}.attn.k_norm"] = (self.attns[l].k_norm, l)
         self._run: _Run | None = None
 
     def _set_tl_points(self) -> None:
@@ -395,8 +405,11 @@ class HookedModel(TransformerLensSurface, TLWeights):
             undo.append(lambda: self.model.set_attn_implementation(saved))
             handles = []
             if "hook_embed" in fns:
-                handles.append(self.model.base_model.embed_tokens.register_forward_hook(
+                handles.append(getattr(self.model.base_model, self.family.embed_attr).register_forward_hook(
                     lambda module, args, out: self._fire("hook_embed", None, out, fns["hook_embed"])))
+            if "hook_pos_embed" in fns:
+                handles.append(getattr(self.model.base_model, self.family.pos_embed_attr).register_forward_hook(
+                    self._pos_embed_hook(run.input_ids.shape[0], fns["hook_pos_embed"])))
             head = self.model.get_output_embeddings()
             if "unembed.hook_in" in fns:
                 handles.append(head.register_forward_pre_hook(
@@ -411,11 +424,11 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 if any(p in fns for p in norm_points(prefix)):
                     module.forward = functools.partial(self._norm, module, prefix, layer)
                     undo.append(lambda m=module: delattr(m, "forward"))  # back to the class's forward
-            for layer in self.layers:
+            for layer, attn in zip(self.layers, self.attns):
                 setattr(layer, _OWNER, self)
-                setattr(layer.self_attn, _OWNER, self)
+                setattr(attn, _OWNER, self)
                 layer.forward = types.MethodType(_block_forward, layer)
-                undo.append(lambda m=layer: [delattr(m, "forward"), delattr(m, _OWNER), delattr(m.self_attn, _OWNER)])
+                undo.append(lambda m=layer, a=attn: [delattr(m, "forward"), delattr(m, _OWNER), delattr(a, _OWNER)])
             self._run = run
             yield
         finally:
@@ -424,32 +437,36 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 fn()
 
     def _projection_hooks(self, l: int, pts: dict) -> list:
-        """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj), the MLP's
-        gate and up (Phi-3: one fused gate_up_proj) and the down projection's input."""
-        attn, mlp, cfg = self.layers[l].self_attn, self.layers[l].mlp, self.model.config
-        d = attn.head_dim
-        qkv = [("attn.hook_q", cfg.num_attention_heads * d, d), ("attn.hook_k", cfg.num_key_value_heads * d, d),
-               ("attn.hook_v", cfg.num_key_value_heads * d, d)]
-        width = mlp.down_proj.in_features
+        """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj; GPT-2: one
+        Conv1D c_attn), the MLP's gate and up (Phi-3: one fused gate_up_proj; GPT-2: c_fc, no gate) and the down
+        projection's input."""
+        attn, mlp, cfg = self.attns[l], self.layers[l].mlp, self.model.config
+        d, heads = attn.head_dim, cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        qkv = [("attn.hook_q", heads * d, d), ("attn.hook_k", kv * d, d), ("attn.hook_v", kv * d, d)]
+        o_proj, down = (attn.c_proj, mlp.c_proj) if hasattr(attn, "c_attn") else (attn.o_proj, mlp.down_proj)
+        width = down.weight.shape[0] if hasattr(attn, "c_attn") else down.in_features  # GPT-2's Conv1D: [in, out]
         gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
-        if hasattr(attn, "qkv_proj"):
+        if hasattr(attn, "c_attn"):  # GPT-2: one Conv1D [q | k | v]; the MLP's one up projection c_fc
+            sites = [(attn.c_attn, qkv), (mlp.c_fc, gate_up[:1])]
+        elif hasattr(attn, "qkv_proj"):
             sites = [(attn.qkv_proj, qkv)]
         else:
             sites = [(attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
         if hasattr(mlp, "gate_up_proj"):
             sites.append((mlp.gate_up_proj, gate_up))
-        else:
+        elif hasattr(mlp, "gate_proj"):
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
         handles = [module.register_forward_hook(self._split_hook(l, parts))
                    for module, parts in sites if any(p in pts for p, _, _ in parts)]
         if "attn.hook_result" in pts:
-            handles.append(attn.o_proj.register_forward_hook(self._result_hook(l, cfg.num_attention_heads)))
+            handles.append(o_proj.register_forward_hook(self._result_hook(l, heads)))
         if "mlp.hook_post" in pts:
             def post(module, args):
                 new = self._fire_at(l, "mlp.hook_post", args[0])
                 return None if new is args[0] else (new,)
 
-            handles.append(mlp.down_proj.register_forward_pre_hook(post))
+            handles.append(down.register_forward_pre_hook(post))
         return handles
 
     # ---- firing -------------------------------------------------------------------------------------------
@@ -489,7 +506,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         stays (bit-identical); written (or edited in place), the output is the heads' sum plus W_O's bias."""
         def hook(module, args, out):
             z = args[0].unflatten(-1, (heads, -1))  # [B, T, H, D]
-            result = torch.einsum("bthk,hkd->bthd", z, module.weight.T.unflatten(0, (heads, -1)))
+            w = module.weight if type(module).__name__ == "Conv1D" else module.weight.T  # [H*D, d]
+            result = torch.einsum("bthk,hkd->bthd", z, w.unflatten(0, (heads, -1)))
             seen = result._version
             new = self._fire_at(l, "attn.hook_result", result)
             if new is result and result._version == seen:
@@ -514,11 +532,52 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         return hook
 
+    def _pos_embed_hook(self, batch: int, fns: list[HookFn]):
+        """A forward hook on the position table firing hook_pos_embed, its rows at the positions as [B, T, d] (the model
+        looks them up once for the batch, [1, T, d]); read only, the model's own output stays."""
+        def hook(module, args, out):
+            x = out.expand(batch, -1, -1) if out.shape[0] != batch else out
+            seen = x._version
+            new = self._fire("hook_pos_embed", None, x, fns)
+            return None if new is x and x._version == seen else new
+
+        return hook
+
+    def _layer_norm(self, module, prefix: str, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm with TransformerLens's points: scale sqrt(var(x) + eps) and normalized (x - mean) / scale (float32,
+        before the gain and bias), then the output. Unless a hook replaced the scale or the normalized value, the output
+        is the module's own (bit-identical); else normalized * w + b."""
+        fns = self._run.by_point
+
+        def fire(point: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+            name = f"{prefix}.{point}"
+            if name not in fns:
+                return t, False
+            seen = t._version
+            new = self._fire(name, layer, t, fns[name])
+            return new, new is not t or t._version != seen
+
+        changed = False
+        if f"{prefix}.hook_scale" in fns or f"{prefix}.hook_normalized" in fns:
+            x32 = x.float()
+            centred = x32 - x32.mean(-1, keepdim=True)
+            scale, changed = fire("hook_scale", (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt())
+            normalized, written = fire("hook_normalized", centred / scale)
+            changed |= written
+        if changed:
+            out = (normalized * module.weight.float() + module.bias.float()).to(x.dtype)
+        else:
+            out = type(module).forward(module, x)
+        new, written = fire("hook_out", out)
+        return new if written and new is not out else out
+
     def _norm(self, module, prefix: str, layer: int | None, x: torch.Tensor) -> torch.Tensor:
         """The family's RMSNorm (the model's own operations, so outputs stay bit-identical) with its points:
         TransformerLens's scale sqrt(mean(x^2) + eps) and normalized x / scale (float32, before the gain), and the
         output after the gain. q/k norms show TransformerLens's flattened layout [B*T*heads, .]."""
-        flat = prefix.endswith(("q_norm", "k_norm"))
+        if self.family.norm_kind == "layer":
+            return self._layer_norm(module, prefix, layer, x)
+        flat = prefix.endswith(("q_norm", "k_norm")) and not self.family.qk_norm_whole  # OLMo-2's: [B, T, H*D]
         heads_first = flat and self.family.qk_norm_heads_first  # Gemma-3 norms [B, heads, T, D]
         fns = self._run.by_point
 
@@ -547,6 +606,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         normalized = fire("hook_normalized", x32 * inv)
         if self.family.norm_gain == "1+weight":  # Gemma: (1 + w) in float32, then the model's dtype
             out = (normalized * (1.0 + module.weight.float())).type_as(x)
+        elif self.family.norm_gain == "weight-float32":  # OLMo-2: w times the float32 value, then the model's dtype
+            out = (module.weight * normalized).to(x.dtype)
         else:  # Llama: the model's dtype first, then w
             out = module.weight * normalized.to(x.dtype)
         return fire("hook_out", out)
@@ -558,19 +619,25 @@ class HookedModel(TransformerLensSurface, TLWeights):
         def fire(point: str, x):
             return self._fire_at(l, point, x)
 
+        post = fam.layout == "post-norm"  # OLMo-2: x + norm(attn(x)), x + norm(mlp(x)); ln1, ln2 after the sublayers
         x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
-        a, _ = layer_mod.self_attn(hidden_states=getattr(layer_mod, fam.ln1)(x), **attn_kwargs)  # ln1.*, attn.*
+        a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=x if post else getattr(layer_mod, fam.ln1)(x),
+                                                 **attn_kwargs)  # ln1.*, attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
             a = getattr(layer_mod, fam.ln1_post)(a)  # ln1_post.*
+        elif post:
+            a = getattr(layer_mod, fam.ln1)(a)  # ln1.*
         a = fire("hook_attn_out", a)  # [B, T, d] what is added
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
         # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
         mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
-        m = fire("mlp.hook_out", layer_mod.mlp(getattr(layer_mod, fam.ln2)(mlp_in)))  # ln2.*, mlp.*; [B, T, d]
+        m = fire("mlp.hook_out", layer_mod.mlp(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))  # [B, T, d]
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
+        elif post:
+            m = getattr(layer_mod, fam.ln2)(m)  # ln2.*
         m = fire("hook_mlp_out", m)  # [B, T, d] what is added
         drop_mlp = getattr(layer_mod, "resid_mlp_dropout", None)
         return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]
@@ -691,7 +758,7 @@ def _block_forward(self, hidden_states, *args, **kwargs):
     bound = _signature(type(self)).bind(self, hidden_states, *args, **kwargs)
     attn_kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "hidden_states")}
     attn_kwargs.update(attn_kwargs.pop("kwargs", {}))
-    return hm._block(self, self.self_attn.layer_idx, hidden_states, attn_kwargs)
+    return hm._block(self, getattr(self, hm.family.attn_attr).layer_idx, hidden_states, attn_kwargs)
 
 
 def _attention_fn(eager: bool):

@@ -38,6 +38,7 @@ from typing import Any
 
 from poslens.errors import UsageError, check_float, check_int, require
 
+LEARNED_TABLE = ("gpt2",)  # model types whose positions come from a learned table added to the token embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
 CONFIG_FIELD = "poslens_variant"  # config field of a checkpoint poslens trained (`variant_record`)
 SCALINGS = ("ntk", "linear", "yarn")
@@ -137,7 +138,7 @@ def ntk_theta(rope_theta: float, factor: float, dim: int) -> float:
 class PositionalEncoding:
     """Per-layer RoPE and sliding windows, the RoPE base and scaling (see the module docstring)."""
 
-    rope: tuple[str, ...]  # per layer: "rope", "partial-rope" or "none"
+    rope: tuple[str, ...]  # per layer: "rope", "partial-rope", "none" or "learned" (a position table before layer 1)
     windows: tuple[int, ...]  # per layer: sliding window in tokens, 0 = full causal attention
     rope_theta: float | None = None  # base before scaling; None when no layer rotates
     scaling: Scaling | None = None
@@ -188,6 +189,8 @@ class PositionalEncoding:
         params = dict(params) if isinstance(params, dict) else {}
         if getattr(model_or_config, PE_ATTR, None) == "none":
             return cls(rope=("none",) * n, windows=windows, rope_parameters=params or None)
+        if config.model_type in LEARNED_TABLE:  # no rotation: a learned table of max_position_embeddings rows
+            return cls(rope=("learned",) * n, windows=windows)
         if config.model_type == "smollm3":
             flags = getattr(config, "no_rope_layers", None) or [1] * n
             rope = tuple("rope" if f else "none" for f in flags[:n])
@@ -214,7 +217,7 @@ class PositionalEncoding:
     @property
     def flags(self) -> list[int]:
         """SmolLM3's ``no_rope_layers``: 1 where the layer applies RoPE."""
-        return [int(r != "none") for r in self.rope]
+        return [int(r in ("rope", "partial-rope")) for r in self.rope]
 
     @property
     def layer_types(self) -> list[str]:
@@ -258,7 +261,7 @@ class PositionalEncoding:
         if all(r == "none" for r in self.rope):
             text = "NoPE"
         elif all(r == self.rope[0] for r in self.rope):
-            text = {"rope": "RoPE", "partial-rope": "partial RoPE"}[self.rope[0]]
+            text = {"rope": "RoPE", "partial-rope": "partial RoPE", "learned": "learned absolute"}[self.rope[0]]
         else:
             text = "RoPE layers " + "".join(str(f) for f in self.flags)
         if self.scaling is not None:

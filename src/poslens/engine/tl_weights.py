@@ -1,7 +1,7 @@
 """A model's configuration and weights in TransformerLens 3.9's names and layouts (`HookedModel.cfg`, `W_Q`, ...).
 
     hm.cfg.n_layers, hm.cfg.d_head, hm.cfg.positional_embedding_type     # "rotary" (or "none": NoPE)
-    hm.W_Q[l, h]      # [d_model, d_head]: q of head h = ln1 output @ W_Q[l, h] + b_Q[l, h]
+    hm.W_Q[l, h]      # [d_model, d_head]: q of head h = ln1 output @ W_Q[l, h] + b_Q[l, h] (OLMo-2: resid_pre)
     hm.W_O[l, h]      # [d_head, d_model]; hm.W_U [d_model, d_vocab]; hm.W_E [d_vocab, d_model]
 
 The weights are the model's own, unprocessed (TransformerLens's `from_pretrained_no_processing`): the norms' gains stay
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from poslens.engine.activation_cache import NoEquivalent
-from poslens.engine.families import decoder_layers, positional_encoding
+from poslens.engine.families import attention_module, decoder_layers, family_of, positional_encoding
 from poslens.engine.models import max_positions
 from poslens.engine.pe import PositionalEncoding
 from poslens.errors import UsageError
@@ -42,8 +42,9 @@ class TLConfig:
     n_ctx: int
     act_fn: str
     eps: float
-    normalization_type: str  # "RMS": every supported family uses RMSNorm (gains not folded)
-    positional_embedding_type: str  # "rotary" when any layer rotates q and k, else "none" (a NoPE model)
+    normalization_type: str  # "RMS" (RMSNorm) or "LN" (GPT-2's LayerNorm with bias); gains not folded
+    positional_embedding_type: str  # "rotary" when any layer rotates q and k, "standard" for a learned table (GPT-2),
+    # else "none" (a NoPE model)
     rotary_dim: int | None
     rotary_base: float | None
     gated_mlp: bool
@@ -62,10 +63,12 @@ class TLConfig:
 
 def tl_config(model, tokenizer=None) -> TLConfig:
     """The TransformerLens configuration of a loaded supported model (and its tokenizer, for the BOS facts)."""
-    cfg = model.config
-    attn = decoder_layers(model)[0].self_attn
+    cfg, family = model.config, family_of(model.config)
+    attn = attention_module(model, 0)
     pe = PositionalEncoding.of(model)
-    rotates = any(p != "none" for p in pe.rope)
+    rotates = any(p in ("rope", "partial-rope") for p in pe.rope)
+    learned = "learned" in pe.rope
+    heads = int(cfg.num_attention_heads)
     rope = getattr(cfg, "rope_parameters", None) or {}
     factor = float(rope.get("partial_rotary_factor", None) or getattr(cfg, "partial_rotary_factor", None) or 1.0)
     windows = [w for w in pe.windows if w]
@@ -73,16 +76,19 @@ def tl_config(model, tokenizer=None) -> TLConfig:
     return TLConfig(
         model_name=str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
         original_architecture=type(model).__name__,
-        n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=int(cfg.num_attention_heads),
-        n_key_value_heads=int(cfg.num_key_value_heads), d_head=int(attn.head_dim),
-        d_mlp=int(cfg.intermediate_size), d_vocab=int(cfg.vocab_size),
+        n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=heads,
+        n_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), d_head=int(attn.head_dim),
+        d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size),
+        d_vocab=int(cfg.vocab_size),
         d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
-        act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "")),
-        eps=float(cfg.rms_norm_eps), normalization_type="RMS",
-        positional_embedding_type="rotary" if rotates else "none",
+        act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+                   or getattr(cfg, "activation_function", "")),
+        eps=float(getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_epsilon),
+        normalization_type="LN" if family.norm_kind == "layer" else "RMS",
+        positional_embedding_type="rotary" if rotates else "standard" if learned else "none",
         rotary_dim=int(attn.head_dim * factor) if rotates else None,
         rotary_base=pe.rope_theta if rotates else None,
-        gated_mlp=True, final_rms=True, window_size=windows[0] if windows else None,
+        gated_mlp=family.gated_mlp, final_rms=family.norm_kind == "rms", window_size=windows[0] if windows else None,
         attn_scores_soft_cap=float(getattr(cfg, "attn_logit_softcapping", None) or -1.0),
         output_logits_soft_cap=float(getattr(cfg, "final_logit_softcapping", None) or -1.0),
         default_prepend_bos=True, tokenizer_prepends_bos=prepends,
@@ -94,20 +100,38 @@ def _heads_in(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.unflatten(0, (heads, -1)).transpose(1, 2)
 
 
+def _linear_weight(module) -> torch.Tensor:
+    """A projection's weight as nn.Linear keeps it, [out, in] (GPT-2's Conv1D keeps [in, out])."""
+    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
+
+
 def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent)."""
-    if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
-        d = attn.head_dim
-        sizes = [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
-        ws = attn.qkv_proj.weight.split(sizes, 0)
-        bs = attn.qkv_proj.bias.split(sizes, 0) if attn.qkv_proj.bias is not None else (None,) * 3
+    fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
+    if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn: rows [q | k | v]
+        d, heads = attn.head_dim, cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        sizes = [heads * d, kv * d, kv * d]
+        ws = _linear_weight(fused).split(sizes, 0)
+        bs = fused.bias.split(sizes, 0) if fused.bias is not None else (None,) * 3
         return (*ws, bs)
     ps = (attn.q_proj, attn.k_proj, attn.v_proj)
     return (*(p.weight for p in ps), tuple(p.bias for p in ps))
 
 
-def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate, up) weights [d_mlp, d_model]."""
+def _o_proj(layer):
+    attn = getattr(layer, "self_attn", None) or layer.attn
+    return attn.o_proj if hasattr(attn, "o_proj") else attn.c_proj
+
+
+def _down(mlp):
+    return mlp.down_proj if hasattr(mlp, "down_proj") else mlp.c_proj
+
+
+def _gate_up(mlp) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(gate, up) weights [d_mlp, d_model] (GPT-2: no gate, None; up = c_fc)."""
+    if hasattr(mlp, "c_fc"):
+        return None, _linear_weight(mlp.c_fc)
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         return mlp.gate_up_proj.weight.chunk(2, 0)
     return mlp.gate_proj.weight, mlp.up_proj.weight
@@ -120,10 +144,11 @@ class TLWeights:
 
     def _attn_weight(self, which: int, bias: bool = False) -> torch.Tensor:
         cfg = self.model.config
-        h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        h = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or h
         out = []
-        for layer in decoder_layers(self.model):
-            attn = layer.self_attn
+        for l in range(len(decoder_layers(self.model))):
+            attn = attention_module(self.model, l)
             *ws, bs = _qkv(attn, cfg)
             heads = h if which == 0 else kv
             if bias:
@@ -167,17 +192,19 @@ class TLWeights:
     def W_O(self) -> torch.Tensor:
         """[n_layers, n_heads, d_head, d_model]"""
         h = self.model.config.num_attention_heads
-        return torch.stack([layer.self_attn.o_proj.weight.T.unflatten(0, (h, -1))
+        return torch.stack([_linear_weight(_o_proj(layer)).T.unflatten(0, (h, -1))
                             for layer in decoder_layers(self.model)])
 
     @property
     def b_O(self) -> torch.Tensor:
         """[n_layers, d_model]"""
-        return torch.stack([_bias(layer.self_attn.o_proj) for layer in decoder_layers(self.model)])
+        return torch.stack([_bias(_o_proj(layer)) for layer in decoder_layers(self.model)])
 
     @property
     def W_gate(self) -> torch.Tensor:
         """[n_layers, d_model, d_mlp]: the gate projection (hook_pre = x @ W_gate)"""
+        if not self.family.gated_mlp:
+            raise NoEquivalent(f"W_gate: the {self.family.name} MLP has no gate (one up projection: W_in)")
         return torch.stack([_gate_up(layer.mlp)[0].T for layer in decoder_layers(self.model)])
 
     @property
@@ -187,18 +214,18 @@ class TLWeights:
 
     @property
     def b_in(self) -> torch.Tensor:
-        """[n_layers, d_mlp] (zeros: the supported families have no MLP biases)"""
-        return self.W_in.new_zeros(self.W_in.shape[0], self.W_in.shape[-1])
+        """[n_layers, d_mlp] (zeros where the MLP has no bias)"""
+        return torch.stack([_up_bias(layer.mlp) for layer in decoder_layers(self.model)])
 
     @property
     def W_out(self) -> torch.Tensor:
         """[n_layers, d_mlp, d_model]"""
-        return torch.stack([layer.mlp.down_proj.weight.T for layer in decoder_layers(self.model)])
+        return torch.stack([_linear_weight(_down(layer.mlp)).T for layer in decoder_layers(self.model)])
 
     @property
     def b_out(self) -> torch.Tensor:
         """[n_layers, d_model]"""
-        return torch.stack([_bias(layer.mlp.down_proj) for layer in decoder_layers(self.model)])
+        return torch.stack([_bias(_down(layer.mlp)) for layer in decoder_layers(self.model)])
 
     @property
     def W_E(self) -> torch.Tensor:
@@ -210,6 +237,9 @@ class TLWeights:
 
     @property
     def W_pos(self) -> torch.Tensor:
+        """[n_ctx, d_model]: the learned position table (GPT-2's wpe; hook_pos_embed is its rows at the positions)"""
+        if self.family.pos_embed_attr:
+            return getattr(self.model.base_model, self.family.pos_embed_attr).weight
         kind = "rotary (RoPE acts on q and k: attn.hook_rot_q, attn.hook_rot_k)" \
             if any(p != "none" for p in positional_encoding(self.model)) else "none (a NoPE model)"
         raise NoEquivalent(f"W_pos: this model has no positional embedding matrix; its positional encoding is {kind}")
@@ -235,17 +265,25 @@ class TLWeights:
         """The gain a norm multiplies its normalized input by ([d]; Gemma's 1 + weight), as the forward does."""
         module = self.norm_module(prefix)
         w = module.weight.float()
-        return 1.0 + w if self.family.norm_gain == "1+weight" else w
+        return 1.0 + w if self.family.norm_gain == "1+weight" else w  # (GPT-2's LayerNorm adds its bias after)
 
     @property
     def ln_final(self):
         """The model's final norm (gain included; x -> ln_final(x) as the LM head reads it)."""
-        return self.model.base_model.norm
+        return getattr(self.model.base_model, self.family.final_norm_attr)
 
     @property
     def unembed(self):
         """The LM head (x @ W_U + b_U; Gemma-2's final logit softcap comes after it, as in TransformerLens)."""
         return self.model.get_output_embeddings()
+
+
+def _up_bias(mlp) -> torch.Tensor:
+    """The up projection's bias [d_mlp] (GPT-2's c_fc has one; zeros where absent)."""
+    up = getattr(mlp, "c_fc", None) or getattr(mlp, "up_proj", None)
+    if up is not None and up.bias is not None:
+        return up.bias
+    return _gate_up(mlp)[1].new_zeros(_gate_up(mlp)[1].shape[0])
 
 
 def _bias(linear) -> torch.Tensor:

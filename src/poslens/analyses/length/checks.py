@@ -151,7 +151,8 @@ def memory_estimate(model: nn.Module, eval_len: int, batch_size: int, groups: in
     item = model.get_input_embeddings().weight.element_size()
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    width = 4 * c.hidden_size + (heads + 2 * kv) * head_dim + 3 * c.intermediate_size
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size  # GPT-2: n_inner
+    width = 4 * c.hidden_size + (heads + 2 * kv) * head_dim + 3 * ffn
     parts = {"forward": batch_size * eval_len * width * item,
              "readers": 4 * chunk_bytes,
              "maps": (map_layers * (2 * groups * map_keys * 4 + 8 * (map_keys + 1)) * eval_len**2

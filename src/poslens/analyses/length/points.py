@@ -22,15 +22,16 @@ def final_norm_point(hm) -> str:
 
 
 def query_point(hm, layer: int) -> tuple[str, int]:
-    """(name, position axis) of layer `layer`'s queries after q-norm and RoPE."""
+    """(name, position axis) of layer `layer`'s queries after q-norm and RoPE (GPT-2, no rotation and no q-norm:
+    attn.hook_q, [batch, pos, head, d_head] as TransformerLens)."""
     rot = f"blocks.{layer}.attn.hook_rot_q"
-    return (rot, 1) if rot in hm.points else (f"blocks.{layer}.attn.hook_q", 2)
+    return (rot, 1) if rot in hm.points else (f"blocks.{layer}.attn.hook_q", 1)
 
 
 def key_point(hm, layer: int) -> tuple[str, int]:
-    """(name, position axis) of layer `layer`'s keys after k-norm and RoPE."""
+    """(name, position axis) of layer `layer`'s keys after k-norm and RoPE (GPT-2: attn.hook_k)."""
     rot = f"blocks.{layer}.attn.hook_rot_k"
-    return (rot, 1) if rot in hm.points else (f"blocks.{layer}.attn.hook_k", 2)
+    return (rot, 1) if rot in hm.points else (f"blocks.{layer}.attn.hook_k", 1)
 
 
 def rotated(ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,102 @@
+"""Benchmark: the hook engine on each family added after Llama, every point read, against a plain forward (run by hand).
+
+Per family, a random model of the family's tiny test config (tests/tiny_models.py) widened to `--hidden` with
+`--layers` layers (heads of 64 dimensions; the same shape for Llama, the baseline family the engine was tuned on);
+the same token ids for every method. Methods, interleaved (the order rotates every repeat), each timed in CPU seconds
+of this process (`time.process_time`: the machine is shared, wall time would measure the neighbours):
+
+* plain: `model(ids)` with SDPA and logits (the baseline of the ratio);
+* read:  `HookedModel.run(ids, hooks=..., logits=True)` with a reader at every point, the LM head's two included (a
+         hook that takes the value and keeps nothing, as a statistic that reduces it).
+
+Reported: the median of each over `--repeats` after a warm-up, and read / plain (issue #36's bar: at most 1.1).
+
+    PYTHONPATH=src:tests .venv/bin/python benchmarks/families.py --repeats 7 \\
+        --out benchmarks/results/cpu-hooks/families.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_models import build, token_batch  # noqa: E402
+
+from poslens.engine.hooks import HookedModel  # noqa: E402
+
+FAMILIES = ("llama", "olmo2", "gpt2")
+
+
+def model_of(family: str, hidden: int, layers: int):
+    heads = hidden // 64
+    if family == "gpt2":  # no key/value groups, no head_dim field; MLP 4 x hidden by default
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     max_position_embeddings=1024)
+    kv = {"olmo2": heads}.get(family, max(1, heads // 2))
+    return build(family, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
+
+
+def measure(family: str, args) -> dict:
+    model = model_of(family, args.hidden, args.layers)
+    hm = HookedModel(model)
+    ids = token_batch(args.batch, args.seq_len, seed=0)
+
+    def read(x, ctx):
+        return None
+
+    hooks = {p: read for p in hm.points}
+
+    def plain():
+        return model(input_ids=ids, use_cache=False).logits
+
+    def hooked():
+        return hm.run(ids, hooks=hooks, logits=True).logits
+
+    methods = {"plain": plain, "read": hooked}
+    with torch.no_grad():
+        assert torch.equal(plain(), hooked()), f"{family}: the hooked logits differ from the plain forward's"
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        names = list(methods)
+        for r in range(args.repeats + 1):
+            for name in names[r % 2:] + names[: r % 2]:
+                start = time.process_time()
+                methods[name]()
+                if r:  # the first round warms up
+                    times[name].append(time.process_time() - start)
+    median = {m: statistics.median(t) for m, t in times.items()}
+    return {"points": len(hm.points), "cpu_seconds": median, "ratio_read_to_plain": median["read"] / median["plain"],
+            "all": times}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    out = {"config": vars(args), "torch": torch.__version__, "families": {}}
+    for family in FAMILIES:
+        r = out["families"][family] = measure(family, args)
+        print(f"{family}: plain {r['cpu_seconds']['plain']:.3f} s, every point read {r['cpu_seconds']['read']:.3f} s "
+              f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

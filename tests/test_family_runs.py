@@ -1,0 +1,60 @@
+"""The analyses end to end on a tiny random model of each family added after Llama (OLMo-2, ...), from a config
+directory with a byte-level tokenizer (no download): `scores`, `intermediates`, `leakage`, `stat` and `length` exit
+0, write their run directories, and record the family and the positional-encoding type of every layer in run.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_data import BOS, EOS, byte_tokenizer
+from tiny_models import config
+
+from poslens import cli
+
+# family -> the positional encoding per layer run.json must record
+EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["learned", "learned", "learned"])}
+COMMANDS = {"scores": ["scores"], "intermediates": ["intermediates", "--layer", "1"], "leakage": ["leakage"],
+            "stat": ["stat", "attention_maps"], "length": ["length", "--train-len", "20", "--eval-lens", "20,40"]}
+SIZES = ["--seq-len", "40", "--num-sequences", "6", "--batch-size", "2", "--quiet", "--no-figures"]
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_every_analysis_runs_and_records_the_positional_encoding(family, tmp_path):
+    spec = _saved(family, tmp_path / "m")
+    name, layers = EXPECTED[family]
+    for key, args in COMMANDS.items():
+        out = tmp_path / key
+        sizes = SIZES[2:] if key == "length" else SIZES  # length cuts its own sequences (--train-len, --eval-lens)
+        extra = ["--early-queries", "8"] if key == "leakage" else []
+        assert cli.main([*args, spec, *sizes, *extra, "--out", str(out)]) == 0, key
+        meta = json.loads((out / "run.json").read_text())
+        assert meta["model"]["family"] == name, key
+        assert meta["model"]["positional_encoding"] == layers, key
+        assert meta["model"]["variant"]["layers"] == layers, key
+
+
+def _saved(family: str, directory):
+    byte_tokenizer().save_pretrained(directory)
+    cfg = config(family, vocab_size=300, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None).to_dict()
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return f"random:{directory}"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["length", "--train-len", "32", "--eval-lens", "32,128"],
+     "eval_len 128 is past the 64 positions of the model's position table transformer.wpe"),
+    (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "ntk"],
+     "ntk: the model has no RoPE layer"),
+    (["scores", "--seq-len", "100"], "--seq-len 100 is beyond the model's window of 64 positions"),
+    (["scores", "--pe", "none", "--seq-len", "16"], "--pe none removes RoPE, and this GPT-2 model has none"),
+])
+def test_gpt2_refuses_what_its_learned_table_cannot_do_in_one_line(args, message, tmp_path, capsys):
+    """A learned table of 64 rows: no length past it, no RoPE scaling, no RoPE to remove; one line, exit 2, no run."""
+    spec = _saved("gpt2", tmp_path / "m")
+    out = tmp_path / "out"
+    code = cli.main([args[0], spec, *args[1:], "--num-sequences", "4", "--batch-size", "2", "--quiet", "--out",
+                     str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()

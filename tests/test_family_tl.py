@@ -1,0 +1,118 @@
+"""The hook points of the families added after Llama (OLMo-2, ...) against TransformerLens 3.9 itself: the same tiny
+random model run through TransformerLens's own converter and HookedTransformer (tests/reference/, made once by
+tests/reference/make_tl_family_reference.py) has exactly poslens's TransformerLens names, with the same shapes and
+values; the hooked forward's logits equal a plain forward's bit for bit, `hook_resid_pre` equals Hugging Face's hidden
+states and `attn.hook_pattern` its eager attentions.
+
+Tolerance of the values: within 2e-5 of each point's largest |value| (TransformerLens's logits on this model are
+within 4.5e-7 of Hugging Face's, as the reference records: two float32 implementations of the same model differ by
+rounding only, ~1e-6 relative after three layers); a wrong meaning (a norm before attention where OLMo-2 has none,
+a per-head q-norm for a whole-projection one, a point before the gain for after it) is off by a sizeable fraction.
+Eager attentions: within 1e-5 (probabilities in [0, 1] from float32 softmaxes of the same scores)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import build, randomize_norm_gains, token_batch
+
+from poslens.engine.hooks import HookedModel
+
+REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families.json").read_text())
+FAMILIES = sorted(REFERENCE["families"])
+TOLERANCE = 2e-5
+
+
+def _model(family):
+    return randomize_norm_gains(build(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_points_have_transformer_lens_names_shapes_and_values(family):
+    ref = REFERENCE["families"][family]
+    assert REFERENCE["transformer_lens"].startswith("3.9")
+    model = _model(family)
+    assert abs(sum(float(p.double().abs().sum()) for p in model.parameters()) - ref["weights_abs_sum"]) < 1e-6 * \
+        ref["weights_abs_sum"], "not the model the reference was made on"
+    hm = HookedModel(model)
+    hm.set_use_attn_result(True)
+    hm.set_use_hook_mlp_in(True)
+    ids = torch.tensor(ref["ids"])
+    _, cache = hm.run_with_cache(ids)
+    assert list(cache) == hm.tl_points
+    assert set(hm.tl_points) == set(ref["points"]), (
+        f"only poslens: {sorted(set(hm.tl_points) - set(ref['points']))}; "
+        f"only TransformerLens: {sorted(set(ref['points']) - set(hm.tl_points))}")
+    for name, r in ref["points"].items():
+        x = cache[name].double()
+        assert list(x.shape) == r["shape"], f"{name}: shape {list(x.shape)}, TransformerLens {r['shape']}"
+        flat = x.reshape(-1)
+        finite = torch.isfinite(flat)
+        scale = r["abs_max"]
+        assert abs(float(flat[finite].abs().sum()) - r["abs_sum"]) <= TOLERANCE * scale * flat.numel(), name
+        assert abs(float(flat[finite].abs().max()) - scale) <= TOLERANCE * scale, name
+        for i, v in zip(r["at"], r["values"]):
+            if isinstance(v, str):
+                assert float(flat[i]) == float(v), f"{name}[{i}]: {float(flat[i])}, TransformerLens {v}"
+            else:
+                assert abs(float(flat[i]) - v) <= TOLERANCE * scale, f"{name}[{i}]: {float(flat[i])}, TL {v}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_hooked_forward_equals_hugging_face(family):
+    """Bit-identical logits with a reader on every point; resid_pre = HF's hidden states; pattern = eager attentions."""
+    model = _model(family)
+    hm = HookedModel(model)
+    ids = token_batch(2, 16, seed=3)
+    plain = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    logits, cache = hm.run_with_cache(ids, hm.points)
+    assert torch.equal(logits, plain.logits)
+    for l in range(hm.n_layers):
+        assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], plain.hidden_states[l])
+    model.set_attn_implementation("eager")
+    try:
+        eager = model(input_ids=ids, use_cache=False, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    for l in range(hm.n_layers):
+        assert (cache[f"blocks.{l}.attn.hook_pattern"] - eager[l]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
+    """GPT-2: hook_pos_embed is W_pos's rows at the positions; zeros written there give the logits of the same model
+    with its table zeroed (Hugging Face's own forward); a value written at ln1.hook_normalized reaches the queries
+    times the gain plus the bias, as TransformerLens's LayerNorm (x - mean) / scale * w + b."""
+    model = _model("gpt2")
+    hm = HookedModel(model)
+    ids = token_batch(2, 12, seed=4)
+    _, cache = hm.run_with_cache(ids, ["hook_pos_embed", "hook_embed", "blocks.0.hook_resid_pre"])
+    assert torch.equal(cache["hook_pos_embed"], hm.W_pos[:12].expand(2, -1, -1))
+    assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
+    zeroed = hm.run(ids, hooks={"hook_pos_embed": lambda x, ctx: torch.zeros_like(x)}, logits=True).logits
+    table = model.transformer.wpe.weight.clone()
+    model.transformer.wpe.weight.zero_()
+    try:
+        reference = model(input_ids=ids).logits
+    finally:
+        model.transformer.wpe.weight.copy_(table)
+    assert (zeroed - reference).abs().max() <= 1e-6 * reference.abs().max()  # float32 rounding of the same ops
+    assert (zeroed - model(input_ids=ids).logits).abs().max() > 1e-2  # the table matters
+    written = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
+    kept = {}
+    hm.run(ids, hooks={"blocks.1.ln1.hook_normalized": lambda x, ctx: written,
+                       "blocks.1.attn.hook_q": lambda x, ctx: kept.setdefault("q", x.clone())})
+    ln = model.transformer.h[1].ln_1
+    q = (written * ln.weight + ln.bias) @ hm.W_Q[1].transpose(0, 1).flatten(1) + hm.b_Q[1].flatten()
+    assert (kept["q"].flatten(-2) - q).abs().max() <= 1e-5 * q.abs().max()
+    # TransformerLens's decompose_resid: embed, pos_embed, then each layer's outputs, summing to the stream
+    _, full = hm.run_with_cache(ids)
+    parts, labels = full.decompose_resid(layer=2, return_labels=True)
+    assert labels == ["embed", "pos_embed", "0_attn_out", "0_mlp_out", "1_attn_out", "1_mlp_out"]
+    resid = full["resid_pre", 2]
+    assert (parts.sum(0) - resid).abs().max() <= 1e-5 * resid.abs().max()  # float32 sums in another order
