@@ -110,14 +110,15 @@ def side_by_side(section: str, size: dict, release: str, repeats: int, out: str 
                                          "ratios": ratios}, indent=1))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--release", default="580b43e", help="the previous release's git revision")
+def main(section: str = "length", sizes: dict = SIZES, release: str = "580b43e", doc: str = __doc__) -> None:
+    """The command line of a section's side-by-side benchmark (`trained_section.py` calls it for Section 4.2)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--release", default=release, help="the earlier tree's git revision")
     p.add_argument("--sizes", default="{}", help="JSON: section sizes over the defaults (keys both trees know)")
     p.add_argument("--repeats", type=int, default=1, help="builds per tree, the order alternating")
     p.add_argument("--json", default=None, help="write the measurements here")
     a = p.parse_args()
-    side_by_side("length", {**SIZES, **json.loads(a.sizes)}, a.release, a.repeats, a.json)
+    side_by_side(section, {**sizes, **json.loads(a.sizes)}, a.release, a.repeats, a.json)
 
 
 if __name__ == "__main__":

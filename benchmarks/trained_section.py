@@ -19,24 +19,10 @@ for the probe.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-from length_section import side_by_side
+from length_section import main
 
 SIZES = {"sweep_train": "steps=6+warmup=2+layers=2+seq_len=32+eval_every=3+save_every=0", "sweep_seeds": [0, 1, 2],
          "fig3": [200, 30], "loss": 64, "probe": [32, 32]}
 
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--release", default="a58c6d4", help="the earlier tree's git revision (before issue 35)")
-    p.add_argument("--sizes", default="{}", help="JSON: section sizes over the defaults (keys both trees know)")
-    p.add_argument("--repeats", type=int, default=1, help="builds per tree, the order alternating")
-    p.add_argument("--json", default=None, help="write the measurements here")
-    a = p.parse_args()
-    side_by_side("trained", {**SIZES, **json.loads(a.sizes)}, a.release, a.repeats, a.json)
-
-
 if __name__ == "__main__":
-    main()
+    main("trained", SIZES, "a58c6d4", __doc__)
