@@ -38,11 +38,11 @@ import json, sys, time
 from pathlib import Path
 from poslens.report.context import Context
 from poslens.report.section import spec
-root, size = Path(sys.argv[1]), json.loads(sys.argv[2])
+root, size, name = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 (root / "parts").mkdir(parents=True)
 ctx = Context(root / "report", root / "report", root / "parts", 400, 0, True, False, draw=True)
 (root / "report").mkdir()
-sp = spec("length")
+sp = spec(name)
 t0 = time.perf_counter()
 sec = sp.build(ctx, sp.size(True, size))
 print(json.dumps({"build_s": time.perf_counter() - t0,
@@ -59,13 +59,14 @@ def export(rev: str) -> Path:
     return where / "src"
 
 
-def build(src: Path, size: dict, work: Path) -> dict:
-    """Build the length section with the poslens in `src` in a child process; its wall and CPU seconds."""
+def build(src: Path, size: dict, work: Path, section: str = "length") -> dict:
+    """Build the report section `section` with the poslens in `src` in a child process; its wall and CPU seconds
+    (the child's and its pool workers')."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, str(work), json.dumps(size)], env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-c", CHILD, str(work), json.dumps(size), section], env=env,
+                          capture_output=True, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -75,30 +76,27 @@ def build(src: Path, size: dict, work: Path) -> dict:
             "load": os.getloadavg()[0]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--release", default="580b43e", help="the previous release's git revision")
-    p.add_argument("--sizes", default="{}", help="JSON: section sizes over the defaults (keys both trees know)")
-    p.add_argument("--repeats", type=int, default=1, help="builds per tree, the order alternating")
-    p.add_argument("--json", default=None, help="write the measurements here")
-    a = p.parse_args()
-    size = {**SIZES, **json.loads(a.sizes)}
+def side_by_side(section: str, size: dict, release: str, repeats: int, out: str | None) -> None:
+    """Build report section `section` at `size` with this tree and the release `release`, `repeats` times each in
+    alternating order, on the sweep models (trained first if missing, not timed); print each build's seconds and
+    the rows both trees have that differ; write the measurements to `out` (JSON) if given."""
     sys.path.insert(0, str(ROOT / "src"))
     from poslens.report.context import Context
+    from poslens.report.section import spec
     from poslens.report.sweep import sweep_models
 
     with tempfile.TemporaryDirectory() as tmp:  # the models, trained first if missing (not timed)
-        sweep_models(Context(Path(tmp), Path(tmp), Path(tmp), 1, 0, True, True), size)
-    trees = {"now": ROOT / "src", "release": export(a.release)}
+        sweep_models(Context(Path(tmp), Path(tmp), Path(tmp), 1, 0, True, True), spec(section).size(True, size))
+    trees = {"now": ROOT / "src", "release": export(release)}
     runs: list[dict] = []
-    for r in range(a.repeats):
+    for r in range(repeats):
         for name in (("now", "release") if r % 2 else ("release", "now")):
             with tempfile.TemporaryDirectory() as work:
-                m = build(trees[name], size, Path(work) / "w")
+                m = build(trees[name], size, Path(work) / "w", section)
             runs.append({"tree": name, "repeat": r, **m})
             print(f"{name}: {m['wall_s']:.1f} s wall, {m['cpu_s']:.1f} s CPU (load {m['load']:.1f})", flush=True)
     ratios = []
-    for r in range(a.repeats):
+    for r in range(repeats):
         now, rel = (next(x for x in runs if x["tree"] == t and x["repeat"] == r) for t in ("now", "release"))
         ratios.append({"wall": now["wall_s"] / rel["wall_s"], "cpu": now["cpu_s"] / rel["cpu_s"]})
         shared = sorted(set(now["rows"]) & set(rel["rows"]))
@@ -107,9 +105,20 @@ def main() -> None:
               f"have: {sum(same.values())} of {len(shared)} with the same verdict and key number"
               + "".join(f"\n  differs: {k}: now {now['rows'][k]}, release {rel['rows'][k]}"
                         for k, ok in same.items() if not ok))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"sizes": size, "release": a.release, "runs": runs, "ratios": ratios},
-                                           indent=1))
+    if out:
+        Path(out).write_text(json.dumps({"section": section, "sizes": size, "release": release, "runs": runs,
+                                         "ratios": ratios}, indent=1))
+
+
+def main(section: str = "length", sizes: dict = SIZES, release: str = "580b43e", doc: str = __doc__) -> None:
+    """The command line of a section's side-by-side benchmark (`trained_section.py` calls it for Section 4.2)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--release", default=release, help="the earlier tree's git revision")
+    p.add_argument("--sizes", default="{}", help="JSON: section sizes over the defaults (keys both trees know)")
+    p.add_argument("--repeats", type=int, default=1, help="builds per tree, the order alternating")
+    p.add_argument("--json", default=None, help="write the measurements here")
+    a = p.parse_args()
+    side_by_side(section, {**sizes, **json.loads(a.sizes)}, a.release, a.repeats, a.json)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from poslens.analyses.intermediates import (
     run_intermediates,
     share_rows_increasing,
     stack_strength,
+    summary_lines,
 )
 from poslens.engine.hooks import HookedModel
 from poslens.errors import UsageError
@@ -355,6 +356,10 @@ def test_smollm2_with_and_without_rope(smollm2, tmp_path):
         runs[pe] = (load(path), meta)
         check = meta["metrics"]["block_output_check"]
         assert check["max_rel"] <= check["tolerance"]
+        panels = meta["metrics"]["panels"]  # Section 4.2's readings in the run directory, each with its interval
+        for c, key in (("b", "first_column"), ("b", "first_column_signed"), ("c", "diagonal_slope"),
+                       ("c", "uniformity"), ("e", "correlation_with_d"), ("i", "key_share")):
+            assert {"value", "lo", "hi"} <= set(panels[c][key]) and panels[c][key]["groups"] >= 2, (c, key)
         assert (path / "figures" / "figure3.png").is_file() == (pe == "none")
         assert (path / "figures" / "figure8.png").is_file() == (pe == "none")
         assert runs[pe][0]["scores"].shape == (30, 16, 16)
@@ -435,11 +440,87 @@ def test_fewer_sequences_than_a_batch_is_refused_before_loading(tmp_path, capsys
 
 def test_summary_prints_undefined_numbers_as_nan():
     """run.json keeps NaN as null (an interval undefined in some replicate): the summary says nan, never fails."""
-    from poslens.analyses.intermediates import summary_lines
-
     nothing = {"value": None, "lo": None, "hi": None}
     meta = {"metrics": {"panels": {"a": {"what": "Y Y^T", "row_slope": nothing, "offdiag_ratio": nothing}},
                         "amplification": {"ratio": nothing, "alpha": nothing}, "level": 0.95, "groups": 2}}
     lines = summary_lines(meta)
     assert lines[0].endswith("row slope nan [nan, nan]  off-diagonal/diagonal nan [nan, nan]")
     assert "nan [nan, nan] times" in lines[1] and lines[-1] == "intervals: 95% jackknife over 2 groups of sequences"
+
+
+def test_section_42_readings_equal_an_independent_recomputation_from_the_mean_maps():
+    """The statistics Section 4.2's rows read ((b)'s first column, (c)'s diagonal trend and off-diagonal uniformity,
+    (e) against (d), (i)'s key share) against numpy on the pooled mean maps: polyfit, corrcoef, a least-squares fit
+    on one indicator per key. Same float64 arithmetic in another order: 1e-10 relative. The correlation and the
+    share carry the jackknife's bias-corrected value with the plug-in interval's half-widths."""
+    import numpy as np
+
+    st = _run(build("smollm3", no_rope_layers=[0, 0, 0]), [token_batch(4, 12, seed=s) for s in range(4)], 0, groups=4)
+    p = st.summary()["panels"]
+
+    def maps(m):
+        return {c: st.panel_map(c, m).double().numpy() for c in "bcdei"}
+
+    def contrast(mp):
+        b = mp["b"]
+        others = b[np.tril(np.ones_like(b, dtype=bool), -1) & (np.arange(12) >= 1)[None]]
+        return (b[1:, 0].mean() - others.mean()) / others.std(ddof=1)
+
+    def correlation(mp):
+        keep = np.tril(np.ones((12, 12), dtype=bool), -1) & (np.arange(12) >= 1)[None]
+        return np.corrcoef(mp["d"][keep], mp["e"][keep])[0, 1]
+
+    def share(mp):  # R^2 of the entries 1 <= j < i on one indicator per key j
+        i, j = np.nonzero(np.tril(np.ones((12, 12), dtype=bool), -1) & (np.arange(12) >= 1)[None])
+        y = mp["i"][i, j]
+        x = (j[:, None] == np.unique(j)[None]).astype(float)
+        res = y - x @ np.linalg.lstsq(x, y, rcond=None)[0]
+        return 1 - (res ** 2).sum() / ((y - y.mean()) ** 2).sum()
+
+    mp = maps(st.sums._means())
+    diag = np.diagonal(mp["c"])[1:]
+    off = mp["c"][np.tril(np.ones((12, 12), dtype=bool), -1) & (np.arange(12) >= 1)[None]]
+    plain = {("b", "first_column_signed"): contrast(mp), ("b", "first_column"): abs(contrast(mp)),
+             ("c", "diagonal_slope"): np.polyfit(np.arange(1, 12), diag, 1)[0] / diag.mean(),
+             ("c", "uniformity"): (off.std(ddof=1) / off.mean()) / (diag.std(ddof=1) / diag.mean())}
+    for (c, key), want in plain.items():
+        assert p[c][key]["value"] == pytest.approx(want, rel=1e-10), (c, key)
+        assert p[c][key]["lo"] < p[c][key]["value"] < p[c][key]["hi"] and p[c][key]["groups"] == 4
+    assert p["b"]["first_column"]["support"] == [0.0, math.inf]
+    printed = summary_lines({"metrics": st.summary()})
+    assert f"(i) key share {p['i']['key_share']['value']:.3g} [" in "\n".join(printed)
+    for (c, key), fn, support in ((("e", "correlation_with_d"), correlation, [-1.0, 1.0]),
+                                  (("i", "key_share"), share, [0.0, 1.0])):
+        est = st.sums.estimate(lambda m, fn=fn: torch.as_tensor(fn(maps(m))))
+        got, shift = p[c][key], float(est.debiased) - float(est.value)
+        assert est.value.item() == pytest.approx(fn(mp), rel=1e-12)
+        assert got["value"] == pytest.approx(float(est.debiased), rel=1e-10) and got["debiased"], key
+        assert got["lo"] == pytest.approx(float(est.lo) + shift, rel=1e-10), key
+        assert got["hi"] == pytest.approx(float(est.hi) + shift, rel=1e-10), key
+        assert got["support"] == support
+
+
+def test_section_42_readings_see_what_they_name():
+    """On constructed maps each reading moves the way its claim reads it: a bright or a dark first column, a
+    diagonal that falls with i, off-diagonal entries flat beside a varying diagonal, maps with the same or the
+    opposite trend, a map of the key alone."""
+    from poslens.analyses.intermediates import (
+        diagonal_slope,
+        first_column_contrast,
+        offdiag_correlation,
+        offdiag_uniformity,
+    )
+    from poslens.maps import key_share
+
+    n = 10
+    i, j = torch.arange(n, dtype=torch.float64)[:, None], torch.arange(n, dtype=torch.float64)[None]
+    wave = _lower(torch.sin(1.3 * i + 0.7 * j) + 0.1 * j)
+    assert float(first_column_contrast(_lower(wave + 50.0 * (j == 0)))) > 10
+    assert float(first_column_contrast(_lower(wave - 50.0 * (j == 0)))) < -10
+    falling = _lower(torch.where(i == j, 20.0 - i, 1.0 + 0 * i))  # diagonal 20 - i, off-diagonal flat
+    assert float(diagonal_slope(falling)) == pytest.approx(-1 / (20 - torch.arange(1.0, n).mean().item()), rel=1e-12)
+    assert float(offdiag_uniformity(falling)) == 0.0 and float(offdiag_uniformity(_lower(wave + 5))) > 0
+    assert float(offdiag_correlation(wave, 3 * wave + 2)) == pytest.approx(1.0, abs=1e-12)
+    assert float(offdiag_correlation(wave, -wave)) == pytest.approx(-1.0, abs=1e-12)
+    assert float(key_share(_lower(j ** 2 + 0 * i))) == pytest.approx(1.0, abs=1e-12)
+    assert float(key_share(wave)) < 0.9

@@ -68,6 +68,18 @@ def diagonal_normalise(m, causal: bool = True) -> np.ndarray:
     return diagonal_normalised(torch.from_numpy(as_numpy(m)), causal).numpy()
 
 
+def key_share(m) -> np.ndarray:
+    """Per map [..., n, n]: share of the variance of the finite entries j < i explained by the key j alone (column
+    means); 1 when the map does not depend on the query i (float64)."""
+    x = as_numpy(m)
+    n = x.shape[-1]
+    vals = np.where(np.tril(np.ones((n, n), dtype=bool), -1), x, np.nan)[..., :, :-1]
+    col = np.nanmean(vals, axis=-2, keepdims=True)
+    tot = np.nansum((vals - np.nanmean(vals, axis=(-2, -1), keepdims=True)) ** 2, axis=(-2, -1))
+    res = np.nansum((vals - col) ** 2, axis=(-2, -1))
+    return 1 - res / tot
+
+
 def quantile_limits(m, q: tuple[float, float] = (0.01, 0.99)) -> tuple[float, float]:
     """Colour limits at the given quantiles of the finite entries (the paper uses 1% and 99% for LLM maps)."""
     m = as_numpy(m)

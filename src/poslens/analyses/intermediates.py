@@ -50,7 +50,7 @@ from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import UsageError, check_int
-from poslens.maps import diagonal_normalised
+from poslens.maps import diagonal_normalised, key_share
 from poslens.masks import nan_hidden
 from poslens.options import option, option_of
 
@@ -193,6 +193,63 @@ def offdiag_ratio(m: torch.Tensor) -> torch.Tensor:
     low = torch.tril(torch.ones(n, n, dtype=torch.bool, device=m.device), -1) & torch.isfinite(m)
     diag = torch.diagonal(m).mean()
     return m[low].mean() / diag if bool(diag > 0) else torch.full((), math.nan, dtype=m.dtype, device=m.device)
+
+
+def diagonal_slope(m: torch.Tensor) -> torch.Tensor:
+    """Least-squares slope of the diagonal m[i, i] in i over positions i >= 1 (position 0, the sink's, left out),
+    over the mean of those diagonal entries: below 0 when a token's Gram with itself falls along the sequence (the
+    paper's reading of (c))."""
+    diag = torch.diagonal(m.double())[1:]
+    i = torch.arange(1, m.shape[-1], dtype=torch.float64, device=m.device)
+    return ((i - i.mean()) * (diag - diag.mean())).sum() / ((i - i.mean()) ** 2).sum() / diag.mean()
+
+
+def offdiag_uniformity(m: torch.Tensor) -> torch.Tensor:
+    """Coefficient of variation (SD over mean) of the finite entries 1 <= j < i over that of the diagonal at
+    positions i >= 1 (key 0 and position 0, the sink's, left out): below 1 when the off-diagonal entries are more
+    uniform than the diagonal (the paper's "nearly uniform" in (c))."""
+    m = m.double()
+    n = m.shape[-1]
+    low = torch.tril(torch.ones(n, n, dtype=torch.bool, device=m.device), -1) & torch.isfinite(m)
+    low[:, 0] = False  # key 0, the sink column
+    off, diag = m[low], torch.diagonal(m)[1:]
+    return (off.std() / off.mean()) / (diag.std() / diag.mean())
+
+
+def first_column_contrast(m: torch.Tensor) -> torch.Tensor:
+    """Mean of the first column below the diagonal (key 0 for queries i >= 1) minus the mean of the other finite
+    entries 1 <= j < i, in standard deviations of those entries: the "vivid line at the 0th column" of (b); above 0
+    a column of high scores (an attention sink), below 0 a dark one."""
+    m = m.double()
+    n = m.shape[-1]
+    first = m[1:, 0]
+    low = torch.tril(torch.ones(n, n, dtype=torch.bool, device=m.device), -1) & torch.isfinite(m)
+    low[:, 0] = False
+    others = m[low]
+    return (first[torch.isfinite(first)].mean() - others.mean()) / others.std()
+
+
+def offdiag_correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of two maps' entries 1 <= j < i where both are finite (key 0, the sink, left out): how
+    alike their trends are (the paper's "(e) almost identical to (d)")."""
+    x, y = x.double(), y.double()
+    n = x.shape[-1]
+    keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), -1) & torch.isfinite(x) & torch.isfinite(y)
+    keep[:, 0] = False
+    a, b = x[keep] - x[keep].mean(), y[keep] - y[keep].mean()
+    return (a * b).sum() / torch.sqrt((a * a).sum() * (b * b).sum())
+
+
+def bias_corrected(est: Estimate) -> dict:
+    """A scalar estimate as run.json numbers at the jackknife's bias-corrected value (`Estimate.debiased`), its
+    interval moved with it (the same half-widths), marked "debiased"; the plug-in value where there is none (fewer
+    than 2 groups: no interval either)."""
+    item = est.item()
+    if est.debiased is None:
+        return item
+    value = float(est.debiased)
+    shift = value - item["value"]
+    return item | {"value": value, "lo": item["lo"] + shift, "hi": item["hi"] + shift, "debiased": True}
 
 
 # ---------------------------------------------------------------- the statistic
@@ -356,8 +413,31 @@ class Intermediates(Statistic):
             panels[letter]["rows_increasing"] = self.sums.estimate(
                 lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap").item() \
                 | {"support": [0.0, 1.0]}  # a share
+        panels = self._readings(panels, level)
         return {"panels": panels, "changes": changes, "groups": len(self.sums.filled()), "level": level,
                 "amplification": self.amplification(level), "block_output_check": self.check_report()}
+
+    def _readings(self, panels: dict, level: float) -> dict:
+        """The statistics Section 4.2 reads from single panels besides slopes and ratios, with intervals, added to
+        `panels`: (b)'s first column against the rest (its size and its sign), (c)'s diagonal trend and the
+        uniformity of its off-diagonal entries, the correlation of (e) with (d), and the share of (i)'s variance
+        the key alone explains. Key 0 (the sink) is left out of each; a correlation and a share of variance of
+        noisy mean maps are pulled toward 0, so theirs is the jackknife's bias-corrected value."""
+        def est(fn):
+            return self.sums.estimate(fn, level)
+
+        def contrast(m):
+            return first_column_contrast(self.panel_map("b", m))
+
+        panels["b"]["first_column"] = est(lambda m: contrast(m).abs()).item() | {"support": [0.0, math.inf]}
+        panels["b"]["first_column_signed"] = est(contrast).item()
+        panels["c"]["diagonal_slope"] = est(lambda m: diagonal_slope(self.panel_map("c", m))).item()
+        panels["c"]["uniformity"] = est(lambda m: offdiag_uniformity(self.panel_map("c", m))).item()
+        panels["e"]["correlation_with_d"] = bias_corrected(est(
+            lambda m: offdiag_correlation(self.panel_map("d", m), self.panel_map("e", m)))) | {"support": [-1.0, 1.0]}
+        panels["i"]["key_share"] = bias_corrected(est(
+            lambda m: torch.as_tensor(key_share(self.panel_map("i", m)[1:, 1:])))) | {"support": [0.0, 1.0]}
+        return panels
 
     def amplification(self, level: float = 0.95) -> dict:
         """Section 4.2's "training amplifies the pattern": the strength (`pattern_strength`) of panel (i) against
@@ -523,10 +603,18 @@ def _interval(e: dict, spec: str) -> str:
 
 def summary_lines(meta: dict) -> list[str]:
     """What `poslens intermediates` prints: one line per panel (row slope and off-diagonal/diagonal ratio with
-    intervals), the amplification over the parameter-free stack, the block check, and the intervals' groups."""
+    intervals), the readings of Section 4.2's other rows, the amplification over the parameter-free stack, the
+    block check, and the intervals' groups."""
     m = meta["metrics"]
     lines = [f"({letter}) {p['what']:<32} row slope {_interval(p['row_slope'], '+.4g')}  off-diagonal/diagonal "
              f"{_interval(p['offdiag_ratio'], '.3g')}" for letter, p in m["panels"].items()]
+    p = m["panels"]
+    if "key_share" in p.get("i", {}):  # Section 4.2's other readings (absent from runs of an earlier poslens)
+        lines.append(f"(b) first column - the other keys {_interval(p['b']['first_column_signed'], '+.3g')} SDs; "
+                     f"(c) diagonal slope / mean {_interval(p['c']['diagonal_slope'], '+.3g')}, off-diagonal/diagonal "
+                     f"variation {_interval(p['c']['uniformity'], '.3g')}; (e) vs (d) correlation "
+                     f"{_interval(p['e']['correlation_with_d'], '.5g')}; (i) key share "
+                     f"{_interval(p['i']['key_share'], '.3g')}")
     amp = m.get("amplification") or {}
     if "ratio" in amp:
         lines.append(f"amplification (Section 4.2): panel (i)'s pattern is {_interval(amp['ratio'], '.3g')} times "

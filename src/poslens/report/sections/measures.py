@@ -96,18 +96,6 @@ def offdiag_std(m) -> torch.Tensor:
     return _t(np.nanstd(x[..., lower(x.shape[-1])], axis=-1))
 
 
-def key_share(m) -> torch.Tensor:
-    """Per map: share of the variance of the entries j < i explained by the key j alone (column means); 1 when
-    the map does not depend on the query i."""
-    x = _np(m)
-    n = x.shape[-1]
-    vals = np.where(lower(n), x, np.nan)[..., :, :-1]
-    col = np.nanmean(vals, axis=-2, keepdims=True)
-    tot = np.nansum((vals - np.nanmean(vals, axis=(-2, -1), keepdims=True)) ** 2, axis=(-2, -1))
-    res = np.nansum((vals - col) ** 2, axis=(-2, -1))
-    return _t(1 - res / tot)
-
-
 def offset_share(m) -> torch.Tensor:
     """Per map: share of the variance of the entries j < i explained by the offset i - j alone (a relative map: 1)."""
     x = _np(m)

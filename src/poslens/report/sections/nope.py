@@ -10,7 +10,7 @@ import numpy as np
 
 from poslens import plotting
 from poslens.analyses.stackrun import score_limits
-from poslens.maps import quantile_limits, rows_increasing
+from poslens.maps import key_share, quantile_limits, rows_increasing
 from poslens.report.claims import Claim, Reading, Test, num
 from poslens.report.context import est_text, joint, setting, test_of
 from poslens.report.section import Panel, Section, section
@@ -143,7 +143,7 @@ def build(ctx, size: dict) -> Section:
         (test_of("std of the off-diagonal layer-2 scores, alpha 0.2 / alpha 0", clearer, ">", MUCH),),
         measured=f"'much clearer' read as: at least {MUCH:g} times the spread of the scores.",
         figure="Figure 2", command=ctx.remeasure("kim-41-alpha02-clearer")))
-    share = {a: ctx.mc(cfg[a]).pooled(ms.key_share).within(0.0, 1.0) for a in FIG2 + FIG6}  # a share: [0, 1]
+    share = {a: ctx.mc(cfg[a]).pooled(key_share).within(0.0, 1.0) for a in FIG2 + FIG6}  # a share: [0, 1]
     s.claims.append(Claim(
         "kim-41-alpha02-independent-of-i", "kim2025", "Section 4.1, Figure 2",
         "alpha = 0.2: the layer-2 pattern seems nearly independent of i",
@@ -152,7 +152,7 @@ def build(ctx, size: dict) -> Section:
         measured=f"'nearly independent' read as: the key alone explains more than {NEARLY_INDEPENDENT:.0%}; with "
                  f"alpha = 0 it explains {est_text(share[0.0], 1)}.",
         figure="Figure 2", command=ctx.remeasure("kim-41-alpha02-independent-of-i")))
-    later = a2.pooled(lambda m: ms.key_share(m)[2:] - ms.key_share(m)[1])
+    later = a2.pooled(lambda m: key_share(m)[2:] - key_share(m)[1])
     s.claims.append(Claim(
         "kim-41-saturation-later-layers", "kim2025", "Section 4.1, Figure 2",
         "alpha = 0.2: the same saturation (independence of i) is more evident in the later layers",

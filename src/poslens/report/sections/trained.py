@@ -6,10 +6,11 @@ full run, pe-quick with --quick; identical tokens, batches and steps; eight seed
 --quick; cached) stand in for it. Each seed
 is measured on held-out text, each number with a 95% interval over groups of sequences:
 
-  Figure 3 and Figure 8 of the NoPE model (`poslens intermediates`), with the panel statistics the paper reads ((a)
-  near-orthogonal, (a)->(b), (c), (c)->(d), (e) like (d), (f), (g) inverted, (h), (i), amplification over the
-  parameter-free stack); held-out loss of NoPE against RoPE; a linear probe of absolute position by depth (Haviv et
-  al. 2022; Kazemnejad et al. 2023).
+  Figure 3 and Figure 8 of the NoPE model (`run_intermediates`, kept in the report's parts directory), every
+  statistic of its rows read from that run's run.json ((a) near-orthogonal, (a)->(b), (b)'s first column, (c),
+  (c)->(d), (e) like (d), (f), (g) inverted, (h), (i), amplification over the parameter-free stack: the
+  `Intermediates` summary); held-out loss of NoPE against RoPE; a linear probe of absolute position by depth (Haviv
+  et al. 2022; Kazemnejad et al. 2023).
 
 A claim is judged on the mean over seeds (`poslens.report.sweep.combine_seeds`): its interval is the t-interval over
 seeds (what training makes of a model is an effect whose error bar is the spread over seeds, which one model's
@@ -27,12 +28,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from poslens.errors import UsageError
 from poslens.report.claims import Claim, Reading, Test, estimate_test, interval_text, num
 from poslens.report.section import Figure, Panel, Section, section
-from poslens.report.sections import measures as ms
 from poslens.report.sections.figures import heatmaps, lines, profiles
 from poslens.report.sweep import SWEEP_FULL, SWEEP_QUICK, combine_seeds, resolve_by_seeds, sweep_models
 from poslens.train.config import TrainConfig
@@ -65,93 +64,23 @@ def intermediates_config(models: dict, size: dict):
                                num_sequences=num_seq, batch_size=max(1, num_seq // 20), groups=20)
 
 
-def panel_statistics(cfg) -> dict:
-    """Statistics of Figure 3's panels that `poslens intermediates` does not print, each with its jackknife
-    interval: the Intermediates statistic run over the same batches as the run (same config, same groups)."""
-    from poslens.analyses.intermediates import Intermediates
-    from poslens.engine.data import make_sequences
-    from poslens.engine.hooks import HookedModel
-    from poslens.engine.models import load_model
-    from poslens.engine.pipeline import documents
-    from poslens.engine.runner import run_statistics
-
-    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, tokenizer=cfg.tokenizer, seed=cfg.seed,
-                            pe=cfg.pe)
-    hm = HookedModel(model)
-    stat = Intermediates(hm, cfg.layer, groups=cfg.groups, all_layers=False, check=False)
-    docs, _ = documents(cfg.data, cfg.text_field)
-    ids, _ = make_sequences(tok, docs, cfg.seq_len, cfg.num_sequences, mode=cfg.mode, bos=cfg.bos)
-    run_statistics(hm, [stat], list(torch.split(ids, cfg.batch_size)), all_reduce=False)
-
-    def c_stats(m):
-        c = stat.panel_map("c", m).double()
-        n = c.shape[-1]
-        diag = torch.diagonal(c)[1:]  # position 1 (the first token) left out with the sink column
-        i = torch.arange(1, n, dtype=torch.float64)
-        slope = ((i - i.mean()) * (diag - diag.mean())).sum() / ((i - i.mean()) ** 2).sum() / diag.mean()
-        mask = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
-        mask[:, 0] = False
-        off = c[mask]
-        return torch.stack([slope, (off.std() / off.mean()) / (diag.std() / diag.mean())])
-
-    def de_corr(m):
-        d, e = (stat.panel_map(x, m).double().numpy() for x in "de")
-        d[:, 0] = e[:, 0] = np.nan  # the sink column
-        keep = np.isfinite(d) & np.isfinite(e) & np.tril(np.ones(d.shape, dtype=bool), -1)
-        return torch.as_tensor(np.corrcoef(d[keep], e[keep])[0, 1])
-
-    def i_key_share(m):  # how far (i) depends on the key alone (the paper: "i-independent"), sink column left out
-        return ms.key_share(stat.panel_map("i", m).double().numpy()[1:, 1:])
-
-    def b_first_column(m):  # the "vivid line at the 0th column" of (b): key 1 against the other keys j < i
-        b = stat.panel_map("b", m).double()
-        n = b.shape[-1]
-        first = b[1:, 0]
-        others = b[torch.tril(torch.ones(n, n, dtype=torch.bool), -1) & (torch.arange(n) > 0)[None, :]]
-        return (first.mean() - others.mean()) / others.std()  # signed: > 0 a bright line, < 0 a dark one
-
-    est = stat.sums.estimate(c_stats, cfg.level)
-    corr = stat.sums.estimate(de_corr, cfg.level)
-    share = stat.sums.estimate(i_key_share, cfg.level)
-    column = stat.sums.estimate(lambda m: b_first_column(m).abs(), cfg.level)
-    signed = stat.sums.estimate(b_first_column, cfg.level)
-    return {"c_diag_slope": _item(est, 0), "c_uniformity": _item(est, 1),
-            "b_first_column": _item(column, support=(0.0, math.inf)), "b_first_column_signed": _item(signed),
-            "de_correlation": _item(corr, support=(-1.0, 1.0), debias=True),
-            "i_key_share": _item(share, support=(0.0, 1.0), debias=True)}
-
-
-def _item(est, k: int | None = None, support: tuple[float, float] | None = None, debias: bool = False) -> dict:
-    """A run.json estimate; `support`: the range the statistic cannot leave (an interval over seeds is cut to it);
-    `debias`: the jackknife's bias-corrected value with the same half-width, for a statistic that the noise of the
-    mean maps pulls one way (a correlation or a share of variance of noisy maps is pulled toward 0)."""
-    pick = (lambda t: float(t)) if k is None else (lambda t: float(t[k]))
-    value = pick(est.debiased) if debias else pick(est.value)
-    shift = value - pick(est.value)
-    return {"value": value, "lo": pick(est.lo) + shift, "hi": pick(est.hi) + shift, "level": est.level,
-            "groups": est.groups} | ({"support": list(support)} if support else {}) | (
-        {"debiased": True} if debias else {})
-
-
 def measure(models: dict, size: dict, parts: Path, progress: bool, bos_first: bool) -> dict:
-    """Every Section 4.2 number of the trained pair at `size`; the intermediates run and the extra panel
-    statistics are kept in `parts` under a fingerprint of their settings. `bos_first`: the pair was trained with
-    every sequence starting with the BOS, so the held-out losses and the probe read blocks that start with it."""
+    """Every Section 4.2 number of the trained pair at `size`; the intermediates run (whose run.json holds every
+    statistic of Figure 3's rows) is kept in `parts` under a fingerprint of its settings. `bos_first`: the pair was
+    trained with every sequence starting with the BOS, so the held-out losses and the probe read blocks that start
+    with it."""
     from poslens.analyses.intermediates import run_intermediates
     from poslens.engine.models import load_model
     from poslens.io.checkpoint import fingerprint
+    from poslens.io.results import load
     from poslens.train.probe import heldout_losses, loss_comparison, position_probe, sequences_of
     from poslens.train.tokens import open_tokens
 
     icfg = intermediates_config(models, size)
     key = fingerprint(icfg.fingerprint_fields())[:8]
     run = parts / f"intermediates-trained-{key}"
-    if not run.exists():
-        run_intermediates(icfg, str(run), progress=progress)
-    extra_path = parts / f"intermediates-extra-{key}.json"
-    if not extra_path.is_file() or "b_first_column_signed" not in json.loads(extra_path.read_text()):
-        extra_path.write_text(json.dumps(panel_statistics(icfg)))
-    extra = json.loads(extra_path.read_text())
+    if not (run / "run.json").is_file() or "key_share" not in load(run, tensors=False).metrics["panels"]["i"]:
+        run_intermediates(icfg, str(run), force=True, progress=progress)  # absent, or kept by an earlier poslens
     nets = {pe: load_model(str(models[pe]), dtype="float32")[0] for pe in PE_NAMES}
     context = nets["none"].config.max_position_embeddings
     tf = open_tokens(models["tokens"])
@@ -164,7 +93,7 @@ def measure(models: dict, size: dict, parts: Path, progress: bool, bos_first: bo
     probes = {pe: position_probe(nets[pe], fit, test) for pe in PE_NAMES}
     nope = probes["none"]
     last = len(nope.mae) - 1
-    return {"intermediates": run, "config": icfg, "extra": extra, "losses": losses, "loss_blocks": loss_n,
+    return {"intermediates": run, "config": icfg, "losses": losses, "loss_blocks": loss_n,
             "params": sum(p.numel() for p in nets["none"].parameters()),
             "context": context, "probe": {pe: {"mae": [e.item() for e in p.mae], "chance": p.chance.item()}
                                           for pe, p in probes.items()},
@@ -242,7 +171,7 @@ def build(ctx, size: dict) -> Section:
               f"key/value heads, RMSNorm) that poslens trains on {cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M "
               f"tokens of embedded text ({_trained_here(sum(v in VARIANTS.values() for v, _ in sw.trained), 2 * n)}); "
               "the paper's NoPE model has 1.5B parameters (heads of size 64) trained on 20B FineWeb-Edu tokens.")
-    s.claims += figure3_claims(ctx, im, m["extra"], _scale(cfg))
+    s.claims += figure3_claims(ctx, im, _scale(cfg))
     s.claims += haviv_claims(ctx, m, cfg)
     resolve_by_seeds(sw, s.claims)  # every interval is over the sweep's seeds
     c = max((r.metrics["block_output_check"] for r in runs), key=lambda c: c["max_rel"])
@@ -279,7 +208,7 @@ def _scale(cfg: TrainConfig) -> str:
     return f"{cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2g}M training tokens"
 
 
-def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
+def figure3_claims(ctx, im: dict, scale: str) -> list[Claim]:
     """The rows of Figure 3. Each is a claim about the paper's 1.5B-parameter NoPE model trained on 20B tokens, so
     a model of this scale cannot contradict it (the verdict rule's scope: a failure reads fails at this scale); the W_O
     row is ambiguous in its wording whatever the scale, and keeps both readings without a scope."""
@@ -312,25 +241,26 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
                       "unlike itself)" if any(v is None or not math.isfinite(v)
                                               for v in ch["offdiag_ratio_b_minus_a"]["per_seed"]) else "")
                    + ". Only the direction is tested: 'substantially' gives no size.")
-    e = extra
     claim("kim-42-b-first-column", "Section 4.2, Figure 3 (b)",
           "a vivid line appears at the first column of (b) (key 1: the paper's 0th column), an attention sink",
           (estimate_test("|mean of (b)'s first column (queries 2..n) minus the mean of its other entries j < i|, in "
-                         "standard deviations of those entries", e["b_first_column"], ">", VIVID),),
+                         "standard deviations of those entries", p["b"]["first_column"], ">", VIVID),),
           measured=f"'vivid' read as: the column stands out, brighter or darker, from the other off-diagonal entries "
-                   f"by more than {VIVID:g} of their standard deviations; {_seeds(e['b_first_column'])}. Signed "
+                   f"by more than {VIVID:g} of their standard deviations; {_seeds(p['b']['first_column'])}. Signed "
                    f"(above 0: brighter than the rest, a column of high scores; below 0: darker) "
-                   f"{_seeds(e['b_first_column_signed'])}" + _dark_line(e["b_first_column_signed"]) + ". The paper "
+                   f"{_seeds(p['b']['first_column_signed'])}" + _dark_line(p["b"]["first_column_signed"])
+                   + ". The paper "
                    "leaves the sink's analysis out of scope, and so does this row: it tests only that the line is "
                    "there, whichever way it stands out.")
     claim("kim-42-c", "Section 4.2, Figure 3 (c)",
           "in (c) the diagonal values decrease with i, while the off-diagonal values remain nearly uniform",
-          (estimate_test("slope of the diagonal of (c) in i, over its mean (per position)", e["c_diag_slope"], "<"),
+          (estimate_test("slope of the diagonal of (c) in i, over its mean (per position)", p["c"]["diagonal_slope"],
+                         "<"),
            estimate_test("coefficient of variation of the off-diagonal entries of (c) over that of its diagonal",
-                 e["c_uniformity"], "<", 1.0)),
+                 p["c"]["uniformity"], "<", 1.0)),
           measured="key 1 (the sink column) and position 1 left out; 'nearly uniform' read as: more uniform than the "
-                   f"diagonal, the contrast the paper draws. Slope {_seeds(e['c_diag_slope'])}; variation ratio "
-                   f"{_seeds(e['c_uniformity'])}.")
+                   f"diagonal, the contrast the paper draws. Slope {_seeds(p['c']['diagonal_slope'])}; variation ratio "
+                   f"{_seeds(p['c']['uniformity'])}.")
     cd = ch["offdiag_ratio_d_minus_c"]
     out.append(Claim(
         "kim-42-c-to-d", "kim2025", "Section 4.2, Figure 3 (c), (d)",
@@ -346,14 +276,15 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
                  "contradicted reading is one of the paper's wordings, not a failure of this model's scale (rule 5: "
                  "readings of opposite sides; which one holds is a statement at this scale).",
         scope=scope, opposite=True, figure="Figure 3 (c), (d)", command=ctx.remeasure("kim-42-c-to-d")))
+    de = p["e"]["correlation_with_d"]
     claim("kim-42-e-like-d", "Section 4.2, Figure 3 (d), (e)",
           "after adding the residual (e), the trend is almost identical to (d)",
-          (replace(estimate_test("correlation of the off-diagonal entries of (d) and (e)", e["de_correlation"], ">",
-                                 SAME_TREND), digits=_near_one(e["de_correlation"])),),
-          key=interval_text(e["de_correlation"], _near_one(e["de_correlation"])),
+          (replace(estimate_test("correlation of the off-diagonal entries of (d) and (e)", de, ">", SAME_TREND),
+                   digits=_near_one(de)),),
+          key=interval_text(de, _near_one(de)),
           measured=f"'almost identical trend' read as: correlation above {SAME_TREND} (key 1, the sink, left out), "
                    "bias-corrected by the jackknife for the noise of the mean maps, which pulls a correlation toward "
-                   f"0; {_seeds(e['de_correlation'], _near_one(e['de_correlation']) + 1)}.")
+                   f"0; {_seeds(de, _near_one(de) + 1)}.")
     for letter, where, text in (
             ("f", "Section 4.2, Figure 3 (f)", "after the post-attention LayerNorm (f), the Gram matrix increases "
                                                "with j for fixed i, as the theory and the simulation say"),
@@ -388,7 +319,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
               "parameter-free stack at the model's alpha",
               (estimate_test("strength of (i) over the stack's at the alpha of (a)", r, ">", MUCH_STRONGER),
                estimate_test("share of the off-diagonal variance of (i) explained by the key j alone",
-                             e["i_key_share"], ">", I_INDEPENDENT)),
+                             p["i"]["key_share"], ">", I_INDEPENDENT)),
               key=("" if _defined(r) else  # defined: the rule's key, the deciding (failing, else open) test
                    f"undefined in {sum(not np.isfinite(v) for v in r['per_seed'])} of {len(r['per_seed'])} seeds"),
               measured=f"'much stronger' read as: at least {MUCH_STRONGER:g} times the stack's strength; strength = "
@@ -399,7 +330,7 @@ def figure3_claims(ctx, im: dict, extra: dict, scale: str) -> list[Claim]:
                        f"largest value is {_fmt(amp['ratio_to_strongest_stack'])}. 'i-independent' read as for the "
                        f"stack at alpha = 0.2 (Section 4.1): the key alone explains more than {I_INDEPENDENT:.0%} "
                        "(bias-corrected by the jackknife for the maps' noise; key 1, the sink, left out). "
-                       f"Ratio {_seeds(r)}; key share {_seeds(e['i_key_share'])}.")
+                       f"Ratio {_seeds(r)}; key share {_seeds(p['i']['key_share'])}.")
     return out
 
 
