@@ -30,6 +30,11 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
 
     hook_embed                          [B, T, d]     TL  token embeddings (Gemma: after its sqrt(d) scale)
     blocks.{l}.hook_resid_pre           [B, T, d]     TL  the residual stream entering layer l
+    blocks.{l}.hook_attn_in             [B, T, H, d]  TL  resid_pre copied per head, the input of every head's q, k, v
+                                                          (TL's use_attn_in; only without grouped-query attention)
+    blocks.{l}.hook_q_input             [B, T, H, d]  TL  resid_pre copied per query head (TL's use_split_qkv_input);
+    blocks.{l}.hook_k_input, _v_input   [B, T, K, d]  TL  per key/value head: each head's projection reads its own
+                                                          copy through ln1 (poslens.engine.tl_inputs)
     blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32)
     blocks.{l}.ln1.hook_normalized      [B, T, d]     TL  x / scale, before the gain (float32)
     blocks.{l}.ln1.hook_out             [B, T, d]         after the gain: what attention reads
@@ -90,6 +95,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.families import Family, decoder_layers, family_of
+from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, input_projection_hook
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
@@ -103,8 +109,6 @@ KERNEL_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", 
 
 # TransformerLens names poslens has no equivalent for, and what to do instead
 TL_ONLY = {
-    "hook_attn_in": "read ln1.hook_out (the same input for every head)",
-    "hook_q_input": "read ln1.hook_out", "hook_k_input": "read ln1.hook_out", "hook_v_input": "read ln1.hook_out",
     "hook_pos_embed": "these models have no positional embedding (RoPE acts in attn.hook_rot_q/rot_k)",
     "hook_tokens": "the token ids are ctx.input_ids",
 }
@@ -117,10 +121,11 @@ def norm_points(prefix: str) -> list[str]:
     return [f"{prefix}.{p}" for p in NORM_POINTS]
 
 
-def block_points(family: Family, qk_norm: bool) -> list[str]:
-    """The points of one block (under blocks.{l}.) in forward order."""
+def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = ()) -> list[str]:
+    """The points of one block (under blocks.{l}.) in forward order (`inputs`: the per-head attention inputs,
+    poslens.engine.tl_inputs)."""
     sandwich = family.layout == "sandwich"
-    return ["hook_resid_pre", *norm_points("ln1"),
+    return ["hook_resid_pre", *inputs, *norm_points("ln1"),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
             "attn.hook_v", *KERNEL_POINTS, "attn.hook_result", "attn.hook_out",
@@ -132,7 +137,9 @@ def block_points(family: Family, qk_norm: bool) -> list[str]:
 
 # TransformerLens's optional points: hooked by name; run_with_cache's default and a names_filter function select them
 # only after set_use_attn_result(True) / set_use_hook_mlp_in(True), as TransformerLens fires them only then
-OPTIONAL = {"attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in"}
+OPTIONAL = {"attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in", "hook_attn_in": "use_attn_in",
+            "hook_q_input": "use_split_qkv_input", "hook_k_input": "use_split_qkv_input",
+            "hook_v_input": "use_split_qkv_input"}
 
 
 def is_transformer_lens_name(name: str) -> bool:
@@ -195,6 +202,7 @@ class _Run:
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     hidden: dict = field(default_factory=dict)  # -> [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores)
+    inputs: dict = field(default_factory=dict)  # layer -> written per-head attention inputs (tl_inputs.fire_inputs)
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -215,7 +223,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.layers = decoder_layers(model)
         self.n_layers = len(self.layers)
         attn = self.layers[0].self_attn
-        names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"))
+        self._heads = (model.config.num_attention_heads, model.config.num_key_value_heads)
+        names = block_points(self.family, qk_norm=hasattr(attn, "q_norm"), inputs=input_points(*self._heads))
         self.points = ["hook_embed"] + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
         self._use = {flag: False for flag in OPTIONAL.values()}
@@ -243,6 +252,19 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """Include hook_mlp_in (the MLP's input before ln2, a copy of hook_resid_mid) likewise."""
         self._use["use_hook_mlp_in"] = bool(use_hook_mlp_in)
+        self._set_tl_points()
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """Include hook_attn_in (resid_pre copied per head, [B, T, H, d]) likewise; refused with grouped-query
+        attention, as TransformerLens refuses it."""
+        if use_attn_in and self._heads[0] != self._heads[1]:
+            raise UsageError(f"set_use_attn_in: {GQA_ATTN_IN}")
+        self._use["use_attn_in"] = bool(use_attn_in)
+        self._set_tl_points()
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Include hook_q_input [B, T, H, d], hook_k_input and hook_v_input [B, T, K, d] likewise."""
+        self._use["use_split_qkv_input"] = bool(use_split_qkv_input)
         self._set_tl_points()
 
     @classmethod
@@ -335,8 +357,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
                    position_ids)
         with torch.set_grad_enabled(grad), self._installed(run):
-            kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **model_kwargs)
+            kwargs = {**dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False), **model_kwargs}  # generate's key/value cache: use_cache=True
             if head:
                 out = self.model(**kwargs)
                 return out if logits else None
@@ -364,6 +386,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if name.startswith("blocks.") and len(parts) > 2 and parts[1].isdigit():
             if int(parts[1]) >= self.n_layers:
                 hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
+            elif ".".join(parts[2:]) == "hook_attn_in":
+                hint = GQA_ATTN_IN
             elif ".".join(parts[2:]) in TL_ONLY:
                 hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
         elif name in TL_ONLY:
@@ -435,12 +459,17 @@ class HookedModel(TransformerLensSurface, TLWeights):
             sites = [(attn.qkv_proj, qkv)]
         else:
             sites = [(attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
+        attn_sites = list(sites)
         if hasattr(mlp, "gate_up_proj"):
             sites.append((mlp.gate_up_proj, gate_up))
         else:
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
-        handles = [module.register_forward_hook(self._split_hook(l, parts))
-                   for module, parts in sites if any(p in pts for p, _, _ in parts)]
+        handles = []
+        if any(p in pts for p in input_points(*self._heads)):  # first: attn.hook_q/k/v see the projected copies
+            handles += [module.register_forward_hook(input_projection_hook(lambda: self._run.inputs.get(l), parts))
+                        for module, parts in attn_sites]
+        handles += [module.register_forward_hook(self._split_hook(l, parts))
+                    for module, parts in sites if any(p in pts for p, _, _ in parts)]
         if "attn.hook_result" in pts:
             handles.append(attn.o_proj.register_forward_hook(self._result_hook(l, cfg.num_attention_heads)))
         if "mlp.hook_post" in pts:
@@ -558,6 +587,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
             return self._fire_at(l, point, x)
 
         x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
+        # TransformerLens's per-head inputs (hook_attn_in, hook_q_input, ...): the written ones, for the projections
+        self._run.inputs[l] = fire_inputs(fire, self._run.per_layer.get(l, {}), x, getattr(layer_mod, fam.ln1),
+                                          *self._heads)
         a, _ = layer_mod.self_attn(hidden_states=getattr(layer_mod, fam.ln1)(x), **attn_kwargs)  # ln1.*, attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
