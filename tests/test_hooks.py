@@ -69,6 +69,8 @@ def _layer(model, family, l, x, written=None):
     b, t, _ = x.shape
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
     ref["hook_resid_pre"] = x
+    copies = {"hook_q_input": h, "hook_k_input": kv, "hook_v_input": kv, **({"hook_attn_in": h} if h == kv else {})}
+    ref.update({p: x[:, :, None].expand(-1, -1, n, -1) for p, n in copies.items()})  # resid_pre once per head
     y = _rms("ln1", blk.input_layernorm, x, gemma, ref)
     if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
         q, k, v = _linear(y, attn.qkv_proj).split([h * d, kv * d, kv * d], -1)
