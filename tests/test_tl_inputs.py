@@ -108,3 +108,22 @@ def test_attn_in_is_refused_with_grouped_query_attention():
         hm.run_with_hooks(token_batch(1, 4, seed=0), fwd_hooks=[("blocks.0.hook_attn_in", lambda x, hook: None)])
     hm.set_use_split_qkv_input(True)
     assert "blocks.0.hook_k_input" in hm.tl_points and "blocks.0.hook_attn_in" not in hm.points
+
+
+@torch.no_grad()
+def test_in_place_edit_at_attn_in_acts_as_a_returned_clone():
+    """tests/test_tl_inplace.py covers every point of its (grouped-query) families; attn_in exists only without GQA."""
+    model = build("llama", num_key_value_heads=4)
+    hm = HookedModel(model)
+    ids = token_batch(2, 7, seed=9)
+
+    def in_place(x, ctx):
+        x[:, :, 1] += 1.0
+
+    def clone(x, ctx):
+        y = x.clone()
+        y[:, :, 1] += 1.0
+        return y
+
+    a, b = (hm.run(ids, hooks={"blocks.1.hook_attn_in": fn}, logits=True).logits for fn in (in_place, clone))
+    assert torch.equal(a, b) and (a - hm.run(ids, logits=True).logits).abs().max() > 1e-3
