@@ -237,6 +237,8 @@ class TransformerLensSurface:
         mask = self._check_mask(tokens, mask)
         per_token = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None  # not a 4-D or dict mask
         positions = None if per_token is None else offset_positions(per_token)
+        if return_type is None:  # TransformerLens runs no LM head then: its unembed points never fire
+            table = {name: fns for name, fns in table.items() if not name.startswith("unembed.")}
         out = self._forward(tokens, mask, table, logits=return_type is not None, position_ids=positions, grad=grad)
         if out is None:
             return None
