@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import warnings
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import tl_demo  # noqa: E402
+from make_tl_reference import provenance  # noqa: E402  (this folder is the script's own, first on sys.path)
 
 
 def main() -> None:
@@ -33,7 +32,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    import torch
     from hooks_vs_transformerlens import transformer_lens_model
 
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -49,11 +47,7 @@ def main() -> None:
     except AssertionError as e:
         attn_in = str(e)
     record = {
-        "made_by": "tests/reference/make_tl_demo_reference.py",
-        "transformer_lens": version("transformer-lens"), "torch": torch.__version__,
-        "transformers": version("transformers"), "machine": platform.machine(),
-        "model": "smollm2-135m (the embedded GGUF as poslens loads it), float32, CPU; TransformerLens processing: "
-                 "fold_ln, center_writing_weights, center_unembed, fold_value_biases (from_pretrained's defaults)",
+        **provenance("tests/reference/make_tl_demo_reference.py"),
         "set_use_attn_in": attn_in,
         "split_inputs": tl_demo.split_inputs(tl, utils),
         "main_demo": tl_demo.main_demo(tl, utils),
