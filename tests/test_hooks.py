@@ -71,6 +71,9 @@ def _layer(model, family, l, x, written=None):
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
     post_norm = family == "olmo2"  # post-norm: attention reads x, ln1 and ln2 normalize the sublayers' outputs
     ref["hook_resid_pre"] = x
+    if not post_norm:  # the per-head inputs (pre-norm and Gemma families)
+        copies = {"hook_q_input": h, "hook_k_input": kv, "hook_v_input": kv, **({"hook_attn_in": h} if h == kv else {})}
+        ref.update({p: x[:, :, None].expand(-1, -1, n, -1) for p, n in copies.items()})  # resid_pre once per head
     y = x if post_norm else _rms("ln1", blk.input_layernorm, x, gemma, ref)
     if hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
         q, k, v = _linear(y, attn.qkv_proj).split([h * d, kv * d, kv * d], -1)

@@ -73,12 +73,21 @@ def surface(tl) -> dict:
             "loss": loss, "weights": {w: weight_summary(getattr(tl, w)) for w in WEIGHTS}}
 
 
+def provenance(script: str) -> dict:
+    """What made a reference file: the script, the library versions, the machine, the model and its processing."""
+    import torch
+
+    return {"made_by": script, "transformer_lens": version("transformer-lens"), "torch": torch.__version__,
+            "transformers": version("transformers"), "machine": platform.machine(),
+            "model": "smollm2-135m (the embedded GGUF as poslens loads it), float32, CPU; TransformerLens processing: "
+                     "fold_ln, center_writing_weights, center_unembed, fold_value_biases (from_pretrained's defaults)"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    import torch
     from hooks_vs_transformerlens import transformer_lens_model
     from transformer_lens import utils
 
@@ -88,11 +97,7 @@ def main() -> None:
     tl = transformer_lens_model(model, tok, processed=True)
     printed, namespace = run_example(loading="model = TL_MODEL", TL_MODEL=tl)
     record = {
-        "made_by": "tests/reference/make_tl_reference.py",
-        "transformer_lens": version("transformer-lens"), "torch": torch.__version__,
-        "transformers": version("transformers"), "machine": platform.machine(),
-        "model": "smollm2-135m (the embedded GGUF as poslens loads it), float32, CPU; TransformerLens processing: "
-                 "fold_ln, center_writing_weights, center_unembed, fold_value_biases (from_pretrained's defaults)",
+        **provenance("tests/reference/make_tl_reference.py"),
         "printed": printed,
         "numbers": example_numbers(namespace),
         "get_act_name": [[list(s), utils.get_act_name(*s)] for s in SHORTCUTS],

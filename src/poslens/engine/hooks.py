@@ -32,6 +32,12 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
     hook_pos_embed                      [B, T, d]     TL  GPT-2: the position table's rows at the positions (added to
                                                           hook_embed); only on a family with a learned table
     blocks.{l}.hook_resid_pre           [B, T, d]     TL  the residual stream entering layer l
+    blocks.{l}.hook_attn_in             [B, T, H, d]  TL  resid_pre copied per head, the input of every head's q, k, v
+                                                          (TL's use_attn_in; only without grouped-query attention)
+    blocks.{l}.hook_q_input             [B, T, H, d]  TL  resid_pre copied per query head (TL's use_split_qkv_input);
+    blocks.{l}.hook_k_input, _v_input   [B, T, K, d]  TL  per key/value head: each head's projection reads its own
+                                                          copy through ln1 (poslens.engine.tl_inputs; pre-norm and
+                                                          Gemma families, not yet GPT-2 and OLMo-2)
     blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32); OLMo-2
                                                           (post-norm): ln1 is the norm after attention, fired after
                                                           attn.hook_out, and ln2 the norm after the MLP
@@ -96,6 +102,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.families import Family, decoder_layers, family_of
+from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, input_projection_hook
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
@@ -110,8 +117,6 @@ KERNEL_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", 
 
 # TransformerLens names poslens has no equivalent for, and what to do instead
 TL_ONLY = {
-    "hook_attn_in": "read ln1.hook_out (the same input for every head)",
-    "hook_q_input": "read ln1.hook_out", "hook_k_input": "read ln1.hook_out", "hook_v_input": "read ln1.hook_out",
     "hook_pos_embed": "these models have no positional embedding (RoPE acts in attn.hook_rot_q/rot_k)",
     "hook_tokens": "the token ids are ctx.input_ids",
 }
@@ -124,10 +129,11 @@ def norm_points(prefix: str) -> list[str]:
     return [f"{prefix}.{p}" for p in NORM_POINTS]
 
 
-def block_points(family: Family, qk_norm: bool) -> list[str]:
-    """The points of one block (under blocks.{l}.) in forward order."""
+def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = ()) -> list[str]:
+    """The points of one block (under blocks.{l}.) in forward order (`inputs`: the per-head attention inputs,
+    poslens.engine.tl_inputs)."""
     sandwich, post = family.layout == "sandwich", family.layout == "post-norm"
-    return ["hook_resid_pre", *([] if post else norm_points("ln1")),
+    return ["hook_resid_pre", *inputs, *([] if post else norm_points("ln1")),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
             "attn.hook_v", *(KERNEL_POINTS[2:] if family.pos_embed_attr else KERNEL_POINTS),  # GPT-2: no rot_q, rot_k
@@ -141,7 +147,9 @@ def block_points(family: Family, qk_norm: bool) -> list[str]:
 
 # TransformerLens's optional points: hooked by name; run_with_cache's default and a names_filter function select them
 # only after set_use_attn_result(True) / set_use_hook_mlp_in(True), as TransformerLens fires them only then
-OPTIONAL = {"attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in"}
+OPTIONAL = {"attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in", "hook_attn_in": "use_attn_in",
+            "hook_q_input": "use_split_qkv_input", "hook_k_input": "use_split_qkv_input",
+            "hook_v_input": "use_split_qkv_input"}
 
 
 def is_transformer_lens_name(name: str) -> bool:
@@ -204,6 +212,7 @@ class _Run:
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     hidden: dict = field(default_factory=dict)  # -> [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores)
+    inputs: dict = field(default_factory=dict)  # layer -> written per-head attention inputs (tl_inputs.fire_inputs)
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -224,7 +233,13 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.layers = decoder_layers(model)
         self.n_layers = len(self.layers)
         self.attns = [getattr(layer, self.family.attn_attr) for layer in self.layers]
-        names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"))
+        cfg = model.config
+        self._heads = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        # the per-head inputs: on the pre-norm and Gemma families (GPT-2's fused Conv1D and OLMo-2's post-norm
+        # layout: not yet)
+        self._inputs = self.family.layout != "post-norm" and not hasattr(self.attns[0], "c_attn")
+        names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"),
+                             inputs=input_points(*self._heads) if self._inputs else ())
         embeds = ["hook_embed", *(["hook_pos_embed"] if self.family.pos_embed_attr else [])]
         self.points = embeds + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
@@ -254,6 +269,24 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """Include hook_mlp_in (the MLP's input before ln2, a copy of hook_resid_mid) likewise."""
         self._use["use_hook_mlp_in"] = bool(use_hook_mlp_in)
+        self._set_tl_points()
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """Include hook_attn_in (resid_pre copied per head, [B, T, H, d]) likewise; refused with grouped-query
+        attention, as TransformerLens refuses it."""
+        if use_attn_in and not self._inputs:
+            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} (pre-norm and Gemma families only)")
+        if use_attn_in and self._heads[0] != self._heads[1]:
+            raise UsageError(f"set_use_attn_in: {GQA_ATTN_IN}")
+        self._use["use_attn_in"] = bool(use_attn_in)
+        self._set_tl_points()
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Include hook_q_input [B, T, H, d], hook_k_input and hook_v_input [B, T, K, d] likewise."""
+        if use_split_qkv_input and not self._inputs:
+            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} (pre-norm and Gemma families "
+                             "only)")
+        self._use["use_split_qkv_input"] = bool(use_split_qkv_input)
         self._set_tl_points()
 
     @classmethod
@@ -346,8 +379,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
                    position_ids)
         with torch.set_grad_enabled(grad), self._installed(run):
-            kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **model_kwargs)
+            kwargs = {**dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False), **model_kwargs}  # generate's key/value cache: use_cache=True
             if head:
                 out = self.model(**kwargs)
                 return out if logits else None
@@ -375,6 +408,11 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if name.startswith("blocks.") and len(parts) > 2 and parts[1].isdigit():
             if int(parts[1]) >= self.n_layers:
                 hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
+            elif not self._inputs and ".".join(parts[2:]) in ("hook_attn_in", *input_points(*self._heads)):
+                hint = (f"TransformerLens has it; poslens has the per-head inputs on the pre-norm and Gemma families, "
+                        f"not yet on {self.family.name}: read blocks.{parts[1]}.hook_resid_pre (the same value, once)")
+            elif ".".join(parts[2:]) == "hook_attn_in":
+                hint = GQA_ATTN_IN
             elif ".".join(parts[2:]) in TL_ONLY:
                 hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
         elif name in TL_ONLY:
@@ -453,12 +491,17 @@ class HookedModel(TransformerLensSurface, TLWeights):
             sites = [(attn.qkv_proj, qkv)]
         else:
             sites = [(attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
+        attn_sites = sites[:1] if hasattr(attn, "c_attn") else list(sites)  # GPT-2: c_fc is the MLP's
         if hasattr(mlp, "gate_up_proj"):
             sites.append((mlp.gate_up_proj, gate_up))
         elif hasattr(mlp, "gate_proj"):
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
-        handles = [module.register_forward_hook(self._split_hook(l, parts))
-                   for module, parts in sites if any(p in pts for p, _, _ in parts)]
+        handles = []
+        if self._inputs and any(p in pts for p in input_points(*self._heads)):  # first: attn.hook_q/k/v see the projected copies
+            handles += [module.register_forward_hook(input_projection_hook(lambda: self._run.inputs.get(l), parts))
+                        for module, parts in attn_sites]
+        handles += [module.register_forward_hook(self._split_hook(l, parts))
+                    for module, parts in sites if any(p in pts for p, _, _ in parts)]
         if "attn.hook_result" in pts:
             handles.append(o_proj.register_forward_hook(self._result_hook(l, heads)))
         if "mlp.hook_post" in pts:
@@ -621,6 +664,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         post = fam.layout == "post-norm"  # OLMo-2: x + norm(attn(x)), x + norm(mlp(x)); ln1, ln2 after the sublayers
         x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
+        if self._inputs:  # TransformerLens's per-head inputs (hook_attn_in, hook_q_input, ...): the written ones
+            self._run.inputs[l] = fire_inputs(fire, self._run.per_layer.get(l, {}), x, getattr(layer_mod, fam.ln1),
+                                              *self._heads)
         a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=x if post else getattr(layer_mod, fam.ln1)(x),
                                                  **attn_kwargs)  # ln1.*, attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O

@@ -19,6 +19,7 @@ backward hooks and gradients work. `run_with_cache` runs without gradients unles
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -236,6 +237,8 @@ class TransformerLensSurface:
         mask = self._check_mask(tokens, mask)
         per_token = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None  # not a 4-D or dict mask
         positions = None if per_token is None else offset_positions(per_token)
+        if return_type is None:  # TransformerLens runs no LM head then: its unembed points never fire
+            table = {name: fns for name, fns in table.items() if not name.startswith("unembed.")}
         out = self._forward(tokens, mask, table, logits=return_type is not None, position_ids=positions, grad=grad)
         if out is None:
             return None
@@ -317,40 +320,86 @@ class TransformerLensSurface:
                  top_p: float | None = None, temperature: float = 1.0, freq_penalty: float = 0.0,
                  use_past_kv_cache: bool = True, prepend_bos: bool | None = None, padding_side: str | None = None,
                  return_type: str = "input", verbose: bool = True, **unsupported):
-        """TransformerLens's `generate`: extend a text or token ids by up to `max_new_tokens` tokens (sampled, or the
-        most likely with do_sample=False), with the hooks added by add_hook; every step runs the whole sequence (no
-        key/value cache: `use_past_kv_cache` only changes speed in TransformerLens). Returns the text (special tokens
-        such as the BOS left out, as TransformerLens) when the input was text (return_type="input"), else the token
-        ids; "str" or "tokens" choose."""
+        """TransformerLens's `generate`: extend a text, a list of texts (left-padded, as TransformerLens pads a batch
+        to generate) or token ids by up to `max_new_tokens` tokens (sampled, or the most likely with
+        do_sample=False), with the hooks added by add_hook. With `use_past_kv_cache` (the default, as
+        TransformerLens) the first step runs the prompt and each later step only the new token against the cached
+        keys and values (hooks see that token's positions; the attention points all keys); without it every step
+        runs the whole sequence. A row that produced the EOS gets EOS after it (`stop_at_eos`). Returns the text
+        (special tokens such as the BOS left out, as TransformerLens) when the input was text
+        (return_type="input"), else the token ids; "str" or "tokens" choose."""
         self._refuse("generate", unsupported)
         if return_type not in ("input", "str", "tokens"):
             raise UsageError(f"generate: return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise UsageError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         text = isinstance(input, (str, list))
+        if isinstance(input, list) and len(input) > 1:
+            padding_side = "left"  # TransformerLens: a batch is generated flush right
         tokens, mask = self._input(input, None, prepend_bos, padding_side, "generate")
         eos = eos_token_id if eos_token_id is not None else getattr(self.tokenizer, "eos_token_id", None)
+        if stop_at_eos and eos is None:
+            raise UsageError("generate: stop_at_eos needs an EOS id: pass eos_token_id= or stop_at_eos=False")
+        table, _ = self._hook_table((), (), "generate")
         done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        past = None
+        step = tokens
         for _ in range(max_new_tokens):
-            logits = self(tokens, attention_mask=mask)[:, -1].float()
-            nxt = _choose(logits, tokens, do_sample, top_k, top_p, temperature, freq_penalty)
-            if stop_at_eos and eos is not None:
+            positions = None if mask is None else offset_positions(mask)[:, -step.shape[1]:]
+            kv = {"use_cache": True, _cache_argument(self.model): past} if use_past_kv_cache else {}
+            out = self._forward(step, mask, table, logits=True, position_ids=positions, grad=False, **kv)
+            past = _returned_cache(out) if use_past_kv_cache else None
+            nxt = _choose(out.logits[:, -1].float(), tokens, do_sample, top_k, top_p, temperature, freq_penalty)
+            if stop_at_eos:
                 nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
                 done |= nxt == eos
             tokens = torch.cat([tokens, nxt[:, None]], 1)
+            step = nxt[:, None] if use_past_kv_cache else tokens
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            if stop_at_eos and eos is not None and bool(done.all()):
+            if stop_at_eos and bool(done.all()):
                 break
         if return_type == "str" or (return_type == "input" and text):  # TransformerLens: without special tokens
             strings = [self.tokenizer.decode(row, skip_special_tokens=True) for row in tokens.tolist()]
             return strings[0] if len(strings) == 1 else strings
         return tokens
 
+    def loss_fn(self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                per_token: bool = False) -> torch.Tensor:
+        """TransformerLens's `loss_fn`: the next-token cross-entropy of logits [B, T, V] on tokens [B, T] (per_token:
+        [B, T - 1])."""
+        return lm_loss(logits, tokens, attention_mask, per_token)
+
+    def get_token_position(self, single_token: str | int, input: str | torch.Tensor, mode: str = "first",
+                           prepend_bos: bool | None = None, padding_side: str | None = None) -> int:
+        """The position of a token (a one-token text or an id) in a text (tokenized by to_tokens' rule) or in token
+        ids [pos] / [1, pos]: its first or last occurrence (`mode`); a one-line error when it does not occur."""
+        if mode not in ("first", "last"):
+            raise UsageError(f"get_token_position: mode must be 'first' or 'last', got {mode!r}")
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        ids = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
+        if ids.dim() == 2 and ids.shape[0] != 1:
+            raise UsageError(f"get_token_position: input must be one sequence, got a batch of {ids.shape[0]}")
+        where = (ids.reshape(-1) == token).nonzero()[:, 0]
+        if where.numel() == 0:
+            raise UsageError(f"get_token_position: token {token} does not occur in the input")
+        return int(where[0] if mode == "first" else where[-1])
+
     def _refuse(self, method: str, unsupported: dict) -> None:
         if unsupported:
             name = sorted(unsupported)[0]
             raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent (see docs/hooks.md)")
+
+
+def _cache_argument(model) -> str:
+    """The name of the key/value cache argument of the model's forward: `cache` (transformers 5.x) or
+    `past_key_values` (before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _returned_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def _forward_call(fn: Callable) -> Callable:

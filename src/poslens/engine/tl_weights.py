@@ -273,9 +273,47 @@ class TLWeights:
         return getattr(self.model.base_model, self.family.final_norm_attr)
 
     @property
-    def unembed(self):
-        """The LM head (x @ W_U + b_U; Gemma-2's final logit softcap comes after it, as in TransformerLens)."""
-        return self.model.get_output_embeddings()
+    def embed(self) -> Embed:
+        """TransformerLens's `model.embed`: tokens -> embeddings as hook_embed sees them, with `W_E`."""
+        return Embed(self)
+
+    @property
+    def unembed(self) -> Unembed:
+        """TransformerLens's `model.unembed`: x -> x @ W_U + b_U with the model's LM head (Gemma-2's final logit
+        softcap comes after it, as in TransformerLens), with `W_U` and `b_U`."""
+        return Unembed(self)
+
+
+class Embed:
+    """TransformerLens's embedding component of a HookedModel: call it on token ids; `W_E`."""
+
+    def __init__(self, owner: TLWeights) -> None:
+        self._owner = owner
+
+    @property
+    def W_E(self) -> torch.Tensor:
+        return self._owner.W_E
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._owner.W_E[tokens]
+
+
+class Unembed:
+    """TransformerLens's unembedding component of a HookedModel: call it on the final norm's output; `W_U`, `b_U`."""
+
+    def __init__(self, owner: TLWeights) -> None:
+        self._owner = owner
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        return self._owner.W_U
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        return self._owner.b_U
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._owner.model.get_output_embeddings()(x)
 
 
 def _up_bias(mlp) -> torch.Tensor:
