@@ -497,7 +497,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         elif hasattr(mlp, "gate_proj"):
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
         handles = []
-        if self._inputs and any(p in pts for p in input_points(*self._heads)):  # first: attn.hook_q/k/v see the projected copies
+        # first: attn.hook_q/k/v see the projected copies of the per-head inputs
+        if self._inputs and any(p in pts for p in input_points(*self._heads)):
             handles += [module.register_forward_hook(input_projection_hook(lambda: self._run.inputs.get(l), parts))
                         for module, parts in attn_sites]
         handles += [module.register_forward_hook(self._split_hook(l, parts))
