@@ -116,3 +116,19 @@ def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
     assert labels == ["embed", "pos_embed", "0_attn_out", "0_mlp_out", "1_attn_out", "1_mlp_out"]
     resid = full["resid_pre", 2]
     assert (parts.sum(0) - resid).abs().max() <= 1e-5 * resid.abs().max()  # float32 sums in another order
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_head_inputs_are_refused_in_one_line_where_not_built(family):
+    """TransformerLens's per-head attention inputs exist on the pre-norm and Gemma families; on GPT-2 (one fused
+    Conv1D) and OLMo-2 (post-norm) hooking one, or asking for them in the cache, is a one-line error that says what
+    to read instead, never a silently absent value."""
+    from poslens.errors import UsageError
+
+    hm = HookedModel(_model(family))
+    assert not any("input" in p.split(".")[-1] and "mlp" not in p for p in hm.points)
+    with pytest.raises(UsageError, match="not yet on .*hook_resid_pre") as e:
+        hm.run(token_batch(1, 8), hooks={"blocks.0.hook_q_input": lambda x, ctx: None})
+    assert "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="not yet on"):
+        hm.set_use_split_qkv_input(True)
