@@ -82,7 +82,11 @@ function context(){return {createImageData:function(w,h){return {data:new Uint8C
  measureText:function(s){return {width:s.length};}};}
 var canvas={clientWidth:W,getContext:context,addEventListener:function(t,f){listeners[t]=f;},
  getBoundingClientRect:function(){return {top:0,left:0,width:W,height:W};}};
-var el={querySelector:function(s){return s==='script'?{textContent:%(spec)s}:canvas;}};
+function quiet(){return {beginPath:function(){},moveTo:function(){},lineTo:function(){},stroke:function(){},
+ fillText:function(){}};}
+var axis={clientWidth:W,clientHeight:20,getContext:quiet};  // the query/key axes: ticks, not the colour bar's labels
+var el={querySelector:function(s){return s==='script'?{textContent:%(spec)s}:
+ (s==='canvas.xa'||s==='canvas.ya')?axis:canvas;}};
 var cmap={textContent:%(hex)s,dataset:{name:%(cm)s}};
 var document={body:{appendChild:function(){}},
  createElement:function(t){return t==='div'?tip:{getContext:context};},
