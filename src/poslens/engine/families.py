@@ -58,6 +58,8 @@ class Family:
     norm_kind: str = "rms"
     gated_mlp: bool = True  # gate and up projections (Llama); False: one up projection (GPT-2's c_fc), no
     # mlp.hook_pre_linear
+    per_head_inputs: bool = True  # TransformerLens's hook_attn_in / hook_q_input ... (poslens.engine.tl_inputs) are
+    # built for separate or fused Linear q, k, v after an input norm; not yet GPT-2's Conv1D or OLMo-2's post-norm
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -93,10 +95,11 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
     # GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D projections (c_attn fused [q | k | v])
     "gpt2": Family("GPT-2", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
-                   pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False),
+                   pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
+                   per_head_inputs=False),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
-                    norm_gain="weight-float32", qk_norm_whole=True),
+                    norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
 }
 
 # Checkpoints known to be trained without positional encoding but saved as RoPE architectures (lower-case hub ids).

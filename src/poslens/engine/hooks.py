@@ -235,9 +235,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.attns = [getattr(layer, self.family.attn_attr) for layer in self.layers]
         cfg = model.config
         self._heads = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        # the per-head inputs: on the pre-norm and Gemma families (GPT-2's fused Conv1D and OLMo-2's post-norm
-        # layout: not yet)
-        self._inputs = self.family.layout != "post-norm" and not hasattr(self.attns[0], "c_attn")
+        self._inputs = self.family.per_head_inputs  # TransformerLens's per-head attention inputs exist here
         names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"),
                              inputs=input_points(*self._heads) if self._inputs else ())
         embeds = ["hook_embed", *(["hook_pos_embed"] if self.family.pos_embed_attr else [])]
