@@ -28,9 +28,9 @@ def read_run(run: Path) -> dict:
     try:
         meta = json.loads((run / "run.json").read_text())
     except (OSError, ValueError):
-        sys.exit(f"docs_numbers.py: {run} has no readable run.json; pass a directory `poslens reproduce` wrote")
+        fail(f"docs_numbers.py: {run} has no readable run.json; pass a directory `poslens reproduce` wrote")
     if not isinstance(meta, dict) or meta.get("kind") != "reproduce" or "claims" not in meta.get("metrics", {}):
-        sys.exit(f"docs_numbers.py: {run}/run.json is not a complete reproduce run; pass one `poslens reproduce` wrote")
+        fail(f"docs_numbers.py: {run}/run.json is not a complete reproduce run; pass one `poslens reproduce` wrote")
     return meta
 
 
@@ -57,9 +57,15 @@ def block(run: Path, meta: dict) -> str:
 def replace_block(text: str, new: str, doc: Path) -> str:
     """`text` with the block between BEGIN and END replaced by `new` (which carries the markers)."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        sys.exit(f"docs_numbers.py: {doc} needs one block between the lines {BEGIN!r} and {END!r}; add them where "
+        fail(f"docs_numbers.py: {doc} needs one block between the lines {BEGIN!r} and {END!r}; add them where "
                  "the numbers go")
     return text[:text.index(BEGIN)] + new + text[text.index(END) + len(END):]
+
+
+def fail(message: str) -> None:
+    """A bad input: the one-line message on stderr, exit status 2 (nothing written)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when the block is not the run's")
     a = ap.parse_args(argv)
     if not a.doc.is_file():
-        sys.exit(f"docs_numbers.py: {a.doc}: no such file; pass the page with --doc")
+        fail(f"docs_numbers.py: {a.doc}: no such file; pass the page with --doc")
     text = a.doc.read_text()
     new = replace_block(text, block(a.run, read_run(a.run)), a.doc)
     if a.check:

@@ -39,6 +39,10 @@ def find_browser(name: str | None) -> str:
 def with_script(page: Path, script: str) -> Path:
     """A copy of `page` beside it that runs `script` after the page's own scripts (the caller removes it)."""
     probe = page.with_name(page.stem + ".probe.html")
+    if probe.exists():  # never replace a file that is not ours
+        print(f"render_report.py: {probe} exists; move it away (this script writes and removes a file of that name)",
+              file=sys.stderr)
+        raise SystemExit(2)
     probe.write_text(page.read_text().replace("</body>", f"<script>{script}</script></body>", 1))
     return probe
 

@@ -91,6 +91,7 @@ def test_docs_numbers_rewrites_only_its_block_and_check_fails_on_a_drift(tmp_pat
     assert doc.read_text() == f"before\n\n{expected}\n\nafter\n"
     assert dn.main([str(DOCS_RUN), "--doc", str(doc), "--check"]) == 0
     doc.write_text("no markers\n")
-    with __import__("pytest").raises(SystemExit, match="needs one block"):
+    with __import__("pytest").raises(SystemExit) as e:
         dn.main([str(DOCS_RUN), "--doc", str(doc)])
+    assert e.value.code == 2 and "needs one block" in capsys.readouterr().err  # bad input: one line, status 2
     assert doc.read_text() == "no markers\n"
