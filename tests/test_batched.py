@@ -25,6 +25,32 @@ VARIANTS = [dict(pe="none"), dict(pe="rope"), dict(pe="rope", rope_scaling="ntk:
             dict(pe="rope", sliding_window=8), dict(pe_layers="01", rope_scaling="yarn:4")]
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """Real text with many documents shorter than a block: the first 300 documents of the embedded corpus, each cut
+    to its first 2 to 24 words (in turn), tokenized with a 512-entry BPE; at seq_len 16 many document-start blocks
+    are padded."""
+    from poslens.engine.data import default_documents
+    from poslens.train.tokens import tokenize_corpus
+
+    root = tmp_path_factory.mktemp("short")
+    docs = [" ".join(d.split()[:2 + i % 23]) for i, d in zip(range(300), default_documents())]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokenize_corpus(str(root / "docs.jsonl"), root / "bpe512", tokenizer="bpe:512", progress=False)
+    return root / "bpe512"
+
+
+def _doc_cfgs(tokens):
+    """Document-start models, BOS first and not, two seeds, RoPE and NoPE, and one packed model beside them: one
+    computation (`batch_key` leaves the data convention to each model)."""
+    base = dict(**MICRO, blocks="doc-start", tokens=str(tokens))
+    return [resolve_config("tiny", **base, pe="rope", bos=True, seed=0),
+            resolve_config("tiny", **base, pe="rope", bos=True, seed=1),
+            resolve_config("tiny", **base, pe="rope", bos=False, seed=0),
+            resolve_config("tiny", **base, pe="none", bos=False, seed=1),
+            resolve_config("tiny", **{**base, "blocks": "packed"}, pe="rope", bos=True, seed=0)]
+
+
 def _cfgs(tokens, bos=True):
     out = [resolve_config("tiny", **MICRO, **v, bos=bos, seed=0, tokens=str(tokens)) for v in VARIANTS]
     return out + [resolve_config("tiny", **MICRO, pe="rope", bos=bos, seed=1, tokens=str(tokens))]
@@ -77,7 +103,7 @@ def test_batched_training_equals_training_each_alone(tmp_path, tokens):
     from poslens.train.loop import train
 
     cfgs = _cfgs(tokens) + _cfgs(tokens, bos=False)[:2]
-    assert [len(g) for g in groups(cfgs)] == [6, 2]  # BOS first changes the data: its own computation
+    assert [len(g) for g in groups(cfgs)] == [8]  # BOS first or not, one computation: each model reads its own blocks
     for group in groups(cfgs):
         train_batched([cfgs[i] for i in group], [tmp_path / f"b{i}" for i in group], progress=False)
     block = torch.randint(0, 512, (2, 16))
@@ -105,14 +131,19 @@ def test_batched_training_equals_training_each_alone(tmp_path, tokens):
             [g for g in groups(cfgs) if i in g][0])
 
 
-def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, tokens):
+@pytest.mark.parametrize("blocks", ["packed", "doc-start"])
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, request, blocks):
     """Stopped after 2 of 4 steps (each model's checkpoint, in the plain trainer's format) and rerun, the batched
     models are bit-identical to an uninterrupted batched run: loss curves and weights (also when the resumed part
     holds 3 of the 4 models: a model's arithmetic does not depend on the others); the fourth model resumes under
-    the plain trainer (`poslens train`) from its batched checkpoint."""
+    the plain trainer (`poslens train`) from its batched checkpoint. Packed models, and document-start ones (BOS
+    first and not, padded blocks)."""
     from poslens.train.loop import train
 
-    cfgs = _cfgs(tokens)[:4]
+    if blocks == "packed":
+        cfgs = _cfgs(request.getfixturevalue("tokens"))[:4]
+    else:
+        cfgs = _doc_cfgs(request.getfixturevalue("short_documents"))[:4]
     cfgs = [dataclasses.replace(c, save_every=2) for c in cfgs]
     whole = [tmp_path / f"w{i}" for i in range(4)]
     parts = [tmp_path / f"p{i}" for i in range(4)]
@@ -160,3 +191,47 @@ def test_a_part_trained_in_chunks_equals_it_trained_as_one(tmp_path, tokens):
             [{k: v for k, v in r.items() if k not in timing} for r in _rows(p)]
         wa, wb = load_file(str(w / "model.safetensors")), load_file(str(p / "model.safetensors"))
         assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_document_start_models_trained_as_one_equal_each_trained_alone(tmp_path, short_documents):
+    """Document-start models (padded blocks, PAD targets not counted; BOS first and not) trained as one computation,
+    with a packed model beside them, are each the model trained alone by the plain loop within the tolerances of
+    `test_batched_training_equals_training_each_alone` (loss, held-out loss and gradient norm per step 2e-5, final
+    weights 1e-4: float32 rounding). The data pads: a step whose micro-batches weigh by their counted targets
+    (`loss_shares`) is trained, so a batched loss that counted a padded target, or weighed micro-batches equally,
+    would differ by far more (a padded target's cross-entropy is several nats). Each saved model reloads with stock
+    `from_pretrained`, keeps its encoding and data convention, and its tokenizer adds the BOS exactly when it
+    was trained with one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from poslens.engine.pe import PositionalEncoding
+    from poslens.train.data import loss_shares, train_batches
+    from poslens.train.loop import train
+    from poslens.train.tokens import open_tokens
+
+    cfgs = _doc_cfgs(short_documents)
+    assert [len(g) for g in groups(cfgs)] == [len(cfgs)]
+    tf = open_tokens(short_documents)
+    weighed = [loss_shares(train_batches(tf.train, 16, s, 4, 2, 0, 1, c.seed, tf.bos_id("test") if c.bos else None,
+                                         tf.separator_id)) is not None for c in cfgs[:4] for s in range(4)]
+    assert sum(weighed) >= 4, weighed  # padded blocks in many of the steps trained
+    train_batched(cfgs, [tmp_path / f"b{i}" for i in range(len(cfgs))], progress=False)
+    for i, cfg in enumerate(cfgs):
+        alone, both = tmp_path / f"a{i}", tmp_path / f"b{i}"
+        train(cfg, alone, progress=False)
+        rows_a, rows_b = _rows(alone), _rows(both)
+        assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+        for a, b in zip(rows_a, rows_b):
+            for key in ("loss", "eval_loss", "grad_norm"):
+                if key in a:
+                    assert abs(a[key] - b[key]) < 2e-5, (i, a, b)
+        wa, wb = load_file(str(alone / "model.safetensors")), load_file(str(both / "model.safetensors"))
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+        mb = AutoModelForCausalLM.from_pretrained(both)
+        assert PositionalEncoding.of(mb).label() == cfg.positional_encoding().label()
+        assert mb.config.poslens_variant == AutoModelForCausalLM.from_pretrained(alone).config.poslens_variant
+        run = json.loads((both / "run.json").read_text())
+        assert (run["config"]["blocks"], run["config"]["bos"], run["config"]["seed"]) == (cfg.blocks, cfg.bos,
+                                                                                          cfg.seed)
+        ids = AutoTokenizer.from_pretrained(both)("a text")["input_ids"]
+        assert (ids[0] == tf.bos_id("test")) == cfg.bos

@@ -35,17 +35,20 @@ from poslens.train.config import TrainConfig
 
 # the fields that may differ between models trained together (and the seed): none of them changes a parameter shape
 PE_FIELDS = ("pe", "pe_layers", "rope_theta", "rope_scaling", "sliding_window", "layer_types")
+# the data convention, which may differ too: what a block holds (a BOS first or not, packed cuts or a document's
+# start), never its length; each model reads its own blocks, as each reads its own seed's order
+DATA_FIELDS = ("bos", "blocks")
 _LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
           "post_attention_layernorm.weight")
 
 
 def batch_key(cfg: TrainConfig) -> str:
-    """What models trained together must share: every training field but the seed and the positional encoding
-    (`PE_FIELDS`), and where the model runs. Two configurations with equal keys have equal parameter shapes, data,
-    batches, schedule and optimizer."""
+    """What models trained together must share: every training field but the seed, the positional encoding
+    (`PE_FIELDS`) and the data convention (`DATA_FIELDS`), and where the model runs. Two configurations with equal
+    keys have equal parameter shapes, token stream, block length, batch, schedule and optimizer."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items()
-              if k not in PE_FIELDS and k not in ("seed", "tensorboard", "preset")}
+              if k not in PE_FIELDS + DATA_FIELDS and k not in ("seed", "tensorboard", "preset")}
     return json.dumps(fields, sort_keys=True)
 
 
@@ -241,41 +244,53 @@ class BatchedDecoder:
 
     def losses(self, params: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
         """Each model's mean next-token cross-entropy [N] on its rows of `block` [N, B, T + 1] (in the weights'
-        dtype), through `head_loss` (the logits are never held whole)."""
-        x = self.hidden(params, block[..., :-1])
+        dtype) over its counted targets, through `head_loss` (the logits are never held whole). A padded input
+        (`poslens.train.data.PAD`) reads as token 0, as in `poslens.train.loop.next_token_loss`: it comes after
+        every counted target of its row, so no counted prediction sees it."""
+        x = self.hidden(params, block[..., :-1].clamp(min=0))
         targets = block[..., 1:].reshape(x.shape[0], -1)
         return head_loss(x, params["model.embed_tokens.weight"], targets)
 
 
 class _HeadLoss(torch.autograd.Function):
-    """Mean cross-entropy of the tied LM head, chunked over tokens: each chunk's logits are made, turned into the
-    loss and (when gradients are needed) into the gradients of the hidden states and of the embedding, and dropped;
-    the backward pass only scales the stored gradients. The [tokens, vocabulary] logits never exist whole, so every
-    step stays in cache (a plain cross-entropy of 8 x 64 tokens x 2,048 entries per model reads and writes 4 MB
-    several times per step)."""
+    """Mean cross-entropy of the tied LM head over each model's counted targets (a `poslens.train.data.PAD` target,
+    after a document shorter than a document-start block, is not counted: the plain loop's ``ignore_index``),
+    chunked over tokens: each chunk's logits are made, turned into the loss and (when gradients are needed) into the
+    gradients of the hidden states and of the embedding, and dropped; the backward pass only scales the stored
+    gradients. The [tokens, vocabulary] logits never exist whole, so every step stays in cache (a plain
+    cross-entropy of 8 x 64 tokens x 2,048 entries per model reads and writes 4 MB several times per step). A
+    model with no counted target (a held-out micro-batch of padding only) has loss 0."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, grads: bool,
                 chunk: int) -> torch.Tensor:
+        from poslens.train.data import PAD
+
         n, t, _ = x.shape
         loss = torch.zeros(n, dtype=x.dtype, device=x.device)
         gx = torch.empty_like(x) if grads else None
         gw = torch.zeros_like(w) if grads else None
+        counted = targets != PAD  # [N, tokens]
+        count = counted.sum(dim=1).clamp(min=1).tolist()  # the divisor per model: t without padding
+        padded = not bool(counted.all())
         for m in range(n):
             for s in range(0, t, chunk):
-                xs, ys = x[m, s:s + chunk], targets[m, s:s + chunk]
+                xs, ys, keep = x[m, s:s + chunk], targets[m, s:s + chunk].clamp(min=0), counted[m, s:s + chunk]
                 logits = xs @ w[m].T  # [c, V]
                 lse = torch.logsumexp(logits, dim=-1)
-                loss[m] += (lse - logits.gather(1, ys[:, None])[:, 0]).sum()
-                if grads:  # d loss / d logits = (softmax - one-hot) / t
+                each = lse - logits.gather(1, ys[:, None])[:, 0]
+                loss[m] += (each[keep] if padded else each).sum()
+                if grads:  # d loss / d logits = (softmax - one-hot) / count, 0 at a padded target
                     p = logits.sub_(lse[:, None]).exp_()
                     p.scatter_add_(1, ys[:, None], torch.full_like(lse[:, None], -1.0))
-                    p.div_(t)
+                    p.div_(count[m])
+                    if padded:
+                        p.mul_(keep[:, None])
                     torch.mm(p, w[m], out=gx[m, s:s + chunk])
                     gw[m].addmm_(p.T, xs)
         if grads:
             ctx.save_for_backward(gx, gw)
-        return loss / t
+        return loss / torch.tensor(count, dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -285,7 +300,8 @@ class _HeadLoss(torch.autograd.Function):
 
 def head_loss(x: torch.Tensor, embed: torch.Tensor, targets: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     """Each model's mean next-token cross-entropy [N] of hidden states `x` [N, tokens, d] through its tied LM head
-    `embed` [N, V, d] against `targets` [N, tokens], `chunk` tokens at a time (`_HeadLoss`)."""
+    `embed` [N, V, d] against `targets` [N, tokens] (PAD targets not counted), `chunk` tokens at a time
+    (`_HeadLoss`)."""
     grads = torch.is_grad_enabled() and (x.requires_grad or embed.requires_grad)
     return _HeadLoss.apply(x, embed, targets, grads, chunk)
 
@@ -339,13 +355,15 @@ class _Member:
     build: Path
     start: int
     trainer: dict[str, Any] | None
+    tokenizer: Any = None  # the saved tokenizer: it adds the BOS where the model was trained with one
 
 
 def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progress: bool = True,
                   stop_after: int | None = None, label: str | None = None,
                   chunk: int | None = None) -> list[dict[str, Any]]:
-    """Train every configuration of `cfgs` (equal `batch_key`: one token directory, shape, data and optimisation;
-    each its own seed and positional encoding) as one computation, and write model i into `outs[i]` exactly as
+    """Train every configuration of `cfgs` (equal `batch_key`: one token directory, shape, block length and
+    optimisation; each its own seed, positional encoding and data convention: packed cuts or document starts, a BOS
+    first or not) as one computation, and write model i into `outs[i]` exactly as
     `poslens.train.loop.train` would (a stock transformers checkpoint and a poslens run directory, resumable from
     ``.OUT.partial/``); returns each model's final metrics.
 
@@ -356,11 +374,10 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
     for c in cfgs:
         c.check()
     require(len({batch_key(c) for c in cfgs}) == 1,
-            "models trained together must share every training field but the seed and the positional encoding")
+            "models trained together must share every training field but the seed, the positional encoding and the "
+            "data convention (bos, blocks)")
     require(cfgs[0].tokens is not None, "batched training needs a token directory (cfg.tokens)")
     require(not cfgs[0].compile, "batched training does not compile the model; train with compile off")
-    require(cfgs[0].blocks == "packed", "batched training reads packed blocks; train document-start blocks "
-                                       "(blocks=\"doc-start\") with poslens.train.loop.train, one model at a time")
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
     if chunk is not None:
@@ -414,6 +431,8 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     check_batch(cfgs[0].batch_size, cfgs[0].micro_batch, 1)
     tf = open_tokens(cfgs[0].tokens)
     header = check_training_data(cfgs[0], tf)
+    for cfg in {(c.bos, c.blocks): c for c in cfgs}.values():  # each data convention holds a batch and a sequence
+        check_training_data(cfg, tf)
     members = []
     for cfg, work, build in zip(cfgs, works, builds):
         model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
@@ -421,20 +440,24 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
         start, trainer = resume_state(work, model, cfg, header, "plain")
         _truncate_metrics(work.metrics, start)
         members.append(_Member(cfg, model, work, build, start, trainer))
-    tokenizer = tf.tokenizer()
-    if cfgs[0].bos:
-        tokenizer.add_bos_token = True
+    tokenizers = {}
+    for m in members:
+        if m.cfg.bos not in tokenizers:
+            tokenizers[m.cfg.bos] = tf.tokenizer()
+            if m.cfg.bos:
+                tokenizers[m.cfg.bos].add_bos_token = True  # as `poslens.train.loop.train` saves it
+        m.tokenizer = tokenizers[m.cfg.bos]
     results: dict[int, dict[str, Any]] = {}
     starts = sorted({m.start for m in members})
     for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
         idx = [i for i, m in enumerate(members) if m.start == start]
-        out = _run([members[i] for i in idx], tf, header, tokenizer, d.device, progress, stop_after, label, chunk)
+        out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])
     final = []
     for i, m in enumerate(members):
-        _finish(m.build, m.model, None, tokenizer, m.cfg, m.work, results[i], tf)
+        _finish(m.build, m.model, None, m.tokenizer, m.cfg, m.work, results[i], tf)
         final.append({**results[i], "tokens_path": str(tf.path)})
     return final
 
@@ -461,18 +484,35 @@ class _Chunk:
             ckpt.set_rng_state(own[0].trainer["rng"])
 
 
-def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: torch.device, progress: bool,
+def _stack_rows(blocks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Each model's block [B_i, T + 1] stacked into [N, B, T + 1]; a shorter block (or None: none left) filled with
+    rows of `poslens.train.data.PAD`, which the loss does not count (only held-out batches differ in length)."""
+    from poslens.train.data import PAD
+
+    present = [b for b in blocks if b is not None]
+    if len(present) == len(blocks) and len({b.shape for b in present}) == 1:
+        return torch.stack(present)
+    rows, width = max(b.shape[0] for b in present), present[0].shape[1]
+    out = torch.full((len(blocks), rows, width), PAD, dtype=torch.long)
+    for i, b in enumerate(blocks):
+        if b is not None:
+            out[i, :b.shape[0]] = b
+    return out
+
+
+def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, progress: bool,
          stop_after: int | None, label: str | None, chunk: int | None) -> list[dict[str, Any]]:
     """Train `members` (all at the same step) in one loop, `chunk_models` of them at a time as one computation;
-    returns each model's metrics."""
+    returns each model's metrics. Each model reads the blocks of its own seed and data convention and weighs its
+    micro-batches as `poslens.train.loop` does (by their counted targets where a document-start block is padded)."""
     from tqdm.auto import tqdm
 
-    from poslens.train.data import eval_batches, train_batches
-    from poslens.train.loop import bos_id, gemm_flops, peak_flops
+    from poslens.train.data import counted_rows, eval_batches, loss_shares, train_batches
+    from poslens.train.loop import bos_id, document_separator, gemm_flops, peak_flops
     from poslens.train.model import count_parameters, flops_per_token
 
     cfg, n, start = members[0].cfg, len(members), members[0].start
-    bos = bos_id(cfg, tf)
+    data = [(bos_id(m.cfg, tf), document_separator(m.cfg, tf)) for m in members]  # (bos, separator) per model
     size = chunk or chunk_models(cfg, device)
     chunks = [_Chunk(members, slice(k, min(n, k + size)), cfg, device) for k in range(0, n, size)]
     logs = [m.work.metrics.open("a") for m in members]
@@ -482,23 +522,27 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
         peak, peak_label = gemm_flops(device), "measured float32 GEMM"
     counts = count_parameters(members[0].model)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    val = eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch, 0, 1, bos)
+    val = {k: eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch, 0, 1, *k)
+           for k in set(data)}
+    evals = max(len(v) for v in val.values())
 
     def record(i: int, row: dict[str, Any]) -> None:
         logs[i].write(json.dumps(row) + "\n")
         logs[i].flush()
 
-    def evaluate() -> list[float]:
-        total, count = torch.zeros(n, dtype=torch.float64, device=device), 0
+    def evaluate() -> list[float]:  # `poslens.train.loop.evaluate`: block means weighted by their counted rows
+        total = torch.zeros(n, dtype=torch.float64, device=device)
+        rows = torch.zeros(n, dtype=torch.float64, device=device)
         with torch.no_grad():
-            for block in val:
+            for j in range(evals):
                 for c in chunks:
-                    rows = block.to(device)[None].expand(c.decoder.n, *block.shape)
-                    total[c.sl] += c.decoder.losses(c.params, rows).double() * block.shape[0]
-                count += block.shape[0]
-        return (total / count).tolist()
+                    own = [val[k] for k in data[c.sl]]
+                    block = _stack_rows([v[j] if j < len(v) else None for v in own])
+                    counted = torch.tensor([counted_rows(b) for b in block], dtype=torch.float64, device=device)
+                    total[c.sl] += c.decoder.losses(c.params, block.to(device)).double() * counted
+                    rows[c.sl] += counted
+        return (total / rows).tolist()
 
-    seeds = sorted({m.cfg.seed for m in members})
     what = label or f"training {n} models as one ({cfg.preset}, {counts['total'] / 1e6:.2f}M params each)"
     bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not progress, unit="step")
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -509,15 +553,23 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
                 record(i, {"step": 0, "eval_loss": e})
         for step in range(start, end):
             t0 = time.perf_counter()
-            per_seed = {s: train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, 0, 1, s, bos)
-                        for s in seeds}
-            micro = len(per_seed[seeds[0]])
+            reads = [(m.cfg.seed, *k) for m, k in zip(members, data)]  # (seed, bos, separator) per model
+            batches = {r: train_batches(tf.train, cfg.seq_len, step, cfg.batch_size, cfg.micro_batch, 0, 1, *r)
+                       for r in set(reads)}
+            # each micro-batch's factor in the step's mean: loss / micro, or loss * its share of the counted targets
+            # where a block is padded (`poslens.train.loop._step`: the same two operations)
+            scale = {}
+            for r, micro_r in batches.items():
+                shares = loss_shares(micro_r)
+                scale[r] = [(1.0, len(micro_r)) if shares is None else (sh, 1.0) for sh in shares or micro_r]
+            micro = len(batches[reads[0]])
             total = torch.zeros(n, device=device)
             norms = torch.zeros(n, device=device)
             for c in chunks:
                 for j in range(micro):
-                    block = torch.stack([per_seed[m.cfg.seed][j] for m in members[c.sl]]).to(device)
-                    loss = c.decoder.losses(c.params, block) / micro
+                    block = torch.stack([batches[r][j] for r in reads[c.sl]]).to(device)
+                    mul, div = (torch.tensor(f, device=device) for f in zip(*(scale[r][j] for r in reads[c.sl])))
+                    loss = c.decoder.losses(c.params, block) * mul / div
                     loss.sum().backward()  # the models' parameters are disjoint: each gets its own gradient
                     total[c.sl] += loss.detach()
                 norms[c.sl] = clip_per_model(c.ordered, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -542,7 +594,7 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
                     record(i, {"step": done, "eval_loss": e})
             if done < cfg.steps and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
                 for c in chunks:
-                    _save(members[c.sl], c.params, c.opt, c.sched, done, header, tokenizer)
+                    _save(members[c.sl], c.params, c.opt, c.sched, done, header)
     finally:
         bar.close()
         for f in logs:
@@ -559,7 +611,7 @@ def _run(members: list[_Member], tf: Any, header: dict, tokenizer: Any, device: 
 
 
 def _save(members: list[_Member], params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, sched: Any, step: int,
-          header: dict, tokenizer: Any) -> None:
+          header: dict) -> None:
     """Each model's own checkpoint, in `poslens.train.loop`'s format (its weights, its slice of AdamW's state)."""
     from poslens.train import checkpoint as ckpt
 
@@ -569,5 +621,5 @@ def _save(members: list[_Member], params: dict[str, torch.Tensor], opt: torch.op
         trainer = {"step": step, "config": dataclasses.asdict(m.cfg), "tokens": header,
                    "optimizer": slice_optimizer(state, i), "optimizer_format": "plain",
                    "scheduler": sched.state_dict(), "rng": ckpt.rng_state()}
-        ckpt.save(m.work.path, m.model, None, trainer, tokenizer)
+        ckpt.save(m.work.path, m.model, None, trainer, m.tokenizer)
 
