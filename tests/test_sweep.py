@@ -79,20 +79,24 @@ def test_bos_matrices_are_one_factor_variants_beside_their_sweep(name, base, tmp
         resolve_matrix(SweepConfig(preset=str(loop)))
 
 
-def test_a_sweep_over_the_data_convention_trains_each_variant_as_configured(tmp_path, tokens):
-    """Variants that differ in the blocks and the BOS train end to end in one sweep: each model's run.json says its
-    blocks and BOS, each has its own cached directory and a finite held-out loss (over document starts for the
-    document-start variants)."""
+def test_a_sweep_over_the_data_convention_trains_each_variant_as_configured(tmp_path, tokens, capsys):
+    """Variants that differ in the blocks and the BOS train end to end in one sweep, as one computation (the
+    progress line says so and names their blocks; each run.json counts 3 batched models): each model's run.json
+    says its blocks and BOS, each has its own cached directory and a finite held-out loss (over document starts for
+    the document-start variants)."""
     preset = _matrix_file(tmp_path, tokens, {"packed": {"pe": "rope"}, "doc": {"pe": "rope", "blocks": "doc-start"},
                                              "doc-nobos": {"pe": "rope", "blocks": "doc-start", "bos": False}},
                           seeds=(11,))  # a seed no other test trains: the session's model cache is shared
-    meta = run_sweep(SweepConfig(preset=preset, jobs=1), tmp_path / "sweep", progress=False)
+    meta = run_sweep(SweepConfig(preset=preset, jobs=1), tmp_path / "sweep", progress=True)
+    assert "3 models as one (document starts, BOS first; document starts, no BOS; packed cuts, BOS first): " \
+           "training 3 steps" in capsys.readouterr().out
     models = {m["variant"]: m for m in meta["models"]}
     assert len({m["path"] for m in models.values()}) == 3
     for variant, (blocks, bos) in {"packed": ("packed", True), "doc": ("doc-start", True),
                                    "doc-nobos": ("doc-start", False)}.items():
         run = json.loads(Path(models[variant]["path"], "run.json").read_text())
         assert (run["config"]["blocks"], run["config"]["bos"]) == (blocks, bos)
+        assert run["metrics"]["batched_models"] == 3
         assert math.isfinite(meta["metrics"]["heldout_loss"][variant]["value"])
 
 

@@ -300,10 +300,11 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
     """The model directory of each (configuration, progress label): from the cache, or trained now into it. The
     configurations share one token directory (the first's).
 
-    `batched` (the default): the models that can (`poslens.train.batched.batch_key`: all but seed and positional
-    encoding equal) train as one computation, in `jobs` parts side by side (one process each, torch's threads shared
-    out; 0 picks `auto_jobs`), each part at most `poslens.train.batched.max_models` models. Otherwise `jobs` > 1
-    trains that many models at once, each alone in its own process; their own progress bars are off then."""
+    `batched` (the default): the models that can (`poslens.train.batched.batch_key`: all but seed, positional
+    encoding and data convention equal: packed or document-start blocks, a BOS first or not) train as one
+    computation, in `jobs` parts side by side (one process each, torch's threads shared out; 0 picks `auto_jobs`),
+    each part at most `poslens.train.batched.max_models` models. Otherwise `jobs` > 1 trains that many models at
+    once, each alone in its own process; their own progress bars are off then."""
     from poslens.train.cache import tokens_of, trained_model_dir
 
     jobs = check_int("jobs", jobs, 0, 64)
@@ -359,10 +360,15 @@ def _units(cfgs: list[TrainConfig], index: list[int], jobs: int, tokens: Path) -
 
 
 def _unit_head(part: list[tuple[TrainConfig, str]]) -> str:
+    """The progress line's name of a part: its first and last model, how many train as one computation, and their
+    blocks where any is not packed cuts (e.g. "(document starts, BOS first; document starts, no BOS)")."""
     if len(part) == 1:
         return part[0][1]
-    together = "as one" if part[0][0].blocks == "packed" else "one at a time (document-start blocks)"
-    return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models {together}"
+    kinds = {(c.blocks, c.bos) for c, _ in part}
+    blocks = "" if all(b == "packed" for b, _ in kinds) else " (" + "; ".join(
+        f"{'document starts' if b == 'doc-start' else 'packed cuts'}, {'BOS first' if bos else 'no BOS'}"
+        for b, bos in sorted(kinds, key=lambda k: (k[0] == "packed", not k[1]))) + ")"
+    return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models as one{blocks}"
 
 
 class _Clock:
@@ -414,10 +420,6 @@ def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int 
         import torch
 
         torch.set_num_threads(threads)
-    if part[0][0].blocks != "packed":  # document-start blocks (padded, PAD not counted): the plain loop, one by one
-        for cfg, head in part:
-            _train_member(cfg, tokens, None, head if progress else None)
-        return
     with contextlib.ExitStack() as stack:
         left = []
         for cfg, _ in part:
