@@ -14,7 +14,13 @@ mean of the ratios with a 95% t-interval over rounds, each arm's CPU seconds per
 process and its workers: what the load of a shared machine inflates least), and the 4x bar: met (lower end >= 4),
 not met (upper end < 4) or not resolved. --json PATH writes every timing.
 
+--blocks doc-start times the document-start models instead: the `bos-sinks` matrix's rope-doc and rope-doc-nobos
+(every block one document's start, padded, BOS first and not; the same shape and training fields), in both arms
+over seeds 0, 1, ...; the alone arm is how the sweep trained them before they were batched (each alone, two
+processes at a time).
+
     nice .venv/bin/python benchmarks/sweep_batched.py --steps 100 --rounds 3 --json /tmp/sweep_batched.json
+    nice .venv/bin/python benchmarks/sweep_batched.py --blocks doc-start --steps 100 --rounds 3 --batched 16
 """
 
 from __future__ import annotations
@@ -39,11 +45,14 @@ from poslens.train.sweep import SweepConfig, resolve_matrix, train_models
 BAR = 4.0
 
 
-def configs(steps: int, models: int) -> list:
-    """`models` configurations of the pe-sinks matrix (its four variants over seeds 0, 1, ...), `steps` steps."""
-    matrix = resolve_matrix(SweepConfig(preset="pe-sinks", seeds=list(range(math.ceil(models / 4)))))
+def configs(steps: int, models: int, blocks: str = "packed") -> list:
+    """`models` configurations, `steps` steps: of the pe-sinks matrix (its four variants over seeds 0, 1, ...), or
+    with `blocks` "doc-start" the bos-sinks matrix's document-start variants (rope-doc, rope-doc-nobos)."""
+    matrix = resolve_matrix(SweepConfig(preset="pe-sinks" if blocks == "packed" else "bos-sinks",
+                                        seeds=list(range(models))))
     tokens = str(tokens_of(matrix.members[0].config))
-    members = sorted(matrix.members, key=lambda m: (m.seed, list(matrix.variants).index(m.variant)))[:models]
+    chosen = [m for m in matrix.members if m.config.blocks == blocks]
+    members = sorted(chosen, key=lambda m: (m.seed, list(matrix.variants).index(m.variant)))[:models]
     return [dataclasses.replace(m.config, steps=steps, warmup=max(1, steps // 10), tokens=tokens) for m in members]
 
 
@@ -69,10 +78,12 @@ def main() -> None:
     ap.add_argument("--batched", type=int, default=32, help="models in the batched arm")
     ap.add_argument("--jobs", type=int, default=2, help="processes side by side in each arm")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--blocks", choices=("packed", "doc-start"), default="packed",
+                    help="packed: the pe-sinks models; doc-start: the bos-sinks document-start models")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     own_cache = os.environ.get("POSLENS_CACHE")
-    alone, many = configs(args.steps, args.alone), configs(args.steps, args.batched)
+    alone, many = configs(args.steps, args.alone, args.blocks), configs(args.steps, args.batched, args.blocks)
     rows = []
     for r in range(args.rounds):
         a, a_cpu = timed(alone, False, args.jobs)
@@ -92,7 +103,8 @@ def main() -> None:
     half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0
     lo, hi = math.exp(mean - half), math.exp(mean + half)
     bar = "met" if lo >= BAR else "not met" if hi < BAR else "not resolved"
-    print(f"models per minute, median: alone (two at a time) {statistics.median(x['alone_per_min'] for x in rows):.2f},"
+    print(f"{args.blocks} blocks; models per minute, median: alone (two at a time) "
+          f"{statistics.median(x['alone_per_min'] for x in rows):.2f},"
           f" batched {statistics.median(x['batched_per_min'] for x in rows):.2f}; ratio {math.exp(mean):.2f}x "
           f"[{lo:.2f}, {hi:.2f}] (95% t over {len(rows)} rounds); the {BAR:g}x bar: {bar}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")

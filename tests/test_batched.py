@@ -60,12 +60,17 @@ def _rows(path):
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_batched_forward_is_the_stock_forward_in_float64(monkeypatch):
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_batched_forward_is_the_stock_forward_in_float64(monkeypatch, padded):
     """In float64 the batched forward and backward equal each stock model's own to 1e-12 (relative): the same
     computation (a wrong rotary table or mask differs at 1e-3 or more), so what remains in float32 training is
     rounding. Stock RMSNorm rounds through float32 even in a float64 model (1e-10 to 1e-7 here); for this
-    comparison it computes in the model's dtype, the same formula."""
+    comparison it computes in the model's dtype, the same formula. `padded`: rows ending in PAD, as document-start
+    blocks do (3 to 16 counted targets per row), against cross-entropy with PAD ignored and a padded input read as
+    0, as `poslens.train.loop.next_token_loss` computes it (in float64 here)."""
     from transformers.models.smollm3 import modeling_smollm3
+
+    from poslens.train.data import PAD
 
     def norm(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
@@ -77,11 +82,15 @@ def test_the_batched_forward_is_the_stock_forward_in_float64(monkeypatch):
     decoder = BatchedDecoder(models, 16, torch.device("cpu"))
     params = stack_parameters(models, torch.device("cpu"))
     block = torch.randint(0, 512, (len(models), 3, 17))
+    if padded:
+        ends = torch.randint(4, 18, (len(models), 3, 1))  # row r's tokens past its end are PAD
+        block = torch.where(torch.arange(17) < ends, block, PAD)
+        assert (block == PAD).any(dim=-1).float().mean() > 0.5
     losses = decoder.losses(params, block)
     losses.sum().backward()
     for i, m in enumerate(models):
-        logits = m(input_ids=block[i, :, :-1]).logits
-        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), block[i, :, 1:].flatten())
+        logits = m(input_ids=block[i, :, :-1].clamp(min=0)).logits  # a padded input reads as 0, as in training
+        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), block[i, :, 1:].flatten(), ignore_index=PAD)
         ref.backward()
         assert abs(losses[i].item() - ref.item()) < 1e-12 * ref.item()
         for name, p in params.items():
