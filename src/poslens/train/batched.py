@@ -2,13 +2,15 @@
 one AdamW step for all.
 
 The models of a sweep that share their parameter shapes (its seeds, and variants that differ only in positional
-encoding: RoPE, NTK-scaled RoPE, linear or YaRN scaling, a sliding window, NoPE, per-layer patterns) are trained
-together: every weight is stacked over a leading model axis [N, ...], every matrix product is a batched one over
-it (``torch.bmm``), and what differs between the models is data inside the one computation: each model's rotary
-table per layer (the stock model's own ``rotary_emb`` output, an identity rotation where a layer has no RoPE) and
-its attention mask per layer (causal, or causal within a sliding window). Each model keeps its own seed (initial
-weights: each is built alone by `poslens.train.model.build_model`, then stacked), its own data order (the blocks of
-its seed, `poslens.train.data.train_batches`), its own gradient clipping (the norm over its own gradients) and its
+encoding: RoPE, NTK-scaled RoPE, linear or YaRN scaling, a sliding window, NoPE, per-layer patterns; or in the data
+convention: a BOS first or not, packed cuts or document starts) are trained together: every weight is stacked over a
+leading model axis [N, ...], every matrix product is a batched one over it (``torch.bmm``), and what differs between
+the models is data inside the one computation: each model's rotary table per layer (the stock model's own
+``rotary_emb`` output, an identity rotation where a layer has no RoPE) and its attention mask per layer (causal, or
+causal within a sliding window). Each model keeps its own seed (initial weights: each is built alone by
+`poslens.train.model.build_model`, then stacked), its own data (the blocks of its seed and data convention,
+`poslens.train.data.train_batches`; a document-start block padded past its document's end, the padding not counted
+in its loss, as `poslens.train.loop` counts it), its own gradient clipping (the norm over its own gradients) and its
 own record (metrics.jsonl, checkpoints, run directory), exactly as `poslens.train.loop.train` writes them, so a
 model's checkpoint resumes under either trainer and each finished model is a stock transformers checkpoint.
 
