@@ -170,3 +170,27 @@ def test_gptj_fixed_table_refuses_scaling_and_lengths_past_it_in_one_line():
     inv, _ = RopeScaling("ntk", 16).frequencies(rotary, 4.0)
     d, i = 4, torch.arange(2)  # base * F ** (d / (d - 2)): frequency i divided by F ** (2 i / (d - 2))
     assert inv.numel() == 2 and torch.allclose(inv, rotary.inv_freq / 4.0 ** (2 * i / (d - 2)), rtol=1e-6)
+
+
+@torch.no_grad()
+def test_residual_decomposition_of_a_parallel_block():
+    """The MLP of a parallel block reads the stream entering it: decompose_resid(mlp_input=True) sums to resid_pre
+    (no attention output of that layer), and so does accumulated_resid(mlp_input=True)'s last component; every
+    layer's resid_post is resid_pre + attn_out + mlp_out (float32 sums in another order: 1e-5 of the largest entry);
+    incl_mid is refused in one line."""
+    hm = HookedModel(randomize_norm_gains(build("gpt_neox")))
+    _, cache = hm.run_with_cache(token_batch(2, 9, seed=8))
+    parts, labels = cache.decompose_resid(layer=2, mlp_input=True, return_labels=True)
+    assert labels == ["embed", "0_attn_out", "0_mlp_out", "1_attn_out", "1_mlp_out"]
+    resid = cache["blocks.2.hook_resid_pre"]
+    assert (parts.sum(0) - resid).abs().max() <= 1e-5 * resid.abs().max()
+    acc, labels = cache.accumulated_resid(layer=2, mlp_input=True, return_labels=True)
+    assert labels == ["0_pre", "1_pre", "2_pre"] and torch.equal(acc[-1], resid)
+    for l in range(3):
+        total = cache[f"blocks.{l}.hook_resid_pre"] + cache[f"blocks.{l}.hook_attn_out"] + \
+            cache[f"blocks.{l}.hook_mlp_out"]
+        post = cache[f"blocks.{l}.hook_resid_post"]
+        assert (total - post).abs().max() <= 1e-5 * post.abs().max()
+    with pytest.raises(UsageError, match="no resid_mid") as e:
+        cache.accumulated_resid(layer=2, incl_mid=True)
+    assert "\n" not in str(e.value)
