@@ -15,6 +15,7 @@ linear map or norm (rounding of sums of 64 products)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -154,7 +155,8 @@ def test_pe_none_makes_the_rotation_the_identity(family):
 
 def test_gptj_fixed_table_refuses_scaling_and_lengths_past_it_in_one_line():
     """GPT-J's angles come from a sin/cos table of n_positions rows: no NTK/YaRN, no length past its rows; GPT-NeoX's
-    NTK scales the rotary dimensions' frequencies (the exponent uses the rotary width, 4 of 16 here)."""
+    NTK scales the rotary dimensions' frequencies (the exponent uses the rotary width, 4 of 16 here), and YaRN gives
+    frequencies for those dimensions with YaRN's attention factor."""
     from poslens.analyses.length.checks import check_eval_length
     from poslens.analyses.length.interventions import RopeScaling
 
@@ -170,6 +172,8 @@ def test_gptj_fixed_table_refuses_scaling_and_lengths_past_it_in_one_line():
     inv, _ = RopeScaling("ntk", 16).frequencies(rotary, 4.0)
     d, i = 4, torch.arange(2)  # base * F ** (d / (d - 2)): frequency i divided by F ** (2 i / (d - 2))
     assert inv.numel() == 2 and torch.allclose(inv, rotary.inv_freq / 4.0 ** (2 * i / (d - 2)), rtol=1e-6)
+    inv, factor = RopeScaling("yarn", 16).frequencies(rotary, 4.0)  # transformers' YaRN on the rotary dimensions
+    assert inv.numel() == 2 and factor == pytest.approx(0.1 * math.log(4.0) + 1)
 
 
 @torch.no_grad()
