@@ -65,3 +65,15 @@ def test_gpt2_refuses_what_its_learned_table_cannot_do_in_one_line(args, message
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "phi"])
+def test_card_runs_on_the_partial_rotary_families(family, tmp_path):
+    """`poslens card` (every analysis it reads, the probe, length with the interventions the family allows) on a tiny
+    model of each, its scheme panel saying partial-rope for every layer."""
+    from test_card import SIZES
+
+    spec = _saved(family, tmp_path / "m")
+    assert cli.main(["card", spec, "--sizes", SIZES, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    page = (tmp_path / "out" / "card" / "card.md").read_text()
+    assert all(f"| {layer} | partial-rope | full |" in page for layer in (1, 2, 3)), page[:2000]
