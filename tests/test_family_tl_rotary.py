@@ -198,3 +198,18 @@ def test_residual_decomposition_of_a_parallel_block():
     with pytest.raises(UsageError, match="no resid_mid") as e:
         cache.accumulated_resid(layer=2, incl_mid=True)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("family", "overrides"), [("gpt_neox", {"rotary_pct": 1.0}), ("gptj", {"rotary_dim": 16}),
+                                                   ("phi", {"rope_parameters": {"rope_type": "default",
+                                                                                "rope_theta": 10000.0,
+                                                                                "partial_rotary_factor": 1.0}})])
+def test_a_whole_head_rotation_is_recorded_as_rope(family, overrides):
+    """rotary_pct 1, rotary_dim = the head size, partial_rotary_factor 1: every dimension turns, so every layer is
+    "rope"."""
+    from tiny_models import config
+
+    from poslens.engine.pe import PositionalEncoding
+
+    pe = PositionalEncoding.of(config(family, **overrides))
+    assert pe.rope == ("rope",) * 3 and pe.rope_theta == 10000.0
