@@ -110,23 +110,63 @@ def test_shared_norm_write_at_ln1_reaches_attention_only(family):
     hm.run(ids, hooks={"blocks.1.ln1.hook_out": lambda x, ctx: torch.zeros_like(x),
                        "blocks.1.attn.hook_out": lambda x, ctx: seen.setdefault("a", x.clone()),
                        "blocks.1.ln2.hook_out": lambda x, ctx: seen.setdefault("h2", x.clone()),
-                       "blocks.1.mlp.hook_out": lambda x, ctx: seen.setdefault("m", x.clone())})
+                       "blocks.1.hook_mlp_out": lambda x, ctx: seen.setdefault("m", x.clone())})
     assert torch.equal(seen["h2"], plain["blocks.1.ln2.hook_out"])
     assert torch.equal(seen["m"], plain["blocks.1.mlp.hook_out"])
     assert (seen["a"] - plain["blocks.1.attn.hook_out"]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_per_head_inputs_and_resid_mid_are_refused_in_one_line(family):
-    """Per-head attention inputs are not built on these families, and a parallel block has no hook_resid_mid (as
-    TransformerLens): one-line errors."""
+def test_resid_mid_is_refused_in_one_line_and_per_head_inputs_on_gpt_neox(family):
+    """A parallel block has no hook_resid_mid (as TransformerLens), and GPT-NeoX's per-head fused query_key_value has no
+    per-head attention inputs yet: one-line errors that say what to read."""
     hm = HookedModel(randomize_norm_gains(build(family)))
+    with pytest.raises(UsageError, match="no hook point 'blocks.0.hook_resid_mid'.*hook_attn_out") as e:
+        hm.run(token_batch(1, 8), hooks={"blocks.0.hook_resid_mid": lambda x, ctx: None})
+    assert "\n" not in str(e.value)
+    if family != "gpt_neox":
+        return
     with pytest.raises(UsageError, match="not yet on .*hook_resid_pre") as e:
         hm.run(token_batch(1, 8), hooks={"blocks.0.hook_q_input": lambda x, ctx: None})
     assert "\n" not in str(e.value)
-    with pytest.raises(UsageError, match="no hook point 'blocks.0.hook_resid_mid'") as e:
-        hm.run(token_batch(1, 8), hooks={"blocks.0.hook_resid_mid": lambda x, ctx: None})
-    assert "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="not yet on"):
+        hm.set_use_split_qkv_input(True)
+
+
+@pytest.mark.parametrize("family", ["gptj", "phi"])
+@torch.no_grad()
+def test_per_head_inputs_reach_their_head_only(family):
+    """TransformerLens's hook_q_input/k_input/v_input and hook_attn_in on GPT-J and Phi: copies of resid_pre, one per
+    head, read with bit-identical logits; one head's q copy written as zeros gives that head's q = ln1(0) W_Q + b_Q
+    (LayerNorm of a zero row is its bias) and leaves the other heads' q (within 1e-5: re-projected in float32) and the
+    MLP, which reads the stream entering the block (bit-identical), as they were."""
+    model = randomize_norm_gains(build(family))
+    hm = HookedModel(model)
+    hm.set_use_split_qkv_input(True)
+    hm.set_use_attn_in(True)
+    ids = token_batch(2, 9, seed=6)
+    logits, cache = hm.run_with_cache(ids)
+    assert torch.equal(logits, model(input_ids=ids).logits)
+    for point in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"):
+        x = cache[f"blocks.1.{point}"]
+        assert x.shape == (2, 9, 4, 64) and torch.equal(x, cache["blocks.1.hook_resid_pre"][:, :, None].expand_as(x))
+
+    def zero_head0(x, ctx):
+        x = x.clone()
+        x[:, :, 0] = 0
+        return x
+
+    seen = {}
+    hm.run(ids, hooks={"blocks.1.hook_q_input": zero_head0,
+                       "blocks.1.attn.hook_q": lambda x, ctx: seen.setdefault("q", x.clone()),
+                       "blocks.1.hook_mlp_out": lambda x, ctx: seen.setdefault("m", x.clone())})
+    ln = hm.norm_module("blocks.1.ln1")
+    head0 = ln.bias @ hm.W_Q[1, 0] + hm.b_Q[1, 0]
+    q, before = seen["q"], cache["blocks.1.attn.hook_q"]
+    assert (q[:, :, 0] - head0).abs().max() <= 1e-5 * head0.abs().max()
+    assert (q[:, :, 1:] - before[:, :, 1:]).abs().max() <= 1e-5 * before.abs().max()
+    assert (q[:, :, 0] - before[:, :, 0]).abs().max() > 0.1 * before.abs().max()
+    assert torch.equal(seen["m"], cache["blocks.1.hook_mlp_out"])
 
 
 def test_phi_with_qk_layernorm_is_refused_in_one_line():

@@ -62,7 +62,8 @@ class Family:
     gated_mlp: bool = True  # gate and up projections (Llama); False: one up projection (GPT-2's c_fc), no
     # mlp.hook_pre_linear
     per_head_inputs: bool = True  # TransformerLens's hook_attn_in / hook_q_input ... (poslens.engine.tl_inputs) are
-    # built for separate or fused Linear q, k, v after an input norm; not yet GPT-2's Conv1D or OLMo-2's post-norm
+    # built for separate or fused Linear q, k, v after an input norm (GPT-J, Phi too); not yet GPT-2's Conv1D,
+    # OLMo-2's post-norm or GPT-NeoX's per-head fused query_key_value
     # the "parallel" layout (GPT-NeoX, GPT-J, Phi): x + attn(ln1(x)) + mlp(ln2(x)), both sublayers read the stream
     # entering the block (no hook_resid_mid, as TransformerLens's parallel_attn_mlp); ln2 == ln1 where one norm
     # feeds both (GPT-J, Phi: TransformerLens fires ln2's points on a copy of ln1). Module names where they are not
@@ -120,11 +121,11 @@ FAMILIES: dict[str, Family] = {
                        proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), qkv_per_head="query_key_value"),
     # GPT-J: rotary_dim dims turned in adjacent pairs, one ln_1 before both sublayers, q/k/v/out without biases
     "gptj": Family("GPT-J", layout="parallel", ln1="ln_1", ln2="ln_1", layers_attr="h", attn_attr="attn",
-                   embed_attr="wte", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False, per_head_inputs=False,
+                   embed_attr="wte", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                    proj=("out_proj", "fc_in", "fc_out"), rotary_adjacent_pairs=True),
     # Phi (phi-1, phi-1.5, phi-2): partial_rotary_factor, one input_layernorm before both sublayers, biases
     "phi": Family("Phi", layout="parallel", ln2="input_layernorm", final_norm_attr="final_layernorm",
-                  norm_kind="layer", gated_mlp=False, per_head_inputs=False, proj=("dense", "fc1", "fc2")),
+                  norm_kind="layer", gated_mlp=False, proj=("dense", "fc1", "fc2")),
 }
 
 # Checkpoints known to be trained without positional encoding but saved as RoPE architectures (lower-case hub ids).

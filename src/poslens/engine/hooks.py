@@ -36,8 +36,9 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           (TL's use_attn_in; only without grouped-query attention)
     blocks.{l}.hook_q_input             [B, T, H, d]  TL  resid_pre copied per query head (TL's use_split_qkv_input);
     blocks.{l}.hook_k_input, _v_input   [B, T, K, d]  TL  per key/value head: each head's projection reads its own
-                                                          copy through ln1 (poslens.engine.tl_inputs; pre-norm and
-                                                          Gemma families, not yet GPT-2 and OLMo-2)
+                                                          copy through ln1 (poslens.engine.tl_inputs; pre-norm,
+                                                          Gemma, GPT-J and Phi families, not yet GPT-2, OLMo-2 and
+                                                          GPT-NeoX)
     blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32); OLMo-2
                                                           (post-norm): ln1 is the norm after attention, fired after
                                                           attn.hook_out, and ln2 the norm after the MLP
@@ -277,7 +278,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """Include hook_attn_in (resid_pre copied per head, [B, T, H, d]) likewise; refused with grouped-query
         attention, as TransformerLens refuses it."""
         if use_attn_in and not self._inputs:
-            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} (pre-norm and Gemma families only)")
+            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} (pre-norm, Gemma, GPT-J and Phi "
+                             "families only)")
         if use_attn_in and self._heads[0] != self._heads[1]:
             raise UsageError(f"set_use_attn_in: {GQA_ATTN_IN}")
         self._use["use_attn_in"] = bool(use_attn_in)
@@ -286,8 +288,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Include hook_q_input [B, T, H, d], hook_k_input and hook_v_input [B, T, K, d] likewise."""
         if use_split_qkv_input and not self._inputs:
-            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} (pre-norm and Gemma families "
-                             "only)")
+            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} (pre-norm, Gemma, GPT-J and "
+                             "Phi families only)")
         self._use["use_split_qkv_input"] = bool(use_split_qkv_input)
         self._set_tl_points()
 
@@ -411,7 +413,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if int(parts[1]) >= self.n_layers:
                 hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
             elif not self._inputs and ".".join(parts[2:]) in ("hook_attn_in", *input_points(*self._heads)):
-                hint = (f"TransformerLens has it; poslens has the per-head inputs on the pre-norm and Gemma families, "
+                hint = (f"TransformerLens has it; poslens has the per-head inputs on the pre-norm, Gemma, GPT-J and "
+                        f"Phi families, "
                         f"not yet on {self.family.name}: read blocks.{parts[1]}.hook_resid_pre (the same value, once)")
             elif ".".join(parts[2:]) == "hook_attn_in":
                 hint = GQA_ATTN_IN
@@ -537,8 +540,12 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 fused = getattr(attn, self.family.qkv_per_head)
                 handles.append(fused.register_forward_hook(self._per_head_qkv_hook(l, heads, d)))
         else:
+            inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
             for module, part in ((attn.q_proj, ("attn.hook_q", heads * d, d)),
                                  (attn.k_proj, ("attn.hook_k", kv * d, d)), (attn.v_proj, ("attn.hook_v", kv * d, d))):
+                if inputs:  # first: the projected copies of the per-head inputs
+                    handles.append(module.register_forward_hook(
+                        input_projection_hook(lambda: self._run.inputs.get(l), [part])))
                 if part[0] in pts:
                     handles.append(module.register_forward_hook(self._split_hook(l, [part])))
         if "mlp.hook_pre" in pts:
@@ -757,6 +764,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
         ln1 = getattr(layer_mod, fam.ln1)
+        if self._inputs:  # TransformerLens's per-head inputs (GPT-J, Phi): the written ones, normed by ln1
+            self._run.inputs[l] = fire_inputs(fire, pts, x, ln1, *self._heads)
         h = ln1(x)  # ln1.*
         a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
         a = fire("hook_attn_out", fire("attn.hook_out", a))  # [B, T, d] after W_O: what is added
