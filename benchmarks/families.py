@@ -32,7 +32,7 @@ from tiny_models import build, token_batch  # noqa: E402
 
 from poslens.engine.hooks import HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2", "gpt2")
+FAMILIES = ("llama", "olmo2", "gpt2", "gpt_neox", "gptj", "phi")
 
 
 def model_of(family: str, hidden: int, layers: int):
@@ -40,7 +40,10 @@ def model_of(family: str, hidden: int, layers: int):
     if family == "gpt2":  # no key/value groups, no head_dim field; MLP 4 x hidden by default
         return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      max_position_embeddings=1024)
-    kv = {"olmo2": heads}.get(family, max(1, heads // 2))
+    if family in ("gpt_neox", "gptj"):  # no key/value groups, no head_dim field; GPT-J: a quarter of each head turns
+        sizes = {"gptj": {"rotary_dim": 16}, "gpt_neox": {"intermediate_size": 4 * hidden}}[family]
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, **sizes)
+    kv = {"olmo2": heads, "phi": heads}.get(family, max(1, heads // 2))
     return build(family, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
 
@@ -85,11 +88,12 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = {"config": vars(args), "torch": torch.__version__, "families": {}}
-    for family in FAMILIES:
+    for family in args.families:
         r = out["families"][family] = measure(family, args)
         print(f"{family}: plain {r['cpu_seconds']['plain']:.3f} s, every point read {r['cpu_seconds']['read']:.3f} s "
               f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x", flush=True)

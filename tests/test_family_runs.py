@@ -13,7 +13,11 @@ from tiny_models import config
 from poslens import cli
 
 # family -> the positional encoding per layer run.json must record
-EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["learned", "learned", "learned"])}
+EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["learned", "learned", "learned"]),
+            "gpt_neox": ("GPT-NeoX", ["partial-rope"] * 3), "gptj": ("GPT-J", ["partial-rope"] * 3),
+            "phi": ("Phi", ["partial-rope"] * 3)}
+# RoPE families: whether length's NTK and YaRN act (GPT-J's fixed sin/cos table cannot be rescaled: skipped in "all")
+ROTATES = {"olmo2": True, "gpt_neox": True, "phi": True, "gptj": False}
 COMMANDS = {"scores": ["scores"], "intermediates": ["intermediates", "--layer", "1"], "leakage": ["leakage"],
             "stat": ["stat", "attention_maps"], "length": ["length", "--train-len", "20", "--eval-lens", "20,40"]}
 SIZES = ["--seq-len", "40", "--num-sequences", "6", "--batch-size", "2", "--quiet", "--no-figures"]
@@ -32,6 +36,9 @@ def test_every_analysis_runs_and_records_the_positional_encoding(family, tmp_pat
         assert meta["model"]["family"] == name, key
         assert meta["model"]["positional_encoding"] == layers, key
         assert meta["model"]["variant"]["layers"] == layers, key
+        if key == "length" and family in ROTATES:  # NTK and YaRN run where the angles come from inv_freq
+            ran = "ntk" not in meta["metrics"]["skipped"]
+            assert ran == ROTATES[family] and ("ntk" in meta["metrics"]["interventions"]) == ran, meta["metrics"]
 
 
 def _saved(family: str, directory):
@@ -58,3 +65,15 @@ def test_gpt2_refuses_what_its_learned_table_cannot_do_in_one_line(args, message
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "phi"])
+def test_card_runs_on_the_partial_rotary_families(family, tmp_path):
+    """`poslens card` (every analysis it reads, the probe, length with the interventions the family allows) on a tiny
+    model of each, its scheme panel saying partial-rope for every layer."""
+    from test_card import SIZES
+
+    spec = _saved(family, tmp_path / "m")
+    assert cli.main(["card", spec, "--sizes", SIZES, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    page = (tmp_path / "out" / "card" / "card.md").read_text()
+    assert all(f"| {layer} | partial-rope | full |" in page for layer in (1, 2, 3)), page[:2000]

@@ -12,7 +12,7 @@ from tiny_models import build, token_batch
 from poslens.engine.hooks import HookedModel
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox", "gptj", "phi"])  # parallel blocks too
 def test_cached_generation_equals_full_recomputation_and_hooks_see_the_new_token(family):
     hm = HookedModel(build(family))
     ids = token_batch(2, 6, seed=3)

@@ -20,6 +20,10 @@ from transformers import (
     Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTJConfig,
+    GPTJForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -28,6 +32,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -95,12 +101,23 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "gpt2": (GPT2Config, GPT2LMHeadModel, {"max_position_embeddings": 64, "activation_function": "gelu_new",
                                            "tie_word_embeddings": True,
                                            "num_key_value_heads": None, "head_dim": None, "intermediate_size": None}),
+    # rotary on part of each head and a parallel residual (full multi-head attention, as the checkpoints):
+    # GPT-NeoX (Pythia): rotary_pct 0.25 (Pythia's) of 16 dims, per-head fused [q | k | v] with biases, untied embed_out
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM, {"rotary_pct": 0.25, "num_key_value_heads": None,
+                                                      "head_dim": None}),
+    # GPT-J: rotary_dim 8 of 16 turned in adjacent pairs, one ln_1, MLP 4 x 64 wide (n_inner unset, which
+    # TransformerLens assumes)
+    "gptj": (GPTJConfig, GPTJForCausalLM, {"rotary_dim": 8, "num_key_value_heads": None, "head_dim": None,
+                                           "intermediate_size": None}),
+    # Phi (phi-1/1.5/2): partial_rotary_factor 0.5 (phi-2: 0.4), one input_layernorm, q/k/v/dense with biases
+    "phi": (PhiConfig, PhiForCausalLM, {"num_key_value_heads": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
 }
 
 ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
-FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f != "gpt2")
+FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "gpt_neox", "gptj", "phi"))
 
 
 def config(family: str, **overrides):
@@ -134,8 +151,8 @@ def _rescale_qk(model: PreTrainedModel) -> None:
     cfg = model.config
     hidden = cfg.hidden_size
     for layer in getattr(model.base_model, "layers", None) or model.base_model.h:
-        attn = getattr(layer, "self_attn", None) or layer.attn
-        d = attn.head_dim
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None) or layer.attention
+        d = getattr(attn, "head_dim", None) or attn.head_size  # GPT-NeoX: head_size
         target = (SCORE_STD / (attn.scaling * d**0.5)) ** 0.5
         if hasattr(attn, "q_norm"):
             gemma_style = "Gemma" in type(attn.q_norm).__name__  # RMSNorm output * (1 + weight)
@@ -146,6 +163,8 @@ def _rescale_qk(model: PreTrainedModel) -> None:
             std = target / hidden**0.5
             if hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
                 attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
+            elif hasattr(attn, "query_key_value"):  # GPT-NeoX: rows [q | k | v] within each head
+                attn.query_key_value.weight.unflatten(0, (cfg.num_attention_heads, 3, d))[:, :2].normal_(0.0, std)
             elif hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
                 n_qk = (cfg.num_attention_heads + cfg.num_key_value_heads) * d
                 attn.qkv_proj.weight[:n_qk].normal_(0.0, std)

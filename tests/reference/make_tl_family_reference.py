@@ -105,7 +105,7 @@ def main() -> None:
     args = p.parse_args()
     out = {"transformer_lens": version("transformer_lens"), "transformers": version("transformers"),
            "torch": torch.__version__, "python": platform.python_version(),
-           "script": "tests/reference/make_tl_family_reference.py",
+           "script": Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix(),  # this one or one that imports it
            "families": {f: reference(f) for f in FAMILIES}}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     for f, r in out["families"].items():

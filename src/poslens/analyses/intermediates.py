@@ -20,7 +20,9 @@ Gemma's `post_attention_layernorm` (hook point ln1_post; hook_attn_out comes aft
 adds that normed output to the residual; (f) is `pre_feedforward_layernorm` (ln2); (g) adds
 `post_feedforward_layernorm(mlp(...))`. OLMo-2's post-norm layout has no norm before a sublayer: (a) and (h) are
 `hook_resid_pre` (what attention reads), (f) is `hook_resid_mid` (what the MLP reads, the same stream as (e)),
-(d) is before the norm after attention (ln1), and (g) adds `post_feedforward_layernorm(mlp(...))` (ln2).
+(d) is before the norm after attention (ln1), and (g) adds `post_feedforward_layernorm(mlp(...))` (ln2). A parallel
+residual (GPT-NeoX, GPT-J, Phi: x + attn(ln1(x)) + mlp(ln2(x))) has no `hook_resid_mid`: (e) is `hook_resid_pre` +
+`hook_attn_out`, (f) the MLP's norm of the stream entering the block, and (g) = (e) + MLP(f) still.
 Gemma-2's attention logit softcap is not in (b), (i) or Figure 8: those are Q K^T * scaling as their titles say.
 
 Every per-head Gram is a head-summed GEMM: `sum_h A_h B_h^T = [A_1 .. A_H] [B_1 .. B_H]^T`, and the sum over the
@@ -75,8 +77,11 @@ PANELS: tuple[tuple[str, str, str], ...] = (
 def hidden_points(family) -> dict[str, tuple[str, int]]:
     """Residual-stream-shaped panels: hook point (relative to the block) and which of the two layers. (a), (f) and (h)
     are what attention and the MLP read: the norms' outputs, or (post-norm, OLMo-2) the residual stream itself."""
-    return {"a": (family.attn_input, 0), "d": ("attn.hook_out", 0), "e": ("hook_resid_mid", 0),
-            "f": (family.mlp_input, 0), "g": ("hook_resid_post", 0), "h": (family.attn_input, 1)}
+    points = {"a": (family.attn_input, 0), "d": ("attn.hook_out", 0), "e": ("hook_resid_mid", 0),
+              "f": (family.mlp_input, 0), "g": ("hook_resid_post", 0), "h": (family.attn_input, 1)}
+    if family.layout == "parallel":  # no resid_mid: (e) is resid_pre + attn_out (Intermediates._parallel_mid)
+        del points["e"]
+    return points
 
 
 class BlockOutputMismatch(UsageError):
@@ -308,11 +313,15 @@ class Intermediates(Statistic):
 
         for letter, (point, step) in hidden_points(self.family).items():
             add(f"blocks.{L + step}.{point}", self._gram_reader(f"panel_{letter}"))
+        if self.family.layout == "parallel":
+            add(f"blocks.{L}.hook_resid_pre", self._keep("pre"))
+            add(f"blocks.{L}.hook_attn_out", self._parallel_mid)
         add(f"blocks.{L}.attn.hook_z", self._z_reader)
         for l in self.score_layers():
             add(f"blocks.{l}.attn.hook_attn_scores", from_factors(self._scores_reader(l)))
-        if self.check is not None:
+        if self.check is not None and self.family.layout != "parallel":
             add(f"blocks.{L}.hook_resid_mid", self._keep("mid"))
+        if self.check is not None:
             add(f"blocks.{L}.{self.family.mlp_input}", self._keep("ln2"))
             add(f"blocks.{L}.hook_resid_post", self._check_block)
         return out
@@ -341,6 +350,14 @@ class Intermediates(Statistic):
                 self.sums.add("k_sq/next", self.group, ctx.rot_k.double().square().sum((0, 1, 3)) * c, b)
 
         return read
+
+    def _parallel_mid(self, a, ctx) -> None:
+        """A parallel block's panel (e): the stream entering it plus what attention adds (what a serial block's MLP
+        would read; the block's output is it plus the MLP's)."""
+        mid = self._pending.pop("pre") + a
+        self._gram_reader("panel_e")(mid, ctx)
+        if self.check is not None:
+            self._pending["mid"] = mid
 
     def _keep(self, key: str):
         def keep(x, ctx):
@@ -588,6 +605,8 @@ def _hook_point(letter: str, layer: int, family) -> str:
         return f"blocks.{l}.attn.hook_rot_q x blocks.{l}.attn.hook_rot_k * scaling"
     if letter == "c":
         return f"blocks.{layer}.attn.hook_z"
+    if letter == "e" and family.layout == "parallel":
+        return f"blocks.{layer}.hook_resid_pre + blocks.{layer}.hook_attn_out"
     point, step = hidden_points(family)[letter]
     return f"blocks.{layer + step}.{point}"
 

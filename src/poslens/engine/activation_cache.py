@@ -148,8 +148,13 @@ class ActivationCache(Mapping):
         """The residual stream as it accumulates up to the input of `layer` ([components, batch, pos, d]): resid_pre of
         layers 0..layer (and resid_mid of those before it with incl_mid; of `layer` itself with mlp_input), and for
         layer = n_layers (None, -1) the final resid_post. Labels "0_pre", "0_mid", ..., "final_post". apply_ln:
-        through the norm that reads them (apply_ln_to_stack) - the logit lens is then `@ model.W_U`."""
+        through the norm that reads them (apply_ln_to_stack) - the logit lens is then `@ model.W_U`. A parallel block
+        (GPT-NeoX, GPT-J, Phi) has no resid_mid: its MLP reads resid_pre (incl_mid is refused)."""
         layer = self._final(layer)
+        parallel = self._parallel()
+        if incl_mid and parallel:
+            raise UsageError("accumulated_resid: incl_mid: a parallel block has no resid_mid (attention and the MLP "
+                             "both read resid_pre); leave incl_mid out")
         parts, labels = [], []
         for l in range(layer + 1):
             if l == self.n_layers:
@@ -158,10 +163,14 @@ class ActivationCache(Mapping):
                 continue
             parts.append(self[("resid_pre", l)])
             labels.append(f"{l}_pre")
-            if (incl_mid and l < layer) or (mlp_input and l == layer):
+            if (incl_mid and l < layer) or (mlp_input and l == layer and not parallel):
                 parts.append(self[("resid_mid", l)])
                 labels.append(f"{l}_mid")
         return self._stacked(parts, labels, layer, mlp_input, pos_slice, apply_ln, return_labels)
+
+    def _parallel(self) -> bool:
+        """Whether the cache's model has parallel blocks (GPT-NeoX, GPT-J, Phi: the MLP reads resid_pre)."""
+        return self.model is not None and self.model.family.layout == "parallel"
 
     def _stacked(self, parts, labels, layer, mlp_input, pos_slice, apply_ln, return_labels):
         """The components [batch, pos, d] stacked after the position slice, through the norm when apply_ln."""
@@ -175,7 +184,8 @@ class ActivationCache(Mapping):
         """The residual stream at the input of `layer` as the sum of what wrote to it ([components, batch, pos, d]):
         "embed" (hook_embed) and, on a model with a position table (GPT-2), "pos_embed" (hook_pos_embed, as
         TransformerLens), then each earlier layer's "{l}_attn_out" and
-        "{l}_mlp_out" (mode "attn" or "mlp" keeps one kind), and with mlp_input this layer's attention output."""
+        "{l}_mlp_out" (mode "attn" or "mlp" keeps one kind), and with mlp_input this layer's attention output (not in a
+        parallel block, whose MLP reads the stream entering it)."""
         if mode not in ("all", "attn", "mlp"):
             raise UsageError(f"decompose_resid: mode must be 'all', 'attn' or 'mlp', got {mode!r}")
         layer = self._final(layer)
@@ -191,7 +201,7 @@ class ActivationCache(Mapping):
                 if mode in ("all", kind):
                     parts.append(self[(f"{kind}_out", l)])
                     labels.append(f"{l}_{kind}_out")
-        if mlp_input and mode != "mlp":
+        if mlp_input and mode != "mlp" and not self._parallel():
             parts.append(self[("attn_out", layer)])
             labels.append(f"{layer}_attn_out")
         return self._stacked(parts, labels, layer, mlp_input, pos_slice, apply_ln, return_labels)

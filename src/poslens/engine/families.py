@@ -1,14 +1,16 @@
 """One registry of model families: where the parts of a decoder live and how its attention is set up.
 
 A `Family` says, for the transformers classes of one architecture: the block layout (pre-norm, as Llama:
-x + attn(norm(x)); Gemma's sandwich with a norm after each sublayer too; OLMo-2's post-norm, x + norm(attn(x))), the
+x + attn(norm(x)); Gemma's sandwich with a norm after each sublayer too; OLMo-2's post-norm, x + norm(attn(x));
+GPT-NeoX's, GPT-J's and Phi's parallel residual, x + attn(norm(x)) + mlp(norm(x))), the
 names of the norms, whether the
 forward needs the model's eager attention (Gemma-2's logit softcap), and how to read, from a config, the sliding
 window and the positional encoding of every layer. Nothing here imports the analysis engine; the loader
 (`poslens.engine.models`) vets configs with `check_supported` before any weight is read.
 
 Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer, "rope",
-"partial-rope" (Phi-3's partial rotary factor), "learned" (GPT-2's position table) or "none"; the whole encoding
+"partial-rope" (rotary on part of each head: Phi-3's and Phi's partial rotary factor, Pythia's rotary_pct, GPT-J's
+rotary_dim), "learned" (GPT-2's position table) or "none"; the whole encoding
 (RoPE base and scaling, sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model
 loaded with `pe="none"` (a Llama-like checkpoint trained without positional encoding, such as the paper's released
 NoPE model) has its rotary embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's
@@ -17,7 +19,7 @@ per-layer `no_rope_layers` is read from the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +37,8 @@ class Family:
 
     name: str
     layout: str = "pre-norm"  # or "sandwich": norm(sublayer(norm(x))) added to x (Gemma-2, Gemma-3), or
-    # "post-norm": norm(sublayer(x)) added to x (OLMo-2; ln1 and ln2 are the norms after attention and after the MLP)
+    # "post-norm": norm(sublayer(x)) added to x (OLMo-2; ln1 and ln2 are the norms after attention and after the MLP),
+    # or "parallel": attn(ln1(x)) + mlp(ln2(x)) added to x (GPT-NeoX, GPT-J, Phi; see below)
     ln1: str = "input_layernorm"  # the norm before attention
     ln2: str = "post_attention_layernorm"  # the norm before the MLP (pre-norm layout)
     ln1_post: str | None = None  # sandwich: the norm after attention
@@ -59,12 +62,22 @@ class Family:
     gated_mlp: bool = True  # gate and up projections (Llama); False: one up projection (GPT-2's c_fc), no
     # mlp.hook_pre_linear
     per_head_inputs: bool = True  # TransformerLens's hook_attn_in / hook_q_input ... (poslens.engine.tl_inputs) are
-    # built for separate or fused Linear q, k, v after an input norm; not yet GPT-2's Conv1D or OLMo-2's post-norm
+    # built for separate or fused Linear q, k, v after an input norm (GPT-J, Phi too); not yet GPT-2's Conv1D,
+    # OLMo-2's post-norm or GPT-NeoX's per-head fused query_key_value
+    # the "parallel" layout (GPT-NeoX, GPT-J, Phi): x + attn(ln1(x)) + mlp(ln2(x)), both sublayers read the stream
+    # entering the block (no hook_resid_mid, as TransformerLens's parallel_attn_mlp); ln2 == ln1 where one norm
+    # feeds both (GPT-J, Phi: TransformerLens fires ln2's points on a copy of ln1). Module names where they are not
+    # Llama's: `proj` = (attention output, MLP up, MLP down) projections; `qkv_per_head`: one fused projection whose
+    # output holds each head's [q | k | v] side by side (GPT-NeoX's query_key_value)
+    proj: tuple[str, str, str] | None = None
+    qkv_per_head: str | None = None
+    rotary_adjacent_pairs: bool = False  # GPT-J's rotary turns pairs of adjacent dims (rotate_every_two) and its
+    # rotary module returns (sin, cos); TransformerLens's rotary_adjacent_pairs
 
     @property
     def norm_points(self) -> dict[str, str]:
         """Hook point (under blocks.{l}.) -> module attribute of the decoder layer, in forward order."""
-        if self.layout in ("pre-norm", "post-norm"):
+        if self.layout in ("pre-norm", "post-norm", "parallel"):
             return {"ln1": self.ln1, "ln2": self.ln2}
         return {"ln1": self.ln1, "ln1_post": self.ln1_post, "ln2": self.ln2_pre, "ln2_post": self.ln2_post}
 
@@ -100,6 +113,19 @@ FAMILIES: dict[str, Family] = {
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
+    # rotary on part of each head and a parallel residual, LayerNorm with bias, an MLP without a gate:
+    # GPT-NeoX (Pythia): rotary_pct of each head, fused per-head [q | k | v], untied embed_out (the serial form,
+    # use_parallel_residual=False, is the pre-norm layout: `family_of`)
+    "gpt_neox": Family("GPT-NeoX", layout="parallel", attn_attr="attention", embed_attr="embed_in",
+                       final_norm_attr="final_layer_norm", norm_kind="layer", gated_mlp=False, per_head_inputs=False,
+                       proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), qkv_per_head="query_key_value"),
+    # GPT-J: rotary_dim dims turned in adjacent pairs, one ln_1 before both sublayers, q/k/v/out without biases
+    "gptj": Family("GPT-J", layout="parallel", ln1="ln_1", ln2="ln_1", layers_attr="h", attn_attr="attn",
+                   embed_attr="wte", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
+                   proj=("out_proj", "fc_in", "fc_out"), rotary_adjacent_pairs=True),
+    # Phi (phi-1, phi-1.5, phi-2): partial_rotary_factor, one input_layernorm before both sublayers, biases
+    "phi": Family("Phi", layout="parallel", ln2="input_layernorm", final_norm_attr="final_layernorm",
+                  norm_kind="layer", gated_mlp=False, proj=("dense", "fc1", "fc2")),
 }
 
 # Checkpoints known to be trained without positional encoding but saved as RoPE architectures (lower-case hub ids).
@@ -119,7 +145,20 @@ def family_of(config: Any) -> Family:
         raise UsageError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
+    if model_type in ("gpt_neox", "phi"):
+        return _partial_rotary_family(config, FAMILIES[model_type])
     return FAMILIES[model_type]
+
+
+def _partial_rotary_family(config: Any, family: Family) -> Family:
+    """GPT-NeoX in its serial form (use_parallel_residual=False: x + attn(ln1(x)), then + mlp(ln2(.))) is the pre-norm
+    layout; Phi's optional LayerNorm of q and k is refused in one line."""
+    if getattr(config, "qk_layernorm", False):
+        raise UsageError("Phi with qk_layernorm=True (a LayerNorm of each head's q and k) is not supported; the phi-1, "
+                         "phi-1.5 and phi-2 checkpoints have none")
+    if family.layout == "parallel" and not getattr(config, "use_parallel_residual", True):
+        return replace(family, layout="pre-norm")
+    return family
 
 
 def check_supported(config: Any) -> None:
@@ -135,6 +174,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def attention_module(model: nn.Module, layer: int) -> nn.Module:
     """The attention module of decoder layer `layer`."""
     return getattr(decoder_layers(model)[layer], family_of(model.config).attn_attr)
+
+
+def head_dim(attn: nn.Module) -> int:
+    """The head width of an attention module (GPT-NeoX's is `head_size`)."""
+    return int(getattr(attn, "head_dim", None) or attn.head_size)
 
 
 def num_layers(model_or_config: Any) -> int:
@@ -187,12 +231,18 @@ def _identity_rotation(module: nn.Module, args, output):
     return cos.new_ones(cos.shape), sin.new_zeros(sin.shape)
 
 
+def _identity_rotation_sin_first(module: nn.Module, args, output):
+    sin, cos = output  # GPT-J's rotary module returns (sin, cos)
+    return sin.new_zeros(sin.shape), cos.new_ones(cos.shape)
+
+
 def remove_rope(model: nn.Module) -> list:
     """Make every rotary embedding of `model` the identity (cos = 1, sin = 0); returns the hook handles."""
     modules = rotary_modules(model)
     if not modules:
         raise UsageError(f"{type(model).__name__} has no rotary embedding module to remove")
-    return [m.register_forward_hook(_identity_rotation) for m in modules]
+    hook = _identity_rotation_sin_first if family_of(model.config).rotary_adjacent_pairs else _identity_rotation
+    return [m.register_forward_hook(hook) for m in modules]
 
 
 def set_positional_encoding(model: nn.Module, pe: str) -> None:

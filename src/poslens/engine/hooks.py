@@ -36,14 +36,16 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           (TL's use_attn_in; only without grouped-query attention)
     blocks.{l}.hook_q_input             [B, T, H, d]  TL  resid_pre copied per query head (TL's use_split_qkv_input);
     blocks.{l}.hook_k_input, _v_input   [B, T, K, d]  TL  per key/value head: each head's projection reads its own
-                                                          copy through ln1 (poslens.engine.tl_inputs; pre-norm and
-                                                          Gemma families, not yet GPT-2 and OLMo-2)
+                                                          copy through ln1 (poslens.engine.tl_inputs; pre-norm,
+                                                          Gemma, GPT-J and Phi families, not yet GPT-2, OLMo-2 and
+                                                          GPT-NeoX)
     blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32); OLMo-2
                                                           (post-norm): ln1 is the norm after attention, fired after
                                                           attn.hook_out, and ln2 the norm after the MLP
     blocks.{l}.ln1.hook_normalized      [B, T, d]     TL  x / scale, before the gain (float32)
     blocks.{l}.ln1.hook_out             [B, T, d]         after the gain: what attention reads
-    blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE
+    blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE (GPT-NeoX: a view
+                                                          of each head's q in its fused query_key_value)
     blocks.{l}.attn.q_norm.hook_*       [B*T*H, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of q (scale [., 1],
                                                           normalized and out [., D]; TL's flattened layout); OLMo-2:
                                                           [B, T, .], one RMSNorm over the whole projection (H*D)
@@ -63,10 +65,12 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
     blocks.{l}.ln1_post.hook_*          as ln1        TL  Gemma: the norm after attention (post_attention_layernorm)
     blocks.{l}.hook_attn_out            [B, T, d]     TL  what attention adds to the residual stream (Gemma: after
                                                           ln1_post)
-    blocks.{l}.hook_resid_mid           [B, T, d]     TL  after the attention residual
+    blocks.{l}.hook_resid_mid           [B, T, d]     TL  after the attention residual (none in a parallel block:
+                                                          GPT-NeoX, GPT-J, Phi, as TL's parallel_attn_mlp)
     blocks.{l}.hook_mlp_in              [B, T, d]     TL  a copy of resid_mid that only the MLP reads (TL's
-                                                          use_hook_mlp_in)
-    blocks.{l}.ln2.hook_*               as ln1        TL  the norm before the MLP (Gemma: pre_feedforward_layernorm)
+                                                          use_hook_mlp_in; parallel block: of resid_pre)
+    blocks.{l}.ln2.hook_*               as ln1        TL  the norm before the MLP (Gemma: pre_feedforward_layernorm;
+                                                          GPT-J, Phi: their one norm again, on the MLP's input)
     blocks.{l}.mlp.hook_pre             [B, T, M]     TL  gate projection, before the activation
     blocks.{l}.mlp.hook_pre_linear      [B, T, M]     TL  up projection
     blocks.{l}.mlp.hook_post            [B, T, M]     TL  act(pre) * pre_linear: the down projection's input
@@ -101,7 +105,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
-from poslens.engine.families import Family, decoder_layers, family_of
+from poslens.engine.families import Family, decoder_layers, family_of, head_dim
 from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, input_projection_hook
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
@@ -133,13 +137,14 @@ def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = ()) 
     """The points of one block (under blocks.{l}.) in forward order (`inputs`: the per-head attention inputs,
     poslens.engine.tl_inputs)."""
     sandwich, post = family.layout == "sandwich", family.layout == "post-norm"
+    mid = [] if family.layout == "parallel" else ["hook_resid_mid"]  # TransformerLens's parallel_attn_mlp: none
     return ["hook_resid_pre", *inputs, *([] if post else norm_points("ln1")),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
             "attn.hook_v", *(KERNEL_POINTS[2:] if family.pos_embed_attr else KERNEL_POINTS),  # GPT-2: no rot_q, rot_k
             "attn.hook_result", "attn.hook_out",
             *(norm_points("ln1_post") if sandwich else norm_points("ln1") if post else []), "hook_attn_out",
-            "hook_resid_mid", "hook_mlp_in", *([] if post else norm_points("ln2")),
+            *mid, "hook_mlp_in", *([] if post else norm_points("ln2")),
             "mlp.hook_pre", *(["mlp.hook_pre_linear"] if family.gated_mlp else []), "mlp.hook_post", "mlp.hook_out",
             *(norm_points("ln2_post") if sandwich else norm_points("ln2") if post else []), "hook_mlp_out",
             "hook_resid_post"]
@@ -273,7 +278,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """Include hook_attn_in (resid_pre copied per head, [B, T, H, d]) likewise; refused with grouped-query
         attention, as TransformerLens refuses it."""
         if use_attn_in and not self._inputs:
-            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} (pre-norm and Gemma families only)")
+            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} (pre-norm, Gemma, GPT-J and Phi "
+                             "families only)")
         if use_attn_in and self._heads[0] != self._heads[1]:
             raise UsageError(f"set_use_attn_in: {GQA_ATTN_IN}")
         self._use["use_attn_in"] = bool(use_attn_in)
@@ -282,8 +288,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Include hook_q_input [B, T, H, d], hook_k_input and hook_v_input [B, T, K, d] likewise."""
         if use_split_qkv_input and not self._inputs:
-            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} (pre-norm and Gemma families "
-                             "only)")
+            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} (pre-norm, Gemma, GPT-J and "
+                             "Phi families only)")
         self._use["use_split_qkv_input"] = bool(use_split_qkv_input)
         self._set_tl_points()
 
@@ -407,10 +413,14 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if int(parts[1]) >= self.n_layers:
                 hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
             elif not self._inputs and ".".join(parts[2:]) in ("hook_attn_in", *input_points(*self._heads)):
-                hint = (f"TransformerLens has it; poslens has the per-head inputs on the pre-norm and Gemma families, "
+                hint = (f"TransformerLens has it; poslens has the per-head inputs on the pre-norm, Gemma, GPT-J and "
+                        f"Phi families, "
                         f"not yet on {self.family.name}: read blocks.{parts[1]}.hook_resid_pre (the same value, once)")
             elif ".".join(parts[2:]) == "hook_attn_in":
                 hint = GQA_ATTN_IN
+            elif ".".join(parts[2:]) == "hook_resid_mid" and self.family.layout == "parallel":
+                hint = ("attention and the MLP both read the stream entering a parallel block, so it has no resid_mid, "
+                        "as in TransformerLens: read hook_resid_pre and hook_attn_out")
             elif ".".join(parts[2:]) in TL_ONLY:
                 hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
         elif name in TL_ONLY:
@@ -454,10 +464,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 handles.append(head.register_forward_hook(
                     lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
             for l, pts in run.per_layer.items():
-                handles += self._projection_hooks(l, pts)
+                handles += (self._named_projection_hooks if self.family.proj else self._projection_hooks)(l, pts)
             undo += [h.remove for h in handles]
             for prefix, (module, layer) in self._norms.items():
-                if any(p in fns for p in norm_points(prefix)):
+                if any(p in fns for p in norm_points(prefix)) and not self._shared_ln2(prefix):
                     module.forward = functools.partial(self._norm, module, prefix, layer)
                     undo.append(lambda m=module: delattr(m, "forward"))  # back to the class's forward
             for layer, attn in zip(self.layers, self.attns):
@@ -501,6 +511,11 @@ class HookedModel(TransformerLensSurface, TLWeights):
                         for module, parts in attn_sites]
         handles += [module.register_forward_hook(self._split_hook(l, parts))
                     for module, parts in sites if any(p in pts for p, _, _ in parts)]
+        return handles + self._output_hooks(l, pts, o_proj, down, heads)
+
+    def _output_hooks(self, l: int, pts: dict, o_proj, down, heads: int) -> list:
+        """Module hooks for attn.hook_result (on W_O) and mlp.hook_post (the down projection's input) of layer l."""
+        handles = []
         if "attn.hook_result" in pts:
             handles.append(o_proj.register_forward_hook(self._result_hook(l, heads)))
         if "mlp.hook_post" in pts:
@@ -510,6 +525,53 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
             handles.append(down.register_forward_pre_hook(post))
         return handles
+
+    def _named_projection_hooks(self, l: int, pts: dict) -> list:
+        """Module hooks for the hooked projection points of layer l on a family whose projections the registry names
+        (Family.proj: GPT-NeoX, GPT-J, Phi): q, k, v (separate, or GPT-NeoX's fused per-head query_key_value), the
+        MLP's one up projection (mlp.hook_pre: no gate), W_O's heads and the down projection's input."""
+        attn, mlp, cfg = self.attns[l], self.layers[l].mlp, self.model.config
+        o_name, up_name, down_name = self.family.proj
+        d, heads = head_dim(attn), cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        handles = []
+        if self.family.qkv_per_head:
+            if any(p in pts for p in ("attn.hook_q", "attn.hook_k", "attn.hook_v")):
+                fused = getattr(attn, self.family.qkv_per_head)
+                handles.append(fused.register_forward_hook(self._per_head_qkv_hook(l, heads, d)))
+        else:
+            inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
+            for module, part in ((attn.q_proj, ("attn.hook_q", heads * d, d)),
+                                 (attn.k_proj, ("attn.hook_k", kv * d, d)), (attn.v_proj, ("attn.hook_v", kv * d, d))):
+                if inputs:  # first: the projected copies of the per-head inputs
+                    handles.append(module.register_forward_hook(
+                        input_projection_hook(lambda: self._run.inputs.get(l), [part])))
+                if part[0] in pts:
+                    handles.append(module.register_forward_hook(self._split_hook(l, [part])))
+        if "mlp.hook_pre" in pts:
+            handles.append(getattr(mlp, up_name).register_forward_hook(self._split_hook(l, [("mlp.hook_pre", 0, 0)])))
+        return handles + self._output_hooks(l, pts, getattr(attn, o_name), getattr(mlp, down_name), heads)
+
+    def _per_head_qkv_hook(self, l: int, heads: int, d: int):
+        """A forward hook on GPT-NeoX's query_key_value, whose output holds each head's [q | k | v] side by side
+        ([B, T, H * 3 * D]): attn.hook_q, hook_k and hook_v fire as [B, T, H, D] views of it (an edit in place edits
+        the output); a replacement is written back in the same layout."""
+        points = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
+
+        def hook(module, args, out):
+            views = out.unflatten(-1, (heads, 3, d)).unbind(-2)  # q, k, v: [B, T, H, D] each
+            new = [self._fire_at(l, point, x) for point, x in zip(points, views)]
+            if all(y is x for x, y in zip(views, new)):
+                return None
+            return torch.stack(new, -2).flatten(-3)
+
+        return hook
+
+    def _shared_ln2(self, prefix: str) -> bool:
+        """Whether `prefix` is the ln2 of a family where one norm feeds attention and the MLP (GPT-J, Phi): its points
+        are fired by the block forward, not by replacing the module's forward (which is ln1's)."""
+        fam = self.family
+        return fam.layout == "parallel" and fam.ln2 == fam.ln1 and prefix.endswith(".ln2")
 
     # ---- firing -------------------------------------------------------------------------------------------
 
@@ -657,6 +719,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def _block(self, layer_mod, l: int, hidden_states: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
         """The decoder block with its residual-stream points (the model's own modules, in the model's order)."""
         fam = self.family
+        if fam.layout == "parallel":
+            return self._parallel_block(layer_mod, l, hidden_states, attn_kwargs)
 
         def fire(point: str, x):
             return self._fire_at(l, point, x)
@@ -686,6 +750,39 @@ class HookedModel(TransformerLensSurface, TLWeights):
         m = fire("hook_mlp_out", m)  # [B, T, d] what is added
         drop_mlp = getattr(layer_mod, "resid_mlp_dropout", None)
         return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]
+
+    def _parallel_block(self, layer_mod, l: int, hidden_states: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
+        """GPT-NeoX, GPT-J, Phi: x + attn(ln1(x)) + mlp(ln2(x)), summed as the models sum, (attn + mlp) + x. As
+        TransformerLens's parallel_attn_mlp: no hook_resid_mid; hook_mlp_in is a copy of resid_pre that only the MLP
+        reads. Where one norm feeds both sublayers (GPT-J, Phi) ln2's points are that norm run again on the MLP's input
+        (TransformerLens's ln2 is a copy of ln1), so a write at ln1 reaches attention only; unhooked, its one output
+        feeds both, as in the model."""
+        fam, pts = self.family, self._run.per_layer.get(l, {})
+
+        def fire(point: str, x):
+            return self._fire_at(l, point, x)
+
+        x = fire("hook_resid_pre", hidden_states)  # [B, T, d]
+        ln1 = getattr(layer_mod, fam.ln1)
+        if self._inputs:  # TransformerLens's per-head inputs (GPT-J, Phi): the written ones, normed by ln1
+            self._run.inputs[l] = fire_inputs(fire, pts, x, ln1, *self._heads)
+        h = ln1(x)  # ln1.*
+        a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
+        a = fire("hook_attn_out", fire("attn.hook_out", a))  # [B, T, d] after W_O: what is added
+        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in pts else x
+        if fam.ln2 != fam.ln1:  # GPT-NeoX: a norm of its own
+            h2 = getattr(layer_mod, fam.ln2)(mlp_in)  # ln2.*
+        elif any(f"ln2.{p}" in pts for p in NORM_POINTS):
+            h2 = self._norm(ln1, f"blocks.{l}.ln2", l, mlp_in)  # ln2.*: the shared norm's points again
+        elif mlp_in is x and not any(f"ln1.{p}" in pts for p in NORM_POINTS):
+            h2 = h  # nothing hooked: the model's one output
+        else:
+            h2 = type(ln1).forward(ln1, mlp_in)  # the norm itself, without ln1's hooks
+        m = fire("hook_mlp_out", fire("mlp.hook_out", layer_mod.mlp(h2)))  # [B, T, d]
+        drop = getattr(layer_mod, "post_attention_dropout", None) or getattr(layer_mod, "resid_dropout", None)
+        if drop is not None:  # GPT-NeoX's and Phi's residual dropouts (identities in eval)
+            a, m = drop(a), getattr(layer_mod, "post_mlp_dropout", drop)(m)
+        return fire("hook_resid_post", (a + m) + x)  # [B, T, d]
 
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):
         """Fire the attention kernel's points of one layer, then compute its output (the model's own function unless

@@ -1,7 +1,8 @@
 """The positional encoding of a decoder, one type for training, loading and run.json: `PositionalEncoding`.
 
-Per layer: whether it rotates queries and keys (``"rope"``, ``"partial-rope"`` for Phi-3's partial rotary
-factor, ``"none"``) and how far back it attends (its sliding window in tokens; 0 = the full causal context).
+Per layer: whether it rotates queries and keys (``"rope"``, ``"partial-rope"`` where it turns only part of each
+head: Phi-3's and Phi's partial rotary factor, Pythia's rotary_pct, GPT-J's rotary_dim; ``"none"``) and how far
+back it attends (its sliding window in tokens; 0 = the full causal context).
 For the model: the RoPE base ``rope_theta`` and its scaling (`Scaling`: ``ntk:F``, ``linear:F``, ``yarn:F``,
 or whatever a loaded config says, such as Llama 3's ``llama3``).
 
@@ -38,6 +39,7 @@ from typing import Any
 
 from poslens.errors import UsageError, check_float, check_int, require
 
+GPTJ_ROTARY_BASE = 10000.0  # transformers' GPT-J computes its sin/cos table with this base (not a config field)
 LEARNED_TABLE = ("gpt2",)  # model types whose positions come from a learned table added to the token embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
 CONFIG_FIELD = "poslens_variant"  # config field of a checkpoint poslens trained (`variant_record`)
@@ -195,11 +197,12 @@ class PositionalEncoding:
             flags = getattr(config, "no_rope_layers", None) or [1] * n
             rope = tuple("rope" if f else "none" for f in flags[:n])
         else:
-            factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0) or 1.0
-            rope = ("partial-rope" if float(factor) < 1.0 else "rope",) * n
+            rope = ("partial-rope" if rotary_fraction(config) < 1.0 else "rope",) * n
         if all(r == "none" for r in rope):
             return cls(rope=rope, windows=windows, rope_parameters=params or None)
         theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+        if config.model_type == "gptj":  # a fixed sinusoid table of base 10000 (transformers' GPT-J), no parameters
+            theta = GPTJ_ROTARY_BASE
         theta = float(theta) if theta is not None else None
         kind = params.get("rope_type", "default")
         scaling = None if kind == "default" else Scaling(kind, float(params.get("factor") or 1.0))
@@ -281,6 +284,19 @@ class PositionalEncoding:
         if self.rope_parameters:
             out["rope_parameters"] = dict(self.rope_parameters)
         return out
+
+
+def rotary_fraction(config: Any) -> float:
+    """The share of each head's dimensions that RoPE turns: a partial rotary factor (Phi-3, Phi, GPT-NeoX's rotary_pct,
+    kept in rope_parameters), GPT-J's rotary_dim over the head size, else 1."""
+    if config.model_type == "gptj":
+        head = config.hidden_size // config.num_attention_heads
+        return float(config.rotary_dim) / head if getattr(config, "rotary_dim", None) else 1.0
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_type" not in params and "full_attention" in params:
+        params = params["full_attention"]
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(factor or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
 
 
 def _rotary_dim(config: Any, params: dict) -> int:

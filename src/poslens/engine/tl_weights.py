@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from poslens.engine.activation_cache import NoEquivalent
-from poslens.engine.families import attention_module, decoder_layers, family_of, positional_encoding
+from poslens.engine.families import attention_module, decoder_layers, family_of, head_dim, positional_encoding
 from poslens.engine.models import max_positions
-from poslens.engine.pe import PositionalEncoding
+from poslens.engine.pe import PositionalEncoding, rotary_fraction
 from poslens.errors import UsageError
 
 
@@ -48,6 +48,8 @@ class TLConfig:
     rotary_dim: int | None
     rotary_base: float | None
     gated_mlp: bool
+    parallel_attn_mlp: bool  # attention and MLP both read the stream entering the block (GPT-NeoX, GPT-J, Phi)
+    rotary_adjacent_pairs: bool  # RoPE turns adjacent dimension pairs (GPT-J), not the two halves
     final_rms: bool
     window_size: int | None  # the sliding window of the layers that have one
     attn_scores_soft_cap: float
@@ -69,26 +71,27 @@ def tl_config(model, tokenizer=None) -> TLConfig:
     rotates = any(p in ("rope", "partial-rope") for p in pe.rope)
     learned = "learned" in pe.rope
     heads = int(cfg.num_attention_heads)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    factor = float(rope.get("partial_rotary_factor", None) or getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    factor = rotary_fraction(cfg)
     windows = [w for w in pe.windows if w]
     prepends = None if tokenizer is None else len(tokenizer.encode("")) > 0
     return TLConfig(
         model_name=str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
         original_architecture=type(model).__name__,
         n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=heads,
-        n_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), d_head=int(attn.head_dim),
+        n_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), d_head=head_dim(attn),
         d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size),
         d_vocab=int(cfg.vocab_size),
         d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
         act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
                    or getattr(cfg, "activation_function", "")),
-        eps=float(getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_epsilon),
+        eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None) or cfg.layer_norm_epsilon),
         normalization_type="LN" if family.norm_kind == "layer" else "RMS",
         positional_embedding_type="rotary" if rotates else "standard" if learned else "none",
-        rotary_dim=int(attn.head_dim * factor) if rotates else None,
+        rotary_dim=round(head_dim(attn) * factor) if rotates else None,
         rotary_base=pe.rope_theta if rotates else None,
-        gated_mlp=family.gated_mlp, final_rms=family.norm_kind == "rms", window_size=windows[0] if windows else None,
+        gated_mlp=family.gated_mlp, parallel_attn_mlp=family.layout == "parallel",
+        rotary_adjacent_pairs=family.rotary_adjacent_pairs, final_rms=family.norm_kind == "rms",
+        window_size=windows[0] if windows else None,
         attn_scores_soft_cap=float(getattr(cfg, "attn_logit_softcapping", None) or -1.0),
         output_logits_soft_cap=float(getattr(cfg, "final_logit_softcapping", None) or -1.0),
         default_prepend_bos=True, tokenizer_prepends_bos=prepends,
@@ -107,9 +110,15 @@ def _linear_weight(module) -> torch.Tensor:
 
 def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent)."""
+    per_head = getattr(attn, "query_key_value", None)
+    if per_head is not None:  # GPT-NeoX: rows [q | k | v] within each head
+        heads = cfg.num_attention_heads
+        ws = per_head.weight.unflatten(0, (heads, 3, -1)).unbind(1)
+        bs = per_head.bias.unflatten(0, (heads, 3, -1)).unbind(1) if per_head.bias is not None else (None,) * 3
+        return (*(w.flatten(0, 1) for w in ws), tuple(b if b is None else b.flatten() for b in bs))
     fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
     if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn: rows [q | k | v]
-        d, heads = attn.head_dim, cfg.num_attention_heads
+        d, heads = head_dim(attn), cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         sizes = [heads * d, kv * d, kv * d]
         ws = _linear_weight(fused).split(sizes, 0)
@@ -120,18 +129,30 @@ def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
 
 
 def _o_proj(layer):
-    attn = getattr(layer, "self_attn", None) or layer.attn
-    return attn.o_proj if hasattr(attn, "o_proj") else attn.c_proj
+    attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None) or layer.attention  # GPT-NeoX: attention
+    for name in ("o_proj", "dense", "out_proj"):  # GPT-NeoX, Phi: dense; GPT-J: out_proj
+        if hasattr(attn, name):
+            return getattr(attn, name)
+    return attn.c_proj
+
+
+_UP, _DOWN = ("dense_h_to_4h", "fc_in", "fc1"), ("dense_4h_to_h", "fc_out", "fc2")  # GPT-NeoX, GPT-J, Phi: no gate
 
 
 def _down(mlp):
-    return mlp.down_proj if hasattr(mlp, "down_proj") else mlp.c_proj
+    for name in ("down_proj", *_DOWN):
+        if hasattr(mlp, name):
+            return getattr(mlp, name)
+    return mlp.c_proj
 
 
 def _gate_up(mlp) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(gate, up) weights [d_mlp, d_model] (GPT-2: no gate, None; up = c_fc)."""
     if hasattr(mlp, "c_fc"):
         return None, _linear_weight(mlp.c_fc)
+    for name in _UP:
+        if hasattr(mlp, name):
+            return None, getattr(mlp, name).weight
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         return mlp.gate_up_proj.weight.chunk(2, 0)
     return mlp.gate_proj.weight, mlp.up_proj.weight
@@ -154,7 +175,7 @@ class TLWeights:
             if bias:
                 b = bs[which]
                 t = (b.unflatten(0, (heads, -1)) if b is not None
-                     else ws[which].new_zeros(heads, attn.head_dim))
+                     else ws[which].new_zeros(heads, head_dim(attn)))
             else:
                 t = _heads_in(ws[which], heads)
             out.append(t.repeat_interleave(h // kv, 0) if which else t)  # GQA: K, V expanded to the query heads
@@ -318,7 +339,7 @@ class Unembed:
 
 def _up_bias(mlp) -> torch.Tensor:
     """The up projection's bias [d_mlp] (GPT-2's c_fc has one; zeros where absent)."""
-    up = getattr(mlp, "c_fc", None) or getattr(mlp, "up_proj", None)
+    up = next((getattr(mlp, n) for n in ("c_fc", "up_proj", *_UP) if hasattr(mlp, n)), None)
     if up is not None and up.bias is not None:
         return up.bias
     return _gate_up(mlp)[1].new_zeros(_gate_up(mlp)[1].shape[0])

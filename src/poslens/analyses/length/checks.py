@@ -16,6 +16,8 @@ modules and mask code, and tested in tests/test_length_checks.py):
   boundaries when no mask is passed (masks.py).
 * A learned or absolute position table (GPT-2's `wpe`, OPT's `embed_positions`) has no row past its size: no
   supported family has one, and `position_table` finds one in any future family by its modules.
+* GPT-J's rotary angles are a fixed sin/cos table of `max_position_embeddings` rows (base 10000): no angle past it
+  (`check_eval_length` refuses), and no frequencies to rescale (NTK and YaRN refuse).
 
 poslens's Capture refuses sequences longer than `max_position_embeddings`; `context_limit_lifted` lifts that
 guard for the duration of a capture when the model computes positions on the fly and nothing it runs reads
@@ -76,6 +78,12 @@ def check_eval_length(model: nn.Module, eval_len: int) -> None:
         raise UsageError(f"eval_len {eval_len} is past the {table[1]} positions of the model's position table "
                          f"{table[0]}: it has no embedding for later positions; evaluate at most {table[1]} tokens",
                          param="eval_len")
+    for m in rotary_modules(model):  # GPT-J: sin and cos looked up in a table of max_position_embeddings rows
+        rows = getattr(m, "embed_positions", None)
+        if rows is not None and eval_len > rows.shape[0]:
+            raise UsageError(f"eval_len {eval_len} is past the {rows.shape[0]} rows of the model's rotary sin/cos "
+                             f"table ({type(m).__name__}): it has no angle for later positions; evaluate at most "
+                             f"{rows.shape[0]} tokens", param="eval_len")
 
 
 def length_notes(model: nn.Module, eval_len: int) -> list[str]:
@@ -95,7 +103,8 @@ def length_notes(model: nn.Module, eval_len: int) -> list[str]:
 def reset_rotary(model: nn.Module) -> None:
     """Undo what a previous batch did to a dynamic or longrope rotary module (see the module docstring)."""
     for m in rotary_modules(model):
-        types = m.rope_type if isinstance(m.rope_type, dict) else {None: getattr(m, "rope_type", "default")}
+        kind = getattr(m, "rope_type", "default")  # GPT-J's fixed table has none
+        types = kind if isinstance(kind, dict) else {None: kind}
         for layer_type, t in types.items():
             if "dynamic" not in t:
                 continue

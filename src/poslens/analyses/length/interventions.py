@@ -142,6 +142,10 @@ class RopeScaling(Intervention):
         if types != {"default"}:
             raise UsageError(f"{self.name}: the model's RoPE is already scaled (rope_type {sorted(types)[0]}); "
                              "NTK and YaRN at evaluation act on default RoPE")
+        if any(hasattr(m, "embed_positions") for m in rotary_modules(model)):  # GPT-J: a fixed sin/cos table
+            raise UsageError(f"{self.name}: the model's rotary angles come from a fixed sin/cos table of base 10000 "
+                             "(GPT-J's, which transformers cannot rescale), not from frequencies; NTK and YaRN at "
+                             "evaluation act on RoPE computed from inv_freq")
 
     def changed(self, hm, length):
         return self.scaled(hm, self.factor if self.factor is not None else max(1.0, length / self.train_len))
