@@ -356,13 +356,10 @@ def test_sink_heads_are_chosen_on_other_sequences_than_those_they_are_measured_o
     assert "cross-fitted" in out["selection"]
 
 
-def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():
-    """Two NoPE models (SmolLM3 with RoPE off in every layer) that differ only in the key projection's bias: their
-    scores differ by q_i . b, one constant per query (and head, and layer), which no softmax sees, so their
-    attention and log-probabilities agree. Every term of the decomposition and of the log-probabilities, per layer
-    and per head, on every domain, agrees to 1e-6 relative (1.2e-7 seen; the statistic reads the scores in
-    float32), the signed interaction to 1e-6 of the total (6e-6 of its own size where it is near 0); the scores'
-    own energy does not (the control: the models' scores do differ)."""
+def key_bias_pair() -> dict:
+    """Two NoPE models (SmolLM3 with RoPE off in every layer, float64) that differ only in the key projection's bias
+    ("plain": zero; "biased": random, of size 3): their scores differ by q_i . b, one constant per query, head and
+    layer, which no softmax sees."""
     plain = build("smollm3", dtype=torch.float64, no_rope_layers=[0, 0, 0], attention_bias=True)
     biased = copy.deepcopy(plain)
     g = torch.Generator().manual_seed(6)
@@ -371,9 +368,19 @@ def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():
             a.self_attn.k_proj.bias.zero_()
             b.self_attn.k_proj.bias.copy_(3 * torch.randn(b.self_attn.k_proj.bias.shape, generator=g,
                                                           dtype=torch.float64))
+    return {"plain": plain, "biased": biased}
+
+
+def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():
+    """Two NoPE models (SmolLM3 with RoPE off in every layer) that differ only in the key projection's bias: their
+    scores differ by q_i . b, one constant per query (and head, and layer), which no softmax sees, so their
+    attention and log-probabilities agree. Every term of the decomposition and of the log-probabilities, per layer
+    and per head, on every domain, agrees to 1e-6 relative (1.2e-7 seen; the statistic reads the scores in
+    float32), the signed interaction to 1e-6 of the total (6e-6 of its own size where it is near 0); the scores'
+    own energy does not (the control: the models' scores do differ)."""
     ids = torch.randint(3, 200, (8, 24), generator=torch.Generator().manual_seed(7))
     out = {}
-    for name, model in (("plain", plain), ("biased", biased)):
+    for name, model in key_bias_pair().items():
         hm = HookedModel(model)
         stat = LeakageMaps(groups=2, domains=Domains(early_queries=8))
         for b, batch in enumerate(torch.split(ids, 2)):
