@@ -176,3 +176,31 @@ def test_token_anchored_row_also_needs_the_in_distribution_patch(patched, outcom
     assert "from another document's start" in row.key and "rope seed 0" in row.measured
     assert "patch:" not in row.measured
     assert len(sl.anchored_claim(m, labels, "planted", variant=sl.BOS_VARIANT).tests) == 1  # without the patch
+
+
+def with_mask_share(m: dict, share: float) -> dict:
+    """Every run of `m` with its early-query mask-only share (summed over layers) `share`, key 0 in and out."""
+    cell = {"attn/share_mask_only": {k: est(share) for k in ("key0_in", "key0_out")}}
+    return {k: {**run, "original": {**run["original"], "over_layers": {"early": cell}}} for k, run in m.items()}
+
+
+@pytest.mark.parametrize("paired, outcome", [(0.25, "pass"), (-0.2, "fail"), (None, "open")])
+def test_sources_row_needs_the_removal_at_document_starts_to_exceed_it_inside_documents(paired, outcome):
+    """`ruscio-sources-every-architecture`: per RoPE-family variant the mask's term, the BOS replacement's removal
+    and that removal at document starts minus inside the documents (the offset null, paired; t over seeds), so a
+    removal that is as large inside documents fails the row even where every other test passes; without the offset
+    null the third test is open, and says that it was not measured."""
+    m = with_mask_share(sweep(AS_CLAIMED, 0.4), 0.2)
+    if paired is not None:
+        m = with_offset(m, paired)
+    row = sl.sources_claim(m, LABELS, "planted")
+    assert len(row.tests) == 9 and combine(row.tests) == outcome
+    inside = [t for t in row.tests if "document starts minus on windows inside" in t.statistic]
+    assert len(inside) == 3 and all(t is row.tests[3 * k + 2] for k, t in enumerate(inside))
+    assert combine(tuple(t for t in row.tests if t not in inside)) == "pass"
+    if paired is None:
+        assert all("not measured" in t.statistic for t in inside)
+    else:
+        e = seed_interval([paired + 0.01 * s for s in SEEDS])
+        assert (inside[0].value, inside[0].lo, inside[0].hi) == pytest.approx((e["value"], e["lo"], e["hi"]))
+    assert sl.INSIDE_RULE in row.measured
