@@ -325,6 +325,9 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
     for t, e in zip(tests, (gone["key0_in"], gone["key0_out"], paired["key0_in"], paired["key0_out"])):
         assert (t.value, t.lo, t.hi, t.side, t.threshold) == (e["value"], e["lo"], e["hi"], ">", 0)
     assert "minus inside documents" in key and "the last four above" in text
+    sinks = m["interventions"]["mean"]["sink_heads_removed"]  # per head: chosen and measured on other sequences
+    assert ("chosen on half the groups of sequences and measured on the other half" in text) == (sinks is not None)
+    assert ("no head is a sink on either half" in text) == (sinks is None)
     row = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted", real=(tests, text, key))
     assert row.id == "ruscio-bos-replacement" and len(row.tests) == 6 and row.tests[2:] == tests
     assert row.verdict == {"pass": "holds at this scale", "fail": "fails at this scale",

@@ -293,17 +293,25 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
         paired[k] if paired else {"value": None, "lo": None, "hi": None}, ">", 0.0, interval)
         for k in ("key0_in", "key0_out"))
     heads = iv.get("heads") or {}
+    sinks = iv.get("sink_heads_removed")  # chosen on half the groups, measured on the other (contrast.py)
     per_head = []
     for k in ("key0_in", "key0_out"):
         h = heads.get(k)
         if h:
-            sinks = h["sink_heads"]
-            lost = [c for c in sinks if c["lo"] > 0]
-            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early residual term {h['removed']} "
-                            f"of {h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected "
-                            f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
-                            + (f"part ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
-                               if lost else "part"))
+            line = (f"key 0 {k[5:]}: heads that lose part of their early residual term {h['removed']} of "
+                    f"{h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected for "
+                    f"{h['heads']} comparisons); ")
+            if sinks:
+                cell = sinks[k]
+                lost = [c for c in cell["per_head"] if c["lo"] > 0]
+                line += (f"the {sinks['heads']} sink-reading heads (alpha_0 above {sinks['threshold']:g}, chosen on "
+                         "half the groups of sequences and measured on the other half, both ways) lose "
+                         f"{interval_text(cell['removed'])} of it together, and {len(lost)} of them lose part on "
+                         "their own" + (f" ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f})"
+                                        if lost else ""))
+            else:
+                line += "no head is a sink on either half of the groups of sequences"
+            per_head.append(line)
     text = (f"Also measured on Gemma-3-270M, a pre-trained model trained with its BOS first (the setting of the "
             f"paper's Llama; Q4_K_M weights dequantised to float32): {n_seqs} sequences of {L:,} tokens of the "
             f"embedded text, its BOS first, early queries i <= {m['domains']['early_queries']}, the same replacement "
