@@ -452,3 +452,13 @@ def test_sink_heads_removed_share_is_measured_on_the_half_that_did_not_choose_th
         assert head["value"] == pytest.approx(expected, rel=1e-12)
         assert cell["value"] == pytest.approx(expected, rel=1e-12)
         assert cell["lo"] < cell["value"] < cell["hi"]
+    # two groups: one per half, so a jackknife replicate leaves a half without sequences: a value, no interval
+    pair = [LeakageMaps(groups=2, domains=Domains(early_queries=8)) for _ in range(2)]
+    for stat, x in zip(pair, (ids, swapped)):
+        for g in range(2):
+            stat.group = g
+            hm.run(x[4 * g:4 * g + 4], hooks=stat.hooks(hm))
+    pair[0].sums.sums["key0"][:] = 0.05 * pair[0].sums.counts["key0"].reshape(2, 1, 1, 1)
+    pair[0].sums.sums["key0"][0, 0, 1] *= 10
+    two = sink_heads_removed(*pair, threshold=0.3)["key0_in"]["removed"]
+    assert math.isfinite(two["value"]) and math.isnan(two["lo"]) and math.isnan(two["hi"])

@@ -157,8 +157,9 @@ def sink_heads_removed(base: LeakageMaps, other: LeakageMaps, threshold: float, 
     does: groups split by parity, heads chosen on one half's base pass, the removed share 1 - sum E(other) /
     sum E(base) over them measured on the other half, both directions averaged (each replicate of the paired
     jackknife over every group chooses again). Per key 0 in / out: `removed` {value, lo, hi} and `per_head`, each head
-    chosen on either half with its own share measured on the half(s) it was not chosen on and its interval. None
-    when no head is a sink on either half. Choosing and measuring on the same sequences would pick heads where this
+    chosen on either half with its own share measured on the half(s) it was not chosen on and its interval (none with
+    fewer than two groups per half: a replicate would leave a half without sequences). None when no head is a sink
+    on either half. Choosing and measuring on the same sequences would pick heads where this
     text happens to give them large sink attention, and measure them there."""
     names = ("scores", "log_partition", "lag_log_partition", "key0")
     sums = by_parity(joint({"base": base, "other": other}), tuple(f"{p}/{k}" for p in ("base", "other") for k in names))
@@ -178,6 +179,8 @@ def sink_heads_removed(base: LeakageMaps, other: LeakageMaps, threshold: float, 
     heads = (chosen[0] | chosen[1]).nonzero().tolist()
 
     def fn(means: dict) -> torch.Tensor:
+        if not all(bool(torch.isfinite(means[f"{h}:base/key0"]).all()) for h in HALVES):  # a half without sequences
+            return torch.full((2 * (1 + len(heads)),), math.nan, dtype=torch.float64)  # (a replicate of 2 groups)
         pick = chosen_of(means)
         energies = {(p, h): stat.head_energies(half(means, p, h))[:, e]  # [V, L, H]
                     for p, stat in (("base", base), ("other", other)) for h in HALVES}
