@@ -329,12 +329,12 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
     assert ("chosen on half the groups of sequences and measured on the other half" in text) == (sinks is not None)
     assert ("no head is a sink on either half" in text) == (sinks is None)
     row = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted", real=(tests, text, key))
-    assert row.id == "ruscio-bos-replacement" and len(row.tests) == 6 and row.tests[2:] == tests
+    assert row.id == "ruscio-bos-replacement" and len(row.tests) == 8 and row.tests[4:] == tests
     assert row.verdict == {"pass": "holds at this scale", "fail": "fails at this scale",
                            "open": "not resolved"}[combine(row.tests)]
     assert "Gemma-3-270M" in row.scope and text in row.measured and key in row.key_number()
     alone = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted")
-    assert len(alone.tests) == 2 and "bash setup.sh --gemma" in alone.measured
+    assert len(alone.tests) == 4 and "bash setup.sh --gemma" in alone.measured
     e = energies(m, "all", "key0_in")
     assert "12-key windows bind" in arch
     assert f"global (full-attention) layers 2: {e[1]:.3g};" in arch

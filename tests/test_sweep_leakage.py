@@ -51,7 +51,7 @@ def test_sweep_rows_pass_or_fail_by_what_is_planted(energies, bos, outcome, verd
     diff = sum(energies["rope"]) - sum(energies["ntk"])
     assert claim.tests[0].value == pytest.approx(diff) and claim.tests[0].lo == pytest.approx(diff)
     assert "NoPE" in context[0][0] and "control" in context[0][0] and len(context) == 4
-    bos_row = sl.bos_claim(m, LABELS, "planted")
+    bos_row = sl.bos_claim(with_offset(m, bos), LABELS, "planted")  # inside documents: the planted removal's sign
     assert combine(bos_row.tests) == outcome and bos_row.verdict == verdict and "40%" in bos_row.paper_number
     e = seed_interval([bos + 0.01 * s for s in SEEDS])
     assert (bos_row.tests[0].value, bos_row.tests[0].lo, bos_row.tests[0].hi) == pytest.approx(
@@ -135,21 +135,33 @@ def with_offset(m: dict, paired: float) -> dict:
 
 def test_bos_row_is_judged_on_the_document_start_models_with_the_packed_ones_beside():
     """On the BOS matrix the row's tests read `rope-doc` (document starts, BOS first) alone: planted removals of 0.4
-    there and -0.3 in the packed `rope` pass the tests; the packed models' numbers and the offset null's paired
-    difference (starts minus inside) are printed beside, not tested."""
+    there and -0.3 in the packed `rope` pass the tests, and so does the offset null's paired difference (starts
+    minus inside, 0.25: a test, since nulls are tests); the packed models' numbers are printed beside, not tested. A
+    removal no larger at document starts than inside them fails the row; without the offset null those two tests
+    are open."""
     labels = {"rope": "RoPE", "rope-doc": "RoPE; document starts, BOS first",
               "rope-doc-nobos": "RoPE; document starts, no BOS"}
     m = {**sweep({"rope-doc": [1.0] * 4}, 0.4), **sweep({"rope": [1.0] * 4}, -0.3)}
     m = with_offset(m, 0.25)
     row = sl.bos_claim(m, labels, "planted", variant=sl.BOS_VARIANT, contrast=sl.PACKED_VARIANT)
-    assert combine(row.tests) == "pass" and len(row.tests) == 2
+    assert combine(row.tests) == "pass" and len(row.tests) == 4
+    inside = seed_interval([0.25 + 0.01 * s for s in SEEDS])
+    assert "minus on windows inside the documents" in row.tests[2].statistic
+    assert (row.tests[2].value, row.tests[2].lo, row.tests[2].hi) == pytest.approx(
+        (inside["value"], inside["lo"], inside["hi"]))
+    no_larger = {**sweep({"rope-doc": [1.0] * 4}, 0.4), **sweep({"rope": [1.0] * 4}, -0.3)}
+    assert combine(sl.bos_claim(with_offset(no_larger, -0.1), labels, "planted", variant=sl.BOS_VARIANT,
+                                contrast=sl.PACKED_VARIANT).tests) == "fail"
+    unmeasured = sl.bos_claim(no_larger, labels, "planted", variant=sl.BOS_VARIANT, contrast=sl.PACKED_VARIANT)
+    assert combine(unmeasured.tests) == "open" and "not measured" in unmeasured.tests[3].statistic
     assert all(t.statistic.startswith("RoPE; document starts, BOS first:") for t in row.tests)
     e = seed_interval([0.4 + 0.01 * s for s in SEEDS])
     assert row.tests[0].value == pytest.approx(e["value"])
     packed = seed_interval([-0.3 + 0.01 * s for s in SEEDS])
     assert "The contrast, RoPE models trained otherwise" in row.measured
     assert f"{packed['value']:.3g}" in row.measured
-    assert "document starts minus on windows inside the same documents" in row.measured
+    assert "document starts minus the same replacement on the offset null's windows inside the same documents" in \
+        row.measured
     assert sl.starts_minus_inside(m, "rope-doc").startswith("key 0 in 0.26")
     assert sl.starts_minus_inside(sweep({"rope-doc": [1.0] * 4}, 0.4), "rope-doc") == ""  # no offset null: no text
     flipped = {**sweep({"rope-doc": [1.0] * 4}, -0.3), **sweep({"rope": [1.0] * 4}, 0.4)}

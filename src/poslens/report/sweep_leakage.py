@@ -126,6 +126,8 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
 
     tests = tuple(_test(f"{labels[variant]}: share of the early-query residual term (summed over layers, key 0 "
                         f"{k[5:]}) removed by the BOS replacement", share(variant, k)) for k in ("key0_in", "key0_out"))
+    tests += tuple(inside_test(labels[variant], inside_interval(metrics, variant, spec, k), k)
+                   for k in ("key0_in", "key0_out"))  # nulls are tests: the removal must exceed it inside documents
     sweep_key = (f"{labels[variant]} {interval_text(share(variant, 'key0_in'))} (key 0 in) / "
                  f"{interval_text(share(variant, 'key0_out'))} (out)")
     others = [v for v in ROPE_FAMILY if v not in (variant, contrast) and _seeds(metrics, v)]
@@ -148,9 +150,10 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  "NoPE control and the parameter-free stack have it as well: context below). Only the direction "
                  "is tested ('removes part': a share above 0); the paper's 40% is a size at its scale, printed "
                  "beside ours, not a threshold a model this small could be held to."
-                 + (f" The same replacement at document starts minus on windows inside the same documents (the "
-                    f"offset null's windows, BOS kept; paired by group, t over seeds): {own}: the part of the "
-                    "removal that the document start adds to the BOS." if own else "")
+                 + f" Since {INSIDE_RULE}, the removal at document starts minus the same replacement on the offset "
+                   "null's windows inside the same documents (BOS kept; paired by group in each run, t over seeds) "
+                   "must be above 0 too (the sweep's last two tests: the part of the removal that the document start "
+                   "adds to the BOS)" + (f": {own}." if own else ": not measured here (the runs have no offset null).")
                  + versus + " Other variants trained with a BOS: "
                  + ("; ".join(f"{labels[v]} {beside(v)}" for v in others) or "none") + "."
                  + (" " + real[1] if real else " Not measured here on a pre-trained model trained with its BOS "
@@ -191,13 +194,13 @@ INSIDE_RULE = ("a row that claims an effect of position requires the effect at d
 NOT_MEASURED = {"value": None, "lo": None, "hi": None}
 
 
-def inside_test(label: str, e: dict | None) -> Test:
+def inside_test(label: str, e: dict | None, key0: str = "key0_out") -> Test:
     """The paired offset-null test of a BOS replacement's removal: at document starts minus inside them, > 0 (open,
     and saying so, where the runs did not run the offset null)."""
     return _test(f"{label}: the same removal at document starts minus on windows inside the documents (the offset "
                  "null's pass of the same replacement, BOS kept, paired by group of sequences in each run; t over "
-                 "seeds; key 0 out)" + ("" if e else ": not measured, the runs have no offset null (`poslens leakage "
-                                        "--nulls offset` runs it)"), e or NOT_MEASURED)
+                 f"seeds; key 0 {key0[5:]})" + ("" if e else ": not measured, the runs have no offset null (`poslens "
+                                                "leakage --nulls offset` runs it)"), e or NOT_MEASURED)
 
 
 def sink_attention(metrics: dict, variant: str, seed: int, spec: str = "mean") -> dict | None:
