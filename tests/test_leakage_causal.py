@@ -16,6 +16,7 @@ from tiny_models import build
 from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage import metrics as lm
 from poslens.analyses.leakage.causal import (
+    ENERGIES,
     METRICS,
     VARIANTS,
     Domains,
@@ -351,9 +352,25 @@ def test_sink_heads_are_chosen_on_other_sequences_than_those_they_are_measured_o
 
     out = sink_attention(uneven(), uneven(), threshold=0.3)
     assert out["heads"] == 1 and out["per_head"][0]["chosen_on"] == [0]
+    assert out["groups"] == 4  # the jackknife is over every group, not over the first half's groups alone
     assert out["base"]["value"] == pytest.approx(0.1, abs=1e-12)
     assert out["change"]["value"] == pytest.approx(0.0, abs=1e-12)
     assert "cross-fitted" in out["selection"]
+
+
+def key_bias_pair() -> dict:
+    """Two NoPE models (SmolLM3 with RoPE off in every layer, float64) that differ only in the key projection's bias
+    ("plain": zero; "biased": random, of size 3): their scores differ by q_i . b, one constant per query, head and
+    layer, which no softmax sees."""
+    plain = build("smollm3", dtype=torch.float64, no_rope_layers=[0, 0, 0], attention_bias=True)
+    biased = copy.deepcopy(plain)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for a, b in zip(plain.model.layers, biased.model.layers):
+            a.self_attn.k_proj.bias.zero_()
+            b.self_attn.k_proj.bias.copy_(3 * torch.randn(b.self_attn.k_proj.bias.shape, generator=g,
+                                                          dtype=torch.float64))
+    return {"plain": plain, "biased": biased}
 
 
 def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():
@@ -363,17 +380,9 @@ def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():
     and per head, on every domain, agrees to 1e-6 relative (1.2e-7 seen; the statistic reads the scores in
     float32), the signed interaction to 1e-6 of the total (6e-6 of its own size where it is near 0); the scores'
     own energy does not (the control: the models' scores do differ)."""
-    plain = build("smollm3", dtype=torch.float64, no_rope_layers=[0, 0, 0], attention_bias=True)
-    biased = copy.deepcopy(plain)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for a, b in zip(plain.model.layers, biased.model.layers):
-            a.self_attn.k_proj.bias.zero_()
-            b.self_attn.k_proj.bias.copy_(3 * torch.randn(b.self_attn.k_proj.bias.shape, generator=g,
-                                                          dtype=torch.float64))
     ids = torch.randint(3, 200, (8, 24), generator=torch.Generator().manual_seed(7))
     out = {}
-    for name, model in (("plain", plain), ("biased", biased)):
+    for name, model in key_bias_pair().items():
         hm = HookedModel(model)
         stat = LeakageMaps(groups=2, domains=Domains(early_queries=8))
         for b, batch in enumerate(torch.split(ids, 2)):
@@ -393,3 +402,63 @@ def test_two_nope_models_that_differ_only_in_a_key_bias_give_the_same_terms():
         assert torch.all((got[:, signed[0]] - ref[:, signed[0]]).abs() <= 1e-6 * ref[:, total])
         assert torch.all((got[:, signed[1]] - ref[:, signed[1]]).abs() <= 1e-6)
         assert torch.all((out["biased"][k][:, energy] / out["plain"][k][:, energy] - 1).abs() > 0.01)
+
+
+def test_sink_heads_removed_share_is_measured_on_the_half_that_did_not_choose_the_heads():
+    """A real tiny model's passes (the original and position 0's token replaced), with head (layer 1, head 2) planted
+    as a sink in the even groups only: it is chosen on the even groups' sequences and its removed share of the
+    early residual term is measured on the odd groups' alone, equal to that of a statistic holding only the odd
+    groups' sums (to 1e-12: the same float64 means); the share over the chosen set is the same number (one head), with
+    a paired jackknife interval around it; with no sink on either half there is nothing to report."""
+    from poslens.analyses.leakage.contrast import sink_heads_removed
+
+    model = build("llama", num_hidden_layers=2)
+    hm = HookedModel(model)
+    ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(9))
+    swapped = ids.clone()
+    swapped[:, 0] = 2
+    base, other = LeakageMaps(groups=4, domains=Domains(early_queries=8)), LeakageMaps(groups=4,
+                                                                                      domains=Domains(early_queries=8))
+    for stat, x in ((base, ids), (other, swapped)):
+        for g in range(4):
+            stat.group = g
+            hm.run(x[2 * g:2 * g + 2], hooks=stat.hooks(hm))
+    key0 = base.sums.sums["key0"]
+    key0[:] = 0.05 * base.sums.counts["key0"].reshape(4, 1, 1, 1)  # alpha_0 0.05 everywhere: no sink
+    assert sink_heads_removed(base, other, threshold=0.3) is None
+    key0[0::2, 0, 1] *= 10  # 0.5 on the even groups, 0.05 on the odd
+    out = sink_heads_removed(base, other, threshold=0.3)
+    assert out["heads"] == 1 and "cross-fitted" in out["selection"] and out["groups"] == 4
+
+    def odd_only(stat: LeakageMaps) -> LeakageMaps:
+        part = LeakageMaps(groups=4, domains=stat.domains)
+        part.windows = stat.windows
+        for name, s in stat.sums.sums.items():
+            c = stat.sums.counts[name]
+            odd = (torch.arange(4) % 2 == 1).to(torch.float64)
+            part.sums.sums[name] = s * odd.reshape(-1, *(1,) * (s.dim() - 1)).to(s.dtype)
+            part.sums.counts[name] = c * odd.reshape(-1, *(1,) * (c.dim() - 1))
+        return part
+
+    energy = ENERGIES.index("attn/residual")
+    names = [v[0] for v in VARIANTS]
+    ob, oo = odd_only(base), odd_only(other)
+    eb = ob.head_energies({k: ob.sums.mean(k) for k in ob.KEYS})[:, energy, 0, 1]  # [V]: layer 1, head 2
+    eo = oo.head_energies({k: oo.sums.mean(k) for k in oo.KEYS})[:, energy, 0, 1]
+    for key0, variant in (("key0_in", "early"), ("key0_out", "early_no_key0")):
+        expected = float(1 - eo[names.index(variant)] / eb[names.index(variant)])
+        head, cell = out[key0]["per_head"][0], out[key0]["removed"]
+        assert (head["layer"], head["head"], head["chosen_on"]) == (1, 2, [0])
+        assert head["value"] == pytest.approx(expected, rel=1e-12)
+        assert cell["value"] == pytest.approx(expected, rel=1e-12)
+        assert cell["lo"] < cell["value"] < cell["hi"]
+    # two groups: one per half, so a jackknife replicate leaves a half without sequences: a value, no interval
+    pair = [LeakageMaps(groups=2, domains=Domains(early_queries=8)) for _ in range(2)]
+    for stat, x in zip(pair, (ids, swapped)):
+        for g in range(2):
+            stat.group = g
+            hm.run(x[4 * g:4 * g + 4], hooks=stat.hooks(hm))
+    pair[0].sums.sums["key0"][:] = 0.05 * pair[0].sums.counts["key0"].reshape(2, 1, 1, 1)
+    pair[0].sums.sums["key0"][0, 0, 1] *= 10
+    two = sink_heads_removed(*pair, threshold=0.3)["key0_in"]["removed"]
+    assert math.isfinite(two["value"]) and math.isnan(two["lo"]) and math.isnan(two["hi"])

@@ -301,10 +301,11 @@ def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
 
 def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
     """The report's Gemma-3 pieces (`gemma_measurement`) on a real `poslens leakage` run of a tiny Gemma-3 (sliding
-    window 12 in layers 1 and 3, layer 2 global) at 24 tokens, where the window binds: its two tests are the run's
-    removed shares (key 0 in and out) against 0, they join the sweep's tests in the one BOS row (whose verdict follows
-    the rule with the paper's scale as scope: a failure reads fails at this scale), and the architecture context
-    puts each layer under its own type."""
+    window 12 in layers 1 and 3, layer 2 global) at 24 tokens, where the window binds: its four tests are the run's
+    removed shares (key 0 in and out) against 0 and the same removal at document starts minus on the offset null's
+    windows inside the documents (paired by group) against 0, they join the sweep's tests in the one BOS row (whose
+    verdict follows the rule with the paper's scale as scope: a failure reads fails at this scale), and the
+    architecture context puts each layer under its own type."""
     from test_sweep_leakage import LABELS, sweep
 
     from poslens.report.claims import combine
@@ -314,21 +315,26 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
     model = saved_tiny_llama(tmp_path / "gemma", family="gemma3")
     out = tmp_path / "run"
     run_leakage(LeakageConfig(model=str(model), seq_len=24, num_sequences=8, batch_size=2, groups=4, early_queries=10,
-                              max_offset=11, interventions=["mean"], nulls=["none"], predecessor=False, figures=False),
-                out, progress=False)
+                              max_offset=11, interventions=["mean"], nulls=["offset"], predecessor=False,
+                              figures=False), out, progress=False)
     tests, text, key, context, arch = gemma_measurement(out)
     m = poslens.io.results.load(out, tensors=False).metrics
     gone = m["interventions"]["mean"]["over_layers"]["removed"]["early"]["attn/residual"]
-    assert len(tests) == 2
-    for t, k in zip(tests, ("key0_in", "key0_out")):
-        assert (t.value, t.lo, t.hi, t.side, t.threshold) == (gone[k]["value"], gone[k]["lo"], gone[k]["hi"], ">", 0)
+    paired = m["nulls"]["offset"]["interventions"]["mean"]["paired"]["over_layers"]["removed"]["early"]["attn/residual"]
+    assert len(tests) == 4 and "minus on windows inside the documents" in tests[2].statistic
+    for t, e in zip(tests, (gone["key0_in"], gone["key0_out"], paired["key0_in"], paired["key0_out"])):
+        assert (t.value, t.lo, t.hi, t.side, t.threshold) == (e["value"], e["lo"], e["hi"], ">", 0)
+    assert "minus inside documents" in key and "the last four above" in text
+    sinks = m["interventions"]["mean"]["sink_heads_removed"]  # per head: chosen and measured on other sequences
+    assert ("chosen on half the groups of sequences and measured on the other half" in text) == (sinks is not None)
+    assert ("no head is a sink on either half" in text) == (sinks is None)
     row = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted", real=(tests, text, key))
-    assert row.id == "ruscio-bos-replacement" and len(row.tests) == 4 and row.tests[2:] == tests
+    assert row.id == "ruscio-bos-replacement" and len(row.tests) == 8 and row.tests[4:] == tests
     assert row.verdict == {"pass": "holds at this scale", "fail": "fails at this scale",
                            "open": "not resolved"}[combine(row.tests)]
     assert "Gemma-3-270M" in row.scope and text in row.measured and key in row.key_number()
     alone = bos_claim(sweep({"rope": [1.0] * 4}, 0.4), LABELS, "planted")
-    assert len(alone.tests) == 2 and "bash setup.sh --gemma" in alone.measured
+    assert len(alone.tests) == 4 and "bash setup.sh --gemma" in alone.measured
     e = energies(m, "all", "key0_in")
     assert "12-key windows bind" in arch
     assert f"global (full-attention) layers 2: {e[1]:.3g};" in arch

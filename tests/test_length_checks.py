@@ -89,15 +89,20 @@ def test_maps_past_max_position_embeddings_are_the_models_own():
 
 def test_leakage_metrics_at_a_shorter_length_are_the_top_left_block():
     # causality: a capture at 2T holds the maps at T in its top-left block, so metrics(n=T) of the long capture
-    # equal the metrics of a capture at T on the same prefixes (and their jackknife intervals too)
+    # equal the metrics of a capture at T on the same prefixes (and their jackknife intervals too); the lag fit at T
+    # is not the long one's top-left block, and the long capture, told the length, makes it in the same forward
+    # (from score blocks of 5 queries: a block straddles T)
     model = build("qwen3", num_hidden_layers=2)
     ids = token_batch(4, 48, seed=3)
-    short, long = LengthMaps(model, groups=2), LengthMaps(model, groups=2)
+    short, long = LengthMaps(model, groups=2), LengthMaps(model, groups=2, lengths=[24, 48])
+    long.chunk_bytes = 16 * 2 * model.config.num_attention_heads * 48 * 5
     for g in range(2):
         short.update(ids[2 * g:2 * g + 2, :24], group=g)
         long.update(ids[2 * g:2 * g + 2], group=g)
     a, b = short.metrics(), long.metrics(n=24)
-    assert set(a) == set(b) and "split/e_total" in a and "scores/trf" in a
+    assert set(a) == set(b) and "attn/mask_only" in a and "scores/trf" in a
+    with pytest.raises(UsageError, match=r"lengths \[32\]: the capture fitted the lag profile at \[24, 48\]"):
+        long.metrics(n=32)
     for name in a:
         torch.testing.assert_close(a[name].value, b[name].value, equal_nan=True, rtol=2e-4, atol=1e-6)
         torch.testing.assert_close(a[name].se, b[name].se, equal_nan=True, rtol=2e-3, atol=1e-6)

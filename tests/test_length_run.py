@@ -91,7 +91,8 @@ def test_command_past_max_position_embeddings(models, tmp_path, capsys):
     assert entry["effects"]["freeze"]["64"]["value"] != 0.0
     # the maps at each evaluation length, past max_position_embeddings (16)
     assert set(entry["maps"]) == {"16", "32", "64"} and run["maps/scores"].shape == (3, 64, 64)
-    assert len(entry["maps"]["64"]["split/share_partition"]["value"]) == 3
+    assert len(entry["maps"]["64"]["attn/share_mask_only"]["value"]) == 3  # the decomposition of poslens leakage
+    assert not any(k.startswith("split/") for k in entry["maps"]["64"])
     # attention on the keys seen: log(i + 1) under the plain causal mask, capped at the window under window
     logk = torch.log1p(torch.arange(64, dtype=torch.float64))
     torch.testing.assert_close(run["profile/none/log_keys"].double(), logk.expand(3, 64), rtol=0, atol=1e-6)

@@ -51,7 +51,7 @@ def test_sweep_rows_pass_or_fail_by_what_is_planted(energies, bos, outcome, verd
     diff = sum(energies["rope"]) - sum(energies["ntk"])
     assert claim.tests[0].value == pytest.approx(diff) and claim.tests[0].lo == pytest.approx(diff)
     assert "NoPE" in context[0][0] and "control" in context[0][0] and len(context) == 4
-    bos_row = sl.bos_claim(m, LABELS, "planted")
+    bos_row = sl.bos_claim(with_offset(m, bos), LABELS, "planted")  # inside documents: the planted removal's sign
     assert combine(bos_row.tests) == outcome and bos_row.verdict == verdict and "40%" in bos_row.paper_number
     e = seed_interval([bos + 0.01 * s for s in SEEDS])
     assert (bos_row.tests[0].value, bos_row.tests[0].lo, bos_row.tests[0].hi) == pytest.approx(
@@ -135,21 +135,33 @@ def with_offset(m: dict, paired: float) -> dict:
 
 def test_bos_row_is_judged_on_the_document_start_models_with_the_packed_ones_beside():
     """On the BOS matrix the row's tests read `rope-doc` (document starts, BOS first) alone: planted removals of 0.4
-    there and -0.3 in the packed `rope` pass the tests; the packed models' numbers and the offset null's paired
-    difference (starts minus inside) are printed beside, not tested."""
+    there and -0.3 in the packed `rope` pass the tests, and so does the offset null's paired difference (starts
+    minus inside, 0.25: a test, since nulls are tests); the packed models' numbers are printed beside, not tested. A
+    removal no larger at document starts than inside them fails the row; without the offset null those two tests
+    are open."""
     labels = {"rope": "RoPE", "rope-doc": "RoPE; document starts, BOS first",
               "rope-doc-nobos": "RoPE; document starts, no BOS"}
     m = {**sweep({"rope-doc": [1.0] * 4}, 0.4), **sweep({"rope": [1.0] * 4}, -0.3)}
     m = with_offset(m, 0.25)
     row = sl.bos_claim(m, labels, "planted", variant=sl.BOS_VARIANT, contrast=sl.PACKED_VARIANT)
-    assert combine(row.tests) == "pass" and len(row.tests) == 2
+    assert combine(row.tests) == "pass" and len(row.tests) == 4
+    inside = seed_interval([0.25 + 0.01 * s for s in SEEDS])
+    assert "minus on windows inside the documents" in row.tests[2].statistic
+    assert (row.tests[2].value, row.tests[2].lo, row.tests[2].hi) == pytest.approx(
+        (inside["value"], inside["lo"], inside["hi"]))
+    no_larger = {**sweep({"rope-doc": [1.0] * 4}, 0.4), **sweep({"rope": [1.0] * 4}, -0.3)}
+    assert combine(sl.bos_claim(with_offset(no_larger, -0.1), labels, "planted", variant=sl.BOS_VARIANT,
+                                contrast=sl.PACKED_VARIANT).tests) == "fail"
+    unmeasured = sl.bos_claim(no_larger, labels, "planted", variant=sl.BOS_VARIANT, contrast=sl.PACKED_VARIANT)
+    assert combine(unmeasured.tests) == "open" and "not measured" in unmeasured.tests[3].statistic
     assert all(t.statistic.startswith("RoPE; document starts, BOS first:") for t in row.tests)
     e = seed_interval([0.4 + 0.01 * s for s in SEEDS])
     assert row.tests[0].value == pytest.approx(e["value"])
     packed = seed_interval([-0.3 + 0.01 * s for s in SEEDS])
     assert "The contrast, RoPE models trained otherwise" in row.measured
     assert f"{packed['value']:.3g}" in row.measured
-    assert "document starts minus on windows inside the same documents" in row.measured
+    assert "document starts minus the same replacement on the offset null's windows inside the same documents" in \
+        row.measured
     assert sl.starts_minus_inside(m, "rope-doc").startswith("key 0 in 0.26")
     assert sl.starts_minus_inside(sweep({"rope-doc": [1.0] * 4}, 0.4), "rope-doc") == ""  # no offset null: no text
     flipped = {**sweep({"rope-doc": [1.0] * 4}, -0.3), **sweep({"rope": [1.0] * 4}, 0.4)}
@@ -176,3 +188,31 @@ def test_token_anchored_row_also_needs_the_in_distribution_patch(patched, outcom
     assert "from another document's start" in row.key and "rope seed 0" in row.measured
     assert "patch:" not in row.measured
     assert len(sl.anchored_claim(m, labels, "planted", variant=sl.BOS_VARIANT).tests) == 1  # without the patch
+
+
+def with_mask_share(m: dict, share: float) -> dict:
+    """Every run of `m` with its early-query mask-only share (summed over layers) `share`, key 0 in and out."""
+    cell = {"attn/share_mask_only": {k: est(share) for k in ("key0_in", "key0_out")}}
+    return {k: {**run, "original": {**run["original"], "over_layers": {"early": cell}}} for k, run in m.items()}
+
+
+@pytest.mark.parametrize("paired, outcome", [(0.25, "pass"), (-0.2, "fail"), (None, "open")])
+def test_sources_row_needs_the_removal_at_document_starts_to_exceed_it_inside_documents(paired, outcome):
+    """`ruscio-sources-every-architecture`: per RoPE-family variant the mask's term, the BOS replacement's removal
+    and that removal at document starts minus inside the documents (the offset null, paired; t over seeds), so a
+    removal that is as large inside documents fails the row even where every other test passes; without the offset
+    null the third test is open, and says that it was not measured."""
+    m = with_mask_share(sweep(AS_CLAIMED, 0.4), 0.2)
+    if paired is not None:
+        m = with_offset(m, paired)
+    row = sl.sources_claim(m, LABELS, "planted")
+    assert len(row.tests) == 9 and combine(row.tests) == outcome
+    inside = [t for t in row.tests if "document starts minus on windows inside" in t.statistic]
+    assert len(inside) == 3 and all(t is row.tests[3 * k + 2] for k, t in enumerate(inside))
+    assert combine(tuple(t for t in row.tests if t not in inside)) == "pass"
+    if paired is None:
+        assert all("not measured" in t.statistic for t in inside)
+    else:
+        e = seed_interval([paired + 0.01 * s for s in SEEDS])
+        assert (inside[0].value, inside[0].lo, inside[0].hi) == pytest.approx((e["value"], e["lo"], e["hi"]))
+    assert sl.INSIDE_RULE in row.measured

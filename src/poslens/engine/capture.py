@@ -507,6 +507,7 @@ class Capture(Statistic):
             if softcap is not None:
                 sc = torch.tanh(sc / softcap) * softcap
             allowed = seen[s:e, k0:e]
+            self._block(slot, s, e, k0, sc, allowed)
             keep = (valid[:, s:e, None] & allowed)[:, None, None]  # [B, 1, 1, bq, K]
             zero = sc.new_zeros(())
             if self.wanted["scores"] and softcap is not None:
@@ -520,6 +521,11 @@ class Capture(Statistic):
                 if self.wanted["log_probs"]:
                     add("log_probs", s, e, k0, torch.where(keep, logp, zero))
                     add("log_partition", s, e, k0, torch.where(valid[:, None, None, s:e], lse[..., 0], zero))
+
+    def _block(self, slot: int, s: int, e: int, k0: int, scores: torch.Tensor, allowed: torch.Tensor) -> None:
+        """Sees each block of per-head scores of the chunked path, [B, Hkv, G, e - s, e - k0] (queries s .. e - 1,
+        keys k0 .. e - 1; `allowed` [e - s, e - k0]: the entries the softmax sees): a subclass's reader of what the
+        head means lose (poslens.analyses.length.maps's per-sequence lag fit). Nothing here."""
 
     def _hidden(self, x: torch.Tensor, ctx) -> None:
         """Reader of `hook_resid_pre`: sums of the cosine similarity of the residual-stream vectors."""

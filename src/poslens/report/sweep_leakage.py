@@ -126,6 +126,8 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
 
     tests = tuple(_test(f"{labels[variant]}: share of the early-query residual term (summed over layers, key 0 "
                         f"{k[5:]}) removed by the BOS replacement", share(variant, k)) for k in ("key0_in", "key0_out"))
+    tests += tuple(inside_test(labels[variant], inside_interval(metrics, variant, spec, k), k)
+                   for k in ("key0_in", "key0_out"))  # nulls are tests: the removal must exceed it inside documents
     sweep_key = (f"{labels[variant]} {interval_text(share(variant, 'key0_in'))} (key 0 in) / "
                  f"{interval_text(share(variant, 'key0_out'))} (out)")
     others = [v for v in ROPE_FAMILY if v not in (variant, contrast) and _seeds(metrics, v)]
@@ -148,9 +150,10 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
                  "NoPE control and the parameter-free stack have it as well: context below). Only the direction "
                  "is tested ('removes part': a share above 0); the paper's 40% is a size at its scale, printed "
                  "beside ours, not a threshold a model this small could be held to."
-                 + (f" The same replacement at document starts minus on windows inside the same documents (the "
-                    f"offset null's windows, BOS kept; paired by group, t over seeds): {own}: the part of the "
-                    "removal that the document start adds to the BOS." if own else "")
+                 + f" Since {INSIDE_RULE}, the removal at document starts minus the same replacement on the offset "
+                   "null's windows inside the same documents (BOS kept; paired by group in each run, t over seeds) "
+                   "must be above 0 too (the sweep's last two tests: the part of the removal that the document start "
+                   "adds to the BOS)" + (f": {own}." if own else ": not measured here (the runs have no offset null).")
                  + versus + " Other variants trained with a BOS: "
                  + ("; ".join(f"{labels[v]} {beside(v)}" for v in others) or "none") + "."
                  + (" " + real[1] if real else " Not measured here on a pre-trained model trained with its BOS "
@@ -166,20 +169,38 @@ def bos_claim(metrics: dict, labels: dict[str, str], describe: str, spec: str = 
     return claim
 
 
-def starts_minus_inside(metrics: dict, variant: str, spec: str = "mean") -> str:
-    """The replacement `spec`'s removed share of the early-query residual term (summed over layers) at
-    document starts minus on the offset null's windows inside the documents, key 0 in and out, t over seeds of
-    the per-seed paired values; '' where the runs have no offset null (`nulls.paired_with_starts`)."""
+def inside_interval(metrics: dict, variant: str, spec: str, key0: str) -> dict | None:
+    """The replacement `spec`'s removed share of the early-query residual term (summed over layers) at document
+    starts minus on the offset null's windows inside the same documents, paired by group in each run
+    (`nulls.paired_with_starts`), as a mean over seeds with its t-interval; None where a run has no offset null."""
     seeds = _seeds(metrics, variant)
     rows = [((metrics[variant, s].get("nulls", {}).get("offset") or {}).get("interventions") or {}).get(spec)
             for s in seeds]
     if not seeds or not all(rows):
+        return None
+    return seed_interval([r["paired"]["over_layers"]["removed"]["early"][ENERGY][key0]["value"] for r in rows])
+
+
+def starts_minus_inside(metrics: dict, variant: str, spec: str = "mean") -> str:
+    """`inside_interval` with key 0 in and out, as text; '' where the runs have no offset null."""
+    parts = [(k, inside_interval(metrics, variant, spec, k)) for k in ("key0_in", "key0_out")]
+    if any(e is None for _, e in parts):
         return ""
-    parts = []
-    for key0 in ("key0_in", "key0_out"):
-        e = seed_interval([r["paired"]["over_layers"]["removed"]["early"][ENERGY][key0]["value"] for r in rows])
-        parts.append(f"key 0 {key0[5:]} {interval_text(e)}")
-    return ", ".join(parts)
+    return ", ".join(f"key 0 {k[5:]} {interval_text(e)}" for k, e in parts)
+
+
+INSIDE_RULE = ("a row that claims an effect of position requires the effect at document starts to exceed the same "
+               "measurement on windows inside the documents, paired")
+NOT_MEASURED = {"value": None, "lo": None, "hi": None}
+
+
+def inside_test(label: str, e: dict | None, key0: str = "key0_out") -> Test:
+    """The paired offset-null test of a BOS replacement's removal: at document starts minus inside them, > 0 (open,
+    and saying so, where the runs did not run the offset null)."""
+    return _test(f"{label}: the same removal at document starts minus on windows inside the documents (the offset "
+                 "null's pass of the same replacement, BOS kept, paired by group of sequences in each run; t over "
+                 f"seeds; key 0 {key0[5:]})" + ("" if e else ": not measured, the runs have no offset null (`poslens "
+                                                "leakage --nulls offset` runs it)"), e or NOT_MEASURED)
 
 
 def sink_attention(metrics: dict, variant: str, seed: int, spec: str = "mean") -> dict | None:
@@ -291,6 +312,7 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
                              support=(-math.inf, 1.0))
         tests.append(_test(f"{labels[v]}: the residual stream's, share of the early-query residual term "
                            "(summed over layers, key 0 out) removed by the BOS replacement", gone))
+        tests.append(inside_test(labels[v], inside_interval(metrics, v, spec, "key0_out")))
     return Claim(
         "ruscio-sources-every-architecture", "ruscio2026", "summary",
         "both sources are present in each of the three architectures studied (standard, NTK-scaled and "
@@ -301,7 +323,12 @@ def sources_claim(metrics: dict, labels: dict[str, str], describe: str, spec: st
                  f"in ruscio-both-sources: the mask's term above {MASK_FLOOR:g} of the non-relative energy, and the "
                  "BOS replacement (the residual stream's intervention these runs make) removing part of the residual "
                  "term; key 0 out, so that the sink's column, which the replacement changes most, does not "
-                 "decide the residual stream's test alone.",
+                 f"decide the residual stream's test alone. The residual stream's source is an effect of position 0, "
+                 f"and {INSIDE_RULE}: per variant, the removal at document starts minus the same replacement on the "
+                 "offset null's windows inside the same documents (the BOS at position 0 in both, followed by the "
+                 "document's first token or by a token inside it; paired by group in each run, then t over seeds) "
+                 "must be above 0 (its third test), so that the BOS at a document's start is told from the BOS "
+                 "alone.",
         scope=f"{PAPER_SCALE} (these: the sweep's models)",
         resolve="the same measurement on models of the paper's scale and architectures")
 

@@ -88,12 +88,25 @@ def _lag_fit(scores: torch.Tensor, visible: torch.Tensor | None) -> tuple[torch.
     if not bool((keys == first).all()):
         raise UsageError("the two-way fit needs one mask for every map of a batch")
     first = first.cpu()
-    solve, cover = _lag_solver(tuple(first.tolist()))
     z = torch.where(visible, scores, 0.0)  # sums in the scores' precision (float32 or better), solved in float64
     rows = z.sum(-1).to(torch.float64).cpu()
-    diag = _diagonal_sums(z).to(torch.float64).cpu()[..., : cover.shape[1]]
-    b = diag - (rows / first.to(torch.float64)) @ cover
-    return rows, b @ solve, first  # the solver is symmetric
+    return rows, lag_profile(rows, _diagonal_sums(z).to(torch.float64).cpu(), first), first
+
+
+def lag_profile(rows: torch.Tensor, diagonals: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The lag profile r [..., D] of the two-way fit (`two_way_fit`) from what it needs of the scores: their row
+    sums [..., T] and lower-diagonal sums [..., >= D] over the visible entries (float64, CPU), for the mask whose
+    query i sees the keys at offsets 0 .. keys[i] - 1 (D = max keys: the offsets seen). Sums over the top-left
+    T x T block give the fit at length T, so one pass can give the fits at several lengths."""
+    solve, cover = _lag_solver(tuple(keys.tolist()))
+    b = diagonals[..., : cover.shape[1]] - (rows / keys.to(torch.float64)) @ cover
+    return b @ solve  # the solver is symmetric
+
+
+def lag_partition(r: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """L0_i = log sum_{d < keys[i]} exp r_d [..., T] for a lag profile r [..., D] (`lag_log_partition`)."""
+    cumulative = torch.logcumsumexp(r, -1)  # log sum_{d' <= d} exp r_d' (every query sees offset 0: k_i >= 1)
+    return cumulative.gather(-1, (keys.to(r.device) - 1).expand(*r.shape[:-1], len(keys)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,8 +126,7 @@ def lag_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None)
     L0_i = logcumsumexp(r)_{k_i - 1}. Purely relative scores phi(i - j) + g(i) give r - L0 = phi - log sum exp phi:
     the causal softmax of phi (the mask-only counterfactual)."""
     _, r, keys = _lag_fit(scores, visible)
-    cumulative = torch.logcumsumexp(r, -1)  # log sum_{d' <= d} exp r_d' (every query sees offset 0: k_i >= 1)
-    return cumulative.gather(-1, (keys - 1).expand(*r.shape[:-1], len(keys))).to(scores.device)
+    return lag_partition(r, keys).to(scores.device)
 
 
 def _diagonal_sums(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ on each leave-one-group-out pair of means: the jackknife interval of a differenc
                                                                    in both passes and its change (heads chosen
                                                                    on one half of the groups, measured on the
                                                                    other: `by_parity`)
+    sink_heads_removed                                             `removed` of the residual term in those
+                                                                   heads, chosen and measured the same way
     pass_over_layers, difference_over_layers                       [V, M]: `causal.over_layers` of the two
                                                                    (energies summed, other metrics averaged)
 
@@ -25,8 +27,17 @@ import math
 
 import torch
 
-from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, alpha0, joint, over_layers, unprefix
-from poslens.engine.stats import Estimate, GroupedSums
+from poslens.analyses.leakage.causal import (
+    ENERGIES,
+    METRICS,
+    VARIANTS,
+    LeakageMaps,
+    alpha0,
+    joint,
+    over_layers,
+    unprefix,
+)
+from poslens.engine.stats import Estimate, GroupedSums, Means
 
 
 def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: bool = False) -> dict[str, Estimate]:
@@ -69,8 +80,11 @@ HALVES = (0, 1)  # groups split by parity: heads chosen on one half of the seque
 def by_parity(sums: GroupedSums, names: tuple[str, ...]) -> GroupedSums:
     """`sums` with each quantity of `names` also split by group parity: `0:NAME` pooled over the even groups, `1:NAME`
     over the odd ones (the other half's sums and counts zeroed), so a jackknife over every group re-evaluates both
-    halves, each from its own groups."""
+    halves, each from its own groups. The unsplit quantities are kept too, first: `GroupedSums.filled` reads the
+    groups that hold data from the first quantity's counts, which for a half would be that half's groups alone."""
     out = GroupedSums(sums.groups)
+    for name in names:
+        out.sums[name], out.counts[name] = sums.sums[name], sums.counts[name]
     for name in names:
         s, c = sums.sums[name], sums.counts[name]
         parity = torch.arange(sums.groups, device=s.device) % 2
@@ -134,6 +148,69 @@ def sink_attention(base: LeakageMaps, other: LeakageMaps, threshold: float, leve
                           "chosen_on": [h for h in HALVES if bool(chosen[h][layer, head])],
                           "value": float(ph.value[k]), "lo": float(ph.lo[k]), "hi": float(ph.hi[k])}
                          for k, (layer, head) in enumerate(heads)]}
+
+
+def sink_heads_removed(base: LeakageMaps, other: LeakageMaps, threshold: float, energy: str = "attn/residual",
+                       scope: str = "early", level: float = 0.95) -> dict | None:
+    """The share of `energy` (at `scope` queries) that `other` removes in the sink-reading heads (alpha_0 > `threshold`
+    in the base pass), the heads chosen on other sequences than those they are measured on, as `sink_attention`
+    does: groups split by parity, heads chosen on one half's base pass, the removed share 1 - sum E(other) /
+    sum E(base) over them measured on the other half, both directions averaged (each replicate of the paired
+    jackknife over every group chooses again). Per key 0 in / out: `removed` {value, lo, hi} and `per_head`, each head
+    chosen on either half with its own share measured on the half(s) it was not chosen on and its interval (none with
+    fewer than two groups per half: a replicate would leave a half without sequences). None when no head is a sink
+    on either half. Choosing and measuring on the same sequences would pick heads where this
+    text happens to give them large sink attention, and measure them there."""
+    names = ("scores", "log_partition", "lag_log_partition", "key0")
+    sums = by_parity(joint({"base": base, "other": other}), tuple(f"{p}/{k}" for p in ("base", "other") for k in names))
+    e = ENERGIES.index(energy)
+    at = {"key0_in" if key0 else "key0_out": v for v, (_, early, key0) in enumerate(VARIANTS)
+          if early == (scope == "early")}  # the VARIANTS index of each domain at this scope
+
+    def half(means: dict, p: str, h: int) -> Means:
+        return Means(list(names), lambda k: means[f"{h}:{p}/{k}"])
+
+    def chosen_of(means: dict) -> dict[int, torch.Tensor]:
+        return {h: alpha0(means[f"{h}:base/key0"], windows=base.windows) > threshold for h in HALVES}  # [L, H]
+
+    chosen = chosen_of({k: sums.mean(k) for k in sums.names() if k.endswith("/key0")})
+    if not any(bool(c.any()) for c in chosen.values()):
+        return None
+    heads = (chosen[0] | chosen[1]).nonzero().tolist()
+
+    def fn(means: dict) -> torch.Tensor:
+        if not all(bool(torch.isfinite(means[f"{h}:base/key0"]).all()) for h in HALVES):  # a half without sequences
+            return torch.full((2 * (1 + len(heads)),), math.nan, dtype=torch.float64)  # (a replicate of 2 groups)
+        pick = chosen_of(means)
+        energies = {(p, h): stat.head_energies(half(means, p, h))[:, e]  # [V, L, H]
+                    for p, stat in (("base", base), ("other", other)) for h in HALVES}
+        out = []
+        for key0 in ("key0_in", "key0_out"):
+            eb = {h: energies["base", h][at[key0]] for h in HALVES}
+            eo = {h: energies["other", h][at[key0]] for h in HALVES}
+            sets = [1.0 - eo[1 - h][pick[h]].sum() / eb[1 - h][pick[h]].sum() for h in HALVES if bool(pick[h].any())]
+            out.append(torch.stack(sets).mean() if sets else torch.tensor(math.nan, dtype=torch.float64))
+            for layer, head in heads:  # on the half (or halves) each head was not chosen on
+                on = [1.0 - eo[1 - h][layer, head] / eb[1 - h][layer, head] for h in HALVES
+                      if bool(chosen[h][layer, head])]
+                out.append(torch.stack(on).mean())
+        return torch.stack(out)
+
+    est = sums.estimate(fn, level=level)
+    step = 1 + len(heads)
+
+    def cell(k: int) -> dict:
+        return {"value": float(est.value[k]), "lo": float(est.lo[k]), "hi": float(est.hi[k])}
+
+    out: dict = {"energy": energy, "scope": scope, "threshold": threshold, "heads": len(heads), "level": est.level,
+                 "groups": est.groups, "selection": "cross-fitted: chosen on the even groups' sequences and measured "
+                 "on the odd ones', and the reverse, averaged"}
+    for k, key0 in enumerate(("key0_in", "key0_out")):
+        out[key0] = {"removed": cell(k * step),
+                     "per_head": [{"layer": layer + 1, "head": head + 1, "index": [layer, head],
+                                   "chosen_on": [h for h in HALVES if bool(chosen[h][layer, head])],
+                                   **cell(k * step + 1 + i)} for i, (layer, head) in enumerate(heads)]}
+    return out
 
 
 def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:

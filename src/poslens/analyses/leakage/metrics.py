@@ -427,6 +427,25 @@ def leakage_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: 
     return out
 
 
+ATTENTION_TERMS = tuple(f"attn/{k}" for k in ("e_total", "mask_only", "residual", "cross", "share_mask_only",
+                                                "share_residual", "share_cross"))
+LEAN = ("scores/trf", "log_probs/trf", "scores/energy", *ATTENTION_TERMS)  # diagonal means only: no fit on Omega
+
+
+def lean_metrics(means: dict[str, torch.Tensor], domain: Domain, early_keys: int = 64) -> dict[str, torch.Tensor]:
+    """`leakage_metrics`'s values for the names in LEAN, which need diagonal means only (no pseudo-inverse of a fit
+    on Omega, whose size grows with the square of the map's: affordable at tens of thousands of tokens): the TRFs
+    of the scores and log-probabilities, `scores/energy` and, with "lag_log_partition", the decomposition
+    (`attn/...`). `early_keys` unused, for the same call."""
+    mo = Moments.of(means["scores"], domain)
+    logp = mo.minus_rows(means["log_partition"])
+    out = {"scores/trf": _trf(mo),
+           "log_probs/trf": _trf(Moments.of(means["log_probs"], domain) if "log_probs" in means else logp),
+           "scores/energy": mo.residual()}
+    out.update(_energies(mo, means, logp))
+    return out
+
+
 def offset_share(m: torch.Tensor, domain: Domain) -> dict[str, torch.Tensor]:
     """The non-relative energy of maps m [..., n, n] on Omega, ||P m||^2 (`energy`), and the share of it that
     one offset per query explains (`offset_share` = 1 - RSS(offset + query) / RSS(offset)): the part of a score

@@ -18,7 +18,7 @@ from poslens.analyses.leakage import nulls as nl
 from poslens.analyses.leakage import position0 as p0
 from poslens.analyses.leakage import predecessor as pr
 from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, VARIANTS, alpha0, over_layers
-from poslens.analyses.leakage.contrast import contrast, removed_by_head, sink_attention, unflatten
+from poslens.analyses.leakage.contrast import contrast, removed_by_head, sink_attention, sink_heads_removed, unflatten
 from poslens.engine.pipeline import Job, Output, Pass
 from poslens.engine.stats import Estimate
 
@@ -101,6 +101,8 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
             ests[f"{p.name}/heads/removed"] = removed_heads
             entry["heads"] = head_record(removed_heads, ests["original/alpha0"].value, cfg.sink_threshold)
             entry["sink_attention"] = sink_attention(orig, p.statistics[0], cfg.sink_threshold, level)
+            entry["sink_heads_removed"] = sink_heads_removed(orig, p.statistics[0], cfg.sink_threshold, HEAD_ENERGY,
+                                                             HEAD_SCOPE, level)
         metrics["interventions" if kind == "intervention" else "nulls"][p.name] = entry
     offset_interventions(job, passes, metrics, ests)
     for name, est in ests.items():

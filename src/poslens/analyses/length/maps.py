@@ -1,47 +1,87 @@
 """The averaged attention maps at an evaluation length and their leakage metrics, with intervals.
 
 `LengthMaps` is poslens's `Capture` (head-mean scores, log-probabilities with the log-partition, probabilities),
-per group of sequences; the metrics are `poslens.analyses.leakage.metrics.leakage_metrics` of each layer's mean
-maps on the default domain (offsets up to T / 2, each layer's own window), with delete-one-group jackknife
-intervals over the same groups. Past `max_position_embeddings` the capture runs under
-`checks.context_limit_lifted` (the model computes positions on the fly; refused where it does not).
+per group of sequences, plus what the gauge-invariant decomposition of `poslens leakage` needs and the head means
+lose: per sequence and head, the log-partition L0 of the lag profile of the two-way fit s_ij = a_i + r(i - j) + e_ij
+(`causal.lag_profile`, `causal.lag_partition`), averaged over sequences and heads. The metrics are
+`poslens.analyses.leakage.metrics.leakage_metrics` of each layer's mean maps on the default domain (offsets up to
+T / 2, each layer's own window), with delete-one-group jackknife intervals over the same groups; the length
+section's set (`metrics.LEAN`: the TRFs, `scores/energy` and the decomposition `attn/...`) needs diagonal means only.
+Past `max_position_embeddings` the capture runs under `checks.context_limit_lifted` (the model computes positions on
+the fly; refused where it does not).
 
 Causality makes the map at length T the top-left T x T block of the map at any longer length (query i sees keys
-j <= i only), so the maps of several lengths can come from one capture at the longest (`metrics(n=T)`), except
-where the model or an intervention depends on the sequence's length (dynamic RoPE, an NTK factor T / L).
+j <= i only), so the maps of several lengths come from one capture at the longest (`metrics(n=T)`), except where
+the model or an intervention depends on the sequence's length (dynamic RoPE, an NTK factor T / L). The lag fit does
+not have that property (the fit at T uses lag d's T - d entries; at a longer length more): it is computed in the
+same forward for every length in `lengths`, from the row and diagonal sums of the top-left blocks of each block of
+per-head scores the capture forms anyway (`Capture._block`), one [D, D] solve per length and window.
 """
 
 from __future__ import annotations
 
 import torch
 
-from poslens.analyses.leakage.metrics import Domain, leakage_metrics, split, toeplitz_fraction
+from poslens.analyses.leakage.causal import lag_partition, lag_profile
+from poslens.analyses.leakage.metrics import LEAN, Domain, leakage_metrics, lean_metrics
 from poslens.analyses.length.checks import context_limit_lifted
 from poslens.engine.capture import Capture
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums
+from poslens.errors import UsageError, check_int
 
 KEYS = ("scores", "log_probs", "probs")
-SPLIT = ("e_total", "e_logit", "e_partition", "cross", "share_logit", "share_partition", "share_cross", "fraction")
-LEAN = ("scores/trf", "log_probs/trf", *(f"split/{k}" for k in SPLIT))  # no fit beyond diagonal means
-
-
-def lean_metrics(maps: dict[str, torch.Tensor], domain: Domain) -> dict[str, torch.Tensor]:
-    """The Toeplitz-residual fractions of the scores and log-probabilities and the split of the latter (the
-    leakage terms), which need only diagonal means (no pseudo-inverse): `leakage_metrics`'s values for these names."""
-    out = {f"{k}/trf": toeplitz_fraction(maps[k], domain) for k in ("scores", "log_probs") if k in maps}
-    out.update({f"split/{k}": v for k, v in split(maps["scores"], maps["log_partition"], domain).items()})
-    return out
+LAG = "lag_log_partition"  # sums named f"{LAG}@{T}/{layer}" [T]: L0 of the fit at length T, over sequences x heads
 
 
 class LengthMaps(Capture):
     """The capture (head-mean scores, log-probabilities with the log-partition, probabilities) at one model, run past
-    max_position_embeddings where the model allows it, with the leakage metrics of its mean maps (`metrics`)."""
+    max_position_embeddings where the model allows it, with the leakage metrics of its mean maps (`metrics`).
+    `lengths`: the evaluation lengths (top-left blocks) whose lag fit the decomposition needs (default: each
+    batch's own length); the metrics are available at these lengths only."""
 
     name = "length_maps"
 
     def __init__(self, model, layers: list[int] | None = None, groups: int = DEFAULT_GROUPS,
-                 probs: bool = True) -> None:
+                 probs: bool = True, lengths: list[int] | None = None) -> None:
         super().__init__(model, layers, probs=probs, log_probs=True, groups=groups)
+        self.lengths = None if lengths is None else sorted({check_int("lengths", t, 2) for t in lengths})
+        self.lags = GroupedSums(self.groups)  # the lag log-partitions: f"{LAG}@{T}/{layer}" [T] per group
+        self._fit: dict = {}  # the layer being read: row sums and, per length, diagonal sums per sequence and head
+
+    def _fit_lengths(self, n: int) -> list[int]:
+        """The lengths whose lag fit a batch of n tokens gives: `lengths` up to n (default: n itself)."""
+        return [n] if self.lengths is None else [t for t in self.lengths if t <= n]
+
+    def _observe(self, x, ctx) -> None:
+        """The capture's reader, and the lag fit of this layer's per-head scores at each length (`_block` adds the
+        sums as the chunked path forms the blocks)."""
+        if not self._batch.full:
+            raise UsageError("the length maps' lag fit needs unpadded sequences of one length (no attention mask)")
+        b, h, n, _ = ctx.rot_q.shape
+        window = int(ctx.window or 0)
+        lens = self._fit_lengths(n)
+        self._fit = {"rows": torch.zeros(b, h, n, dtype=torch.float64),
+                     **{t: torch.zeros(b, h, min(t, window or t), dtype=torch.float64) for t in lens}}
+        super()._observe(x, ctx)
+        sums, self._fit = self._fit, {}
+        keys = torch.arange(1, n + 1) if not window else torch.arange(1, n + 1).clamp(max=window)  # keys seen
+        for t in lens:  # counts: sequences x heads, as the head means'
+            r = lag_profile(sums["rows"][..., :t], sums[t], keys[:t])
+            self.lags.add(f"{LAG}@{t}/{ctx.layer}", self.group, lag_partition(r, keys[:t]).sum((0, 1)), b * h)
+
+    def _block(self, slot: int, s: int, e: int, k0: int, scores: torch.Tensor, allowed: torch.Tensor) -> None:
+        """Row sums of the block's visible scores and, for each length T > s, their sums along each lag d = i - j
+        over the block's queries below T."""
+        z = torch.where(allowed, scores, 0.0).flatten(1, 2)  # [B, H, e - s, e - k0]
+        self._fit["rows"][..., s:e] += z.sum(-1).to(torch.float64).cpu()
+        lags = e - k0  # the block's lags: 0 .. e - 1 - k0
+        j = torch.arange(s, e, device=z.device)[:, None] - torch.arange(lags, device=z.device)  # key of (i, d)
+        by_lag = torch.where(j >= k0, z.gather(-1, (j - k0).clamp(min=0).expand(*z.shape[:2], -1, -1)), 0.0)
+        for t, acc in self._fit.items():
+            if t == "rows" or t <= s:
+                continue
+            d = min(lags, acc.shape[-1])
+            acc[..., :d] += by_lag[..., : min(e, t) - s, :d].sum(-2).to(torch.float64).cpu()
 
     def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     group: int | None = None) -> None:
@@ -64,8 +104,13 @@ class LengthMaps(Capture):
     def metrics_at(self, lengths: list[int], level: float = 0.95, names: tuple[str, ...] | None = None
                    ) -> dict[int, dict[str, Estimate]]:
         """`metrics` at several lengths (top-left blocks), from one jackknife over the groups (each replicate's
-        means are formed once for every length). Names in `LEAN` only: no fit beyond diagonal means."""
+        means are formed once for every length). Names in `LEAN` only: no fit beyond diagonal means. Each length
+        must be one the lag fit ran at (`lengths`)."""
         gs = self.grouped()
+        missing = [t for t in lengths if any(f"{LAG}@{t}/{layer}" not in gs for layer in self.layers)]
+        if missing:
+            raise UsageError(f"lengths {missing}: the capture fitted the lag profile at {self._fitted()} only; "
+                             "pass every length the metrics are asked at as `lengths`")
         windows = [int(w) for w in self._window]
         layers = self.layers
         keys: list[str] = []
@@ -78,6 +123,7 @@ class LengthMaps(Capture):
                     maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
                     maps["log_partition"] = m[f"log_partition/{layer}"]
                     maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
+                    maps[LAG] = m[f"{LAG}@{size}/{layer}"]
                     lean = names is not None and set(names) <= set(LEAN)
                     vals = (lean_metrics if lean else leakage_metrics)(maps, Domain(window=w or None))
                     if not keys:
@@ -90,6 +136,42 @@ class LengthMaps(Capture):
         return {size: {k: Estimate(est.value[a, i], est.lo[a, i], est.hi[a, i], est.se[a, i], est.groups, est.level,
                                    est.method) for i, k in enumerate(keys)}
                 for a, size in enumerate(lengths)}
+
+    def _fitted(self) -> list[int]:
+        return sorted({int(k.split("@")[1].split("/")[0]) for k in self.lags.sums})
+
+    # ---- persistence and combination: the capture's, and the lag sums beside them
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**super().state_dict(), **{f"lags/{k}": v for k, v in self.lags.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if not k.startswith("lags/")})
+        self.lags = GroupedSums(self.groups)
+        self.lags.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("lags/")})
+
+    def merge(self, other: Capture) -> None:
+        super().merge(other)
+        self.lags.merge(other.lags)
+
+    def all_reduce(self, group=None) -> None:
+        super().all_reduce(group)
+        self.lags.all_reduce(group)
+
+    def reset(self) -> None:
+        super().reset()
+        self.lags = GroupedSums(self.groups)
+
+    def grouped(self, state: dict[str, torch.Tensor] | None = None) -> GroupedSums:
+        """The capture's head-mean sums (`Capture.grouped`) and the lag log-partitions' (`LAG@T/LAYER`)."""
+        gs = super().grouped(state)
+        lags = self.lags
+        if state is not None:
+            lags = GroupedSums(self.groups)
+            lags.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("lags/")})
+        gs.sums.update(lags.sums)
+        gs.counts.update(lags.counts)
+        return gs
 
     def result(self, level: float = 0.95, metrics: bool = True) -> dict[str, torch.Tensor]:
         """The capture's mean maps (with `_se`) and, with `metrics`, every metric as `metric/NAME` [layers] with

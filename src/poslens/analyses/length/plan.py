@@ -110,4 +110,4 @@ def statistics_for(p: LengthPass, cfg, model, groups: int) -> LengthStatistics:
     return LengthStatistics(
         PositionLoss(edges_of(cfg.train_len, lens), groups),
         AttentionProfile(groups=groups, every=cfg.profile_every) if profiled else None,
-        LengthMaps(model, cfg.map_layers, groups=groups, probs=False) if p.plain and cfg.maps else None)
+        LengthMaps(model, cfg.map_layers, groups=groups, probs=False, lengths=lens) if p.plain and cfg.maps else None)

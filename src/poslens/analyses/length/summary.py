@@ -7,14 +7,14 @@ import math
 
 import torch
 
+from poslens.analyses.leakage.metrics import LEAN
 from poslens.analyses.length.attention import AttentionProfile
 from poslens.analyses.length.compare import over_seeds, paired_difference
 from poslens.analyses.length.loss import PositionLoss, bin_spans, span_means
 from poslens.analyses.length.plan import LengthPass, LengthStatistics, edges_of
 from poslens.engine.stats import Estimate
 
-MAP_METRICS = ("scores/trf", "log_probs/trf", "split/fraction", "split/share_partition", "split/share_logit",
-               "split/share_cross", "split/e_partition", "split/e_logit")  # the lean set (maps.LEAN): no fits
+MAP_METRICS = LEAN  # the TRFs, scores/energy and the decomposition attn/... (diagonal means only: no fits)
 
 
 def _item(est: Estimate, i=None) -> dict:

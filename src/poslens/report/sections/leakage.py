@@ -285,24 +285,45 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
     tests = tuple(estimate_test(f"Gemma-3-270M: share of the early-query residual term (summed over layers, "
                                 f"key 0 {k[5:]}) removed by the BOS replacement", gone[k], ">", 0.0, interval)
                   for k in ("key0_in", "key0_out"))
+    paired = inside_pairs(m.get("nulls", {}).get("offset"), "mean")
+    tests += tuple(estimate_test(  # nulls are tests: the effect of position 0 must exceed it inside documents
+        f"Gemma-3-270M: the same removal at document starts minus on windows inside the documents (the offset null's "
+        f"pass of the same replacement, BOS kept, paired by group of sequences; key 0 {k[5:]})"
+        + ("" if paired else ": not measured, the run has no offset null (`poslens leakage --nulls offset` runs it)"),
+        paired[k] if paired else {"value": None, "lo": None, "hi": None}, ">", 0.0, interval)
+        for k in ("key0_in", "key0_out"))
     heads = iv.get("heads") or {}
+    sinks = iv.get("sink_heads_removed")  # chosen on half the groups, measured on the other (contrast.py)
     per_head = []
     for k in ("key0_in", "key0_out"):
         h = heads.get(k)
         if h:
-            sinks = h["sink_heads"]
-            lost = [c for c in sinks if c["lo"] > 0]
-            per_head.append(f"key 0 {k[5:]}: heads that lose part of their early residual term {h['removed']} "
-                            f"of {h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected "
-                            f"for {h['heads']} comparisons); of the {len(sinks)} sink-reading heads, {len(lost)} lose "
-                            + (f"part ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f} of it)"
-                               if lost else "part"))
+            line = (f"key 0 {k[5:]}: heads that lose part of their early residual term {h['removed']} of "
+                    f"{h['heads']}, that gain {h['added']} (95% intervals, one per head, not corrected for "
+                    f"{h['heads']} comparisons); ")
+            if sinks:
+                cell = sinks[k]
+                lost = [c for c in cell["per_head"] if c["lo"] > 0]
+                line += (f"the {sinks['heads']} sink-reading heads (alpha_0 above {sinks['threshold']:g}, chosen on "
+                         "half the groups of sequences and measured on the other half, both ways) lose "
+                         f"{interval_text(cell['removed'])} of it together, and {len(lost)} of them lose part on "
+                         "their own" + (f" ({min(c['value'] for c in lost):.2f}-{max(c['value'] for c in lost):.2f})"
+                                        if lost else ""))
+            else:
+                line += "no head is a sink on either half of the groups of sequences"
+            per_head.append(line)
     text = (f"Also measured on Gemma-3-270M, a pre-trained model trained with its BOS first (the setting of the "
             f"paper's Llama; Q4_K_M weights dequantised to float32): {n_seqs} sequences of {L:,} tokens of the "
             f"embedded text, its BOS first, early queries i <= {m['domains']['early_queries']}, the same replacement "
-            f"paired on the same sequences ({interval}: a fixed model, so the error bar is over the text); its two "
-            "tests are the last two above. Per head (context, not tested): " + "; ".join(per_head) + ".")
-    key = (f"Gemma-3-270M {interval_text(gone['key0_in'])} (key 0 in) / {interval_text(gone['key0_out'])} (out)")
+            f"paired on the same sequences ({interval}: a fixed model, so the error bar is over the text); its four "
+            "tests are the last four above: the removal, key 0 in and out, and, since a row that claims an effect of "
+            "position requires the effect at document starts to exceed the same measurement on windows inside the "
+            "documents, paired, the removal at document starts minus the same replacement on the offset null's "
+            "windows (the BOS first in both, then the document's first token or a token inside it), paired by "
+            "group. Per head (context, not tested): " + "; ".join(per_head) + ".")
+    key = (f"Gemma-3-270M {interval_text(gone['key0_in'])} (key 0 in) / {interval_text(gone['key0_out'])} (out)"
+           + (f", minus inside documents {interval_text(paired['key0_in'])} / {interval_text(paired['key0_out'])}"
+              if paired else ""))
     windows = r.meta["model"]["variant"]["sliding_window"]
     debiased = energies(m, "all", "key0_in")  # per layer, without the sampling-noise term
     local = [(i + 1, e) for i, (e, w) in enumerate(zip(debiased, windows)) if w]
@@ -356,8 +377,8 @@ def build(ctx, size: dict) -> Section:
     n, g = size["gemma_sequences"], size["gemma_groups"]
     if n:  # the real model trained with its BOS first, at a length where its window binds
         gcfg = LeakageConfig(model=GEMMA, seq_len=GEMMA_LEN, num_sequences=n, batch_size=max(1, n // g), groups=g,
-                             early_queries=32, max_offset=GEMMA_LEN // 2 - 1, interventions=["mean"], nulls=["none"],
-                             predecessor=False, figures=False)
+                             early_queries=32, max_offset=GEMMA_LEN // 2 - 1, interventions=["mean"],
+                             nulls=["offset"], predecessor=False, figures=False)  # the offset null: a test
         jobs.append(("leakage-gemma", gcfg, jobs[0][2]))
     runs = {}
     for name, conf, make in jobs:  # each run kept in the report's parts by its configuration
@@ -383,7 +404,7 @@ def build(ctx, size: dict) -> Section:
         gemma = (gtests, gtext, gkey)  # tests of the BOS row, beside the sweep's
         context += gcontext
         maps += (f"; poslens leakage {GEMMA} --seq-len {GEMMA_LEN} --num-sequences {n} --batch-size {gcfg.batch_size} "
-                 f"--groups {g} --early-queries 32 --max-offset {gcfg.max_offset} --interventions mean --nulls none "
+                 f"--groups {g} --early-queries 32 --max-offset {gcfg.max_offset} --interventions mean --nulls offset "
                  "--no-predecessor --out runs/leakage-gemma")
     else:
         context.append(("Gemma-3-270M (a pre-trained model trained with its BOS first, whose 512-key sliding windows "
@@ -393,7 +414,7 @@ def build(ctx, size: dict) -> Section:
                                        if ctx.quick else f"not installed; {INSTALL_GEMMA}, then reproduce again")))
 
     sw = sweep_models(ctx, size)  # the length section's models (the same matrix: trained once, then cached)
-    metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, size))
+    metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, size, nulls=sl.BOS_NULLS))  # the offset null: a test
     L, offset = sw.matrix.members[0].config.seq_len, sl.common_max_offset(sw)
     describe = (f"{sw.short()}; {size['sweep_sequences']} held-out sequences of {L} tokens per model, one run per "
                 "seed")
@@ -473,7 +494,8 @@ def build(ctx, size: dict) -> Section:
         f"token; freezing it; shifting every position id of a RoPE model) are tests of poslens, not rows. The runs: "
         f"`{maps}`; on the sweep's models: `for m in {' '.join(map(str, sw.paths.values()))}; "
         f"do poslens leakage $m --data {sw.tokens} --seq-len {L} --num-sequences {size['sweep_sequences']} --groups "
-        f"{size['sweep_groups']} --max-offset {offset} --interventions {','.join(sl.INTERVENTIONS)} --nulls none "
+        f"{size['sweep_groups']} --max-offset {offset} --interventions {','.join(sl.INTERVENTIONS)} --nulls "
+        f"{','.join(sl.BOS_NULLS)} "
         "--no-predecessor --out runs/leakage-$(basename $m); done`; the sweep: "
         f"`{sw.command}`. Ruscio et al.'s BOS rows read the {bsw.config.preset} matrix ({bsw.describe()}; "
         f"`{bsw.command}`), each model's run the same but with `--interventions {','.join(sl.BOS_INTERVENTIONS)} "

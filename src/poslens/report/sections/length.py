@@ -368,7 +368,7 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
     for v, r in runs.items():
         if "maps" not in r.metrics["models"][0]:
             continue
-        per_t = [_t([m["maps"][str(n)]["split/share_partition"]["value"][-1] for m in r.metrics["models"]],
+        per_t = [_t([m["maps"][str(n)]["attn/share_mask_only"]["value"][-1] for m in r.metrics["models"]],
                     support=(0.0, math.inf)) for n in lens]  # a share of energies: >= 0; the cross term is signed
         series[sw.labels[v]] = [e["value"] for e in per_t]
         errors[sw.labels[v]] = np.array([(e["value"] - e["lo"], e["hi"] - e["value"]) if e["lo"] is not None
@@ -376,13 +376,15 @@ def figures(ctx, sw, runs: dict, dirs: dict, L: int, every: int) -> list:
         values[sw.labels[v]] = per_t
     if series:
         out.append(lines(ctx, "length_leakage", lens, series,
-                         "Share of the last layer's log-partition term (its softmax denominator's) in the "
-                         "non-relative energy of that layer's mean log-probabilities, on the maps at each "
-                         "evaluation length (offsets up to T/2; docs/leakage.md: a descriptive identity), mean over "
-                         "seeds with 95% t-intervals cut at 0 (a share of energies; it can exceed 1, since the split's "
-                         "cross term is signed). Values: " + "; ".join(
+                         "Share of the last layer's mask-only term (attn/share_mask_only: the causal softmax of "
+                         "the lag profile of its scores' two-way fit, per sequence and head) in the non-relative "
+                         "energy of that layer's mean log-probabilities, on the maps at each evaluation length "
+                         "(offsets up to T/2; the decomposition of poslens leakage, unchanged by any constant per "
+                         "query added to the scores; docs/leakage.md), mean over seeds with 95% t-intervals cut at 0 "
+                         "(a share of energies; it can exceed 1, since the interaction term is signed). Values: "
+                         + "; ".join(
                              f"{name}: " + ", ".join(f"T = {n} {interval_text(e)}" for n, e in zip(lens, ests))
                              for name, ests in values.items()) + ".",
-                         "evaluation length T (tokens)", "log-partition share",
+                         "evaluation length T (tokens)", "mask-only share",
                          "The mask's term past the training length", errors=errors, logx=True))
     return out
