@@ -3,7 +3,7 @@
 The Main Demo's weight idioms (tests/tl_demo.py's weights_demo: the toy FactoredMatrix, the eigenvalue copying score of
 every head, the full OV circuit of the most copying head, the blocks' weights and a hook added through
 `model.blocks[l].attn.hook_pattern`) give TransformerLens 3.9's results on the same unprocessed weights
-(tests/reference/tl39_weights.json, made once by tests/reference/make_tl_weights_reference.py), within
+(tests/reference/tl39_weights.json, made once by tests/reference/make_tl_demo_reference.py --weights), within
 test_tl_demo's TOLERANCE (1e-4 of the largest |value|, or of 1): the weights are the same tensors, the eigenvalues come
 from the same mdim x mdim products; the singular values here come from QR factorizations and TransformerLens's from
 SVDs of the factors (both float32: they differ by about 1e-6 of the largest), and the forwards round differently
