@@ -29,8 +29,8 @@ NAMES = [(" Mary", " John"), (" Tom", " James"), (" Dan", " Sid"), (" Martin", "
 # the notebooks' idioms with no poslens equivalent: (what, code run with `model` and `utils` defined)
 NO_EQUIVALENT = [
     ("run_with_cache(stop_at_layer=)", "model.run_with_cache('Hello', stop_at_layer=1)"),
-    ("model.blocks[l].attn.hook_z.add_hook", "model.blocks"),
-    ("model.OV (a FactoredMatrix)", "model.OV"),
+    ("model.blocks[l].attn.rotary_sin", "model.blocks[0].attn.rotary_sin"),
+    ("model.blocks[l](x)", "model.blocks[0](model.W_E[:1])"),
     ("model.tl_named_parameters()", "model.tl_named_parameters"),
     ("utils.test_prompt", "utils.test_prompt"),
 ]
@@ -326,4 +326,82 @@ def split_inputs(model, utils) -> dict:
                                              (seen["p"][0, 4].max(-1).values - uniform).abs().max())
         out["loss"] = float(model.run_with_hooks(tokens, return_type="loss", fwd_hooks=hooks))
     model.set_use_split_qkv_input(False)
+    return out
+
+
+def weights_demo(model, FactoredMatrix) -> dict:
+    """The Main Demo's FactoredMatrix section and weight-based idioms on the model's own (unprocessed) weights:
+    a toy FactoredMatrix against its formed product; model.OV and model.QK (shapes, norms, singular values, the
+    eigenvalue copying score of every head); the full OV circuit W_E @ OV @ W_U of one head on a token sample (its
+    top-1 copying accuracy); `model.blocks[l]`'s weights (GQA's unrepeated _W_K against the repeated W_K) and a
+    hook added through `model.blocks[l].attn.hook_pattern.add_hook`; per-head outputs from hook_z and
+    blocks[l].attn.W_O. `FactoredMatrix` is the library's class (TransformerLens's or poslens's)."""
+    out: dict = {}
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        A, B, C = (torch.randn(*s, generator=g) for s in ((5, 2), (2, 5), (5, 300)))
+        AB, factor = A @ B, FactoredMatrix(A, B)
+        out["toy_norms"] = [float(AB.norm()), float(factor.norm())]
+        out["toy_dims"] = [factor.rdim, factor.ldim, factor.mdim]
+        out["toy_eigenvalue_moduli"] = sorted(float(v) for v in factor.eigenvalues.abs())
+        out["toy_eigenvalue_sum"] = [float(factor.eigenvalues.sum().real), float(factor.eigenvalues.sum().imag)]
+        out["toy_singular_values"] = _floats(factor.S)
+        U, S, V = factor.svd()
+        out["toy_svd_error"] = float((U @ torch.diag(S) @ V.T - AB).abs().max())
+        ABC = factor @ C
+        out["toy_abc"] = [list(ABC.shape), float(ABC.norm()), float((AB @ C).norm()), ABC.rdim, ABC.ldim, ABC.mdim]
+        out["toy_unfactored_close"] = bool(torch.isclose(factor.AB, AB).all())
+        out["toy_transpose_index"] = _floats(factor.T[1:3, 2].AB)
+
+        ov, qk = model.OV, model.QK
+        out["ov_shape"], out["ov_mdim"], out["qk_shape"] = list(ov.shape), ov.mdim, list(qk.shape)
+        eig = ov.eigenvalues
+        out["ov_eigenvalues_shape"], out["ov_eigenvalues_complex"] = list(eig.shape), bool(eig.is_complex())
+        out["ov_copying_score"] = _floats(eig.sum(-1).real / eig.abs().sum(-1))
+        qk_eig = qk.eigenvalues
+        out["qk_copying_score"] = _floats(qk_eig.sum(-1).real / qk_eig.abs().sum(-1))
+        out["ov_norms"], out["qk_norms"] = _floats(ov.norm()), _floats(qk.norm())
+        out["ov_singular_values"] = _floats(ov[LAYERS[-1], 0].S)
+        out["qk_singular_values"] = _floats(qk[LAYERS[0], 1].S)
+        out["ov_last_head_eigenvalue_moduli"] = sorted(float(v) for v in ov[-1, -1].eigenvalues.abs())
+
+        layer, head = divmod(int(eig.sum(-1).real.div(eig.abs().sum(-1)).flatten().argmax()), model.cfg.n_heads)
+        out["top_copying_head"] = [layer, head]  # the head whose OV circuit copies most: its full circuit
+        full = model.embed.W_E @ ov[layer, head] @ model.unembed.W_U
+        out["full_ov"] = [list(full.shape), full.mdim]
+        sample = torch.randperm(model.cfg.d_vocab, generator=g)[:200]
+        block = full[sample, sample].AB  # [200, 200]: row i is what token sample[i] writes to each sampled logit
+        out["full_ov_top1"] = float((block.argmax(-1) == torch.arange(200)).float().mean())
+        out["full_ov_diagonal"] = _floats(block.diagonal()[:20])
+
+        blk = model.blocks[layer]
+        out["block_shapes"] = {name: list(getattr(blk.attn, name).shape) for name in
+                               ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "_W_K", "_W_V")}
+        out["block_shapes"].update({f"mlp.{n}": list(getattr(blk.mlp, n).shape) for n in ("W_in", "W_gate", "W_out")})
+        out["block_shapes"]["ln1.w"] = list(blk.ln1.w.shape)
+        repeat = model.cfg.n_heads // model.cfg.n_key_value_heads
+        out["gqa_repeat"] = [bool(torch.equal(blk.attn.W_K[h], blk.attn._W_K[h // repeat]))
+                             for h in range(model.cfg.n_heads)]
+        out["block_equals_stack"] = [bool(torch.equal(blk.attn.W_V, model.W_V[layer])),
+                                     bool(torch.equal(blk.mlp.W_out, model.W_out[layer]))]
+        out["block_weight_norms"] = [float(t.norm()) for t in (blk.attn.W_Q, blk.attn._W_V, blk.attn.W_O,
+                                                                blk.mlp.W_in, blk.mlp.W_gate, blk.ln1.w, blk.ln2.w)]
+
+        tokens = model.to_tokens(IOI_CLEAN)
+        row_mass = {}
+
+        def read_pattern(pattern, hook):
+            row_mass[hook.name] = _floats(pattern[0, :, -1, :3].sum(-1))  # each head's attention to the first tokens
+
+        model.blocks[0].attn.hook_pattern.add_hook(read_pattern)
+        model.blocks[layer].attn.hook_pattern.add_hook(read_pattern)
+        model(tokens)
+        model.reset_hooks()
+        out["pattern_mass_via_blocks"] = row_mass
+        _, cache = model.run_with_cache(tokens)
+        z = cache["z", layer][0, -1]  # [n_heads, d_head]
+        per_head = torch.einsum("hd,hdm->hm", z, blk.attn.W_O)  # each head's output at the last position
+        out["head_output_norms"] = _floats(per_head.norm(dim=-1))
+        out["head_outputs_sum_to_attn_out"] = float(
+            (per_head.sum(0) + blk.attn.b_O - cache["attn_out", layer][0, -1]).abs().max())
     return out

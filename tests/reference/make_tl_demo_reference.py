@@ -10,6 +10,12 @@ benchmarks/hooks_vs_transformerlens.py), then
 
     PYTHONPATH=src:benchmarks:tests /tmp/tlvenv/bin/python tests/reference/make_tl_demo_reference.py \\
         --out tests/reference/tl39_demo_idioms.json
+
+With `--weights` it runs tests/tl_demo.py's `weights_demo` instead (for tests/test_tl_factored.py: the Main Demo's
+FactoredMatrix section, model.OV / model.QK, the full OV circuit, model.blocks[l]'s weights and hook points; only the
+model and the FactoredMatrix class differ) on the same weights without processing (TransformerLens's
+`from_pretrained_no_processing`: the norms keep their gains, as poslens's do, so W_V, W_O, W_E, W_U are the same
+tensors on both), into tests/reference/tl39_weights.json.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from make_tl_reference import provenance  # noqa: E402  (this folder is the scri
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--weights", action="store_true", help="the weight idioms on unprocessed weights")
     args = p.parse_args()
 
     from hooks_vs_transformerlens import transformer_lens_model
@@ -40,6 +47,16 @@ def main() -> None:
     from poslens.engine.models import load_model
 
     model, tok = load_model("smollm2-135m")
+    if args.weights:
+        from transformer_lens import FactoredMatrix
+
+        tl = transformer_lens_model(model, tok, processed=False)
+        record = {**provenance("tests/reference/make_tl_demo_reference.py --weights"),
+                  "model": "smollm2-135m (the embedded GGUF as poslens loads it), float32, CPU; TransformerLens "
+                           "processing: none (from_pretrained_no_processing)",
+                  "weights_demo": tl_demo.weights_demo(tl, FactoredMatrix)}
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        return
     tl = transformer_lens_model(model, tok, processed=True)
     try:
         tl.set_use_attn_in(True)

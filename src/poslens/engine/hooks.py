@@ -860,7 +860,12 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
             bias.masked_fill_(hidden_keys(n, window, keys=m, device=q.device), -math.inf)
             if hidden is not None:
                 hidden[key] = bias
-        return _grouped_matmul(q * scaling, k.transpose(-1, -2)).add_(bias)
+        # the scaled queries written contiguous (heads before positions), so grouping the query heads of a key head is
+        # a view, not a second copy (the rotated q is laid out positions before heads); the same products. Under
+        # autograd (out= is not differentiable) as a product.
+        scaled = q * scaling if q.requires_grad and torch.is_grad_enabled() else \
+            torch.mul(q, scaling, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        return _grouped_matmul(scaled, k.transpose(-1, -2)).add_(bias)
     s = _grouped_matmul(q, k.transpose(-1, -2)).mul_(scaling)
     if softcap is not None:
         s = (s / softcap).tanh() * softcap if torch.is_grad_enabled() else s.div_(softcap).tanh_().mul_(softcap)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from poslens.engine.activation_cache import NoEquivalent
+from poslens.engine.factored import FactoredMatrix
 from poslens.engine.families import attention_module, decoder_layers, family_of, head_dim, positional_encoding
 from poslens.engine.models import max_positions
 from poslens.engine.pe import PositionalEncoding, rotary_fraction
@@ -158,28 +159,38 @@ def _gate_up(mlp) -> tuple[torch.Tensor | None, torch.Tensor]:
     return mlp.gate_proj.weight, mlp.up_proj.weight
 
 
+def layer_attn_weight(model, l: int, which: int, bias: bool = False, expand: bool = True) -> torch.Tensor:
+    """Layer l's W_Q, W_K or W_V (`which` 0, 1, 2) in TransformerLens's [heads, d_model, d_head] (a view of the
+    parameter where no expansion is needed), or its bias [heads, d_head] (zeros where absent). With `expand`, K and V
+    are repeated to the query heads as TransformerLens's `W_K`/`W_V` (a fresh tensor); without, [K, ...] as its
+    `_W_K`/`_W_V`."""
+    cfg = model.config
+    h = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or h
+    attn = attention_module(model, l)
+    *ws, bs = _qkv(attn, cfg)
+    heads = h if which == 0 else kv
+    if bias:
+        b = bs[which]
+        t = b.unflatten(0, (heads, -1)) if b is not None else ws[which].new_zeros(heads, head_dim(attn))
+    else:
+        t = _heads_in(ws[which], heads)
+    return t.repeat_interleave(h // kv, 0) if which and expand and h != kv else t  # GQA: query head h reads h // (h/K)
+
+
+def layer_w_o(layer, heads: int) -> torch.Tensor:
+    """A layer's W_O [heads, d_head, d_model] (a view of the parameter)."""
+    return _linear_weight(_o_proj(layer)).T.unflatten(0, (heads, -1))
+
+
 class TLWeights:
     """TransformerLens's weight views of `self.model` (mixed into HookedModel)."""
 
     model: Any
 
     def _attn_weight(self, which: int, bias: bool = False) -> torch.Tensor:
-        cfg = self.model.config
-        h = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or h
-        out = []
-        for l in range(len(decoder_layers(self.model))):
-            attn = attention_module(self.model, l)
-            *ws, bs = _qkv(attn, cfg)
-            heads = h if which == 0 else kv
-            if bias:
-                b = bs[which]
-                t = (b.unflatten(0, (heads, -1)) if b is not None
-                     else ws[which].new_zeros(heads, head_dim(attn)))
-            else:
-                t = _heads_in(ws[which], heads)
-            out.append(t.repeat_interleave(h // kv, 0) if which else t)  # GQA: K, V expanded to the query heads
-        return torch.stack(out)
+        return torch.stack([layer_attn_weight(self.model, l, which, bias)
+                            for l in range(len(decoder_layers(self.model)))])
 
     @property
     def W_Q(self) -> torch.Tensor:
@@ -213,8 +224,7 @@ class TLWeights:
     def W_O(self) -> torch.Tensor:
         """[n_layers, n_heads, d_head, d_model]"""
         h = self.model.config.num_attention_heads
-        return torch.stack([_linear_weight(_o_proj(layer)).T.unflatten(0, (h, -1))
-                            for layer in decoder_layers(self.model)])
+        return torch.stack([layer_w_o(layer, h) for layer in decoder_layers(self.model)])
 
     @property
     def b_O(self) -> torch.Tensor:
@@ -292,6 +302,26 @@ class TLWeights:
     def ln_final(self):
         """The model's final norm (gain included; x -> ln_final(x) as the LM head reads it)."""
         return getattr(self.model.base_model, self.family.final_norm_attr)
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """[n_layers, n_heads] of d_model x d_model: each head's OV circuit W_V @ W_O, kept factored (GQA: W_V
+        repeated to the query heads, as TransformerLens)."""
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """[n_layers, n_heads] of d_model x d_model: each head's QK circuit W_Q @ W_K^T (before RoPE), kept
+        factored."""
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def blocks(self):
+        """TransformerLens's `model.blocks`: blocks[l].attn, .mlp, .ln1, ... with their weights and hook points
+        (poslens.engine.tl_blocks)."""
+        from poslens.engine.tl_blocks import Blocks
+
+        return Blocks(self)
 
     @property
     def embed(self) -> Embed:
