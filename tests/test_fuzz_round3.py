@@ -115,6 +115,9 @@ MATRIX_NO_TOKENS = {"train": {"tokens": "missing", "steps": 2, "warmup": 1}, "va
                     "seeds": [0]}
 CONFIG0 = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 0,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+EXTENDS = both(copy_tokens("tok"), files({  # a matrix extending one in m/: both are the sweep's inputs
+    "m/parent.json": json.dumps({"train": {"tokens": "tok", "steps": 2, "warmup": 1}, "seeds": [0]}),
+    "child.json": json.dumps({"extends": "m/parent.json", "variants": {"a": {"pe": "none"}}})}))
 QUICK = ["reproduce", "--quick", "--out", "o", "--quiet", "--sizes"]
 BEYOND = "even at 1e+11 per second on the CPU, more than 7 days"
 TINY = ["--seq-len", "8", "--num-sequences", "2", "--batch-size", "1", "--quiet"]
@@ -132,6 +135,10 @@ CASES = [
          both(copy_tokens("tok"), files({"m/m.json": json.dumps({"train": {"tokens": "tok", "steps": 2, "warmup": 1},
                                                                  "variants": {"a": {"pe": "none"}}, "seeds": [0]})})),
          "contains this run's input m/m.json"),
+    Case(["sweep", "--preset", "child.json", "--out", "m", "--force", "--quiet"], EXTENDS,
+         "contains this run's input m/parent.json"),
+    Case(["sweep", "--preset", "child.json", "--out", "m/parent.json", "--force", "--quiet"], EXTENDS,
+         "is this run's input m/parent.json"),
     Case(["reproduce", "--quick", "--quiet", "--sizes", "trained.sweep_train=tokens=tok+steps=2", "--out", "tok",
           "--force"], copy_tokens("tok"), "is this run's input tok;"),
     Case(["gramflow", *STACK, "--out", "cache/trained/m", "--force"], cache_entry("trained/m"),

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import free_port
 from test_leakage_causal import one_thread  # noqa: F401 (autouse: one intra-op thread for small tensors)
 from test_pipeline import saved_tiny_llama
 
@@ -288,7 +289,7 @@ def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
     script.write_text("import sys\nfrom poslens.analyses.leakage.run import LeakageConfig, run_leakage\n"
                       f"run_leakage(LeakageConfig(**{cfg(model_dir, **kw).__dict__!r}), sys.argv[1], progress=False)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(script), str(tmp_path / "sharded")]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]

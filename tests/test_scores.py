@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import free_port
 from test_pipeline import saved_tiny_llama
 
 import poslens
@@ -88,7 +89,7 @@ def test_corrupt_checkpoint_is_a_usage_error(model_dir, tmp_path):
 def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
     single = poslens.load(run_scores(cfg(model_dir), tmp_path / "single", progress=False))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "poslens", "scores", str(model_dir), "--seq-len", str(SEQ), "--num-sequences", str(NUM),
            "--batch-size", str(BATCH), "--mode", "pack", "--quiet", "--out", str(tmp_path / "sharded")]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

@@ -269,3 +269,32 @@ def test_seeds_that_read_the_same_text_keep_that_texts_interval():
     m = seeds_needed(narrow, 3)  # a small floor: a count, larger than without the floor
     plain = estimate_test("effect", seed_interval([0.05, 0.1, 0.15]), ">")
     assert m is not None and m >= seeds_needed(plain, 3)
+
+
+def test_a_corrupt_cached_model_is_trained_again_saying_so(tmp_path, tokens, monkeypatch, capfd):
+    """A cached model whose weights changed on disk after poslens wrote them (one byte, same size) is not read as
+    it is: the sweep says so on stderr and trains it again, batched (bit-identical to the first training: the same
+    configuration in the same process) or alone; before the check it was used without a word."""
+    from poslens.train.cache import corrupt
+
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))
+    preset = _matrix_file(tmp_path, tokens, {"rope": {"pe": "rope"}}, seeds=(0,))
+    first = run_sweep(SweepConfig(preset=preset, jobs=1), tmp_path / "a", progress=False)
+    weights = Path(first["models"][0]["path"], "model.safetensors")
+    good = weights.read_bytes()
+
+    def flip() -> None:
+        data = bytearray(good)
+        data[-100] ^= 1  # inside the last tensor's values: the file still loads, with another weight
+        weights.write_bytes(bytes(data))
+        assert corrupt(weights.parent) is not None
+        capfd.readouterr()
+
+    flip()
+    again = run_sweep(SweepConfig(preset=preset, jobs=1), tmp_path / "b", progress=False)
+    assert "the cached model is corrupt" in capfd.readouterr().err
+    assert again["models"][0]["path"] == first["models"][0]["path"] and weights.read_bytes() == good
+    flip()
+    run_sweep(SweepConfig(preset=preset, jobs=1, batched=False), tmp_path / "c", progress=False)
+    assert "model.safetensors was changed after poslens wrote it" in capfd.readouterr().err
+    assert corrupt(weights.parent) is None and Path(weights.parent, "run.json").is_file()

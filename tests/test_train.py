@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import free_port
 
 from poslens.engine.pe import parse_rope_flags
 from poslens.errors import UsageError
@@ -459,12 +459,6 @@ def test_full_disk_while_checkpointing(tokens, tmp_path, monkeypatch):
     assert sorted(p.name for p in work.iterdir()) == ["checkpoint", "metrics.jsonl"] and not out.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_process(tokens, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "run"
@@ -493,7 +487,7 @@ def test_two_gloo_processes_equal_one(parallel, tokens, one_process, tmp_path):
         flags = [f for f in flags if not f.startswith("--save-every")] + ["--save-every=1"]
 
     def launch(*extra: str) -> None:
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={_free_port()}",
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={free_port()}",
                "-m", "poslens.train", "train", "--preset", "tiny", "--tokens", str(tokens), *flags,
                "--parallel", parallel.removesuffix("-resumed"), "--out", str(two), "--quiet", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

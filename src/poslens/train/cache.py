@@ -3,7 +3,9 @@
 The key is a fingerprint of every `TrainConfig` field and of the token directory's identity (its resolved path and
 header), so a model is trained once per configuration and data, and reused by `poslens sweep`, `poslens reproduce`
 and anything else that asks for the same model. An interrupted training resumes from its checkpoint in the cache
-(``.NAME-KEY.partial/``) when the same model is asked for again.
+(``.NAME-KEY.partial/``) when the same model is asked for again. A cached model whose files differ from the content
+hashes of its manifest (a byte changed on disk) is not used: it is retrained, and a line says so (`finished`,
+`clear_corrupt`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,33 @@ def trained_model_dir(cfg: TrainConfig, tokens: Path) -> Path:
     return cache_root() / "trained" / f"{slug(cfg)}-s{cfg.seed}-{key[:10]}"
 
 
+def corrupt(target: Path) -> str | None:
+    """Why the finished model at `target` cannot be used as it is (a file changed or added after poslens wrote it,
+    by its manifest's sizes and SHA-256), or None (also when it is not finished or has no manifest to go by)."""
+    from poslens.io.manifest import foreign, read_manifest
+
+    if not (target / "run.json").is_file() or read_manifest(target) is None:
+        return None
+    return foreign(target)
+
+
+def finished(target: Path) -> bool:
+    """Whether the cache holds a usable finished model at `target` (see `corrupt`)."""
+    return (target / "run.json").is_file() and corrupt(target) is None
+
+
+def clear_corrupt(target: Path) -> None:
+    """Remove the cached model at `target` when it is corrupt, saying why on stderr, so that it is trained again;
+    the caller holds its entry lock (`poslens.io.lock.entry_lock`)."""
+    import shutil
+    import sys
+
+    why = corrupt(target)
+    if why is not None:
+        print(f"{target}: the cached model is corrupt ({why}); training it again", file=sys.stderr, flush=True)
+        shutil.rmtree(target)  # poslens's own cache entry, rebuilt from its configuration
+
+
 def trained_model(cfg: TrainConfig, progress: bool = True, label: str | None = None,
                   tokens: Path | None = None) -> Path:
     """The model trained with `cfg`: from the cache, or trained now into it (resuming an interrupted training).
@@ -66,6 +95,7 @@ def trained_model(cfg: TrainConfig, progress: bool = True, label: str | None = N
     tokens = tokens or tokens_of(cfg, progress)
     target = trained_model_dir(cfg, tokens)
     with entry_lock(target, f"the model {target.name}"):
+        clear_corrupt(target)
         if not (target / "run.json").is_file():
             train(dataclasses.replace(cfg, tokens=str(tokens)), target, progress=progress, label=label)
     return target

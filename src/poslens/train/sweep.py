@@ -97,6 +97,7 @@ class Matrix:
     train: dict[str, Any]
     variants: dict[str, dict[str, Any]]
     seeds: list[int]
+    files: tuple[str, ...] = ()  # the matrix files read: the preset's and every one it extends
 
     @property
     def members(self) -> list[Member]:
@@ -146,6 +147,8 @@ def parse_variants(spec: str) -> dict[str, dict[str, Any]]:
 
 
 def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The matrix in file `path` with the train fields and seeds of every matrix it extends; under "_files" the
+    files read (this one first)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
@@ -164,8 +167,9 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         require(all(isinstance(x.get("train") or {}, dict) for x in (parent, data)),
                 f"sweep preset {path}: train must be an object of fields")
         data = {"train": {**(parent.get("train") or {}), **(data.get("train") or {})},
-                "seeds": data.get("seeds", parent.get("seeds")), "variants": data.get("variants")}
-    return data
+                "seeds": data.get("seeds", parent.get("seeds")), "variants": data.get("variants"),
+                "_files": parent["_files"]}
+    return {**data, "_files": [str(path), *data.get("_files", [])]}
 
 
 def _config(train: dict[str, Any], variant: dict[str, Any], seed: int) -> TrainConfig:
@@ -204,7 +208,8 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
                             f"{', '.join(VARIANT_FIELDS)}")
     check_float("level", cfg.level, 0.0, 1.0, lo_open=True, hi_open=True)
     check_int("jobs", cfg.jobs, 0, 64)
-    matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds)
+    matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds,
+                    files=tuple(data["_files"]))
     for m in matrix.members:  # every configuration checked up front
         m.config.check()
     if train.get("tokens") is not None:  # the token directory too: one line for a file, a missing or corrupt one
@@ -215,9 +220,11 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
 
 
 def matrix_inputs(cfg: SweepConfig, matrix: Matrix) -> list[str | None]:
-    """What a sweep reads besides the cache: its token directory and its preset files (an --out may be none)."""
-    presets = [p for p in (cfg.preset, matrix.train.get("preset")) if isinstance(p, str) and p.endswith(".json")]
-    return [matrix.train.get("tokens"), *presets]
+    """What a sweep reads besides the cache: its token directory, its matrix files (the preset's and every one it
+    extends) and its training preset file (an --out may be none)."""
+    preset = matrix.train.get("preset")
+    files = [*matrix.files, *([preset] if isinstance(preset, str) and preset.endswith(".json") else [])]
+    return [matrix.train.get("tokens"), *files]
 
 
 # ---------------------------------------------------------------- statistics over seeds
@@ -305,7 +312,7 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
     computation, in `jobs` parts side by side (one process each, torch's threads shared out; 0 picks `auto_jobs`),
     each part at most `poslens.train.batched.max_models` models. Otherwise `jobs` > 1 trains that many models at
     once, each alone in its own process; their own progress bars are off then."""
-    from poslens.train.cache import tokens_of, trained_model_dir
+    from poslens.train.cache import finished, tokens_of, trained_model_dir
 
     jobs = check_int("jobs", jobs, 0, 64)
     cfgs = [c for c, _ in work]
@@ -314,7 +321,7 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
     heads = [h for _, h in work]
     todo: dict[Path, int] = {}  # target -> its first entry (two entries of one configuration: one model)
     for i, t in enumerate(targets):
-        if not (t / "run.json").is_file():
+        if not finished(t):  # not there, or corrupt (retrained, saying so)
             todo.setdefault(t, i)
     for i, t in enumerate(targets):
         if progress and todo.get(t) != i:
@@ -414,7 +421,7 @@ def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int 
 
     from poslens.io.lock import entry_lock
     from poslens.train.batched import train_batched
-    from poslens.train.cache import trained_model_dir
+    from poslens.train.cache import clear_corrupt, trained_model_dir
 
     if threads is not None:
         import torch
@@ -425,6 +432,7 @@ def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int 
         for cfg, _ in part:
             target = trained_model_dir(cfg, tokens)
             stack.enter_context(entry_lock(target, f"the model {target.name}"))
+            clear_corrupt(target)
             if not (target / "run.json").is_file():
                 left.append((dataclasses.replace(cfg, tokens=str(tokens)), target))
         if left:
