@@ -20,7 +20,7 @@ from poslens.options import from_args
 
 SIZES = ",".join([
     *(f"{a}.{k}={v}" for a in ("scores", "leakage") for k, v in
-      (("seq_len", 24), ("num_sequences", 8), ("batch_size", 2), ("groups", 4))),
+      (("seq_len", 24), ("num_sequences", 24), ("batch_size", 2), ("groups", 4))),
     "leakage.early_queries=8",
     "probe.seq_len=24", "probe.num_sequences=24", "probe.batch_size=2", "probe.groups=4",
     "length.train_len=16", "length.num_sequences=4", "length.batch_size=2", "length.groups=2"])
@@ -208,3 +208,28 @@ def test_two_models_on_one_tokenizer_get_a_paired_probe_difference(card):
     assert "rope - nope, paired" in (card["out"] / "card" / "card.md").read_text()
     other = dict(nope, tokens_checksum=[x + 1 for x in nope["tokens_checksum"]])  # other tokens: not paired
     assert paired_probe(rope, other, 0.95) is None
+
+
+def test_the_shared_pass_gives_each_sub_run_what_its_own_command_gives(card, tmp_path):
+    # scores, leakage and the probe of one model read the same batches, so the card measures them in one forward per
+    # batch (analyses/card/shared.py); each sub-run must hold what its printed command writes when run alone. The
+    # forward is the same but the pass with the leakage reader forms the dense scores, so the stream may differ by
+    # float32 rounding: 1e-5 (relative to each tensor's largest entry) is far above that and far below any effect.
+    from poslens.io.results import load
+
+    cfg = from_args(CardConfig, build_parser("card").parse_args(card["argv"]))
+    subs = [s for s in plan(cfg, card["out"]) if s.label == "rope" and s.analysis != "length"]
+    timing = {r["analysis"]: r["timing"] for r in card["meta"]["runs"] if r["label"] == "rope"}
+    assert set(timing["scores"]["one_pass_with"]) == {"leakage", "probe"}
+    for sub in subs:
+        kept = load(sub.path)
+        assert {r["kind"] for r in kept.meta["shared_pass"]["runs"]} == {"scores", "leakage", "stat"}
+        argv = shlex.split(sub.command)[1:]
+        argv[argv.index("--out") + 1] = str(tmp_path / sub.analysis)
+        assert main([*argv, "--quiet"]) == 0
+        alone = load(tmp_path / sub.analysis)
+        assert set(alone.tensors) == set(kept.tensors), sub.analysis
+        for name, t in alone.tensors.items():
+            a, b = t.double(), kept.tensors[name].double()
+            scale = float(a[torch.isfinite(a)].abs().max()) if torch.isfinite(a).any() else 1.0
+            assert torch.allclose(a, b, rtol=0, atol=1e-5 * max(scale, 1e-12), equal_nan=True), (sub.analysis, name)

@@ -358,8 +358,10 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
     return "\n".join(md) + "\n", "\n".join(ht) + "\n"
 
 
-def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
-    """Read the finished sub-runs and write OUT/card (card.md, card.html, figures/, run.json, tensors)."""
+def write_card(cfg, out: Path, runs: list, command: str | None = None,
+               started: tuple[float, float] | None = None) -> Path:
+    """Read the finished sub-runs and write OUT/card (card.md, card.html, figures/, run.json, tensors).
+    started: (time.perf_counter(), CPU seconds) when the call began: run.json's timings then hold the whole call's."""
     import dataclasses
 
     import torch
@@ -367,7 +369,7 @@ def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
     from poslens.io.results import write_run
     from poslens.io.rundir import run_directory
 
-    started = time.time()
+    page_started = time.perf_counter()
     labels = list(dict.fromkeys(r.label for r in runs))
     models = [read_model([r for r in runs if r.label == label]) for label in labels]
     provenance = {"command": command or "poslens card " + " ".join(cfg.models),
@@ -386,9 +388,21 @@ def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
         write_run(build, tensors, {
             "kind": "card", "config": {**dataclasses.asdict(cfg), "sizes": cfg.size_table()},
             "runs": [{"model": r.model, "label": r.label, "analysis": r.analysis, "path": str(r.path),
-                      "command": r.command, "reused": r.reused} for r in runs],
-            "models": models, "timings": {"page_seconds": time.time() - started}})
+                      "command": r.command, "reused": r.reused, "timing": r.timing()} for r in runs],
+            "models": models, "timings": timings(page_started, started)})
     return target
+
+
+def timings(page_started: float, started: tuple[float, float] | None) -> dict:
+    """run.json's timings: the page's wall seconds, and the whole call's wall and CPU seconds when known (each
+    sub-run's are in run.json's "runs")."""
+    from poslens.analyses.card.run import cpu_seconds
+
+    now = time.perf_counter()
+    out = {"page_seconds": now - page_started}
+    if started is not None:
+        out |= {"seconds": now - started[0], "cpu_seconds": cpu_seconds() - started[1]}
+    return out
 
 
 def _figures_ok(models: list[dict]) -> bool:
