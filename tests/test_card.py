@@ -233,3 +233,43 @@ def test_the_shared_pass_gives_each_sub_run_what_its_own_command_gives(card, tmp
             a, b = t.double(), kept.tensors[name].double()
             scale = float(a[torch.isfinite(a)].abs().max()) if torch.isfinite(a).any() else 1.0
             assert torch.allclose(a, b, rtol=0, atol=1e-5 * max(scale, 1e-12), equal_nan=True), (sub.analysis, name)
+
+
+def test_panels_pair_two_models_on_one_tokenizer_through_each_runs_own_replicates(card):
+    # every sub-run keeps its estimates' leave-one-group-out values: the jackknife of one run's replicates gives back
+    # that run's own interval (1e-6: replicates stored in float32, intervals of order 0.01-1), and the paired
+    # difference of the two models is the difference of the estimates with the jackknife of the replicates'
+    # differences; a model against itself differs by exactly 0 with a zero-width interval (the text cancels)
+    from poslens.analyses.card.page import paired_columns
+    from poslens.analyses.card.paired import difference, pairable
+    from poslens.engine.stats import jackknife
+
+    rope, nope = _model(card, "rope"), _model(card, "nope")
+    for analysis in ("scores", "leakage", "length"):
+        assert pairable(rope, nope, analysis), analysis
+    for r, reps in zip(rope["scores"], rope["replicates"]["scores"]):
+        own = jackknife(torch.tensor(r["rms"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        assert float(own.lo) == pytest.approx(r["rms"][1], abs=1e-6)
+        assert float(own.hi) == pytest.approx(r["rms"][2], abs=1e-6)
+    for b, reps in zip(rope["length"]["bins"], rope["replicates"]["length"]):
+        own = jackknife(torch.tensor(b["loss"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        assert (float(own.lo), float(own.hi)) == pytest.approx(b["loss"][1:], abs=1e-5)
+    share = rope["leakage"]["attn/share_residual"]["key0_out"]
+    for (v, lo, hi), reps in zip(share, rope["replicates"]["leakage"]["attn/share_residual"]["key0_out"]):
+        own = jackknife(torch.tensor(v, dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        assert (float(own.lo), float(own.hi)) == pytest.approx((lo, hi), abs=1e-5)
+    cols = paired_columns([rope, nope], 0.95)
+    for panel in ("scores", "leakage", "length"):
+        (other, rows), = cols[panel]
+        assert other is nope and rows
+    d = cols["scores"][0][1][0]["pattern RMS"]
+    assert d == pytest.approx(difference(rope["scores"][0]["rms"][0], rope["replicates"]["scores"][0],
+                                         nope["scores"][0]["rms"][0], nope["replicates"]["scores"][0], 0.95))
+    assert d[0] == pytest.approx(rope["scores"][0]["rms"][0] - nope["scores"][0]["rms"][0], abs=1e-12)
+    same = paired_columns([rope, dict(rope, label="again")], 0.95)
+    assert all(x == pytest.approx((0.0, 0.0, 0.0), abs=1e-12) for row in same["length"][0][1] for x in row.values())
+    md = (card["out"] / "card" / "card.md").read_text()
+    assert "pattern RMS, rope - nope, paired" in md and "loss, rope - nope, paired" in md
+    assert "rope - nope: paired (the same token ids" in md
+    other = dict(nope, batches={**nope["batches"], "length": {**nope["batches"]["length"], "tokens": "other"}})
+    assert paired_columns([rope, other], 0.95)["length"] == []  # other token ids: side by side only

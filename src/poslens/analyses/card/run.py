@@ -8,10 +8,12 @@ Layout of --out (docs/card.md):
     OUT/MODEL_LABEL/length/    `poslens length`              loss by position past a length L, interventions
     OUT/card/                  card.md, card.html, figures/, run.json (every sub-run's command)
 
-Each sub-run is an ordinary run directory of its analysis, written by the analysis's own run function; the exact
-command that re-measures it is recorded and printed on the card. Rerunning the same card reuses every finished
-sub-run whose recorded config equals the one asked (an interrupted sub-run resumes from its checkpoints); a
-sub-run made with other settings is refused without --force. The page is rewritten every time.
+Each sub-run is an ordinary run directory of its analysis, written by the analysis's own run function (scores,
+leakage and probe, which read the same batches, in one pass: `shared.py`); the exact command that re-measures it is
+recorded and printed on the card, and its wall and CPU time are printed and kept in the card's run.json. Rerunning
+the same card reuses every finished sub-run whose recorded config equals the one asked (an interrupted sub-run
+resumes from its checkpoints); a sub-run made with other settings is refused without --force. The page is rewritten
+every time.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from poslens.options import check_options, default_of, field_kind, flag_of, opti
 
 ANALYSES = ("scores", "leakage", "probe", "length")
 
-# Each analysis's sizes (`--sizes ANALYSIS.KEY=VALUE`): chosen so that SmolLM2-135M's card takes at most 10
-# minutes on 2 CPU cores (BENCHMARKS.md, "Card"). `multiple`: the length panel evaluates at L and multiple x L.
+# Each analysis's sizes (`--sizes ANALYSIS.KEY=VALUE`): chosen so that SmolLM2-135M's card takes well under 10
+# minutes on 2 CPU cores (BENCHMARKS.md, "Card"; why each size suffices: docs/card.md, "Sizes"). scores, leakage
+# and probe cut the same batches, so they share one forward per batch (`shared.py`); keep their seq_len,
+# num_sequences and batch_size equal. `multiple`: the length panel evaluates at L and multiple x L.
 SIZES: dict[str, dict[str, Any]] = {
     "scores": {"seq_len": 128, "num_sequences": 32, "batch_size": 4, "groups": 8},
     "leakage": {"seq_len": 128, "num_sequences": 32, "batch_size": 4, "groups": 8, "early_queries": 32},
     "probe": {"seq_len": 128, "num_sequences": 32, "batch_size": 4, "groups": 4, "ridge": 1e-2, "skip_first": 1},
-    "length": {"train_len": 128, "multiple": 2, "num_sequences": 8, "batch_size": 2, "groups": 4},
+    "length": {"train_len": 64, "multiple": 2, "num_sequences": 12, "batch_size": 2, "groups": 6},
 }
 
 
