@@ -273,3 +273,20 @@ def test_panels_pair_two_models_on_one_tokenizer_through_each_runs_own_replicate
     assert "rope - nope: paired (the same token ids" in md
     other = dict(nope, batches={**nope["batches"], "length": {**nope["batches"]["length"], "tokens": "other"}})
     assert paired_columns([rope, other], 0.95)["length"] == []  # other token ids: side by side only
+
+
+def test_each_sub_runs_time_is_kept_and_printed(card):
+    # run.json keeps this call's wall and CPU seconds per sub-run (the three of one pass share theirs) and the
+    # whole call's; `poslens card` prints them from there
+    from poslens.analyses.card.run import timing_lines
+
+    runs = {(r["label"], r["analysis"]): r["timing"] for r in card["meta"]["runs"]}
+    for label in ("rope", "nope"):
+        assert runs[label, "scores"]["seconds"] == runs[label, "probe"]["seconds"] > 0
+        assert runs[label, "length"]["cpu_seconds"] > 0 and "one_pass_with" not in runs[label, "length"]
+    total = card["meta"]["timings"]
+    assert total["seconds"] >= sum(runs[k]["seconds"] for k in runs if k[1] in ("scores", "length"))
+    lines = timing_lines(card["meta"])  # the first call's run.json (a later test reruns the card: all reused)
+    assert any(line.startswith("  rope/scores + leakage + probe: ") and "in one pass" in line for line in lines)
+    assert any(line.startswith("  nope/length: ") for line in lines) and lines[-1].startswith("  card: ")
+    assert not any("rope/leakage" in line for line in lines)  # printed once, with the first of its pass

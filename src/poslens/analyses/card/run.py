@@ -324,10 +324,9 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timing_lines(card: Path) -> list[str]:
+def timing_lines(meta: dict) -> list[str]:
     """What `poslens card` prints at the end: each sub-run's wall and CPU time (or that it was reused) and the
-    whole call's, read from the card's run.json."""
-    meta = recorded(card) or {}
+    whole call's, from the card's run.json (`meta`)."""
     lines, printed = [], set()
     for r in meta.get("runs", []):
         t = r.get("timing") or {}
@@ -356,6 +355,6 @@ def cmd_card(args) -> None:
     path = run_card(cfg, args.out, force=args.force, progress=not args.quiet,
                     command=shlex.join(["poslens", *getattr(args, "argv", [])]))
     if not args.quiet:
-        print("\n".join(timing_lines(path)))
+        print("\n".join(timing_lines(recorded(path) or {})))
     for name in ("card.md", "card.html"):
         print(f"wrote {path / name}")
