@@ -5,8 +5,9 @@ hand, not a test; the bar: at most 10 minutes for SmolLM2-135M on 2 CPU cores).
     .venv/bin/python benchmarks/card.py --out benchmarks/results/cpu-DATE-card/timing.json
 
 Plain forwards first (`model(ids)`, logits; one warm-up batch not timed): the token blocks the card's sub-runs push
-through the model at its default sizes (scores, leakage and the probe: one pass each over 32 x 128 tokens; length:
-one pass per intervention (5) and the baseline over 8 x 256), then the command itself in the same process
+through the model at its default sizes (scores, leakage and the probe: one shared pass over 32 x 128 tokens;
+length: one pass per intervention (6 on a RoPE model) and the baseline over 12 x 128), then the command itself in
+the same process
 (`poslens.cli.main`: four loads, every pass, every summary, figures, the page). Prints and writes both wall times,
 their ratio, the command's CPU time, the load average and the threads: on a loaded machine only the ratio means
 anything.
@@ -51,11 +52,10 @@ def main() -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     blocks = []  # (batch, tokens) of every forward the card makes at its defaults
-    for name in ("scores", "leakage", "probe"):
-        s = SIZES[name]
-        blocks += [(s["batch_size"], s["seq_len"])] * (s["num_sequences"] // s["batch_size"])
+    s = SIZES["scores"]  # scores, leakage and the probe: one pass (their batches are the same)
+    blocks += [(s["batch_size"], s["seq_len"])] * (s["num_sequences"] // s["batch_size"])
     s = SIZES["length"]
-    blocks += [(s["batch_size"], s["multiple"] * s["train_len"])] * (s["num_sequences"] // s["batch_size"] * 6)
+    blocks += [(s["batch_size"], s["multiple"] * s["train_len"])] * (s["num_sequences"] // s["batch_size"] * 7)
     with torch.no_grad():
         model(torch.randint(3, vocab, blocks[0], generator=gen))
         start = time.perf_counter()

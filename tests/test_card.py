@@ -20,7 +20,7 @@ from poslens.options import from_args
 
 SIZES = ",".join([
     *(f"{a}.{k}={v}" for a in ("scores", "leakage") for k, v in
-      (("seq_len", 24), ("num_sequences", 8), ("batch_size", 2), ("groups", 4))),
+      (("seq_len", 24), ("num_sequences", 24), ("batch_size", 2), ("groups", 4))),
     "leakage.early_queries=8",
     "probe.seq_len=24", "probe.num_sequences=24", "probe.batch_size=2", "probe.groups=4",
     "length.train_len=16", "length.num_sequences=4", "length.batch_size=2", "length.groups=2"])
@@ -208,3 +208,85 @@ def test_two_models_on_one_tokenizer_get_a_paired_probe_difference(card):
     assert "rope - nope, paired" in (card["out"] / "card" / "card.md").read_text()
     other = dict(nope, tokens_checksum=[x + 1 for x in nope["tokens_checksum"]])  # other tokens: not paired
     assert paired_probe(rope, other, 0.95) is None
+
+
+def test_the_shared_pass_gives_each_sub_run_what_its_own_command_gives(card, tmp_path):
+    # scores, leakage and the probe of one model read the same batches, so the card measures them in one forward per
+    # batch (analyses/card/shared.py); each sub-run must hold what its printed command writes when run alone. The
+    # forward is the same but the pass with the leakage reader forms the dense scores, so the stream may differ by
+    # float32 rounding: 1e-5 (relative to each tensor's largest entry) is far above that and far below any effect.
+    from poslens.io.results import load
+
+    cfg = from_args(CardConfig, build_parser("card").parse_args(card["argv"]))
+    subs = [s for s in plan(cfg, card["out"]) if s.label == "rope" and s.analysis != "length"]
+    timing = {r["analysis"]: r["timing"] for r in card["meta"]["runs"] if r["label"] == "rope"}
+    assert set(timing["scores"]["one_pass_with"]) == {"leakage", "probe"}
+    for sub in subs:
+        kept = load(sub.path)
+        assert {r["kind"] for r in kept.meta["shared_pass"]["runs"]} == {"scores", "leakage", "stat"}
+        argv = shlex.split(sub.command)[1:]
+        argv[argv.index("--out") + 1] = str(tmp_path / sub.analysis)
+        assert main([*argv, "--quiet"]) == 0
+        alone = load(tmp_path / sub.analysis)
+        assert set(alone.tensors) == set(kept.tensors), sub.analysis
+        for name, t in alone.tensors.items():
+            a, b = t.double(), kept.tensors[name].double()
+            scale = float(a[torch.isfinite(a)].abs().max()) if torch.isfinite(a).any() else 1.0
+            assert torch.allclose(a, b, rtol=0, atol=1e-5 * max(scale, 1e-12), equal_nan=True), (sub.analysis, name)
+
+
+def test_panels_pair_two_models_on_one_tokenizer_through_each_runs_own_replicates(card):
+    # every sub-run keeps its estimates' leave-one-group-out values: the jackknife of one run's replicates gives back
+    # that run's own interval (1e-6: replicates stored in float32, intervals of order 0.01-1), and the paired
+    # difference of the two models is the difference of the estimates with the jackknife of the replicates'
+    # differences; a model against itself differs by exactly 0 with a zero-width interval (the text cancels)
+    from poslens.analyses.card.page import paired_columns
+    from poslens.analyses.card.paired import difference, pairable
+    from poslens.engine.stats import jackknife
+
+    rope, nope = _model(card, "rope"), _model(card, "nope")
+    for analysis in ("scores", "leakage", "length"):
+        assert pairable(rope, nope, analysis), analysis
+    for r, reps in zip(rope["scores"], rope["replicates"]["scores"]):
+        own = jackknife(torch.tensor(r["rms"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        assert float(own.lo) == pytest.approx(r["rms"][1], abs=1e-6)
+        assert float(own.hi) == pytest.approx(r["rms"][2], abs=1e-6)
+    for b, reps in zip(rope["length"]["bins"], rope["replicates"]["length"]):
+        own = jackknife(torch.tensor(b["loss"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        assert (float(own.lo), float(own.hi)) == pytest.approx(b["loss"][1:], abs=1e-5)
+    share = rope["leakage"]["attn/share_residual"]["key0_out"]
+    for (v, lo, hi), reps in zip(share, rope["replicates"]["leakage"]["attn/share_residual"]["key0_out"]):
+        own = jackknife(torch.tensor(v, dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        assert (float(own.lo), float(own.hi)) == pytest.approx((lo, hi), abs=1e-5)
+    cols = paired_columns([rope, nope], 0.95)
+    for panel in ("scores", "leakage", "length"):
+        (other, rows), = cols[panel]
+        assert other is nope and rows
+    d = cols["scores"][0][1][0]["pattern RMS"]
+    assert d == pytest.approx(difference(rope["scores"][0]["rms"][0], rope["replicates"]["scores"][0],
+                                         nope["scores"][0]["rms"][0], nope["replicates"]["scores"][0], 0.95))
+    assert d[0] == pytest.approx(rope["scores"][0]["rms"][0] - nope["scores"][0]["rms"][0], abs=1e-12)
+    same = paired_columns([rope, dict(rope, label="again")], 0.95)
+    assert all(x == pytest.approx((0.0, 0.0, 0.0), abs=1e-12) for row in same["length"][0][1] for x in row.values())
+    md = (card["out"] / "card" / "card.md").read_text()
+    assert "pattern RMS, rope - nope, paired" in md and "loss, rope - nope, paired" in md
+    assert "rope - nope: paired (the same token ids" in md
+    other = dict(nope, batches={**nope["batches"], "length": {**nope["batches"]["length"], "tokens": "other"}})
+    assert paired_columns([rope, other], 0.95)["length"] == []  # other token ids: side by side only
+
+
+def test_each_sub_runs_time_is_kept_and_printed(card):
+    # run.json keeps this call's wall and CPU seconds per sub-run (the three of one pass share theirs) and the
+    # whole call's; `poslens card` prints them from there
+    from poslens.analyses.card.run import timing_lines
+
+    runs = {(r["label"], r["analysis"]): r["timing"] for r in card["meta"]["runs"]}
+    for label in ("rope", "nope"):
+        assert runs[label, "scores"]["seconds"] == runs[label, "probe"]["seconds"] > 0
+        assert runs[label, "length"]["cpu_seconds"] > 0 and "one_pass_with" not in runs[label, "length"]
+    total = card["meta"]["timings"]
+    assert total["seconds"] >= sum(runs[k]["seconds"] for k in runs if k[1] in ("scores", "length"))
+    lines = timing_lines(card["meta"])  # the first call's run.json (a later test reruns the card: all reused)
+    assert any(line.startswith("  rope/scores + leakage + probe: ") and "in one pass" in line for line in lines)
+    assert any(line.startswith("  nope/length: ") for line in lines) and lines[-1].startswith("  card: ")
+    assert not any("rope/leakage" in line for line in lines)  # printed once, with the first of its pass

@@ -111,7 +111,8 @@ def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
     """
     scores = as_numpy(result["scores"])
     layer_ids = result["layers"].tolist() if "layers" in result else list(range(len(scores)))
-    sizes = capture.estimate(pattern_rms, level=level) if capture is not None and "scores" in capture.keys() else None
+    sizes = (capture.estimate(pattern_rms, level=level, keep_replicates=True)
+             if capture is not None and "scores" in capture.keys() else None)
     layers = []
     for ell, m in enumerate(scores):
         lo, hi = quantile_limits(m)
@@ -124,6 +125,8 @@ def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
                  "sink_column_mean": float(np.nanmean(m[1:, 0]))}
         if sizes is not None and sizes[ell].groups >= 2:
             entry["normalised_rms_ci"] = sizes[ell].item()
+            # leave-one-group-out values: another model's run on the same groups pairs with this one through them
+            entry["normalised_rms_replicates"] = sizes[ell].replicates.tolist()
         if "normalised_se" in result:
             noise = as_numpy(result["normalised_se"][ell])[:, 1:]
             entry["normalised_noise_rms"] = float(np.sqrt(np.nanmean(noise ** 2)))

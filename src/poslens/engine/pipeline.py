@@ -278,6 +278,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         analysis.check(job)
         job.sequences, job.data = analysis.sequences(job, docs)
         job.data["source"] = source
+        job.data["tokens_sha256"] = tokens_digest(job.sequences)  # two runs on the same token ids pair by group
         mine = dist.shard(job.sequences)
         batches = list(torch.split(mine, config.batch_size))
         everyone = dist.batches(len(job.sequences), config.batch_size)
@@ -307,6 +308,13 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
             "figures": [str(p.relative_to(run.build)) for p in figures],
             "timings": {"compute_seconds": computed, "seconds": time.perf_counter() - job.started}})
     return target
+
+
+def tokens_digest(ids: torch.Tensor) -> str:
+    """SHA-256 of token ids [N, T] as little-endian int64, row by row: equal in two runs that read the same ids."""
+    import hashlib
+
+    return hashlib.sha256(ids.to(torch.int64).cpu().contiguous().numpy().astype("<i8").tobytes()).hexdigest()
 
 
 def report_lines(path: str | Path, summary: Callable[[dict], list[str]] | None = None) -> list[str]:

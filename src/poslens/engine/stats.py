@@ -63,6 +63,20 @@ def t_quantile(p: float, df: int) -> float:
     return (lo + hi) / 2
 
 
+def jackknife(value: torch.Tensor, reps: torch.Tensor, level: float = 0.95, keep: bool = False) -> Estimate:
+    """The delete-one-group jackknife of `value` = f(all groups) from its replicates [k, ...] (f without group g):
+    standard error sqrt((k - 1) / k sum_g (r_g - mean r)^2), a t-interval on k - 1 degrees of freedom, the
+    bias-corrected value. Of a difference f(A) - f(B) of two statistics on the same groups of the same sequences,
+    the replicates are the differences of theirs: that is the paired interval. keep: the replicates kept."""
+    k = int(reps.shape[0])
+    kept = reps.clone() if keep else None
+    centre = reps.mean(0)
+    debiased = k * value - (k - 1) * centre
+    se = torch.sqrt((k - 1) / k * reps.sub_(centre).pow_(2).sum(0))  # in place: the replicates are GBs for maps
+    t = t_quantile((1 + level) / 2, k - 1)
+    return Estimate(value, value - t * se, value + t * se, se, k, level, "jackknife", debiased, kept)
+
+
 @dataclass
 class Estimate:
     """A point estimate with its confidence interval. Tensors share the estimate's shape (NaN where undefined)."""
@@ -78,11 +92,16 @@ class Estimate:
     # function of the group means (an energy ||P mean||^2) with equal groups it is the unbiased U-statistic
     # sum_{g != h} <P m_g, P m_h> / (G' (G' - 1)): the plug-in's noise term tr(P Sigma P) / N removed
     debiased: torch.Tensor | None = None
+    # jackknife with keep_replicates only: f(all but g) for each group g that held data, [groups, *value.shape];
+    # two estimates on the same groups of the same sequences pair through them (`jackknife`: f(A) - f(B))
+    replicates: torch.Tensor | None = None
 
     def __getitem__(self, index) -> Estimate:
         """Element `index` of every tensor (e.g. one statistic of an estimate of several)."""
+        index = index if isinstance(index, tuple) else (index,)
         return Estimate(self.value[index], self.lo[index], self.hi[index], self.se[index], self.groups, self.level,
-                        self.method, None if self.debiased is None else self.debiased[index])
+                        self.method, None if self.debiased is None else self.debiased[index],
+                        None if self.replicates is None else self.replicates[(slice(None), *index)])
 
     def within(self, low: float = -math.inf, high: float = math.inf) -> Estimate:
         """The estimate and its interval cut to [low, high], the range the quantity cannot leave (a mean square:
@@ -259,8 +278,10 @@ class GroupedSums:
         return [g for g in range(self.groups) if float(first[g].max() if first[g].numel() else 0) > 0]
 
     def estimate(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor | float], level: float = 0.95,
-                 method: str = "jackknife", replicates: int = 1000, seed: int = 0) -> Estimate:
-        """f(pooled means) with a confidence interval from the groups (jackknife or bootstrap over groups).
+                 method: str = "jackknife", replicates: int = 1000, seed: int = 0,
+                 keep_replicates: bool = False) -> Estimate:
+        """f(pooled means) with a confidence interval from the groups (jackknife or bootstrap over groups);
+        keep_replicates: the jackknife's leave-one-group-out values kept in the Estimate (`Estimate.replicates`).
 
         `fn` takes the dict of pooled float64 means and returns a tensor or float. Fewer than two groups with data:
         the interval is NaN (a single group gives no spread to measure)."""
@@ -275,12 +296,7 @@ class GroupedSums:
         if method == "jackknife":
             reps = torch.stack([torch.as_tensor(fn(self._means(drop=g, totals=totals)), dtype=torch.float64)
                                 for g in groups])
-            k = len(groups)
-            centre = reps.mean(0)
-            debiased = k * value - (k - 1) * centre
-            se = torch.sqrt((k - 1) / k * reps.sub_(centre).pow_(2).sum(0))  # in place: the replicates are GBs for maps
-            t = t_quantile((1 + level) / 2, k - 1)
-            return Estimate(value, value - t * se, value + t * se, se, k, level, method, debiased)
+            return jackknife(value, reps, level, keep_replicates)
         gen = torch.Generator().manual_seed(seed)
         idx = torch.tensor(groups)
         reps = []

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from poslens.analyses.card.paired import batches, pairable, paired_rows
 from poslens.errors import UsageError
 
 PANELS = {
@@ -114,7 +115,67 @@ def read_model(runs: list) -> dict:
                for name, per_len in model0.get("effects", {}).items()}
     out["length"] = {"train_len": L, "eval_lens": lens, "bins": bins, "effects": effects,
                      "skipped": lm.get("skipped", {}), "notes": lm.get("notes", [])}
+    out["batches"] = {a: batches(run.meta) for a, run in (("scores", scores), ("leakage", leakage),
+                                                          ("probe", probe), ("length", length))}
+    out["replicates"] = replicates(scores, leakage, length)
     return out
+
+
+PAIRED_SHARES = ("attn/share_mask_only", "attn/share_residual")  # the leakage panel's paired columns
+
+
+def replicates(scores, leakage, length) -> dict:
+    """The leave-one-group-out values each run kept for paired differences (`paired.py`), per panel and row: scores
+    per layer; leakage per share, key 0 in/out and layer (all queries); length per bin. A run written before they
+    were kept has none (its panel is then side by side only)."""
+    from poslens.analyses.leakage.summary import KEY0, VARIANT
+
+    out: dict[str, Any] = {}
+    layers = scores.meta["metrics"]["layers"]
+    if layers and all("normalised_rms_replicates" in m for m in layers):
+        out["scores"] = [m["normalised_rms_replicates"] for m in layers]
+    if "original/metrics_replicates" in leakage.tensors:
+        r = leakage.tensors["original/metrics_replicates"].double()  # [groups, V, M, L]
+        names = leakage.meta["metrics"]["metric_names"]
+        out["leakage"] = {n: {k: r[:, VARIANT["all", k], names.index(n)].T.tolist() for k in KEY0}
+                          for n in PAIRED_SHARES}
+    if "replicates/loss_binned" in length.tensors:
+        out["length"] = length.tensors["replicates/loss_binned"].double().T.tolist()
+    return out
+
+
+def paired_columns(models: list[dict], level: float) -> dict[str, list[tuple[dict, list]]]:
+    """Per panel, (other model, rows of {column: (first - other, lo, hi)}) for every other model that read the
+    same token ids in the same groups as the first (`paired.paired_rows`)."""
+    def scores(m):
+        return [{"pattern RMS": (r["rms"][0], x)} for r, x in zip(m["scores"], m["replicates"]["scores"])]
+
+    def leak(m):
+        reps = m["replicates"]["leakage"]
+        return [{f"{n.split('_', 1)[1].replace('_', '-')} share, key 0 {k[5:]}": (m["leakage"][n][k][i][0],
+                                                                              reps[n][k][i])
+                 for n in PAIRED_SHARES for k in ("key0_in", "key0_out")} for i in range(len(reps[PAIRED_SHARES[0]][
+                     "key0_in"]))]
+
+    def length(m):
+        return [{"loss": (b["loss"][0], x)} for b, x in zip(m["length"]["bins"], m["replicates"]["length"])]
+
+    out = {}
+    for panel, analysis, values in (("scores", "scores", scores), ("leakage", "leakage", leak),
+                                    ("length", "length", length)):
+        pairs = [(m, paired_rows(models[0], m, analysis, values, level)) for m in models[1:]]
+        out[panel] = [(m, d) for m, d in pairs if d is not None]
+    return out
+
+
+def add_paired(table: tuple[list[str], list[list[str]]], first: str, pairs: list[tuple[dict, list]]) -> None:
+    """Append the paired columns (first - other, with its interval) to a panel's (header, rows)."""
+    header, rows = table
+    for m, diff in pairs:
+        for column in (diff[0] if diff else {}):
+            header.append(f"{column}, {first} - {m['label']}, paired")
+            for i, row in enumerate(rows):
+                row.append(_iv(*diff[i][column]) if i < len(diff) else "-")
 
 
 # ---------------------------------------------------------------- figures
@@ -226,12 +287,16 @@ def tables(models: list[dict], level: float = 0.95) -> dict[str, tuple[list[str]
                      + [_iv(*m["probe"][i]) if i < len(m["probe"]) else "-" for m in models]
                      + [_iv(*d[i]) if i < len(d) else "-" for _, d in pairs]
                      for i in range(probe_depth)])
+    paired = paired_columns(models, level)
+    add_paired(out["scores"], labels[0], paired["scores"])
+    add_paired(out["leakage"], labels[0], paired["leakage"])
     nbins = max(len(m["length"]["bins"]) for m in models)
     out["length"] = (["target positions"] + [f"loss ({x})" if multi else "loss" for x in labels],
                      [[f"{models[0]['length']['bins'][b]['from']}-{models[0]['length']['bins'][b]['to']}"
                        if b < len(models[0]["length"]["bins"]) else "-"]
                       + [_iv(*m["length"]["bins"][b]["loss"]) if b < len(m["length"]["bins"]) else "-"
                          for m in models] for b in range(nbins)])
+    add_paired(out["length"], labels[0], paired["length"])
     return out
 
 
@@ -249,6 +314,15 @@ def paired_probe(a: dict, b: dict, level: float) -> list[tuple[float, float, flo
         est = over_seeds([x - y for x, y in zip(fa, fb)], level)
         out.append((float(est.value), float(est.lo), float(est.hi)))
     return out
+
+
+def pair_line(a: dict, b: dict, analysis: str) -> str:
+    """Whether a panel pairs models a and b, in words."""
+    if pairable(a, b, analysis):
+        return (f"{a['label']} - {b['label']}: paired (the same token ids in the same groups; interval: the "
+                "jackknife of the difference over those groups)")
+    return (f"{a['label']} - {b['label']}: side by side only, not paired (they did not read the same token ids in "
+            "the same groups: another tokenizer or text, or runs that kept no leave-one-group-out values)")
 
 
 def length_effects(m: dict) -> list[str]:
@@ -308,9 +382,11 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
     intro = ("Where each model's positional information comes from, per layer, with intervals. Every number is read "
              "from a run directory of poslens's own analyses; the command under each panel re-measures it.")
     if len(models) > 1:
-        intro += (" The models are shown side by side on the same text, each with its own intervals; the probe panel "
-                  "also gives paired differences (per fold, t over folds) where two models read the same tokens "
-                  "(one tokenizer); the other panels are not paired.")
+        intro += (" The models are shown side by side on the same text, each with its own intervals. Where two models "
+                  "read the same token ids in the same groups (one tokenizer), the score, attention-term, probe and "
+                  "loss panels also give the paired difference first model - other, with an interval from the same "
+                  "groups (the jackknife of the difference; the probe: t over the same folds); where the token ids "
+                  "differ, the panels are side by side only, and each panel says which.")
     md += [intro, ""]
     ht.append(f"<p>{e(intro)}</p>")
     for k, v in provenance.items():
@@ -330,6 +406,8 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
                      for m in models]
         if key == "sinks":
             extra = [f"{m['label']}: {sink_line(m)}" for m in models]
+        if key in ("scores", "leakage", "length"):
+            extra = [pair_line(models[0], m, key) for m in models[1:]]
         if key == "probe":
             extra = [f"{m['label']}: {m['probe_folds']} folds" for m in models]
             extra += [f"{models[0]['label']} - {m['label']}: " + (
@@ -337,7 +415,7 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
                 if paired_probe(models[0], m, level) else "not paired (the two read different tokens)")
                 for m in models[1:]]
         if key == "length":
-            extra = [f"{m['label']}: L = {m['length']['train_len']} tokens, the card's length.train_len (evaluated "
+            extra += [f"{m['label']}: L = {m['length']['train_len']} tokens, the card's length.train_len (evaluated "
                      f"at {', '.join(map(str, m['length']['eval_lens']))})" for m in models]
             extra += [f"{m['label']}: {line}" for m in models for line in length_effects(m)]
             extra += [f"{m['label']}: {note}" for m in models for note in m["length"]["notes"]]
@@ -358,8 +436,10 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
     return "\n".join(md) + "\n", "\n".join(ht) + "\n"
 
 
-def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
-    """Read the finished sub-runs and write OUT/card (card.md, card.html, figures/, run.json, tensors)."""
+def write_card(cfg, out: Path, runs: list, command: str | None = None,
+               started: tuple[float, float] | None = None) -> Path:
+    """Read the finished sub-runs and write OUT/card (card.md, card.html, figures/, run.json, tensors).
+    started: (time.perf_counter(), CPU seconds) when the call began: run.json's timings then hold the whole call's."""
     import dataclasses
 
     import torch
@@ -367,7 +447,7 @@ def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
     from poslens.io.results import write_run
     from poslens.io.rundir import run_directory
 
-    started = time.time()
+    page_started = time.perf_counter()
     labels = list(dict.fromkeys(r.label for r in runs))
     models = [read_model([r for r in runs if r.label == label]) for label in labels]
     provenance = {"command": command or "poslens card " + " ".join(cfg.models),
@@ -386,9 +466,21 @@ def write_card(cfg, out: Path, runs: list, command: str | None = None) -> Path:
         write_run(build, tensors, {
             "kind": "card", "config": {**dataclasses.asdict(cfg), "sizes": cfg.size_table()},
             "runs": [{"model": r.model, "label": r.label, "analysis": r.analysis, "path": str(r.path),
-                      "command": r.command, "reused": r.reused} for r in runs],
-            "models": models, "timings": {"page_seconds": time.time() - started}})
+                      "command": r.command, "reused": r.reused, "timing": r.timing()} for r in runs],
+            "models": models, "timings": timings(page_started, started)})
     return target
+
+
+def timings(page_started: float, started: tuple[float, float] | None) -> dict:
+    """run.json's timings: the page's wall seconds, and the whole call's wall and CPU seconds when known (each
+    sub-run's are in run.json's "runs")."""
+    from poslens.analyses.card.run import cpu_seconds
+
+    now = time.perf_counter()
+    out = {"page_seconds": now - page_started}
+    if started is not None:
+        out |= {"seconds": now - started[0], "cpu_seconds": cpu_seconds() - started[1]}
+    return out
 
 
 def _figures_ok(models: list[dict]) -> bool:

@@ -8,10 +8,12 @@ Layout of --out (docs/card.md):
     OUT/MODEL_LABEL/length/    `poslens length`              loss by position past a length L, interventions
     OUT/card/                  card.md, card.html, figures/, run.json (every sub-run's command)
 
-Each sub-run is an ordinary run directory of its analysis, written by the analysis's own run function; the exact
-command that re-measures it is recorded and printed on the card. Rerunning the same card reuses every finished
-sub-run whose recorded config equals the one asked (an interrupted sub-run resumes from its checkpoints); a
-sub-run made with other settings is refused without --force. The page is rewritten every time.
+Each sub-run is an ordinary run directory of its analysis, written by the analysis's own run function (scores,
+leakage and probe, which read the same batches, in one pass: `shared.py`); the exact command that re-measures it is
+recorded and printed on the card, and its wall and CPU time are printed and kept in the card's run.json. Rerunning
+the same card reuses every finished sub-run whose recorded config equals the one asked (an interrupted sub-run
+resumes from its checkpoints); a sub-run made with other settings is refused without --force. The page is rewritten
+every time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import resource
 import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,13 +35,15 @@ from poslens.options import check_options, default_of, field_kind, flag_of, opti
 
 ANALYSES = ("scores", "leakage", "probe", "length")
 
-# Each analysis's sizes (`--sizes ANALYSIS.KEY=VALUE`): chosen so that SmolLM2-135M's card takes at most 10
-# minutes on 2 CPU cores (BENCHMARKS.md, "Card"). `multiple`: the length panel evaluates at L and multiple x L.
+# Each analysis's sizes (`--sizes ANALYSIS.KEY=VALUE`): chosen so that SmolLM2-135M's card takes well under 10
+# minutes on 2 CPU cores (BENCHMARKS.md, "Card"; why each size suffices: docs/card.md, "Sizes"). scores, leakage
+# and probe cut the same batches, so they share one forward per batch (`shared.py`); keep their seq_len,
+# num_sequences and batch_size equal. `multiple`: the length panel evaluates at L and multiple x L.
 SIZES: dict[str, dict[str, Any]] = {
     "scores": {"seq_len": 128, "num_sequences": 32, "batch_size": 4, "groups": 8},
     "leakage": {"seq_len": 128, "num_sequences": 32, "batch_size": 4, "groups": 8, "early_queries": 32},
     "probe": {"seq_len": 128, "num_sequences": 32, "batch_size": 4, "groups": 4, "ridge": 1e-2, "skip_first": 1},
-    "length": {"train_len": 128, "multiple": 2, "num_sequences": 8, "batch_size": 2, "groups": 4},
+    "length": {"train_len": 64, "multiple": 2, "num_sequences": 12, "batch_size": 2, "groups": 6},
 }
 
 
@@ -131,19 +137,34 @@ class SubRun:
     extra: dict = field(default_factory=dict)  # run.json entries besides config that must match (the probe's options)
     settled: tuple[str, ...] = ()  # config fields the analysis settles itself (length's "all" interventions)
     reused: bool = False  # a finished run of the same config was found and read as it is
+    pipeline: Any = None  # its pipeline Analysis, when it is one plain pass that can share a forward (`shared.py`)
+    shared_with: tuple[str, ...] = ()  # the analyses measured in the same pass as this one (this call)
+    seconds: float | None = None  # wall time of this call's run (None: reused)
+    cpu_seconds: float | None = None  # CPU time (user + system, every thread) of this call's run
+
+    def timing(self) -> dict:
+        """run.json's record of this sub-run's cost: this call's wall and CPU seconds, or, reused, the seconds its
+        own run.json recorded when it was measured."""
+        if self.reused:
+            meta = recorded(self.path) or {}
+            return {"reused": True, "measured_seconds": (meta.get("timings") or {}).get("seconds")}
+        return {"reused": False, "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
+                **({"one_pass_with": list(self.shared_with)} if self.shared_with else {})}
 
 
 def plan(cfg: CardConfig, out: Path) -> list[SubRun]:
     """Every sub-run of the card, model-major, in ANALYSES order (nothing loaded or run)."""
     from poslens.analyses.card.probe import ProbeOptions
-    from poslens.analyses.leakage.run import LeakageConfig, run_leakage
+    from poslens.analyses.leakage.run import LEAKAGE, LeakageConfig, run_leakage
     from poslens.analyses.length.run import LengthConfig, run_length
-    from poslens.analyses.scores import ScoresConfig, run_scores
-    from poslens.analyses.stat import StatConfig, run_stat
+    from poslens.analyses.scores import SCORES, ScoresConfig, run_scores
+    from poslens.analyses.stat import StatAnalysis, StatConfig, run_stat
+    from poslens.engine.statistics import spec
 
     sizes = cfg.size_table()
+    # figures off: the card draws its own from the tensors (each sub-run's command re-draws them without the flag)
     shared = {"data": cfg.data, "text_field": cfg.text_field, "dtype": cfg.dtype, "device": cfg.device,
-              "tokenizer": cfg.tokenizer, "seed": cfg.seed, "level": cfg.level}
+              "tokenizer": cfg.tokenizer, "seed": cfg.seed, "level": cfg.level, "figures": False}
     text = {**shared, "mode": cfg.mode, "bos": cfg.bos}
     runs = []
     for model, label in zip(cfg.models, cfg.model_labels()):
@@ -157,16 +178,20 @@ def plan(cfg: CardConfig, out: Path) -> list[SubRun]:
         probe = StatConfig(model=model, **text, **s)
         s = dict(sizes["length"])
         L, k = s.pop("train_len"), s.pop("multiple")
-        length = LengthConfig(model=model, **shared, **s, train_len=L, eval_lens=[L, k * L])
+        # the panel reads the loss by position and the interventions' effects on it: no maps, no profiles under
+        # the interventions (the two costliest readers of a length run; `poslens length` keeps them by default)
+        length = LengthConfig(model=model, **shared, **s, train_len=L, eval_lens=[L, k * L], maps=False,
+                              intervention_profiles=False)
         runs += [
             SubRun(model, label, "scores", base / "scores", scores, command_line("scores", scores, base / "scores"),
-                   run_scores),
+                   run_scores, pipeline=SCORES),
             SubRun(model, label, "leakage", base / "leakage", leakage,
-                   command_line("leakage", leakage, base / "leakage"), run_leakage),
+                   command_line("leakage", leakage, base / "leakage"), run_leakage, pipeline=LEAKAGE),
             SubRun(model, label, "probe", base / "probe", probe,
                    command_line("stat position_probe", probe, base / "probe", options),
                    lambda c, p, force, progress, o=options: run_stat("position_probe", c, o, p, force, progress),
-                   extra={"statistic": {"name": "position_probe", "options": dataclasses.asdict(options)}}),
+                   extra={"statistic": {"name": "position_probe", "options": dataclasses.asdict(options)}},
+                   pipeline=StatAnalysis(spec("position_probe"), options)),
             SubRun(model, label, "length", base / "length", length,
                    command_line("length", length, base / "length", skip=("seq_len",)), run_length,
                    settled=("interventions",)),
@@ -245,11 +270,14 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
              command: str | None = None) -> Path:
     """Run (or reuse) every sub-run, then write the card into out/card; returns that directory."""
     from poslens.analyses.card.page import write_card
+    from poslens.analyses.card.shared import same_batches
 
+    started = (time.perf_counter(), cpu_seconds())
     cfg.validate()
     out = Path(out).expanduser().absolute()
     check_out(out, force, cfg.model_labels())
     runs = plan(cfg, out)
+    pending = []
     for sub in runs:
         same = same_config(sub)
         if same and not force:
@@ -258,11 +286,65 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
         if same is False and not force:
             raise UsageError(f"out: {sub.path} was measured with other settings than this card asks; use --force to "
                              "measure it again, or another --out", param="out")
-        if progress:
-            print(f"card: {sub.label}: {sub.analysis} ({sub.command})", flush=True)
-        sub.run(sub.config, sub.path, force=force, progress=progress)
-        sub.reused = False
-    return write_card(cfg, out, runs, command=command)
+        pending.append(sub)
+    while pending:  # a model's sub-runs on the same batches share one forward per batch (`shared.py`)
+        group = [pending.pop(0)]
+        if group[0].pipeline is not None:
+            group += [s for s in pending if s.label == group[0].label and s.pipeline is not None
+                      and same_batches(group[0].config, s.config)]
+            pending = [s for s in pending if s not in group]
+        measure(group, force, progress)
+    return write_card(cfg, out, runs, command=command, started=started)
+
+
+def measure(group: list[SubRun], force: bool, progress: bool) -> None:
+    """Run one sub-run, or several of one model on the same batches in one pass; record the time on each."""
+    from poslens.analyses.card.shared import run_shared
+
+    names = " + ".join(s.analysis for s in group)
+    if progress:
+        print(f"card: {group[0].label}: {names}" + (" in one pass" if len(group) > 1 else f" ({group[0].command})"),
+              flush=True)
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    if len(group) > 1:
+        run_shared([(s.pipeline, s.config, s.path) for s in group], force=force, progress=progress)
+    else:
+        group[0].run(group[0].config, group[0].path, force=force, progress=progress)
+    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+    for s in group:
+        s.reused, s.seconds, s.cpu_seconds = False, wall, cpu
+        s.shared_with = tuple(o.analysis for o in group if o is not s)
+    if progress:
+        print(f"card: {group[0].label}: {names} done in {wall:.0f} s ({cpu:.0f} s CPU)", flush=True)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far (user + system, every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timing_lines(meta: dict) -> list[str]:
+    """What `poslens card` prints at the end: each sub-run's wall and CPU time (or that it was reused) and the
+    whole call's, from the card's run.json (`meta`)."""
+    lines, printed = [], set()
+    for r in meta.get("runs", []):
+        t = r.get("timing") or {}
+        printed.add((r["label"], r["analysis"]))
+        if t.get("reused"):
+            took = t.get("measured_seconds")
+            lines.append(f"  {r['label']}/{r['analysis']}: reused" + (f" (measured in {took:.0f} s)" if took else ""))
+        elif t.get("seconds") is not None:
+            together = "".join(f" + {a}" for a in t.get("one_pass_with", []))
+            if any((r["label"], a) in printed for a in t.get("one_pass_with", [])):
+                continue  # printed with the first of its pass
+            lines.append(f"  {r['label']}/{r['analysis']}{together}: {t['seconds']:.0f} s ({t['cpu_seconds']:.0f} s "
+                         "CPU)" + (" in one pass" if together else ""))
+    total = meta.get("timings") or {}
+    if "seconds" in total:
+        lines.append(f"  card: {total['seconds']:.0f} s ({total['cpu_seconds']:.0f} s CPU), the page "
+                     f"{total['page_seconds']:.0f} s of it")
+    return ["time:", *lines] if lines else []
 
 
 def cmd_card(args) -> None:
@@ -272,5 +354,7 @@ def cmd_card(args) -> None:
     cfg = from_args(CardConfig, args)
     path = run_card(cfg, args.out, force=args.force, progress=not args.quiet,
                     command=shlex.join(["poslens", *getattr(args, "argv", [])]))
+    if not args.quiet:
+        print("\n".join(timing_lines(recorded(path) or {})))
     for name in ("card.md", "card.html"):
         print(f"wrote {path / name}")

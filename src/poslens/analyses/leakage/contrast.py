@@ -220,7 +220,8 @@ def unflatten(est: Estimate, shapes: list[tuple[int, ...]]) -> list[Estimate]:
         size = math.prod(shape)
         cut = [getattr(est, k)[start:start + size].reshape(shape) for k in ("value", "lo", "hi", "se")]
         debiased = None if est.debiased is None else est.debiased[start:start + size].reshape(shape)
-        out.append(Estimate(*cut, est.groups, est.level, est.method, debiased))
+        reps = None if est.replicates is None else est.replicates[:, start:start + size].reshape(-1, *shape)
+        out.append(Estimate(*cut, est.groups, est.level, est.method, debiased, reps))
         start += size
     return out
 

@@ -71,7 +71,7 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
         shapes[:] = [tuple(p.shape) for p in parts]
         return torch.cat([p.reshape(-1) for p in parts])
 
-    per_layer, summed = unflatten(orig.sums.estimate(layered, level=level), shapes)
+    per_layer, summed = unflatten(orig.sums.estimate(layered, level=level, keep_replicates=True), shapes)
     ests = {"original/metrics": per_layer, "original/over_layers": summed,
             "original/metrics_heads": orig.sums.estimate(orig.head_metrics, level=level),
             "original/alpha0": orig.sums.estimate(lambda m: alpha0(m["key0"], windows=orig.windows), level=level),
@@ -107,6 +107,9 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
     offset_interventions(job, passes, metrics, ests)
     for name, est in ests.items():
         tensors.update({k: v.float() for k, v in est.as_dict(name).items()})
+    # the original's per-layer metrics without each group [groups, V, M, L]: another model's run on the same groups
+    # of the same sequences pairs with this one through them (`poslens card`)
+    tensors["original/metrics_replicates"] = per_layer.replicates.float()
 
     # compatibility with the previous layout (the report section, leakage-compare): key 0 in, per layer
     for scope in SCOPES:

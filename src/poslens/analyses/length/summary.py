@@ -31,7 +31,11 @@ def summarise_model(cfg, passes: list[tuple[LengthPass, LengthStatistics]], leve
     loss, profile = base.loss, base.profile
     past = [t for t in lens if t > L]
     edges = edges_of(L, lens)
-    tensors = {**loss.curve(level).as_dict("loss"), **binned(loss, L, T, level).as_dict("loss_binned")}
+    bins = binned(loss, L, T, level, keep_replicates=True)
+    # replicates/loss_binned: each bin without each group, so another model's run on the same groups of the same
+    # sequences pairs with this one (`poslens card`)
+    tensors = {**loss.curve(level).as_dict("loss"), **bins.as_dict("loss_binned"),
+               "replicates/loss_binned": bins.replicates}
     entry: dict = {"buckets": [_item(loss.buckets(level), i) for i in range(len(edges) - 1)],
                    "loss_past_L": {str(t): _item(loss.spans([(L, t)], level), 0) for t in past},
                    "rise": {str(t): _item(rise(loss, L, t, level)) for t in past}}
@@ -69,10 +73,11 @@ def rise(loss: PositionLoss, L: int, t: int, level: float) -> Estimate:
     return loss.sums.estimate(lambda m: (lambda s: s[1] - s[0])(span_means(m["nll"], spans)), level)
 
 
-def binned(loss: PositionLoss, L: int, n: int, level: float) -> Estimate:
-    """Mean loss in bins of L / 4 target positions (from 1) up to n, with jackknife intervals: the curve's figure."""
+def binned(loss: PositionLoss, L: int, n: int, level: float, keep_replicates: bool = False) -> Estimate:
+    """Mean loss in bins of L / 4 target positions (from 1) up to n, with jackknife intervals: the curve's figure
+    (keep_replicates: its leave-one-group-out values kept)."""
     spans = bin_spans(L, n)
-    return loss.sums.estimate(lambda m: span_means(m["nll"], spans), level)
+    return loss.sums.estimate(lambda m: span_means(m["nll"], spans), level, keep_replicates=keep_replicates)
 
 
 def profile_buckets(profile: AttentionProfile, edges: list[int], level: float) -> dict:
