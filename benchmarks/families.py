@@ -32,7 +32,7 @@ from tiny_models import build, token_batch  # noqa: E402
 
 from poslens.engine.hooks import HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2", "gpt2")
+FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom")
 
 
 def model_of(family: str, hidden: int, layers: int):
@@ -40,6 +40,11 @@ def model_of(family: str, hidden: int, layers: int):
     if family == "gpt2":  # no key/value groups, no head_dim field; MLP 4 x hidden by default
         return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      max_position_embeddings=1024)
+    if family == "bloom":  # no key/value groups, no head_dim field; MLP 4 x hidden
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     ffn_dim=4 * hidden, max_position_embeddings=1024)
     kv = {"olmo2": heads}.get(family, max(1, heads // 2))
     return build(family, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
