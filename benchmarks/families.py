@@ -32,7 +32,7 @@ from tiny_models import build, token_batch  # noqa: E402
 
 from poslens.engine.hooks import HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2", "gpt2", "gpt_neox", "gptj", "phi")
+FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi")
 
 
 def model_of(family: str, hidden: int, layers: int):
@@ -43,6 +43,11 @@ def model_of(family: str, hidden: int, layers: int):
     if family in ("gpt_neox", "gptj"):  # no key/value groups, no head_dim field; GPT-J: a quarter of each head turns
         sizes = {"gptj": {"rotary_dim": 16}, "gpt_neox": {"intermediate_size": 4 * hidden}}[family]
         return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, **sizes)
+    if family == "bloom":  # no key/value groups, no head_dim field; MLP 4 x hidden
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     ffn_dim=4 * hidden, max_position_embeddings=1024)
     kv = {"olmo2": heads, "phi": heads}.get(family, max(1, heads // 2))
     return build(family, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)

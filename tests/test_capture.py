@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_identical
 from tiny_models import ALL_FAMILIES, FAMILIES, build, token_batch
-from transformers import AttentionInterface, AttentionMaskInterface, OPTConfig, OPTForCausalLM
+from transformers import AttentionInterface, AttentionMaskInterface, MambaConfig, MambaForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import eager_mask
 
 from poslens.engine.ablations import no_rope
 from poslens.engine.capture import Capture, attention_scores, check_supported
-from poslens.engine.families import positional_encoding
+from poslens.engine.families import positional_encoding, positional_encoding_record
 from poslens.errors import UsageError
 from poslens.io.checkpoint import load_partial, save_partial
 
@@ -64,10 +64,28 @@ AttentionInterface.register("poslens_test_reference", _reference_attention)
 AttentionMaskInterface.register("poslens_test_reference", eager_mask)
 
 
+def _record_alibi(m64) -> list:
+    """BLOOM (its attention is its own code, not an interface): hooks that record every layer's scores recomputed in
+    float64 from the attention's input, q.k / sqrt(D) + slope_h * (j - i) (TransformerLens's form of the bias, the
+    slopes from the model's positional-encoding record)."""
+    slopes = torch.tensor(positional_encoding_record(m64)["alibi_slopes"], dtype=torch.float64)
+
+    def record(module, args, kwargs):
+        q, k, _ = module._reshape(module.query_key_value(args[0]))
+        pos = torch.arange(args[0].shape[1], dtype=torch.float64)
+        s = q @ k.transpose(-1, -2) * module.inv_norm_factor + slopes[:, None, None] * (pos[None] - pos[:, None])
+        _RECORD[module.layer_idx] = (s[0].clone(), None)
+
+    return [layer.self_attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
+
+
 def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
     """Float64 means over `sequences` (1-D, any lengths), with NaN where the softmax sees nothing."""
     m64 = copy.deepcopy(model).double()
-    m64.set_attn_implementation("poslens_test_reference")
+    if model.config.model_type == "bloom":
+        _record_alibi(m64)
+    else:
+        m64.set_attn_implementation("poslens_test_reference")
     n, h = max(len(s) for s in sequences), model.config.num_attention_heads
     z = lambda *shape: torch.zeros(len(layers), *shape, dtype=torch.float64)  # noqa: E731
     sums = {"scores": z(h, n, n), "probs": z(h, n, n), "log_probs": z(h, n, n), "log_partition": z(h, n),
@@ -128,7 +146,7 @@ def _padded(sequences: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("family", ALL_FAMILIES)  # GPT-2 too: the reference is its own attention
+@pytest.mark.parametrize("family", ALL_FAMILIES)  # GPT-2 too: the reference is its own attention (BLOOM: recomputed)
 def test_maps_match_float64_reference(family, dtype):
     """Every map of every family, streamed over two batches of different lengths, equals the reference."""
     model = build(family, dtype=dtype)
@@ -357,12 +375,11 @@ def test_no_rope_without_rotary_module_is_refused():
 
 
 def test_unsupported_architectures_are_refused():
-    with pytest.raises(UsageError, match=r"'opt'.*llama"):  # OPT: not a family yet (docs/families.md)
-        check_supported(OPTConfig())
-    opt = OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, ffn_dim=64,
-                                   vocab_size=64, word_embed_proj_dim=32))
-    with pytest.raises(UsageError, match="opt"):
-        Capture(opt)
+    with pytest.raises(UsageError, match=r"'mamba'.*llama"):  # a state-space model: no attention to hook
+        check_supported(MambaConfig())
+    mamba = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, state_size=4, vocab_size=64))
+    with pytest.raises(UsageError, match="mamba"):
+        Capture(mamba)
     with pytest.raises(UsageError, match="bidirectional"):
         check_supported(build("gemma3").config.__class__(use_bidirectional_attention=True))
     check_supported(build("gemma2").config)  # supported (post-softcap scores, eager output)

@@ -14,6 +14,7 @@ from poslens import cli
 
 # family -> the positional encoding per layer run.json must record
 EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["learned", "learned", "learned"]),
+            "opt": ("OPT", ["learned", "learned", "learned"]), "bloom": ("BLOOM", ["alibi", "alibi", "alibi"]),
             "gpt_neox": ("GPT-NeoX", ["partial-rope"] * 3), "gptj": ("GPT-J", ["partial-rope"] * 3),
             "phi": ("Phi", ["partial-rope"] * 3)}
 # RoPE families: whether length's NTK and YaRN act (GPT-J's fixed sin/cos table cannot be rescaled: skipped in "all")
@@ -77,3 +78,29 @@ def test_card_runs_on_the_partial_rotary_families(family, tmp_path):
     assert cli.main(["card", spec, "--sizes", SIZES, "--out", str(tmp_path / "out"), "--quiet"]) == 0
     page = (tmp_path / "out" / "card" / "card.md").read_text()
     assert all(f"| {layer} | partial-rope | full |" in page for layer in (1, 2, 3)), page[:2000]
+
+
+@pytest.mark.parametrize(("args", "overrides", "message"), [
+    (["length", "--train-len", "32", "--eval-lens", "32,128"], {},
+     "eval_len 128 is past the 64 positions of the model's position table model.decoder.embed_positions"),
+    (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "yarn"], {},
+     "yarn: the model has no RoPE layer"),
+    (["scores", "--pe", "none", "--seq-len", "16"], {}, "--pe none removes RoPE, and this OPT model has none"),
+    (["scores", "--seq-len", "16"], {"do_layer_norm_before": False},
+     "OPT with do_layer_norm_before=False (OPT-350m's post-LN form) is not supported"),
+    (["scores", "--seq-len", "16"], {"word_embed_proj_dim": 32},
+     "OPT with word_embed_proj_dim 32 != hidden_size 64 (project_in/project_out, OPT-350m) is not supported"),
+])
+def test_opt_refuses_what_it_cannot_do_in_one_line(args, overrides, message, tmp_path, capsys):
+    """OPT's table of 64 rows (past its offset of 2): no length past it, no RoPE to scale or remove; the post-LN and
+    project_in/out forms refused before any weight is read; one line, exit 2, no run directory."""
+    directory = tmp_path / "m"
+    _saved("opt", directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, **overrides}))
+    out = tmp_path / "out"
+    code = cli.main([args[0], f"random:{directory}", *args[1:], "--num-sequences", "4", "--batch-size", "2",
+                     "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()

@@ -22,6 +22,10 @@ from tiny_models import build, randomize_norm_gains, token_batch
 from poslens.engine.hooks import HookedModel
 
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families.json").read_text())
+# the learned-table and ALiBi families' reference (tests/reference/make_tl_family_reference_alibi.py), same method
+_ALIBI = json.loads((Path(__file__).parent / "reference" / "tl39_families_alibi.json").read_text())
+assert _ALIBI["transformer_lens"] == REFERENCE["transformer_lens"]
+REFERENCE["families"].update(_ALIBI["families"])
 FAMILIES = sorted(REFERENCE["families"])
 TOLERANCE = 2e-5
 
@@ -74,11 +78,12 @@ def test_hooked_forward_equals_hugging_face(family):
     assert torch.equal(logits, plain.logits)
     for l in range(hm.n_layers):
         assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], plain.hidden_states[l])
+    saved = model.config._attn_implementation  # BLOOM: eager only
     model.set_attn_implementation("eager")
     try:
         eager = model(input_ids=ids, use_cache=False, output_attentions=True).attentions
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(saved)
     for l in range(hm.n_layers):
         assert (cache[f"blocks.{l}.attn.hook_pattern"] - eager[l]).abs().max() < 1e-5
 
@@ -94,15 +99,7 @@ def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
     _, cache = hm.run_with_cache(ids, ["hook_pos_embed", "hook_embed", "blocks.0.hook_resid_pre"])
     assert torch.equal(cache["hook_pos_embed"], hm.W_pos[:12].expand(2, -1, -1))
     assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
-    zeroed = hm.run(ids, hooks={"hook_pos_embed": lambda x, ctx: torch.zeros_like(x)}, logits=True).logits
-    table = model.transformer.wpe.weight.clone()
-    model.transformer.wpe.weight.zero_()
-    try:
-        reference = model(input_ids=ids).logits
-    finally:
-        model.transformer.wpe.weight.copy_(table)
-    assert (zeroed - reference).abs().max() <= 1e-6 * reference.abs().max()  # float32 rounding of the same ops
-    assert (zeroed - model(input_ids=ids).logits).abs().max() > 1e-2  # the table matters
+    _assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, model.transformer.wpe.weight)
     written = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
     kept = {}
     hm.run(ids, hooks={"blocks.1.ln1.hook_normalized": lambda x, ctx: written,
@@ -116,6 +113,20 @@ def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
     assert labels == ["embed", "pos_embed", "0_attn_out", "0_mlp_out", "1_attn_out", "1_mlp_out"]
     resid = full["resid_pre", 2]
     assert (parts.sum(0) - resid).abs().max() <= 1e-5 * resid.abs().max()  # float32 sums in another order
+
+
+def _assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, rows) -> None:
+    """Zeros written at hook_pos_embed give Hugging Face's logits with the table's `rows` (a view) zeroed (float32
+    rounding of the same operations: 1e-6 of the largest logit); the table matters (> 1e-2)."""
+    zeroed = hm.run(ids, hooks={"hook_pos_embed": lambda x, ctx: torch.zeros_like(x)}, logits=True).logits
+    saved = rows.clone()
+    rows.zero_()
+    try:
+        reference = model(input_ids=ids).logits
+    finally:
+        rows.copy_(saved)
+    assert (zeroed - reference).abs().max() <= 1e-6 * reference.abs().max()
+    assert (zeroed - model(input_ids=ids).logits).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -132,3 +143,66 @@ def test_per_head_inputs_are_refused_in_one_line_where_not_built(family):
     assert "\n" not in str(e.value)
     with pytest.raises(UsageError, match="not yet on"):
         hm.set_use_split_qkv_input(True)
+
+
+@torch.no_grad()
+def test_opt_position_table_offset_is_hook_pos_embed_and_writes_act_downstream():
+    """OPT looks position p up at row p + 2 of embed_positions: hook_pos_embed is W_pos's rows at the positions, W_pos
+    the table without its first two rows (TransformerLens's convert_opt_weights); zeros written there give Hugging
+    Face's logits with those rows zeroed (and the two offset rows left as they are: they are never read); a value
+    written at mlp.hook_pre goes through the ReLU and fc2 (to float32 rounding)."""
+    model = _model("opt")
+    hm = HookedModel(model)
+    table = model.model.decoder.embed_positions.weight
+    assert torch.equal(hm.W_pos, table[2:]) and hm.W_pos.shape[0] == hm.cfg.n_ctx == 64
+    ids = token_batch(2, 12, seed=4)
+    _, cache = hm.run_with_cache(ids, ["hook_pos_embed", "hook_embed", "blocks.0.hook_resid_pre"])
+    assert torch.equal(cache["hook_pos_embed"], table[2:14].expand(2, -1, -1))
+    assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
+    _assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, table[2:])
+    written = torch.randn(2, 12, 128, generator=torch.Generator().manual_seed(5))
+    kept = {}
+    hm.run(ids, hooks={"blocks.1.mlp.hook_pre": lambda x, ctx: written,
+                       "blocks.1.mlp.hook_out": lambda x, ctx: kept.setdefault("out", x.clone())})
+    out = written.relu() @ hm.W_out[1] + hm.b_out[1]
+    assert (kept["out"] - out).abs().max() <= 1e-5 * out.abs().max()
+
+
+@torch.no_grad()
+def test_bloom_scores_minus_the_alibi_bias_are_the_plain_qk_scores_and_removing_it_is_the_model_without_alibi(
+        monkeypatch):
+    """BLOOM: attn.hook_attn_scores is q.k / sqrt(D) + slope_h * (j - i), -inf above the diagonal (TransformerLens's
+    form; the model adds slope_h * j, a constant per query away). Minus the bias built from the slopes run.json records,
+    it equals q.k / sqrt(D) recomputed in float64 from ln1's output and W_Q, b_Q, W_K, b_K (within 1e-5 of the largest
+    score: float32 rounding of one GEMM). The bias written away at every layer gives the logits of Hugging Face's own
+    forward with every slope 0 (within 1e-5 of the largest logit: float32 rounding, softmaxes of the same scores)."""
+    from transformers.models.bloom import modeling_bloom
+
+    from poslens.engine.pe import PositionalEncoding
+
+    model = _model("bloom")
+    hm = HookedModel(model)
+    slopes = torch.tensor(PositionalEncoding.of(model).record()["alibi_slopes"], dtype=torch.float64)
+    assert slopes.tolist() == [0.25, 0.0625, 0.015625, 0.00390625]  # 2^(-8/4 * h), h = 1..4
+    ids = token_batch(2, 12, seed=4)
+    kept = {}
+    hm.run(ids, hooks={"blocks.1.ln1.hook_out": lambda x, ctx: kept.setdefault("ln", x.double()),
+                       "blocks.1.attn.hook_attn_scores": lambda x, ctx: kept.setdefault("scores", x.double())})
+    q = torch.einsum("btd,hde->bhte", kept["ln"], hm.W_Q[1].double()) + hm.b_Q[1].double()[None, :, None]
+    k = torch.einsum("btd,hde->bhte", kept["ln"], hm.W_K[1].double()) + hm.b_K[1].double()[None, :, None]
+    plain = q @ k.transpose(-1, -2) / hm.cfg.d_head**0.5
+    pos = torch.arange(12, dtype=torch.float64)
+    bias = slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])  # [H, i, j]
+    lower = torch.ones(12, 12, dtype=torch.bool).tril()
+    scores = kept["scores"]
+    assert bool(torch.isneginf(scores[..., ~lower]).all())
+    assert ((scores - bias)[..., lower] - plain[..., lower]).abs().max() <= 1e-5 * plain.abs().max()
+    assert (scores[..., lower] - plain[..., lower]).abs().max() > 0.5  # the bias is there
+    unbiased = hm.run(ids, hooks={f"blocks.{l}.attn.hook_attn_scores": lambda x, ctx: x - ctx.score_bias
+                                  for l in range(hm.n_layers)}, logits=True).logits
+    monkeypatch.setattr(modeling_bloom, "_get_alibi_slopes", lambda heads, device: torch.zeros(heads, device=device))
+    reference = model(input_ids=ids).logits
+    monkeypatch.undo()
+    assert (unbiased - reference).abs().max() <= 1e-5 * reference.abs().max()
+    # ALiBi matters on this model: 100 times the tolerance (the tiny model's logits are ~0.3)
+    assert (unbiased - model(input_ids=ids).logits).abs().max() > 1e-3 * reference.abs().max()

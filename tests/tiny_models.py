@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -30,6 +32,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PhiConfig,
@@ -112,12 +116,21 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     # Phi (phi-1/1.5/2): partial_rotary_factor 0.5 (phi-2: 0.4), one input_layernorm, q/k/v/dense with biases
     "phi": (PhiConfig, PhiForCausalLM, {"num_key_value_heads": 4, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # learned absolute positions (decoder.embed_positions, looked up at position + 2), pre-LN LayerNorm with bias,
+    # q/k/v/out_proj with biases (made random by `build`: a fresh OPT's are zeros), ReLU fc1/fc2 of ffn_dim
+    "opt": (OPTConfig, OPTForCausalLM, {"max_position_embeddings": 64, "ffn_dim": 128, "tie_word_embeddings": True,
+                                        "num_key_value_heads": None, "head_dim": None, "intermediate_size": None}),
+    # ALiBi (4 heads: slopes 1/4, 1/16, 1/64, 1/256), a LayerNorm after the embedding, query_key_value [q | k | v]
+    # within each head, GELU MLP 4 x 64; the config records no length (BLOOM's own: 2,048)
+    "bloom": (BloomConfig, BloomForCausalLM, {"tie_word_embeddings": True, "num_key_value_heads": None,
+                                              "head_dim": None, "intermediate_size": None,
+                                              "max_position_embeddings": None}),
 }
 
 ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
-FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "gpt_neox", "gptj", "phi"))
+FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi"))
 
 
 def config(family: str, **overrides):
@@ -131,10 +144,14 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
     """A tiny random `family` model (eval mode, `dtype`), deterministic for a given seed and overrides."""
     cfg = config(family, **overrides)
     _, model_cls, _ = SPECS[family]
-    attn = "eager" if family == "gemma2" else "sdpa"
+    attn = "eager" if family in ("gemma2", "bloom") else "sdpa"  # BLOOM: eager only
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+        if family in ("opt", "bloom"):  # biases that matter: every Linear's, as trained OPT checkpoints have
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    torch.nn.init.normal_(m.bias, 0.0, 0.1)
         _rescale_qk(model)
     return model.to(dtype).eval()
 
@@ -150,10 +167,13 @@ def _rescale_qk(model: PreTrainedModel) -> None:
     """
     cfg = model.config
     hidden = cfg.hidden_size
-    for layer in getattr(model.base_model, "layers", None) or model.base_model.h:
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None) or layer.attention
+    base = model.base_model
+    for layer in getattr(base, "layers", None) or getattr(base, "h", None) or base.decoder.layers:  # OPT: decoder
+        attn = (getattr(layer, "self_attn", None) or getattr(layer, "self_attention", None)
+                or getattr(layer, "attn", None) or layer.attention)  # BLOOM: self_attention; GPT-NeoX: attention
         d = getattr(attn, "head_dim", None) or attn.head_size  # GPT-NeoX: head_size
-        target = (SCORE_STD / (attn.scaling * d**0.5)) ** 0.5
+        scaling = getattr(attn, "scaling", None) or attn.inv_norm_factor  # BLOOM: inv_norm_factor
+        target = (SCORE_STD / (scaling * d**0.5)) ** 0.5
         if hasattr(attn, "q_norm"):
             gemma_style = "Gemma" in type(attn.q_norm).__name__  # RMSNorm output * (1 + weight)
             for norm in (attn.q_norm, attn.k_norm):
@@ -163,7 +183,7 @@ def _rescale_qk(model: PreTrainedModel) -> None:
             std = target / hidden**0.5
             if hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
                 attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
-            elif hasattr(attn, "query_key_value"):  # GPT-NeoX: rows [q | k | v] within each head
+            elif hasattr(attn, "query_key_value"):  # GPT-NeoX, BLOOM: rows [q | k | v] within each head
                 attn.query_key_value.weight.unflatten(0, (cfg.num_attention_heads, 3, d))[:, :2].normal_(0.0, std)
             elif hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
                 n_qk = (cfg.num_attention_heads + cfg.num_key_value_heads) * d

@@ -78,12 +78,12 @@ def gpt2_config(hf):
 FAMILIES = {"olmo2": ("convert_olmo2_weights", olmo2_config), "gpt2": ("convert_gpt2_weights", gpt2_config)}
 
 
-def reference(family: str) -> dict:
+def reference(family: str, table: dict | None = None) -> dict:
     from transformer_lens import HookedTransformer
     from transformer_lens.pretrained import weight_conversions
 
     hf = randomize_norm_gains(build(family))
-    converter, make_config = FAMILIES[family]
+    converter, make_config = (table or FAMILIES)[family]  # table: another script's families (same method)
     cfg = make_config(hf)
     tl = HookedTransformer(cfg)
     tl.load_state_dict(getattr(weight_conversions, converter)(hf, cfg), strict=False)
@@ -99,14 +99,16 @@ def reference(family: str) -> dict:
             "points": {name: summary(x) for name, x in cache.items()}}
 
 
-def main() -> None:
+def main(table: dict | None = None) -> None:
+    """Write the reference of `table`'s families (another script's, same method), else this script's FAMILIES; the
+    JSON's "script" is the script that ran (this one or one that imports it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = {"transformer_lens": version("transformer_lens"), "transformers": version("transformers"),
            "torch": torch.__version__, "python": platform.python_version(),
-           "script": Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix(),  # this one or one that imports it
-           "families": {f: reference(f) for f in FAMILIES}}
+           "script": Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix(),
+           "families": {f: reference(f, table) for f in table or FAMILIES}}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     for f, r in out["families"].items():
         print(f"{f}: {len(r['points'])} points; TransformerLens's logits within "

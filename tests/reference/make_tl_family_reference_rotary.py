@@ -68,11 +68,5 @@ FAMILIES = {"gpt_neox": ("convert_neox_weights", gpt_neox_config), "gptj": ("con
             "phi": ("convert_phi_weights", phi_config)}
 
 
-def main() -> None:
-    base.FAMILIES.clear()  # base.main writes the families of base.FAMILIES: these three
-    base.FAMILIES.update(FAMILIES)
-    base.main()
-
-
 if __name__ == "__main__":
-    main()
+    base.main(FAMILIES)

@@ -290,7 +290,9 @@ class Intermediates(Statistic):
         self._pending: dict[str, torch.Tensor] = {}
 
     def _float64_modules(self, block) -> dict:
-        mods = {"mlp": copy.deepcopy(block.mlp).double()}
+        from poslens.engine.families import mlp_block
+
+        mods = {"mlp": copy.deepcopy(mlp_block(self.family, block)).double()}
         if self.family.layout in ("sandwich", "post-norm"):  # the norm after the MLP
             post = self.family.ln2_post if self.family.layout == "sandwich" else self.family.ln2
             mods["post"] = copy.deepcopy(getattr(block, post)).double()

@@ -10,10 +10,12 @@ window and the positional encoding of every layer. Nothing here imports the anal
 
 Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer, "rope",
 "partial-rope" (rotary on part of each head: Phi-3's and Phi's partial rotary factor, Pythia's rotary_pct, GPT-J's
-rotary_dim), "learned" (GPT-2's position table) or "none"; the whole encoding
+rotary_dim), "learned" (GPT-2's and OPT's position tables), "alibi" (BLOOM's linear biases; `scale_alibi` scales
+them) or "none"; the whole encoding
 (RoPE base and scaling, sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model
 loaded with `pe="none"` (a Llama-like checkpoint trained without positional encoding, such as the paper's released
-NoPE model) has its rotary embedding replaced by the identity for as long as it lives, and says so here; SmolLM3's
+NoPE model) has its rotary embedding replaced by the identity (BLOOM: every ALiBi slope 0) for as long as it lives,
+and says so here; SmolLM3's
 per-layer `no_rope_layers` is read from the config.
 """
 
@@ -63,16 +65,30 @@ class Family:
     # mlp.hook_pre_linear
     per_head_inputs: bool = True  # TransformerLens's hook_attn_in / hook_q_input ... (poslens.engine.tl_inputs) are
     # built for separate or fused Linear q, k, v after an input norm (GPT-J, Phi too); not yet GPT-2's Conv1D,
-    # OLMo-2's post-norm or GPT-NeoX's per-head fused query_key_value
+    # OLMo-2's post-norm or the per-head fused query_key_value (GPT-NeoX, BLOOM)
     # the "parallel" layout (GPT-NeoX, GPT-J, Phi): x + attn(ln1(x)) + mlp(ln2(x)), both sublayers read the stream
     # entering the block (no hook_resid_mid, as TransformerLens's parallel_attn_mlp); ln2 == ln1 where one norm
     # feeds both (GPT-J, Phi: TransformerLens fires ln2's points on a copy of ln1). Module names where they are not
     # Llama's: `proj` = (attention output, MLP up, MLP down) projections; `qkv_per_head`: one fused projection whose
-    # output holds each head's [q | k | v] side by side (GPT-NeoX's query_key_value)
+    # output holds each head's [q | k | v] side by side (GPT-NeoX's and BLOOM's query_key_value)
     proj: tuple[str, str, str] | None = None
     qkv_per_head: str | None = None
     rotary_adjacent_pairs: bool = False  # GPT-J's rotary turns pairs of adjacent dims (rotate_every_two) and its
     # rotary module returns (sin, cos); TransformerLens's rotary_adjacent_pairs
+    # OPT: the parts above may be dotted paths under the base model (its decoder: "decoder.layers"); its position
+    # table begins `pos_offset` rows in (OPT's embed_positions looks up position + 2; TransformerLens's W_pos drops
+    # those rows); its MLP is the layer's own fc1 and fc2 (mlp_attr "": no MLP module)
+    pos_offset: int = 0
+    mlp_attr: str = "mlp"
+    # the MLP's (up, activation, down) attributes where its module cannot be called alone (OPT: none; BLOOM's adds the
+    # residual inside); None: the MLP module is called
+    mlp_seq: tuple[str, str, str] | None = None
+    # BLOOM: ALiBi, a per-head linear bias inside the scores (no rotation, no table); a LayerNorm after the token
+    # embedding (TransformerLens's embed.ln; hook_embed is its output, as TransformerLens's)
+    alibi: bool = False
+    embed_norm_attr: str | None = None
+    block_tuple: bool = False  # the decoder layer returns (hidden states, attentions) (BLOOM), not a tensor
+    eager_only: bool = False  # transformers has one attention implementation for it, "eager" (BLOOM): loaded with it
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -110,6 +126,19 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT-2", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
                    pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                    per_head_inputs=False),
+    # OPT: learned absolute positions (decoder.embed_positions, offset 2), pre-norm LayerNorm with bias, q/k/v/out
+    # Linear with biases, ReLU fc1/fc2 on the layer itself
+    "opt": Family("OPT", ln1="self_attn_layer_norm", ln2="final_layer_norm", layers_attr="decoder.layers",
+                  embed_attr="decoder.embed_tokens", pos_embed_attr="decoder.embed_positions", pos_offset=2,
+                  final_norm_attr="decoder.final_layer_norm", norm_kind="layer", gated_mlp=False, mlp_attr="",
+                  mlp_seq=("fc1", "activation_fn", "fc2"), per_head_inputs=False),
+    # BLOOM: ALiBi, a LayerNorm after the token embedding, fused query_key_value ([q | k | v] within each head),
+    # LayerNorm with bias, GELU MLP (dense_h_to_4h, dense_4h_to_h); attention and MLP add the residual themselves
+    "bloom": Family("BLOOM", layers_attr="h", attn_attr="self_attention", embed_attr="word_embeddings",
+                    embed_norm_attr="word_embeddings_layernorm", final_norm_attr="ln_f", norm_kind="layer",
+                    gated_mlp=False, mlp_seq=("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), alibi=True,
+                    eager_output=True, block_tuple=True, eager_only=True, per_head_inputs=False,
+                    qkv_per_head="query_key_value"),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
@@ -143,6 +172,10 @@ def family_of(config: Any) -> Family:
                          "model_type 'gemma3_text') instead")
     if model_type not in FAMILIES:
         raise UsageError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    if model_type == "opt":
+        _check_opt(config)
+    if model_type == "bloom":
+        _check_bloom(config)
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):
@@ -161,6 +194,57 @@ def _partial_rotary_family(config: Any, family: Family) -> Family:
     return family
 
 
+def _check_opt(config: Any) -> None:
+    """Refuse, in one line, the OPT forms poslens does not hook: post-LN (OPT-350m's do_layer_norm_before=False),
+    project_in/out (a word embedding narrower than the model), LayerNorms without gain and bias, no final norm."""
+    hidden = config.hidden_size
+    if not getattr(config, "do_layer_norm_before", True):
+        raise UsageError("OPT with do_layer_norm_before=False (OPT-350m's post-LN form) is not supported; the pre-LN "
+                         "OPT checkpoints (125m, 1.3b, 2.7b, ...) are")
+    if getattr(config, "word_embed_proj_dim", hidden) != hidden:
+        raise UsageError(f"OPT with word_embed_proj_dim {config.word_embed_proj_dim} != hidden_size {hidden} "
+                         "(project_in/project_out, OPT-350m) is not supported; OPT with embeddings as wide as the "
+                         "model is")
+    if not getattr(config, "layer_norm_elementwise_affine", True) or getattr(config, "_remove_final_layer_norm",
+                                                                                False):
+        raise UsageError("OPT without LayerNorm gains and biases, or without its final LayerNorm, is not supported")
+
+
+def _check_bloom(config: Any) -> None:
+    """Refuse, in one line, the BLOOM forms poslens does not hook."""
+    if getattr(config, "apply_residual_connection_post_layernorm", False):
+        raise UsageError("BLOOM with apply_residual_connection_post_layernorm=True is not supported (the residual "
+                         "taken after the norm); the released BLOOM checkpoints have False")
+    if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
+        raise UsageError("BLOOM with slow_but_exact=True and pretraining_tp > 1 is not supported (its sliced "
+                         "projections); load it with slow_but_exact=False")
+
+
+def attention_implementation(config: Any, requested: str) -> str:
+    """The attention implementation to load a model of `config` with: `requested`, or "eager" for a family that has
+    no other (BLOOM)."""
+    return "eager" if family_of(config).eager_only else requested
+
+
+def base_part(model: nn.Module, path: str) -> nn.Module:
+    """The submodule of the model's base model at `path` (a Family attribute; dotted for OPT's "decoder.layers")."""
+    return model.base_model.get_submodule(path)
+
+
+def mlp_module(family: Family, layer: nn.Module) -> nn.Module:
+    """The module holding a decoder layer's MLP projections (OPT: the layer itself, fc1 and fc2)."""
+    return getattr(layer, family.mlp_attr) if family.mlp_attr else layer
+
+
+def mlp_block(family: Family, layer: nn.Module) -> nn.Module:
+    """A decoder layer's MLP as one module, x -> mlp(x) (OPT, BLOOM: its up projection, activation and down
+    projection in a Sequential that shares them; dropout is the identity in eval)."""
+    holder = mlp_module(family, layer)
+    if family.mlp_seq is None:
+        return holder
+    return nn.Sequential(*(getattr(holder, name) for name in family.mlp_seq))
+
+
 def check_supported(config: Any) -> None:
     """Raise UsageError unless `config` is an architecture poslens handles."""
     family_of(config)
@@ -168,7 +252,7 @@ def check_supported(config: Any) -> None:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a causal LM (or of its base model)."""
-    return getattr(model.base_model, family_of(model.config).layers_attr)
+    return base_part(model, family_of(model.config).layers_attr)
 
 
 def attention_module(model: nn.Module, layer: int) -> nn.Module:
@@ -197,7 +281,8 @@ def rotary_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def positional_encoding(model_or_config: Any) -> list[str]:
-    """Per layer: "rope", "partial-rope", "learned" or "none" (a model loaded with pe="none" is "none" everywhere).
+    """Per layer: "rope", "partial-rope", "learned", "alibi" or "none" (a model loaded with pe="none" is "none"
+    everywhere).
     The whole encoding (RoPE base and scaling, sliding windows, a label) is
     `poslens.engine.pe.PositionalEncoding.of`."""
     return list(PositionalEncoding.of(model_or_config).rope)
@@ -226,6 +311,18 @@ def embedding_scale(model: nn.Module) -> float:
     return float(torch.as_tensor(scale).to(module.weight.dtype))
 
 
+def embedded_rows(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """What hook_embed holds for embedding rows `rows` [..., d] (float32): the rows times `embedding_scale`, and on
+    BLOOM through its LayerNorm after the embedding (TransformerLens's hook_embed comes after it)."""
+    out = rows * embedding_scale(model)
+    family = family_of(model.config)
+    if family.embed_norm_attr:
+        norm = base_part(model, family.embed_norm_attr)
+        with torch.no_grad():
+            out = norm(out.to(norm.weight.dtype)).float()
+    return out
+
+
 def _identity_rotation(module: nn.Module, args, output):
     cos, sin = output
     return cos.new_ones(cos.shape), sin.new_zeros(sin.shape)
@@ -245,6 +342,38 @@ def remove_rope(model: nn.Module) -> list:
     return [m.register_forward_hook(hook) for m in modules]
 
 
+def scale_alibi(model: nn.Module, factor: float):
+    """Multiply every ALiBi slope of `model` (BLOOM) by `factor` in every forward until the returned function is
+    called (0: the model without ALiBi). The model's own code builds the bias, from its [B, T] mask, times `factor`
+    (transformers builds it inline, not by that method, when no mask is given: a forward without one gets the
+    all-ones mask, the same causal mask)."""
+    if "alibi" not in positional_encoding(model):
+        raise UsageError(f"{family_of(model.config).name} has no ALiBi slopes to scale")
+    base = model.base_model
+    previous = base.__dict__.get("build_alibi_tensor")
+    inner = base.build_alibi_tensor
+    base.build_alibi_tensor = lambda mask, heads, dtype: inner(mask, heads, dtype) * factor
+
+    def with_mask(module, args, kwargs):
+        if kwargs.get("attention_mask") is not None:
+            return None
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+        shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
+        device = (ids if ids is not None else kwargs["inputs_embeds"]).device
+        return args, {**kwargs, "attention_mask": torch.ones(shape, dtype=torch.long, device=device)}
+
+    handle = base.register_forward_pre_hook(with_mask, with_kwargs=True)
+
+    def undo() -> None:
+        handle.remove()
+        if previous is None:
+            del base.build_alibi_tensor
+        else:
+            base.build_alibi_tensor = previous
+
+    return undo
+
+
 def set_positional_encoding(model: nn.Module, pe: str) -> None:
     """Apply a loader's `pe` choice to a loaded model: "none" removes RoPE for the model's lifetime; "rope" and
     "auto" leave it as the config says."""
@@ -253,6 +382,10 @@ def set_positional_encoding(model: nn.Module, pe: str) -> None:
     if pe == "none" and "learned" in positional_encoding(model):
         raise UsageError(f"pe none removes RoPE, and this {family_of(model.config).name} model has none: its positions "
                          "come from a learned table added to the token embeddings; load it with pe auto")
+    if pe == "none" and "alibi" in positional_encoding(model):  # BLOOM: every slope 0 for the model's lifetime
+        scale_alibi(model, 0.0)
+        setattr(model, PE_ATTR, "none")
+        return
     if pe == "none" and getattr(model, PE_ATTR, None) != "none":
         if all(p == "none" for p in positional_encoding(model)):
             return  # already NoPE by its config (SmolLM3 with no_rope_layers all 0)

@@ -28,9 +28,11 @@ Points, in forward order (l = layer from 0; B batch, T tokens, d width, H query 
 width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name with this meaning and layout; the
 `*.hook_out` names are poslens's own, as TransformerLens 4's bridge names them):
 
-    hook_embed                          [B, T, d]     TL  token embeddings (Gemma: after its sqrt(d) scale)
-    hook_pos_embed                      [B, T, d]     TL  GPT-2: the position table's rows at the positions (added to
-                                                          hook_embed); only on a family with a learned table
+    hook_embed                          [B, T, d]     TL  token embeddings (Gemma: after its sqrt(d) scale; BLOOM:
+                                                          after its embedding LayerNorm, as TransformerLens)
+    embed.ln.hook_scale, _normalized    as ln1        TL  BLOOM: the LayerNorm after the token embedding
+    hook_pos_embed                      [B, T, d]     TL  GPT-2, OPT: the position table's rows at the positions
+                                                          (added to hook_embed); only on a family with a table
     blocks.{l}.hook_resid_pre           [B, T, d]     TL  the residual stream entering layer l
     blocks.{l}.hook_attn_in             [B, T, H, d]  TL  resid_pre copied per head, the input of every head's q, k, v
                                                           (TL's use_attn_in; only without grouped-query attention)
@@ -44,8 +46,8 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           attn.hook_out, and ln2 the norm after the MLP
     blocks.{l}.ln1.hook_normalized      [B, T, d]     TL  x / scale, before the gain (float32)
     blocks.{l}.ln1.hook_out             [B, T, d]         after the gain: what attention reads
-    blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE (GPT-NeoX: a view
-                                                          of each head's q in its fused query_key_value)
+    blocks.{l}.attn.hook_q              [B, T, H, D]  TL  q_proj output: before any q-norm and RoPE (GPT-NeoX,
+                                                          BLOOM: a view of each head's q in its fused query_key_value)
     blocks.{l}.attn.q_norm.hook_*       [B*T*H, .]    TL  Qwen3, Gemma-3: the per-head RMSNorm of q (scale [., 1],
                                                           normalized and out [., D]; TL's flattened layout); OLMo-2:
                                                           [B, T, .], one RMSNorm over the whole projection (H*D)
@@ -55,7 +57,8 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
     blocks.{l}.attn.hook_rot_q          [B, T, H, D]  TL  queries after q-norm and RoPE (as q on a layer without RoPE;
                                                           none on GPT-2, as in TL: ctx.rot_q is q there)
     blocks.{l}.attn.hook_rot_k          [B, T, K, D]  TL  keys after k-norm and RoPE
-    blocks.{l}.attn.hook_attn_scores    [B, H, T, T]  TL  rot_q . rot_k * scaling (Gemma-2: after the softcap), -inf
+    blocks.{l}.attn.hook_attn_scores    [B, H, T, T]  TL  rot_q . rot_k * scaling (Gemma-2: after the softcap; BLOOM:
+                                                          plus ALiBi's slope_h * (j - i), ctx.score_bias), -inf
                                                           where masked
     blocks.{l}.attn.hook_pattern        [B, H, T, T]  TL  softmax of the scores (0 on rows with no visible key)
     blocks.{l}.attn.hook_z              [B, T, H, D]  TL  per-head attention output, before W_O
@@ -105,7 +108,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
-from poslens.engine.families import Family, decoder_layers, family_of, head_dim
+from poslens.engine.families import Family, base_part, decoder_layers, family_of, head_dim, mlp_block, mlp_module
 from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, input_projection_hook
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
@@ -141,7 +144,8 @@ def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = ()) 
     return ["hook_resid_pre", *inputs, *([] if post else norm_points("ln1")),
             "attn.hook_q", *(norm_points("attn.q_norm") if qk_norm else []),
             "attn.hook_k", *(norm_points("attn.k_norm") if qk_norm else []),
-            "attn.hook_v", *(KERNEL_POINTS[2:] if family.pos_embed_attr else KERNEL_POINTS),  # GPT-2: no rot_q, rot_k
+            "attn.hook_v", *(KERNEL_POINTS[2:] if family.pos_embed_attr or family.alibi else KERNEL_POINTS),  # GPT-2,
+            # OPT, BLOOM: no rot_q, rot_k (as TransformerLens)
             "attn.hook_result", "attn.hook_out",
             *(norm_points("ln1_post") if sandwich else norm_points("ln1") if post else []), "hook_attn_out",
             *mid, "hook_mlp_in", *([] if post else norm_points("ln2")),
@@ -183,12 +187,24 @@ class HookContext:
     attention_mask: torch.Tensor | None  # [B, T] as passed to run() (1 = real token), or None
     position_ids: torch.Tensor | None
     rot_q: torch.Tensor | None = None  # [B, H, T, D] queries after q-norm and RoPE, as the kernel reads them
-    rot_k: torch.Tensor | None = None  # [B, K, T, D] keys after k-norm and RoPE (not repeated for GQA)
+    rot_k: torch.Tensor | None = None  # [B, K, T, D] keys after k-norm and RoPE (not repeated for GQA); ALiBi
+    # (BLOOM): both [B, H, T, D + 2], q and k with two coordinates that carry the bias, [q, 1, -b_i / scaling] and
+    # [k, b_j / scaling, 1] for the per-key bias b (key_bias), so that rot_q . rot_k * scaling is the score with
+    # ALiBi's bias as TransformerLens puts it (score_bias) for every reader that works from the factors
     v: torch.Tensor | None = None  # [B, K, T, D] values
     scaling: float | None = None
     window: int = 0  # sliding window of this layer (0 = none)
     softcap: float | None = None
     module: Any = None
+    key_bias: torch.Tensor | None = None  # ALiBi (BLOOM): [B, H, T] the model's bias per key, slope * key position
+
+    @property
+    def score_bias(self) -> torch.Tensor | None:
+        """ALiBi's bias in the scores as TransformerLens puts it, [B, H, Tq, Tk]: slope * (j - i) for key j of query i
+        (the model adds slope * j; the two differ by a constant per query, which the softmax ignores); None without."""
+        if self.key_bias is None:
+            return None
+        return self.key_bias[..., None, :] - self.key_bias[..., :, None]
 
     @property
     def q(self):
@@ -244,13 +260,17 @@ class HookedModel(TransformerLensSurface, TLWeights):
         names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"),
                              inputs=input_points(*self._heads) if self._inputs else ())
         embeds = ["hook_embed", *(["hook_pos_embed"] if self.family.pos_embed_attr else [])]
+        if self.family.embed_norm_attr:  # BLOOM: TransformerLens's embed.ln, then hook_embed (its output)
+            embeds = norm_points("embed.ln")[:2] + embeds
         self.points = embeds + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
         self._use = {flag: False for flag in OPTIONAL.values()}
         self._set_tl_points()
         self._known = set(self.points)
-        final = getattr(model.base_model, self.family.final_norm_attr)
+        final = base_part(model, self.family.final_norm_attr)
         self._norms = {"ln_final": (final, None)}  # point prefix -> (norm module, layer)
+        if self.family.embed_norm_attr:
+            self._norms["embed.ln"] = (base_part(model, self.family.embed_norm_attr), None)
         for l, layer in enumerate(self.layers):
             for prefix, attr in self.family.norm_points.items():
                 self._norms[f"blocks.{l}.{prefix}"] = (getattr(layer, attr), l)
@@ -382,6 +402,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
         head = logits or any(n.startswith("unembed.") for n in by_point)  # the LM head runs
         run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
                    position_ids)
+        if position_ids is None and self.family.pos_offset and attention_mask is not None \
+                and (isinstance(attention_mask, dict) or attention_mask.dim() != 2):
+            # OPT counts positions from a [B, T] mask; a 4-D (or per-layer) mask gets positions 0..T-1 given
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         with torch.set_grad_enabled(grad), self._installed(run):
             kwargs = {**dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False), **model_kwargs}  # generate's key/value cache: use_cache=True
@@ -446,15 +470,17 @@ class HookedModel(TransformerLensSurface, TLWeights):
         undo: list[Callable[[], Any]] = []
         fns = run.by_point
         try:
-            saved = self.model.config._attn_implementation
-            self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
-            undo.append(lambda: self.model.set_attn_implementation(saved))
+            if not self.family.alibi:  # BLOOM's attention is its own code (poslens's copy runs it), not an interface
+                saved = self.model.config._attn_implementation
+                self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
+                undo.append(lambda: self.model.set_attn_implementation(saved))
             handles = []
-            if "hook_embed" in fns:
-                handles.append(getattr(self.model.base_model, self.family.embed_attr).register_forward_hook(
+            if "hook_embed" in fns:  # BLOOM: on the norm after the embedding (TransformerLens's hook_embed)
+                handles.append(base_part(self.model, self.family.embed_norm_attr or self.family.embed_attr)
+                               .register_forward_hook(
                     lambda module, args, out: self._fire("hook_embed", None, out, fns["hook_embed"])))
             if "hook_pos_embed" in fns:
-                handles.append(getattr(self.model.base_model, self.family.pos_embed_attr).register_forward_hook(
+                handles.append(base_part(self.model, self.family.pos_embed_attr).register_forward_hook(
                     self._pos_embed_hook(run.input_ids.shape[0], fns["hook_pos_embed"])))
             head = self.model.get_output_embeddings()
             if "unembed.hook_in" in fns:
@@ -463,6 +489,14 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if "unembed.hook_out" in fns:
                 handles.append(head.register_forward_hook(
                     lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
+            mask = run.attention_mask
+            if self.family.alibi and mask is not None and (isinstance(mask, dict) or mask.dim() != 2):
+                # BLOOM builds ALiBi from a [B, T] mask: with a 4-D one (an explicit window), from all-ones keys
+                base, keys = self.model.base_model, torch.ones_like(run.input_ids)
+                previous, build = base.__dict__.get("build_alibi_tensor"), base.build_alibi_tensor  # (a scaling's)
+                base.build_alibi_tensor = lambda m, heads, dtype: build(keys, heads, dtype)
+                undo.append(lambda: setattr(base, "build_alibi_tensor", previous) if previous is not None
+                            else delattr(base, "build_alibi_tensor"))
             for l, pts in run.per_layer.items():
                 handles += (self._named_projection_hooks if self.family.proj else self._projection_hooks)(l, pts)
             undo += [h.remove for h in handles]
@@ -486,21 +520,30 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj; GPT-2: one
         Conv1D c_attn), the MLP's gate and up (Phi-3: one fused gate_up_proj; GPT-2: c_fc, no gate) and the down
         projection's input."""
-        attn, mlp, cfg = self.attns[l], self.layers[l].mlp, self.model.config
+        attn, mlp, cfg = self.attns[l], mlp_module(self.family, self.layers[l]), self.model.config
         d, heads = attn.head_dim, cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         qkv = [("attn.hook_q", heads * d, d), ("attn.hook_k", kv * d, d), ("attn.hook_v", kv * d, d)]
-        o_proj, down = (attn.c_proj, mlp.c_proj) if hasattr(attn, "c_attn") else (attn.o_proj, mlp.down_proj)
+        if hasattr(attn, "c_attn"):
+            o_proj, down = attn.c_proj, mlp.c_proj
+        elif self.family.mlp_seq:  # OPT: out_proj, the layer's fc1, fc2; BLOOM: dense, dense_h_to_4h, dense_4h_to_h
+            o_proj, down = getattr(attn, "out_proj", None) or attn.dense, getattr(mlp, self.family.mlp_seq[2])
+        else:
+            o_proj, down = attn.o_proj, mlp.down_proj
         width = down.weight.shape[0] if hasattr(attn, "c_attn") else down.in_features  # GPT-2's Conv1D: [in, out]
         gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
         if hasattr(attn, "c_attn"):  # GPT-2: one Conv1D [q | k | v]; the MLP's one up projection c_fc
             sites = [(attn.c_attn, qkv), (mlp.c_fc, gate_up[:1])]
+        elif self.family.qkv_per_head:  # BLOOM: one Linear, [q | k | v] within each head (`_per_head_qkv_hooks`)
+            sites = []
         elif hasattr(attn, "qkv_proj"):
             sites = [(attn.qkv_proj, qkv)]
         else:
             sites = [(attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
         attn_sites = sites[:1] if hasattr(attn, "c_attn") else list(sites)  # GPT-2: c_fc is the MLP's
-        if hasattr(mlp, "gate_up_proj"):
+        if self.family.mlp_seq:  # OPT, BLOOM: one up projection
+            sites.append((getattr(mlp, self.family.mlp_seq[0]), gate_up[:1]))
+        elif hasattr(mlp, "gate_up_proj"):
             sites.append((mlp.gate_up_proj, gate_up))
         elif hasattr(mlp, "gate_proj"):
             sites += [(mlp.gate_proj, gate_up[:1]), (mlp.up_proj, gate_up[1:])]
@@ -511,7 +554,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
                         for module, parts in attn_sites]
         handles += [module.register_forward_hook(self._split_hook(l, parts))
                     for module, parts in sites if any(p in pts for p, _, _ in parts)]
-        return handles + self._output_hooks(l, pts, o_proj, down, heads)
+        return handles + self._per_head_qkv_hooks(l, pts, attn, heads, d) + self._output_hooks(l, pts, o_proj, down,
+                                                                                              heads)
 
     def _output_hooks(self, l: int, pts: dict, o_proj, down, heads: int) -> list:
         """Module hooks for attn.hook_result (on W_O) and mlp.hook_post (the down projection's input) of layer l."""
@@ -536,9 +580,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         handles = []
         if self.family.qkv_per_head:
-            if any(p in pts for p in ("attn.hook_q", "attn.hook_k", "attn.hook_v")):
-                fused = getattr(attn, self.family.qkv_per_head)
-                handles.append(fused.register_forward_hook(self._per_head_qkv_hook(l, heads, d)))
+            handles += self._per_head_qkv_hooks(l, pts, attn, heads, d)
         else:
             inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
             for module, part in ((attn.q_proj, ("attn.hook_q", heads * d, d)),
@@ -552,11 +594,14 @@ class HookedModel(TransformerLensSurface, TLWeights):
             handles.append(getattr(mlp, up_name).register_forward_hook(self._split_hook(l, [("mlp.hook_pre", 0, 0)])))
         return handles + self._output_hooks(l, pts, getattr(attn, o_name), getattr(mlp, down_name), heads)
 
-    def _per_head_qkv_hook(self, l: int, heads: int, d: int):
-        """A forward hook on GPT-NeoX's query_key_value, whose output holds each head's [q | k | v] side by side
-        ([B, T, H * 3 * D]): attn.hook_q, hook_k and hook_v fire as [B, T, H, D] views of it (an edit in place edits
-        the output); a replacement is written back in the same layout."""
+    def _per_head_qkv_hooks(self, l: int, pts: dict, attn, heads: int, d: int) -> list:
+        """The forward hook on a per-head fused projection (Family.qkv_per_head: GPT-NeoX's and BLOOM's
+        query_key_value), whose output holds each head's [q | k | v] side by side ([B, T, H * 3 * D]), when layer l
+        hooks q, k or v: attn.hook_q, hook_k and hook_v fire as [B, T, H, D] views of it (an edit in place edits the
+        output); a replacement is written back in the same layout. [] when none is hooked or the family has none."""
         points = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
+        if not self.family.qkv_per_head or not any(p in pts for p in points):
+            return []
 
         def hook(module, args, out):
             views = out.unflatten(-1, (heads, 3, d)).unbind(-2)  # q, k, v: [B, T, H, D] each
@@ -565,7 +610,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 return None
             return torch.stack(new, -2).flatten(-3)
 
-        return hook
+        return [getattr(attn, self.family.qkv_per_head).register_forward_hook(hook)]
 
     def _shared_ln2(self, prefix: str) -> bool:
         """Whether `prefix` is the ln2 of a family where one norm feeds attention and the MLP (GPT-J, Phi): its points
@@ -730,8 +775,11 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if self._inputs:  # TransformerLens's per-head inputs (hook_attn_in, hook_q_input, ...): the written ones
             self._run.inputs[l] = fire_inputs(fire, self._run.per_layer.get(l, {}), x, getattr(layer_mod, fam.ln1),
                                               *self._heads)
-        a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=x if post else getattr(layer_mod, fam.ln1)(x),
-                                                 **attn_kwargs)  # ln1.*, attn.*
+        attn_in = x if post else getattr(layer_mod, fam.ln1)(x)  # ln1.*
+        if fam.alibi:  # BLOOM's attention adds the residual itself: poslens's copy of it, without
+            a = self._alibi_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
+        else:
+            a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=attn_in, **attn_kwargs)  # attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
             a = getattr(layer_mod, fam.ln1_post)(a)  # ln1_post.*
@@ -742,7 +790,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
         # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
         mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
-        m = fire("mlp.hook_out", layer_mod.mlp(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))  # [B, T, d]
+        m = fire("mlp.hook_out", mlp_block(fam, layer_mod)(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
         elif post:
@@ -784,6 +832,31 @@ class HookedModel(TransformerLensSurface, TLWeights):
             a, m = drop(a), getattr(layer_mod, "post_mlp_dropout", drop)(m)
         return fire("hook_resid_post", (a + m) + x)  # [B, T, d]
 
+    def _alibi_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """BLOOM's attention on x [B, T, d] without its residual: the model's own operations (fused per-head q, k, v;
+        q.k * 1/sqrt(D) + its per-key ALiBi bias by one baddbmm, plus the additive mask; float32 softmax; the dense
+        projection), with the kernel's points fired by `_attention` in between."""
+        bsz, t, _ = x.shape
+        h, d = attn.num_heads, attn.head_dim
+        if kwargs.get("layer_past") is not None or kwargs.get("cache") is not None:
+            raise UsageError(f"{self.family.name}: hooked forwards run without a key/value cache (use_cache=False)")
+        q, k, v = attn._reshape(attn.query_key_value(x))  # [B, H, T, D] views; attn.hook_q/k/v fire here
+        alibi = kwargs["alibi"]  # [B * H, 1, T]: slope * key position
+
+        def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
+            scores = alibi.baddbmm(batch1=query.reshape(bsz * h, -1, d),
+                                   batch2=key.reshape(bsz * h, -1, d).transpose(-1, -2),
+                                   beta=attn.beta, alpha=attn.inv_norm_factor).view(bsz, h, t, -1)
+            if mask is not None:
+                scores = scores + mask
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            out = torch.bmm(probs.view(bsz * h, t, -1), value.reshape(bsz * h, -1, d))
+            return out.view(bsz, h, t, d).transpose(1, 2), probs  # [B, T, H, D]
+
+        z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, attn.inv_norm_factor,
+                               {"poslens_key_bias": alibi.view(bsz, h, -1)})
+        return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
+
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):
         """Fire the attention kernel's points of one layer, then compute its output (the model's own function unless
         a hook replaced the scores or the pattern)."""
@@ -794,7 +867,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if scaling is None:
             scaling = module.head_dim**-0.5
         ctx = self._ctx("", l, rot_q=query, rot_k=key, v=value, scaling=scaling,
-                        window=int(kwargs.get("sliding_window") or 0), softcap=kwargs.get("softcap"), module=module)
+                        window=int(kwargs.get("sliding_window") or 0), softcap=kwargs.get("softcap"), module=module,
+                        key_bias=kwargs.get("poslens_key_bias"))
 
         def fire(point: str, x, fns=None):
             fns = pts.get(point) if fns is None else fns
@@ -812,6 +886,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         query = ctx.rot_q = fire_heads("attn.hook_rot_q", query)  # hook [B, T, H, D]; kernel [B, H, T, D]
         key = ctx.rot_k = fire_heads("attn.hook_rot_k", key)  # hook [B, T, K, D]; kernel [B, K, T, D]
+        if ctx.key_bias is not None:  # ALiBi: the factors carry the bias (HookContext.rot_q)
+            ctx.rot_q, ctx.rot_k = _biased_factors(query, key, ctx.key_bias, scaling)
         score_fns = pts.get("attn.hook_attn_scores", [])
         factored = [f for f in score_fns if getattr(f, "poslens_from_factors", False)]
         dense = [f for f in score_fns if not getattr(f, "poslens_from_factors", False)]
@@ -826,6 +902,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if dense or pattern_fns:
             scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window,
                                    self._run.hidden)  # [B, H, T, T]
+            if ctx.key_bias is not None:  # ALiBi, inside the scores as TransformerLens puts it
+                scores = scores.add_(ctx.score_bias)
             seen = scores._version
             new = fire("attn.hook_attn_scores", scores, dense)
             replaced |= new is not scores or scores._version != seen  # replaced, or edited in place
@@ -878,6 +956,14 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     return s.masked_fill_(hides, -math.inf)
 
 
+def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, scaling: float):
+    """[q, 1, -b_i / scaling] and [k, b_j / scaling, 1] ([B, H, T, D + 2]): scaling * their product is
+    scaling * q.k + b_j - b_i, the score with ALiBi's bias in TransformerLens's form (per-key bias b [B, H, T])."""
+    b = (key_bias / scaling).to(q.dtype)[..., None]
+    ones = torch.ones_like(b)
+    return torch.cat([q, ones, -b], -1), torch.cat([k, b, ones], -1)
+
+
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B, H, T, N] = a [B, H, T, M] @ b [B, K, M, N] where query head h reads key/value head h // (H / K), as
     transformers' repeat_kv pairs them, without repeating b: the H / K query heads of one key head are one GEMM
@@ -905,7 +991,8 @@ def _block_forward(self, hidden_states, *args, **kwargs):
     bound = _signature(type(self)).bind(self, hidden_states, *args, **kwargs)
     attn_kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "hidden_states")}
     attn_kwargs.update(attn_kwargs.pop("kwargs", {}))
-    return hm._block(self, getattr(self, hm.family.attn_attr).layer_idx, hidden_states, attn_kwargs)
+    out = hm._block(self, getattr(self, hm.family.attn_attr).layer_idx, hidden_states, attn_kwargs)
+    return (out, None) if hm.family.block_tuple else out
 
 
 def _attention_fn(eager: bool):

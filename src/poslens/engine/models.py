@@ -438,6 +438,8 @@ def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
                      attn_implementation: str) -> tuple[Any, Any, tuple[torch.dtype, str]]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from poslens.engine.families import attention_implementation
+
     try:
         config = AutoConfig.from_pretrained(ms.path)
     except _LOAD_ERRORS as e:
@@ -446,8 +448,9 @@ def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
     chosen = choose_dtype(dtype, config, dev)
     placement = {} if dev.type == "cpu" else {"device_map": str(dev)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(ms.path, config=config, dtype=chosen[0],
-                                                     attn_implementation=attn_implementation, **placement)
+        model = AutoModelForCausalLM.from_pretrained(
+            ms.path, config=config, dtype=chosen[0],
+            attn_implementation=attention_implementation(config, attn_implementation), **placement)
         tok = AutoTokenizer.from_pretrained(ms.path)
     except UsageError:
         raise
@@ -459,6 +462,8 @@ def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
 def _load_random(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, attn_implementation: str,
                  seed: int) -> tuple[Any, Any, tuple[torch.dtype, str]]:
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from poslens.engine.families import attention_implementation
 
     fields = dict(ms.config)
     try:
@@ -481,8 +486,8 @@ def _load_random(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, att
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=chosen[0],
-                                                     attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=chosen[0], attn_implementation=attention_implementation(config, attn_implementation))
     except UsageError:
         raise
     except _LOAD_ERRORS as e:
@@ -510,6 +515,9 @@ def model_record(model: Any) -> dict[str, Any]:
             "variant": variant_record(model), **load_info(model)}
 
 
+BLOOM_TRAIN_LEN = 2048  # BigScience's BLOOM checkpoints: trained on sequences of 2,048 tokens
+
+
 def max_positions(model_or_config: Any) -> int:
     """The model's usable context window in tokens (for the --seq-len check)."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -519,5 +527,7 @@ def max_positions(model_or_config: Any) -> int:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
+    if getattr(config, "model_type", None) == "bloom":  # ALiBi needs no table and the config records no length: the
+        return BLOOM_TRAIN_LEN  # length BLOOM was trained at (TransformerLens's n_ctx for BLOOM too)
     raise UsageError(f"cannot tell the context window of {type(config).__name__}; its config has no "
                      "max_position_embeddings")

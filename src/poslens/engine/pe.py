@@ -40,7 +40,8 @@ from typing import Any
 from poslens.errors import UsageError, check_float, check_int, require
 
 GPTJ_ROTARY_BASE = 10000.0  # transformers' GPT-J computes its sin/cos table with this base (not a config field)
-LEARNED_TABLE = ("gpt2",)  # model types whose positions come from a learned table added to the token embeddings
+ALIBI = ("bloom",)  # model types whose every layer adds ALiBi's per-head linear bias to the scores
+LEARNED_TABLE = ("gpt2", "opt")  # model types whose positions come from a learned table added to the token embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
 CONFIG_FIELD = "poslens_variant"  # config field of a checkpoint poslens trained (`variant_record`)
 SCALINGS = ("ntk", "linear", "yarn")
@@ -140,11 +141,13 @@ def ntk_theta(rope_theta: float, factor: float, dim: int) -> float:
 class PositionalEncoding:
     """Per-layer RoPE and sliding windows, the RoPE base and scaling (see the module docstring)."""
 
-    rope: tuple[str, ...]  # per layer: "rope", "partial-rope", "none" or "learned" (a position table before layer 1)
+    rope: tuple[str, ...]  # per layer: "rope", "partial-rope", "none", "learned" (a position table before layer 1) or
+    # "alibi" (a linear bias in the scores)
     windows: tuple[int, ...]  # per layer: sliding window in tokens, 0 = full causal attention
     rope_theta: float | None = None  # base before scaling; None when no layer rotates
     scaling: Scaling | None = None
     rope_parameters: dict | None = field(default=None, compare=False)  # a loaded config's, verbatim
+    alibi_slopes: tuple[float, ...] | None = None  # ALiBi: the slope of every head (the bias is -slope * distance)
 
     def __post_init__(self) -> None:
         require(len(self.rope) == len(self.windows), "rope and windows need one entry per layer")
@@ -193,6 +196,8 @@ class PositionalEncoding:
             return cls(rope=("none",) * n, windows=windows, rope_parameters=params or None)
         if config.model_type in LEARNED_TABLE:  # no rotation: a learned table of max_position_embeddings rows
             return cls(rope=("learned",) * n, windows=windows)
+        if config.model_type in ALIBI:
+            return cls(rope=("alibi",) * n, windows=windows, alibi_slopes=alibi_slopes(config.num_attention_heads))
         if config.model_type == "smollm3":
             flags = getattr(config, "no_rope_layers", None) or [1] * n
             rope = tuple("rope" if f else "none" for f in flags[:n])
@@ -264,7 +269,8 @@ class PositionalEncoding:
         if all(r == "none" for r in self.rope):
             text = "NoPE"
         elif all(r == self.rope[0] for r in self.rope):
-            text = {"rope": "RoPE", "partial-rope": "partial RoPE", "learned": "learned absolute"}[self.rope[0]]
+            text = {"rope": "RoPE", "partial-rope": "partial RoPE", "learned": "learned absolute",
+                    "alibi": "ALiBi"}[self.rope[0]]
         else:
             text = "RoPE layers " + "".join(str(f) for f in self.flags)
         if self.scaling is not None:
@@ -283,6 +289,8 @@ class PositionalEncoding:
                                "rope_scaling": self.scaling.spec() if self.scaling is not None else None}
         if self.rope_parameters:
             out["rope_parameters"] = dict(self.rope_parameters)
+        if self.alibi_slopes is not None:
+            out["alibi_slopes"] = list(self.alibi_slopes)
         return out
 
 
@@ -297,6 +305,15 @@ def rotary_fraction(config: Any) -> float:
         params = params["full_attention"]
     factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
     return float(factor or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+
+
+def alibi_slopes(heads: int) -> tuple[float, ...]:
+    """ALiBi's per-head slopes as the model computes them (transformers' BLOOM function: Press et al.'s geometric
+    sequence 2^(-8/n), with the interleaved extension for a head count that is not a power of two)."""
+    import torch
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    return tuple(float(x) for x in _get_alibi_slopes(int(heads), torch.device("cpu")))
 
 
 def _rotary_dim(config: Any, params: dict) -> int:

@@ -169,7 +169,7 @@ class MLP(_Component):
 
     @property
     def _module(self):
-        return self._owner.layers[self._layer].mlp
+        return self._owner._mlp_of(self._owner.layers[self._layer])  # OPT: the layer itself holds fc1, fc2
 
     @property
     def W_in(self) -> torch.Tensor:

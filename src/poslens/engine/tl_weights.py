@@ -20,7 +20,15 @@ import torch
 
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.factored import FactoredMatrix
-from poslens.engine.families import attention_module, decoder_layers, family_of, head_dim, positional_encoding
+from poslens.engine.families import (
+    attention_module,
+    base_part,
+    decoder_layers,
+    family_of,
+    head_dim,
+    mlp_module,
+    positional_encoding,
+)
 from poslens.engine.models import max_positions
 from poslens.engine.pe import PositionalEncoding, rotary_fraction
 from poslens.errors import UsageError
@@ -80,14 +88,18 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         original_architecture=type(model).__name__,
         n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=heads,
         n_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), d_head=head_dim(attn),
-        d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size),
+        d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+                  or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim
         d_vocab=int(cfg.vocab_size),
         d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
         act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
                    or getattr(cfg, "activation_function", "")),
-        eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None) or cfg.layer_norm_epsilon),
+        eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None)
+                  or getattr(cfg, "layer_norm_epsilon", None)
+                  or base_part(model, family.final_norm_attr).eps),  # OPT: its LayerNorms' default
         normalization_type="LN" if family.norm_kind == "layer" else "RMS",
-        positional_embedding_type="rotary" if rotates else "standard" if learned else "none",
+        positional_embedding_type="rotary" if rotates else "standard" if learned else
+        "alibi" if "alibi" in pe.rope else "none",
         rotary_dim=round(head_dim(attn) * factor) if rotates else None,
         rotary_base=pe.rope_theta if rotates else None,
         gated_mlp=family.gated_mlp, parallel_attn_mlp=family.layout == "parallel",
@@ -111,11 +123,11 @@ def _linear_weight(module) -> torch.Tensor:
 
 def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent)."""
-    per_head = getattr(attn, "query_key_value", None)
-    if per_head is not None:  # GPT-NeoX: rows [q | k | v] within each head
-        heads = cfg.num_attention_heads
-        ws = per_head.weight.unflatten(0, (heads, 3, -1)).unbind(1)
-        bs = per_head.bias.unflatten(0, (heads, 3, -1)).unbind(1) if per_head.bias is not None else (None,) * 3
+    per_head = family_of(cfg).qkv_per_head
+    if per_head:  # GPT-NeoX, BLOOM: rows [q | k | v] within each head
+        fused, heads = getattr(attn, per_head), cfg.num_attention_heads
+        ws = fused.weight.unflatten(0, (heads, 3, -1)).unbind(1)
+        bs = fused.bias.unflatten(0, (heads, 3, -1)).unbind(1) if fused.bias is not None else (None,) * 3
         return (*(w.flatten(0, 1) for w in ws), tuple(b if b is None else b.flatten() for b in bs))
     fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
     if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn: rows [q | k | v]
@@ -130,14 +142,16 @@ def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
 
 
 def _o_proj(layer):
-    attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None) or layer.attention  # GPT-NeoX: attention
-    for name in ("o_proj", "dense", "out_proj"):  # GPT-NeoX, Phi: dense; GPT-J: out_proj
+    attn = (getattr(layer, "self_attn", None) or getattr(layer, "self_attention", None) or getattr(layer, "attn", None)
+            or layer.attention)  # BLOOM: self_attention; GPT-NeoX: attention
+    for name in ("o_proj", "dense", "out_proj"):  # GPT-NeoX, Phi, BLOOM: dense; GPT-J, OPT: out_proj
         if hasattr(attn, name):
             return getattr(attn, name)
     return attn.c_proj
 
 
-_UP, _DOWN = ("dense_h_to_4h", "fc_in", "fc1"), ("dense_4h_to_h", "fc_out", "fc2")  # GPT-NeoX, GPT-J, Phi: no gate
+# no gate: GPT-NeoX and BLOOM, GPT-J, Phi and OPT (OPT's fc1 and fc2 are on the layer itself)
+_UP, _DOWN = ("dense_h_to_4h", "fc_in", "fc1"), ("dense_4h_to_h", "fc_out", "fc2")
 
 
 def _down(mlp):
@@ -148,7 +162,7 @@ def _down(mlp):
 
 
 def _gate_up(mlp) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(gate, up) weights [d_mlp, d_model] (GPT-2: no gate, None; up = c_fc)."""
+    """(gate, up) weights [d_mlp, d_model] (GPT-2: no gate, None; up = c_fc; OPT: fc1)."""
     if hasattr(mlp, "c_fc"):
         return None, _linear_weight(mlp.c_fc)
     for name in _UP:
@@ -191,6 +205,9 @@ class TLWeights:
     def _attn_weight(self, which: int, bias: bool = False) -> torch.Tensor:
         return torch.stack([layer_attn_weight(self.model, l, which, bias)
                             for l in range(len(decoder_layers(self.model)))])
+
+    def _mlp_of(self, layer):
+        return mlp_module(self.family, layer)
 
     @property
     def W_Q(self) -> torch.Tensor:
@@ -236,27 +253,27 @@ class TLWeights:
         """[n_layers, d_model, d_mlp]: the gate projection (hook_pre = x @ W_gate)"""
         if not self.family.gated_mlp:
             raise NoEquivalent(f"W_gate: the {self.family.name} MLP has no gate (one up projection: W_in)")
-        return torch.stack([_gate_up(layer.mlp)[0].T for layer in decoder_layers(self.model)])
+        return torch.stack([_gate_up(self._mlp_of(layer))[0].T for layer in decoder_layers(self.model)])
 
     @property
     def W_in(self) -> torch.Tensor:
         """[n_layers, d_model, d_mlp]: the up projection (hook_pre_linear = x @ W_in), as TransformerLens's gated MLP"""
-        return torch.stack([_gate_up(layer.mlp)[1].T for layer in decoder_layers(self.model)])
+        return torch.stack([_gate_up(self._mlp_of(layer))[1].T for layer in decoder_layers(self.model)])
 
     @property
     def b_in(self) -> torch.Tensor:
         """[n_layers, d_mlp] (zeros where the MLP has no bias)"""
-        return torch.stack([_up_bias(layer.mlp) for layer in decoder_layers(self.model)])
+        return torch.stack([_up_bias(self._mlp_of(layer)) for layer in decoder_layers(self.model)])
 
     @property
     def W_out(self) -> torch.Tensor:
         """[n_layers, d_mlp, d_model]"""
-        return torch.stack([_linear_weight(_down(layer.mlp)).T for layer in decoder_layers(self.model)])
+        return torch.stack([_linear_weight(_down(self._mlp_of(layer))).T for layer in decoder_layers(self.model)])
 
     @property
     def b_out(self) -> torch.Tensor:
         """[n_layers, d_model]"""
-        return torch.stack([_bias(_down(layer.mlp)) for layer in decoder_layers(self.model)])
+        return torch.stack([_bias(_down(self._mlp_of(layer))) for layer in decoder_layers(self.model)])
 
     @property
     def W_E(self) -> torch.Tensor:
@@ -268,11 +285,14 @@ class TLWeights:
 
     @property
     def W_pos(self) -> torch.Tensor:
-        """[n_ctx, d_model]: the learned position table (GPT-2's wpe; hook_pos_embed is its rows at the positions)"""
+        """[n_ctx, d_model]: the learned position table (GPT-2's wpe; hook_pos_embed is its rows at the positions; OPT:
+        its rows after the first two, which position 0 skips, as TransformerLens's W_pos)"""
         if self.family.pos_embed_attr:
-            return getattr(self.model.base_model, self.family.pos_embed_attr).weight
-        kind = "rotary (RoPE acts on q and k: attn.hook_rot_q, attn.hook_rot_k)" \
-            if any(p != "none" for p in positional_encoding(self.model)) else "none (a NoPE model)"
+            return base_part(self.model, self.family.pos_embed_attr).weight[self.family.pos_offset:]
+        pe = positional_encoding(self.model)
+        kind = "ALiBi (a per-head bias inside attn.hook_attn_scores; ctx.score_bias)" if "alibi" in pe else \
+            "rotary (RoPE acts on q and k: attn.hook_rot_q, attn.hook_rot_k)" \
+            if any(p != "none" for p in pe) else "none (a NoPE model)"
         raise NoEquivalent(f"W_pos: this model has no positional embedding matrix; its positional encoding is {kind}")
 
     @property
@@ -301,7 +321,7 @@ class TLWeights:
     @property
     def ln_final(self):
         """The model's final norm (gain included; x -> ln_final(x) as the LM head reads it)."""
-        return getattr(self.model.base_model, self.family.final_norm_attr)
+        return base_part(self.model, self.family.final_norm_attr)
 
     @property
     def OV(self) -> FactoredMatrix:

@@ -22,7 +22,8 @@ Specs (the `--interventions` values):
                (a test of the code); for other encodings a real intervention
 The embedding replacements act on `hook_embed` (the embedding module's output, after any embedding scale, e.g.
 Gemma's sqrt(d)), i.e. what enters the first layer, before the forward pass; so an embedding row written there is
-multiplied by the model's scale (`engine.families.embedding_scale`), as the model multiplies its own rows.
+multiplied by the model's scale (`engine.families.embedding_scale`), as the model multiplies its own rows (BLOOM:
+and put through its LayerNorm after the embedding, as the model does: `engine.families.embedded_rows`).
 `check` refuses parameters outside the model (a token beyond the vocabulary, a shift past its positions, a layer
 it lacks) before any work.
 """
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poslens.engine.families import embedding_scale
+from poslens.engine.families import embedded_rows
 from poslens.errors import UsageError
 
 NAMES = ("mean", "random", "token", "nobos", "freeze", "shift", "patch")
@@ -142,7 +143,6 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
     """
     s = check([spec], model, ids.shape[1], ids.shape[0])[0]
     emb = _embedding_matrix(model)
-    scale = embedding_scale(model)
     if s.name == "nobos":
         return ids[:, 1:], {}, None
     if s.name == "shift":
@@ -161,7 +161,7 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
             state = state.float().mean(0, keepdim=True)
         return ids, {point: _replace(s.value, lambda x0: state.to(x0.device).expand_as(x0))}, None
     if s.name == "mean":
-        mean = emb.detach().float().mean(0) * scale
+        mean = embedded_rows(model, emb.detach().float().mean(0))  # times the scale (BLOOM: its embedding norm)
         hook = _replace(1, lambda x0: mean.to(x0.device).expand_as(x0))
     elif s.name == "random":
         gen = torch.Generator().manual_seed(int(seed))
@@ -173,8 +173,8 @@ def prepare(spec: str, model, hm, ids: torch.Tensor, reference: torch.Tensor | N
 
         hook = _replace(1, rand)
     else:
-        other = emb.detach()[s.value]
-        hook = _replace(1, lambda x0: (other.float() * scale).to(x0.device).expand_as(x0))
+        other = embedded_rows(model, emb.detach()[s.value].float())
+        hook = _replace(1, lambda x0: other.to(x0.device).expand_as(x0))
     return ids, {"hook_embed": hook}, None
 
 

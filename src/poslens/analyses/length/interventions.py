@@ -30,6 +30,10 @@ Specs (`parse`):
     sink-window[:W]  the window that keeps the sink (StreamingLLM's and LM-Infinite's masks): key 0 and the last
                 W - 1 keys, so a query sees at most W keys, as under window[:W]; set against window[:W], it
                 separates "far context hurts" from "the sink is gone"
+    alibi-scale[:F]  ALiBi (BLOOM): every head's slope multiplied by F, so the bias on a key d tokens back is
+                -F * slope * d (the model's own bias code, times F); F defaults to L / T for an evaluation length
+                T > L (at most 1): the bias across the whole evaluated context then spans what it spanned across L
+                (interpolation of the distance penalty, as position interpolation does for RoPE); F = 0 removes it
     freeze      position 0's whole trajectory replaced by that of a fixed first token (the leakage analysis's
                 `freeze`, reused): every sequence then shows the same key 0 in every layer
 """
@@ -47,10 +51,10 @@ import torch
 from poslens.analyses.length.checks import rope_types
 from poslens.analyses.length.masks import model_mask, right_padded
 from poslens.analyses.length.points import query_point
-from poslens.engine.families import rotary_modules
+from poslens.engine.families import positional_encoding, rotary_modules, scale_alibi
 from poslens.errors import UsageError, check_float, check_int
 
-SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "sink-window", "freeze")
+SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "sink-window", "alibi-scale", "freeze")
 
 
 @dataclass
@@ -191,6 +195,34 @@ class RopeScaling(Intervention):
 
 
 @dataclass
+class AlibiScaling(Intervention):
+    """ALiBi's slopes times a factor at inference (module docstring, `alibi-scale`); factor None = min(1, L / T)."""
+
+    train_len: int
+    factor: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("train_len", self.train_len, 2)
+        if self.factor is not None:
+            check_float("alibi-scale factor", self.factor, 0.0, math.inf, hi_open=True)
+        self.name = "alibi-scale" if self.factor is None else f"alibi-scale:{self.factor:g}"
+
+    def check(self, model) -> None:
+        if "alibi" not in positional_encoding(model):
+            raise UsageError(f"{self.name}: the model has no ALiBi layer (its positional encoding is "
+                             f"{sorted(set(positional_encoding(model)))[0]}), so there is no slope to scale")
+
+    @contextmanager
+    def changed(self, hm, length):
+        self.check(hm.model)
+        undo = scale_alibi(hm.model, self.factor if self.factor is not None else min(1.0, self.train_len / length))
+        try:
+            yield
+        finally:
+            undo()
+
+
+@dataclass
 class Window(Intervention):
     """Keys `window` or more positions back masked, on top of the model's own windows (window None = L); with
     `sinks` (1: the sink window), the first `sinks` keys stay visible besides the last window - sinks."""
@@ -234,9 +266,9 @@ class Freeze(Intervention):
 def parse(spec: str, train_len: int) -> Intervention:
     """An intervention from its spec (module docstring), e.g. "ntk", "yarn:4", "window:64"; one-line errors."""
     name, _, arg = str(spec).strip().partition(":")
-    if name not in SPECS or (arg and name not in ("ntk", "yarn", "window", "sink-window")):
+    if name not in SPECS or (arg and name not in ("ntk", "yarn", "window", "sink-window", "alibi-scale")):
         raise UsageError(f"interventions: unknown intervention {spec!r}; use none, logn, logn-all, ntk[:F], "
-                         "yarn[:F], window[:W], sink-window[:W] or freeze", param="interventions")
+                         "yarn[:F], window[:W], sink-window[:W], alibi-scale[:F] or freeze", param="interventions")
     try:
         value = float(arg) if arg else None
     except ValueError:
@@ -250,6 +282,8 @@ def parse(spec: str, train_len: int) -> Intervention:
         return RopeScaling(name, train_len, value)
     if name == "window":
         return Window(train_len, None if value is None else check_int("window", value, 1))
+    if name == "alibi-scale":
+        return AlibiScaling(train_len, value)
     if name == "sink-window":
         return Window(train_len, None if value is None else check_int("sink-window", value, 2), sinks=1)
     return Freeze()

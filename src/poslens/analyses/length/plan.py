@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from poslens.analyses.length.attention import AttentionProfile
-from poslens.analyses.length.interventions import Freeze, Intervention, RopeScaling, parse
+from poslens.analyses.length.interventions import AlibiScaling, Freeze, Intervention, RopeScaling, parse
 from poslens.analyses.length.loss import PositionLoss
 from poslens.analyses.length.maps import LengthMaps
 from poslens.engine.stats import Statistic
@@ -59,7 +59,7 @@ class LengthPass:
         """The intervention this pass applies: its factor fixed, freeze's reference token the run's first token
         (the same on every rank)."""
         iv = parse(self.intervention, train_len)
-        if isinstance(iv, RopeScaling):
+        if isinstance(iv, (RopeScaling, AlibiScaling)):
             return replace(iv, factor=self.factor)
         if isinstance(iv, Freeze):
             iv.token = first_token
@@ -92,13 +92,14 @@ def plan_passes(cfg) -> list[LengthPass]:
         out.append(LengthPass(k, "none", T))
         for spec in cfg.interventions:
             iv = parse(spec, L)
-            if not isinstance(iv, RopeScaling):
+            if not isinstance(iv, (RopeScaling, AlibiScaling)):
                 out.append(LengthPass(k, spec, T))
             elif iv.factor is not None:
                 out.append(LengthPass(k, spec, T, iv.factor))
-            else:
+            else:  # a factor of the length: T'/L (RoPE's frequencies), L/T' (ALiBi's slopes)
                 each = [t for t in lens if t > L] if cfg.scaled_at == "each" else [T]
-                out += [LengthPass(k, spec, t, t / L, per_length=True) for t in each]
+                out += [LengthPass(k, spec, t, t / L if isinstance(iv, RopeScaling) else L / t, per_length=True)
+                        for t in each]
     return out
 
 

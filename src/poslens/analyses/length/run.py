@@ -48,7 +48,8 @@ from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.errors import UsageError, check_int
 from poslens.options import option, option_of
 
-ALL = ("logn", "ntk", "yarn", "window", "sink-window", "freeze")  # what "all" runs (logn-all on request)
+ALL = ("logn", "ntk", "yarn", "window", "sink-window", "alibi-scale", "freeze")  # what "all" runs (logn-all on
+# request; each on the models it applies to)
 
 
 @dataclass
@@ -74,9 +75,9 @@ class LengthConfig(ModelData):
     map_layers: list[int] | None = option(None, help="layers whose maps are captured, from 0 (default all)")
     profile_every: int = option(1, lo=1, help="attention entropy and key-0 share at every k-th query (k-fold "
                                 "cheaper on long sequences)")
-    scaled_at: str = option("each", choices=("each", "longest"), help="ntk and yarn (factor T/L) at each "
-                            "evaluation length T past L, or at the longest only (one pass each instead of one per "
-                            "length; the effects at the shorter lengths are then not measured)")
+    scaled_at: str = option("each", choices=("each", "longest"), help="ntk and yarn (factor T/L), alibi-scale "
+                            "(L/T) at each evaluation length T past L, or at the longest only (one pass each instead "
+                            "of one per length; the effects at the shorter lengths are then not measured)")
     intervention_profiles: bool = option(True, help="skip the attention profile under the interventions (their "
                                          "loss is still measured; the profile of none stays)",
                                          flag="--no-intervention-profiles")

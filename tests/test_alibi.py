@@ -1,0 +1,144 @@
+"""ALiBi (BLOOM) as a length intervention and as an ablation, against Hugging Face's own forward with the slopes
+changed where transformers computes them (`_get_alibi_slopes`): `alibi-scale:F` is the model with every slope times F,
+`--pe none` the model with every slope 0; the interventions that act on RoPE are refused on ALiBi in one line and
+alibi-scale on a model without ALiBi. Tolerance: 1e-6 of the largest logit (the bias slope * F * position is rounded
+once in float32 by one route, twice by the other; F = 1/2 is exact)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_data import BOS, EOS, byte_tokenizer
+from tiny_models import build, config, token_batch
+from transformers.models.bloom import modeling_bloom
+
+from poslens import cli
+from poslens.analyses.length.interventions import parse
+from poslens.analyses.length.plan import plan_passes
+from poslens.analyses.length.run import LengthConfig
+from poslens.engine.families import positional_encoding_record, set_positional_encoding
+from poslens.engine.hooks import HookedModel
+
+
+def _hugging_face_with_slopes_times(model, ids, factor, monkeypatch):
+    original = modeling_bloom._get_alibi_slopes
+    monkeypatch.setattr(modeling_bloom, "_get_alibi_slopes", lambda heads, device: original(heads, device) * factor)
+    try:
+        return model(input_ids=ids).logits
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.3, 2.0])
+@torch.no_grad()
+def test_alibi_scale_is_the_model_with_every_slope_times_the_factor(factor, monkeypatch):
+    model = build("bloom")
+    hm = HookedModel(model)
+    ids = token_batch(2, 16, seed=3)
+    iv = parse(f"alibi-scale:{factor}", 8)
+    with iv.applied(hm, ids) as p:
+        got = hm.run(p.ids, p.attention_mask, hooks=p.hooks, position_ids=p.position_ids, logits=True).logits
+    want = _hugging_face_with_slopes_times(model, ids, factor, monkeypatch)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    plain = model(input_ids=ids).logits
+    assert (plain - want).abs().max() > 1e-3 * want.abs().max()  # the scaling changed the model
+    assert torch.equal(hm.run(ids, logits=True).logits, plain)  # and was undone after the block
+
+
+@torch.no_grad()
+def test_pe_none_on_alibi_is_the_model_without_alibi_and_is_recorded(monkeypatch):
+    model = build("bloom")
+    ids = token_batch(2, 16, seed=5)
+    want = _hugging_face_with_slopes_times(model, ids, 0.0, monkeypatch)
+    set_positional_encoding(model, "none")
+    hm = HookedModel(model)
+    seen = {}
+
+    def read(x, ctx):
+        seen["bias"] = ctx.score_bias
+
+    got = hm.run(ids, hooks={"blocks.0.attn.hook_attn_scores": read}, logits=True).logits
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.equal(model(input_ids=ids).logits, got)  # the plain forward too, for the model's lifetime
+    assert not seen["bias"].any()
+    record = positional_encoding_record(model)
+    assert record["layers"] == ["none"] * 3 and "alibi_slopes" not in record
+
+
+def test_alibi_scale_default_follows_each_length():
+    """Without a factor: one pass per evaluation length T past L, slopes times L / T (at most 1)."""
+    cfg = LengthConfig(model="x", train_len=16, eval_lens=[16, 32, 64], interventions=["alibi-scale"])
+    cfg.settle(build("bloom"))
+    passes = [(p.intervention, p.length, p.factor) for p in plan_passes(cfg) if p.intervention != "none"]
+    assert passes == [("alibi-scale", 32, 0.5), ("alibi-scale", 64, 0.25)]
+    assert parse("alibi-scale", 16).name == "alibi-scale" and parse("alibi-scale:0.25", 16).factor == 0.25
+
+
+def _saved(family, directory):
+    byte_tokenizer().save_pretrained(directory)
+    cfg = config(family, vocab_size=300, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None).to_dict()
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return f"random:{directory}"
+
+
+@pytest.mark.parametrize(("family", "intervention", "message"), [
+    ("bloom", "ntk", "ntk: the model has no RoPE layer"),
+    ("bloom", "yarn:2", "yarn:2: the model has no RoPE layer"),
+    ("llama", "alibi-scale:0.5", "alibi-scale:0.5: the model has no ALiBi layer (its positional encoding is rope)"),
+])
+def test_interventions_of_another_scheme_are_refused_in_one_line(family, intervention, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli.main(["length", _saved(family, tmp_path / "m"), "--train-len", "16", "--eval-lens", "16,32",
+                     "--interventions", intervention, "--num-sequences", "4", "--batch-size", "2", "--quiet",
+                     "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"apply_residual_connection_post_layernorm": True},
+     "BLOOM with apply_residual_connection_post_layernorm=True is not supported"),
+    ({"pretraining_tp": 2, "slow_but_exact": True},
+     "BLOOM with slow_but_exact=True and pretraining_tp > 1 is not supported"),
+])
+def test_bloom_forms_not_built_are_refused_in_one_line(overrides, message, tmp_path, capsys):
+    directory = tmp_path / "m"
+    _saved("bloom", directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, **overrides}))
+    out = tmp_path / "out"
+    code = cli.main(["scores", f"random:{directory}", "--seq-len", "16", "--num-sequences", "4", "--batch-size", "2",
+                     "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_pe_none_on_bloom_runs_and_is_recorded(tmp_path):
+    out = tmp_path / "out"
+    assert cli.main(["scores", _saved("bloom", tmp_path / "m"), "--pe", "none", "--seq-len", "16", "--num-sequences",
+                     "4", "--batch-size", "2", "--quiet", "--no-figures", "--out", str(out)]) == 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["model"]["positional_encoding"] == ["none"] * 3
+
+
+@torch.no_grad()
+def test_bloom_token_replacement_at_hook_embed_is_what_the_model_embeds():
+    """BLOOM's hook_embed comes after its embedding LayerNorm (as TransformerLens's): the leakage analysis's `token:ID`
+    writes there what the model computes for token ID, so the logits equal a plain forward with token ID at position 0
+    (float32 rounding of the same LayerNorm: 1e-6 of the largest logit)."""
+    from poslens.analyses.leakage import interventions as leakage
+
+    model = build("bloom")
+    hm = HookedModel(model)
+    ids = token_batch(3, 10, seed=4)
+    _, hooks, _ = leakage.prepare("token:7", model, hm, ids)
+    got = hm.run(ids, hooks=hooks, logits=True).logits
+    own = ids.clone()
+    own[:, 0] = 7
+    want = model(input_ids=own).logits
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    assert (model(input_ids=ids).logits - want).abs().max() > 1e-3 * want.abs().max()
