@@ -284,13 +284,13 @@ def test_transformer_lens_features_without_an_equivalent_fail_in_one_line():
         (lambda: hm.run_with_cache(ids, ["blocks.0.hook_tokens"]), "TransformerLens has it"),
         (lambda: hm.to_tokens("Hello"), "needs a tokenizer"),
         (lambda: hm.W_pos, "no positional embedding matrix; its positional encoding is rotary"),
-        (lambda: hm.blocks, "no poslens equivalent"),
+        (lambda: hm.blocks[0](ids), "no poslens equivalent"),
         (lambda: hm.run_with_cache(ids)[1].get_full_resid_decomposition(), "get_full_resid_decomposition"),
     ]:
         with pytest.raises(UsageError, match=match) as err:
             call()
         assert "\n" not in str(err.value)
-    assert not hasattr(hm, "blocks")  # an AttributeError too, so hasattr() and getattr(..., default) keep working
+    assert not hasattr(hm, "OV_circuit")  # an unknown name: AttributeError, so hasattr() keeps working
     with torch.no_grad(), pytest.raises(UsageError, match="bwd_hooks need gradients"):
         hm.run_with_hooks(ids, bwd_hooks=[("hook_embed", print)])
 
