@@ -89,6 +89,9 @@ class Family:
     embed_norm_attr: str | None = None
     block_tuple: bool = False  # the decoder layer returns (hidden states, attentions) (BLOOM), not a tensor
     eager_only: bool = False  # transformers has one attention implementation for it, "eager" (BLOOM): loaded with it
+    # Falcon: its attention is its own code (not transformers' attention interface), run by the hook engine's copy
+    # (`HookedModel._falcon_attention`), which fires attn.hook_q, hook_k and hook_v on its fused query_key_value's split
+    own_attention: bool = False
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -139,6 +142,13 @@ FAMILIES: dict[str, Family] = {
                     gated_mlp=False, mlp_seq=("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), alibi=True,
                     eager_output=True, block_tuple=True, eager_only=True, per_head_inputs=False,
                     qkv_per_head="query_key_value"),
+    # Falcon (rotary form: falcon-7b, alibi=False, new_decoder_architecture=False): one input_layernorm before both
+    # sublayers (parallel_attn; the serial form, parallel_attn=False, is the pre-norm layout: `family_of`), a fused
+    # query_key_value ([q heads | k | v] with multi_query, else [q | k | v] within each head), dense, GELU MLP
+    "falcon": Family("Falcon", layout="parallel", ln2="input_layernorm", layers_attr="h", attn_attr="self_attention",
+                     embed_attr="word_embeddings", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
+                     per_head_inputs=False, proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), block_tuple=True,
+                     own_attention=True),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
@@ -180,6 +190,8 @@ def family_of(config: Any) -> Family:
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):
         return _partial_rotary_family(config, FAMILIES[model_type])
+    if model_type == "falcon":
+        return _falcon_family(config)
     return FAMILIES[model_type]
 
 
@@ -218,6 +230,23 @@ def _check_bloom(config: Any) -> None:
     if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
         raise UsageError("BLOOM with slow_but_exact=True and pretraining_tp > 1 is not supported (its sliced "
                          "projections); load it with slow_but_exact=False")
+
+
+def _falcon_family(config: Any) -> Family:
+    """Falcon's rotary forms with one norm per block (falcon-7b's parallel_attn, or serial: the pre-norm layout, its
+    input_layernorm and post_attention_layernorm); the ALiBi form (falcon-rw) and the new decoder architecture
+    (falcon-40b/180b: ln_attn and ln_mlp, grouped key/value heads) are refused in one line."""
+    supported = ("the rotary forms with new_decoder_architecture=False are (falcon-7b, with or without multi_query "
+                 "and parallel_attn)")
+    if getattr(config, "alibi", False):
+        raise UsageError(f"Falcon with alibi=True (falcon-rw) is not supported yet; {supported}")
+    if getattr(config, "new_decoder_architecture", False):
+        raise UsageError("Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet; "
+                         f"{supported}")
+    family = FAMILIES["falcon"]
+    if not getattr(config, "parallel_attn", True):
+        return replace(family, layout="pre-norm", ln2="post_attention_layernorm")
+    return family
 
 
 def attention_implementation(config: Any, requested: str) -> str:
@@ -263,6 +292,14 @@ def attention_module(model: nn.Module, layer: int) -> nn.Module:
 def head_dim(attn: nn.Module) -> int:
     """The head width of an attention module (GPT-NeoX's is `head_size`)."""
     return int(getattr(attn, "head_dim", None) or attn.head_size)
+
+
+def kv_heads(config: Any) -> int:
+    """The number of key/value heads (Falcon's multi_query: 1; no num_key_value_heads: one per query head)."""
+    if getattr(config, "model_type", None) == "falcon" and getattr(config, "multi_query", False) \
+            and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
 def num_layers(model_or_config: Any) -> int:
