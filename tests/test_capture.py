@@ -79,11 +79,28 @@ def _record_alibi(m64) -> list:
     return [layer.self_attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
 
 
+def _record_falcon(m64) -> list:
+    """Falcon (its attention is its own code, not an interface): hooks that record every layer's scores recomputed in
+    float64 from the attention's input, rotated q.k / sqrt(D) (the fused projection split by the model's own
+    _split_heads; a multi-query key broadcast to every query head)."""
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    def record(module, args, kwargs):
+        q, k, _ = module._split_heads(module.query_key_value(args[0]))  # [B, T, heads, D]
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *kwargs["position_embeddings"])
+        s = q @ k.transpose(-1, -2) / module.head_dim**0.5
+        _RECORD[module.layer_idx] = (s[0].clone(), None)
+
+    return [layer.self_attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
+
+
 def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
     """Float64 means over `sequences` (1-D, any lengths), with NaN where the softmax sees nothing."""
     m64 = copy.deepcopy(model).double()
     if model.config.model_type == "bloom":
         _record_alibi(m64)
+    elif model.config.model_type == "falcon":
+        _record_falcon(m64)
     else:
         m64.set_attn_implementation("poslens_test_reference")
     n, h = max(len(s) for s in sequences), model.config.num_attention_heads

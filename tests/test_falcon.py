@@ -10,11 +10,14 @@ has no Falcon, so there is no TransformerLens reference (docs/families.md)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
+from test_family_runs import _saved
 from tiny_models import SPECS, build, config, randomize_norm_gains, token_batch
 
+from poslens import cli
 from poslens.engine.families import family_of, positional_encoding
 from poslens.engine.hooks import HookedModel
 from poslens.engine.tl_weights import layer_attn_weight
@@ -99,11 +102,23 @@ def _zero_dense(model, heads: int, d: int) -> None:
     ({"new_decoder_architecture": True, "num_kv_heads": 2},
      "Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet"),
 ])
-def test_falcon_forms_not_built_are_refused_in_one_line(overrides, message):
+def test_falcon_forms_not_built_are_refused_in_one_line(overrides, message, tmp_path, capsys):
+    """The library raises a one-line UsageError naming the supported forms; the CLI exits 2 with that one line and
+    writes no run directory."""
     with pytest.raises(UsageError) as err:
         family_of(config("falcon", **overrides))
     text = str(err.value)
     assert message in text and "new_decoder_architecture=False are (falcon-7b" in text and "\n" not in text
+    directory = tmp_path / "m"
+    _saved("falcon", directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, **overrides}))
+    out = tmp_path / "out"
+    code = cli.main(["scores", f"random:{directory}", "--seq-len", "16", "--num-sequences", "4", "--batch-size", "2",
+                     "--quiet", "--out", str(out)])
+    err_text = capsys.readouterr().err
+    assert code == 2 and err_text.count("\n") == 1 and message in err_text, err_text
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("form", ["falcon-7b", "serial multi-head, biases"])
