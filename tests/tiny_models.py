@@ -132,13 +132,17 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "falcon": (FalconConfig, FalconForCausalLM, {"multi_query": True, "parallel_attn": True, "bias": False,
                                                   "ffn_hidden_size": 256, "num_key_value_heads": None,
                                                   "head_dim": None, "intermediate_size": None}),
+    # Falcon's ALiBi form as falcon-rw: serial attention and MLP, multi-head [q | k | v] within each head, biases
+    "falcon_rw": (FalconConfig, FalconForCausalLM, {"alibi": True, "multi_query": False, "parallel_attn": False,
+                                                     "bias": True, "ffn_hidden_size": 256, "num_key_value_heads": None,
+                                                     "head_dim": None, "intermediate_size": None}),
 }
 
 ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
-                                                                  "falcon"))
+                                                                  "falcon", "falcon_rw"))
 
 
 def config(family: str, **overrides):
@@ -156,7 +160,8 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
-        if family in ("opt", "bloom"):  # biases that matter: every Linear's, as trained OPT checkpoints have
+        if family in ("opt", "bloom", "falcon_rw"):  # biases that matter: every Linear's, as trained OPT
+            # checkpoints have
             for m in model.modules():
                 if isinstance(m, torch.nn.Linear) and m.bias is not None:
                     torch.nn.init.normal_(m.bias, 0.0, 0.1)

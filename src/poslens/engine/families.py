@@ -21,6 +21,9 @@ per-layer `no_rope_layers` is read from the config.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -233,17 +236,18 @@ def _check_bloom(config: Any) -> None:
 
 
 def _falcon_family(config: Any) -> Family:
-    """Falcon's rotary forms with one norm per block (falcon-7b's parallel_attn, or serial: the pre-norm layout, its
-    input_layernorm and post_attention_layernorm); the ALiBi form (falcon-rw) and the new decoder architecture
-    (falcon-40b/180b: ln_attn and ln_mlp, grouped key/value heads) are refused in one line."""
-    supported = ("the rotary forms with new_decoder_architecture=False are (falcon-7b, with or without multi_query "
-                 "and parallel_attn)")
-    if getattr(config, "alibi", False):
-        raise UsageError(f"Falcon with alibi=True (falcon-rw) is not supported yet; {supported}")
+    """Falcon's forms with one norm per block (falcon-7b's parallel_attn, or serial: the pre-norm layout, its
+    input_layernorm and post_attention_layernorm), rotary or ALiBi (falcon-rw); the new decoder architecture
+    (falcon-40b/180b: ln_attn and ln_mlp, grouped key/value heads) is refused in one line, and so is the ALiBi form
+    under eager attention (transformers' eager Falcon adds the bias twice: in the scores and in the mask)."""
     if getattr(config, "new_decoder_architecture", False):
-        raise UsageError("Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet; "
-                         f"{supported}")
-    family = FAMILIES["falcon"]
+        raise UsageError("Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet; the forms "
+                         "with new_decoder_architecture=False are (falcon-7b, falcon-rw)")
+    alibi = bool(getattr(config, "alibi", False))
+    if alibi and getattr(config, "_attn_implementation", None) == "eager":
+        raise UsageError("Falcon with alibi=True under eager attention is not supported: transformers' eager Falcon "
+                         "adds the ALiBi bias twice (SDPA adds it once, as falcon-rw was trained); load it with sdpa")
+    family = replace(FAMILIES["falcon"], alibi=alibi)
     if not getattr(config, "parallel_attn", True):
         return replace(family, layout="pre-norm", ln2="post_attention_layernorm")
     return family
@@ -251,8 +255,12 @@ def _falcon_family(config: Any) -> Family:
 
 def attention_implementation(config: Any, requested: str) -> str:
     """The attention implementation to load a model of `config` with: `requested`, or "eager" for a family that has
-    no other (BLOOM)."""
-    return "eager" if family_of(config).eager_only else requested
+    no other (BLOOM); Falcon's ALiBi form is refused with "eager" (`_falcon_family`)."""
+    family = family_of(config)
+    if family.own_attention and family.alibi and requested == "eager":
+        raise UsageError("attn_implementation eager: transformers' eager Falcon adds the ALiBi bias twice (SDPA adds "
+                         "it once, as falcon-rw was trained); use sdpa")
+    return "eager" if family.eager_only else requested
 
 
 def base_part(model: nn.Module, path: str) -> nn.Module:
@@ -379,16 +387,36 @@ def remove_rope(model: nn.Module) -> list:
     return [m.register_forward_hook(hook) for m in modules]
 
 
+def alibi_builder(base: nn.Module) -> Callable[..., torch.Tensor]:
+    """The function `base` (a base model) builds its ALiBi tensor with, (mask [B, T], heads, dtype) -> [B * H, 1, T]:
+    BLOOM's method (or what replaces it on the instance); Falcon's module function, which transformers calls by its
+    module-level name: that name is made, once, to defer to a `build_alibi_tensor` set on the calling FalconModel
+    instance (the caller's `self`), so a replacement set there acts as on BLOOM."""
+    if not type(base).__name__.startswith("Falcon"):
+        return base.build_alibi_tensor
+    module = importlib.import_module(type(base).__module__)
+    original = getattr(module, "poslens_build_alibi_tensor", None)
+    if original is None:
+        original = module.poslens_build_alibi_tensor = module.build_alibi_tensor
+
+        def dispatch(mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+            own = getattr(sys._getframe(1).f_locals.get("self"), "__dict__", {}).get("build_alibi_tensor")
+            return (own or original)(mask, num_heads, dtype)
+
+        module.build_alibi_tensor = dispatch
+    return base.__dict__.get("build_alibi_tensor") or original
+
+
 def scale_alibi(model: nn.Module, factor: float):
-    """Multiply every ALiBi slope of `model` (BLOOM) by `factor` in every forward until the returned function is
-    called (0: the model without ALiBi). The model's own code builds the bias, from its [B, T] mask, times `factor`
-    (transformers builds it inline, not by that method, when no mask is given: a forward without one gets the
-    all-ones mask, the same causal mask)."""
+    """Multiply every ALiBi slope of `model` (BLOOM, Falcon's ALiBi form) by `factor` in every forward until the
+    returned function is called (0: the model without ALiBi). The model's own code builds the bias, from its [B, T]
+    mask, times `factor` (transformers builds BLOOM's inline, not by that method, when no mask is given: a forward
+    without one gets the all-ones mask, the same causal mask)."""
     if "alibi" not in positional_encoding(model):
         raise UsageError(f"{family_of(model.config).name} has no ALiBi slopes to scale")
     base = model.base_model
     previous = base.__dict__.get("build_alibi_tensor")
-    inner = base.build_alibi_tensor
+    inner = alibi_builder(base)
     base.build_alibi_tensor = lambda mask, heads, dtype: inner(mask, heads, dtype) * factor
 
     def with_mask(module, args, kwargs):

@@ -110,6 +110,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.families import (
     Family,
+    alibi_builder,
     base_part,
     decoder_layers,
     family_of,
@@ -503,7 +504,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if self.family.alibi and mask is not None and (isinstance(mask, dict) or mask.dim() != 2):
                 # BLOOM builds ALiBi from a [B, T] mask: with a 4-D one (an explicit window), from all-ones keys
                 base, keys = self.model.base_model, torch.ones_like(run.input_ids)
-                previous, build = base.__dict__.get("build_alibi_tensor"), base.build_alibi_tensor  # (a scaling's)
+                previous, build = base.__dict__.get("build_alibi_tensor"), alibi_builder(base)  # (a scaling's)
                 base.build_alibi_tensor = lambda m, heads, dtype: build(keys, heads, dtype)
                 undo.append(lambda: setattr(base, "build_alibi_tensor", previous) if previous is not None
                             else delattr(base, "build_alibi_tensor"))
@@ -786,10 +787,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
             self._run.inputs[l] = fire_inputs(fire, self._run.per_layer.get(l, {}), x, getattr(layer_mod, fam.ln1),
                                               *self._heads)
         attn_in = x if post else getattr(layer_mod, fam.ln1)(x)  # ln1.*
-        if fam.alibi:  # BLOOM's attention adds the residual itself: poslens's copy of it, without
-            a = self._alibi_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
-        elif fam.own_attention:  # Falcon: poslens's copy of its attention
+        if fam.own_attention:  # Falcon: poslens's copy of its attention
             a = self._falcon_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
+        elif fam.alibi:  # BLOOM's attention adds the residual itself: poslens's copy of it, without
+            a = self._alibi_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
         else:
             a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=attn_in, **attn_kwargs)  # attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O
@@ -873,10 +874,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
 
     def _falcon_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """Falcon's rotary attention on x [B, T, d]: the model's own operations (the fused query_key_value split as
-        its `_split_heads` splits it, attn.hook_q/k/v [B, T, heads, D] firing on the split; rotary; then, as the
-        model's implementation, SDPA or q.k / sqrt(D) + the additive mask and a softmax; the dense projection), with
-        the kernel's points fired by `_attention` in between."""
+        """Falcon's attention on x [B, T, d]: the model's own operations (the fused query_key_value split as its
+        `_split_heads` splits it, attn.hook_q/k/v [B, T, heads, D] firing on the split; rotary, or ALiBi's bias in the
+        model's mask; then, as the model's implementation, SDPA or q.k / sqrt(D) + the additive mask and a softmax;
+        the dense projection), with the kernel's points fired by `_attention` in between."""
         l, bsz, t = attn.layer_idx, x.shape[0], x.shape[1]
         h, d = attn.num_heads, attn.head_dim
         if kwargs.get("layer_past") is not None:
@@ -887,21 +888,28 @@ class HookedModel(TransformerLensSurface, TLWeights):
         q = q.transpose(1, 2).reshape(bsz, h, t, d)
         k = k.transpose(1, 2).reshape(bsz, kv, t, d)
         v = v.transpose(1, 2).reshape(bsz, kv, t, d)
-        cos, sin = kwargs["position_embeddings"]
-        q, k = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb(q, k, cos, sin)
-        sdpa = attn.config._attn_implementation == "sdpa"
+        mask = model_mask = kwargs.get("attention_mask")
+        alibi, extra = kwargs.get("alibi"), {}
+        if alibi is None:
+            cos, sin = kwargs["position_embeddings"]
+            q, k = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb(q, k, cos, sin)
+        else:  # ALiBi: the model's mask carries slope_h * j / sqrt(D) where a key is seen (SDPA adds it to the scores)
+            extra["poslens_key_bias"] = (alibi / math.sqrt(d)).view(bsz, h, -1)
+            if mask is not None:  # the scores' points see the mask alone (0 where seen) and the bias as ctx.score_bias
+                mask = torch.where(mask < -1, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+        sdpa = attn.config._attn_implementation == "sdpa" or alibi is not None  # (ALiBi: refused under eager)
 
         def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
             if sdpa:  # the model's SDPA call
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=mask is None and t > 1)
+                    query, key, value, attn_mask=model_mask, dropout_p=0.0, is_causal=model_mask is None and t > 1)
                 return out.transpose(1, 2), None
             scores = query @ key.transpose(-1, -2)
             scores /= math.sqrt(d)
             probs = torch.softmax(scores + mask, dim=-1, dtype=x.dtype)
             return (probs @ value).transpose(1, 2), probs  # [B, T, H, D]
 
-        z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, attn.inv_norm_factor, {})
+        z, _ = self._attention(attn, inner, q, k, v, mask, 0.0, attn.inv_norm_factor, extra)
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
 
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):
