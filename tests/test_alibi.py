@@ -86,6 +86,7 @@ def _saved(family, directory):
 @pytest.mark.parametrize(("family", "intervention", "message"), [
     ("bloom", "ntk", "ntk: the model has no RoPE layer"),
     ("bloom", "yarn:2", "yarn:2: the model has no RoPE layer"),
+    ("falcon_rw", "ntk", "ntk: the model has no RoPE layer"),
     ("llama", "alibi-scale:0.5", "alibi-scale:0.5: the model has no ALiBi layer (its positional encoding is rope)"),
 ])
 def test_interventions_of_another_scheme_are_refused_in_one_line(family, intervention, message, tmp_path, capsys):
