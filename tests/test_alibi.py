@@ -106,8 +106,13 @@ def test_interventions_of_another_scheme_are_refused_in_one_line(family, interve
      "BLOOM with slow_but_exact=True and pretraining_tp > 1 is not supported"),
 ])
 def test_bloom_forms_not_built_are_refused_in_one_line(overrides, message, tmp_path, capsys):
+    assert_config_refused("bloom", overrides, message, tmp_path, capsys)
+
+
+def assert_config_refused(family: str, overrides: dict, message: str, tmp_path, capsys) -> None:
+    """`scores` on the tiny `family` config with `overrides` exits 2 with one line holding `message`, no run written."""
     directory = tmp_path / "m"
-    _saved("bloom", directory)
+    _saved(family, directory)
     cfg = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**cfg, **overrides}))
     out = tmp_path / "out"

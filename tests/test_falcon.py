@@ -10,15 +10,13 @@ has no Falcon, so there is no TransformerLens reference (docs/families.md)."""
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
-from test_family_runs import _saved
+from test_alibi import assert_config_refused
 from tiny_models import SPECS, build, config, randomize_norm_gains, token_batch
 from transformers.models.falcon import modeling_falcon
 
-from poslens import cli
 from poslens.analyses.length.interventions import parse
 from poslens.engine.families import (
     attention_implementation,
@@ -116,16 +114,7 @@ def test_falcon_forms_not_built_are_refused_in_one_line(overrides, message, tmp_
         family_of(config("falcon", **overrides))
     text = str(err.value)
     assert message in text and "new_decoder_architecture=False are (falcon-7b, falcon-rw)" in text and "\n" not in text
-    directory = tmp_path / "m"
-    _saved("falcon", directory)
-    cfg = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**cfg, **overrides}))
-    out = tmp_path / "out"
-    code = cli.main(["scores", f"random:{directory}", "--seq-len", "16", "--num-sequences", "4", "--batch-size", "2",
-                     "--quiet", "--out", str(out)])
-    err_text = capsys.readouterr().err
-    assert code == 2 and err_text.count("\n") == 1 and message in err_text, err_text
-    assert not out.exists()
+    assert_config_refused("falcon", overrides, message, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("form", ["falcon-7b", "serial multi-head, biases"])
