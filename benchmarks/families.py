@@ -32,7 +32,7 @@ from tiny_models import build, token_batch  # noqa: E402
 
 from poslens.engine.hooks import HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi")
+FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw")
 
 
 def model_of(family: str, hidden: int, layers: int):
@@ -45,6 +45,9 @@ def model_of(family: str, hidden: int, layers: int):
         return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, **sizes)
     if family == "bloom":  # no key/value groups, no head_dim field; MLP 4 x hidden
         return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+    if family in ("falcon", "falcon_rw"):  # falcon-7b's multi-query parallel form, falcon-rw's ALiBi; MLP 4 x hidden
+        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     ffn_hidden_size=4 * hidden)
     if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
         return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      ffn_dim=4 * hidden, max_position_embeddings=1024)

@@ -86,6 +86,7 @@ def _saved(family, directory):
 @pytest.mark.parametrize(("family", "intervention", "message"), [
     ("bloom", "ntk", "ntk: the model has no RoPE layer"),
     ("bloom", "yarn:2", "yarn:2: the model has no RoPE layer"),
+    ("falcon_rw", "ntk", "ntk: the model has no RoPE layer"),
     ("llama", "alibi-scale:0.5", "alibi-scale:0.5: the model has no ALiBi layer (its positional encoding is rope)"),
 ])
 def test_interventions_of_another_scheme_are_refused_in_one_line(family, intervention, message, tmp_path, capsys):
@@ -105,8 +106,13 @@ def test_interventions_of_another_scheme_are_refused_in_one_line(family, interve
      "BLOOM with slow_but_exact=True and pretraining_tp > 1 is not supported"),
 ])
 def test_bloom_forms_not_built_are_refused_in_one_line(overrides, message, tmp_path, capsys):
+    assert_config_refused("bloom", overrides, message, tmp_path, capsys)
+
+
+def assert_config_refused(family: str, overrides: dict, message: str, tmp_path, capsys) -> None:
+    """`scores` on the tiny `family` config with `overrides` exits 2 with one line holding `message`, no run written."""
     directory = tmp_path / "m"
-    _saved("bloom", directory)
+    _saved(family, directory)
     cfg = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**cfg, **overrides}))
     out = tmp_path / "out"

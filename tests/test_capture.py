@@ -79,11 +79,36 @@ def _record_alibi(m64) -> list:
     return [layer.self_attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
 
 
+def _record_falcon(m64) -> list:
+    """Falcon (its attention is its own code, not an interface): hooks that record every layer's scores recomputed in
+    float64 from the attention's input, rotated q.k / sqrt(D) (the fused projection split by the model's own
+    _split_heads; a multi-query key broadcast to every query head), or with ALiBi (q.k + slope_h (j - i)) / sqrt(D)
+    (the slopes from the model's positional-encoding record)."""
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    slopes = torch.tensor(positional_encoding_record(m64).get("alibi_slopes") or [], dtype=torch.float64)
+
+    def record(module, args, kwargs):
+        q, k, _ = module._split_heads(module.query_key_value(args[0]))  # [B, T, heads, D]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if kwargs["alibi"] is None:
+            q, k = apply_rotary_pos_emb(q, k, *kwargs["position_embeddings"])
+        s = q @ k.transpose(-1, -2) / module.head_dim**0.5
+        if kwargs["alibi"] is not None:  # falcon-rw: slope_h * (j - i), added before the 1/sqrt(D) scaling
+            pos = torch.arange(args[0].shape[1], dtype=torch.float64)
+            s = s + slopes[:, None, None] * (pos[None] - pos[:, None]) / module.head_dim**0.5
+        _RECORD[module.layer_idx] = (s[0].clone(), None)
+
+    return [layer.self_attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
+
+
 def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
     """Float64 means over `sequences` (1-D, any lengths), with NaN where the softmax sees nothing."""
     m64 = copy.deepcopy(model).double()
     if model.config.model_type == "bloom":
         _record_alibi(m64)
+    elif model.config.model_type == "falcon":
+        _record_falcon(m64)
     else:
         m64.set_attn_implementation("poslens_test_reference")
     n, h = max(len(s) for s in sequences), model.config.num_attention_heads

@@ -16,6 +16,8 @@ import torch
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -125,12 +127,22 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "bloom": (BloomConfig, BloomForCausalLM, {"tie_word_embeddings": True, "num_key_value_heads": None,
                                               "head_dim": None, "intermediate_size": None,
                                               "max_position_embeddings": None}),
+    # Falcon's rotary form as falcon-7b: multi-query (one key/value head), one input_layernorm before a parallel
+    # attention and MLP (4 x 64 wide, GELU), no biases
+    "falcon": (FalconConfig, FalconForCausalLM, {"multi_query": True, "parallel_attn": True, "bias": False,
+                                                  "ffn_hidden_size": 256, "num_key_value_heads": None,
+                                                  "head_dim": None, "intermediate_size": None}),
+    # Falcon's ALiBi form as falcon-rw: serial attention and MLP, multi-head [q | k | v] within each head, biases
+    "falcon_rw": (FalconConfig, FalconForCausalLM, {"alibi": True, "multi_query": False, "parallel_attn": False,
+                                                     "bias": True, "ffn_hidden_size": 256, "num_key_value_heads": None,
+                                                     "head_dim": None, "intermediate_size": None}),
 }
 
 ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
-FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi"))
+FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
+                                                                  "falcon", "falcon_rw"))
 
 
 def config(family: str, **overrides):
@@ -148,7 +160,8 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
-        if family in ("opt", "bloom"):  # biases that matter: every Linear's, as trained OPT checkpoints have
+        if family in ("opt", "bloom", "falcon_rw"):  # biases that matter: every Linear's, as trained OPT
+            # checkpoints have
             for m in model.modules():
                 if isinstance(m, torch.nn.Linear) and m.bias is not None:
                     torch.nn.init.normal_(m.bias, 0.0, 0.1)
@@ -183,7 +196,10 @@ def _rescale_qk(model: PreTrainedModel) -> None:
             std = target / hidden**0.5
             if hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
                 attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
-            elif hasattr(attn, "query_key_value"):  # GPT-NeoX, BLOOM: rows [q | k | v] within each head
+            elif getattr(attn, "multi_query", False):  # Falcon's multi-query: rows [q heads | k | v]
+                attn.query_key_value.weight[: (cfg.num_attention_heads + 1) * d].normal_(0.0, std)
+            elif hasattr(attn, "query_key_value"):  # GPT-NeoX, BLOOM, Falcon without multi_query: rows [q | k | v]
+                # within each head
                 attn.query_key_value.weight.unflatten(0, (cfg.num_attention_heads, 3, d))[:, :2].normal_(0.0, std)
             elif hasattr(attn, "qkv_proj"):  # Phi-3: rows [q | k | v]
                 n_qk = (cfg.num_attention_heads + cfg.num_key_value_heads) * d

@@ -21,6 +21,9 @@ per-layer `no_rope_layers` is read from the config.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -89,6 +92,9 @@ class Family:
     embed_norm_attr: str | None = None
     block_tuple: bool = False  # the decoder layer returns (hidden states, attentions) (BLOOM), not a tensor
     eager_only: bool = False  # transformers has one attention implementation for it, "eager" (BLOOM): loaded with it
+    # Falcon: its attention is its own code (not transformers' attention interface), run by the hook engine's copy
+    # (`HookedModel._falcon_attention`), which fires attn.hook_q, hook_k and hook_v on its fused query_key_value's split
+    own_attention: bool = False
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -139,6 +145,13 @@ FAMILIES: dict[str, Family] = {
                     gated_mlp=False, mlp_seq=("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), alibi=True,
                     eager_output=True, block_tuple=True, eager_only=True, per_head_inputs=False,
                     qkv_per_head="query_key_value"),
+    # Falcon (rotary form: falcon-7b, alibi=False, new_decoder_architecture=False): one input_layernorm before both
+    # sublayers (parallel_attn; the serial form, parallel_attn=False, is the pre-norm layout: `family_of`), a fused
+    # query_key_value ([q heads | k | v] with multi_query, else [q | k | v] within each head), dense, GELU MLP
+    "falcon": Family("Falcon", layout="parallel", ln2="input_layernorm", layers_attr="h", attn_attr="self_attention",
+                     embed_attr="word_embeddings", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
+                     per_head_inputs=False, proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), block_tuple=True,
+                     own_attention=True),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
@@ -180,6 +193,8 @@ def family_of(config: Any) -> Family:
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):
         return _partial_rotary_family(config, FAMILIES[model_type])
+    if model_type == "falcon":
+        return _falcon_family(config)
     return FAMILIES[model_type]
 
 
@@ -220,10 +235,32 @@ def _check_bloom(config: Any) -> None:
                          "projections); load it with slow_but_exact=False")
 
 
+def _falcon_family(config: Any) -> Family:
+    """Falcon's forms with one norm per block (falcon-7b's parallel_attn, or serial: the pre-norm layout, its
+    input_layernorm and post_attention_layernorm), rotary or ALiBi (falcon-rw); the new decoder architecture
+    (falcon-40b/180b: ln_attn and ln_mlp, grouped key/value heads) is refused in one line, and so is the ALiBi form
+    under eager attention (transformers' eager Falcon adds the bias twice: in the scores and in the mask)."""
+    if getattr(config, "new_decoder_architecture", False):
+        raise UsageError("Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet; the forms "
+                         "with new_decoder_architecture=False are (falcon-7b, falcon-rw)")
+    alibi = bool(getattr(config, "alibi", False))
+    if alibi and getattr(config, "_attn_implementation", None) == "eager":
+        raise UsageError("Falcon with alibi=True under eager attention is not supported: transformers' eager Falcon "
+                         "adds the ALiBi bias twice (SDPA adds it once, as falcon-rw was trained); load it with sdpa")
+    family = replace(FAMILIES["falcon"], alibi=alibi)
+    if not getattr(config, "parallel_attn", True):
+        return replace(family, layout="pre-norm", ln2="post_attention_layernorm")
+    return family
+
+
 def attention_implementation(config: Any, requested: str) -> str:
     """The attention implementation to load a model of `config` with: `requested`, or "eager" for a family that has
-    no other (BLOOM)."""
-    return "eager" if family_of(config).eager_only else requested
+    no other (BLOOM); Falcon's ALiBi form is refused with "eager" (`_falcon_family`)."""
+    family = family_of(config)
+    if family.own_attention and family.alibi and requested == "eager":
+        raise UsageError("attn_implementation eager: transformers' eager Falcon adds the ALiBi bias twice (SDPA adds "
+                         "it once, as falcon-rw was trained); use sdpa")
+    return "eager" if family.eager_only else requested
 
 
 def base_part(model: nn.Module, path: str) -> nn.Module:
@@ -263,6 +300,14 @@ def attention_module(model: nn.Module, layer: int) -> nn.Module:
 def head_dim(attn: nn.Module) -> int:
     """The head width of an attention module (GPT-NeoX's is `head_size`)."""
     return int(getattr(attn, "head_dim", None) or attn.head_size)
+
+
+def kv_heads(config: Any) -> int:
+    """The number of key/value heads (Falcon's multi_query: 1; no num_key_value_heads: one per query head)."""
+    if getattr(config, "model_type", None) == "falcon" and getattr(config, "multi_query", False) \
+            and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
 def num_layers(model_or_config: Any) -> int:
@@ -342,16 +387,36 @@ def remove_rope(model: nn.Module) -> list:
     return [m.register_forward_hook(hook) for m in modules]
 
 
+def alibi_builder(base: nn.Module) -> Callable[..., torch.Tensor]:
+    """The function `base` (a base model) builds its ALiBi tensor with, (mask [B, T], heads, dtype) -> [B * H, 1, T]:
+    BLOOM's method (or what replaces it on the instance); Falcon's module function, which transformers calls by its
+    module-level name: that name is made, once, to defer to a `build_alibi_tensor` set on the calling FalconModel
+    instance (the caller's `self`), so a replacement set there acts as on BLOOM."""
+    if not type(base).__name__.startswith("Falcon"):
+        return base.build_alibi_tensor
+    module = importlib.import_module(type(base).__module__)
+    original = getattr(module, "poslens_build_alibi_tensor", None)
+    if original is None:
+        original = module.poslens_build_alibi_tensor = module.build_alibi_tensor
+
+        def dispatch(mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+            own = getattr(sys._getframe(1).f_locals.get("self"), "__dict__", {}).get("build_alibi_tensor")
+            return (own or original)(mask, num_heads, dtype)
+
+        module.build_alibi_tensor = dispatch
+    return base.__dict__.get("build_alibi_tensor") or original
+
+
 def scale_alibi(model: nn.Module, factor: float):
-    """Multiply every ALiBi slope of `model` (BLOOM) by `factor` in every forward until the returned function is
-    called (0: the model without ALiBi). The model's own code builds the bias, from its [B, T] mask, times `factor`
-    (transformers builds it inline, not by that method, when no mask is given: a forward without one gets the
-    all-ones mask, the same causal mask)."""
+    """Multiply every ALiBi slope of `model` (BLOOM, Falcon's ALiBi form) by `factor` in every forward until the
+    returned function is called (0: the model without ALiBi). The model's own code builds the bias, from its [B, T]
+    mask, times `factor` (transformers builds BLOOM's inline, not by that method, when no mask is given: a forward
+    without one gets the all-ones mask, the same causal mask)."""
     if "alibi" not in positional_encoding(model):
         raise UsageError(f"{family_of(model.config).name} has no ALiBi slopes to scale")
     base = model.base_model
     previous = base.__dict__.get("build_alibi_tensor")
-    inner = base.build_alibi_tensor
+    inner = alibi_builder(base)
     base.build_alibi_tensor = lambda mask, heads, dtype: inner(mask, heads, dtype) * factor
 
     def with_mask(module, args, kwargs):

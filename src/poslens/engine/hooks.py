@@ -108,7 +108,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
-from poslens.engine.families import Family, base_part, decoder_layers, family_of, head_dim, mlp_block, mlp_module
+from poslens.engine.families import (
+    Family,
+    alibi_builder,
+    base_part,
+    decoder_layers,
+    family_of,
+    head_dim,
+    kv_heads,
+    mlp_block,
+    mlp_module,
+)
 from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, input_projection_hook
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
@@ -255,7 +265,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.n_layers = len(self.layers)
         self.attns = [getattr(layer, self.family.attn_attr) for layer in self.layers]
         cfg = model.config
-        self._heads = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self._heads = (cfg.num_attention_heads, kv_heads(cfg))
         self._inputs = self.family.per_head_inputs  # TransformerLens's per-head attention inputs exist here
         names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"),
                              inputs=input_points(*self._heads) if self._inputs else ())
@@ -470,7 +480,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         undo: list[Callable[[], Any]] = []
         fns = run.by_point
         try:
-            if not self.family.alibi:  # BLOOM's attention is its own code (poslens's copy runs it), not an interface
+            if not (self.family.alibi or self.family.own_attention):  # BLOOM's and Falcon's attention are their
+                # own code (poslens's copies run them), not an interface
                 saved = self.model.config._attn_implementation
                 self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
                 undo.append(lambda: self.model.set_attn_implementation(saved))
@@ -493,7 +504,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if self.family.alibi and mask is not None and (isinstance(mask, dict) or mask.dim() != 2):
                 # BLOOM builds ALiBi from a [B, T] mask: with a 4-D one (an explicit window), from all-ones keys
                 base, keys = self.model.base_model, torch.ones_like(run.input_ids)
-                previous, build = base.__dict__.get("build_alibi_tensor"), base.build_alibi_tensor  # (a scaling's)
+                previous, build = base.__dict__.get("build_alibi_tensor"), alibi_builder(base)  # (a scaling's)
                 base.build_alibi_tensor = lambda m, heads, dtype: build(keys, heads, dtype)
                 undo.append(lambda: setattr(base, "build_alibi_tensor", previous) if previous is not None
                             else delattr(base, "build_alibi_tensor"))
@@ -581,7 +592,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         handles = []
         if self.family.qkv_per_head:
             handles += self._per_head_qkv_hooks(l, pts, attn, heads, d)
-        else:
+        elif not self.family.own_attention:  # (Falcon: q, k and v fire in `_falcon_attention`)
             inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
             for module, part in ((attn.q_proj, ("attn.hook_q", heads * d, d)),
                                  (attn.k_proj, ("attn.hook_k", kv * d, d)), (attn.v_proj, ("attn.hook_v", kv * d, d))):
@@ -776,7 +787,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
             self._run.inputs[l] = fire_inputs(fire, self._run.per_layer.get(l, {}), x, getattr(layer_mod, fam.ln1),
                                               *self._heads)
         attn_in = x if post else getattr(layer_mod, fam.ln1)(x)  # ln1.*
-        if fam.alibi:  # BLOOM's attention adds the residual itself: poslens's copy of it, without
+        if fam.own_attention:  # Falcon: poslens's copy of its attention
+            a = self._falcon_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
+        elif fam.alibi:  # BLOOM's attention adds the residual itself: poslens's copy of it, without
             a = self._alibi_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
         else:
             a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=attn_in, **attn_kwargs)  # attn.*
@@ -815,7 +828,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if self._inputs:  # TransformerLens's per-head inputs (GPT-J, Phi): the written ones, normed by ln1
             self._run.inputs[l] = fire_inputs(fire, pts, x, ln1, *self._heads)
         h = ln1(x)  # ln1.*
-        a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
+        if fam.own_attention:  # Falcon: poslens's copy of its attention
+            a = self._falcon_attention(getattr(layer_mod, fam.attn_attr), h, attn_kwargs)  # attn.*
+        else:
+            a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
         a = fire("hook_attn_out", fire("attn.hook_out", a))  # [B, T, d] after W_O: what is added
         mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in pts else x
         if fam.ln2 != fam.ln1:  # GPT-NeoX: a norm of its own
@@ -855,6 +871,45 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, attn.inv_norm_factor,
                                {"poslens_key_bias": alibi.view(bsz, h, -1)})
+        return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
+
+    def _falcon_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Falcon's attention on x [B, T, d]: the model's own operations (the fused query_key_value split as its
+        `_split_heads` splits it, attn.hook_q/k/v [B, T, heads, D] firing on the split; rotary, or ALiBi's bias in the
+        model's mask; then, as the model's implementation, SDPA or q.k / sqrt(D) + the additive mask and a softmax;
+        the dense projection), with the kernel's points fired by `_attention` in between."""
+        l, bsz, t = attn.layer_idx, x.shape[0], x.shape[1]
+        h, d = attn.num_heads, attn.head_dim
+        if kwargs.get("layer_past") is not None:
+            raise UsageError(f"{self.family.name}: hooked forwards run without a key/value cache (use_cache=False)")
+        q, k, v = attn._split_heads(attn.query_key_value(x))  # [B, T, heads, D]; multi_query: k, v one head
+        q, k, v = (self._fire_at(l, f"attn.hook_{n}", y) for n, y in zip("qkv", (q, k, v)))
+        kv = attn.num_kv_heads
+        q = q.transpose(1, 2).reshape(bsz, h, t, d)
+        k = k.transpose(1, 2).reshape(bsz, kv, t, d)
+        v = v.transpose(1, 2).reshape(bsz, kv, t, d)
+        mask = model_mask = kwargs.get("attention_mask")
+        alibi, extra = kwargs.get("alibi"), {}
+        if alibi is None:
+            cos, sin = kwargs["position_embeddings"]
+            q, k = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb(q, k, cos, sin)
+        else:  # ALiBi: the model's mask carries slope_h * j / sqrt(D) where a key is seen (SDPA adds it to the scores)
+            extra["poslens_key_bias"] = (alibi / math.sqrt(d)).view(bsz, h, -1)
+            if mask is not None:  # the scores' points see the mask alone (0 where seen) and the bias as ctx.score_bias
+                mask = torch.where(mask < -1, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+        sdpa = attn.config._attn_implementation == "sdpa" or alibi is not None  # (ALiBi: refused under eager)
+
+        def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
+            if sdpa:  # the model's SDPA call
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, key, value, attn_mask=model_mask, dropout_p=0.0, is_causal=model_mask is None and t > 1)
+                return out.transpose(1, 2), None
+            scores = query @ key.transpose(-1, -2)
+            scores /= math.sqrt(d)
+            probs = torch.softmax(scores + mask, dim=-1, dtype=x.dtype)
+            return (probs @ value).transpose(1, 2), probs  # [B, T, H, D]
+
+        z, _ = self._attention(attn, inner, q, k, v, mask, 0.0, attn.inv_norm_factor, extra)
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
 
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):

@@ -40,7 +40,8 @@ from typing import Any
 from poslens.errors import UsageError, check_float, check_int, require
 
 GPTJ_ROTARY_BASE = 10000.0  # transformers' GPT-J computes its sin/cos table with this base (not a config field)
-ALIBI = ("bloom",)  # model types whose every layer adds ALiBi's per-head linear bias to the scores
+ALIBI = ("bloom",)  # model types whose every layer adds ALiBi's per-head linear bias to the scores (and Falcon with
+# alibi=True)
 LEARNED_TABLE = ("gpt2", "opt")  # model types whose positions come from a learned table added to the token embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
 CONFIG_FIELD = "poslens_variant"  # config field of a checkpoint poslens trained (`variant_record`)
@@ -196,7 +197,7 @@ class PositionalEncoding:
             return cls(rope=("none",) * n, windows=windows, rope_parameters=params or None)
         if config.model_type in LEARNED_TABLE:  # no rotation: a learned table of max_position_embeddings rows
             return cls(rope=("learned",) * n, windows=windows)
-        if config.model_type in ALIBI:
+        if config.model_type in ALIBI or (config.model_type == "falcon" and getattr(config, "alibi", False)):
             return cls(rope=("alibi",) * n, windows=windows, alibi_slopes=alibi_slopes(config.num_attention_heads))
         if config.model_type == "smollm3":
             flags = getattr(config, "no_rope_layers", None) or [1] * n

@@ -26,6 +26,7 @@ from poslens.engine.families import (
     decoder_layers,
     family_of,
     head_dim,
+    kv_heads,
     mlp_module,
     positional_encoding,
 )
@@ -87,13 +88,14 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         model_name=str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
         original_architecture=type(model).__name__,
         n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=heads,
-        n_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), d_head=head_dim(attn),
+        n_key_value_heads=kv_heads(cfg), d_head=head_dim(attn),
         d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
-                  or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim
+                  or getattr(cfg, "ffn_dim", None) or getattr(cfg, "ffn_hidden_size", None)
+                  or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim; Falcon: ffn_hidden_size
         d_vocab=int(cfg.vocab_size),
         d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
         act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
-                   or getattr(cfg, "activation_function", "")),
+                   or getattr(cfg, "activation_function", None) or getattr(cfg, "activation", "")),  # Falcon
         eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None)
                   or getattr(cfg, "layer_norm_epsilon", None)
                   or base_part(model, family.final_norm_attr).eps),  # OPT: its LayerNorms' default
@@ -130,9 +132,16 @@ def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
         bs = fused.bias.unflatten(0, (heads, 3, -1)).unbind(1) if fused.bias is not None else (None,) * 3
         return (*(w.flatten(0, 1) for w in ws), tuple(b if b is None else b.flatten() for b in bs))
     fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
-    if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn: rows [q | k | v]
+    if getattr(attn, "multi_query", None) is not None:  # Falcon: multi_query [q heads | k | v], else within each head
+        fused = attn.query_key_value
+        if not attn.multi_query:
+            ws = fused.weight.unflatten(0, (cfg.num_attention_heads, 3, -1)).unbind(1)
+            bs = fused.bias.unflatten(0, (cfg.num_attention_heads, 3, -1)).unbind(1) if fused.bias is not None \
+                else (None,) * 3
+            return (*(w.flatten(0, 1) for w in ws), tuple(b if b is None else b.flatten() for b in bs))
+    if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn, Falcon's multi-query query_key_value: rows [q | k | v]
         d, heads = head_dim(attn), cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        kv = kv_heads(cfg)
         sizes = [heads * d, kv * d, kv * d]
         ws = _linear_weight(fused).split(sizes, 0)
         bs = fused.bias.split(sizes, 0) if fused.bias is not None else (None,) * 3
@@ -180,7 +189,7 @@ def layer_attn_weight(model, l: int, which: int, bias: bool = False, expand: boo
     `_W_K`/`_W_V`."""
     cfg = model.config
     h = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or h
+    kv = kv_heads(cfg)
     attn = attention_module(model, l)
     *ws, bs = _qkv(attn, cfg)
     heads = h if which == 0 else kv

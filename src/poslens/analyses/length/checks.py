@@ -60,8 +60,9 @@ def position_table(model: nn.Module) -> tuple[str, int] | None:
 
 
 def rope_types(model: nn.Module) -> set[str]:
-    """The rope types of the model's rotary modules (empty for a model without RoPE in any layer)."""
-    if all(p == "none" for p in positional_encoding(model)):
+    """The rope types of the model's rotary modules (empty for a model without RoPE in any layer, also where a rotary
+    module exists unused: Falcon's ALiBi form)."""
+    if not any(p in ("rope", "partial-rope") for p in positional_encoding(model)):
         return set()
     out: set[str] = set()
     for m in rotary_modules(model):
