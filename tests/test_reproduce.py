@@ -208,3 +208,14 @@ def test_provenance_quotes_the_command_line_given(tmp_path, monkeypatch):
     assert cli.main(argv) == 0
     assert seen["command"] == shlex.join(["poslens", *argv])
     assert rep.provenance(None, 0)["command"] == "poslens.report.reproduce.reproduce(...)"
+
+
+def test_a_card_of_gemma_without_gemma_is_refused_in_one_line():
+    from poslens.report.section import spec
+    from poslens.report.sections.leakage import gemma_installed
+
+    if gemma_installed():
+        pytest.skip("Gemma-3-270M is installed here")
+    card = spec("card")
+    with pytest.raises(UsageError, match="card.gemma=true needs Gemma-3-270M.*not installed"):
+        card.build(None, card.size(True, {"gemma": True}))

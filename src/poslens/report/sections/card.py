@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poslens.errors import UsageError
 from poslens.report.context import with_cache
 from poslens.report.section import Section, section
 from poslens.report.sections.figures import interval_errors, lines
@@ -109,6 +110,8 @@ def runs_of(rows: list[list[str]]) -> list[tuple[str, list[str]]]:
 def build(ctx, size: dict) -> Section:
     from poslens.analyses.card.run import command_line, recorded
 
+    if size["gemma"] and not gemma_installed():
+        raise UsageError(f"sizes: card.gemma=true needs Gemma-3-270M, which is not installed: {INSTALL_GEMMA}")
     cfg = card_config(size)
     card = run_card_into(ctx, cfg)
     meta = recorded(card)
