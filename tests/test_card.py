@@ -290,3 +290,15 @@ def test_each_sub_runs_time_is_kept_and_printed(card):
     assert any(line.startswith("  rope/scores + leakage + probe: ") and "in one pass" in line for line in lines)
     assert any(line.startswith("  nope/length: ") for line in lines) and lines[-1].startswith("  card: ")
     assert not any("rope/leakage" in line for line in lines)  # printed once, with the first of its pass
+
+
+def test_the_card_command_line_names_every_model_and_parses_back():
+    # the command the report prints for a card of two models: each model its own argument, the sizes as given
+    from pathlib import Path
+
+    from poslens.analyses.card.run import command_line
+
+    cfg = CardConfig(models=["smollm2-135m", "gemma-3-270m"], sizes=["probe.num_sequences=8", "length.multiple=3"])
+    argv = shlex.split(command_line("card", cfg, Path("runs/card")))
+    assert argv[:4] == ["poslens", "card", "smollm2-135m", "gemma-3-270m"] and argv[-2:] == ["--out", "runs/card"]
+    assert from_args(CardConfig, build_parser("card").parse_args(argv[1:])) == cfg

@@ -22,7 +22,9 @@ SIZES = {"convergence": {"widths": (16, 256), "samples": 200},
          "leakage": {"sequences": 4, "seq_len": 16, "groups": 2, "predecessor": False, "sweep_train": TINY_SWEEP,
                      "sweep_seeds": [0, 1], "sweep_sequences": 4, "sweep_groups": 2},
          "length": {"sweep_train": TINY_SWEEP, "sweep_seeds": [0, 1], "sequences": 4, "groups": 2,
-                    "variants": ["nope", "rope"]}}
+                    "variants": ["nope", "rope"]},
+         "card": {"seq_len": 16, "sequences": 8, "batch": 2, "groups": 4, "early_queries": 8, "length_train_len": 8,
+                  "length_sequences": 2, "length_batch": 1, "length_groups": 2}}
 SAMPLES = 400
 
 
@@ -40,7 +42,7 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
                  "figure6", "figure7", "figure8", "figure9", "figure10", "convergence", "appendix_a1_h",
                  "layer2_profiles", "model_pattern_power", "model_key_profile", "model_rope_normalised",
                  "training_curves", "position_probe", "leakage_sources", "leakage_score_offset",
-                 "leakage_architectures"):
+                 "leakage_architectures", "card_probe"):
         assert stem in figs, stem
     check_report_images(report)
     page = (report / "report.html").read_text()
@@ -82,6 +84,7 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     assert not any("split/" in t["statistic"] for r in rows.values() if r["paper"] == "ruscio2026" for t in r["test"])
     assert all("2 seeds" in t["interval"] for rid in ("ruscio-bos-replacement", "ruscio-architectures")
                for t in rows[rid]["test"])
+    check_card(report, page, meta)
     for key in ("command", "source", "versions", "total time", "inputs"):
         assert meta["provenance"][key], key
     assert "trained now" in meta["provenance"]["inputs"] or "from the cache" in meta["provenance"]["inputs"]
@@ -95,6 +98,41 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     assert "up to date" in capsys.readouterr().out
     with pytest.raises(UsageError, match="other settings.*--force"):
         rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES + 1, sizes=SIZES)
+
+
+def check_card(report, page: str, meta: dict) -> None:
+    """The card section: after the leakage section, its card's run directories and page in the report and linked,
+    each panel's numbers those of the card's run.json (as its page prints them), each with the command that
+    re-measures it, and the card's printed command asking for the very card measured."""
+    from poslens.analyses.card.page import _iv
+    from poslens.analyses.card.run import CardConfig
+    from poslens.options import from_args
+
+    assert page.index("id='sec-leakage'") < page.index("id='sec-card'") < page.index("id='sec-length'")
+    card = report / "models" / "card"
+    assert (card / "card" / "card.html").is_file() and (card / "card" / "card.md").is_file()
+    for analysis in ("scores", "leakage", "probe", "length"):
+        assert (card / "smollm2-135m" / analysis / "run.json").is_file(), analysis
+    assert "<a href='models/card/card/card.html'>" in page
+    run = json.loads((card / "card" / "run.json").read_text())
+    (m,) = run["models"]  # the quick run: SmolLM2-135M alone
+    rows = {r["what"].split(", smollm2-135m")[0]: r for r in meta["metrics"]["context"]["card"]}
+    cache = f"POSLENS_CACHE={os.environ['POSLENS_CACHE']}"
+    for head, analysis in (("Non-relative score pattern", "scores"), ("Absolute position in the residual", "probe"),
+                           ("Held-out loss by position", "length"), ("Absolute-position terms", "leakage")):
+        (what, measured), = [(r["what"], r["measured"]) for k, r in rows.items() if k.startswith(head)]
+        assert f"`{cache} {m['commands'][analysis]}`" in what, head  # the command that re-measures the panel
+        assert f"runs/card/smollm2-135m/{analysis}" in m["commands"][analysis]
+        values = {"scores": [r["rms"] for r in m["scores"]] + [r["offset_share"]["key0_out"] for r in m["scores"]],
+                  "probe": m["probe"], "length": [b["loss"] for b in m["length"]["bins"]],
+                  "leakage": [x for k in ("key0_in", "key0_out") for x in m["leakage"]["attn/share_residual"][k]]}
+        for v in values[analysis]:
+            assert _iv(*v) in measured, (head, v)
+    # the card command printed in the section's text asks for the card that was measured (the same sizes)
+    text = (report / "report.md").read_text()
+    argv = shlex.split(re.search(r"The card: `POSLENS_CACHE=\S+ (poslens card [^`]+)`", text).group(1))
+    cfg = from_args(CardConfig, cli.build_parser().parse_args(argv[1:]))
+    assert cfg.models == ["smollm2-135m"] and cfg.size_table() == run["config"]["sizes"]
 
 
 @pytest.mark.slow
@@ -170,3 +208,14 @@ def test_provenance_quotes_the_command_line_given(tmp_path, monkeypatch):
     assert cli.main(argv) == 0
     assert seen["command"] == shlex.join(["poslens", *argv])
     assert rep.provenance(None, 0)["command"] == "poslens.report.reproduce.reproduce(...)"
+
+
+def test_a_card_of_gemma_without_gemma_is_refused_in_one_line():
+    from poslens.report.section import spec
+    from poslens.report.sections.leakage import gemma_installed
+
+    if gemma_installed():
+        pytest.skip("Gemma-3-270M is installed here")
+    card = spec("card")
+    with pytest.raises(UsageError, match="card.gemma=true needs Gemma-3-270M.*not installed"):
+        card.build(None, card.size(True, {"gemma": True}))

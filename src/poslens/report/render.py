@@ -30,8 +30,12 @@ e = html.escape
 
 
 def prose(text: str) -> str:
-    """Escaped text with its `code spans` (the Markdown report's backticks) as <code>."""
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", e(text))
+    """Escaped text with its `code spans` (the Markdown report's backticks) as <code>, and its Markdown links to a
+    page inside the report ([text](models/x/page.html), a relative .html or .md path) as links."""
+    parts = re.split(r"(`[^`]+`)", e(text))
+    return "".join(f"<code>{p[1:-1]}</code>" if k % 2 else
+                   re.sub(r"\[([^\]]+)\]\(([\w./-]+\.(?:html|md))\)", r"<a href='\2'>\1</a>", p)
+                   for k, p in enumerate(parts))
 
 
 def all_claims(sections: list[Section]) -> list[Claim]:

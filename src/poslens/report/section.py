@@ -155,7 +155,7 @@ def section(name: str, title: str, *, models: bool = False, quick: Mapping | Non
 
 
 # The modules of poslens/report/sections/ that register a section, in report order (add a new section here).
-SECTIONS = ("closed_forms", "nope", "rope", "convergence", "real_model", "trained", "leakage", "length")
+SECTIONS = ("closed_forms", "nope", "rope", "convergence", "real_model", "trained", "leakage", "card", "length")
 
 
 def registry() -> list[SectionSpec]:

@@ -214,8 +214,9 @@ def command_line(name: str, cfg: Any, out: Path, *extra: Any, skip: tuple[str, .
     for obj in (cfg, *extra):
         for f, opt, tp in option_fields(type(obj)):
             value = getattr(obj, f.name)
-            if opt.positional:
-                argv.insert(1 + len(name.split()), str(value))
+            if opt.positional:  # a list of them (the card's models) one argument each
+                at = 1 + len(name.split())
+                argv[at:at] = list(map(str, value)) if isinstance(value, (list, tuple)) else [str(value)]
                 continue
             if f.name in skip or value == default_of(f) or value is None:
                 continue
