@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline_vs_release import ROOT, TINY, compare, release_tree, run  # noqa: E402
+from pipeline_vs_release import ROOT, TINY, compare, interleaved, release_tree  # noqa: E402
 
 RELEASE = "db51a74"  # the parent of 4c36d06, issue 32's gauge-invariant decomposition
 TINY_ARGS = ["--seq-len", "32", "--num-sequences", "8", "--batch-size", "2", "--groups", "4", "--early-queries", "10"]
@@ -53,15 +53,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         trees = {"release": release_tree(args.release, tmp), "current": args.current}
-        times: dict[str, list[tuple[float, float]]] = {"release": [], "current": []}
-        for r in range(args.repeats):
-            for version in (("release", "current") if r % 2 == 0 else ("current", "release")):
-                times[version].append(run(trees[version], argv, tmp / f"{version}-{r}"))
-                print(f"{version} repeat {r}: wall {times[version][-1][0]:.1f} s, CPU {times[version][-1][1]:.1f} s, "
-                      f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-        ratios = {kind: [c[i] / r[i] for c, r in zip(times["current"], times["release"])]
-                  for i, kind in enumerate(("wall", "cpu"))}
-        shared = compare(tmp / "release-0", tmp / "current-0")
+        times, ratios = interleaved(trees, argv, tmp, args.repeats, "leakage")
+        shared = compare(tmp / "leakage-release-0", tmp / "leakage-current-0")
         results.update({"seconds_wall_cpu": times, "ratios_current_over_release": ratios,
                         "median_ratio_wall": statistics.median(ratios["wall"]),
                         "median_ratio_cpu": statistics.median(ratios["cpu"]),

@@ -61,6 +61,22 @@ def run(src: Path, argv: list[str], out: Path) -> tuple[float, float]:
     return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
+def interleaved(trees: dict[str, Path], argv: list[str], tmp: Path, repeats: int, label: str
+                ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[float]]]:
+    """Run `argv` with each tree `repeats` times, order alternating (release, current, current, release, ...), each
+    into tmp/LABEL-VERSION-R; returns (wall, CPU) seconds per version and the current / release ratios per repeat."""
+    times: dict[str, list[tuple[float, float]]] = {"release": [], "current": []}
+    for r in range(repeats):
+        for version in (("release", "current") if r % 2 == 0 else ("current", "release")):
+            times[version].append(run(trees[version], argv, tmp / f"{label}-{version}-{r}"))
+            wall, cpu = times[version][-1]
+            print(f"{label} {version} repeat {r}: wall {wall:.1f} s, CPU {cpu:.1f} s, load {os.getloadavg()[0]:.1f}",
+                  file=sys.stderr, flush=True)
+    ratios = {kind: [c[i] / r[i] for c, r in zip(times["current"], times["release"])]
+              for i, kind in enumerate(("wall", "cpu"))}
+    return times, ratios
+
+
 def compare(a: Path, b: Path) -> dict:
     """Tensors (exact) and metrics (exact) of two run directories."""
     import torch
@@ -114,14 +130,7 @@ def main() -> None:
         for name in args.only or list(COMMANDS):
             model = [TINY, "--tokenizer", "smollm2-135m"] if args.tiny else [args.model]
             argv = [name, *model, *(TINY_ARGS if args.tiny else COMMANDS)[name]]
-            times: dict[str, list[tuple[float, float]]] = {"release": [], "current": []}
-            for r in range(args.repeats):
-                for version in (("release", "current") if r % 2 == 0 else ("current", "release")):
-                    times[version].append(run(trees[version], argv, tmp / f"{name}-{version}-{r}"))
-                    print(f"{name} {version} repeat {r}: wall {times[version][-1][0]:.1f} s, CPU "
-                          f"{times[version][-1][1]:.1f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-            ratios = {kind: [c[i] / r[i] for c, r in zip(times["current"], times["release"])]
-                      for i, kind in enumerate(("wall", "cpu"))}
+            times, ratios = interleaved(trees, argv, tmp, args.repeats, name)
             results["commands"][name] = {
                 "argv": ["poslens", *argv], "seconds_wall_cpu": times, "ratios_current_over_release": ratios,
                 "median_ratio_wall": statistics.median(ratios["wall"]),

@@ -9,22 +9,16 @@ far below any change of definition (the descriptive split's terms differ from th
 
 import pytest
 import torch
-from test_leakage_causal import key_bias_pair
+from test_leakage_causal import (
+    key_bias_pair,
+    one_thread,  # noqa: F401 (autouse: one intra-op thread for small tensors)
+)
 from tiny_models import build, token_batch
 
 from poslens.analyses.leakage.causal import HEAD_MEAN_ONLY, METRICS, LeakageMaps
 from poslens.analyses.leakage.metrics import ATTENTION_TERMS, LEAN
 from poslens.analyses.length.maps import LengthMaps
 from poslens.engine.hooks import HookedModel
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: a second intra-op thread only adds synchronisation (and, on a shared machine, waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def length_terms(model, ids: torch.Tensor, lengths: list[int], rows: int = 5) -> dict[int, dict]:
