@@ -66,8 +66,9 @@ class LengthConfig(ModelData):
     eval_lens: list[int] | None = option(None, lo=2, help="evaluation lengths, comma-separated, the longest above "
                                          "L (default L,2L,4L,8L)")
     interventions: list[str] = option(["all"], help="interventions at evaluation time, each against none on the "
-                                      "same sequences: logn, logn-all, ntk[:F], yarn[:F], window[:W], freeze, all "
-                                      "(every one that applies to the model), none (comma-separated)")
+                                      "same sequences: logn, logn-all, ntk[:F], yarn[:F], window[:W], "
+                                      "sink-window[:W], alibi-scale[:F] (ALiBi models), freeze, all (every one "
+                                      "that applies to the model), none (comma-separated)")
     seed_models: list[str] = option([], help="other seeds of the same variant (same architecture and tokenizer), "
                                     "comma-separated: each is evaluated on the same sequences and every number is "
                                     "also a mean over the models with a t-interval over seeds")
