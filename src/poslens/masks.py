@@ -56,6 +56,13 @@ def allowed(n: int, window: int = 0, real: torch.Tensor | None = None, *, sinks:
     return ok
 
 
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True where a key is seen) as an eager attention adds it to the scores: 0 where seen, the
+    dtype's minimum elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=seen.device)
+    return torch.where(seen, zero, torch.finfo(dtype).min)
+
+
 def nan_hidden(m: torch.Tensor, window: int = 0) -> torch.Tensor:
     """The map(s) m [..., n, n] with NaN where query i cannot see key j (above the diagonal and outside the
     window), as the paper draws them."""

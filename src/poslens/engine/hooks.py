@@ -123,6 +123,7 @@ from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, inp
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
+from poslens.masks import additive
 from poslens.masks import hidden as hidden_keys
 
 ATTN_SDPA = "poslens_hooks"
@@ -380,26 +381,43 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def _check_mask(self, input_ids: torch.Tensor, attention_mask):
         """The attention mask [B, T] of input_ids (1 = a real token), refused in one line unless it has their shape
         and holds only 0 and 1. transformers' own forms pass as the model takes them: a [B, 1, T, T'] mask whose
-        query dimension is T, or a dict of them by layer type."""
-        if attention_mask is None or isinstance(attention_mask, dict):
+        query dimension is T, or a dict of them by layer type (`_explicit_mask`)."""
+        if attention_mask is None:
             return attention_mask
+        if isinstance(attention_mask, dict):
+            return {kind: m if m is None else self._explicit_mask(input_ids, m) for kind, m in attention_mask.items()}
         if not isinstance(attention_mask, torch.Tensor):
             raise UsageError(f"attention_mask must be a tensor [batch, pos] of 0 and 1, got "
                              f"{type(attention_mask).__name__}")
         if attention_mask.dim() == 1 and input_ids.shape[0] == 1:
             attention_mask = attention_mask[None]
         if attention_mask.dim() == 4:
-            b, t = input_ids.shape
-            if attention_mask.shape[0] not in (1, b) or attention_mask.shape[-2] != t:
-                raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}: a 4-D mask must be "
-                                 f"[batch, 1, {t}, keys] for token ids {tuple(input_ids.shape)}")
-            return attention_mask
+            return self._explicit_mask(input_ids, attention_mask)
         if tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}, the token ids "
                              f"{tuple(input_ids.shape)}: it needs one entry per token (1 = real, 0 = padding)")
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise UsageError("attention_mask must hold only 0 (padding) and 1 (a real token)")
         return attention_mask
+
+    def _explicit_mask(self, input_ids: torch.Tensor, mask) -> torch.Tensor:
+        """A 4-D mask [B or 1, 1, T, keys] in the form the model's attention takes. transformers passes a 4-D mask to
+        the attention as given, and an eager attention (BLOOM's, Gemma-2's) adds it to the scores: a boolean mask
+        (True = the key is seen) is made additive there (0 where seen, the dtype's minimum elsewhere), where added as
+        given its False entries would hide nothing. A float mask is taken as additive (0 where seen, negative where
+        hidden); an integer mask, or a float one with a positive entry (a 1/0 mask), is ambiguous and refused."""
+        b, t = input_ids.shape
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[0] not in (1, b) \
+                or mask.shape[-2] != t:
+            raise UsageError(f"attention_mask has shape {tuple(getattr(mask, 'shape', ()))}: a 4-D mask must be "
+                             f"[batch, 1, {t}, keys] for token ids {tuple(input_ids.shape)}")
+        if mask.dtype != torch.bool and not (mask.is_floating_point() and not bool((mask > 0).any())):
+            raise UsageError(f"attention_mask: a 4-D mask is boolean (True where a key is seen) or additive float (0 "
+                             f"where seen, negative where hidden); got {mask.dtype} with values "
+                             f"{mask.min().item():g} to {mask.max().item():g}")
+        if mask.dtype == torch.bool and self.family.eager_output:
+            return additive(mask, self.model.get_input_embeddings().weight.dtype)
+        return mask
 
     def _forward(self, input_ids, attention_mask, by_point: dict[str, list[HookFn]], *, logits: bool,
                  position_ids, grad: bool, **model_kwargs):

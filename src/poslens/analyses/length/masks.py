@@ -19,16 +19,14 @@ import torch
 
 from poslens.engine.families import family_of, sliding_windows
 from poslens.errors import UsageError
-from poslens.masks import allowed, visible
+from poslens.masks import additive, allowed, visible
 
 
 def as_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:
     """`allowed` in the model's attention format: bool for SDPA, additive (0 / dtype min) for eager attention."""
     if not family_of(model.config).eager_output:
         return allowed
-    dtype = model.get_input_embeddings().weight.dtype
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
+    return additive(allowed, model.get_input_embeddings().weight.dtype)
 
 
 def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None, sinks: int = 0):
