@@ -117,23 +117,15 @@ def test_shared_norm_write_at_ln1_reaches_attention_only(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_resid_mid_is_refused_in_one_line_and_per_head_inputs_on_gpt_neox(family):
-    """A parallel block has no hook_resid_mid (as TransformerLens), and GPT-NeoX's per-head fused query_key_value has no
-    per-head attention inputs yet: one-line errors that say what to read."""
+def test_resid_mid_is_refused_in_one_line(family):
+    """A parallel block has no hook_resid_mid (as TransformerLens): a one-line error that says what to read."""
     hm = HookedModel(randomize_norm_gains(build(family)))
     with pytest.raises(UsageError, match="no hook point 'blocks.0.hook_resid_mid'.*hook_attn_out") as e:
         hm.run(token_batch(1, 8), hooks={"blocks.0.hook_resid_mid": lambda x, ctx: None})
     assert "\n" not in str(e.value)
-    if family != "gpt_neox":
-        return
-    with pytest.raises(UsageError, match="not yet on .*hook_resid_pre") as e:
-        hm.run(token_batch(1, 8), hooks={"blocks.0.hook_q_input": lambda x, ctx: None})
-    assert "\n" not in str(e.value)
-    with pytest.raises(UsageError, match="not yet on"):
-        hm.set_use_split_qkv_input(True)
 
 
-@pytest.mark.parametrize("family", ["gptj", "phi"])
+@pytest.mark.parametrize("family", ["gptj", "phi", "gpt_neox"])  # (GPT-NeoX: the MLP reads its own norm of the stream)
 @torch.no_grad()
 def test_per_head_inputs_reach_their_head_only(family):
     """TransformerLens's hook_q_input/k_input/v_input and hook_attn_in on GPT-J and Phi: copies of resid_pre, one per

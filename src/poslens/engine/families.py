@@ -67,8 +67,8 @@ class Family:
     gated_mlp: bool = True  # gate and up projections (Llama); False: one up projection (GPT-2's c_fc), no
     # mlp.hook_pre_linear
     per_head_inputs: bool = True  # TransformerLens's hook_attn_in / hook_q_input ... (poslens.engine.tl_inputs) are
-    # built for separate or fused Linear q, k, v after an input norm (GPT-J, Phi too); not yet GPT-2's Conv1D,
-    # OLMo-2's post-norm or the per-head fused query_key_value (GPT-NeoX, BLOOM)
+    # built for separate or fused Linear q, k, v after an input norm (GPT-J, Phi, OPT too) and for the per-head fused
+    # query_key_value (GPT-NeoX, BLOOM, Falcon); not yet GPT-2's Conv1D or OLMo-2's post-norm
     # the "parallel" layout (GPT-NeoX, GPT-J, Phi): x + attn(ln1(x)) + mlp(ln2(x)), both sublayers read the stream
     # entering the block (no hook_resid_mid, as TransformerLens's parallel_attn_mlp); ln2 == ln1 where one norm
     # feeds both (GPT-J, Phi: TransformerLens fires ln2's points on a copy of ln1). Module names where they are not
@@ -137,20 +137,20 @@ FAMILIES: dict[str, Family] = {
     "opt": Family("OPT", ln1="self_attn_layer_norm", ln2="final_layer_norm", layers_attr="decoder.layers",
                   embed_attr="decoder.embed_tokens", pos_embed_attr="decoder.embed_positions", pos_offset=2,
                   final_norm_attr="decoder.final_layer_norm", norm_kind="layer", gated_mlp=False, mlp_attr="",
-                  mlp_seq=("fc1", "activation_fn", "fc2"), per_head_inputs=False),
+                  mlp_seq=("fc1", "activation_fn", "fc2")),
     # BLOOM: ALiBi, a LayerNorm after the token embedding, fused query_key_value ([q | k | v] within each head),
     # LayerNorm with bias, GELU MLP (dense_h_to_4h, dense_4h_to_h); attention and MLP add the residual themselves
     "bloom": Family("BLOOM", layers_attr="h", attn_attr="self_attention", embed_attr="word_embeddings",
                     embed_norm_attr="word_embeddings_layernorm", final_norm_attr="ln_f", norm_kind="layer",
                     gated_mlp=False, mlp_seq=("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), alibi=True,
-                    eager_output=True, block_tuple=True, eager_only=True, per_head_inputs=False,
+                    eager_output=True, block_tuple=True, eager_only=True,
                     qkv_per_head="query_key_value"),
     # Falcon (rotary form: falcon-7b, alibi=False, new_decoder_architecture=False): one input_layernorm before both
     # sublayers (parallel_attn; the serial form, parallel_attn=False, is the pre-norm layout: `family_of`), a fused
     # query_key_value ([q heads | k | v] with multi_query, else [q | k | v] within each head), dense, GELU MLP
     "falcon": Family("Falcon", layout="parallel", ln2="input_layernorm", layers_attr="h", attn_attr="self_attention",
                      embed_attr="word_embeddings", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
-                     per_head_inputs=False, proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), block_tuple=True,
+                     proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), block_tuple=True,
                      own_attention=True),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
@@ -159,7 +159,7 @@ FAMILIES: dict[str, Family] = {
     # GPT-NeoX (Pythia): rotary_pct of each head, fused per-head [q | k | v], untied embed_out (the serial form,
     # use_parallel_residual=False, is the pre-norm layout: `family_of`)
     "gpt_neox": Family("GPT-NeoX", layout="parallel", attn_attr="attention", embed_attr="embed_in",
-                       final_norm_attr="final_layer_norm", norm_kind="layer", gated_mlp=False, per_head_inputs=False,
+                       final_norm_attr="final_layer_norm", norm_kind="layer", gated_mlp=False,
                        proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), qkv_per_head="query_key_value"),
     # GPT-J: rotary_dim dims turned in adjacent pairs, one ln_1 before both sublayers, q/k/v/out without biases
     "gptj": Family("GPT-J", layout="parallel", ln1="ln_1", ln2="ln_1", layers_attr="h", attn_attr="attn",

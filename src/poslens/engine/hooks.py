@@ -38,9 +38,8 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
                                                           (TL's use_attn_in; only without grouped-query attention)
     blocks.{l}.hook_q_input             [B, T, H, d]  TL  resid_pre copied per query head (TL's use_split_qkv_input);
     blocks.{l}.hook_k_input, _v_input   [B, T, K, d]  TL  per key/value head: each head's projection reads its own
-                                                          copy through ln1 (poslens.engine.tl_inputs; pre-norm,
-                                                          Gemma, GPT-J and Phi families, not yet GPT-2, OLMo-2 and
-                                                          GPT-NeoX)
+                                                          copy through ln1 (poslens.engine.tl_inputs; every
+                                                          family but GPT-2 and OLMo-2)
     blocks.{l}.ln1.hook_scale           [B, T, 1]     TL  sqrt(mean(x^2) + eps) of the input norm (float32); OLMo-2
                                                           (post-norm): ln1 is the norm after attention, fired after
                                                           attn.hook_out, and ln2 the norm after the MLP
@@ -119,7 +118,14 @@ from poslens.engine.families import (
     mlp_block,
     mlp_module,
 )
-from poslens.engine.tl_inputs import GQA_ATTN_IN, fire_inputs, input_points, input_projection_hook
+from poslens.engine.tl_inputs import (
+    BUILT_ON,
+    GQA_ATTN_IN,
+    fire_inputs,
+    input_points,
+    input_projection_hook,
+    per_head_input_projection_hook,
+)
 from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
@@ -309,8 +315,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """Include hook_attn_in (resid_pre copied per head, [B, T, H, d]) likewise; refused with grouped-query
         attention, as TransformerLens refuses it."""
         if use_attn_in and not self._inputs:
-            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} (pre-norm, Gemma, GPT-J and Phi "
-                             "families only)")
+            raise UsageError(f"set_use_attn_in: not yet on {self.family.name} ({BUILT_ON})")
         if use_attn_in and self._heads[0] != self._heads[1]:
             raise UsageError(f"set_use_attn_in: {GQA_ATTN_IN}")
         self._use["use_attn_in"] = bool(use_attn_in)
@@ -319,8 +324,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Include hook_q_input [B, T, H, d], hook_k_input and hook_v_input [B, T, K, d] likewise."""
         if use_split_qkv_input and not self._inputs:
-            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} (pre-norm, Gemma, GPT-J and "
-                             "Phi families only)")
+            raise UsageError(f"set_use_split_qkv_input: not yet on {self.family.name} ({BUILT_ON})")
         self._use["use_split_qkv_input"] = bool(use_split_qkv_input)
         self._set_tl_points()
 
@@ -465,9 +469,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if int(parts[1]) >= self.n_layers:
                 hint = f"the model has {self.n_layers} layers (0-{self.n_layers - 1})"
             elif not self._inputs and ".".join(parts[2:]) in ("hook_attn_in", *input_points(*self._heads)):
-                hint = (f"TransformerLens has it; poslens has the per-head inputs on the pre-norm, Gemma, GPT-J and "
-                        f"Phi families, "
-                        f"not yet on {self.family.name}: read blocks.{parts[1]}.hook_resid_pre (the same value, once)")
+                hint = (f"TransformerLens has it; poslens has the per-head inputs on {BUILT_ON}, not yet on "
+                        f"{self.family.name}: read blocks.{parts[1]}.hook_resid_pre (the same value, once)")
             elif ".".join(parts[2:]) == "hook_attn_in":
                 hint = GQA_ATTN_IN
             elif ".".join(parts[2:]) == "hook_resid_mid" and self.family.layout == "parallel":
@@ -601,17 +604,21 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
     def _named_projection_hooks(self, l: int, pts: dict) -> list:
         """Module hooks for the hooked projection points of layer l on a family whose projections the registry names
-        (Family.proj: GPT-NeoX, GPT-J, Phi): q, k, v (separate, or GPT-NeoX's fused per-head query_key_value), the
-        MLP's one up projection (mlp.hook_pre: no gate), W_O's heads and the down projection's input."""
+        (Family.proj: GPT-NeoX, GPT-J, Phi, Falcon): q, k, v (separate, or GPT-NeoX's fused per-head query_key_value;
+        Falcon's fire in `_falcon_attention`) with the per-head inputs' projections first, the MLP's one up projection
+        (mlp.hook_pre: no gate), W_O's heads and the down projection's input."""
         attn, mlp, cfg = self.attns[l], self.layers[l].mlp, self.model.config
         o_name, up_name, down_name = self.family.proj
         d, heads = head_dim(attn), cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         handles = []
+        inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
         if self.family.qkv_per_head:
             handles += self._per_head_qkv_hooks(l, pts, attn, heads, d)
-        elif not self.family.own_attention:  # (Falcon: q, k and v fire in `_falcon_attention`)
-            inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
+        elif self.family.own_attention:  # Falcon: q, k and v fire in `_falcon_attention`; the per-head inputs here
+            if inputs:
+                handles.append(attn.query_key_value.register_forward_hook(self._falcon_input_hook(l, attn)))
+        else:
             for module, part in ((attn.q_proj, ("attn.hook_q", heads * d, d)),
                                  (attn.k_proj, ("attn.hook_k", kv * d, d)), (attn.v_proj, ("attn.hook_v", kv * d, d))):
                 if inputs:  # first: the projected copies of the per-head inputs
@@ -627,10 +634,19 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """The forward hook on a per-head fused projection (Family.qkv_per_head: GPT-NeoX's and BLOOM's
         query_key_value), whose output holds each head's [q | k | v] side by side ([B, T, H * 3 * D]), when layer l
         hooks q, k or v: attn.hook_q, hook_k and hook_v fire as [B, T, H, D] views of it (an edit in place edits the
-        output); a replacement is written back in the same layout. [] when none is hooked or the family has none."""
+        output); a replacement is written back in the same layout. Registered first, where layer l hooks a per-head
+        input, the written copies' projections (`tl_inputs.per_head_input_projection_hook`). [] when nothing is hooked
+        or the family has none."""
         points = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
-        if not self.family.qkv_per_head or not any(p in pts for p in points):
+        if not self.family.qkv_per_head:
             return []
+        fused = getattr(attn, self.family.qkv_per_head)
+        handles = []
+        if self._inputs and any(p in pts for p in input_points(*self._heads)):  # first: the written per-head inputs
+            handles.append(fused.register_forward_hook(
+                per_head_input_projection_hook(lambda: self._run.inputs.get(l), heads, d)))
+        if not any(p in pts for p in points):
+            return handles
 
         def hook(module, args, out):
             views = out.unflatten(-1, (heads, 3, d)).unbind(-2)  # q, k, v: [B, T, H, D] each
@@ -639,7 +655,16 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 return None
             return torch.stack(new, -2).flatten(-3)
 
-        return [getattr(attn, self.family.qkv_per_head).register_forward_hook(hook)]
+        return handles + [fused.register_forward_hook(hook)]
+
+    def _falcon_input_hook(self, l: int, attn):
+        """The per-head inputs' projection on Falcon's query_key_value: [q heads | k | v] with multi_query (one
+        key/value head), each head's [q | k | v] side by side without."""
+        d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+        if not attn.multi_query:
+            return per_head_input_projection_hook(lambda: self._run.inputs.get(l), heads, d)
+        return input_projection_hook(lambda: self._run.inputs.get(l), [
+            ("attn.hook_q", heads * d, d), ("attn.hook_k", kv * d, d), ("attn.hook_v", kv * d, d)])
 
     def _shared_ln2(self, prefix: str) -> bool:
         """Whether `prefix` is the ln2 of a family where one norm feeds attention and the MLP (GPT-J, Phi): its points

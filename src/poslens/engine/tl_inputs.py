@@ -22,6 +22,7 @@ from poslens.errors import UsageError
 
 SPLIT_POINTS = ("hook_q_input", "hook_k_input", "hook_v_input")
 INPUT_POINTS = ("hook_attn_in", *SPLIT_POINTS)
+BUILT_ON = "every family but GPT-2 (one fused Conv1D) and OLMo-2 (post-norm)"  # where the points exist
 GQA_ATTN_IN = ("TransformerLens has no hook_attn_in with grouped-query attention (n_key_value_heads < n_heads); "
                "hook hook_q_input, hook_k_input and hook_v_input instead")
 
@@ -86,12 +87,39 @@ def input_projection_hook(inputs_of, parts: list[tuple[str, int, int]]):
             value = inputs.get(point[-1])
             if value is None:
                 continue
-            w = weights[i].unflatten(0, (-1, d))  # [heads, D, d_model]
-            if w.shape[0] != value.shape[-2]:
-                raise UsageError(f"{point}: {value.shape[-2]} input copies for {w.shape[0]} heads")
-            y = torch.einsum("bthm,hdm->bthd", value.to(w.dtype), w).flatten(-2)
-            pieces[i] = (y + biases[i] if biases[i] is not None else y).to(out.dtype)
+            bias = None if biases[i] is None else biases[i].unflatten(0, (-1, d))
+            pieces[i] = _per_head(point, value, weights[i].unflatten(0, (-1, d)), bias).flatten(-2).to(out.dtype)
             changed = True
         return torch.cat(pieces, -1) if changed else None
 
     return hook
+
+
+def per_head_input_projection_hook(inputs_of, heads: int, d: int):
+    """`input_projection_hook` for a projection whose output holds each head's [q | k | v] side by side ([B, T,
+    heads * 3 * D]: GPT-NeoX's, BLOOM's and multi-head Falcon's query_key_value): each written part's D columns of
+    every head are that head's copy projected with its rows of the weight (and bias)."""
+    def hook(module, args, out):
+        inputs = inputs_of()
+        if not inputs:
+            return None
+        new = out.unflatten(-1, (heads, 3, d)).clone()  # [B, T, H, 3, D]
+        weight = module.weight.unflatten(0, (heads, 3, d))  # [H, 3, D, d_model]
+        bias = None if module.bias is None else module.bias.unflatten(0, (heads, 3, d))
+        for i, part in enumerate("qkv"):
+            value = inputs.get(part)
+            if value is not None:
+                b = None if bias is None else bias[:, i]
+                new[..., i, :] = _per_head(f"attn.hook_{part}", value, weight[:, i], b).to(out.dtype)
+        return new.flatten(-3)
+
+    return hook
+
+
+def _per_head(point: str, value: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Each head's copy [B, T, heads, d_model] times that head's rows w [heads, D, d_model] (plus b [heads, D]):
+    [B, T, heads, D]."""
+    if w.shape[0] != value.shape[-2]:
+        raise UsageError(f"{point}: {value.shape[-2]} input copies for {w.shape[0]} heads")
+    y = torch.einsum("bthm,hdm->bthd", value.to(w.dtype), w)
+    return y + b if b is not None else y
