@@ -157,3 +157,25 @@ def test_writes_give_transformer_lens_logits_and_projections(family):
         scale = ref["logits"]["abs_max"]
         assert abs(float((got - logits).abs().max()) - written["max_logit_change"]) <= 2 * TOLERANCE * scale
         assert written["max_logit_change"] > 30 * TOLERANCE * scale
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "bloom", "opt", "falcon"])
+@torch.no_grad()
+def test_an_in_place_edit_of_a_copy_acts_as_the_returned_clone(family):
+    """TransformerLens's in-place idiom (x[:, :, h] += v, nothing returned) at each input point gives the logits of the
+    same edit on a returned clone, bit for bit (the same copy reaches the same projection), and moves them."""
+    model = _model(family)
+    hm = HookedModel(model)
+    ids = token_batch(2, 8, seed=9)
+    plain = hm.run(ids, logits=True).logits
+    for part in "qkv":
+        head = min(1, _heads(hm, part) - 1)
+        vector = shift(part, model.config.hidden_size)
+
+        def in_place(x, ctx, head=head, vector=vector):
+            x[:, :, head] += vector
+
+        point = f"blocks.0.hook_{part}_input"
+        a = hm.run(ids, hooks={point: in_place}, logits=True).logits
+        b = hm.run(ids, hooks={point: _write(part, head, model.config.hidden_size)}, logits=True).logits
+        assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max(), part
