@@ -142,15 +142,10 @@ def test_models_of_different_depths_are_drawn_and_tabled_side_by_side(gemma_card
     # SmolLM2-135M (30 layers) beside Gemma-3-270M (18): every figure puts each model's line on its own layers (a
     # shallower one ends at its last) and every table shows a dash where a model has no such layer. Here the tiny
     # Gemma-3 beside itself cut to its first 2 layers, read as another tokenizer's (not paired).
-    import copy
-
     from poslens.analyses.card.page import figures, tables
 
     m = gemma_card["m"]
-    cut = copy.deepcopy(m)
-    cut.update(label="cut", batches={}, scores=m["scores"][:2], probe=m["probe"][:3],
-               leakage={n: {k: v[:2] for k, v in d.items()} for n, d in m["leakage"].items()})
-    cut["scheme"]["layers"] = m["scheme"]["layers"][:2]
+    cut = shallower(m)
     figs = figures([m, cut], tmp_path)
     assert set(figs) == {"scores", "leakage", "probe", "length"} and all(p.stat().st_size > 0 for p in figs.values())
     header, rows = tables([m, cut])["scores"]
@@ -158,3 +153,38 @@ def test_models_of_different_depths_are_drawn_and_tabled_side_by_side(gemma_card
     assert rows[1][4] != "-" and rows[2][4:] == ["-"] * 3
     header, rows = tables([m, cut])["scheme"]
     assert rows[2] == ["3", "rope", "sliding window 12", "10000", "-", "-", "-"]
+
+
+def shallower(m: dict) -> dict:
+    """A card's model record cut to its first 2 layers, labelled "cut" and read as another tokenizer's (not paired)."""
+    import copy
+
+    cut = copy.deepcopy(m)
+    cut.update(label="cut", batches={}, scores=m["scores"][:2], probe=m["probe"][:3],
+               leakage={n: {k: v[:2] for k, v in d.items()} for n, d in m["leakage"].items()})
+    cut["scheme"]["layers"] = m["scheme"]["layers"][:2]
+    return cut
+
+
+def test_the_reports_card_section_with_gemma_shows_both_models_of_different_depths(gemma_card, tmp_path):
+    # The report's card section with Gemma-3-270M installed (report/sections/card.py) runs one card of both embedded
+    # models, of different depths: its config names both (the full run), each panel's context
+    # row holds both models' numbers (a dash past the shallower model's last layer), and its probe figure draws both
+    # lines. The models here: the tiny Gemma-3's card and a copy cut to 2 layers (the real weights: by hand).
+    from poslens.analyses.card.page import _iv
+    from poslens.report.context import Context
+    from poslens.report.sections import card as section
+
+    cfg = section.card_config({**section.SIZES_FULL, "gemma": True})
+    assert cfg.models == ["smollm2-135m", "gemma-3-270m"]
+    m = gemma_card["m"]
+    cut = shallower(m)
+    rows = dict(section.panel_context([m, cut], {x["label"]: m["commands"] for x in (m, cut)}, 0.95))
+    (what, measured), = [(w, v) for w, v in rows.items() if w.startswith("Non-relative")]
+    assert "gemma, cut (re-measure:" in what
+    assert f"3: pattern RMS (gemma) {_iv(*m['scores'][2]['rms'])}, " in measured
+    assert measured.endswith("pattern RMS (cut) -, noise RMS (cut) -, offset share (cut) -")
+    ctx = Context(tmp_path / "root", tmp_path / "target", tmp_path / "parts", samples=1, seed=0, quick=True,
+                  progress=False)
+    fig = section.probe_figure(ctx, [m, cut], 0.95)
+    assert fig.path.is_file() and "gemma, cut" in fig.caption
