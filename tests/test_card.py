@@ -138,7 +138,7 @@ def test_a_nope_model_has_no_rotary_position_and_the_rope_model_has_it(card):
     assert {r["scheme"] for r in _model(card, "nope")["scheme"]["layers"]} == {"none"}
     assert {r["scheme"] for r in _model(card, "rope")["scheme"]["layers"]} == {"rope"}
     md = (card["out"] / "card" / "card.md").read_text()
-    assert "| 1 | rope | full | none | full |" in md  # the scheme rows, side by side
+    assert "| 1 | rope | full | 10000 | none | full | - |" in md  # the scheme rows, side by side (no base without RoPE)
     # NoPE has nothing for NTK or YaRN to rescale: the length panel runs only the interventions that apply
     assert not {"ntk", "yarn"} & set(_model(card, "nope")["length"]["effects"])
     assert {"ntk", "yarn"} <= set(_model(card, "rope")["length"]["effects"])

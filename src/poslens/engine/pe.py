@@ -149,6 +149,10 @@ class PositionalEncoding:
     scaling: Scaling | None = None
     rope_parameters: dict | None = field(default=None, compare=False)  # a loaded config's, verbatim
     alibi_slopes: tuple[float, ...] | None = None  # ALiBi: the slope of every head (the bias is -slope * distance)
+    # per layer, the RoPE base where a config gives each layer type its own (Gemma-3: 1e4 in the sliding-window
+    # layers, 1e6 in the full-attention ones; rope_theta is then the full-attention layers'); None: rope_theta in
+    # every rotating layer
+    layer_thetas: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         require(len(self.rope) == len(self.windows), "rope and windows need one entry per layer")
@@ -189,9 +193,9 @@ class PositionalEncoding:
         config = getattr(model_or_config, "config", model_or_config)
         n = int(config.num_hidden_layers)
         windows = tuple(_windows(config, n))
-        params = getattr(config, "rope_parameters", None) or {}
-        if isinstance(params, dict) and "rope_type" not in params and "full_attention" in params:
-            params = params["full_attention"]  # per-layer-type parameters (Gemma-3): the global layers'
+        raw = getattr(config, "rope_parameters", None) or {}
+        per_type = isinstance(raw, dict) and "rope_type" not in raw and "full_attention" in raw
+        params = raw["full_attention"] if per_type else raw  # per-layer-type parameters (Gemma-3): the global layers'
         params = dict(params) if isinstance(params, dict) else {}
         if getattr(model_or_config, PE_ATTR, None) == "none":
             return cls(rope=("none",) * n, windows=windows, rope_parameters=params or None)
@@ -215,7 +219,8 @@ class PositionalEncoding:
         trained = getattr(config, CONFIG_FIELD, None)
         if kind == "default" and isinstance(trained, dict) and theta is not None:
             scaling, theta = _trained_ntk(trained, theta, _rotary_dim(config, params)) or (None, theta)
-        return cls(rope=rope, windows=windows, rope_theta=theta, scaling=scaling, rope_parameters=params or None)
+        return cls(rope=rope, windows=windows, rope_theta=theta, scaling=scaling, rope_parameters=params or None,
+                   layer_thetas=_layer_thetas(config, raw, n) if per_type else None)
 
     # ------------------------------------------------ what it is
 
@@ -290,6 +295,8 @@ class PositionalEncoding:
                                "rope_scaling": self.scaling.spec() if self.scaling is not None else None}
         if self.rope_parameters:
             out["rope_parameters"] = dict(self.rope_parameters)
+        if self.layer_thetas is not None:
+            out["rope_theta_layers"] = list(self.layer_thetas)
         if self.alibi_slopes is not None:
             out["alibi_slopes"] = list(self.alibi_slopes)
         return out
@@ -346,6 +353,14 @@ def _windows(config: Any, n: int) -> list[int]:
     if types is not None:
         return [int(window) if t == "sliding_attention" else 0 for t in list(types)[:n]]
     return [int(window)] * n
+
+
+def _layer_thetas(config: Any, params: dict, n: int) -> tuple[float, ...] | None:
+    """Per layer, the RoPE base of its layer type's parameters (`rope_parameters` keyed by layer type, as Gemma-3's);
+    None when every layer has the same base."""
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)[:n]
+    thetas = tuple(float((params.get(t) or params["full_attention"])["rope_theta"]) for t in types)
+    return thetas if len(set(thetas)) > 1 else None
 
 
 def variant_record(model_or_config: Any) -> dict[str, Any]:

@@ -81,9 +81,12 @@ def read_model(runs: list) -> dict:
     out: dict[str, Any] = {"label": runs[0].label, "model": runs[0].model, "record": record,
                            "commands": {r.analysis: r.command for r in runs},
                            "reused": {r.analysis: r.reused for r in runs}}
-    out["scheme"] = {"label": variant.get("label"), "rope_theta": variant.get("rope_theta"),
-                     "layers": [{"layer": i + 1, "scheme": s, "window": int(w or 0)}
-                                for i, (s, w) in enumerate(zip(schemes, windows))]}
+    theta = variant.get("rope_theta")
+    bases = variant.get("rope_theta_layers") or [theta] * len(schemes)  # per layer where layer types differ (Gemma-3)
+    out["scheme"] = {"label": variant.get("label"), "rope_theta": theta,
+                     "layers": [{"layer": i + 1, "scheme": s, "window": int(w or 0),
+                                 "rope_theta": b if s in ("rope", "partial-rope") else None}
+                                for i, (s, w, b) in enumerate(zip(schemes, windows, bases))]}
     per = leakage.meta["metrics"]["original"]["per_layer"]["all"]
     out["scores"] = []
     for i, m in enumerate(scores.meta["metrics"]["layers"]):
@@ -186,17 +189,18 @@ def figures(models: list[dict], directory: Path) -> dict[str, Path]:
     from poslens import plotting
 
     def draw(stem: str, xs_of, series_of, xlabel: str, ylabel: str, title: str) -> Path:
-        series, errors, xs = {}, {}, None
+        series, errors, xs = {}, {}, []
         for m in models:
+            xs = max(xs, list(xs_of(m)), key=len)  # the deepest model's layers (or the most bins)
             for name, rows in series_of(m).items():
-                xs = xs_of(m)
                 key = f"{name}, {m['label']}" if len(models) > 1 else name
                 series[key] = [r[0] for r in rows]
                 errors[key] = [[r[0] - r[1] if r[1] is not None else 0 for r in rows],
                                [r[2] - r[0] if r[2] is not None else 0 for r in rows]]
-        xs = list(range(1, max(len(s) for s in series.values()) + 1)) if xs is None else xs
-        if any(len(s) != len(xs) for s in series.values()):  # models of different depths: one x per layer each
-            xs = list(range(1, len(next(iter(series.values()))) + 1))
+        for key, ys in series.items():  # models of different depths: a shallower model's line ends at its last
+            pad = len(xs) - len(ys)  # layer (NaN past it draws nothing)
+            series[key] = ys + [math.nan] * pad
+            errors[key] = [e + [0.0] * pad for e in errors[key]]
         fig = plotting.line_plot(xs, series, xlabel, ylabel, title, errors=errors)
         return plotting.save(fig, directory, stem, formats=("png",))[0]
 
@@ -249,10 +253,13 @@ def tables(models: list[dict], level: float = 0.95) -> dict[str, tuple[list[str]
     def scheme(m, i):
         layers = m["scheme"]["layers"]
         if i >= len(layers):
-            return ["-", "-"]
-        return [layers[i]["scheme"], str(layers[i]["window"] or "full")]
+            return ["-", "-", "-"]
+        r = layers[i]
+        base = r.get("rope_theta")
+        return [r["scheme"], f"sliding window {r['window']}" if r["window"] else "full",
+                "-" if base is None else f"{base:g}"]
 
-    out["scheme"] = (head("scheme", "window"), by_layer(depth, scheme))
+    out["scheme"] = (head("scheme", "attention", "RoPE base"), by_layer(depth, scheme))
 
     def scores(m, i):
         if i >= len(m["scores"]):
@@ -323,6 +330,40 @@ def pair_line(a: dict, b: dict, analysis: str) -> str:
                 "jackknife of the difference over those groups)")
     return (f"{a['label']} - {b['label']}: side by side only, not paired (they did not read the same token ids in "
             "the same groups: another tokenizer or text, or runs that kept no leave-one-group-out values)")
+
+
+def rope_bases(scheme: dict) -> str:
+    """', RoPE base 1e+05', or, where layers differ (Gemma-3), ', RoPE base 10000 in layers 1-5, 7-11, 13-17 (the
+    sliding-window layers) and 1e+06 in layers 6, 12, 18 (the full-attention layers)'; '' without RoPE."""
+    by: dict[float, list[dict]] = {}
+    for r in scheme["layers"]:
+        if r.get("rope_theta") is not None:
+            by.setdefault(r["rope_theta"], []).append(r)
+    if not by and scheme.get("rope_theta"):  # a record without per-layer bases
+        return f", RoPE base {scheme['rope_theta']:g}"
+    if len(by) <= 1:
+        return "".join(f", RoPE base {b:g}" for b in by)
+
+    def kind(rows: list[dict]) -> str:  # named by attention when a base's layers are exactly one kind's
+        these = [r["layer"] for r in rows]
+        for words, sliding in (("the sliding-window layers", True), ("the full-attention layers", False)):
+            if these == [r["layer"] for r in scheme["layers"] if bool(r["window"]) == sliding]:
+                return f" ({words})"
+        return ""
+
+    return ", RoPE base " + " and ".join(f"{b:g} in layers {spans([r['layer'] for r in rows])}{kind(rows)}"
+                                         for b, rows in by.items())
+
+
+def spans(layers: list[int]) -> str:
+    """'1-5, 7-11, 13' from [1, 2, 3, 4, 5, 7, ..., 13]."""
+    out, start = [], None
+    for k, x in enumerate(layers):
+        start = x if start is None else start
+        if k + 1 == len(layers) or layers[k + 1] != x + 1:
+            out.append(str(x) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 def length_effects(m: dict) -> list[str]:
@@ -401,9 +442,7 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
         ht.append(f"<h2 id='{key}'>{e(head)}</h2><p>{e(what)}</p><p class='note'><i>{e(limits)}</i></p>")
         extra = []
         if key == "scheme":
-            extra = [f"{m['label']}: {m['scheme']['label']}" + (f", RoPE base {m['scheme']['rope_theta']:g}"
-                                                                 if m['scheme']['rope_theta'] else "")
-                     for m in models]
+            extra = [f"{m['label']}: {m['scheme']['label']}{rope_bases(m['scheme'])}" for m in models]
         if key == "sinks":
             extra = [f"{m['label']}: {sink_line(m)}" for m in models]
         if key in ("scores", "leakage", "length"):

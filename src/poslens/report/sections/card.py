@@ -31,8 +31,9 @@ ANALYSIS_OF = {"scheme": ("scores",), "scores": ("scores", "leakage"), "leakage"
 
 # The card's sizes (docs/card.md, "Sizes"): scores, leakage and the probe read the same `sequences` of `seq_len`
 # tokens in `groups` (one shared forward per batch); the length panel evaluates at L = `length_train_len` and twice
-# that. The full run is the card's own defaults (SmolLM2-135M: about 2 minutes on 2 cores, BENCHMARKS.md "Card");
-# gemma: add Gemma-3-270M to the same card (the full run does when it is installed). The quick run halves the
+# that. The full run is the card's own defaults but for the probe's groups, 8 as the scores' and leakage's
+# (SmolLM2-135M: about 2 minutes on 2 cores, BENCHMARKS.md "Card"); gemma: add Gemma-3-270M to the same card (the
+# full run does when it is installed). The quick run halves the
 # scores, leakage and probe panels and cuts the length panel hardest (its seven interventions at two lengths were
 # most of a quick card's time: 137 of 194 CPU-s with 8 length sequences; 53 of 133 CPU-s with these sizes, both
 # under a load of 3-5 on 2 cores).
