@@ -297,8 +297,9 @@ def test_compiled_batched_training_equals_the_eager_one(tmp_path, tokens, capfd)
 
 def test_compiled_training_falls_back_to_eager_in_one_line(tmp_path, tokens, capfd, monkeypatch):
     """Where the C++ compiler does not work (here: inductor pointed at one that does not exist), the batched
-    training says so in one line on stderr and trains eagerly: the models are bit-identical to an eager run. The
-    process asks the compiler no more: a second compiled training prints nothing and trains eagerly."""
+    training says so in one line on stderr, naming the cause under the compiler's wrappers, and trains eagerly:
+    the models are bit-identical to an eager run. The process asks the compiler no more: a second compiled
+    training prints nothing and trains eagerly."""
     import torch._dynamo
     from torch._inductor import config
 
@@ -314,7 +315,7 @@ def test_compiled_training_falls_back_to_eager_in_one_line(tmp_path, tokens, cap
     capfd.readouterr()
     train_batched(cfgs, [tmp_path / "c0", tmp_path / "c1"], progress=False, compile=True)
     lines = _fallback_lines(capfd.readouterr().err)
-    assert len(lines) == 1 and "training eagerly" in lines[0], lines
+    assert len(lines) == 1 and "training eagerly" in lines[0] and "No working C++ compiler" in lines[0], lines
     timing = ("step_s", "tokens_per_s", "mfu")
     for i in range(2):
         assert [{k: v for k, v in r.items() if k not in timing} for r in _rows(tmp_path / f"e{i}")] == \
