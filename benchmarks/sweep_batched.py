@@ -21,6 +21,11 @@ processes at a time).
 
     nice .venv/bin/python benchmarks/sweep_batched.py --steps 100 --rounds 3 --json /tmp/sweep_batched.json
     nice .venv/bin/python benchmarks/sweep_batched.py --blocks doc-start --steps 100 --rounds 3 --batched 16
+
+--compile on: the batched arm with its layers compiled (`poslens.train.compiled`; the sweep compiles on its own
+only in parts of 10,000 model-steps or more); --compile both: a third arm, the batched models compiled, after the
+eager batched arm in each round. The compiled code is kept in one fresh inductor cache for the whole run, so round
+0 compiles cold (each worker process compiles the same graphs at the same time) and later rounds load it.
 """
 
 from __future__ import annotations
@@ -62,13 +67,23 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def timed(cfgs: list, batched: bool, jobs: int) -> tuple[float, float]:
-    """Wall and CPU seconds to train `cfgs` into an empty cache with the sweep's trainer."""
+def timed(cfgs: list, batched: bool, jobs: int, compile: str = "off") -> tuple[float, float]:
+    """Wall and CPU seconds to train `cfgs` into an empty model cache with the sweep's trainer (`compile`: the
+    batched layers compiled, "on", or eager, "off")."""
     with tempfile.TemporaryDirectory(prefix="sweep-batched-") as cache:
         os.environ["POSLENS_CACHE"] = cache
         t0, c0 = time.perf_counter(), cpu_seconds()
-        train_models([(c, f"model {i}") for i, c in enumerate(cfgs)], progress=False, jobs=jobs, batched=batched)
+        train_models([(c, f"model {i}") for i, c in enumerate(cfgs)], progress=False, jobs=jobs, batched=batched,
+                     compile=compile)
         return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of `ratios` and its 95% t-interval (over the log ratios)."""
+    logs = [math.log(x) for x in ratios]
+    mean = statistics.fmean(logs)
+    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def main() -> None:
@@ -80,37 +95,54 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--blocks", choices=("packed", "doc-start"), default="packed",
                     help="packed: the pe-sinks models; doc-start: the bos-sinks document-start models")
+    ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                    help="the batched arm's layers compiled (on), eager (off), or a third arm, the batched models "
+                         "compiled beside the eager batched arm (both); compiled code is kept in one fresh inductor "
+                         "cache for the whole run: compiled cold in round 0, loaded warm after")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.compile != "off":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="sweep-batched-inductor-")
     own_cache = os.environ.get("POSLENS_CACHE")
     alone, many = configs(args.steps, args.alone, args.blocks), configs(args.steps, args.batched, args.blocks)
     rows = []
     for r in range(args.rounds):
         a, a_cpu = timed(alone, False, args.jobs)
-        b, b_cpu = timed(many, True, args.jobs)
+        b, b_cpu = timed(many, True, args.jobs, "on" if args.compile == "on" else "off")
         rows.append({"round": r, "alone_s": a, "batched_s": b, "alone_per_min": 60 * len(alone) / a,
                      "batched_per_min": 60 * len(many) / b, "alone_cpu_per_model": a_cpu / len(alone),
                      "batched_cpu_per_model": b_cpu / len(many)})
         rows[-1]["ratio"] = rows[-1]["batched_per_min"] / rows[-1]["alone_per_min"]
         print(f"round {r}: alone {len(alone)} models in {a:.1f} s ({rows[-1]['alone_per_min']:.2f}/min), batched "
-              f"{len(many)} in {b:.1f} s ({rows[-1]['batched_per_min']:.2f}/min): {rows[-1]['ratio']:.2f}x; CPU s per "
+              f"{'compiled ' if args.compile == 'on' else ''}{len(many)} in {b:.1f} s "
+              f"({rows[-1]['batched_per_min']:.2f}/min): {rows[-1]['ratio']:.2f}x; CPU s per "
               f"model {a_cpu / len(alone):.1f} alone, {b_cpu / len(many):.1f} batched",
               flush=True)
+        if args.compile == "both":
+            k, k_cpu = timed(many, True, args.jobs, "on")
+            rows[-1].update({"compiled_s": k, "compiled_per_min": 60 * len(many) / k,
+                             "compiled_cpu_per_model": k_cpu / len(many), "compiled_ratio": a / k * len(many)
+                             / len(alone)})
+            print(f"round {r}: batched compiled {len(many)} in {k:.1f} s ({rows[-1]['compiled_per_min']:.2f}/min): "
+                  f"{rows[-1]['compiled_ratio']:.2f}x alone, {b / k:.2f}x the eager batched arm; CPU s per model "
+                  f"{k_cpu / len(many):.1f}; inductor cache {'cold' if r == 0 else 'warm'}", flush=True)
     if own_cache is None:
         os.environ.pop("POSLENS_CACHE", None)
-    logs = [math.log(x["ratio"]) for x in rows]
-    mean = statistics.fmean(logs)
-    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0
-    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    mean, lo, hi = interval([x["ratio"] for x in rows])
     bar = "met" if lo >= BAR else "not met" if hi < BAR else "not resolved"
     print(f"{args.blocks} blocks; models per minute, median: alone (two at a time) "
           f"{statistics.median(x['alone_per_min'] for x in rows):.2f},"
-          f" batched {statistics.median(x['batched_per_min'] for x in rows):.2f}; ratio {math.exp(mean):.2f}x "
+          f" batched {statistics.median(x['batched_per_min'] for x in rows):.2f}; ratio {mean:.2f}x "
           f"[{lo:.2f}, {hi:.2f}] (95% t over {len(rows)} rounds); the {BAR:g}x bar: {bar}")
+    if args.compile == "both":
+        k, k_lo, k_hi = interval([x["compiled_ratio"] for x in rows])
+        e, e_lo, e_hi = interval([x["batched_s"] / x["compiled_s"] for x in rows])
+        print(f"batched compiled: {k:.2f}x [{k_lo:.2f}, {k_hi:.2f}] the alone arm's models per minute, {e:.2f}x "
+              f"[{e_lo:.2f}, {e_hi:.2f}] the eager batched arm's (95% t over {len(rows)} rounds; round 0 cold)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "rounds": rows, "ratio": math.exp(mean), "lo": lo, "hi": hi,
+            json.dump({"settings": vars(args), "rounds": rows, "ratio": mean, "lo": lo, "hi": hi,
                        "bar": bar, "command": " ".join(sys.argv)}, f, indent=1)
 
 

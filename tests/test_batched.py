@@ -244,3 +244,128 @@ def test_document_start_models_trained_as_one_equal_each_trained_alone(tmp_path,
                                                                                           cfg.seed)
         ids = AutoTokenizer.from_pretrained(both)("a text")["input_ids"]
         assert (ids[0] == tf.bos_id("test")) == cfg.bos
+
+
+def _fallback_lines(text):
+    return [line for line in text.splitlines() if "compiled training is unavailable" in line]
+
+
+def test_compiled_batched_training_equals_the_eager_one(tmp_path, tokens, capfd):
+    """The batched models trained with each decoder layer compiled (`compile=True`: inductor's fused kernels for
+    RMSNorm, the rotary products, SiLU times up and their backward) equal the eager batched training within the
+    tolerances of `test_batched_training_equals_training_each_alone` (loss, held-out loss and gradient norm per step
+    2e-5, final weights lr / 100 = 1e-4): the same arithmetic, summed in another order at float32 rounding; a wrong
+    fused kernel (a norm, a rotation, a mask) moves the loss by 1e-3 or more. The compiled code really ran: dynamo
+    made a graph, no fallback line was printed, and its compiled kernels were written to the inductor cache under the
+    poslens cache. An interrupted compiled run resumes to the uninterrupted compiled run's curves and weights, bit
+    for bit (compiled code is as deterministic as eager code)."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    from poslens.train.compiled import cache_dir
+
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # this test process's poslens cache (tests/conftest.py)
+    cfgs = [dataclasses.replace(c, save_every=2) for c in _cfgs(tokens)[:4]]
+    eager = [tmp_path / f"e{i}" for i in range(4)]
+    whole = [tmp_path / f"w{i}" for i in range(4)]
+    parts = [tmp_path / f"p{i}" for i in range(4)]
+    graphs = counters["stats"]["unique_graphs"]
+    train_batched(cfgs, eager, progress=False)
+    train_batched(cfgs, whole, progress=False, compile=True)
+    assert counters["stats"]["unique_graphs"] > graphs
+    assert not _fallback_lines(capfd.readouterr().err)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache_dir()) and any(cache_dir().rglob("*.so"))
+    for e, w in zip(eager, whole):
+        rows_e, rows_w = _rows(e), _rows(w)
+        assert [r["step"] for r in rows_e] == [r["step"] for r in rows_w]
+        for a, b in zip(rows_e, rows_w):
+            for key in ("loss", "eval_loss", "grad_norm"):
+                if key in a:
+                    assert abs(a[key] - b[key]) < 2e-5, (a, b)
+        we, ww = load_file(str(e / "model.safetensors")), load_file(str(w / "model.safetensors"))
+        assert max((we[k] - ww[k]).abs().max().item() for k in we) < 1e-4
+    train_batched(cfgs, parts, progress=False, stop_after=2, compile=True)
+    train_batched(cfgs, parts, progress=False, compile=True)
+    timing = ("step_s", "tokens_per_s", "mfu")
+    for w, p in zip(whole, parts):
+        assert [{k: v for k, v in r.items() if k not in timing} for r in _rows(w)] == \
+            [{k: v for k, v in r.items() if k not in timing} for r in _rows(p)]
+        ww, wp = load_file(str(w / "model.safetensors")), load_file(str(p / "model.safetensors"))
+        assert all(torch.equal(ww[k], wp[k]) for k in ww)
+
+
+def test_compiled_training_falls_back_to_eager_in_one_line(tmp_path, tokens, capfd, monkeypatch):
+    """Where the C++ compiler does not work (here: inductor pointed at one that does not exist), the batched
+    training says so in one line on stderr, naming the cause under the compiler's wrappers, and trains eagerly:
+    the models are bit-identical to an eager run. The process asks the compiler no more: a second compiled
+    training prints nothing and trains eagerly."""
+    import torch._dynamo
+    from torch._inductor import config
+
+    from poslens.train import compiled
+
+    monkeypatch.setattr(compiled, "_FAILED", False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled to load from
+    monkeypatch.setattr(config.cpp, "cxx", ("/nonexistent/c++",))
+    torch._dynamo.reset()
+    # a shape no other test compiles, so no compiled module of this process is reused
+    cfgs = [dataclasses.replace(c, hidden=48, heads=4, kv_heads=2) for c in _cfgs(tokens)[:2]]
+    train_batched(cfgs, [tmp_path / "e0", tmp_path / "e1"], progress=False)
+    capfd.readouterr()
+    train_batched(cfgs, [tmp_path / "c0", tmp_path / "c1"], progress=False, compile=True)
+    lines = _fallback_lines(capfd.readouterr().err)
+    assert len(lines) == 1 and "training eagerly" in lines[0] and "No working C++ compiler" in lines[0], lines
+    timing = ("step_s", "tokens_per_s", "mfu")
+    for i in range(2):
+        assert [{k: v for k, v in r.items() if k not in timing} for r in _rows(tmp_path / f"e{i}")] == \
+            [{k: v for k, v in r.items() if k not in timing} for r in _rows(tmp_path / f"c{i}")]
+        we = load_file(str(tmp_path / f"e{i}" / "model.safetensors"))
+        wc = load_file(str(tmp_path / f"c{i}" / "model.safetensors"))
+        assert all(torch.equal(we[k], wc[k]) for k in we)
+    assert compiled.compile_static(compiled.cache_dir) is None
+    train_batched(cfgs[:1], [tmp_path / "d0"], progress=False, compile=True)
+    assert not _fallback_lines(capfd.readouterr().err)
+    torch._dynamo.reset()
+
+
+def test_the_chunk_follows_the_machines_l2_cache(tmp_path):
+    """`chunk_models` reads the L2 size of the machine (sysfs: the level-2 data or unified cache, not level 1 or 3):
+    a 1 MiB L2 holds half the models of a 2 MiB one; an unreadable tree gives the 2 MiB default."""
+    from poslens.train.batched import chunk_models, l2_cache_bytes
+
+    def cache(name, level, kind, size):
+        d = tmp_path / name / f"index{level}{kind[0]}"
+        d.mkdir(parents=True)
+        for f, v in (("level", level), ("type", kind), ("size", size)):
+            (d / f).write_text(f"{v}\n")
+        return tmp_path / name
+
+    for level, kind, size in ((1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                              (3, "Unified", "300M")):
+        root = cache("a", level, kind, size)
+    assert l2_cache_bytes(root=root) == 1 << 20
+    assert l2_cache_bytes(root=cache("b", 2, "Unified", "2M")) == 2 << 20
+    assert l2_cache_bytes(root=tmp_path / "none") == 2 << 20
+    cfg = resolve_config("tiny", **{**MICRO, "micro_batch": 8, "seq_len": 64, "intermediate": 256, "batch_size": 8})
+    cpu = torch.device("cpu")
+    assert chunk_models(cfg, cpu, 2 << 20) == 4 and chunk_models(cfg, cpu, 1 << 20) == 2  # pe-sinks' shape
+    assert chunk_models(cfg, cpu, 1000) == 1 and chunk_models(cfg, torch.device("meta")) > 1000
+
+
+def test_a_sweep_compiles_only_parts_that_repay_it():
+    """`compile="auto"` compiles a part of at least MIN_COMPILE_MODEL_STEPS model-steps on the CPU (a `pe-sinks`
+    part: 16 models x 2,000 steps), not a short one (a test's 4 models x 4 steps) nor where it was not measured (a
+    GPU); a sweep's `compile` takes auto, on or off (one line otherwise)."""
+    from poslens.errors import UsageError
+    from poslens.train.batched import MIN_COMPILE_MODEL_STEPS, worth_compiling
+    from poslens.train.sweep import SweepConfig, resolve_matrix
+
+    sinks = resolve_matrix(SweepConfig(preset="pe-sinks")).members[0].config
+    cpu = torch.device("cpu")
+    assert worth_compiling(sinks, 16, cpu) and not worth_compiling(sinks, 16, torch.device("meta"))
+    assert not worth_compiling(resolve_config("tiny", **MICRO), 4, cpu)
+    assert worth_compiling(sinks, MIN_COMPILE_MODEL_STEPS // sinks.steps, cpu)
+    assert not worth_compiling(sinks, MIN_COMPILE_MODEL_STEPS // sinks.steps - 1, cpu)
+    with pytest.raises(UsageError, match="compile must be one of auto, on, off"):
+        resolve_matrix(SweepConfig(preset="pe-sinks", compile="yes"))

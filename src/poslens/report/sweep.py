@@ -260,7 +260,7 @@ def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) ->
         n = len(matrix.members)
         print(f"  sweep {cfg.preset}: {len(matrix.variants)} variants x {len(matrix.seeds)} seeds = {n} models, "
               f"{len(cached)} in the model cache, {n - len(cached)} to train", flush=True)
-    paths = train_matrix(matrix, progress=progress, jobs=cfg.jobs)
+    paths = train_matrix(matrix, progress=progress, jobs=cfg.jobs, compile=cfg.compile)
     out = SweepModels(cfg, matrix, paths, tokens, [k for k in paths if k not in cached])
     ctx.record(f"sweep {cfg.preset} tokens", tokens, "the embedded corpus tokenized once into the cache (train and "
                "held-out splits: every sweep model trained on it, and every measurement on them reads its held-out "

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +101,43 @@ def max_models(cfg: TrainConfig, vocab_size: int, device: torch.device, share: f
     return max(1, int(share * free // (2 * memory_estimate(cfg, vocab_size))))
 
 
-def chunk_models(cfg: TrainConfig, device: torch.device, cache: int = 2 << 20) -> int:
+def l2_cache_bytes(default: int = 2 << 20, root: str | Path = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """One core's level-2 cache in bytes, read from Linux's sysfs (`root`: ``indexK/level``, ``type`` and ``size``,
+    e.g. 2048K); `default` (2 MiB, the development machine's) where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError):
+        for index in sorted(Path(root).glob("index*")):
+            if (index / "level").read_text().strip() == "2" and \
+                    (index / "type").read_text().strip() in ("Unified", "Data"):
+                size = (index / "size").read_text().strip().upper()
+                unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+                return int(size.rstrip("KMG")) * unit
+    return default
+
+
+def chunk_models(cfg: TrainConfig, device: torch.device, cache: int | None = None) -> int:
     """How many models of `cfg` one batched computation holds on the CPU: as many as keep its largest activation,
-    the MLP's [models, micro-batch x seq_len, intermediate] float32 tensors, within `cache` bytes (2 MiB: one
-    core's L2 on the development machine), at least 1; a part of more models trains these in turn within each
-    step (one loop, one data pass, one evaluation). On the 2-core machine, per `pe-sinks` model and step, one
-    thread: 34 ms at 4 models as one, 41 ms at 8, 42 ms at 16 (BENCHMARKS.md "Sweep training as one computation").
-    On a GPU every model of the part is one computation."""
+    the MLP's [models, micro-batch x seq_len, intermediate] float32 tensors, within `cache` bytes (None: this
+    machine's L2 per core, `l2_cache_bytes`; 2 MiB on the development machine), at least 1; a part of more models
+    trains these in turn within each step (one loop, one data pass, one evaluation). On the 2-core machine, per
+    `pe-sinks` model and step, one thread: 34 ms at 4 models as one, 41 ms at 8, 42 ms at 16 (BENCHMARKS.md "Sweep
+    training as one computation"). A model's arithmetic does not depend on the chunk, so the chunk changes speed
+    only. On a GPU every model of the part is one computation."""
     if device.type != "cpu":
         return 1 << 30
+    cache = l2_cache_bytes() if cache is None else cache
     return max(1, cache // (cfg.micro_batch * cfg.seq_len * cfg.intermediate * 4))
+
+
+# a part of fewer model-steps trains eagerly: compiling the layers cost 36 s of CPU cold (5 s warm, from the disk
+# cache) against about 5 ms of CPU saved per model and step (`pe-sinks`, one thread, under load; BENCHMARKS.md
+# "Compiled layers in the batched trainer"), so it repays itself cold from about 7,000 model-steps
+MIN_COMPILE_MODEL_STEPS = 10_000
+
+
+def worth_compiling(cfg: TrainConfig, models: int, device: torch.device) -> bool:
+    """Whether `models` models of `cfg` trained as one part repay compiling their layers: on the CPU (where it was
+    measured), at least `MIN_COMPILE_MODEL_STEPS` model-steps (`models` x steps)."""
+    return device.type == "cpu" and models * cfg.steps >= MIN_COMPILE_MODEL_STEPS
 
 
 # ---------------------------------------------------------------- stacked parameters and the batched forward
@@ -144,14 +171,51 @@ def unstack_into(params: dict[str, torch.Tensor], index: int, model: torch.nn.Mo
     return model
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of `x` [N, tokens, d] with each model's gain `weight` [N, d]."""
+    return weight[:, None, :] * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def decoder_layer(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, mask: torch.Tensor, shape: tuple[int, int, int, int, int, float],
+                  attention: Callable[..., torch.Tensor] = F.scaled_dot_product_attention) -> torch.Tensor:
+    """One decoder layer of N models over the residual stream `x` [N, B * T, d]: `weights` the layer's stacked
+    parameters in `_LAYER`'s order, `cos`/`sin` the models' rotary tables [N, 1, T, 1, hd] (the sine's first half
+    negated; None where no model's layer has RoPE), `mask` [N * B, 1, T, T] (True: the query sees the key), `shape`
+    (B, T, query heads, key/value heads, head size, the norm's eps), `attention` torch's SDPA or a function of
+    its arguments. A pure function of tensors, so one compiled graph serves every layer and every computation of
+    the same shapes (`poslens.train.compiled.compile_static`)."""
+    wq, wk, wv, wo, wg, wu, wd, norm1, norm2 = weights
+    b, t, h, kv, hd, eps = shape
+    n = x.shape[0]
+    y = _norm(x, norm1, eps)
+    qkv = torch.cat((wq, wk, wv), dim=1)  # [N, (H+2K)hd, d]
+    qkv = torch.bmm(y, qkv.transpose(1, 2)).view(n, b, t, h + 2 * kv, hd)  # [N, B, T, heads, hd]
+    qk, v = qkv[..., :h + kv, :], qkv[..., h + kv:, :]
+    if cos is not None and sin is not None:  # queries and keys rotated as one tensor
+        qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
+    q, k = qk[..., :h, :], qk[..., h:, :]
+    # [N B, heads, T, hd] views; grouped-query attention: key/value head g serves query heads g h/K, ...
+    q, k, v = (z.reshape(n * b, t, z.shape[3], hd).transpose(1, 2) for z in (q, k, v))
+    a = attention(q, k, v, attn_mask=mask, scale=hd ** -0.5, enable_gqa=kv != h)
+    a = a.transpose(1, 2).reshape(n, b * t, h * hd)
+    x = x + torch.bmm(a, wo.transpose(1, 2))
+    y = _norm(x, norm2, eps)
+    gate = torch.bmm(y, wg.transpose(1, 2))
+    up = torch.bmm(y, wu.transpose(1, 2))
+    return x + torch.bmm(F.silu(gate) * up, wd.transpose(1, 2))
+
+
 class BatchedDecoder:
     """The forward pass of N SmolLM3 decoders of one shape over stacked parameters, each with its own positional
     encoding: per layer, a rotary table per model (``rotary_emb``'s cos and sin of the model; cos 1 and sin 0, the
     identity, where the model's layer has no RoPE) and an attention mask per model (causal; causal within the
     sliding window where the model's layer slides)."""
 
-    def __init__(self, models: Sequence[torch.nn.Module], seq_len: int, device: torch.device):
+    def __init__(self, models: Sequence[torch.nn.Module], seq_len: int, device: torch.device,
+                 compiled: Any = None):
         c = models[0].config
+        self.compiled = compiled  # decoder_layer's compiled code (`poslens.train.compiled`), or None: eager
         self.n, self.layers, self.heads, self.kv = len(models), c.num_hidden_layers, c.num_attention_heads, \
             c.num_key_value_heads
         self.head_dim, self.eps, self.vocab = c.head_dim, c.rms_norm_eps, c.vocab_size
@@ -205,10 +269,6 @@ class BatchedDecoder:
             self._expanded[key] = mask.expand(n, b, 1, t, t).reshape(n * b, 1, t, t)
         return self._expanded[key]
 
-    @staticmethod
-    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight[:, None, :] * F.rms_norm(x, (x.shape[-1],), eps=eps)
-
     def logits(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         """Logits [N, B, T, V] of input ids [N, B, T] (row n read by model n)."""
         n, b, t = ids.shape
@@ -216,33 +276,20 @@ class BatchedDecoder:
         return torch.bmm(x, params["model.embed_tokens.weight"].transpose(1, 2)).reshape(n, b, t, self.vocab)
 
     def hidden(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-        """The final norm's output [N, B * T, d] for input ids [N, B, T]."""
+        """The final norm's output [N, B * T, d] for input ids [N, B, T]; each layer through `decoder_layer`, or its
+        compiled code (`compiled`, while gradients are recorded; held-out passes run eagerly)."""
         n, b, t = ids.shape
-        hd, h, kv = self.head_dim, self.heads, self.kv
         embed = params["model.embed_tokens.weight"]  # [N, V, d]
         offsets = (torch.arange(n, device=ids.device) * self.vocab)[:, None, None]
         x = F.embedding((ids + offsets).reshape(n, b * t), embed.reshape(n * self.vocab, -1))  # [N, BT, d]
+        step = self.compiled if self.compiled is not None and torch.is_grad_enabled() else decoder_layer
+        shape = (b, t, self.heads, self.kv, self.head_dim, self.eps)
         for layer in range(self.layers):
             p = f"model.layers.{layer}."
-            y = self._norm(x, params[p + "input_layernorm.weight"], self.eps)
-            qkv = torch.cat([params[p + f"self_attn.{k}_proj.weight"] for k in "qkv"], dim=1)  # [N, (H+2K)hd, d]
-            qkv = torch.bmm(y, qkv.transpose(1, 2)).view(n, b, t, h + 2 * kv, hd)  # [N, B, T, heads, hd]
-            qk, v = qkv[..., :h + kv, :], qkv[..., h + kv:, :]
-            if self.rope[layer] is not None:  # queries and keys rotated as one tensor
-                cos, sin = self.rope[layer]
-                qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
-            q, k = qk[..., :h, :], qk[..., h:, :]
-            # [N B, heads, T, hd] views; grouped-query attention: key/value head g serves query heads g h/K, ...
-            q, k, v = (z.reshape(n * b, t, z.shape[3], hd).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(layer, n, b, t), scale=hd ** -0.5,
-                                               enable_gqa=kv != h)
-            a = a.transpose(1, 2).reshape(n, b * t, h * hd)
-            x = x + torch.bmm(a, params[p + "self_attn.o_proj.weight"].transpose(1, 2))
-            y = self._norm(x, params[p + "post_attention_layernorm.weight"], self.eps)
-            gate = torch.bmm(y, params[p + "mlp.gate_proj.weight"].transpose(1, 2))
-            up = torch.bmm(y, params[p + "mlp.up_proj.weight"].transpose(1, 2))
-            x = x + torch.bmm(F.silu(gate) * up, params[p + "mlp.down_proj.weight"].transpose(1, 2))
-        return self._norm(x, params["model.norm.weight"], self.eps)
+            weights = tuple(params[p + name] for name in _LAYER)
+            cos, sin = self.rope[layer] if self.rope[layer] is not None else (None, None)
+            x = step(x, weights, cos, sin, self._mask(layer, n, b, t), shape)
+        return _norm(x, params["model.norm.weight"], self.eps)
 
     def losses(self, params: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
         """Each model's mean next-token cross-entropy [N] on its rows of `block` [N, B, T + 1] (in the weights'
@@ -362,7 +409,7 @@ class _Member:
 
 def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progress: bool = True,
                   stop_after: int | None = None, label: str | None = None,
-                  chunk: int | None = None) -> list[dict[str, Any]]:
+                  chunk: int | None = None, compile: bool = False) -> list[dict[str, Any]]:
     """Train every configuration of `cfgs` (equal `batch_key`: one token directory, shape, block length and
     optimisation; each its own seed, positional encoding and data convention: packed cuts or document starts, a BOS
     first or not) as one computation, and write model i into `outs[i]` exactly as
@@ -371,7 +418,9 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
 
     Models whose checkpoints are at different steps train in turn, each set of equal steps as one computation.
     `stop_after`: stop (as if interrupted) after that many steps, leaving each model's checkpoint behind. `chunk`:
-    models per computation (None: `chunk_models`); the parts of a step run in turn."""
+    models per computation (None: `chunk_models`); the parts of a step run in turn. `compile`: each decoder layer's
+    training forward and backward through compiled code (`poslens.train.compiled`, cached on disk; eager where the
+    compiler fails, saying so), equal to the eager computation up to float32 rounding."""
     require(len(cfgs) == len(outs) and len(cfgs) >= 1, "train_batched needs one output per configuration")
     for c in cfgs:
         c.check()
@@ -388,13 +437,13 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
     targets = [Path(o).expanduser().absolute() for o in outs]
     require(len(set(targets)) == len(targets), "train_batched: two configurations share one output directory")
     try:
-        return _open_and_train(list(cfgs), targets, progress, stop_after, label, chunk)
+        return _open_and_train(list(cfgs), targets, progress, stop_after, label, chunk, compile)
     except _Stopped as stopped:
         return stopped.metrics
 
 
 def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool, stop_after: int | None,
-                    label: str | None, chunk: int | None) -> list[dict[str, Any]]:
+                    label: str | None, chunk: int | None, compile: bool) -> list[dict[str, Any]]:
     from poslens.io.results import open_run
     from poslens.train import checkpoint as ckpt
     from poslens.train.loop import Work
@@ -404,7 +453,7 @@ def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool
         runs = [stack.enter_context(open_run(t, False, inputs=[cfgs[0].tokens])) for t in targets]
         works = [Work(r.work) for r in runs]
         try:
-            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label, chunk)
+            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label, chunk, compile)
         except BaseException as e:
             if not isinstance(e, _Stopped):
                 for w in works:
@@ -422,7 +471,8 @@ class _Stopped(Exception):
 
 
 def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], progress: bool,
-               stop_after: int | None, label: str | None, chunk: int | None) -> list[dict[str, Any]]:
+               stop_after: int | None, label: str | None, chunk: int | None, compile: bool
+               ) -> list[dict[str, Any]]:
     from poslens.engine.distributed import setup
     from poslens.train.loop import _finish, _truncate_metrics, check_batch, check_training_data, resume_state
     from poslens.train.model import build_model
@@ -453,7 +503,7 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     starts = sorted({m.start for m in members})
     for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
         idx = [i for i, m in enumerate(members) if m.start == start]
-        out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk)
+        out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])
@@ -467,12 +517,14 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
 class _Chunk:
     """Models trained as one computation: their decoder, stacked parameters, AdamW and schedule (`members[sl]`)."""
 
-    def __init__(self, members: list[_Member], sl: slice, cfg: TrainConfig, device: torch.device):
+    def __init__(self, members: list[_Member], sl: slice, cfg: TrainConfig, device: torch.device,
+                 compiled: Any = None):
         from poslens.train import checkpoint as ckpt
         from poslens.train.loop import adamw, make_scheduler
 
         self.sl, own = sl, members[sl]
-        self.decoder = BatchedDecoder([m.model for m in own], cfg.seq_len, device)
+        self.clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        self.decoder = BatchedDecoder([m.model for m in own], cfg.seq_len, device, compiled)
         self.params = stack_parameters([m.model for m in own], device)
         self.ordered = list(self.params.values())
         dims = [own[0].model.get_parameter(k).dim() for k in self.params]
@@ -484,6 +536,46 @@ class _Chunk:
             self.opt.load_state_dict(stack_optimizer([m.trainer["optimizer"] for m in own], device))
             self.sched.load_state_dict(own[0].trainer["scheduler"])
             ckpt.set_rng_state(own[0].trainer["rng"])
+
+    def gradients(self, blocks: Sequence[torch.Tensor], factors: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> torch.Tensor:
+        """Accumulate each model's gradient over the step's micro-batches `blocks` [N, B, T + 1], micro-batch j's
+        losses times factors[j][0] over factors[j][1]; returns each model's loss of the step [N]."""
+        total = torch.zeros(self.decoder.n, device=self.decoder.device)
+        for block, (mul, div) in zip(blocks, factors):
+            loss = self.decoder.losses(self.params, block) * mul / div
+            loss.sum().backward()  # the models' parameters are disjoint: each gets its own gradient
+            total += loss.detach()
+        return total
+
+    def update(self) -> torch.Tensor:
+        """Each model's clipping, the AdamW step and the schedule; returns each model's gradient norm before
+        clipping [N]."""
+        norms = clip_per_model(self.ordered, self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return norms
+
+
+def _gradients(c: _Chunk, chunks: Sequence[_Chunk], blocks: Sequence[torch.Tensor],
+               factors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """`c.gradients`; where its compiled layer fails (no C++ compiler, a compiler error on another CPU), one line
+    says so, every computation of `chunks` runs eagerly from then on, and this step's gradients are computed again
+    eagerly (those of the micro-batches before the failure dropped)."""
+    from poslens.train.compiled import failed
+
+    try:
+        return c.gradients(blocks, factors)
+    except Exception as e:  # noqa: BLE001 - a compiler's error, whatever its kind; eager code raises its own again
+        if c.decoder.compiled is None:
+            raise
+        failed(e)
+        for other in chunks:
+            other.decoder.compiled = None
+        for p in c.ordered:
+            p.grad = None
+        return c.gradients(blocks, factors)
 
 
 def _stack_rows(blocks: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -503,12 +595,13 @@ def _stack_rows(blocks: Sequence[torch.Tensor | None]) -> torch.Tensor:
 
 
 def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, progress: bool,
-         stop_after: int | None, label: str | None, chunk: int | None) -> list[dict[str, Any]]:
+         stop_after: int | None, label: str | None, chunk: int | None, compile: bool) -> list[dict[str, Any]]:
     """Train `members` (all at the same step) in one loop, `chunk_models` of them at a time as one computation;
     returns each model's metrics. Each model reads the blocks of its own seed and data convention and weighs its
     micro-batches as `poslens.train.loop` does (by their counted targets where a document-start block is padded)."""
     from tqdm.auto import tqdm
 
+    from poslens.train.compiled import compile_static
     from poslens.train.data import counted_rows, eval_batches, loss_shares, train_batches
     from poslens.train.loop import bos_id, document_separator, gemm_flops, peak_flops
     from poslens.train.model import count_parameters, flops_per_token
@@ -516,7 +609,8 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
     cfg, n, start = members[0].cfg, len(members), members[0].start
     data = [(bos_id(m.cfg, tf), document_separator(m.cfg, tf)) for m in members]  # (bos, separator) per model
     size = chunk or chunk_models(cfg, device)
-    chunks = [_Chunk(members, slice(k, min(n, k + size)), cfg, device) for k in range(0, n, size)]
+    compiled = compile_static(decoder_layer) if compile else None  # one compiled function: every chunk's layers
+    chunks = [_Chunk(members, slice(k, min(n, k + size)), cfg, device, compiled) for k in range(0, n, size)]
     logs = [m.work.metrics.open("a") for m in members]
     fpt = flops_per_token(members[0].model.config, cfg.seq_len)
     peak, peak_label = peak_flops(device)
@@ -568,16 +662,11 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
             total = torch.zeros(n, device=device)
             norms = torch.zeros(n, device=device)
             for c in chunks:
-                for j in range(micro):
-                    block = torch.stack([batches[r][j] for r in reads[c.sl]]).to(device)
-                    mul, div = (torch.tensor(f, device=device) for f in zip(*(scale[r][j] for r in reads[c.sl])))
-                    loss = c.decoder.losses(c.params, block) * mul / div
-                    loss.sum().backward()  # the models' parameters are disjoint: each gets its own gradient
-                    total[c.sl] += loss.detach()
-                norms[c.sl] = clip_per_model(c.ordered, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-                c.opt.step()
-                c.opt.zero_grad(set_to_none=True)
-                c.sched.step()
+                blocks = [torch.stack([batches[r][j] for r in reads[c.sl]]).to(device) for j in range(micro)]
+                factors = [tuple(torch.tensor(f, device=device) for f in zip(*(scale[r][j] for r in reads[c.sl])))
+                           for j in range(micro)]
+                total[c.sl] = _gradients(c, chunks, blocks, factors)
+                norms[c.sl] = c.update()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0

@@ -39,13 +39,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from poslens.errors import UsageError, check_float, check_int, require
+from poslens.errors import UsageError, check_choice, check_float, check_int, require
 from poslens.options import option
 from poslens.train.config import FIELDS, TrainConfig, load_preset, preset_path, resolve_config
 
 PRESETS = ("pe", "pe-quick", "pe-sinks", "bos-quick", "bos-sinks")
 VARIANT_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "pe", "pe_layers", "rope_theta",
                   "rope_scaling", "sliding_window", "layer_types", "bos", "blocks")
+COMPILE = ("auto", "on", "off")
 DATA_CONVENTION = ("bos", "blocks")  # variant fields that change what a block holds (the factor is the data itself)
 
 
@@ -70,6 +71,11 @@ class SweepConfig:
     batched: bool = option(True, help="models that differ only in seed and positional encoding train as one "
                                       "computation (stacked weights, batched matrix products), in --jobs parts; "
                                       "--no-batched: each model alone, --jobs of them at once")
+    compile: str = option("auto", help="batched: each decoder layer's training step through torch.compile's code "
+                                       "(inductor, cached on disk under the poslens cache: compiled once per "
+                                       "machine; eager where no compiler works, saying so); auto: on the CPU in a "
+                                       "part of at least 10,000 model-steps, which repays the compiling; on; off",
+                          choices=COMPILE)
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,7 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
                             f"{', '.join(VARIANT_FIELDS)}")
     check_float("level", cfg.level, 0.0, 1.0, lo_open=True, hi_open=True)
     check_int("jobs", cfg.jobs, 0, 64)
+    check_choice("compile", cfg.compile, COMPILE)
     matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds,
                     files=tuple(data["_files"]))
     for m in matrix.members:  # every configuration checked up front
@@ -277,13 +284,13 @@ def summarise(losses: dict[str, list[float]], level: float = 0.95) -> dict[str, 
 # ---------------------------------------------------------------- running
 
 
-def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 0,
-                 batched: bool = True) -> dict[tuple[str, int], Path]:
+def train_matrix(matrix: Matrix, progress: bool = True, jobs: int = 0, batched: bool = True,
+                 compile: str = "auto") -> dict[tuple[str, int], Path]:
     """Every member's model directory: from the cache, or trained now (`train_models`). Progress lines name each
     model, k of N, and the time left, estimated from the models trained so far."""
     members = matrix.members
     heads = [f"[{k}/{len(members)}] {m.variant} ({m.label}), seed {m.seed}" for k, m in enumerate(members, 1)]
-    paths = train_models([(m.config, h) for m, h in zip(members, heads)], progress, jobs, batched)
+    paths = train_models([(m.config, h) for m, h in zip(members, heads)], progress, jobs, batched, compile)
     return {(m.variant, m.seed): t for m, t in zip(members, paths)}
 
 
@@ -303,7 +310,7 @@ def auto_jobs(cfgs: list[TrainConfig]) -> int:
 
 
 def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, jobs: int = 0,
-                 batched: bool = True) -> list[Path]:
+                 batched: bool = True, compile: str = "auto") -> list[Path]:
     """The model directory of each (configuration, progress label): from the cache, or trained now into it. The
     configurations share one token directory (the first's).
 
@@ -311,10 +318,13 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
     encoding and data convention equal: packed or document-start blocks, a BOS first or not) train as one
     computation, in `jobs` parts side by side (one process each, torch's threads shared out; 0 picks `auto_jobs`),
     each part at most `poslens.train.batched.max_models` models. Otherwise `jobs` > 1 trains that many models at
-    once, each alone in its own process; their own progress bars are off then."""
+    once, each alone in its own process; their own progress bars are off then. `compile` (batched only): the
+    layers' training step through compiled code (`poslens.train.batched.train_batched`'s `compile`): "auto" in
+    the parts that repay it (`poslens.train.batched.worth_compiling`), "on" in every part, "off" in none."""
     from poslens.train.cache import finished, tokens_of, trained_model_dir
 
     jobs = check_int("jobs", jobs, 0, 64)
+    check_choice("compile", compile, COMPILE)
     cfgs = [c for c, _ in work]
     tokens = tokens_of(cfgs[0], progress)  # shared by every model (a variant cannot change the data)
     targets = [trained_model_dir(c, tokens) for c in cfgs]
@@ -335,17 +345,17 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
             for part in parts:
                 head = _unit_head(part)
                 clock.start(head, part[0][0].steps)
-                _train_unit(part, tokens, None, progress)
+                _train_unit(part, tokens, None, progress, compile)
                 clock.done(head, len(part))
         else:
-            _train_parallel(parts, tokens, jobs, clock)
+            _train_parallel(parts, tokens, jobs, clock, compile)
     elif jobs == 1:
         for i in todo.values():
             clock.start(heads[i], cfgs[i].steps)
             _train_member(cfgs[i], tokens, None, heads[i] if progress else None)
             clock.done(heads[i])
     else:
-        _train_parallel([[(cfgs[i], heads[i])] for i in todo.values()], tokens, jobs, clock)
+        _train_parallel([[(cfgs[i], heads[i])] for i in todo.values()], tokens, jobs, clock, "off")
     return targets
 
 
@@ -412,15 +422,18 @@ def _train_member(cfg: TrainConfig, tokens: Path, threads: int | None, label: st
     return str(trained_model(cfg, progress=label is not None, label=label, tokens=tokens))
 
 
-def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int | None, progress: bool) -> None:
+def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int | None, progress: bool,
+                compile: str) -> None:
     """Train the models of `part` into the cache as one computation (in this process, or in a worker with `threads`
     torch threads): each model's cache lock is held while it trains; a model another process finished meanwhile is
-    left out."""
+    left out. `compile`: compiled layers "on", "off", or "auto": where the part repays them
+    (`poslens.train.batched.worth_compiling`)."""
     import contextlib
     import dataclasses
 
+    from poslens.engine.distributed import setup
     from poslens.io.lock import entry_lock
-    from poslens.train.batched import train_batched
+    from poslens.train.batched import train_batched, worth_compiling
     from poslens.train.cache import clear_corrupt, trained_model_dir
 
     if threads is not None:
@@ -436,8 +449,10 @@ def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int 
             if not (target / "run.json").is_file():
                 left.append((dataclasses.replace(cfg, tokens=str(tokens)), target))
         if left:
+            on = compile == "on" or (compile == "auto" and worth_compiling(left[0][0], len(left),
+                                                                         setup(left[0][0].device).device))
             train_batched([c for c, _ in left], [t for _, t in left], progress=progress,
-                          label=_unit_head(part) if progress else None)
+                          label=_unit_head(part) if progress else None, compile=on)
 
 
 def _ignore_interrupt() -> None:
@@ -446,7 +461,8 @@ def _ignore_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers; each keeps its last checkpoint
 
 
-def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jobs: int, clock: _Clock) -> None:
+def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jobs: int, clock: _Clock,
+                    compile: str) -> None:
     """Train `parts` in `jobs` worker processes: a part of one model alone (`_train_member`), a larger one as one
     computation (`_train_unit`)."""
     import multiprocessing
@@ -468,7 +484,7 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
                 if len(part) == 1:
                     future = pool.submit(_train_member, part[0][0], tokens, threads, None)
                 else:
-                    future = pool.submit(_train_unit, part, tokens, threads, False)
+                    future = pool.submit(_train_unit, part, tokens, threads, False, compile)
                 pending[future] = (head, len(part))
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
@@ -497,7 +513,7 @@ def run_sweep(cfg: SweepConfig, out: str | os.PathLike, force: bool = False, pro
     matrix = resolve_matrix(cfg)
     started = time.perf_counter()
     with open_run(out, force, inputs=matrix_inputs(cfg, matrix)) as run:
-        paths = train_matrix(matrix, progress, cfg.jobs, cfg.batched)
+        paths = train_matrix(matrix, progress, cfg.jobs, cfg.batched, cfg.compile)
         runs = {key: load(path) for key, path in paths.items()}
         names, seeds = list(matrix.variants), matrix.seeds
         final = torch.tensor([[float(runs[(v, s)]["eval_loss"][-1]) for s in seeds] for v in names],
