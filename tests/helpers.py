@@ -16,3 +16,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# An output computed from a formed pattern (pattern @ v, transformers' eager attention op for op) against the model's
+# SDPA forward: SDPA's fused CPU kernel (a blocked softmax with running maxima) rounds differently from the eager
+# operations by a few float32 ulps (1.2e-7) per attention output; through a few layers and the LM head the largest
+# difference measured on the tiny models is 1.3e-6 of the largest logit (Gemma-3). 1e-5 leaves about 8x margin, and a
+# change of meaning (a missing mask, scaling or bias) moves the logits by more than 1e-2.
+SDPA_ROUNDING = 1e-5
+
+
+def assert_within_sdpa_rounding(actual: torch.Tensor, sdpa: torch.Tensor, what: str = "") -> None:
+    """`actual` within SDPA_ROUNDING of `sdpa` relative to its largest |value| (and not bit-identical by chance only
+    where the caller says so)."""
+    err = float((actual.double() - sdpa.double()).abs().max() / sdpa.double().abs().max())
+    assert err <= SDPA_ROUNDING, f"{what}: relative difference to the SDPA forward {err:.2e} > {SDPA_ROUNDING:g}"

@@ -1,9 +1,10 @@
 """Falcon's rotary form (falcon-7b: multi-query, parallel attention and MLP; and its serial and multi-head forms) in
 the hook engine, against Hugging Face's own forward of the same tiny random model: the hooked forward's logits equal
-a plain forward's bit for bit with a reader on every point (under the model's SDPA and eager implementations: poslens
-runs its own copy of Falcon's attention, which is not transformers' attention interface), `blocks.{l}.hook_resid_pre`
-equals Hugging Face's hidden states, `attn.hook_pattern` its eager attentions (within 1e-5: probabilities in [0, 1]
-from float32 softmaxes of the same scores, scaled by 1/sqrt(D) there and divided by sqrt(D) here), and values written
+the eager forward's bit for bit with a reader on every point (attention's output computed from the pattern read, as
+the eager attention computes it, under the model's SDPA and eager implementations: poslens runs its own copy of
+Falcon's attention, which is not transformers' attention interface) and the plain forward's without a reader of the
+scores or the pattern, `blocks.{l}.hook_resid_pre` equals Hugging Face's hidden states, `attn.hook_pattern` its eager
+attentions (within 1e-5: probabilities in [0, 1] from float32 softmaxes of the same scores), and values written
 at the points reach the output as the same edit of the weights does in Hugging Face's forward. TransformerLens 3.9
 has no Falcon, so there is no TransformerLens reference (docs/families.md)."""
 
@@ -13,8 +14,9 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_within_sdpa_rounding
 from test_alibi import assert_config_refused
-from tiny_models import SPECS, build, config, randomize_norm_gains, token_batch
+from tiny_models import build, config, eager_twin, randomize_norm_gains, token_batch
 from transformers.models.falcon import modeling_falcon
 
 from poslens.analyses.length.interventions import parse
@@ -33,29 +35,25 @@ FORMS = {"falcon-7b": {}, "multi-head": {"multi_query": False}, "serial": {"para
          "serial multi-head, biases": {"parallel_attn": False, "multi_query": False, "bias": True}}
 
 
-def _eager_copy(model, family: str = "falcon"):
-    """The same weights loaded with Falcon's eager implementation (its attention implementation cannot be switched
-    on a loaded model)."""
-    _, model_cls, _ = SPECS[family]
-    eager = model_cls._from_config(copy.deepcopy(model.config), attn_implementation="eager", dtype=torch.float32)
-    eager.load_state_dict(model.state_dict())
-    return eager.eval()
-
-
 @pytest.mark.parametrize("form", sorted(FORMS))
 @torch.no_grad()
 def test_hooked_forward_equals_hugging_face(form):
     sdpa = randomize_norm_gains(build("falcon", **FORMS[form]))
-    eager = _eager_copy(sdpa)
+    eager = eager_twin(sdpa)
     ids = token_batch(2, 16, seed=3)
     reference = eager(input_ids=ids, use_cache=False, output_hidden_states=True, output_attentions=True)
     for model in (sdpa, eager):
         hm = HookedModel(model)
         plain = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        # every point read: the patterns are formed and attention's output is computed from them as the model's eager
+        # attention computes it (bit-identical to the eager model's, under either implementation); without a reader
+        # of the scores or the pattern, the model's own kernel: bit-identical to its plain forward
         logits, cache = hm.run_with_cache(ids, hm.points)
-        assert torch.equal(logits, plain.logits), model.config._attn_implementation
+        assert torch.equal(logits, reference.logits), model.config._attn_implementation
+        no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+        assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain.logits), model.config._attn_implementation
         for l in range(hm.n_layers):
-            assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], plain.hidden_states[l])
+            assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], reference.hidden_states[l])
             assert (cache[f"blocks.{l}.attn.hook_pattern"] - reference.attentions[l]).abs().max() < 1e-5
         kv = 1 if model.config.multi_query else 4
         assert cache["blocks.0.attn.hook_q"].shape == (2, 16, 4, 16)
@@ -161,13 +159,17 @@ def test_alibi_form_hooked_forward_equals_hugging_face(monkeypatch):
     ids = token_batch(2, 16, seed=3)
     plain = model(input_ids=ids, use_cache=False, output_hidden_states=True)
     logits, cache = hm.run_with_cache(ids, hm.points)
-    assert torch.equal(logits, plain.logits)
-    eager = _eager_copy(model, "falcon_rw")
+    # every point read: attention's output from the pattern (no eager reference: transformers' eager Falcon adds the
+    # ALiBi bias twice), within rounding of the SDPA forward; without a reader of the pattern, bit-identical to it
+    assert_within_sdpa_rounding(logits, plain.logits, "falcon-rw, every point read")
+    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+    assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain.logits)
+    eager = eager_twin(model)
     _builder_times(monkeypatch, 0.5)
     reference = eager(input_ids=ids, use_cache=False, output_attentions=True).attentions
     monkeypatch.undo()
     for l in range(hm.n_layers):
-        assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], plain.hidden_states[l])
+        assert_within_sdpa_rounding(cache[f"blocks.{l}.hook_resid_pre"], plain.hidden_states[l], f"layer {l}")
         assert (cache[f"blocks.{l}.attn.hook_pattern"] - reference[l]).abs().max() < 1e-5
     assert positional_encoding(model) == ["alibi"] * 3
     assert "blocks.0.attn.hook_rot_q" not in hm.points
@@ -233,7 +235,7 @@ def test_alibi_scale_and_pe_none_are_the_model_with_the_bias_scaled(factor, monk
 
 def test_alibi_form_under_eager_attention_is_refused_in_one_line():
     with pytest.raises(UsageError, match="transformers' eager Falcon adds the ALiBi bias twice") as err:
-        HookedModel(_eager_copy(build("falcon_rw"), "falcon_rw"))
+        HookedModel(eager_twin(build("falcon_rw")))
     assert "\n" not in str(err.value)
     with pytest.raises(UsageError, match="use sdpa"):
         attention_implementation(config("falcon_rw"), "eager")

@@ -1,7 +1,8 @@
 """GPT-NeoX (Pythia), GPT-J and Phi against TransformerLens 3.9 itself, as tests/test_family_tl.py checks the families
 before them (its checks, run on tests/reference/tl39_families_rotary.json, made once by
 tests/reference/make_tl_family_reference_rotary.py): exactly TransformerLens's names (no hook_resid_mid with a parallel
-residual), shapes and values; bit-identical logits with a reader on every point; `hook_resid_pre` equal to Hugging
+residual), shapes and values; logits bit-identical to the eager forward with a reader on every point (to the plain one
+without the scores and the pattern); `hook_resid_pre` equal to Hugging
 Face's hidden states and `attn.hook_pattern` to its eager attentions. And what is particular to these families: the
 rotation acts on the first rotary dimensions only (GPT-J's in adjacent pairs), the per-head fused q/k/v of GPT-NeoX
 split and written back in its layout, a write at the shared norm's ln1 reaching attention only, the serial GPT-NeoX, and
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import test_family_tl as tl_checks
 import torch
-from tiny_models import build, randomize_norm_gains, token_batch
+from tiny_models import build, eager_twin, randomize_norm_gains, token_batch
 
 from poslens.engine.families import positional_encoding
 from poslens.engine.hooks import HookedModel
@@ -129,7 +130,8 @@ def test_resid_mid_is_refused_in_one_line(family):
 @torch.no_grad()
 def test_per_head_inputs_reach_their_head_only(family):
     """TransformerLens's hook_q_input/k_input/v_input and hook_attn_in on GPT-J and Phi: copies of resid_pre, one per
-    head, read with bit-identical logits; one head's q copy written as zeros gives that head's q = ln1(0) W_Q + b_Q
+    head, read with the logits unchanged (bit-identical to the eager forward: the cache reads the patterns too); one
+    head's q copy written as zeros gives that head's q = ln1(0) W_Q + b_Q
     (LayerNorm of a zero row is its bias) and leaves the other heads' q (within 1e-5: re-projected in float32) and the
     MLP, which reads the stream entering the block (bit-identical), as they were."""
     model = randomize_norm_gains(build(family))
@@ -137,8 +139,8 @@ def test_per_head_inputs_reach_their_head_only(family):
     hm.set_use_split_qkv_input(True)
     hm.set_use_attn_in(True)
     ids = token_batch(2, 9, seed=6)
-    logits, cache = hm.run_with_cache(ids)
-    assert torch.equal(logits, model(input_ids=ids).logits)
+    logits, cache = hm.run_with_cache(ids)  # the cache reads the patterns: the eager forward's logits, bit for bit
+    assert torch.equal(logits, eager_twin(model)(input_ids=ids).logits)
     for point in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"):
         x = cache[f"blocks.1.{point}"]
         assert x.shape == (2, 9, 4, 64) and torch.equal(x, cache["blocks.1.hook_resid_pre"][:, :, None].expand_as(x))
@@ -151,7 +153,9 @@ def test_per_head_inputs_reach_their_head_only(family):
     seen = {}
     hm.run(ids, hooks={"blocks.1.hook_q_input": zero_head0,
                        "blocks.1.attn.hook_q": lambda x, ctx: seen.setdefault("q", x.clone()),
-                       "blocks.1.hook_mlp_out": lambda x, ctx: seen.setdefault("m", x.clone())})
+                       "blocks.1.hook_mlp_out": lambda x, ctx: seen.setdefault("m", x.clone()),
+                       # the patterns read as the cache read them: attention's output computed the same way
+                       **{f"blocks.{l}.attn.hook_pattern": lambda x, ctx: None for l in (0, 1)}})
     ln = hm.norm_module("blocks.1.ln1")
     head0 = ln.bias @ hm.W_Q[1, 0] + hm.b_Q[1, 0]
     q, before = seen["q"], cache["blocks.1.attn.hook_q"]

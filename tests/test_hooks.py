@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from tiny_models import FAMILIES, build, randomize_norm_gains, token_batch
+from tiny_models import FAMILIES, build, eager_twin, randomize_norm_gains, token_batch
 
 from poslens.engine.families import sliding_windows
 from poslens.engine.hooks import HookedModel, from_factors
@@ -148,12 +148,17 @@ def _model(family):
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit_identical(family):
+    """A reader on every point: the pattern is formed, so attention's output is pattern @ v, as transformers' eager
+    attention computes it (logits bit-identical to the eager model's; tests/test_hooks_pattern_output.py has the
+    tolerance to the SDPA forward); without a reader of the scores or the pattern, bit-identical to SDPA's."""
     model = _model(family)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=6)
     plain = _plain_logits(model, ids)
     logits, cache = hm.run_with_cache(ids, hm.points)  # a reader on every point
-    assert torch.equal(logits, plain)
+    assert torch.equal(logits, _plain_logits(eager_twin(model), ids))
+    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+    assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain)
     assert torch.equal(_plain_logits(model, ids), plain)  # the model is left as it was
     assert list(cache) == hm.points  # every point fired, in forward order
     ref = {"hook_embed": model.model.embed_tokens(ids).double()}
@@ -235,7 +240,8 @@ def test_run_with_cache_has_transformer_lens_keys_and_shapes_on_llama():
     ids = token_batch(b, t, seed=9)
     logits, cache = hm.run_with_cache(ids)
     assert {k: tuple(v.shape) for k, v in cache.items()} == expected
-    assert torch.equal(logits, _plain_logits(model, ids))  # logits as TransformerLens returns them
+    # logits as TransformerLens returns them; the patterns are read, so as transformers' eager attention computes them
+    assert torch.equal(logits, _plain_logits(eager_twin(model), ids))
 
 
 def test_run_with_cache_filters_and_shorthand_as_transformer_lens():

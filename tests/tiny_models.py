@@ -12,6 +12,8 @@ initialisation, which would make every attention map flat and every comparison t
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import (
     BloomConfig,
@@ -207,6 +209,15 @@ def _rescale_qk(model: PreTrainedModel) -> None:
             else:
                 attn.q_proj.weight.normal_(0.0, std)
                 attn.k_proj.weight.normal_(0.0, std)
+
+
+def eager_twin(model: PreTrainedModel) -> PreTrainedModel:
+    """A second model with `model`'s config and weights under transformers' eager attention (the scores, the softmax
+    and pattern @ v as separate operations), for comparing a hooked forward whose attention output was computed from
+    the pattern a hook read. (Falcon cannot switch its implementation on a built model, hence a twin.)"""
+    twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager", dtype=model.dtype)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
 
 
 def token_batch(batch: int, seq_len: int, seed: int = 0, low: int = 3) -> torch.Tensor:

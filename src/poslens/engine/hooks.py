@@ -8,21 +8,25 @@
 
 A hook is `fn(x, ctx)`: return None to read, or a tensor of x's shape to replace x for the rest of the forward; an
 edit of x in place takes effect too, as in TransformerLens (where the model would recompute a value from scratch -
-SDPA instead of the hooked pattern, rsqrt instead of the hooked scale - a tensor whose version counter moved during
-its hooks is used as a replacement; one untouched lets the model's own kernels run). A replacement takes effect
+rsqrt instead of the hooked scale - a tensor whose version counter moved during its hooks is used as a replacement;
+one untouched lets the model's own kernels run). A replacement takes effect
 downstream as in TransformerLens: one written at `attn.hook_q` is q-normed (where the model
 has a q-norm) and rotated afterwards; one written at `ln1.hook_normalized` is multiplied by the gain. `ctx` (a
 HookContext) names the point and layer; at the attention kernel's points (`attn.hook_rot_q` to `attn.hook_z`) it also
 holds `rot_q`, `rot_k` and `v` as the kernel receives them ([B, H, T, D], heads before positions), `scaling`, `window`
 and `softcap`. The run ends after the last hooked point (no LM head) unless `logits=True`; with read-only hooks the
-model's outputs are bit-identical to a plain SDPA forward, and nothing a hook does not ask for is computed (the
-[B, H, T, T] scores exist only if a hook at `attn.hook_attn_scores` or `attn.hook_pattern` reads them as a tensor; a
-reader marked with `from_factors` gets None and works from ctx.rot_q and ctx.rot_k, e.g. a head-summed GEMM).
+model's outputs are bit-identical to a plain forward, and nothing a hook does not ask for is computed. The one
+exception: the [B, H, T, T] scores and pattern exist only if a hook at `attn.hook_attn_scores` or `attn.hook_pattern`
+takes them as a tensor, and then attention's output is computed from that pattern, as the model's eager attention
+computes it, op for op (`EagerSteps`): the pattern read is the one that weighted the values, and the outputs are
+bit-identical to the model under eager attention, within float rounding of its SDPA forward. A reader marked with
+`from_factors` gets None and works from ctx.rot_q and ctx.rot_k (e.g. a head-summed GEMM): no map, the model's kernel.
 
 How: while a run is active, each decoder layer's forward is poslens's block forward below (the two residual lines);
 a norm with a hooked point runs poslens's copy of the family's RMSNorm (the same operations, with its points); the
 projections (q, k, v, gate, up, down) get module hooks; attention goes through a registered transformers attention
-function that fires the kernel's points and then calls the model's own attention (SDPA, or the family's eager one).
+function that fires the kernel's points and then calls the model's own attention (SDPA, or the family's eager one),
+or, when the pattern is formed, computes the output from it.
 
 Points, in forward order (l = layer from 0; B batch, T tokens, d width, H query heads, K key/value heads, D head
 width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name with this meaning and layout; the
@@ -249,8 +253,26 @@ class _Run:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
-    hidden: dict = field(default_factory=dict)  # -> [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores)
+    hidden: dict = field(default_factory=dict)  # what every layer of one forward shares, computed once (`_memo`):
+    # the [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores), the keys a model's mask hides (_hide), ALiBi's
+    # bias in TransformerLens's form
     inputs: dict = field(default_factory=dict)  # layer -> written per-head attention inputs (tl_inputs.fire_inputs)
+
+
+def _memo(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
+    """memo[key], made by `make()` the first time (no memo: made every time). Keys name tensors by id(): the model's
+    mask and ALiBi tensors, alive for the whole forward the memo lives in."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _padded(mask) -> bool:
+    """Whether the run's attention mask may hide every key of some query (padding, or a mask of transformers' own
+    forms); without one, the causal mask always shows a query itself."""
+    return mask is not None and (isinstance(mask, dict) or mask.dim() != 2 or not bool(mask.all()))
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -902,18 +924,28 @@ class HookedModel(TransformerLensSurface, TLWeights):
         q, k, v = attn._reshape(attn.query_key_value(x))  # [B, H, T, D] views; attn.hook_q/k/v fire here
         alibi = kwargs["alibi"]  # [B * H, 1, T]: slope * key position
 
-        def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
-            scores = alibi.baddbmm(batch1=query.reshape(bsz * h, -1, d),
-                                   batch2=key.reshape(bsz * h, -1, d).transpose(-1, -2),
-                                   beta=attn.beta, alpha=attn.inv_norm_factor).view(bsz, h, t, -1)
-            if mask is not None:
-                scores = scores + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            out = torch.bmm(probs.view(bsz * h, t, -1), value.reshape(bsz * h, -1, d))
-            return out.view(bsz, h, t, d).transpose(1, 2), probs  # [B, T, H, D]
+        def scores(query, key):  # q.k / sqrt(D) + slope_h * j, one baddbmm: [B, H, T, T]
+            return alibi.baddbmm(batch1=query.reshape(bsz * h, -1, d),
+                                 batch2=key.reshape(bsz * h, -1, d).transpose(-1, -2),
+                                 beta=attn.beta, alpha=attn.inv_norm_factor).view(bsz, h, t, -1)
 
+        def weigh(probs, value):  # [B, T, H, D]
+            return torch.bmm(probs.view(bsz * h, t, -1), value.reshape(bsz * h, -1, d)).view(bsz, h, t, d) \
+                .transpose(1, 2)
+
+        def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
+            s = scores(query, key)
+            if mask is not None:
+                s = s + mask
+            probs = torch.softmax(s, dim=-1, dtype=torch.float32).to(query.dtype)
+            return weigh(probs, value), probs
+
+        key_bias = alibi.view(bsz, h, -1)  # slope_h * key position; TransformerLens's scores: minus it at the query
+        memo = self._run.hidden
+        eager = EagerSteps(lambda query, key, mask: _hide(scores(query, key), mask, 0, memo), weigh,
+                           key_bias[..., None])
         z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, attn.inv_norm_factor,
-                               {"poslens_key_bias": alibi.view(bsz, h, -1)})
+                               {"poslens_key_bias": key_bias}, eager)
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
 
     def _falcon_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -932,32 +964,47 @@ class HookedModel(TransformerLensSurface, TLWeights):
         k = k.transpose(1, 2).reshape(bsz, kv, t, d)
         v = v.transpose(1, 2).reshape(bsz, kv, t, d)
         mask = model_mask = kwargs.get("attention_mask")
-        alibi, extra = kwargs.get("alibi"), {}
+        alibi, extra, memo = kwargs.get("alibi"), {}, self._run.hidden
         if alibi is None:
             cos, sin = kwargs["position_embeddings"]
             q, k = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb(q, k, cos, sin)
         else:  # ALiBi: the model's mask carries slope_h * j / sqrt(D) where a key is seen (SDPA adds it to the scores)
-            extra["poslens_key_bias"] = (alibi / math.sqrt(d)).view(bsz, h, -1)
+            extra["poslens_key_bias"] = _memo(memo, ("key bias", id(alibi)),
+                                              lambda: (alibi / math.sqrt(d)).view(bsz, h, -1))
             if mask is not None:  # the scores' points see the mask alone (0 where seen) and the bias as ctx.score_bias
-                mask = torch.where(mask < -1, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+                mask = _memo(memo, ("mask alone", id(mask)), lambda: torch.where(
+                    model_mask < -1, model_mask, torch.zeros((), dtype=model_mask.dtype, device=model_mask.device)))
         sdpa = attn.config._attn_implementation == "sdpa" or alibi is not None  # (ALiBi: refused under eager)
+
+        def scores(query, key):  # the model's eager scores (rotary form): q.k divided by sqrt(D)
+            s = query @ key.transpose(-1, -2)
+            s /= math.sqrt(d)
+            return s
+
+        def weigh(probs, value):  # [B, T, H, D]
+            return (probs @ value).transpose(1, 2)
 
         def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
             if sdpa:  # the model's SDPA call
                 out = torch.nn.functional.scaled_dot_product_attention(
                     query, key, value, attn_mask=model_mask, dropout_p=0.0, is_causal=model_mask is None and t > 1)
                 return out.transpose(1, 2), None
-            scores = query @ key.transpose(-1, -2)
-            scores /= math.sqrt(d)
-            probs = torch.softmax(scores + mask, dim=-1, dtype=x.dtype)
-            return (probs @ value).transpose(1, 2), probs  # [B, T, H, D]
+            probs = torch.softmax(scores(query, key) + mask, dim=-1, dtype=x.dtype)
+            return weigh(probs, value), probs
 
-        z, _ = self._attention(attn, inner, q, k, v, mask, 0.0, attn.inv_norm_factor, extra)
+        # an output from the pattern: the model's eager steps; ALiBi (which transformers' eager Falcon adds twice):
+        # the interface families' steps, with the bias as TransformerLens puts it
+        eager = EagerSteps(lambda query, key, mask: _hide(scores(query, key), mask, 0, memo), weigh) \
+            if alibi is None else None
+        z, _ = self._attention(attn, inner, q, k, v, mask, 0.0, attn.inv_norm_factor, extra, eager)
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
 
-    def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs):
-        """Fire the attention kernel's points of one layer, then compute its output (the model's own function unless
-        a hook replaced the scores or the pattern)."""
+    def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs,
+                   eager: EagerSteps | None = None):
+        """Fire the attention kernel's points of one layer, then compute its output: the model's own function unless
+        the scores or the pattern are formed (a hook at attn.hook_attn_scores or attn.hook_pattern reads them as a
+        tensor); then the output is the pattern times the values, as the model's eager attention computes it, op for
+        op (`eager`: its two steps, by default transformers' `eager_attention_forward`)."""
         l = module.layer_idx
         pts = self._run.per_layer.get(l, {})
         if not any(p in pts for p in KERNEL_POINTS):
@@ -996,62 +1043,99 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 fn(None, ctx)
             if not dense:
                 self._fired(ctx.name)
-        replaced = False
-        if dense or pattern_fns:
-            scores = _dense_scores(query, key, scaling, ctx.softcap, attention_mask, ctx.window,
-                                   self._run.hidden)  # [B, H, T, T]
-            if ctx.key_bias is not None:  # ALiBi, inside the scores as TransformerLens puts it
-                scores = scores.add_(ctx.score_bias)
-            seen = scores._version
-            new = fire("attn.hook_attn_scores", scores, dense)
-            replaced |= new is not scores or scores._version != seen  # replaced, or edited in place
-            # NaN (a padded query that sees no key, or -inf * 0 written on a masked entry) becomes 0, as in
-            # TransformerLens; out of place where autograd keeps the softmax's output
-            pattern = torch.softmax(new, dim=-1, dtype=torch.float32)
-            if attention_mask is not None or replaced:
-                pattern = pattern.nan_to_num(0.0) if torch.is_grad_enabled() else pattern.nan_to_num_(0.0)
-            pattern = pattern.to(query.dtype)
-            seen = pattern._version
-            new_pattern = fire("attn.hook_pattern", pattern, pattern_fns)
-            replaced |= new_pattern is not pattern or pattern._version != seen
-        if replaced:  # a hook changed the scores or the pattern: the output follows from the pattern
-            out = _grouped_matmul(new_pattern, value).transpose(1, 2).contiguous()  # [B, T, H, D]
-        else:
+        if not (dense or pattern_fns):  # no pattern formed: the model's own kernel (SDPA), bit-identical outputs
             out, _ = inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return fire("attn.hook_z", out), None  # [B, T, H, D]
+            return fire("attn.hook_z", out), None  # [B, T, H, D]
+        memo = self._run.hidden
+        if eager is None:  # transformers' eager_attention_forward (softcap: Gemma-2); ALiBi (Falcon's): TL's bias
+            bias = None if ctx.key_bias is None else _memo(memo, ("score bias", id(ctx.key_bias)),
+                                                           lambda: ctx.score_bias)
+            eager = EagerSteps(lambda q, k, mask: _dense_scores(q, k, scaling, ctx.softcap, mask, ctx.window, memo,
+                                                                 bias), _weigh)
+        scores = eager.scores(query, key, attention_mask)  # [B, H, T, T] what the model's softmax reads
+        shown = scores  # the scores as TransformerLens has them (BLOOM: the model's minus slope_h * i)
+        if dense and eager.shift is not None:
+            shown = scores - eager.shift
+        seen = shown._version
+        new = fire("attn.hook_attn_scores", shown, dense)
+        written = new is not shown or shown._version != seen  # replaced, or edited in place
+        # NaN (a padded query that sees no key, or -inf * 0 written on a masked entry) becomes 0, as in
+        # TransformerLens; out of place where autograd keeps the softmax's output
+        pattern = torch.softmax(new if written else scores, dim=-1, dtype=torch.float32)
+        if written or (attention_mask is not None and _memo(memo, ("padded",), lambda: _padded(
+                self._run.attention_mask))):
+            pattern = pattern.nan_to_num(0.0) if torch.is_grad_enabled() else pattern.nan_to_num_(0.0)
+        pattern = fire("attn.hook_pattern", pattern.to(query.dtype), pattern_fns)
+        return fire("attn.hook_z", eager.weigh(pattern, value)), None  # [B, T, H, D]
 
 
-def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: dict | None = None) -> torch.Tensor:
-    """[B, H, Tq, Tk] scores q.k * scaling (softcapped), -inf where the model's mask hides a key.
+@dataclass
+class EagerSteps:
+    """A model's eager attention in the two steps around its softmax, op for op, so that an output computed from the
+    pattern a hook reads is the model's eager output: `scores(query [B, H, T, D], key [B, K, T', D], mask)` -> the
+    [B, H, T, T'] scores its softmax reads, -inf where the mask hides a key (the eager forms add the dtype's minimum
+    there: the same softmax); `weigh(pattern, value [B, K, T', D])` -> z [B, T, H, D]; `shift` [B, H, T, 1], the
+    model's scores minus TransformerLens's (BLOOM: its ALiBi bias slope_h * j differs from TL's slope_h * (j - i) by
+    slope_h * i), or None."""
 
-    The scaling goes on the queries (a tensor T / d times smaller than the scores), and the implicit causal mask
-    (no padding, no softcap) is added as a 0 / -inf bias in place: the scores are one GEMM and one pass, not three.
-    `hidden` keeps that bias for all the layers of one forward."""
+    scores: Callable[..., torch.Tensor]
+    weigh: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    shift: torch.Tensor | None = None
+
+
+def _weigh(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """z [B, T, H, D] = pattern @ value with value's heads shared by their query heads, as transformers' eager
+    attention (repeat_kv, matmul, transpose, contiguous); bit-identical to it on CPU (`_grouped_matmul`)."""
+    return _grouped_matmul(pattern, value).transpose(1, 2).contiguous()
+
+
+def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: dict | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, Tq, Tk] scores as transformers' eager attention computes them, op for op: q.k (the query heads of a key
+    head in one GEMM, as repeat_kv pairs them: `_grouped_matmul`), times scaling, softcapped (Gemma-2); then -inf where
+    the model's mask hides a key (eager adds the dtype's minimum there: the same softmax), and `bias` (ALiBi) added.
+
+    Under the implicit causal mask (no padding, no softcap) the scaling and the mask are one pass, bias + scaling * s
+    with a 0 / -inf bias (the same rounding as s * scaling: one product rounded once, plus 0); `hidden` keeps that
+    bias for all the layers of one forward."""
+    s = _grouped_matmul(q, k.transpose(-1, -2))
+    grad = torch.is_grad_enabled() and s.requires_grad  # out= and in place are not differentiable here
     n, m = q.shape[-2], k.shape[-2]
     if attention_mask is None and softcap is None:  # SDPA's implicit causal mask (and the window, if any)
         key = (n, m, window, q.device, q.dtype)
-        bias = None if hidden is None else hidden.get(key)
-        if bias is None:
-            bias = torch.zeros(n, m, dtype=q.dtype, device=q.device)
-            bias.masked_fill_(hidden_keys(n, window, keys=m, device=q.device), -math.inf)
+        mask = None if hidden is None else hidden.get(key)
+        if mask is None:
+            mask = torch.zeros(n, m, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(hidden_keys(n, window, keys=m, device=q.device), -math.inf)
             if hidden is not None:
-                hidden[key] = bias
-        # the scaled queries written contiguous (heads before positions), so grouping the query heads of a key head is
-        # a view, not a second copy (the rotated q is laid out positions before heads); the same products. Under
-        # autograd (out= is not differentiable) as a product.
-        scaled = q * scaling if q.requires_grad and torch.is_grad_enabled() else \
-            torch.mul(q, scaling, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-        return _grouped_matmul(scaled, k.transpose(-1, -2)).add_(bias)
-    s = _grouped_matmul(q, k.transpose(-1, -2)).mul_(scaling)
-    if softcap is not None:
-        s = (s / softcap).tanh() * softcap if torch.is_grad_enabled() else s.div_(softcap).tanh_().mul_(softcap)
-    if attention_mask is None:
-        hides = hidden_keys(n, window, keys=m, device=s.device)
-    elif attention_mask.dtype == torch.bool:
-        hides = ~attention_mask[..., :m]
-    else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
-        hides = attention_mask[..., :m] != 0
-    return s.masked_fill_(hides, -math.inf)
+                hidden[key] = mask
+        s = s * scaling + mask if grad else torch.add(mask, s, alpha=scaling, out=s)
+    else:
+        s = s * scaling if grad else s.mul_(scaling)
+        if softcap is not None:
+            s = (s / softcap).tanh() * softcap if grad else s.div_(softcap).tanh_().mul_(softcap)
+        s = _hide(s, attention_mask, window, hidden)
+    if bias is not None:
+        s = s + bias if grad else s.add_(bias)
+    return s
+
+
+def _hide(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None) -> torch.Tensor:
+    """The scores s [B, H, Tq, Tk] with -inf where the model's mask hides a key: the implicit causal (and sliding
+    window) mask when `attention_mask` is None, a boolean one (True = seen), or an additive one (0 = seen); the keys
+    hidden are found once per mask and forward in `memo`."""
+    n, m = s.shape[-2:]
+
+    def hidden():
+        if attention_mask is None:
+            return hidden_keys(n, window, keys=m, device=s.device)
+        if attention_mask.dtype == torch.bool:
+            return ~attention_mask[..., :m]
+        return attention_mask[..., :m] != 0  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
+
+    hides = _memo(memo, ("hides", id(attention_mask), n, m, window, s.device), hidden)
+    return s.masked_fill(hides, -math.inf) if torch.is_grad_enabled() and s.requires_grad else \
+        s.masked_fill_(hides, -math.inf)
 
 
 def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, scaling: float):
