@@ -2,11 +2,16 @@
 run.json layout of `poslens leakage`, one per variant and seed) each row holds when the planted numbers say what
 the paper says and is contradicted when they say the opposite; the error bar is the t-interval over seeds."""
 
+from pathlib import Path
+
 import pytest
+from test_sweep import MICRO
 
 from poslens.report import sweep_leakage as sl
 from poslens.report.claims import combine
 from poslens.train.sweep import seed_interval
+
+pytest_plugins = ("train_fixtures",)  # the session's token directory (fixture `tokens`)
 
 LABELS = {"nope": "NoPE", "rope": "RoPE", "ntk": "RoPE (ntk:8)", "window": "RoPE, window 32"}
 SEEDS = (0, 1, 2)
@@ -216,3 +221,54 @@ def test_sources_row_needs_the_removal_at_document_starts_to_exceed_it_inside_do
         e = seed_interval([paired + 0.01 * s for s in SEEDS])
         assert (inside[0].value, inside[0].lo, inside[0].hi) == pytest.approx((e["value"], e["lo"], e["hi"]))
     assert sl.INSIDE_RULE in row.measured
+
+
+def _micro_sweep(path, tokens, variants: dict):
+    """A micro sweep of one seed trained on the session's real-text tokens (into the test's model cache)."""
+    import json
+
+    from poslens.report.sweep import SweepModels
+    from poslens.train.cache import tokens_of
+    from poslens.train.sweep import SweepConfig, resolve_matrix, train_matrix
+
+    path.write_text(json.dumps({"train": {**MICRO, "tokens": str(tokens)}, "variants": variants, "seeds": [0]}))
+    cfg = SweepConfig(preset=str(path), jobs=1)
+    matrix = resolve_matrix(cfg)
+    paths = train_matrix(matrix, progress=False, jobs=1)
+    return SweepModels(cfg, matrix, paths, tokens_of(matrix.members[0].config, False))
+
+
+def test_a_model_in_two_sweeps_is_measured_once_and_its_numbers_are_those_of_its_own_run(tmp_path, tokens,
+                                                                                       monkeypatch):
+    """Standard RoPE is in the sweep and in the BOS matrix (one model directory): the leakage section measures it
+    once, with the interventions of both (`shared`), and the BOS matrix's call finds that run instead of running its
+    passes again. The extra intervention changes none of the numbers the sweep's rows read: the original pass and
+    the mean replacement (with its null) are exactly those of a run with the mean replacement alone."""
+    from types import SimpleNamespace
+
+    from poslens.analyses.leakage import run as leakage_run
+    from poslens.io.results import load
+
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))
+    sw = _micro_sweep(tmp_path / "a.json", tokens, {"nope": {"pe": "none"}, "rope": {"pe": "rope"}})
+    bsw = _micro_sweep(tmp_path / "b.json", tokens, {"rope": {"pe": "rope"},
+                                                     "rope-doc": {"pe": "rope", "blocks": "doc-start"}})
+    assert sw.path("rope", 0) == bsw.path("rope", 0)  # one configuration, one model
+    ran, real = [], leakage_run.run_leakage
+
+    def counted(cfg, out, **kw):
+        ran.append((Path(cfg.model).name, tuple(cfg.interventions)))
+        return real(cfg, out, **kw)
+
+    monkeypatch.setattr(leakage_run, "run_leakage", counted)
+    size = {"sweep_sequences": 4, "sweep_groups": 2}
+    ctx = SimpleNamespace(parts=tmp_path / "parts", progress=False)
+    first = sl.sweep_leakage_runs(ctx, sw, size, nulls=sl.BOS_NULLS, extra=sl.shared(sw, bsw, sl.BOS_INTERVENTIONS))
+    second = sl.sweep_leakage_runs(ctx, bsw, size, sl.BOS_INTERVENTIONS, sl.BOS_NULLS)
+    assert first["rope", 0] == second["rope", 0] and len(ran) == 3  # nope, rope (once), rope-doc
+    assert (sw.path("rope", 0).name, tuple(sl.BOS_INTERVENTIONS)) in ran
+    alone = sl.sweep_leakage_runs(SimpleNamespace(parts=tmp_path / "alone", progress=False), sw, size,
+                                  nulls=sl.BOS_NULLS)["rope", 0]
+    both, one = load(first["rope", 0], tensors=False).metrics, load(alone, tensors=False).metrics
+    assert set(both["interventions"]) == {"mean", sl.START_PATCH} and set(one["interventions"]) == {"mean"}
+    assert both["original"] == one["original"] and both["interventions"]["mean"] == one["interventions"]["mean"]

@@ -46,11 +46,13 @@ def common_max_offset(sw) -> int:
 
 
 def sweep_leakage_runs(ctx, sw, size: dict, interventions: list[str] = INTERVENTIONS,
-                       nulls: list[str] | None = None) -> dict[tuple[str, int], Path]:
+                       nulls: list[str] | None = None,
+                       extra: dict[Path, list[str]] | None = None) -> dict[tuple[str, int], Path]:
     """One `poslens leakage` run per model of the sweep `sw` (kept in the report's parts, so a resumed reproduce
     reuses them): {(variant, seed): run directory}, with `interventions` and `nulls` (default none), each model's
     documents read as it was trained (with its BOS first, or without one). Sizes: `sweep_sequences`,
-    `sweep_groups`."""
+    `sweep_groups`. `extra`: model directory -> interventions to run besides `interventions` on it (`shared`: a
+    model that two sweeps hold runs once, with every intervention either sweep's rows read)."""
     from poslens.analyses.leakage.run import LeakageConfig, run_leakage
     from poslens.io.checkpoint import fingerprint
 
@@ -59,9 +61,10 @@ def sweep_leakage_runs(ctx, sw, size: dict, interventions: list[str] = INTERVENT
     bos = {(m.variant, m.seed): m.config.bos for m in sw.matrix.members}
     out = {}
     for (variant, seed), path in sw.paths.items():
+        more = [i for i in (extra or {}).get(path, []) if i not in interventions]
         cfg = LeakageConfig(model=str(path), data=str(sw.tokens), seq_len=L, num_sequences=seqs,
                             batch_size=max(1, seqs // groups), groups=groups, early_queries=min(32, L // 2),
-                            max_offset=common_max_offset(sw), interventions=list(interventions),
+                            max_offset=common_max_offset(sw), interventions=[*interventions, *more],
                             nulls=list(nulls or ["none"]), predecessor=False, figures=False,
                             bos="always" if bos[variant, seed] else "never")
         run = Path(ctx.parts) / f"leakage-{variant}-s{seed}-{fingerprint(asdict(cfg))[:10]}"
@@ -71,6 +74,14 @@ def sweep_leakage_runs(ctx, sw, size: dict, interventions: list[str] = INTERVENT
             run_leakage(cfg, run, force=run.exists(), progress=False)
         out[(variant, seed)] = run
     return out
+
+
+def shared(sw, other, interventions: list[str]) -> dict[Path, list[str]]:
+    """`extra` for `sweep_leakage_runs(ctx, sw, ...)`: the models of `sw` that the sweep `other` holds too (one model
+    directory: the same configuration, trained once), with the `interventions` `other`'s runs take, so that its
+    call finds their runs done (standard RoPE is in pe-sinks and in bos-sinks: its passes ran twice before)."""
+    theirs = set(other.paths.values())
+    return {p: list(interventions) for p in sw.paths.values() if p in theirs}
 
 
 ENERGY_RANGE = (0.0, math.inf)  # an energy is a squared norm: its mean over seeds and interval are cut at 0

@@ -414,12 +414,14 @@ def build(ctx, size: dict) -> Section:
                                        if ctx.quick else f"not installed; {INSTALL_GEMMA}, then reproduce again")))
 
     sw = sweep_models(ctx, size)  # the length section's models (the same matrix: trained once, then cached)
-    metrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, sw, size, nulls=sl.BOS_NULLS))  # the offset null: a test
+    # the BOS rows: on standard RoPE trained on document starts with the BOS first, the packed models beside (the
+    # sweep's own standard RoPE: one run each, with the BOS rows' interventions too)
+    bsw = sweep_models(ctx, {**size, "sweep": size["bos_sweep"]})
+    metrics = sl.sweep_metrics(sl.sweep_leakage_runs(  # the offset null: a test
+        ctx, sw, size, nulls=sl.BOS_NULLS, extra=sl.shared(sw, bsw, sl.BOS_INTERVENTIONS)))
     L, offset = sw.matrix.members[0].config.seq_len, sl.common_max_offset(sw)
     describe = (f"{sw.short()}; {size['sweep_sequences']} held-out sequences of {L} tokens per model, one run per "
                 "seed")
-    # the BOS rows: on standard RoPE trained on document starts with the BOS first, the packed models beside
-    bsw = sweep_models(ctx, {**size, "sweep": size["bos_sweep"]})
     bmetrics = sl.sweep_metrics(sl.sweep_leakage_runs(ctx, bsw, size, sl.BOS_INTERVENTIONS, sl.BOS_NULLS))
     bdescribe = (f"{bsw.short()}, beside {sw.config.preset}; {size['sweep_sequences']} held-out documents' starts "
                  f"of {L} tokens per model, one run per seed")
