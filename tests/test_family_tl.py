@@ -34,14 +34,21 @@ def _model(family):
     return randomize_norm_gains(build(family))
 
 
+def reference_model(family, ref):
+    """`family`'s tiny model with random norm gains, checked to be the one the TransformerLens reference `ref` was
+    made on (the sum of its weights' absolute values to 1e-6)."""
+    model = _model(family)
+    assert abs(sum(float(p.double().abs().sum()) for p in model.parameters()) - ref["weights_abs_sum"]) < 1e-6 * \
+        ref["weights_abs_sum"], "not the model the reference was made on"
+    return model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_points_have_transformer_lens_names_shapes_and_values(family):
     ref = REFERENCE["families"][family]
     assert REFERENCE["transformer_lens"].startswith("3.9")
-    model = _model(family)
-    assert abs(sum(float(p.double().abs().sum()) for p in model.parameters()) - ref["weights_abs_sum"]) < 1e-6 * \
-        ref["weights_abs_sum"], "not the model the reference was made on"
+    model = reference_model(family, ref)
     hm = HookedModel(model)
     hm.set_use_attn_result(True)
     hm.set_use_hook_mlp_in(True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_within_sdpa_rounding
-from test_family_tl import assert_matches_summary
+from test_family_tl import assert_matches_summary, reference_model
 from tiny_models import build, eager_twin, randomize_norm_gains, token_batch
 
 from poslens.engine.hooks import HookedModel
@@ -138,9 +138,7 @@ def test_a_write_to_one_heads_copy_is_that_heads_projection_in_float64(family, p
 def test_writes_give_transformer_lens_logits_and_projections(family):
     ref = REFERENCE["families"][family]
     assert REFERENCE["transformer_lens"].startswith("3.9")
-    model = _model(family)
-    assert abs(sum(float(p.double().abs().sum()) for p in model.parameters()) - ref["weights_abs_sum"]) < 1e-6 * \
-        ref["weights_abs_sum"], "not the model the reference was made on"
+    model = reference_model(family, ref)
     hm = HookedModel(model)
     hm.set_use_split_qkv_input(True)
     ids = torch.tensor(ref["ids"])
