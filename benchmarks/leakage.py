@@ -5,6 +5,7 @@ sequences (run by hand, not a test; the bar: under 10 minutes for SmolLM2-135M o
     .venv/bin/python benchmarks/leakage.py                                   # smollm2-135m, defaults, the bar
     .venv/bin/python benchmarks/leakage.py --num-sequences 16 --groups 2     # a small check that it works
     .venv/bin/python benchmarks/leakage.py --out benchmarks/results/cpu-DATE-leakage/timing.json
+    python3 benchmarks/leakage.py --model DIR --device cuda --dtype bfloat16 --seq-len 512 --num-sequences 128  # GPU
 
 Plain forwards first (`model(ids)`, SDPA, logits; one warm-up batch not timed) over exactly the sequences the
 command cuts (windows inside documents when the defaults need them), then the command itself in the same process
@@ -41,6 +42,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-sequences", type=int, default=None, help="default: the command's")
     ap.add_argument("--groups", type=int, default=None, help="default: the command's")
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the command's")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the command's")
+    ap.add_argument("--device", default=None, help="default: the command's (cpu); on CUDA every timing synchronises")
+    ap.add_argument("--dtype", default=None, help="default: the command's (auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
@@ -48,24 +53,31 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cfg = LeakageConfig(model=args.model)
     flags = []
+    for name in ("seq_len", "batch_size", "device", "dtype"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.num_sequences:
         cfg.num_sequences = args.num_sequences
         flags += ["--num-sequences", str(args.num_sequences)]
     if args.groups:
         cfg.groups = args.groups
         flags += ["--groups", str(args.groups)]
-    model, tok = load_model(cfg.model)
+    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else (lambda: None)
     if cfg.windows:
         ids, _, _ = document_windows(tok, iter_documents(None), cfg.seq_len, cfg.num_sequences,
                                      min_offset=cfg.min_offset, seed=cfg.seed, bos=cfg.bos)
     else:
         ids, _ = make_sequences(tok, iter_documents(None), cfg.seq_len, cfg.num_sequences, bos=cfg.bos)
-    batches = torch.split(ids, cfg.batch_size)
+    batches = torch.split(ids.to(cfg.device), cfg.batch_size)
     with torch.no_grad():
         model(input_ids=batches[0], use_cache=False)  # warm-up
+        sync()
         started = time.perf_counter()
         for batch in batches:
             model(input_ids=batch, use_cache=False)
+        sync()
     plain = time.perf_counter() - started
     del model
     out = tempfile.mkdtemp(prefix="leakage-bench-")
@@ -82,7 +94,10 @@ def main() -> None:
         raise SystemExit(f"poslens leakage exited with {code}")
     passes = 1 + len(cfg.specs) + len(cfg.null_passes)
     timings = meta["timings"]
-    result = {"model": cfg.model, "command": " ".join(["poslens leakage", cfg.model, *flags]),
+    result = {"model": cfg.model, "device": cfg.device, "dtype": cfg.dtype,
+              "gpu": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None,
+              "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cfg.device.startswith("cuda")
+              else None, "command": " ".join(["poslens leakage", cfg.model, *flags]),
               "seq_len": cfg.seq_len, "sequences": meta["data"]["sequences"], "batch_size": cfg.batch_size,
               "groups": meta["groups"]["used"], "passes": passes, "interventions": cfg.specs,
               "nulls": cfg.null_passes, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),

@@ -15,6 +15,13 @@ the command's own summary lines; `--json` writes them.
 
     .venv/bin/python benchmarks/length.py                        # the bar (trains the model first if need be)
     .venv/bin/python benchmarks/length.py --model DIR -- --num-sequences 8 --batch-size 2   # any model, any flags
+    python3 benchmarks/length.py --model DIR --data TOKENS --device cuda --plain   # on a GPU, against plain forwards
+
+--plain: after the command, plain forwards (`model(ids)`, SDPA, logits) in this process over the same number of
+sequences at each of the command's evaluation lengths (contiguous blocks of the held-out tokens, or of the training
+tokens if those are too few; lengths from the run's run.json), on the same device and dtype: the command's wall time
+over theirs is the ratio printed (the command's time includes its process start, model load, every intervention
+pass, the maps and the summary).
 
 Timings on a machine shared with other jobs are not results: the lead runs the bar on a quiet machine.
 """
@@ -43,21 +50,58 @@ def cpu_model(pe: str = "rope") -> tuple[Path, Path]:
     return trained_model(cfg, progress=True, tokens=tokens), tokens
 
 
+def plain_forwards(model: Path, run_json: Path, device: str, dtype: str) -> float:
+    """Seconds of plain forwards over the run's number of sequences at each of its evaluation lengths (one warm-up
+    batch first, not timed; CUDA synchronised)."""
+    import numpy as np
+    import torch
+
+    from poslens.engine.models import load_model
+    from poslens.io.tokenfile import open_tokens
+
+    run = json.loads(run_json.read_text())
+    cfg = run["config"]
+    net, _ = load_model(str(model), dtype=dtype, device=device)
+    tf = open_tokens(run["data"]["source"], check=())
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    total = 0.0
+    with torch.no_grad():
+        for i, t in enumerate(cfg["eval_lens"]):
+            n = cfg["num_sequences"]
+            split = tf.val if len(tf.val) >= n * t else tf.train  # the held-out split unless it is too short
+            ids = torch.from_numpy(np.asarray(split[: n * t], dtype=np.int64).reshape(n, t)).to(device)
+            batches = torch.split(ids, cfg["batch_size"])
+            if i == 0:
+                net(input_ids=batches[0], use_cache=False)
+            sync()
+            start = time.perf_counter()
+            for b in batches:
+                net(input_ids=b, use_cache=False)
+            sync()
+            total += time.perf_counter() - start
+    return total
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model directory (default: the cpu preset's RoPE model)")
     p.add_argument("--pe", default="rope", choices=("rope", "none"), help="the cpu model's encoding (default rope)")
     p.add_argument("--out", default="/tmp/poslens-bench-length", help="the run directory the command writes")
     p.add_argument("--json", default=None, help="write the measurement here as JSON")
+    p.add_argument("--data", default=None, help="token directory (with --model; default: the model's own text)")
+    p.add_argument("--device", default=None, help="passed to the command (default its own: cpu)")
+    p.add_argument("--dtype", default=None, help="passed to the command (default its own: auto)")
+    p.add_argument("--plain", action="store_true", help="time plain forwards over the same lengths after it")
     p.add_argument("extra", nargs="*", help="more `poslens length` flags, after --")
     a = p.parse_args()
     if a.model is None:
         model, tokens = cpu_model(a.pe)
         data = ["--data", str(tokens)]
     else:
-        model, data = Path(a.model), []
+        model, data = Path(a.model), (["--data", a.data] if a.data else [])
+    on = [*(["--device", a.device] if a.device else []), *(["--dtype", a.dtype] if a.dtype else [])]
     argv = [sys.executable, "-m", "poslens", "length", str(model), *data, "--out", a.out, "--force", "--quiet",
-            *a.extra]
+            *on, *a.extra]
     import torch
 
     load_before = os.getloadavg()
@@ -72,8 +116,14 @@ def main() -> None:
               "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
               "peak_rss_mib": after.ru_maxrss / 1024, "load_before": load_before, "load_after": os.getloadavg(),
               "torch_threads": torch.get_num_threads(), "bar_s": 600, "summary": done.stdout.strip().splitlines()}
+    if a.plain:
+        result["plain_s"] = plain_forwards(model, Path(a.out) / "run.json", a.device or "cpu", a.dtype or "auto")
+        result["ratio_to_plain"] = wall / result["plain_s"]
     print("\n".join(result["summary"]))
     print(json.dumps({k: v for k, v in result.items() if k != "summary"}, indent=1))
+    if a.plain:
+        print(f"plain forwards over the same lengths: {result['plain_s']:.2f} s; the command / plain: "
+              f"{result['ratio_to_plain']:.1f}x")
     print(f"bar (at most 600 s on 2 cores): {'met' if wall <= 600 else 'NOT met'} ({wall:.0f} s wall, load average "
           f"{load_before[0]:.1f} -> {result['load_after'][0]:.1f})")
     if a.json:

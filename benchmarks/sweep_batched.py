@@ -50,15 +50,18 @@ from poslens.train.sweep import SweepConfig, resolve_matrix, train_models
 BAR = 4.0
 
 
-def configs(steps: int, models: int, blocks: str = "packed") -> list:
+def configs(steps: int, models: int, blocks: str = "packed", tokens: str | None = None,
+            device: str | None = None) -> list:
     """`models` configurations, `steps` steps: of the pe-sinks matrix (its four variants over seeds 0, 1, ...), or
-    with `blocks` "doc-start" the bos-sinks matrix's document-start variants (rope-doc, rope-doc-nobos)."""
+    with `blocks` "doc-start" the bos-sinks matrix's document-start variants (rope-doc, rope-doc-nobos); `tokens`: a
+    token directory of the matrix's tokenizer instead of the cache's; `device`: instead of the configs' own (auto)."""
     matrix = resolve_matrix(SweepConfig(preset="pe-sinks" if blocks == "packed" else "bos-sinks",
                                         seeds=list(range(models))))
-    tokens = str(tokens_of(matrix.members[0].config))
+    tokens = tokens or str(tokens_of(matrix.members[0].config))
     chosen = [m for m in matrix.members if m.config.blocks == blocks]
     members = sorted(chosen, key=lambda m: (m.seed, list(matrix.variants).index(m.variant)))[:models]
-    return [dataclasses.replace(m.config, steps=steps, warmup=max(1, steps // 10), tokens=tokens) for m in members]
+    return [dataclasses.replace(m.config, steps=steps, warmup=max(1, steps // 10), tokens=tokens,
+                                **({"device": device} if device else {})) for m in members]
 
 
 def cpu_seconds() -> float:
@@ -99,12 +102,15 @@ def main() -> None:
                     help="the batched arm's layers compiled (on), eager (off), or a third arm, the batched models "
                          "compiled beside the eager batched arm (both); compiled code is kept in one fresh inductor "
                          "cache for the whole run: compiled cold in round 0, loaded warm after")
+    ap.add_argument("--tokens", default=None, help="the BPE-2,048 token directory (default: the poslens cache's)")
+    ap.add_argument("--device", default=None, help="cpu, cuda (default: the configs' auto)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.compile != "off":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="sweep-batched-inductor-")
     own_cache = os.environ.get("POSLENS_CACHE")
-    alone, many = configs(args.steps, args.alone, args.blocks), configs(args.steps, args.batched, args.blocks)
+    alone = configs(args.steps, args.alone, args.blocks, args.tokens, args.device)
+    many = configs(args.steps, args.batched, args.blocks, args.tokens, args.device)
     rows = []
     for r in range(args.rounds):
         a, a_cpu = timed(alone, False, args.jobs)

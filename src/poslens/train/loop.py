@@ -50,9 +50,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    """AdamW with weight decay on matrices only (norm gains are not decayed); torch's fused kernel when every
+    parameter is a plain CUDA tensor (one kernel per step instead of one per tensor group: the same update up to
+    float32 rounding, the same state dict), the default multi-tensor kernel otherwise (CPU, FSDP2's sharded ones)."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad]
-    return adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
+    fused = bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+    return adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg, fused=fused)
 
 
 def adamw(decay: list[torch.Tensor], rest: list[torch.Tensor], cfg: TrainConfig,
