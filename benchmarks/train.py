@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="pairs run first and left out of the statistics")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--attention", default=None, help="the poslens step's attention kernel (TrainConfig.attention: "
+                                                      "auto, flash, cudnn, efficient, math; default the preset's)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write raw times, ratios and settings here")
     ap.add_argument("--compile", choices=("preset", "on", "off"), default="preset",
@@ -99,7 +101,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    over = {"device": args.device, **({"micro_batch": args.micro_batch} if args.micro_batch else {})}
+    over = {"device": args.device, **({"micro_batch": args.micro_batch} if args.micro_batch else {}),
+            **({"attention": args.attention} if args.attention else {})}
     cfg = resolve_config(args.preset, **over)
     tf = open_tokens(args.tokens or default_tokens(cfg.tokenizer))
     device = torch.device(args.device)

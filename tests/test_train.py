@@ -526,3 +526,22 @@ def test_tiny_preset_learns_real_text(tmp_path):
     unigram = float(-(counts / counts.sum()).log()[val].mean())
     assert evals[0] - evals[-1] > 1.5, evals
     assert evals[-1] < unigram, (evals[-1], unigram)
+
+
+def test_attention_kernel_choice_is_applied():
+    """`TrainConfig.attention` picks torch's SDPA kernel for the step and the evaluation (`loop._attention`): under
+    "math" the attention equals torch's default choice to float32 rounding (1e-6: the same softmax, other operation
+    order), and a kernel the device lacks ("efficient" on a CPU) is refused by torch, so the choice is really
+    passed on; a name that is no kernel is a one-line error."""
+    from poslens.train.loop import _attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
+    auto = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with _attention(resolve_config("tiny", attention="math")):
+        math_ = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(auto, math_, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError), _attention(resolve_config("tiny", attention="efficient")):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(UsageError, match="attention"):
+        resolve_config("tiny", attention="fast")

@@ -53,8 +53,9 @@ def trained_model_dir(cfg: TrainConfig, tokens: Path) -> Path:
     header = json.loads((tokens / HEADER).read_text())
     # what the model is: every field but where it runs and logs; the tokens by their resolved path and header
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("device", "tensorboard", "tokens")}
-    if fields.get("blocks") == "packed":  # added later: at its default left out, so earlier models keep their key
-        del fields["blocks"]
+    for name, default in (("blocks", "packed"), ("attention", "auto")):  # added later: at their defaults left out,
+        if fields.get(name) == default:                                  # so earlier models keep their keys
+            del fields[name]
     key = fingerprint({**fields, "tokens": str(tokens), "tokens_header": header, "cache_version": CACHE_VERSION})
     return cache_root() / "trained" / f"{slug(cfg)}-s{cfg.seed}-{key[:10]}"
 

@@ -21,6 +21,7 @@ PRESETS = ("tiny", "cpu", "small", "paper-1.5b")
 PE = ("none", "rope")
 PRECISIONS = ("auto", "fp32", "bf16")
 PARALLEL = ("ddp", "fsdp")
+ATTENTION = ("auto", "flash", "cudnn", "efficient", "math")  # torch's scaled_dot_product_attention kernels
 BLOCKS = ("packed", "doc-start")
 
 
@@ -78,6 +79,8 @@ class TrainConfig:
     device: str = option("auto", help="auto, cpu, cuda or cuda:N")
     precision: str = option("auto", help="auto: bf16 autocast on GPU, fp32 on CPU", choices=PRECISIONS)
     compile: bool = option(False, help="torch.compile the model")
+    attention: str = option("auto", help="attention kernel on GPU: auto (torch's choice), flash, cudnn, efficient "
+                                         "or math (torch.nn.attention.sdpa_kernel)", choices=ATTENTION)
     parallel: str = option("ddp", help="under torchrun: ddp or fsdp (FSDP2 fully_shard)", choices=PARALLEL)
     tensorboard: bool = option(False, help="also log to TensorBoard (needs the tensorboard package)")
 
@@ -115,6 +118,7 @@ class TrainConfig:
         check_int("eval_batches", self.eval_batches, 1)
         check_int("save_every", self.save_every, 0)
         check_choice("precision", self.precision, PRECISIONS)
+        check_choice("attention", self.attention, ATTENTION)
         check_choice("parallel", self.parallel, PARALLEL)
         parse_tokenizer(self.tokenizer)
         return self

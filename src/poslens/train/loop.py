@@ -226,6 +226,17 @@ def _load_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: d
         opt.load_state_dict(state)
 
 
+def _attention(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """The attention kernel `cfg.attention` names for every scaled_dot_product_attention call inside (compiled
+    graphs take it when they are traced); "auto": torch's own choice."""
+    if cfg.attention == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[cfg.attention])
+
+
 def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     if precision == "bf16":
@@ -267,7 +278,7 @@ def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -
     """Held-out loss: mean next-token cross-entropy over the first eval_batches x micro_batch validation blocks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)
-    with torch.no_grad(), _autocast(cfg, d.device):
+    with torch.no_grad(), _autocast(cfg, d.device), _attention(cfg):
         for block in eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch,
                                   d.rank, d.world, bos_id(cfg, tf), document_separator(cfg, tf)):
             rows = counted_rows(block)  # the block's rows, less its padded targets
@@ -463,7 +474,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: To
         for i, block in enumerate(micro):
             block = block.to(d.device, non_blocking=True)
             sync = i == len(micro) - 1 or d.world == 1 or cfg.parallel != "ddp"
-            with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(cfg, d.device):
+            with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(cfg, d.device), _attention(cfg):
                 loss = next_token_loss(model, block, compiled=cfg.compile)
                 loss = loss / len(micro) if shares is None else loss * shares[i]
             loss.backward()
