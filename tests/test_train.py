@@ -422,6 +422,15 @@ def test_bad_train_input_is_refused_before_any_work(tokens, tmp_path, capfd):
         assert "input" in _refused(base + ["--out", str(target), "--force"], capfd, tokens.parent.parent)
 
 
+def test_attention_kernel_the_device_lacks_is_refused(tokens, tmp_path, capfd):
+    """`--attention efficient` on a CPU (torch has that kernel on GPUs only): one line naming the kernel, exit 2,
+    nothing left behind."""
+    (tmp_path / "w").mkdir()
+    argv = ["train", "--tokens", str(tokens), *(f"--{k.replace('_', '-')}={v}" for k, v in MICRO.items()),
+            "--attention", "efficient", "--out", str(tmp_path / "w" / "o")]
+    assert "attention 'efficient'" in _refused(argv, capfd, tmp_path)
+
+
 def test_default_out_of_a_preset_file_is_named_by_the_file(tmp_path):
     """A .json preset names the default --out by its file name (not its whole path), variants by their fields."""
     from poslens.train.command import default_out
@@ -529,19 +538,51 @@ def test_tiny_preset_learns_real_text(tmp_path):
 
 
 def test_attention_kernel_choice_is_applied():
-    """`TrainConfig.attention` picks torch's SDPA kernel for the step and the evaluation (`loop._attention`): under
-    "math" the attention equals torch's default choice to float32 rounding (1e-6: the same softmax, other operation
-    order), and a kernel the device lacks ("efficient" on a CPU) is refused by torch, so the choice is really
-    passed on; a name that is no kernel is a one-line error."""
-    from poslens.train.loop import _attention
+    """`TrainConfig.attention` picks torch's SDPA kernel for the step and the evaluation (`loop.attention_kernel`):
+    under "math" the attention equals torch's default choice to float32 rounding (1e-6: the same softmax, other
+    operation order), and a kernel the device lacks ("efficient" on a CPU) is refused by torch, so the choice is
+    really passed on; a name that is no kernel is a one-line error."""
+    from poslens.train.loop import attention_kernel
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
     auto = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with _attention(resolve_config("tiny", attention="math")):
+    with attention_kernel(resolve_config("tiny", attention="math")):
         math_ = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.allclose(auto, math_, atol=1e-6, rtol=0)
-    with pytest.raises(RuntimeError), _attention(resolve_config("tiny", attention="efficient")):
+    with pytest.raises(RuntimeError), attention_kernel(resolve_config("tiny", attention="efficient")):
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     with pytest.raises(UsageError, match="attention"):
         resolve_config("tiny", attention="fast")
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_causal_attention_drops_only_the_plain_causal_mask(monkeypatch, window):
+    """`causal_attention`: SDPA gets `is_causal=True` and no mask when only causality is masked, and transformers'
+    own mask when a window binds (the window cannot be said by `is_causal`); the logits equal the stock SDPA
+    model's to float32 rounding (1e-6: the same softmax, other kernels). Transformers' condition under
+    torch.compile before torch 2.14 (`is_torchdynamo_exporting` read as True: the stock model then builds the
+    explicit [B, 1, T, T] mask) is simulated, so the stock model's calls show what `causal_attention` removes."""
+    import transformers.masking_utils as mu
+
+    from poslens.train.model import causal_attention
+
+    cfg = resolve_config("tiny", pe="rope", seq_len=16, sliding_window=window)
+    stock, ours = build_model(cfg, 64), causal_attention(build_model(cfg, 64))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls: list[tuple[bool, bool]] = []
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, bool(kwargs.get("is_causal"))))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mu, "is_torchdynamo_exporting", lambda: True)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        want = stock(input_ids=ids).logits
+        stock_calls, calls[:] = list(calls), []
+        got = ours(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert stock_calls == [(False, False)] * cfg.layers  # the explicit mask, as under compile
+    assert calls == ([(False, False)] if window else [(True, True)]) * cfg.layers

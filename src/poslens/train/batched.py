@@ -474,13 +474,22 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
                stop_after: int | None, label: str | None, chunk: int | None, compile: bool
                ) -> list[dict[str, Any]]:
     from poslens.engine.distributed import setup
-    from poslens.train.loop import _finish, _truncate_metrics, check_batch, check_training_data, resume_state
+    from poslens.train.loop import (
+        _finish,
+        _truncate_metrics,
+        attention_kernel,
+        check_attention,
+        check_batch,
+        check_training_data,
+        resume_state,
+    )
     from poslens.train.model import build_model
     from poslens.train.tokens import open_tokens
 
     d = setup(cfgs[0].device)
     require(d.world == 1, "batched training runs in one process (not under torchrun)")
     check_batch(cfgs[0].batch_size, cfgs[0].micro_batch, 1)
+    check_attention(cfgs[0], d.device)
     tf = open_tokens(cfgs[0].tokens)
     header = check_training_data(cfgs[0], tf)
     for cfg in {(c.bos, c.blocks): c for c in cfgs}.values():  # each data convention holds a batch and a sequence
@@ -503,7 +512,8 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     starts = sorted({m.start for m in members})
     for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
         idx = [i for i, m in enumerate(members) if m.start == start]
-        out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile)
+        with attention_kernel(cfgs[0]):  # `batch_key`: one kernel for every model of the computation
+            out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])

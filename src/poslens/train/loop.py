@@ -29,7 +29,14 @@ from poslens.errors import UsageError, check_int, require
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
 from poslens.train.data import PAD, counted_rows, eval_batches, loss_shares, num_blocks, train_batches
-from poslens.train.model import build_model, check_compatible, check_memory_fits, count_parameters, flops_per_token
+from poslens.train.model import (
+    build_model,
+    causal_attention,
+    check_compatible,
+    check_memory_fits,
+    count_parameters,
+    flops_per_token,
+)
 from poslens.train.tokens import TokenFile, default_tokens, open_tokens
 
 # bf16 dense datasheet peaks (FLOP/s) used for MFU on known GPUs
@@ -190,6 +197,7 @@ def _wrap(model: torch.nn.Module, cfg: TrainConfig, d: Dist) -> torch.nn.Module:
             fully_shard(layer)
         fully_shard(model)
     if cfg.compile:
+        causal_attention(model)  # no explicit causal mask under compile: SDPA's causal kernels
         model.compile()
     if d.world > 1 and cfg.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -226,7 +234,7 @@ def _load_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: d
         opt.load_state_dict(state)
 
 
-def _attention(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+def attention_kernel(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     """The attention kernel `cfg.attention` names for every scaled_dot_product_attention call inside (compiled
     graphs take it when they are traced); "auto": torch's own choice."""
     if cfg.attention == "auto":
@@ -235,6 +243,23 @@ def _attention(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
     return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[cfg.attention])
+
+
+def check_attention(cfg: TrainConfig, device: torch.device) -> None:
+    """One-line UsageError, before any work, if the kernel `cfg.attention` names cannot run this model's attention
+    on `device` (probed on a tiny input of the step's dtype, with a mask where a sliding window needs one)."""
+    if cfg.attention == "auto":
+        return
+    bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16")
+    q = torch.zeros(1, 1, 4, 8, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril() if cfg.sliding_window else None
+    try:
+        with attention_kernel(cfg):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=mask is None)
+    except RuntimeError:
+        raise UsageError(f"attention {cfg.attention!r}: torch has no such kernel for this model on {device.type} "
+                         "(a sliding window needs a mask, which the flash kernel does not take; some kernels exist "
+                         "on GPUs only); choose another kernel or auto") from None
 
 
 def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -278,7 +303,7 @@ def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -
     """Held-out loss: mean next-token cross-entropy over the first eval_batches x micro_batch validation blocks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)
-    with torch.no_grad(), _autocast(cfg, d.device), _attention(cfg):
+    with torch.no_grad(), _autocast(cfg, d.device), attention_kernel(cfg):
         for block in eval_batches(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch, cfg.micro_batch,
                                   d.rank, d.world, bos_id(cfg, tf), document_separator(cfg, tf)):
             rows = counted_rows(block)  # the block's rows, less its padded targets
@@ -374,6 +399,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
     tf = _tokens(cfg, d, progress)
     header = check_training_data(cfg, tf)
     check_memory_fits(cfg, tf.vocab_size, d.device, d.world)
+    check_attention(cfg, d.device)
 
     model = build_model(cfg, tf.vocab_size, bos_token_id=tf.header["bos_token_id"],
                         eos_token_id=tf.header["eos_token_id"])
@@ -474,7 +500,8 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: To
         for i, block in enumerate(micro):
             block = block.to(d.device, non_blocking=True)
             sync = i == len(micro) - 1 or d.world == 1 or cfg.parallel != "ddp"
-            with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(cfg, d.device), _attention(cfg):
+            no_sync = contextlib.nullcontext() if sync else model.no_sync()
+            with no_sync, _autocast(cfg, d.device), attention_kernel(cfg):
                 loss = next_token_loss(model, block, compiled=cfg.compile)
                 loss = loss / len(micro) if shares is None else loss * shares[i]
             loss.backward()

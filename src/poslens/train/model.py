@@ -8,6 +8,7 @@ SmolLM3 reads `no_rope_layers` (1 = the layer applies RoPE, 0 = it does not), `r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -16,6 +17,40 @@ from transformers import SmolLM3Config, SmolLM3ForCausalLM
 from poslens.engine.pe import CONFIG_FIELD
 from poslens.errors import UsageError
 from poslens.train.config import TrainConfig
+
+CAUSAL = "poslens_causal"  # SDPA told `is_causal` instead of handed an explicit causal mask (`causal_attention`)
+
+
+def _causal_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask, or None (SDPA then runs with `is_causal=True`) when the mask would be the plain
+    causal one: no padding mask, no window, queries and keys the same positions from 0. Decided on Python values
+    only, so a compiled graph never reads a tensor to decide."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = (not args and kwargs.get("mask_function") is causal_mask_function and kwargs.get("attention_mask") is None
+             and kwargs.get("local_size") is None and kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
+             and isinstance(kwargs.get("q_offset", 0), int) and kwargs.get("q_length") == kwargs.get("kv_length"))
+    return None if plain else sdpa_mask(*args, **kwargs)
+
+
+@functools.cache
+def _register_causal() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CAUSAL, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL, _causal_mask)
+
+
+def causal_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Have `model`'s attention call SDPA with ``is_causal=True`` whenever only causality is masked (`_causal_mask`),
+    as transformers itself does in eager mode. Under torch.compile, transformers before torch 2.14 always builds the
+    explicit [B, 1, T, T] mask, which keeps SDPA off its causal flash kernels (`benchmarks/sdpa_kernels.py`). The
+    same attention; not saved with the model (a checkpoint's config names no attention implementation)."""
+    _register_causal()
+    model.set_attn_implementation(CAUSAL)
+    return model
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, bos_token_id: int | None = None,
