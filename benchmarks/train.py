@@ -37,7 +37,7 @@ from poslens.engine.stats import t_quantile
 from poslens.train.config import resolve_config
 from poslens.train.data import train_batches
 from poslens.train.loop import _step, gemm_flops, make_optimizer, make_scheduler, peak_flops
-from poslens.train.model import build_model, flops_per_token
+from poslens.train.model import build_model, causal_attention, flops_per_token
 from poslens.train.tokens import default_tokens, open_tokens
 
 METHODS = ("poslens", "hand")
@@ -110,7 +110,8 @@ def main() -> None:
     d = Dist(0, 1, 0, device)
     models = {m: build_model(cfg, tf.vocab_size).to(device) for m in METHODS}
     compiled = args.compile == "on" or (args.compile == "preset" and cfg.compile)
-    if compiled:  # as poslens.train.loop does: both methods step the same compiled module type
+    if compiled:  # as poslens.train.loop does: both methods step the same compiled module type, poslens's
+        causal_attention(models["poslens"])  # without an explicit causal mask (the hand-written step keeps it)
         for m in METHODS:
             models[m].compile()
     opts = {m: make_optimizer(models[m], cfg) for m in METHODS}
