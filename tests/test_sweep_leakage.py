@@ -272,3 +272,40 @@ def test_a_model_in_two_sweeps_is_measured_once_and_its_numbers_are_those_of_its
     both, one = load(first["rope", 0], tensors=False).metrics, load(alone, tensors=False).metrics
     assert set(both["interventions"]) == {"mean", sl.START_PATCH} and set(one["interventions"]) == {"mean"}
     assert both["original"] == one["original"] and both["interventions"]["mean"] == one["interventions"]["mean"]
+
+
+def test_report_parts_leave_out_an_optional_run_that_refuses(tmp_path):
+    """The report's leakage parts (`sections.leakage.run_parts`): an optional run (Gemma-3-270M's) refused before any
+    work, as its memory check does on a machine too small, is left out with its one-line reason and the other runs
+    are kept and copied; the same refusal of a required run stops the report; a finished run is reused by its
+    configuration (not made again)."""
+    import dataclasses
+
+    from poslens.errors import UsageError
+    from poslens.report.sections.leakage import run_parts
+
+    @dataclasses.dataclass
+    class Conf:
+        size: int
+
+    made = []
+
+    def make(conf, out):
+        made.append(out)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "run.json").write_text("{}")
+
+    def refuse(conf, out):
+        raise UsageError("seq_len 1024: the run would need about 25.7 GiB of memory but 20.9 GiB is free on cpu")
+
+    parts, models = tmp_path / "parts", tmp_path / "models"
+    jobs = [("leakage", Conf(1), make), ("leakage-gemma", Conf(2), refuse)]
+    runs, refused = run_parts(jobs, parts, models, optional={"leakage-gemma"})
+    assert list(runs) == ["leakage"] and (models / "leakage" / "run.json").is_file()
+    assert refused == {"leakage-gemma": "seq_len 1024: the run would need about 25.7 GiB of memory but 20.9 GiB is "
+                                        "free on cpu"}
+    assert not any(p.name.startswith("leakage-gemma") for p in parts.iterdir())
+    with pytest.raises(UsageError, match="25.7 GiB"):
+        run_parts(jobs, parts, tmp_path / "models2")
+    run_parts(jobs[:1], parts, tmp_path / "models3")
+    assert len(made) == 1  # the part kept by its configuration is reused

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from poslens.analyses.leakage.summary import sink_bounds
+from poslens.errors import UsageError
 from poslens.io.results import load
 from poslens.report.claims import Claim, Test, estimate_test, interval_text, num
 from poslens.report.section import Section, section
@@ -351,6 +352,30 @@ def gemma_measurement(run: str | Path) -> tuple[tuple, str, str, list, str]:
 # gemma_sequences: Gemma-3-270M's sequences of GEMMA_LEN tokens, 0 = not run (the full run runs it when installed)
 # bos_sweep: the matrix of Ruscio et al.'s BOS rows (standard RoPE on packed cuts, on document starts with the BOS
 # first, without a BOS), extending the sweep (its training fields and seeds; docs/training.md, "Sweeps")
+def run_parts(jobs: list, parts: Path, models: Path, optional: set[str] = frozenset()) -> tuple[dict, dict]:
+    """Run each job (name, configuration, make(configuration, out)) into the report's parts, kept there by its
+    configuration (a later report reuses it), and copy it to `models`/name; returns ({name: run directory},
+    {name: why it was refused}). A job in `optional` that refuses before any work (a one-line UsageError, e.g. its
+    memory check) is left out with its reason; any other refusal stops the report."""
+    from poslens.io.checkpoint import fingerprint
+
+    runs, refused = {}, {}
+    for name, conf, make in jobs:
+        key = fingerprint({k: getattr(conf, k) for k in conf.__dataclass_fields__})[:8]
+        cached = parts / f"{name}-{key}"
+        if not cached.exists():
+            try:
+                make(conf, str(cached))
+            except UsageError as e:
+                if name not in optional or cached.exists():
+                    raise
+                refused[name] = str(e)
+                continue
+        runs[name] = models / name
+        shutil.copytree(cached, runs[name])
+    return runs, refused
+
+
 SIZES_QUICK = {**SWEEP_QUICK, "sequences": 16, "seq_len": 64, "groups": 4, "stack_samples": 0, "predecessor": True,
                "sweep_sequences": 16, "sweep_groups": 4, "gemma_sequences": 0, "gemma_groups": 8,
                "bos_sweep": "bos-quick"}
@@ -365,7 +390,6 @@ def build(ctx, size: dict) -> Section:
     from poslens.analyses.leakage.command import StackLeakageOptions
     from poslens.analyses.leakage.run import LeakageConfig, run_leakage
     from poslens.analyses.leakage.stackrun import run_stack_leakage
-    from poslens.io.checkpoint import fingerprint
     from poslens.report import sweep_leakage as sl
 
     seqs, seq_len, groups = size["sequences"], size["seq_len"], size["groups"]
@@ -380,14 +404,9 @@ def build(ctx, size: dict) -> Section:
                              early_queries=32, max_offset=GEMMA_LEN // 2 - 1, interventions=["mean"],
                              nulls=["offset"], predecessor=False, figures=False)  # the offset null: a test
         jobs.append(("leakage-gemma", gcfg, jobs[0][2]))
-    runs = {}
-    for name, conf, make in jobs:  # each run kept in the report's parts by its configuration
-        key = fingerprint({k: getattr(conf, k) for k in conf.__dataclass_fields__})[:8]
-        cached = Path(ctx.parts) / f"{name}-{key}"
-        if not cached.exists():
-            make(conf, str(cached))
-        runs[name] = Path(ctx.root) / "models" / name
-        shutil.copytree(cached, runs[name])
+    runs, refused = run_parts(jobs, Path(ctx.parts), Path(ctx.root) / "models", optional={"leakage-gemma"})
+    if "leakage-gemma" in refused:  # e.g. its memory check on a machine too small: the rows go without it
+        n = 0
     maps = (f"poslens leakage smollm2-135m --seq-len {seq_len} --num-sequences {seqs} --batch-size "
             f"{seqs // groups} --groups {groups} --early-queries {cfg.early_queries} --out runs/leakage; "
             f"poslens leakage-stack --samples {stack.samples} --out runs/leakage-stack")
@@ -410,7 +429,9 @@ def build(ctx, size: dict) -> Section:
         context.append(("Gemma-3-270M (a pre-trained model trained with its BOS first, whose 512-key sliding windows "
                         f"bind at {GEMMA_LEN:,} tokens): Ruscio et al.'s BOS claim on a real model, and its layer "
                         "types for the architecture claim",
-                        "not run: " + ("the quick run leaves it out (the full run measures it when it is installed)"
+                        "not run: " + (f"its run was refused on this machine ({refused['leakage-gemma']}); the rows "
+                                       "go without it" if refused else
+                                       "the quick run leaves it out (the full run measures it when it is installed)"
                                        if ctx.quick else f"not installed; {INSTALL_GEMMA}, then reproduce again")))
 
     sw = sweep_models(ctx, size)  # the length section's models (the same matrix: trained once, then cached)
