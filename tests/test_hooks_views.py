@@ -1,7 +1,7 @@
 """The reading paths that avoid copies: TransformerLens's per-head attention inputs (hook_attn_in, hook_q_input,
-hook_k_input, hook_v_input) handed to hooks as a broadcast view of the residual stream (`tl_inputs.HeadCopies`,
-materialised in place before a hook writes it or takes a view of it), and attn.hook_result computed by one batched
-GEMM into its own layout (`hooks._per_head_products`).
+hook_k_input, hook_v_input) and hook_mlp_in handed to hooks as a view of the residual stream
+(`lazy_copies.LazyCopies`, materialised in place before a hook writes it or takes a view of it), and attn.hook_result
+computed by one batched GEMM into its own layout (`hooks._per_head_products`).
 
 What must hold, exactly (torch.equal, no tolerance: the values are the same floats as before, only where they live
 changed): a reader sees resid_pre repeated per head, as `x.unsqueeze(2).repeat(...)` made it, and the logits of a
@@ -190,4 +190,37 @@ def test_hook_result_is_the_per_head_einsum_and_writes_take_effect(family):
         return y
 
     a, b = (hm.run(ids, hooks={"blocks.1.attn.hook_result": fn}, logits=True).logits for fn in (zero, zero_clone))
+    assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max()
+
+
+@pytest.mark.parametrize("family", RESULT_FAMILIES)
+@torch.no_grad()
+def test_mlp_in_is_read_without_a_copy_and_a_write_reaches_the_mlp_only(family):
+    model = build(family)
+    hm = HookedModel(model)
+    ids = token_batch(2, 8, seed=8)
+    plain = model(input_ids=ids, use_cache=False).logits
+    parallel = hm.family.layout == "parallel"  # GPT-NeoX, Falcon: a copy of resid_pre (no resid_mid)
+    source = "blocks.1.hook_resid_pre" if parallel else "blocks.1.hook_resid_mid"
+    got = {}
+    hooks = {"blocks.1.hook_mlp_in": _keep(got, "in"), source: _keep(got, "stream")}
+    assert torch.equal(hm.run(ids, hooks=hooks, logits=True).logits, plain)
+    assert torch.equal(got["in"], got["stream"])
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(12))
+
+    def add(x, ctx):
+        x[:, -1] += vector
+
+    def add_clone(x, ctx):
+        y = x.clone()
+        y[:, -1] += vector
+        return y
+
+    stream, out = {}, {}
+    a = hm.run(ids, hooks={"blocks.1.hook_mlp_in": add, source: [_keep(stream, "pre"), _keep(stream, "live", False)],
+                           "blocks.1.hook_attn_out": _keep(out, "a")}, logits=True).logits
+    b = hm.run(ids, hooks={"blocks.1.hook_mlp_in": add_clone, "blocks.1.hook_attn_out": _keep(out, "b")},
+               logits=True).logits
+    assert torch.equal(stream["live"], stream["pre"])  # the stream itself is untouched
+    assert torch.equal(out["a"], out["b"])  # attention (same layer) does not see the MLP's input
     assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max()

@@ -122,6 +122,7 @@ from poslens.engine.families import (
     mlp_block,
     mlp_module,
 )
+from poslens.engine.lazy_copies import LazyCopies, plain
 from poslens.engine.tl_inputs import (
     BUILT_ON,
     GQA_ATTN_IN,
@@ -257,6 +258,16 @@ class _Run:
     # the [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores), the keys a model's mask hides (_hide), ALiBi's
     # bias in TransformerLens's form
     inputs: dict = field(default_factory=dict)  # layer -> written per-head attention inputs (tl_inputs.fire_inputs)
+
+
+def _copy_point(fire, point: str, x: torch.Tensor) -> torch.Tensor:
+    """Fire a point whose value is a copy of x that only what follows reads (hook_mlp_in): the hooks get a copy made
+    only if they write it (`LazyCopies`); x itself when they only read (the model's own tensor, the same values)."""
+    if torch.is_grad_enabled():
+        return fire(point, x.clone())
+    value = LazyCopies.of(x)
+    new = fire(point, value)
+    return x if new is value and not value.written() else plain(new)
 
 
 def _memo(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
@@ -866,7 +877,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
         # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
-        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
+        mlp_in = _copy_point(fire, "hook_mlp_in", x) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
         m = fire("mlp.hook_out", mlp_block(fam, layer_mod)(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
@@ -897,7 +908,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         else:
             a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
         a = fire("hook_attn_out", fire("attn.hook_out", a))  # [B, T, d] after W_O: what is added
-        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in pts else x
+        mlp_in = _copy_point(fire, "hook_mlp_in", x) if "hook_mlp_in" in pts else x
         if fam.ln2 != fam.ln1:  # GPT-NeoX: a norm of its own
             h2 = getattr(layer_mod, fam.ln2)(mlp_in)  # ln2.*
         elif any(f"ln2.{p}" in pts for p in NORM_POINTS):

@@ -8,8 +8,9 @@ changes only that head's q, k or v. As in TransformerLens, attn_in exists only w
 (K = H), and when any of the split points is hooked the split inputs (copies of resid_pre) feed attention and a write
 at attn_in has no effect.
 
-They cost nothing unless hooked, and a hook that only reads them leaves the model's own projections running (logits
-bit-identical to a plain forward). A written copy (replaced, or edited in place: its version counter moved) is
+They cost nothing unless hooked; a hook gets them as a view of x, stride 0 over the heads (`LazyCopies`: made real
+copies in place before a write or a view), and one that only reads them leaves the model's own projections running
+(logits bit-identical to a plain forward). A written copy (replaced, or edited in place: its version counter moved) is
 normed by ln1 (the model's own norm; ln1's points fire once, on the shared input) and projected head by head with
 that head's rows of W_Q, W_K or W_V (and bias): the projection's output is replaced for that part.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from poslens.engine.lazy_copies import LazyCopies, plain
 from poslens.errors import UsageError
 
 SPLIT_POINTS = ("hook_q_input", "hook_k_input", "hook_v_input")
@@ -54,11 +56,11 @@ def fire_inputs(fire, pts: dict, x: torch.Tensor, norm, n_heads: int, n_kv_heads
             seen = value._version
             new = fire(point, value)
             return None if new is value and value._version == seen else new
-        value = HeadCopies.of(x, n)
+        value = LazyCopies.of(x, n)
         new = fire(point, value)
         if new is value and not value.written():
             return None
-        return new.as_subclass(torch.Tensor) if isinstance(new, HeadCopies) else new
+        return plain(new)
 
     if "hook_attn_in" in pts:
         new = copies("hook_attn_in", n_heads)
@@ -72,79 +74,6 @@ def fire_inputs(fire, pts: dict, x: torch.Tensor, norm, n_heads: int, n_kv_heads
                 written[part] = new
     forward = type(norm).forward  # the model's norm, without poslens's points (they fire on the shared input)
     return {part: forward(norm, value) for part, value in written.items()}
-
-
-_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-                               "__imatmul__"})
-_EXPOSE = frozenset({"numpy", "__array__", "data_ptr", "untyped_storage", "storage", "_typed_storage", "__dlpack__",
-                     "set_"})  # hand out the memory itself (a write there would reach the residual stream)
-
-
-class HeadCopies(torch.Tensor):
-    """The residual stream x [B, T, d] as n per-head copies [B, T, n, d], held as a broadcast view of x (stride 0 over
-    the heads: no copy) until a hook writes it. Before the first operation that writes it (an in-place method,
-    `x[:, :, h] = ...`, `out=`), takes a view of it (`x[:, :, h]`, `.view`, `.detach`) or exposes its memory, it is
-    materialised in place (`set_`: the same object now holds n real copies, as TransformerLens's repeat), so every
-    write reaches one head's copy only and never the residual stream; reading it (reductions, products) costs no copy.
-    Results of operations on it are plain tensors."""
-
-    @staticmethod
-    def of(x: torch.Tensor, n: int) -> HeadCopies:
-        """x [B, T, d] seen as n copies [B, T, n, d] (no copy)."""
-        view = x.unsqueeze(2).expand(-1, -1, n, -1).as_subclass(HeadCopies)
-        view._poslens_base = x.untyped_storage().data_ptr()  # the residual stream's memory, shared while broadcast
-        view._poslens_seen = None  # the version right after materialising (None: still a broadcast)
-        return view
-
-    def written(self) -> bool:
-        """Whether a hook wrote it (materialised, then changed)."""
-        seen = self.__dict__.get("_poslens_seen")
-        with torch._C.DisableTorchFunctionSubclass():
-            return seen is not None and self._version != seen
-
-    def _materialise(self) -> None:
-        if self.__dict__.get("_poslens_seen") is not None:
-            return
-        with torch._C.DisableTorchFunctionSubclass():
-            self.set_(self.clone(memory_format=torch.contiguous_format))  # n real copies in place: its own memory
-            self._poslens_seen = self._version
-
-    def _broadcast(self) -> bool:
-        return "_poslens_base" in self.__dict__ and self.__dict__.get("_poslens_seen") is None
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        target = args[0] if args else None
-        if isinstance(target, HeadCopies) and target._broadcast() and (
-                name in _IN_PLACE_DUNDERS or name in _EXPOSE or (name.endswith("_") and not name.startswith("__"))):
-            target._materialise()
-        out_arg = kwargs.get("out")
-        if isinstance(out_arg, HeadCopies):
-            out_arg._materialise()
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
-        # a view of a broadcast (x[:, :, h], x.view(...), x.detach(), x.data): materialise first, then take the view
-        shared = [a for a in (*args, *kwargs.values()) if isinstance(a, HeadCopies) and a._broadcast()
-                  and result is not a and _shares_memory(result, a.__dict__["_poslens_base"])]
-        if shared:
-            for a in shared:
-                a._materialise()
-            with torch._C.DisableTorchFunctionSubclass():
-                result = func(*args, **kwargs)
-        return result
-
-
-def _shares_memory(result, base: int) -> bool:
-    """Whether `result` (a tensor, or a tuple or list of them) is a view of the memory at `base`."""
-    if isinstance(result, torch.Tensor):
-        with torch._C.DisableTorchFunctionSubclass():
-            return result.untyped_storage().data_ptr() == base
-    if isinstance(result, (tuple, list)):
-        return any(_shares_memory(r, base) for r in result)
-    return False
 
 
 def input_projection_hook(inputs_of, parts: list[tuple[str, int, int]]):
