@@ -12,7 +12,9 @@ of this process (`time.process_time`: the machine is shared, wall time would mea
          `hook_q_input`, ..., each a copy of the residual stream per head; `attn.hook_result`, each head's output
          after W_O; `hook_mlp_in`), the points TransformerLens's run_with_cache reads by default.
 
-Reported: the median of each over `--repeats` after a warm-up, and read / plain (issue #36's bar: at most 1.1). The
+Reported: the median of each over `--repeats` after a warm-up, read / plain (issue #36's bar: at most 1.1), and the
+geometric mean of the paired ratios (each repeat's read over the plain forward of the same round) with its 95%
+t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]). The
 logits of both are checked first: within 1e-5 of each other (a read pattern makes attention's output pattern @ v, as
 eager attention computes it), and which forward the read one equals bit for bit (`same_logits`).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import build, eager_twin, token_batch  # noqa: E402
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
+from poslens.engine.stats import t_quantile  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw")
 
@@ -97,7 +101,19 @@ def measure(family: str, args) -> dict:
     return {"points": len(hm.points), "default_points": len(default), "cpu_seconds": median,
             "ratio_read_to_plain": median["read"] / median["plain"],
             "ratio_read_default_to_plain": median["read_default"] / median["plain"],
+            "paired_read": paired(times["read"], times["plain"]),
+            "paired_read_default": paired(times["read_default"], times["plain"]),
             "logits_identical_to": identical, "all": times}
+
+
+def paired(arm: list[float], plain: list[float], level: float = 0.95) -> list[float]:
+    """[geometric mean, low, high] of the ratios arm / plain of each round, with a t-interval over the rounds on the
+    log scale."""
+    logs = [math.log(a / b) for a, b in zip(arm, plain)]
+    mean = statistics.fmean(logs)
+    half = t_quantile((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) \
+        if len(logs) > 1 else math.nan
+    return [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
 
 
 def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
@@ -112,6 +128,10 @@ def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
     if getattr(model.config, "alibi", False):
         return "neither"
     return "eager" if torch.equal(read, eager_twin(model)(input_ids=ids, use_cache=False).logits) else "neither"
+
+
+def _interval(g: list[float]) -> str:
+    return f"{g[0]:.3f} [{g[1]:.3f}, {g[2]:.3f}]"
 
 
 def main() -> None:
@@ -130,9 +150,10 @@ def main() -> None:
     for family in args.families:
         r = out["families"][family] = measure(family, args)
         print(f"{family}: plain {r['cpu_seconds']['plain']:.3f} s, every point read {r['cpu_seconds']['read']:.3f} s "
-              f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x; without TransformerLens's optional points "
-              f"({r['default_points']}): {r['ratio_read_default_to_plain']:.3f}x (logits within 1e-5; bit-identical "
-              f"to: {r['logits_identical_to']})", flush=True)
+              f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x (paired {_interval(r['paired_read'])}); "
+              f"without TransformerLens's optional points ({r['default_points']}): "
+              f"{r['ratio_read_default_to_plain']:.3f}x (paired {_interval(r['paired_read_default'])}) (logits within "
+              f"1e-5; bit-identical to: {r['logits_identical_to']})", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
