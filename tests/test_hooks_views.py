@@ -224,3 +224,42 @@ def test_mlp_in_is_read_without_a_copy_and_a_write_reaches_the_mlp_only(family):
     assert torch.equal(stream["live"], stream["pre"])  # the stream itself is untouched
     assert torch.equal(out["a"], out["b"])  # attention (same layer) does not see the MLP's input
     assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max()
+
+
+@pytest.mark.parametrize("family", ["gptj", "phi"])
+@torch.no_grad()
+def test_the_shared_norms_ln2_reads_ln1s_values_and_a_write_there_reaches_the_mlp_only(family):
+    """GPT-J and Phi: one norm feeds attention and the MLP; TransformerLens's ln2 is that norm again on the MLP's input.
+    Read, ln2's points equal ln1's exactly (the same input, the same operations: handed over as LazyCopies, not
+    computed twice) and the logits stay the eager forward's; TransformerLens's in-place write at ln2 acts as the
+    returned clone, leaves ln1's values (kept by a reader) and attention untouched, and moves the logits."""
+    model = build(family)
+    hm = HookedModel(model)
+    ids = token_batch(2, 8, seed=9)
+    names = [f"blocks.1.{n}.{p}" for n in ("ln1", "ln2") for p in ("hook_scale", "hook_normalized", "hook_out")]
+    got = {}
+    hooks = {n: _keep(got, n) for n in names}
+    reference = hm.run(ids, hooks={"blocks.1.hook_resid_pre": _keep(got, "x")}, logits=True).logits
+    assert torch.equal(hm.run(ids, hooks=hooks, logits=True).logits, reference)
+    for p in ("hook_scale", "hook_normalized", "hook_out"):
+        assert torch.equal(got[f"blocks.1.ln2.{p}"], got[f"blocks.1.ln1.{p}"]), p
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(13))
+    for point in ("hook_normalized", "hook_out"):
+        def add(x, ctx):
+            x[:, -1] += vector
+
+        def add_clone(x, ctx):
+            y = x.clone()
+            y[:, -1] += vector
+            return y
+
+        kept, out = {}, {}
+        hooks = {f"blocks.1.ln1.{p}": _keep(kept, p, copy=False) for p in ("hook_scale", "hook_normalized", "hook_out")}
+        a = hm.run(ids, hooks={**hooks, f"blocks.1.ln2.{point}": add, "blocks.1.attn.hook_out": _keep(out, "a")},
+                   logits=True).logits
+        b = hm.run(ids, hooks={f"blocks.1.ln2.{point}": add_clone, "blocks.1.attn.hook_out": _keep(out, "b")},
+                   logits=True).logits
+        for p in ("hook_scale", "hook_normalized", "hook_out"):  # ln1's tensors, kept by reference: untouched
+            assert torch.equal(kept[p], got[f"blocks.1.ln1.{p}"]), (point, p)
+        assert torch.equal(out["a"], out["b"]), point
+        assert torch.equal(a, b) and (a - reference).abs().max() > 1e-4 * reference.abs().max(), point
