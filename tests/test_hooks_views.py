@@ -1,7 +1,7 @@
 """The reading paths that avoid copies: TransformerLens's per-head attention inputs (hook_attn_in, hook_q_input,
 hook_k_input, hook_v_input) and hook_mlp_in handed to hooks as a view of the residual stream
-(`lazy_copies.LazyCopies`, materialised in place before a hook writes it or takes a view of it), and attn.hook_result
-computed by one batched GEMM into its own layout (`hooks._per_head_products`).
+(`lazy_copies.LazyCopies`, materialised in place before a hook writes it or takes a view of it), GPT-J's and Phi's ln2
+points handed ln1's values, and attn.hook_result (its values and writes, on every family here).
 
 What must hold, exactly (torch.equal, no tolerance: the values are the same floats as before, only where they live
 changed): a reader sees resid_pre repeated per head, as `x.unsqueeze(2).repeat(...)` made it, and the logits of a

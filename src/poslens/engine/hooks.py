@@ -743,8 +743,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """A forward hook on W_O firing attn.hook_result, each head's output [B, T, H, d]; read only, W_O's own output
         stays (bit-identical); written (or edited in place), the output is the heads' sum plus W_O's bias."""
         def hook(module, args, out):
+            z = args[0].unflatten(-1, (heads, -1))  # [B, T, H, D]
             w = module.weight if type(module).__name__ == "Conv1D" else module.weight.T  # [H*D, d]
-            result = _per_head_products(args[0], w.unflatten(0, (heads, -1)))
+            result = torch.einsum("bthk,hkd->bthd", z, w.unflatten(0, (heads, -1)))  # one bmm over the heads
             seen = result._version
             new = self._fire_at(l, "attn.hook_result", result)
             if new is result and result._version == seen:
@@ -1182,19 +1183,6 @@ def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, sc
     b = (key_bias / scaling).to(q.dtype)[..., None]
     ones = torch.ones_like(b)
     return torch.cat([q, ones, -b], -1), torch.cat([k, b, ones], -1)
-
-
-def _per_head_products(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Each head's output after W_O, [..., H, d], from z [..., H * D] and W_O's rows by head w [H, D, d]: one batched
-    GEMM over the heads written straight into the result's layout (no permuted copy of z's product; the same products
-    and sums as einsum("bthk,hkd->bthd"), which autograd gets)."""
-    heads, dh, d = w.shape
-    if torch.is_grad_enabled() and (z.requires_grad or w.requires_grad):
-        return torch.einsum("...hk,hkd->...hd", z.unflatten(-1, (heads, dh)), w)
-    lead = z.shape[:-1]
-    result = torch.empty(*lead, heads, d, dtype=torch.result_type(z, w), device=z.device)
-    torch.bmm(z.reshape(-1, heads, dh).transpose(0, 1), w, out=result.view(-1, heads, d).transpose(0, 1))
-    return result
 
 
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
