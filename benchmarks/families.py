@@ -65,14 +65,33 @@ def model_of(family: str, hidden: int, layers: int):
                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
 
 
-def measure(family: str, args) -> dict:
+def setup(family: str, args):
+    """(model, its HookedModel, the token ids) of one family at the arguments' shape."""
     model = model_of(family, args.hidden, args.layers)
-    hm = HookedModel(model)
-    ids = token_batch(args.batch, args.seq_len, seed=0)
+    return model, HookedModel(model), token_batch(args.batch, args.seq_len, seed=0)
 
-    def read(x, ctx):
-        return None
 
+def interleaved(methods: dict, repeats: int) -> dict[str, list[float]]:
+    """CPU seconds of each method in each of `repeats` rounds (the order rotating every round), after a warm-up
+    round."""
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    names = list(methods)
+    for r in range(repeats + 1):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.process_time()
+            methods[name]()
+            if r:  # the first round warms up
+                times[name].append(time.process_time() - start)
+    return times
+
+
+def read(x, ctx) -> None:
+    """A reader that takes the value and keeps nothing."""
+    return None
+
+
+def measure(family: str, args) -> dict:
+    model, hm, ids = setup(family, args)
     hooks = {p: read for p in hm.points}
     # TransformerLens's default set: without its optional points (per-head inputs, attn.hook_result, hook_mlp_in)
     default = {p: read for p in hm.points if p.split(".", 2)[-1] not in OPTIONAL}
@@ -89,14 +108,7 @@ def measure(family: str, args) -> dict:
     methods = {"plain": plain, "read": hooked, "read_default": hooked_default}
     with torch.no_grad():
         identical = same_logits(model, ids, plain(), hooked())
-        times: dict[str, list[float]] = {m: [] for m in methods}
-        names = list(methods)
-        for r in range(args.repeats + 1):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                start = time.process_time()
-                methods[name]()
-                if r:  # the first round warms up
-                    times[name].append(time.process_time() - start)
+        times = interleaved(methods, args.repeats)
     median = {m: statistics.median(t) for m, t in times.items()}
     return {"points": len(hm.points), "default_points": len(default), "cpu_seconds": median,
             "ratio_read_to_plain": median["read"] / median["plain"],
@@ -130,20 +142,25 @@ def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
     return "eager" if torch.equal(read, eager_twin(model)(input_ids=ids, use_cache=False).logits) else "neither"
 
 
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The models' and the tokens' shape, the repeats, the families and --out (shared with hook_costs.py)."""
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--out", default=None)
+
+
 def _interval(g: list[float]) -> str:
     return f"{g[0]:.3f} [{g[1]:.3f}, {g[2]:.3f}]"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=7)
+    add_shape_args(p)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = {"config": vars(args), "torch": torch.__version__, "families": {}}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from families import FAMILIES, model_of, paired  # noqa: E402
-from tiny_models import token_batch  # noqa: E402
+from families import add_shape_args, interleaved, paired, read, setup  # noqa: E402
 
 from poslens.engine.hooks import HookedModel  # noqa: E402
 
@@ -59,39 +57,21 @@ def arms_of(hm: HookedModel) -> dict[str, list[str]]:
 
 
 def measure(family: str, args) -> dict:
-    model = model_of(family, args.hidden, args.layers)
-    hm = HookedModel(model)
-    ids = token_batch(args.batch, args.seq_len, seed=0)
-
-    def read(x, ctx):
-        return None
+    model, hm, ids = setup(family, args)
 
     def arm(points: list[str]):
         hooks = {p: read for p in points}
         return lambda: hm.run(ids, hooks=hooks, logits=True)
 
     methods = {"plain": lambda: model(input_ids=ids, use_cache=False), **{n: arm(p) for n, p in arms_of(hm).items()}}
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    names = list(methods)
     with torch.no_grad():
-        for r in range(args.repeats + 1):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                start = time.process_time()
-                methods[name]()
-                if r:  # the first round warms up
-                    times[name].append(time.process_time() - start)
+        times = interleaved(methods, args.repeats)
     return {name: paired(t, times["plain"]) for name, t in times.items() if name != "plain"} | {"all_times": times}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    p.add_argument("--out", default=None)
+    add_shape_args(p)
     args = p.parse_args()
     torch.set_num_threads(1)
     out = {"config": vars(args), "torch": torch.__version__, "families": {}}

@@ -193,6 +193,21 @@ def test_hook_result_is_the_per_head_einsum_and_writes_take_effect(family):
     assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max()
 
 
+def _last_position_edits(width: int, seed: int):
+    """(in place, on a returned clone): a random vector added at the last position of a [B, T, d] value."""
+    vector = torch.randn(width, generator=torch.Generator().manual_seed(seed))
+
+    def add(x, ctx):
+        x[:, -1] += vector
+
+    def add_clone(x, ctx):
+        y = x.clone()
+        y[:, -1] += vector
+        return y
+
+    return add, add_clone
+
+
 @pytest.mark.parametrize("family", RESULT_FAMILIES)
 @torch.no_grad()
 def test_mlp_in_is_read_without_a_copy_and_a_write_reaches_the_mlp_only(family):
@@ -206,16 +221,7 @@ def test_mlp_in_is_read_without_a_copy_and_a_write_reaches_the_mlp_only(family):
     hooks = {"blocks.1.hook_mlp_in": _keep(got, "in"), source: _keep(got, "stream")}
     assert torch.equal(hm.run(ids, hooks=hooks, logits=True).logits, plain)
     assert torch.equal(got["in"], got["stream"])
-    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(12))
-
-    def add(x, ctx):
-        x[:, -1] += vector
-
-    def add_clone(x, ctx):
-        y = x.clone()
-        y[:, -1] += vector
-        return y
-
+    add, add_clone = _last_position_edits(model.config.hidden_size, seed=12)
     stream, out = {}, {}
     a = hm.run(ids, hooks={"blocks.1.hook_mlp_in": add, source: [_keep(stream, "pre"), _keep(stream, "live", False)],
                            "blocks.1.hook_attn_out": _keep(out, "a")}, logits=True).logits
@@ -243,16 +249,8 @@ def test_the_shared_norms_ln2_reads_ln1s_values_and_a_write_there_reaches_the_ml
     assert torch.equal(hm.run(ids, hooks=hooks, logits=True).logits, reference)
     for p in ("hook_scale", "hook_normalized", "hook_out"):
         assert torch.equal(got[f"blocks.1.ln2.{p}"], got[f"blocks.1.ln1.{p}"]), p
-    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(13))
+    add, add_clone = _last_position_edits(model.config.hidden_size, seed=13)
     for point in ("hook_normalized", "hook_out"):
-        def add(x, ctx):
-            x[:, -1] += vector
-
-        def add_clone(x, ctx):
-            y = x.clone()
-            y[:, -1] += vector
-            return y
-
         kept, out = {}, {}
         hooks = {f"blocks.1.ln1.{p}": _keep(kept, p, copy=False) for p in ("hook_scale", "hook_normalized", "hook_out")}
         a = hm.run(ids, hooks={**hooks, f"blocks.1.ln2.{point}": add, "blocks.1.attn.hook_out": _keep(out, "a")},
