@@ -12,7 +12,9 @@ of this process (`time.process_time`: the machine is shared, wall time would mea
          `hook_q_input`, ..., each a copy of the residual stream per head; `attn.hook_result`, each head's output
          after W_O; `hook_mlp_in`), the points TransformerLens's run_with_cache reads by default.
 
-Reported: the median of each over `--repeats` after a warm-up, and read / plain (issue #36's bar: at most 1.1). The
+Reported: the median of each over `--repeats` after a warm-up, read / plain (issue #36's bar: at most 1.1), and the
+geometric mean of the paired ratios (each repeat's read over the plain forward of the same round) with its 95%
+t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]). The
 logits of both are checked first: within 1e-5 of each other (a read pattern makes attention's output pattern @ v, as
 eager attention computes it), and which forward the read one equals bit for bit (`same_logits`).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import build, eager_twin, token_batch  # noqa: E402
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
+from poslens.engine.stats import t_quantile  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw")
 
@@ -61,14 +65,33 @@ def model_of(family: str, hidden: int, layers: int):
                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
 
 
-def measure(family: str, args) -> dict:
+def setup(family: str, args):
+    """(model, its HookedModel, the token ids) of one family at the arguments' shape."""
     model = model_of(family, args.hidden, args.layers)
-    hm = HookedModel(model)
-    ids = token_batch(args.batch, args.seq_len, seed=0)
+    return model, HookedModel(model), token_batch(args.batch, args.seq_len, seed=0)
 
-    def read(x, ctx):
-        return None
 
+def interleaved(methods: dict, repeats: int) -> dict[str, list[float]]:
+    """CPU seconds of each method in each of `repeats` rounds (the order rotating every round), after a warm-up
+    round."""
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    names = list(methods)
+    for r in range(repeats + 1):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.process_time()
+            methods[name]()
+            if r:  # the first round warms up
+                times[name].append(time.process_time() - start)
+    return times
+
+
+def read(x, ctx) -> None:
+    """A reader that takes the value and keeps nothing."""
+    return None
+
+
+def measure(family: str, args) -> dict:
+    model, hm, ids = setup(family, args)
     hooks = {p: read for p in hm.points}
     # TransformerLens's default set: without its optional points (per-head inputs, attn.hook_result, hook_mlp_in)
     default = {p: read for p in hm.points if p.split(".", 2)[-1] not in OPTIONAL}
@@ -85,19 +108,24 @@ def measure(family: str, args) -> dict:
     methods = {"plain": plain, "read": hooked, "read_default": hooked_default}
     with torch.no_grad():
         identical = same_logits(model, ids, plain(), hooked())
-        times: dict[str, list[float]] = {m: [] for m in methods}
-        names = list(methods)
-        for r in range(args.repeats + 1):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                start = time.process_time()
-                methods[name]()
-                if r:  # the first round warms up
-                    times[name].append(time.process_time() - start)
+        times = interleaved(methods, args.repeats)
     median = {m: statistics.median(t) for m, t in times.items()}
     return {"points": len(hm.points), "default_points": len(default), "cpu_seconds": median,
             "ratio_read_to_plain": median["read"] / median["plain"],
             "ratio_read_default_to_plain": median["read_default"] / median["plain"],
+            "paired_read": paired(times["read"], times["plain"]),
+            "paired_read_default": paired(times["read_default"], times["plain"]),
             "logits_identical_to": identical, "all": times}
+
+
+def paired(arm: list[float], plain: list[float], level: float = 0.95) -> list[float]:
+    """[geometric mean, low, high] of the ratios arm / plain of each round, with a t-interval over the rounds on the
+    log scale."""
+    logs = [math.log(a / b) for a, b in zip(arm, plain)]
+    mean = statistics.fmean(logs)
+    half = t_quantile((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) \
+        if len(logs) > 1 else math.nan
+    return [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
 
 
 def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
@@ -114,25 +142,35 @@ def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
     return "eager" if torch.equal(read, eager_twin(model)(input_ids=ids, use_cache=False).logits) else "neither"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The models' and the tokens' shape, the repeats, the families and --out (shared with hook_costs.py)."""
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--out", default=None)
+
+
+def _interval(g: list[float]) -> str:
+    return f"{g[0]:.3f} [{g[1]:.3f}, {g[2]:.3f}]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = {"config": vars(args), "torch": torch.__version__, "families": {}}
     for family in args.families:
         r = out["families"][family] = measure(family, args)
         print(f"{family}: plain {r['cpu_seconds']['plain']:.3f} s, every point read {r['cpu_seconds']['read']:.3f} s "
-              f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x; without TransformerLens's optional points "
-              f"({r['default_points']}): {r['ratio_read_default_to_plain']:.3f}x (logits within 1e-5; bit-identical "
-              f"to: {r['logits_identical_to']})", flush=True)
+              f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x (paired {_interval(r['paired_read'])}); "
+              f"without TransformerLens's optional points ({r['default_points']}): "
+              f"{r['ratio_read_default_to_plain']:.3f}x (paired {_interval(r['paired_read_default'])}) (logits within "
+              f"1e-5; bit-identical to: {r['logits_identical_to']})", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -122,6 +122,7 @@ from poslens.engine.families import (
     mlp_block,
     mlp_module,
 )
+from poslens.engine.lazy_copies import LazyCopies, plain
 from poslens.engine.tl_inputs import (
     BUILT_ON,
     GQA_ATTN_IN,
@@ -257,6 +258,18 @@ class _Run:
     # the [Tq, Tk] 0 / -inf bias of the implicit mask (_dense_scores), the keys a model's mask hides (_hide), ALiBi's
     # bias in TransformerLens's form
     inputs: dict = field(default_factory=dict)  # layer -> written per-head attention inputs (tl_inputs.fire_inputs)
+    shared_norm: dict = field(default_factory=dict)  # layer -> (scale, normalized, output) of GPT-J's and Phi's one
+    # norm at ln1, untouched by its hooks: ln2's points read them again (`_layer_norm`)
+
+
+def _copy_point(fire, point: str, x: torch.Tensor) -> torch.Tensor:
+    """Fire a point whose value is a copy of x that only what follows reads (hook_mlp_in): the hooks get a copy made
+    only if they write it (`LazyCopies`); x itself when they only read (the model's own tensor, the same values)."""
+    if torch.is_grad_enabled():
+        return fire(point, x.clone())
+    value = LazyCopies.of(x)
+    new = fire(point, value)
+    return x if new is value and not value.written() else plain(new)
 
 
 def _memo(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
@@ -732,7 +745,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         def hook(module, args, out):
             z = args[0].unflatten(-1, (heads, -1))  # [B, T, H, D]
             w = module.weight if type(module).__name__ == "Conv1D" else module.weight.T  # [H*D, d]
-            result = torch.einsum("bthk,hkd->bthd", z, w.unflatten(0, (heads, -1)))
+            result = torch.einsum("bthk,hkd->bthd", z, w.unflatten(0, (heads, -1)))  # one bmm over the heads
             seen = result._version
             new = self._fire_at(l, "attn.hook_result", result)
             if new is result and result._version == seen:
@@ -768,10 +781,13 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         return hook
 
-    def _layer_norm(self, module, prefix: str, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+    def _layer_norm(self, module, prefix: str, layer: int | None, x: torch.Tensor,
+                    given: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """LayerNorm with TransformerLens's points: scale sqrt(var(x) + eps) and normalized (x - mean) / scale (float32,
         before the gain and bias), then the output. Unless a hook replaced the scale or the normalized value, the output
-        is the module's own (bit-identical); else normalized * w + b."""
+        is the module's own (bit-identical); else normalized * w + b. `given`: (scale, normalized, output) of this norm
+        on the same x, already computed and untouched (GPT-J's and Phi's ln2, which is their ln1 again): the hooks get
+        `LazyCopies` of them instead of a second computation (the same floats; copied only if a hook writes)."""
         fns = self._run.by_point
 
         def fire(point: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -780,10 +796,21 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 return t, False
             seen = t._version
             new = self._fire(name, layer, t, fns[name])
+            if isinstance(t, LazyCopies):
+                return plain(new), new is not t or t.written()
             return new, new is not t or t._version != seen
 
-        changed = False
-        if f"{prefix}.hook_scale" in fns or f"{prefix}.hook_normalized" in fns:
+        changed, hooked = False, f"{prefix}.hook_scale" in fns or f"{prefix}.hook_normalized" in fns
+        if hooked and given is not None:
+            scale, changed = fire("hook_scale", LazyCopies.of(given[0]))
+            if changed:  # a new scale: normalized from it, as below
+                x32 = x.float()
+                normalized = (x32 - x32.mean(-1, keepdim=True)) / scale
+            else:
+                normalized = LazyCopies.of(given[1])
+            normalized, written = fire("hook_normalized", normalized)
+            changed |= written
+        elif hooked:
             x32 = x.float()
             centred = x32 - x32.mean(-1, keepdim=True)
             scale, changed = fire("hook_scale", (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt())
@@ -791,17 +818,28 @@ class HookedModel(TransformerLensSurface, TLWeights):
             changed |= written
         if changed:
             out = (normalized * module.weight.float() + module.bias.float()).to(x.dtype)
+        elif given is not None:
+            out = given[2]
         else:
             out = type(module).forward(module, x)
-        new, written = fire("hook_out", out)
-        return new if written and new is not out else out
+        new, written = fire("hook_out", LazyCopies.of(out) if given is not None and not changed else out)
+        if hooked and not (changed or written) and self._shared_ln1(prefix) and not torch.is_grad_enabled():
+            self._run.shared_norm[layer] = (scale, normalized, out)  # for ln2's points (`_parallel_block`)
+        return new if written else out
 
-    def _norm(self, module, prefix: str, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+    def _shared_ln1(self, prefix: str) -> bool:
+        """Whether `prefix` is the ln1 of a family where one norm feeds attention and the MLP (GPT-J, Phi)."""
+        fam = self.family
+        return fam.layout == "parallel" and fam.ln2 == fam.ln1 and prefix.endswith(".ln1")
+
+    def _norm(self, module, prefix: str, layer: int | None, x: torch.Tensor,
+              given: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """The family's RMSNorm (the model's own operations, so outputs stay bit-identical) with its points:
         TransformerLens's scale sqrt(mean(x^2) + eps) and normalized x / scale (float32, before the gain), and the
-        output after the gain. q/k norms show TransformerLens's flattened layout [B*T*heads, .]."""
+        output after the gain. q/k norms show TransformerLens's flattened layout [B*T*heads, .]. A LayerNorm family
+        goes to `_layer_norm` (with `given`)."""
         if self.family.norm_kind == "layer":
-            return self._layer_norm(module, prefix, layer, x)
+            return self._layer_norm(module, prefix, layer, x, given)
         flat = prefix.endswith(("q_norm", "k_norm")) and not self.family.qk_norm_whole  # OLMo-2's: [B, T, H*D]
         heads_first = flat and self.family.qk_norm_heads_first  # Gemma-3 norms [B, heads, T, D]
         fns = self._run.by_point
@@ -867,7 +905,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         drop_attn = getattr(layer_mod, "resid_attn_dropout", None)  # Phi-3's residual dropouts: identities in eval
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
         # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
-        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
+        mlp_in = _copy_point(fire, "hook_mlp_in", x) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
         m = fire("mlp.hook_out", mlp_block(fam, layer_mod)(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
@@ -898,11 +936,12 @@ class HookedModel(TransformerLensSurface, TLWeights):
         else:
             a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
         a = fire("hook_attn_out", fire("attn.hook_out", a))  # [B, T, d] after W_O: what is added
-        mlp_in = fire("hook_mlp_in", x.clone()) if "hook_mlp_in" in pts else x
+        mlp_in = _copy_point(fire, "hook_mlp_in", x) if "hook_mlp_in" in pts else x
         if fam.ln2 != fam.ln1:  # GPT-NeoX: a norm of its own
             h2 = getattr(layer_mod, fam.ln2)(mlp_in)  # ln2.*
         elif any(f"ln2.{p}" in pts for p in NORM_POINTS):
-            h2 = self._norm(ln1, f"blocks.{l}.ln2", l, mlp_in)  # ln2.*: the shared norm's points again
+            given = self._run.shared_norm.pop(l, None) if mlp_in is x else None  # ln1's values on the same input
+            h2 = self._norm(ln1, f"blocks.{l}.ln2", l, mlp_in, given)  # ln2.*: the shared norm's points again
         elif mlp_in is x and not any(f"ln1.{p}" in pts for p in NORM_POINTS):
             h2 = h  # nothing hooked: the model's one output
         else:

@@ -8,8 +8,9 @@ changes only that head's q, k or v. As in TransformerLens, attn_in exists only w
 (K = H), and when any of the split points is hooked the split inputs (copies of resid_pre) feed attention and a write
 at attn_in has no effect.
 
-They cost nothing unless hooked, and a hook that only reads them leaves the model's own projections running (logits
-bit-identical to a plain forward). A written copy (replaced, or edited in place: its version counter moved) is
+They cost nothing unless hooked; a hook gets them as a view of x, stride 0 over the heads (`LazyCopies`: made real
+copies in place before a write or a view), and one that only reads them leaves the model's own projections running
+(logits bit-identical to a plain forward). A written copy (replaced, or edited in place: its version counter moved) is
 normed by ln1 (the model's own norm; ln1's points fire once, on the shared input) and projected head by head with
 that head's rows of W_Q, W_K or W_V (and bias): the projection's output is replaced for that part.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from poslens.engine.lazy_copies import LazyCopies, plain
 from poslens.errors import UsageError
 
 SPLIT_POINTS = ("hook_q_input", "hook_k_input", "hook_v_input")
@@ -49,10 +51,16 @@ def fire_inputs(fire, pts: dict, x: torch.Tensor, norm, n_heads: int, n_kv_heads
 
     def copies(point: str, n: int) -> torch.Tensor | None:
         """The copies after the point's hooks, or None when they only read them."""
-        value = x.unsqueeze(2).repeat(1, 1, n, 1)  # one copy per head (a write to one leaves the others)
-        seen = value._version
+        if torch.is_grad_enabled():  # autograd: real copies (a broadcast's storage cannot be swapped under autograd)
+            value = x.unsqueeze(2).repeat(1, 1, n, 1)  # one copy per head (a write to one leaves the others)
+            seen = value._version
+            new = fire(point, value)
+            return None if new is value and value._version == seen else new
+        value = LazyCopies.of(x, n)
         new = fire(point, value)
-        return None if new is value and value._version == seen else new
+        if new is value and not value.written():
+            return None
+        return plain(new)
 
     if "hook_attn_in" in pts:
         new = copies("hook_attn_in", n_heads)
