@@ -51,6 +51,9 @@ def one_pass(model, ids: torch.Tensor, stats: list[LeakageMaps], shift: int = 0)
         for stat in stats:
             stat.group = b
         hm.run(batch, hooks=hooks)
+        for stat in stats:
+            if hasattr(stat, "end_batch"):
+                stat.end_batch()
 
 
 def ids(n: int = 8, t: int = 20, seed: int = 0) -> torch.Tensor:
@@ -142,6 +145,26 @@ def test_layer_maps_give_the_per_head_maps_layer_metrics_exactly(family):
         assert bool(ok.all()), (k, (x1 - x2).abs().nan_to_num().max())
 
 
+def test_the_memory_estimate_of_a_group_is_what_the_sums_hold():
+    """`group_bytes` (what the command's memory estimate multiplies by groups and passes) equals the bytes the sums of
+    each class hold after a pass, per group: the estimate cannot drift from the storage. On a Llama-3.1-8B shape at
+    512 tokens and the defaults (8 groups; 3 passes per head, 4 head-mean) the maps' part is 68.7 GiB, not the
+    125.2 GiB of one per-head class for every pass (the estimate: every pass's sums twice, and 8 groups' worth for
+    the estimates' replicates)."""
+    model = build("mistral")  # a sliding-window layer too
+    c = model.config
+    for cls in (LeakageMaps, LayerMaps):
+        stat = cls(groups=4, domains=DOMAINS)
+        one_pass(model, ids(), [stat])
+        held = sum(v.nbytes for v in stat.sums.sums.values())
+        assert held == 4 * cls.group_bytes(c.num_hidden_layers, c.num_attention_heads, 20)
+    L, H, T = 32, 32, 512
+    total = 2 * 8 * (3 * LeakageMaps.group_bytes(L, H, T) + 4 * LayerMaps.group_bytes(L, H, T)) \
+        + 8 * LeakageMaps.group_bytes(L, H, T)
+    assert round(total / 2**30, 1) == 68.7
+    assert LayerMaps.group_bytes(L, H, T) < LeakageMaps.group_bytes(L, H, T) / 9
+
+
 def test_a_score_that_is_not_finite_under_the_mask_is_refused_when_the_sums_are_read():
     """The mask is checked on the device while the passes run and read once: a NaN score where a key is seen makes
     every read of the pass's sums a one-line error (the lag fit assumes the implicit causal mask)."""
@@ -160,3 +183,31 @@ def test_a_score_that_is_not_finite_under_the_mask_is_refused_when_the_sums_are_
         with pytest.raises(UsageError, match="needs a causal mask") as e:
             read()
         assert str(e.value) == NOT_CAUSAL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_sums_stay_on_the_device_and_give_the_cpu_numbers():
+    """On a GPU every sum, the predecessor's rows and position 0's states accumulate on the device (nothing copied
+    per batch) and the metrics equal the CPU run's: float32 scores from another GEMM differ by ~1e-6 relative, so
+    every per-layer metric agrees to 1e-4 of its magnitude plus 1e-6 of the largest value of that metric."""
+    from poslens.analyses.leakage.predecessor import DeltaR2Rows
+    from poslens.analyses.leakage.run import Position0
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = {}
+    for device in ("cpu", "cuda"):
+        model = build("llama").to(device)
+        stats = [LeakageMaps(groups=4, domains=DOMAINS), DeltaR2Rows(), Position0(4)]
+        one_pass(model, ids().to(device), stats)
+        maps, rows, position = stats
+        if device == "cuda":
+            assert all(t.is_cuda for t in (*maps.sums.sums.values(), *maps.sums.counts.values(), *rows.rows,
+                                           *position.rows.parts["states"]))
+            maps.sums.to("cpu")
+        out[device] = (maps.sums.estimate(maps.layer_metrics), rows.values(), position.spread().value)
+    for k in ("value", "lo", "hi"):
+        x1, x2 = getattr(out["cpu"][0], k), getattr(out["cuda"][0], k)
+        scale = x1.abs().nan_to_num().amax(-1, keepdim=True)
+        assert bool((x1.isnan() | ((x1 - x2).abs() <= 1e-4 * x1.abs() + 1e-6 * scale)).all()), k
+    torch.testing.assert_close(out["cuda"][1], out["cpu"][1], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out["cuda"][2], out["cpu"][2], rtol=1e-4, atol=1e-6)

@@ -271,6 +271,14 @@ class LeakageMaps(Statistic):
                 += total
         self.sums.buffer(MEAN_SCORES, group, (self._layers, t, t), device=z.device)[layer] += total.double().sum(0) / h
 
+    @classmethod
+    def group_bytes(cls, layers: int, heads: int, tokens: int) -> int:
+        """The bytes of one group's sums (without their counts) on a model of `layers` x `heads` at `tokens`:
+        the per-head float32 scores (`per_head`), the float64 head-mean scores, the float64 log-partitions, lag
+        log-partitions and attention on key 0 per head, the float32 head-mean probabilities."""
+        per_head = layers * heads * tokens * tokens * 4 if cls.per_head else 0
+        return per_head + layers * tokens * tokens * 8 + 3 * layers * heads * tokens * 8 + layers * tokens * tokens * 4
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         self.check_masks()  # a checkpoint holds only batches whose mask was checked (a resumed run has no flag)
         return super().state_dict()

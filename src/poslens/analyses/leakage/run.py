@@ -198,10 +198,8 @@ class Leakage(Analysis):
         L, H, T, d = job.hm.n_layers, c.num_attention_heads, cfg.seq_len, c.hidden_size
         n = cfg.num_sequences or DEFAULT_SEQUENCES
         heads, layers = 1 + len(cfg.specs), len(cfg.null_passes) + len(cfg.offset_specs)  # LeakageMaps, LayerMaps
-        # the head-mean scores (float64), log-partitions, attention on key 0, head-mean probabilities
-        rest = L * T * T * 8 + 3 * L * H * T * 8 + L * T * T * 4
-        per_group = L * H * T * T * 4 + rest  # LeakageMaps' sums of one group (LayerMaps': `rest`)
-        sums = cfg.groups * (heads * per_group + layers * rest)
+        per_group = LeakageMaps.group_bytes(L, H, T)
+        sums = cfg.groups * (heads * per_group + layers * LayerMaps.group_bytes(L, H, T))
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
                 # every pass's sums, twice while a checkpoint is written, and the estimates' replicates
                 "grouped sums of the maps": (2 * sums + 4 * per_group * 2, "seq_len"),
