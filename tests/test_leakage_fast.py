@@ -211,3 +211,18 @@ def test_on_cuda_the_sums_stay_on_the_device_and_give_the_cpu_numbers():
         assert bool((x1.isnan() | ((x1 - x2).abs() <= 1e-4 * x1.abs() + 1e-6 * scale)).all()), k
     torch.testing.assert_close(out["cuda"][1], out["cpu"][1], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(out["cuda"][2], out["cpu"][2], rtol=1e-4, atol=1e-6)
+
+
+def test_sums_restored_on_the_cpu_move_to_the_device_the_batches_accumulate_on():
+    """A run resumed on an accelerator: the checkpoint's sums load on the CPU and move, with their counts, to the
+    device of the next batch's `buffer` (the meta device stands in for one here: only where the tensors live is
+    checked); an in-place addition across devices would fail."""
+    from poslens.engine.stats import GroupedSums
+
+    sums = GroupedSums(2)
+    sums.buffer("x", 0, (3,))[:] += 1.0
+    restored = GroupedSums(2)
+    restored.load_state_dict(sums.state_dict())
+    assert restored.sums["x"].device.type == "cpu"
+    assert restored.buffer("x", 1, (3,), device=torch.device("meta")).device.type == "meta"
+    assert restored.counts["x"].device.type == "meta"

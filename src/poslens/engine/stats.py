@@ -234,8 +234,11 @@ class GroupedSums:
 
     def buffer(self, name: str, group: int, shape: tuple[int, ...], count_shape: tuple[int, ...] = (),
                dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> torch.Tensor:
-        """The sum tensor of (name, group), at least `shape`, for accumulating into in place (e.g. a GEMM)."""
+        """The sum tensor of (name, group), at least `shape`, for accumulating into in place (e.g. a GEMM); on
+        `device` when given (sums restored from a checkpoint on the CPU move there once)."""
         self._ensure(name, shape, count_shape, dtype, device)
+        if device is not None and self.device is None and self.sums[name].device != torch.device(device):
+            self.sums[name], self.counts[name] = self.sums[name].to(device), self.counts[name].to(device)
         return self.sums[name][group % self.groups]
 
     def count_buffer(self, name: str, group: int) -> torch.Tensor:
