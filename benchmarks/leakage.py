@@ -5,13 +5,16 @@ sequences (run by hand, not a test; the bar: under 10 minutes for SmolLM2-135M o
     .venv/bin/python benchmarks/leakage.py                                   # smollm2-135m, defaults, the bar
     .venv/bin/python benchmarks/leakage.py --num-sequences 16 --groups 2     # a small check that it works
     .venv/bin/python benchmarks/leakage.py --out benchmarks/results/cpu-DATE-leakage/timing.json
+    PYTHONPATH=OTHER/src python benchmarks/leakage.py --model DIR --num-sequences 16 --groups 2 --keep RUN  # one arm
     python3 benchmarks/leakage.py --model DIR --device cuda --dtype bfloat16 --seq-len 512 --num-sequences 128  # GPU
 
 Plain forwards first (`model(ids)`, SDPA, logits; one warm-up batch not timed) over exactly the sequences the
 command cuts (windows inside documents when the defaults need them), then the command itself in the same process
 (`poslens.cli.main`: loading, passes, summary, figures, run.json, the printed summary). Prints and writes the wall
 times, their ratio, the command's own split (passes_s: loading, cutting and the passes; after_passes_s: estimates,
-contrasts, tests, figures), the load average and the threads: on a loaded machine only the ratio means anything.
+contrasts, tests, figures), the CPU times of both (`ratio_cpu`: the steadier ratio on a shared machine), the load
+average and the threads: on a loaded machine only the ratios mean anything. `--keep DIR` keeps the run directory,
+so two trees' arms (PYTHONPATH) can be compared number for number.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: the command's (auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--keep", default=None, help="keep the command's run directory here (to compare two trees' "
+                    "numbers); default: a temporary one, removed")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,20 +79,21 @@ def main() -> None:
     with torch.no_grad():
         model(input_ids=batches[0], use_cache=False)  # warm-up
         sync()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for batch in batches:
             model(input_ids=batch, use_cache=False)
         sync()
-    plain = time.perf_counter() - started
+    plain, plain_cpu = time.perf_counter() - started, time.process_time() - cpu
     del model
     out = tempfile.mkdtemp(prefix="leakage-bench-")
+    run = args.keep or os.path.join(out, "run")
     try:
         printed = io.StringIO()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         with contextlib.redirect_stdout(printed):
-            code = poslens_main(["leakage", cfg.model, *flags, "--quiet", "--out", os.path.join(out, "run")])
-        wall = time.perf_counter() - started
-        meta = json.loads((Path(out) / "run" / "run.json").read_text()) if code == 0 else {}
+            code = poslens_main(["leakage", cfg.model, *flags, "--quiet", "--out", run])
+        wall, wall_cpu = time.perf_counter() - started, time.process_time() - cpu
+        meta = json.loads((Path(run) / "run.json").read_text()) if code == 0 else {}
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if code != 0:
@@ -103,6 +109,8 @@ def main() -> None:
               "nulls": cfg.null_passes, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
               "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),
               "load_average": os.getloadavg(), "plain_forward_s": round(plain, 2), "leakage_s": round(wall, 2),
+              "plain_forward_cpu_s": round(plain_cpu, 2), "leakage_cpu_s": round(wall_cpu, 2),
+              "ratio_cpu": round(wall_cpu / plain_cpu, 2),
               "passes_s": round(timings["compute_seconds"], 2),
               "after_passes_s": round(timings["seconds"] - timings["compute_seconds"], 2),
               "ratio": round(wall / plain, 2), "ratio_per_pass": round(wall / plain / passes, 2),

@@ -76,7 +76,7 @@ def synthetic_pass(seed: int, reps: int, groups: int = 8, per_group: int = 4, n:
     for group in range(groups):
         s = base + torch.randn(per_group, reps, n, n, generator=g)
         stat.group = group
-        stat._read(s.masked_fill(j > i, -math.inf), SimpleNamespace(layer=0, attention_mask=None))
+        stat._read(s.masked_fill(j > i, -math.inf), SimpleNamespace(layer=0, attention_mask=None, window=0))
     return stat
 
 

@@ -162,6 +162,36 @@ def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return F.pad(t, pad)
 
 
+@dataclass(frozen=True)
+class Evaluations:
+    """A function of grouped means on the pooled means (`value`) and on each leave-one-group-out means
+    (`replicates` [k, ...] over `groups`, the groups that held data; None with fewer than two):
+    `GroupedSums.evaluate`."""
+
+    value: torch.Tensor
+    replicates: torch.Tensor | None
+    groups: tuple[int, ...]
+
+
+def combine(fn: Callable[..., torch.Tensor], parts: Sequence[Evaluations], level: float = 0.95,
+            keep: bool = False) -> Estimate:
+    """The jackknife Estimate of fn(a, b, ...) from evaluations of a, b, ... on the same groups of the same sequences
+    (each pass's statistics evaluated once, reused by every function of them): fn of the values, and fn of each
+    group's replicates, so the interval of a function of several passes is paired. Equal to `GroupedSums.estimate`
+    of the same function on the joint sums, number for number."""
+    groups = {p.groups for p in parts}
+    if len(groups) != 1:
+        raise UsageError(f"estimates on different groups of sequences cannot be combined: {sorted(groups)}")
+    held = groups.pop()
+    value = torch.as_tensor(fn(*(p.value for p in parts)), dtype=torch.float64)
+    if len(held) < 2:
+        nan = torch.full_like(value, math.nan)
+        return Estimate(value, nan, nan.clone(), nan.clone(), len(held), level, "jackknife")
+    reps = torch.stack([torch.as_tensor(fn(*(p.replicates[k] for p in parts)), dtype=torch.float64)
+                        for k in range(len(held))])
+    return jackknife(value, reps, level, keep)
+
+
 class Means(Mapping):
     """The pooled means of a GroupedSums by name, each computed when first read (a function of a few quantities
     does not pay for the others: maps of long sequences are GBs)."""
@@ -204,8 +234,11 @@ class GroupedSums:
 
     def buffer(self, name: str, group: int, shape: tuple[int, ...], count_shape: tuple[int, ...] = (),
                dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> torch.Tensor:
-        """The sum tensor of (name, group), at least `shape`, for accumulating into in place (e.g. a GEMM)."""
+        """The sum tensor of (name, group), at least `shape`, for accumulating into in place (e.g. a GEMM); on
+        `device` when given (sums restored from a checkpoint on the CPU move there once)."""
         self._ensure(name, shape, count_shape, dtype, device)
+        if device is not None and self.device is None and self.sums[name].device != torch.device(device):
+            self.sums[name], self.counts[name] = self.sums[name].to(device), self.counts[name].to(device)
         return self.sums[name][group % self.groups]
 
     def count_buffer(self, name: str, group: int) -> torch.Tensor:
@@ -287,16 +320,17 @@ class GroupedSums:
         the interval is NaN (a single group gives no spread to measure)."""
         check_float("level", level, 0.0, 1.0, lo_open=True, hi_open=True)
         check_choice("method", method, METHODS)
-        totals = self._totals() if method == "jackknife" else None
-        value = torch.as_tensor(fn(self._means(totals=totals)), dtype=torch.float64)
+        if method == "jackknife":
+            ev = self.evaluate(fn)
+            if ev.replicates is None:
+                nan = torch.full_like(ev.value, math.nan)
+                return Estimate(ev.value, nan, nan.clone(), nan.clone(), len(ev.groups), level, method)
+            return jackknife(ev.value, ev.replicates, level, keep_replicates)
+        value = torch.as_tensor(fn(self._means()), dtype=torch.float64)
         groups = self.filled()
         nan = torch.full_like(value, math.nan)
         if len(groups) < 2:
             return Estimate(value, nan, nan.clone(), nan.clone(), len(groups), level, method)
-        if method == "jackknife":
-            reps = torch.stack([torch.as_tensor(fn(self._means(drop=g, totals=totals)), dtype=torch.float64)
-                                for g in groups])
-            return jackknife(value, reps, level, keep_replicates)
         gen = torch.Generator().manual_seed(seed)
         idx = torch.tensor(groups)
         reps = []
@@ -309,7 +343,25 @@ class GroupedSums:
         lo, hi = torch.nanquantile(r, q[0], dim=0), torch.nanquantile(r, q[1], dim=0)
         return Estimate(value, lo, hi, r.std(0), len(groups), level, method)
 
+    def evaluate(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor | float]) -> Evaluations:
+        """fn on the pooled means and, with two or more groups holding data, on each leave-one-group-out means:
+        what the jackknife of fn, or of any function of fn and other statistics' evaluations on the same groups
+        (`combine`), needs; computed once, however many functions of it are estimated."""
+        totals = self._totals()
+        value = torch.as_tensor(fn(self._means(totals=totals)), dtype=torch.float64)
+        groups = self.filled()
+        reps = None if len(groups) < 2 else torch.stack(
+            [torch.as_tensor(fn(self._means(drop=g, totals=totals)), dtype=torch.float64) for g in groups])
+        return Evaluations(value, reps, tuple(groups))
+
     # ---- persistence and combination ------------------------------------------------------------------
+
+    def to(self, device: str | torch.device) -> GroupedSums:
+        """Every sum and count moved to `device` (in place; returns self): sums kept on an accelerator while a run
+        adds to them go to the CPU once, before they are finished."""
+        self.sums = {k: v.to(device) for k, v in self.sums.items()}
+        self.counts = {k: v.to(device) for k, v in self.counts.items()}
+        return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Sums and counts on the CPU, by name (`sum/NAME`, `count/NAME`)."""
@@ -364,19 +416,19 @@ class GroupedSums:
 class Rows:
     """Per-sequence values, one row per sequence in sequence order: `add(name, rows)` per batch, `get(name)` the
     rows so far. Shards are gathered (rank order is sequence order, since each rank holds a contiguous block), not
-    summed. Kept on the CPU."""
+    summed. Kept on the device they were computed on until read (`get` gives them on the CPU)."""
 
     def __init__(self) -> None:
         self.parts: dict[str, list[torch.Tensor]] = {}
 
     def add(self, name: str, rows: torch.Tensor) -> None:
-        """Append `rows` [batch, ...] under `name`."""
-        self.parts.setdefault(name, []).append(rows.detach().cpu())
+        """Append `rows` [batch, ...] under `name` (kept on their device until read: no wait per batch)."""
+        self.parts.setdefault(name, []).append(rows.detach() if rows.device.type == "cpu" else rows.detach().clone())
 
     def get(self, name: str) -> torch.Tensor | None:
-        """All rows of `name` [sequences, ...], or None when there are none."""
+        """All rows of `name` [sequences, ...] on the CPU, or None when there are none."""
         parts = self.parts.get(name)
-        return torch.cat(parts) if parts else None
+        return torch.cat([p.cpu() for p in parts]) if parts else None
 
     def names(self) -> list[str]:
         return list(self.parts)

@@ -25,8 +25,9 @@ import torch
 from poslens.analyses.leakage.metrics import Domain, energy_metrics, leakage_metrics
 from poslens.analyses.leakage.position0 import GU_TOKENS
 from poslens.engine.families import sliding_windows
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Means, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Evaluations, GroupedSums, Means, Statistic
 from poslens.errors import UsageError, check_int
+from poslens.masks import visible
 
 # (name, early queries only, key 0 in the domain): every metric is reported on each
 VARIANTS = (("all", False, True), ("all_no_key0", False, False), ("early", True, True),
@@ -82,8 +83,7 @@ def _lag_fit(scores: torch.Tensor, visible: torch.Tensor | None) -> tuple[torch.
     keys = visible.sum(-1)  # k_i
     offset = torch.arange(t, device=scores.device)[:, None] - torch.arange(t, device=scores.device)
     if not torch.equal(visible, (offset >= 0) & (offset < keys[..., None])):
-        raise UsageError("the mask-only counterfactual needs a causal mask (with or without a sliding window): "
-                         "every query must see the keys at offsets 0 .. k - 1")
+        raise UsageError(NOT_CAUSAL)
     first = keys.reshape(-1, t)[0]
     if not bool((keys == first).all()):
         raise UsageError("the two-way fit needs one mask for every map of a batch")
@@ -93,13 +93,18 @@ def _lag_fit(scores: torch.Tensor, visible: torch.Tensor | None) -> tuple[torch.
     return rows, lag_profile(rows, _diagonal_sums(z).to(torch.float64).cpu(), first), first
 
 
+NOT_CAUSAL = ("the mask-only counterfactual needs a causal mask (with or without a sliding window): every query must "
+              "see the keys at offsets 0 .. k - 1")
+
+
 def lag_profile(rows: torch.Tensor, diagonals: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The lag profile r [..., D] of the two-way fit (`two_way_fit`) from what it needs of the scores: their row
-    sums [..., T] and lower-diagonal sums [..., >= D] over the visible entries (float64, CPU), for the mask whose
-    query i sees the keys at offsets 0 .. keys[i] - 1 (D = max keys: the offsets seen). Sums over the top-left
-    T x T block give the fit at length T, so one pass can give the fits at several lengths."""
-    solve, cover = _lag_solver(tuple(keys.tolist()))
-    b = diagonals[..., : cover.shape[1]] - (rows / keys.to(torch.float64)) @ cover
+    sums [..., T] and lower-diagonal sums [..., >= D] over the visible entries (float64, on any device), for the
+    mask whose query i sees the keys at offsets 0 .. keys[i] - 1 (`keys` on the CPU; D = max keys: the offsets
+    seen). Sums over the top-left T x T block give the fit at length T, so one pass can give the fits at several
+    lengths."""
+    solve, cover, k = _lag_solver(tuple(keys.tolist()), rows.device)
+    b = diagonals[..., : cover.shape[1]] - (rows / k) @ cover
     return b @ solve  # the solver is symmetric
 
 
@@ -109,14 +114,32 @@ def lag_partition(r: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return cumulative.gather(-1, (keys.to(r.device) - 1).expand(*r.shape[:-1], len(keys)))
 
 
-@functools.lru_cache(maxsize=16)
-def _lag_solver(keys: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """((M + 1 1^T / D)^-1 [D, D], C [T, D]) for the mask whose query i sees keys[i] offsets (D: the offsets seen)."""
+@functools.lru_cache(maxsize=32)
+def _lag_solver(keys: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """((M + 1 1^T / D)^-1 [D, D], C [T, D], k [T]) in float64 on `device` for the mask whose query i sees keys[i]
+    offsets (D: the offsets seen); solved on the CPU, copied to the device once."""
     k = torch.tensor(keys, dtype=torch.float64)
     seen = int(max(keys))
     cover = (torch.arange(seen)[None, :] < k[:, None]).to(torch.float64)
     m = torch.diag(cover.sum(0)) - cover.T @ (cover / k[:, None]) + 1.0 / seen
-    return torch.linalg.inv(m), cover
+    return torch.linalg.inv(m).to(device), cover.to(device), k.to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def causal_layout(t: int, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The implicit mask of a layer for t tokens (`masks.visible`: causal, a sliding window of `window` keys, 0:
+    none): (the keys each query sees [T] on the CPU, the same on `device`, the mask [T, T] on `device`), made once."""
+    seen = visible(t, window)
+    keys = seen.sum(-1)
+    return keys, keys.to(device), seen.to(device)
+
+
+def layer_lag_log_partition(z: torch.Tensor, keys: torch.Tensor, keys_on: torch.Tensor) -> torch.Tensor:
+    """L0 [..., T] (float64, on z's device) of scores whose hidden keys are zeroed, z [..., T, T], under the mask
+    whose query i sees `keys[i]` keys (`causal_layout`; the caller has checked the mask): `lag_log_partition` without
+    a mask check or a copy to the CPU, for a statistic that reads every layer of every batch."""
+    rows = z.sum(-1).to(torch.float64)
+    return lag_partition(lag_profile(rows, _diagonal_sums(z).to(torch.float64), keys), keys_on)
 
 
 def lag_log_partition(scores: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,21 +203,32 @@ def evaluate(means: dict[str, torch.Tensor], domains: Domains, windows: list[int
     return out
 
 
-def head_mean(means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The per-head means [L, H, ...] averaged over heads (the probabilities are already a head mean)."""
-    return {k: means[k] if k == "probs" else means[k].mean(1) for k in means if k != "key0"}
+MEAN_SCORES = "mean_scores"  # the scores' head mean, its own float64 sums [L, T, T] (`LeakageMaps._add_scores`)
+
+
+def head_mean(means: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-head means [L, H, ...] averaged over heads (the probabilities are already a head mean; the scores'
+    head mean is read from its own sums, `MEAN_SCORES`, where they are kept, not from the per-head maps)."""
+    own = MEAN_SCORES in means
+    out = {k: means[k] if k == "probs" else means[k].mean(1) for k in means
+           if k not in ("key0", MEAN_SCORES) and not (own and k == "scores")}
+    if own:
+        out["scores"] = means[MEAN_SCORES]
+    return out
 
 
 class LeakageMaps(Statistic):
     """Mean maps of one pass (see the module docstring) and every leakage metric with its interval."""
 
     name = "leakage_maps"
-    KEYS = ("scores", "log_partition", "lag_log_partition", "key0", "probs")
+    KEYS = ("scores", MEAN_SCORES, "log_partition", "lag_log_partition", "key0", "probs")
+    per_head = True  # the scores' sums per head (per-head metrics); LayerMaps: their head mean alone
 
     def __init__(self, groups: int = DEFAULT_GROUPS, domains: Domains | None = None) -> None:
         super().__init__(groups)
         self.domains = domains or Domains()
         self.windows: list[int] = []
+        self._masks_ok: torch.Tensor | None = None
 
     def hooks(self, hm) -> dict:
         self.windows = [int(w or 0) for w in sliding_windows(hm.model.config)]
@@ -202,23 +236,58 @@ class LeakageMaps(Statistic):
         return {f"blocks.{l}.attn.hook_attn_scores": self._read for l in range(hm.n_layers)}
 
     def _read(self, s: torch.Tensor, ctx) -> None:
+        """Add one layer's scores [B, H, T, T] of a batch to the sums, on the scores' device: no copy to the CPU and
+        no wait for the device (the mask is checked there, `check_masks` reads the result once)."""
         if ctx.attention_mask is not None:
             raise UsageError("leakage maps need unpadded sequences of one length (no attention mask)")
         b, h, t, _ = s.shape
         s = s.float()
-        visible = torch.isfinite(s)
+        keys, keys_on, mask = causal_layout(t, int(ctx.window or 0) if (ctx.window or 0) < t else 0, s.device)
+        seen = torch.isfinite(s)
+        fits = torch.eq(seen, mask).all()  # the implicit mask, every score under it finite (a device flag)
+        self._masks_ok = fits if self._masks_ok is None else self._masks_ok & fits
+        z = torch.where(seen, s, 0.0)
         lse = torch.logsumexp(s, -1)  # [B, H, T]: hidden keys (-inf) drop out
         probs = torch.exp(s - lse[..., None])
-        L, l, g, f32 = self._layers, ctx.layer, self.group, torch.float32
+        L, l, g, f32, dev = self._layers, ctx.layer, self.group, torch.float32, s.device
         buf = self.sums.buffer
-        buf("scores", g, (L, h, t, t), dtype=f32)[l] += torch.where(visible, s, 0.0).sum(0).cpu()
-        buf("log_partition", g, (L, h, t))[l] += lse.sum(0).double().cpu()
-        buf("lag_log_partition", g, (L, h, t))[l] += lag_log_partition(s, visible).sum(0).cpu()
-        buf("key0", g, (L, h, t))[l] += probs[..., 0].sum(0).double().cpu()
-        buf("probs", g, (L, t, t), dtype=f32)[l] += probs.sum((0, 1)).cpu() / h
+        self._add_scores(z, l, g)
+        buf("log_partition", g, (L, h, t), device=dev)[l] += lse.sum(0).double()
+        buf("lag_log_partition", g, (L, h, t), device=dev)[l] += layer_lag_log_partition(z, keys, keys_on).sum(0)
+        buf("key0", g, (L, h, t), device=dev)[l] += probs[..., 0].sum(0).double()
+        buf("probs", g, (L, t, t), dtype=f32, device=dev)[l] += probs.sum((0, 1)) / h
         if l == L - 1:  # the deepest point read: the batch is complete
             for key in self.KEYS:
                 self.sums.count_buffer(key, g).add_(b)
+
+    def _add_scores(self, z: torch.Tensor, layer: int, group: int) -> None:
+        """The scores' sums: per head [L, H, T, T] in float32 (`per_head`), and their head mean [L, T, T] in float64
+        (each batch's float32 sums over its sequences, averaged over heads), which every per-layer metric reads: the
+        same numbers in every pass, with or without the per-head maps (`LayerMaps`)."""
+        b, h, t, _ = z.shape
+        total = z.sum(0)
+        if self.per_head:
+            self.sums.buffer("scores", group, (self._layers, h, t, t), dtype=torch.float32, device=z.device)[layer] \
+                += total
+        self.sums.buffer(MEAN_SCORES, group, (self._layers, t, t), device=z.device)[layer] += total.double().sum(0) / h
+
+    @classmethod
+    def group_bytes(cls, layers: int, heads: int, tokens: int) -> int:
+        """The bytes of one group's sums (without their counts) on a model of `layers` x `heads` at `tokens`:
+        the per-head float32 scores (`per_head`), the float64 head-mean scores, the float64 log-partitions, lag
+        log-partitions and attention on key 0 per head, the float32 head-mean probabilities."""
+        per_head = layers * heads * tokens * tokens * 4 if cls.per_head else 0
+        return per_head + layers * tokens * tokens * 8 + 3 * layers * heads * tokens * 8 + layers * tokens * tokens * 4
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self.check_masks()  # a checkpoint holds only batches whose mask was checked (a resumed run has no flag)
+        return super().state_dict()
+
+    def check_masks(self) -> None:
+        """A UsageError if a batch's scores were not finite exactly under the implicit causal (or sliding-window)
+        mask: what the lag fit assumes (one wait for the device, when the sums are read)."""
+        if self._masks_ok is not None and not bool(self._masks_ok):
+            raise UsageError(NOT_CAUSAL)
 
     def windows_for(self, n_layers: int) -> list[int]:
         return self.windows or [0] * n_layers
@@ -231,8 +300,9 @@ class LeakageMaps(Statistic):
 
     def estimates(self, level: float = 0.95) -> tuple[dict[str, torch.Tensor], dict[str, Estimate]]:
         """(tensors for the results format, the Estimates by name)."""
+        self.check_masks()
         ests = {"metrics": self.sums.estimate(self.layer_metrics, level=level),
-                "metrics_heads": self.sums.estimate(self.head_metrics, level=level),
+                **({"metrics_heads": self.sums.estimate(self.head_metrics, level=level)} if self.per_head else {}),
                 "alpha0": self.sums.estimate(lambda m: alpha0(m["key0"], windows=self.windows), level=level),
                 "alpha0_64": self.sums.estimate(lambda m: alpha0(m["key0"], GU_TOKENS, self.windows), level=level)}
         out = {}
@@ -242,12 +312,15 @@ class LeakageMaps(Statistic):
 
     def layer_metrics(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
         """[V, M, L] on head-mean maps: METRICS then HEAD_MEAN_ONLY."""
-        return evaluate(head_mean(means), self.domains, self.windows_for(means["scores"].shape[0]),
-                        METRICS + HEAD_MEAN_ONLY)
+        maps = head_mean(means)  # the per-head maps are not read
+        return evaluate(maps, self.domains, self.windows_for(maps["scores"].shape[0]), METRICS + HEAD_MEAN_ONLY)
 
     def head_metrics(self, means: dict[str, torch.Tensor], names: tuple[str, ...] = METRICS,
                      metrics=leakage_metrics) -> torch.Tensor:
         """[V, M, L, H] per head (`names`, computed by `metrics`; `causal.evaluate`)."""
+        if not self.per_head:
+            raise UsageError("per-head metrics need the per-head maps: this pass kept their head mean alone "
+                             "(LayerMaps); run it with LeakageMaps")
         m = {k: means[k] for k in ("scores", "log_partition", "lag_log_partition")}
         return evaluate(m, self.domains, self.windows_for(means["scores"].shape[0]), names, metrics)
 
@@ -255,12 +328,39 @@ class LeakageMaps(Statistic):
         """[V, E, L, H] the energies (ENERGIES) per head, and nothing else (the per-head contrasts' cost)."""
         return self.head_metrics(means, ENERGIES, energy_metrics)
 
+    def evaluated(self, name: str) -> Evaluations:
+        """`layer_metrics` ("layers"), `head_metrics` ("heads") or `head_energies` ("energies") on the pooled means
+        and on every leave-one-group-out means (`GroupedSums.evaluate`), computed once while the sums stay as they
+        are: every contrast that reads this pass (`contrast.py`, `nulls.paired_with_starts`) combines these."""
+        fn = {"layers": self.layer_metrics, "heads": self.head_metrics, "energies": self.head_energies}[name]
+        state = tuple((k, v.data_ptr(), v._version) for store in (self.sums.sums, self.sums.counts)
+                      for k, v in store.items())  # a sum added to, replaced or loaded: evaluated again
+        if getattr(self, "_evaluated", (None,))[0] != state:
+            self.check_masks()
+            self._evaluated = (state, {})
+        done = self._evaluated[1]
+        if name not in done:
+            done[name] = self.sums.evaluate(fn)
+        return done[name]
+
     def maps(self) -> dict[str, torch.Tensor]:
         """The head-mean mean maps and per-head attention on key 0, float32."""
-        means = {k: self.sums.mean(k) for k in self.KEYS}
+        self.check_masks()
+        means = {k: self.sums.mean(k) for k in self.KEYS if k != "scores"}
         out = {f"maps/{k}": v.float() for k, v in head_mean(means).items()}
         out["maps/key0"] = means["key0"].float()
         return out
+
+
+class LayerMaps(LeakageMaps):
+    """`LeakageMaps` without the per-head score sums: the scores' head mean alone (`MEAN_SCORES`, [L, T, T] float64),
+    for a pass whose per-head metrics nothing reads (the nulls, the interventions on the offset null's windows): 2 / H
+    of the memory of the per-head float32 sums, which dominate a large model's (docs/leakage.md, "Where the time and
+    the memory go"). Every per-layer metric reads the same head-mean sums as in `LeakageMaps`: the same numbers.
+    Log-partitions and the attention on key 0 stay per head."""
+
+    KEYS = tuple(k for k in LeakageMaps.KEYS if k != "scores")
+    per_head = False
 
 
 def alpha0(key0: torch.Tensor, tokens: int | None = None, windows: list[int] | None = None) -> torch.Tensor:

@@ -35,30 +35,25 @@ from poslens.analyses.leakage.causal import (
     alpha0,
     joint,
     over_layers,
-    unprefix,
 )
-from poslens.engine.stats import Estimate, GroupedSums, Means
+from poslens.engine.stats import Estimate, GroupedSums, Means, combine
 
 
 def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: bool = False) -> dict[str, Estimate]:
     """`pass`, `difference`, `removed`, `removed_all`, `pass_over_layers`, `difference_over_layers` of `other`
     against `base` (see the module docstring), head-mean maps per layer or (heads=True) per layer and head."""
-    sums = joint({"base": base, "other": other})
     energy = [METRICS.index(k) for k in ENERGIES]
     shapes: list[tuple[int, ...]] = []
+    kind = "heads" if heads else "layers"
 
-    def metric(stat: LeakageMaps, means: dict) -> torch.Tensor:
-        return stat.head_metrics(means) if heads else stat.layer_metrics(means)
-
-    def fn(means: dict) -> torch.Tensor:
-        a, b = metric(base, unprefix(means, "base")), metric(other, unprefix(means, "other"))
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ea, eb = a[:, energy], b[:, energy]
         oa, ob = over_layers(a), over_layers(b)
         parts = [b, b - a, 1.0 - eb / ea, 1.0 - eb.flatten(2).sum(-1) / ea.flatten(2).sum(-1), ob, ob - oa]
         shapes[:] = [tuple(p.shape) for p in parts]
         return torch.cat([p.reshape(-1) for p in parts])
 
-    est = sums.estimate(fn, level=level)
+    est = combine(fn, [base.evaluated(kind), other.evaluated(kind)], level)
     return dict(zip(("pass", "difference", "removed", "removed_all", "pass_over_layers", "difference_over_layers"),
                     unflatten(est, shapes)))
 
@@ -66,12 +61,7 @@ def contrast(base: LeakageMaps, other: LeakageMaps, level: float = 0.95, heads: 
 def removed_by_head(base: LeakageMaps, other: LeakageMaps, level: float = 0.95) -> Estimate:
     """`removed` = 1 - E(other) / E(base) of every energy per variant, layer and head [V, E, L, H], paired
     jackknife; only the energies are evaluated on each replicate, not every metric of `contrast(heads=True)`."""
-    sums = joint({"base": base, "other": other})
-
-    def fn(means: dict) -> torch.Tensor:
-        return 1.0 - other.head_energies(unprefix(means, "other")) / base.head_energies(unprefix(means, "base"))
-
-    return sums.estimate(fn, level=level)
+    return combine(lambda a, b: 1.0 - b / a, [base.evaluated("energies"), other.evaluated("energies")], level)
 
 
 HALVES = (0, 1)  # groups split by parity: heads chosen on one half of the sequences, measured on the other

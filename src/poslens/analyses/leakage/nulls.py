@@ -26,7 +26,7 @@ from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage.causal import ENERGIES, METRICS, LeakageMaps, alpha0, joint, over_layers, unprefix
 from poslens.analyses.leakage.contrast import unflatten
 from poslens.analyses.leakage.predecessor import circular_shift
-from poslens.engine.stats import Estimate
+from poslens.engine.stats import Estimate, combine
 from poslens.errors import UsageError
 
 NULLS = ("offset", "circular")
@@ -90,13 +90,10 @@ def paired_with_starts(original: LeakageMaps, start: LeakageMaps, offset: Leakag
 
     each with a paired delete-one-group jackknife interval: > 0 where the intervention removes more at document
     starts than inside documents (an effect of the document start, not of the BOS alone)."""
-    sums = joint({"orig": original, "start": start, "offset": offset, "inside": inside})
     energy = [METRICS.index(k) for k in ENERGIES]
     shapes: list[tuple[int, ...]] = []
 
-    def fn(means: dict) -> torch.Tensor:
-        o, s, f, i = (stat.layer_metrics(unprefix(means, name)) for name, stat in
-                      (("orig", original), ("start", start), ("offset", offset), ("inside", inside)))
+    def fn(o: torch.Tensor, s: torch.Tensor, f: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         eo, es, ef, ei = (x[:, energy] for x in (o, s, f, i))
         removed = (1.0 - es / eo) - (1.0 - ei / ef)
         removed_all = (1.0 - es.sum(-1) / eo.sum(-1)) - (1.0 - ei.sum(-1) / ef.sum(-1))
@@ -105,7 +102,7 @@ def paired_with_starts(original: LeakageMaps, start: LeakageMaps, offset: Leakag
         shapes[:] = [tuple(p.shape) for p in parts]
         return torch.cat([p.reshape(-1) for p in parts])
 
-    est = sums.estimate(fn, level=level)
+    est = combine(fn, [stat.evaluated("layers") for stat in (original, start, offset, inside)], level)
     return dict(zip(("removed", "removed_all", "difference_over_layers"), unflatten(est, shapes)))
 
 

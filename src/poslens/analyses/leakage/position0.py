@@ -65,7 +65,7 @@ def position0_hooks(n_layers: int, sink: list) -> dict:
 
     def grab(index: int):
         def hook(x, ctx):
-            parts[index] = x[:, 0].detach().float().cpu()
+            parts[index] = x[:, 0].detach().to(torch.float32, copy=True)  # on the device, until the rows are read
             if index == n_layers:
                 sink.append(torch.stack([parts[k] for k in range(n_layers + 1)], 1))
                 parts.clear()

@@ -60,9 +60,12 @@ def _design(i: torch.Tensor, j: torch.Tensor, full: bool) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _solver(n: int, test_fraction: float, seed: int) -> tuple:
+def _solver(n: int, test_fraction: float, seed: int, device: torch.device | None = None) -> tuple:
     """Flat positions (i n + j) of the train and test pairs and, per design (full, rel), the train
-    pseudo-inverse and the test design."""
+    pseudo-inverse and the test design, on `device` (made on the CPU, copied once)."""
+    if device is not None and device.type != "cpu":
+        train, test, designs = _solver(n, test_fraction, seed)
+        return train.to(device), test.to(device), [(p.to(device), x.to(device)) for p, x in designs]
     i, j = causal_pairs(n)
     if test_fraction > 0:
         test = split_pairs(n, test_fraction, seed)
@@ -85,7 +88,8 @@ def _r2(train: torch.Tensor, test: torch.Tensor, pinv_t: torch.Tensor, x_test_t:
 
 
 def linear_delta_r2(scores: torch.Tensor, test_fraction: float = TEST_FRACTION, seed: int = 0) -> torch.Tensor:
-    """Delta R^2 = R^2_full - R^2_rel of score maps [..., n, n] (entries j <= i used), over the leading axes.
+    """Delta R^2 = R^2_full - R^2_rel of score maps [..., n, n] (entries j <= i used), over the leading axes, in
+    float64 on the maps' device.
 
     test_fraction 0 fits and scores on all pairs (in-sample; then Delta R^2 >= 0 always).
     """
@@ -93,7 +97,7 @@ def linear_delta_r2(scores: torch.Tensor, test_fraction: float = TEST_FRACTION, 
     n = scores.shape[-1]
     check_int("n", n, 3)
     check_float("test_fraction", test_fraction, 0.0, 1.0, hi_open=True)
-    train, test, ((pf, xf), (pr_, xr)) = _solver(n, float(test_fraction), int(seed))
+    train, test, ((pf, xf), (pr_, xr)) = _solver(n, float(test_fraction), int(seed), scores.device)
     flat = scores.reshape(*scores.shape[:-2], n * n)
     y_train, y_test = flat[..., train].to(torch.float64), flat[..., test].to(torch.float64)
     return _r2(y_train, y_test, pf, xf) - _r2(y_train, y_test, pr_, xr)
@@ -243,16 +247,16 @@ class DeltaR2Rows(Statistic):
     def _read(self, s: torch.Tensor, ctx) -> None:
         b, h, t, _ = s.shape
         if ctx.window and ctx.window < t:
-            self._layers.append(torch.full((b, h), math.nan, dtype=torch.float64))
-        else:
-            self._layers.append(linear_delta_r2(s.cpu(), seed=self.seed))  # [B, H]; only causal pairs are read
+            self._layers.append(torch.full((b, h), math.nan, dtype=torch.float64, device=s.device))
+        else:  # [B, H] on the scores' device (no copy, no wait); only causal pairs are read
+            self._layers.append(linear_delta_r2(s, seed=self.seed))
         if ctx.layer == self._n - 1:
             self.rows.append(torch.stack(self._layers, 1))
             self._layers = []
 
     def values(self) -> torch.Tensor:
-        """[N, L, H] float64."""
-        return torch.cat(self.rows)
+        """[N, L, H] float64, on the CPU (the rows stay on the device they were computed on until read)."""
+        return torch.cat([r.cpu() for r in self.rows])
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         return {"delta_r2": self.values()}

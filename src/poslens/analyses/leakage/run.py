@@ -23,7 +23,7 @@ import torch
 from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage import nulls as nl
 from poslens.analyses.leakage import position0 as p0
-from poslens.analyses.leakage.causal import VARIANTS, Domains, LeakageMaps, head_mean
+from poslens.analyses.leakage.causal import MEAN_SCORES, VARIANTS, Domains, LayerMaps, LeakageMaps, head_mean
 from poslens.analyses.leakage.predecessor import DeltaR2Rows
 from poslens.engine.config import DEFAULT_SEQUENCES, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, dense_score_bytes, run_analysis
@@ -119,11 +119,12 @@ class MeanMaps(LeakageMaps):
     profile, `causal.lag_log_partition`) and probabilities of every layer, with intervals."""
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
+        self.check_masks()
         out: dict[str, torch.Tensor] = {}
         lower = None
         for key in ("scores", "log_partition", "lag_log_partition", "probs"):
             def fn(m, k=key):
-                x = head_mean({k: m[k]})[k]
+                x = head_mean({MEAN_SCORES: m[MEAN_SCORES]} if k == "scores" else {k: m[k]})[k]
                 if x.dim() == 3:  # maps: NaN above the diagonal (keys the softmax never sees)
                     return x.masked_fill(~torch.ones(x.shape[-2:], dtype=torch.bool).tril(), math.nan)
                 return x
@@ -196,11 +197,12 @@ class Leakage(Analysis):
         cfg, c = job.config, job.model.config
         L, H, T, d = job.hm.n_layers, c.num_attention_heads, cfg.seq_len, c.hidden_size
         n = cfg.num_sequences or DEFAULT_SEQUENCES
-        passes = 1 + len(cfg.specs) + len(cfg.null_passes) + len(cfg.offset_specs)
-        per_group = L * H * T * T * 4 + 3 * L * H * T * 8 + L * T * T * 4  # LeakageMaps' sums of one group
+        heads, layers = 1 + len(cfg.specs), len(cfg.null_passes) + len(cfg.offset_specs)  # LeakageMaps, LayerMaps
+        per_group = LeakageMaps.group_bytes(L, H, T)
+        sums = cfg.groups * (heads * per_group + layers * LayerMaps.group_bytes(L, H, T))
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
                 # every pass's sums, twice while a checkpoint is written, and the estimates' replicates
-                "grouped sums of the maps": (2 * passes * cfg.groups * per_group + 4 * per_group * 2, "seq_len"),
+                "grouped sums of the maps": (2 * sums + 4 * per_group * 2, "seq_len"),
                 "per-sequence rows": (n * L * (2 * 8 * H) + n * (L + 1) * d * 4, "num_sequences")}
 
     def sequences(self, job: Job, documents) -> tuple[torch.Tensor, dict]:
@@ -225,8 +227,8 @@ class Leakage(Analysis):
             rows = job.inputs.get("inside")
             return None if rows is None else rows[job.batch_rows(index)].to(ids.device)
 
-        def maps() -> LeakageMaps:
-            return LeakageMaps(G, domains)
+        def maps(per_head: bool = True) -> LeakageMaps:  # per-head maps where per-head metrics are read
+            return LeakageMaps(G, domains) if per_head else LayerMaps(G, domains)
 
         rows = [DeltaR2Rows(seed=cfg.seed)] if cfg.predecessor else []
         out = [Pass("original", [maps(), *rows, Position0(G)])]
@@ -234,12 +236,12 @@ class Leakage(Analysis):
             out.append(Pass(spec, [maps()], prepare=lambda ids, index, spec=spec: iv.prepare(
                 spec, model, hm, ids, reference, cfg.seed, inside=inside(index, ids), bos_prepended=bos_prepended)))
         for name in cfg.null_passes:
-            out.append(Pass(name, [maps(), *([DeltaR2Rows(seed=cfg.seed)] if name == "circular" else [])],
+            out.append(Pass(name, [maps(False), *([DeltaR2Rows(seed=cfg.seed)] if name == "circular" else [])],
                             prepare=lambda ids, index, name=name: nl.prepare(
                                 name, ids, inside=inside(index, ids), batch_index=index, seed=cfg.seed,
                                 bos_prepended=bos_prepended)))
         for spec in cfg.offset_specs:  # every intervention again on the offset null's windows, paired by group
-            out.append(Pass(nl.OFFSET_PASS + spec, [maps()], meta={"offset_intervention": spec},
+            out.append(Pass(nl.OFFSET_PASS + spec, [maps(False)], meta={"offset_intervention": spec},
                             prepare=lambda ids, index, spec=spec: nl.prepare_intervention(
                                 spec, model, hm, ids, inside=inside(index, ids), reference=reference, seed=cfg.seed,
                                 bos_prepended=bos_prepended)))
@@ -250,6 +252,9 @@ class Leakage(Analysis):
 
         # many small tensor operations: one intra-op thread (a second only synchronises; on a shared machine it
         # made them 10-25 times slower in CPU time: docs/leakage.md, "Defaults and cost")
+        for p in passes:  # sums kept on the device while the passes ran: to the CPU once, for the estimates
+            for stat in p.statistics:
+                stat.sums.to("cpu")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

@@ -20,7 +20,7 @@ from poslens.analyses.leakage import predecessor as pr
 from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, VARIANTS, alpha0, over_layers
 from poslens.analyses.leakage.contrast import contrast, removed_by_head, sink_attention, sink_heads_removed, unflatten
 from poslens.engine.pipeline import Job, Output, Pass
-from poslens.engine.stats import Estimate
+from poslens.engine.stats import Estimate, combine
 
 NAMES = METRICS + HEAD_MEAN_ONLY
 SCOPES = {"all": "every query", "early": "queries i <= early_queries"}
@@ -65,15 +65,14 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
     # the original pass: every metric per layer and over layers, per head, attention on key 0
     shapes: list[tuple[int, ...]] = []
 
-    def layered(means: dict) -> torch.Tensor:
-        x = orig.layer_metrics(means)
+    def layered(x: torch.Tensor) -> torch.Tensor:
         parts = [x, over_layers(x)]
         shapes[:] = [tuple(p.shape) for p in parts]
         return torch.cat([p.reshape(-1) for p in parts])
 
-    per_layer, summed = unflatten(orig.sums.estimate(layered, level=level, keep_replicates=True), shapes)
+    per_layer, summed = unflatten(combine(layered, [orig.evaluated("layers")], level, keep=True), shapes)
     ests = {"original/metrics": per_layer, "original/over_layers": summed,
-            "original/metrics_heads": orig.sums.estimate(orig.head_metrics, level=level),
+            "original/metrics_heads": combine(lambda x: x, [orig.evaluated("heads")], level),
             "original/alpha0": orig.sums.estimate(lambda m: alpha0(m["key0"], windows=orig.windows), level=level),
             "original/alpha0_64": orig.sums.estimate(lambda m: alpha0(m["key0"], p0.GU_TOKENS, orig.windows),
                                                      level=level)}
