@@ -298,3 +298,47 @@ def test_a_corrupt_cached_model_is_trained_again_saying_so(tmp_path, tokens, mon
     run_sweep(SweepConfig(preset=preset, jobs=1, batched=False), tmp_path / "c", progress=False)
     assert "model.safetensors was changed after poslens wrote it" in capfd.readouterr().err
     assert corrupt(weights.parent) is None and Path(weights.parent, "run.json").is_file()
+
+
+def test_time_left_counts_the_parts_running_side_by_side():
+    """The time left is the work left at the observed rate of one part, `slots` parts at once: two equal parts
+    started together, the first just finished after 100 s, leave about nothing (the old clock, one model after
+    another, said 100 s: the full run's "about 32.8 min left" a minute before the end); queued parts go to the
+    first free slot; one slot is the sequential sum."""
+    from poslens.train.sweep import time_left
+
+    rate = 16 * 2000 / 100.0  # model-steps per second of one part: 16 models x 2,000 steps in 100 s
+    assert time_left([(32000, 100.0)], [], rate, 2) == 0.0
+    assert time_left([(32000, 60.0)], [], rate, 2) == pytest.approx(40.0)
+    # four equal parts on two slots, the first finished at 100 s, the second 100 s in: two start now, 100 s
+    assert time_left([(32000, 100.0)], [32000, 32000], rate, 2) == pytest.approx(100.0)
+    # three queued beside a part 30 s in, on two slots: slot 1 runs one now (ends at 100), slot 2 one from 70 s
+    # (ends at 170), the third takes slot 1 at 100 s and ends at 200 s
+    assert time_left([(32000, 30.0)], [32000, 32000, 32000], rate, 2) == pytest.approx(200.0)
+    assert time_left([], [32000, 32000, 16000], rate, 1) == pytest.approx(250.0)  # sequential: the sum
+    assert time_left([], [], rate, 3) == 0.0
+    with pytest.raises(UsageError, match="rate > 0"):
+        time_left([], [1.0], 0.0, 1)
+
+
+def test_the_clock_of_two_parallel_parts_says_the_time_of_the_one_still_running(monkeypatch, capsys):
+    """The progress lines of a sweep in two parallel parts of 16 models: after the first part ends (100 s), the
+    second, started with it and as large, has about nothing left, not another 100 s."""
+    import poslens.train.sweep as sweep
+
+    now = [0.0]
+    monkeypatch.setattr(sweep.time, "perf_counter", lambda: now[0])
+    clock = sweep._Clock([(16, 2000), (16, 2000), (8, 2000)], on=True, slots=2)
+    clock.start("a", 2000, 16)
+    clock.start("b", 2000, 16)
+    now[0] = 100.0
+    clock.done("a", 16)
+    clock.start("c", 2000, 8)
+    now[0] = 105.0
+    clock.done("b", 16)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("40 model(s) to train, time left known after one model")
+    assert lines[2] == "a: trained; 24 model(s) to train, about 50 s left"  # c (8 models: 50 s) still queued
+    assert lines[3] == "c: training 2000 steps; 24 model(s) to train, about 50 s left"
+    # b took 105 s: rate 64,000 / 205 s; c 5 s in, 16,000 model-steps: 51 s left
+    assert lines[4] == "b: trained; 8 model(s) to train, about 46 s left"

@@ -337,25 +337,23 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
         if progress and todo.get(t) != i:
             print(f"{heads[i]}: {'cached' if t not in todo else 'the same model as ' + heads[todo[t]]}", flush=True)
     jobs = min(jobs or auto_jobs([cfgs[i] for i in todo.values()] or cfgs), max(1, len(todo)))
-    clock = _Clock(len(todo), progress)
     if batched:
         units = _units([cfgs[i] for i in todo.values()], list(todo.values()), jobs, tokens)
         parts = [[(cfgs[i], heads[i]) for i in unit] for unit in units]
-        if jobs == 1 or len(parts) == 1:
-            for part in parts:
-                head = _unit_head(part)
-                clock.start(head, part[0][0].steps)
-                _train_unit(part, tokens, None, progress, compile)
-                clock.done(head, len(part))
-        else:
-            _train_parallel(parts, tokens, jobs, clock, compile)
-    elif jobs == 1:
-        for i in todo.values():
-            clock.start(heads[i], cfgs[i].steps)
-            _train_member(cfgs[i], tokens, None, heads[i] if progress else None)
-            clock.done(heads[i])
     else:
-        _train_parallel([[(cfgs[i], heads[i])] for i in todo.values()], tokens, jobs, clock, "off")
+        parts = [[(cfgs[i], heads[i])] for i in todo.values()]
+    clock = _Clock([(len(p), p[0][0].steps) for p in parts], progress, 1 if len(parts) == 1 else jobs)
+    if jobs == 1 or len(parts) == 1:
+        for part in parts:
+            head = _unit_head(part)
+            clock.start(head, part[0][0].steps, len(part))
+            if batched:
+                _train_unit(part, tokens, None, progress, compile)
+            else:
+                _train_member(part[0][0], tokens, None, head if progress else None)
+            clock.done(head, len(part))
+    else:
+        _train_parallel(parts, tokens, jobs, clock, compile if batched else "off")
     return targets
 
 
@@ -388,25 +386,53 @@ def _unit_head(part: list[tuple[TrainConfig, str]]) -> str:
     return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models as one{blocks}"
 
 
-class _Clock:
-    """Progress lines of the models being trained, with the time left (mean wall time per model so far)."""
+def time_left(running: list[tuple[float, float]], queued: list[float], rate: float, slots: int) -> float:
+    """Seconds until every part is trained, when each part trains at `rate` units of work per second (model-steps:
+    the observed rate of one part, the finished parts' work over their wall time) and `slots` parts train at once.
+    `running`: each running part's (work, seconds since it started); `queued`: the work of each part not started,
+    in the order they start, each in the first slot that frees. A running part past its expected time counts 0."""
+    require(rate > 0 and slots >= 1, f"time_left needs rate > 0 and slots >= 1, got rate {rate}, slots {slots}")
+    free = [max(0.0, w / rate - e) for w, e in running] + [0.0] * max(0, slots - len(running))
+    for w in queued:
+        k = free.index(min(free))
+        free[k] += w / rate
+    return max(free, default=0.0)
 
-    def __init__(self, total: int, on: bool):
-        self.total, self.on, self.finished, self.began = total, on, 0, time.perf_counter()
+
+class _Clock:
+    """Progress lines of the parts being trained (a part: one model, or models trained as one computation), with the
+    time left: the work left (model-steps) at the rate the finished parts trained, `slots` parts at once
+    (`time_left`)."""
+
+    def __init__(self, parts: list[tuple[int, int]], on: bool, slots: int = 1):
+        """`parts`: (models, steps) of each part, in the order they start."""
+        self.on, self.slots = on, max(1, slots)
+        self.queued = [m * s for m, s in parts]
+        self.total, self.finished = sum(m for m, _ in parts), 0
+        self.running: dict[str, tuple[float, float]] = {}  # head -> (work, start time)
+        self.work_done = self.seconds = 0.0
 
     def left(self) -> str:
-        if not self.finished:
+        if not self.work_done:
             return "time left known after one model"
-        rate = (time.perf_counter() - self.began) / self.finished
-        return f"about {_duration(rate * (self.total - self.finished))} left"
+        now = time.perf_counter()
+        running = [(w, now - t) for w, t in self.running.values()]
+        rest = time_left(running, self.queued, self.work_done / self.seconds, self.slots)
+        return f"about {_duration(rest)} left"
 
-    def start(self, head: str, steps: int) -> None:
+    def start(self, head: str, steps: int, models: int = 1) -> None:
+        if self.queued:  # parts start in the order given
+            self.queued.pop(0)
+        self.running[head] = (float(models * steps), time.perf_counter())
         if self.on:
             print(f"{head}: training {steps} steps; {self.total - self.finished} model(s) to train, {self.left()}",
                   flush=True)
 
     def done(self, head: str, models: int = 1) -> None:
+        work, began = self.running.pop(head)
         self.finished += models
+        self.work_done += work
+        self.seconds += max(time.perf_counter() - began, 1e-9)
         if self.on and self.finished < self.total:
             print(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}", flush=True)
 
@@ -480,7 +506,7 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
             while queue and len(pending) < jobs:
                 part = queue.pop(0)
                 head = _unit_head(part)
-                clock.start(head, part[0][0].steps)
+                clock.start(head, part[0][0].steps, len(part))
                 if len(part) == 1:
                     future = pool.submit(_train_member, part[0][0], tokens, threads, None)
                 else:
