@@ -342,3 +342,14 @@ def test_the_clock_of_two_parallel_parts_says_the_time_of_the_one_still_running(
     assert lines[3] == "c: training 2000 steps; 24 model(s) to train, about 50 s left"
     # b took 105 s: rate 64,000 / 205 s; c 5 s in, 16,000 model-steps: 51 s left
     assert lines[4] == "b: trained; 8 model(s) to train, about 46 s left"
+
+
+def test_parallel_parts_of_one_model_train_as_the_parts_in_this_process_do(tmp_path, tokens, monkeypatch):
+    """Two models in two worker processes (--jobs 2): each part of one model trains through the batched trainer, as
+    a part of one model trained in this process does, so --compile reaches it (before, such a part trained with
+    `poslens train`'s loop, and `--compile on` compiled nothing)."""
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))  # the workers' too: not the models of other tests
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}})
+    meta = run_sweep(SweepConfig(preset=preset, jobs=2), tmp_path / "sweep", progress=False)
+    for m in meta["models"]:
+        assert json.loads(Path(m["path"], "run.json").read_text())["metrics"]["batched_models"] == 1

@@ -5,8 +5,8 @@ machine, not once per process.
 static: its forward and backward graphs become C++ kernels that fuse the elementwise work eager PyTorch does op by
 op (RMSNorm, the rotary products, SiLU times the up projection, the residual adds, their backward). Inductor's
 FX-graph and AOTAutograd caches are on by default; `use_disk_cache` points them at ``$POSLENS_CACHE/inductor``
-(unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so a second worker process, and every later sweep on the same machine
-and torch, loads the compiled kernels instead of compiling them again.
+(unless ``TORCHINDUCTOR_CACHE_DIR`` names another directory than inductor's default), so a second worker process,
+and every later sweep on the same machine and torch, loads the compiled kernels instead of compiling them again.
 """
 
 from __future__ import annotations

@@ -167,7 +167,10 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if "extends" in data:
         base = data.pop("extends")
         require(isinstance(base, str) and base, f"sweep preset {path}: extends names another matrix")
-        parent_path = preset_path(base, PRESETS, "sweep-")
+        try:
+            parent_path = preset_path(base, PRESETS, "sweep-")
+        except UsageError as e:
+            raise UsageError(f"sweep preset {path}: extends {base}: {e}") from None
         require(parent_path.resolve() not in seen, f"sweep preset {path}: extends {base}, which extends it back")
         parent = _read(parent_path, (*seen, path.resolve()))
         require(all(isinstance(x.get("train") or {}, dict) for x in (parent, data)),
@@ -197,10 +200,12 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
     seeds = list(cfg.seeds) if cfg.seeds is not None else data.get("seeds")
     require(isinstance(train, dict) and isinstance(variants, dict) and len(variants) >= 1,
             f"sweep preset {cfg.preset}: needs a train object and at least one variant")
-    require(isinstance(seeds, list) and len(seeds) >= 1 and all(isinstance(s, int) and not isinstance(s, bool)
-                                                                 for s in seeds),
-            f"seeds must be a list of integers, got {seeds!r}")
-    require(len(set(seeds)) == len(seeds), f"seeds must differ from each other, got {seeds}")
+    where = "seeds" if cfg.seeds is not None else f"sweep preset {cfg.preset}: seeds"  # a flag's, or the file's
+    if not (isinstance(seeds, list) and len(seeds) >= 1
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        raise UsageError(f"{where} must be a list of one or more integers, got {seeds!r}", in_file=cfg.seeds is None)
+    if len(set(seeds)) != len(seeds):
+        raise UsageError(f"{where} must differ from each other, got {seeds}", in_file=cfg.seeds is None)
     unknown = sorted(set(train) - set(FIELDS))
     require(not unknown, f"sweep train fields: unknown {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     require("seed" not in train, "the seed is the sweep's: give seeds, not a train seed")
@@ -353,7 +358,7 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
                 _train_member(part[0][0], tokens, None, head if progress else None)
             clock.done(head, len(part))
     else:
-        _train_parallel(parts, tokens, jobs, clock, compile if batched else "off")
+        _train_parallel(parts, tokens, jobs, clock, compile if batched else None)
     return targets
 
 
@@ -488,9 +493,10 @@ def _ignore_interrupt() -> None:
 
 
 def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jobs: int, clock: _Clock,
-                    compile: str) -> None:
-    """Train `parts` in `jobs` worker processes: a part of one model alone (`_train_member`), a larger one as one
-    computation (`_train_unit`)."""
+                    compile: str | None) -> None:
+    """Train `parts` in `jobs` worker processes, each part as one computation (`_train_unit`, compiled as `compile`
+    says, as the parts trained in this process are: a part of one model too), or with `compile` None each model
+    alone (`_train_member`: parts of one model)."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
@@ -507,7 +513,7 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
                 part = queue.pop(0)
                 head = _unit_head(part)
                 clock.start(head, part[0][0].steps, len(part))
-                if len(part) == 1:
+                if compile is None:
                     future = pool.submit(_train_member, part[0][0], tokens, threads, None)
                 else:
                     future = pool.submit(_train_unit, part, tokens, threads, False, compile)
