@@ -208,6 +208,12 @@ CASES = [
     Case(["scores", "random:m", *TINY, "--out", "o"], files({"m/config.json": json.dumps(CONFIG0)}),
          "num_hidden_layers must be an integer >= 1"),
     Case(["leakage-compare", "l", "--out", "o"], cut_tensors("l"), "tensors.safetensors holds 2,000 bytes"),
+    # a default that a short --seq-len makes impossible names both flags (round four: it read "--early-queries must
+    # be in [2, 15], got 32" to a user who never gave --early-queries)
+    Case(["leakage", "random:m", *TINY[2:], "--seq-len", "16", "--out", "o"],
+         files({"m/config.json": json.dumps({**CONFIG0, "num_hidden_layers": 1})}),
+         "--early-queries (32) must be below --seq-len (16): the early queries are i <= --early-queries; give "
+         "--early-queries 15 or less"),
 ]
 
 
