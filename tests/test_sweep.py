@@ -353,3 +353,48 @@ def test_parallel_parts_of_one_model_train_as_the_parts_in_this_process_do(tmp_p
     meta = run_sweep(SweepConfig(preset=preset, jobs=2), tmp_path / "sweep", progress=False)
     for m in meta["models"]:
         assert json.loads(Path(m["path"], "run.json").read_text())["metrics"]["batched_models"] == 1
+
+
+def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_resumes(tmp_path, tokens):
+    """Ctrl-C in a terminal (SIGINT to the process group) while two worker processes train: exit 130, one line on
+    stderr (before: two more lines from multiprocessing's resource tracker about the pool's semaphores), no --out,
+    no worker left running; each model keeps its checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}})
+    train = "steps=100000+save_every=2+eval_every=100000"  # runs until interrupted
+    env = {**os.environ, "POSLENS_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    sweep = subprocess.Popen([sys.executable, "-m", "poslens", "sweep", "--preset", preset, "--train", train,
+                              "--jobs", "2", "--quiet", "--out", str(tmp_path / "out")], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: (os.setpgrp(), signal.signal(signal.SIGINT, signal.SIG_DFL)))
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((tmp_path / "cache" / "trained").glob(".*.partial/checkpoint/trainer.pt"))) < 2:
+            assert sweep.poll() is None and time.monotonic() < deadline, sweep.stderr.read()
+            time.sleep(0.5)
+        os.killpg(sweep.pid, signal.SIGINT)
+        _, err = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)  # never left running, whatever failed above
+    assert sweep.returncode == 130 and err.splitlines() == [
+        "poslens sweep: interrupted; nothing was written to --out (rerun the same command; runs with checkpoints "
+        "resume where they stopped)"], err
+    assert not (tmp_path / "out").exists()
+    deadline = time.monotonic() + 60  # the group ends: no worker left (the resource tracker exits after the parent)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(sweep.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(subprocess.run(["ps", "-o", "pid,args", "-g", str(sweep.pid)], capture_output=True,
+                                            text=True).stdout)

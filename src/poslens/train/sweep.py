@@ -492,6 +492,23 @@ def _ignore_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers; each keeps its last checkpoint
 
 
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (a process of its own, started once) with its warning about leaked
+    semaphores ignored: a Ctrl-C ends the workers while the pool's queues hold semaphores, which the tracker then
+    unlinks itself, but says so in two lines on stderr after the command's one line."""
+    from multiprocessing import resource_tracker
+
+    old = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old, "ignore::UserWarning:multiprocessing.resource_tracker"]))
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = old
+
+
 def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jobs: int, clock: _Clock,
                     compile: str | None) -> None:
     """Train `parts` in `jobs` worker processes, each part as one computation (`_train_unit`, compiled as `compile`
@@ -503,6 +520,7 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
     import torch
 
     threads = max(1, torch.get_num_threads() // jobs)
+    _quiet_resource_tracker()
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_ignore_interrupt)
     pending: dict[Any, tuple[str, int]] = {}
