@@ -355,7 +355,7 @@ def test_parallel_parts_of_one_model_train_as_the_parts_in_this_process_do(tmp_p
         assert json.loads(Path(m["path"], "run.json").read_text())["metrics"]["batched_models"] == 1
 
 
-def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_resumes(tmp_path, tokens):
+def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_leaves_no_process(tmp_path, tokens):
     """Ctrl-C in a terminal (SIGINT to the process group) while two worker processes train: exit 130, one line on
     stderr (before: two more lines from multiprocessing's resource tracker about the pool's semaphores), no --out,
     no worker left running; each model keeps its checkpoint."""
