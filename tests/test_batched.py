@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -369,3 +370,23 @@ def test_a_sweep_compiles_only_parts_that_repay_it():
     assert not worth_compiling(sinks, MIN_COMPILE_MODEL_STEPS // sinks.steps - 1, cpu)
     with pytest.raises(UsageError, match="compile must be one of auto, on, off"):
         resolve_matrix(SweepConfig(preset="pe-sinks", compile="yes"))
+
+
+def test_compiled_code_goes_to_the_poslens_cache_after_torch_named_its_default(tmp_path, monkeypatch):
+    """Importing transformers' models makes torch's inductor write its default cache directory into
+    TORCHINDUCTOR_CACHE_DIR (its ``cache_dir()``); every command line's process had done so before the batched
+    trainer asked for the poslens cache, so the compiled code went to /tmp/torchinductor_USER and every sweep
+    compiled again after a reboot. That default is not a user's choice: the poslens cache is used; a directory the
+    user named is kept."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as torch_cache_dir
+
+    from poslens.train.compiled import CACHE_ENV, cache_dir, use_disk_cache
+
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    torch_cache_dir()  # what importing transformers.models.llama does in a fresh process
+    assert os.environ[CACHE_ENV] != str(cache_dir())
+    assert use_disk_cache() == cache_dir() == tmp_path / "cache" / "inductor" and cache_dir().is_dir()
+    assert os.environ[CACHE_ENV] == str(cache_dir())
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert use_disk_cache() == tmp_path / "mine" and os.environ[CACHE_ENV] == str(tmp_path / "mine")

@@ -166,6 +166,20 @@ CASES = [
          "missing: not a token directory"),
     Case(["train", "--tokens", "tok", *TRAIN, "--bos", "--out", "o"],
          copy_tokens("tok", lambda h: h.pop("bos_token_id")), "the token directory has no bos_token_id"),
+    # a preset or matrix file's own fields and seeds are named as the file writes them, not as flags (round four)
+    Case(["train", *TRAIN, "--preset", "p.json", "--out", "o"], files({"p.json": json.dumps({"kv_head": 1})}),
+         "preset p.json: unknown field(s) kv_head; known fields: preset, tokens, tokenizer, layers, hidden, "
+         "intermediate, heads, kv_heads, pe, pe_layers,"),
+    Case(["sweep", "--preset", "m.json", "--out", "o", "--quiet"],
+         files({"m.json": json.dumps({"train": {}, "variants": {"a": {"pe": "none"}}, "seeds": [3, 3]})}),
+         "error: sweep preset m.json: seeds must differ from each other, got [3, 3]"),
+    Case(["sweep", "--preset", "m.json", "--out", "o", "--quiet"],
+         files({"m.json": json.dumps({"train": {}, "variants": {"a": {"pe": "none"}}, "seeds": [True]})}),
+         "error: sweep preset m.json: seeds must be a list of one or more integers, got [True]"),
+    Case([*SWEEP, "--seeds", "1,1", "--out", "o"], None, "error: --seeds must differ from each other, got [1, 1]"),
+    Case(["sweep", "--preset", "m.json", "--out", "o", "--quiet"],
+         files({"m.json": json.dumps({"extends": "nosuch", "variants": {"a": {"pe": "none"}}})}),
+         "sweep preset m.json: extends nosuch: unknown preset 'nosuch'"),
     # training settings that would do nothing
     Case(["train", *TRAIN, "--pe-layers", "", "--out", "o"], None, "--pe-layers is empty"),
     Case(["train", *TRAIN, "--pe", "rope", "--sliding-window", "8", "--layer-types", "F", "--out", "o"], None,
@@ -194,6 +208,12 @@ CASES = [
     Case(["scores", "random:m", *TINY, "--out", "o"], files({"m/config.json": json.dumps(CONFIG0)}),
          "num_hidden_layers must be an integer >= 1"),
     Case(["leakage-compare", "l", "--out", "o"], cut_tensors("l"), "tensors.safetensors holds 2,000 bytes"),
+    # a default that a short --seq-len makes impossible names both flags (round four: it read "--early-queries must
+    # be in [2, 15], got 32" to a user who never gave --early-queries)
+    Case(["leakage", "random:m", *TINY[2:], "--seq-len", "16", "--out", "o"],
+         files({"m/config.json": json.dumps({**CONFIG0, "num_hidden_layers": 1})}),
+         "--early-queries (32) must be below --seq-len (16): the early queries are i <= --early-queries; give "
+         "--early-queries 15 or less"),
 ]
 
 

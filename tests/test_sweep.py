@@ -298,3 +298,103 @@ def test_a_corrupt_cached_model_is_trained_again_saying_so(tmp_path, tokens, mon
     run_sweep(SweepConfig(preset=preset, jobs=1, batched=False), tmp_path / "c", progress=False)
     assert "model.safetensors was changed after poslens wrote it" in capfd.readouterr().err
     assert corrupt(weights.parent) is None and Path(weights.parent, "run.json").is_file()
+
+
+def test_time_left_counts_the_parts_running_side_by_side():
+    """The time left is the work left at the observed rate of one part, `slots` parts at once: two equal parts
+    started together, the first just finished after 100 s, leave about nothing (the old clock, one model after
+    another, said 100 s: the full run's "about 32.8 min left" a minute before the end); queued parts go to the
+    first free slot; one slot is the sequential sum."""
+    from poslens.train.sweep import time_left
+
+    rate = 16 * 2000 / 100.0  # model-steps per second of one part: 16 models x 2,000 steps in 100 s
+    assert time_left([(32000, 100.0)], [], rate, 2) == 0.0
+    assert time_left([(32000, 60.0)], [], rate, 2) == pytest.approx(40.0)
+    # four equal parts on two slots, the first finished at 100 s, the second 100 s in: two start now, 100 s
+    assert time_left([(32000, 100.0)], [32000, 32000], rate, 2) == pytest.approx(100.0)
+    # three queued beside a part 30 s in, on two slots: slot 1 runs one now (ends at 100), slot 2 one from 70 s
+    # (ends at 170), the third takes slot 1 at 100 s and ends at 200 s
+    assert time_left([(32000, 30.0)], [32000, 32000, 32000], rate, 2) == pytest.approx(200.0)
+    assert time_left([], [32000, 32000, 16000], rate, 1) == pytest.approx(250.0)  # sequential: the sum
+    assert time_left([], [], rate, 3) == 0.0
+    with pytest.raises(UsageError, match="rate > 0"):
+        time_left([], [1.0], 0.0, 1)
+
+
+def test_the_clock_of_two_parallel_parts_says_the_time_of_the_one_still_running(monkeypatch, capsys):
+    """The progress lines of a sweep in two parallel parts of 16 models: after the first part ends (100 s), the
+    second, started with it and as large, has about nothing left, not another 100 s."""
+    import poslens.train.sweep as sweep
+
+    now = [0.0]
+    monkeypatch.setattr(sweep.time, "perf_counter", lambda: now[0])
+    clock = sweep._Clock([(16, 2000), (16, 2000), (8, 2000)], on=True, slots=2)
+    clock.start("a", 2000, 16)
+    clock.start("b", 2000, 16)
+    now[0] = 100.0
+    clock.done("a", 16)
+    clock.start("c", 2000, 8)
+    now[0] = 105.0
+    clock.done("b", 16)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("40 model(s) to train, time left known after one model")
+    assert lines[2] == "a: trained; 24 model(s) to train, about 50 s left"  # c (8 models: 50 s) still queued
+    assert lines[3] == "c: training 2000 steps; 24 model(s) to train, about 50 s left"
+    # b took 105 s: rate 64,000 / 205 s; c 5 s in, 16,000 model-steps: 51 s left
+    assert lines[4] == "b: trained; 8 model(s) to train, about 46 s left"
+
+
+def test_parallel_parts_of_one_model_train_as_the_parts_in_this_process_do(tmp_path, tokens, monkeypatch):
+    """Two models in two worker processes (--jobs 2): each part of one model trains through the batched trainer, as
+    a part of one model trained in this process does, so --compile reaches it (before, such a part trained with
+    `poslens train`'s loop, and `--compile on` compiled nothing)."""
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))  # the workers' too: not the models of other tests
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}})
+    meta = run_sweep(SweepConfig(preset=preset, jobs=2), tmp_path / "sweep", progress=False)
+    for m in meta["models"]:
+        assert json.loads(Path(m["path"], "run.json").read_text())["metrics"]["batched_models"] == 1
+
+
+def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_leaves_no_process(tmp_path, tokens):
+    """Ctrl-C in a terminal (SIGINT to the process group) while two worker processes train: exit 130, one line on
+    stderr (before: two more lines from multiprocessing's resource tracker about the pool's semaphores), no --out,
+    no worker left running; each model keeps its checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}})
+    train = "steps=100000+save_every=2+eval_every=100000"  # runs until interrupted
+    env = {**os.environ, "POSLENS_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    sweep = subprocess.Popen([sys.executable, "-m", "poslens", "sweep", "--preset", preset, "--train", train,
+                              "--jobs", "2", "--quiet", "--out", str(tmp_path / "out")], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: (os.setpgrp(), signal.signal(signal.SIGINT, signal.SIG_DFL)))
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((tmp_path / "cache" / "trained").glob(".*.partial/checkpoint/trainer.pt"))) < 2:
+            assert sweep.poll() is None and time.monotonic() < deadline, sweep.stderr.read()
+            time.sleep(0.5)
+        os.killpg(sweep.pid, signal.SIGINT)
+        _, err = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)  # never left running, whatever failed above
+    assert sweep.returncode == 130 and err.splitlines() == [
+        "poslens sweep: interrupted; nothing was written to --out (rerun the same command; runs with checkpoints "
+        "resume where they stopped)"], err
+    assert not (tmp_path / "out").exists()
+    deadline = time.monotonic() + 60  # the group ends: no worker left (the resource tracker exits after the parent)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(sweep.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(subprocess.run(["ps", "-o", "pid,args", "-g", str(sweep.pid)], capture_output=True,
+                                            text=True).stdout)

@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except UsageError as e:
         _close_progress_bars()
-        message = flag_message(str(e), getattr(e, "param", None), getattr(args, "flag_names", {}))
+        message = str(e) if getattr(e, "in_file", False) else flag_message(str(e), getattr(e, "param", None),
+                                                                            getattr(args, "flag_names", {}))
         print(f"poslens {args.command}: error: {message}", file=sys.stderr)
         return 2
     except Exception as e:  # a full disk or the file-size limit inside a library's own writer: one line too

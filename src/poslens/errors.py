@@ -11,12 +11,14 @@ class UsageError(ValueError):
     """Bad input from the user. The message names the argument and says how to fix it.
 
     `param`: the library parameter the message starts with (the CLI shows it as its flag, `seq_len` -> `--seq-len`).
-    The message is kept on one line: control characters in it (a newline in a file name) are shown as escapes.
+    `in_file`: the message is about a file's contents (a preset, a matrix), so the names in it are that file's
+    fields, which the CLI shows as written (`kv_heads`, not `--kv-heads`). The message is kept on one line: control
+    characters in it (a newline in a file name) are shown as escapes.
     """
 
-    def __init__(self, message: str = "", param: str | None = None) -> None:
+    def __init__(self, message: str = "", param: str | None = None, in_file: bool = False) -> None:
         super().__init__(one_line(str(message)))
-        self.param = param
+        self.param, self.in_file = param, in_file
 
 
 def one_line(text: str) -> str:

@@ -5,8 +5,8 @@ machine, not once per process.
 static: its forward and backward graphs become C++ kernels that fuse the elementwise work eager PyTorch does op by
 op (RMSNorm, the rotary products, SiLU times the up projection, the residual adds, their backward). Inductor's
 FX-graph and AOTAutograd caches are on by default; `use_disk_cache` points them at ``$POSLENS_CACHE/inductor``
-(unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so a second worker process, and every later sweep on the same machine
-and torch, loads the compiled kernels instead of compiling them again.
+(unless ``TORCHINDUCTOR_CACHE_DIR`` names another directory than inductor's default), so a second worker process,
+and every later sweep on the same machine and torch, loads the compiled kernels instead of compiling them again.
 """
 
 from __future__ import annotations
@@ -27,10 +27,25 @@ def cache_dir() -> Path:
     return cache_root() / "inductor"
 
 
+def _torch_default() -> str:
+    """Inductor's own cache directory, the one it sets ``TORCHINDUCTOR_CACHE_DIR`` to when it first needs one."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch: its default as torch 2.4-2.13 compute it
+        import getpass
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+    return default_cache_dir()
+
+
 def use_disk_cache() -> Path:
-    """Point inductor's on-disk caches at `cache_dir` unless ``TORCHINDUCTOR_CACHE_DIR`` is already set (the user's
-    choice, or this process's earlier call); returns the directory in use. Worker processes inherit it."""
-    if not os.environ.get(CACHE_ENV):
+    """Point inductor's on-disk caches at `cache_dir` unless ``TORCHINDUCTOR_CACHE_DIR`` names another directory
+    than inductor's default (the user's choice, or this process's earlier call); returns the directory in use.
+    Worker processes inherit it. Importing transformers' models sets the variable to inductor's default (torch's
+    ``cache_dir()`` writes it back), so a value equal to that default is not taken for a choice."""
+    given = os.environ.get(CACHE_ENV)
+    if not given or os.path.abspath(given) == os.path.abspath(_torch_default()):
         os.environ[CACHE_ENV] = str(cache_dir())
     path = Path(os.environ[CACHE_ENV])
     path.mkdir(parents=True, exist_ok=True)

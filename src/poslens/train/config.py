@@ -175,7 +175,9 @@ def load_preset(name: str) -> dict[str, Any]:
     require(isinstance(fields, dict), f"preset {name}: {path} must hold a JSON object of fields")
     fields = {k: v for k, v in fields.items() if not k.startswith("_")}  # "_comment" keys are documentation
     unknown = sorted(set(fields) - set(FIELDS) - {"preset"})
-    require(not unknown, f"preset {name}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(FIELDS)}")
+    if unknown:
+        raise UsageError(f"preset {name}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(FIELDS)}",
+                         in_file=True)
     return fields
 
 

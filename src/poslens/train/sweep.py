@@ -167,7 +167,10 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if "extends" in data:
         base = data.pop("extends")
         require(isinstance(base, str) and base, f"sweep preset {path}: extends names another matrix")
-        parent_path = preset_path(base, PRESETS, "sweep-")
+        try:
+            parent_path = preset_path(base, PRESETS, "sweep-")
+        except UsageError as e:
+            raise UsageError(f"sweep preset {path}: extends {base}: {e}") from None
         require(parent_path.resolve() not in seen, f"sweep preset {path}: extends {base}, which extends it back")
         parent = _read(parent_path, (*seen, path.resolve()))
         require(all(isinstance(x.get("train") or {}, dict) for x in (parent, data)),
@@ -197,10 +200,12 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
     seeds = list(cfg.seeds) if cfg.seeds is not None else data.get("seeds")
     require(isinstance(train, dict) and isinstance(variants, dict) and len(variants) >= 1,
             f"sweep preset {cfg.preset}: needs a train object and at least one variant")
-    require(isinstance(seeds, list) and len(seeds) >= 1 and all(isinstance(s, int) and not isinstance(s, bool)
-                                                                 for s in seeds),
-            f"seeds must be a list of integers, got {seeds!r}")
-    require(len(set(seeds)) == len(seeds), f"seeds must differ from each other, got {seeds}")
+    where = "seeds" if cfg.seeds is not None else f"sweep preset {cfg.preset}: seeds"  # a flag's, or the file's
+    if not (isinstance(seeds, list) and len(seeds) >= 1
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        raise UsageError(f"{where} must be a list of one or more integers, got {seeds!r}", in_file=cfg.seeds is None)
+    if len(set(seeds)) != len(seeds):
+        raise UsageError(f"{where} must differ from each other, got {seeds}", in_file=cfg.seeds is None)
     unknown = sorted(set(train) - set(FIELDS))
     require(not unknown, f"sweep train fields: unknown {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     require("seed" not in train, "the seed is the sweep's: give seeds, not a train seed")
@@ -337,25 +342,23 @@ def train_models(work: list[tuple[TrainConfig, str]], progress: bool = True, job
         if progress and todo.get(t) != i:
             print(f"{heads[i]}: {'cached' if t not in todo else 'the same model as ' + heads[todo[t]]}", flush=True)
     jobs = min(jobs or auto_jobs([cfgs[i] for i in todo.values()] or cfgs), max(1, len(todo)))
-    clock = _Clock(len(todo), progress)
     if batched:
         units = _units([cfgs[i] for i in todo.values()], list(todo.values()), jobs, tokens)
         parts = [[(cfgs[i], heads[i]) for i in unit] for unit in units]
-        if jobs == 1 or len(parts) == 1:
-            for part in parts:
-                head = _unit_head(part)
-                clock.start(head, part[0][0].steps)
-                _train_unit(part, tokens, None, progress, compile)
-                clock.done(head, len(part))
-        else:
-            _train_parallel(parts, tokens, jobs, clock, compile)
-    elif jobs == 1:
-        for i in todo.values():
-            clock.start(heads[i], cfgs[i].steps)
-            _train_member(cfgs[i], tokens, None, heads[i] if progress else None)
-            clock.done(heads[i])
     else:
-        _train_parallel([[(cfgs[i], heads[i])] for i in todo.values()], tokens, jobs, clock, "off")
+        parts = [[(cfgs[i], heads[i])] for i in todo.values()]
+    clock = _Clock([(len(p), p[0][0].steps) for p in parts], progress, 1 if len(parts) == 1 else jobs)
+    if jobs == 1 or len(parts) == 1:
+        for part in parts:
+            head = _unit_head(part)
+            clock.start(head, part[0][0].steps, len(part))
+            if batched:
+                _train_unit(part, tokens, None, progress, compile)
+            else:
+                _train_member(part[0][0], tokens, None, head if progress else None)
+            clock.done(head, len(part))
+    else:
+        _train_parallel(parts, tokens, jobs, clock, compile if batched else None)
     return targets
 
 
@@ -388,25 +391,53 @@ def _unit_head(part: list[tuple[TrainConfig, str]]) -> str:
     return f"{part[0][1]} .. {part[-1][1]}: {len(part)} models as one{blocks}"
 
 
-class _Clock:
-    """Progress lines of the models being trained, with the time left (mean wall time per model so far)."""
+def time_left(running: list[tuple[float, float]], queued: list[float], rate: float, slots: int) -> float:
+    """Seconds until every part is trained, when each part trains at `rate` units of work per second (model-steps:
+    the observed rate of one part, the finished parts' work over their wall time) and `slots` parts train at once.
+    `running`: each running part's (work, seconds since it started); `queued`: the work of each part not started,
+    in the order they start, each in the first slot that frees. A running part past its expected time counts 0."""
+    require(rate > 0 and slots >= 1, f"time_left needs rate > 0 and slots >= 1, got rate {rate}, slots {slots}")
+    free = [max(0.0, w / rate - e) for w, e in running] + [0.0] * max(0, slots - len(running))
+    for w in queued:
+        k = free.index(min(free))
+        free[k] += w / rate
+    return max(free, default=0.0)
 
-    def __init__(self, total: int, on: bool):
-        self.total, self.on, self.finished, self.began = total, on, 0, time.perf_counter()
+
+class _Clock:
+    """Progress lines of the parts being trained (a part: one model, or models trained as one computation), with the
+    time left: the work left (model-steps) at the rate the finished parts trained, `slots` parts at once
+    (`time_left`)."""
+
+    def __init__(self, parts: list[tuple[int, int]], on: bool, slots: int = 1):
+        """`parts`: (models, steps) of each part, in the order they start."""
+        self.on, self.slots = on, max(1, slots)
+        self.queued = [m * s for m, s in parts]
+        self.total, self.finished = sum(m for m, _ in parts), 0
+        self.running: dict[str, tuple[float, float]] = {}  # head -> (work, start time)
+        self.work_done = self.seconds = 0.0
 
     def left(self) -> str:
-        if not self.finished:
+        if not self.work_done:
             return "time left known after one model"
-        rate = (time.perf_counter() - self.began) / self.finished
-        return f"about {_duration(rate * (self.total - self.finished))} left"
+        now = time.perf_counter()
+        running = [(w, now - t) for w, t in self.running.values()]
+        rest = time_left(running, self.queued, self.work_done / self.seconds, self.slots)
+        return f"about {_duration(rest)} left"
 
-    def start(self, head: str, steps: int) -> None:
+    def start(self, head: str, steps: int, models: int = 1) -> None:
+        if self.queued:  # parts start in the order given
+            self.queued.pop(0)
+        self.running[head] = (float(models * steps), time.perf_counter())
         if self.on:
             print(f"{head}: training {steps} steps; {self.total - self.finished} model(s) to train, {self.left()}",
                   flush=True)
 
     def done(self, head: str, models: int = 1) -> None:
+        work, began = self.running.pop(head)
         self.finished += models
+        self.work_done += work
+        self.seconds += max(time.perf_counter() - began, 1e-9)
         if self.on and self.finished < self.total:
             print(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}", flush=True)
 
@@ -461,16 +492,35 @@ def _ignore_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers; each keeps its last checkpoint
 
 
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (a process of its own, started once) with its warning about leaked
+    semaphores ignored: a Ctrl-C ends the workers while the pool's queues hold semaphores, which the tracker then
+    unlinks itself, but says so in two lines on stderr after the command's one line."""
+    from multiprocessing import resource_tracker
+
+    old = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old, "ignore::UserWarning:multiprocessing.resource_tracker"]))
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = old
+
+
 def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jobs: int, clock: _Clock,
-                    compile: str) -> None:
-    """Train `parts` in `jobs` worker processes: a part of one model alone (`_train_member`), a larger one as one
-    computation (`_train_unit`)."""
+                    compile: str | None) -> None:
+    """Train `parts` in `jobs` worker processes, each part as one computation (`_train_unit`, compiled as `compile`
+    says, as the parts trained in this process are: a part of one model too), or with `compile` None each model
+    alone (`_train_member`: parts of one model)."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     import torch
 
     threads = max(1, torch.get_num_threads() // jobs)
+    _quiet_resource_tracker()
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_ignore_interrupt)
     pending: dict[Any, tuple[str, int]] = {}
@@ -480,8 +530,8 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
             while queue and len(pending) < jobs:
                 part = queue.pop(0)
                 head = _unit_head(part)
-                clock.start(head, part[0][0].steps)
-                if len(part) == 1:
+                clock.start(head, part[0][0].steps, len(part))
+                if compile is None:
                     future = pool.submit(_train_member, part[0][0], tokens, threads, None)
                 else:
                     future = pool.submit(_train_unit, part, tokens, threads, False, compile)

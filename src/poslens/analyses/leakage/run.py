@@ -62,7 +62,11 @@ class LeakageConfig(ModelData):
 
     def validate(self) -> None:
         super().validate()
-        check_int("early_queries", self.early_queries, 2, self.seq_len - 1)
+        check_int("early_queries", self.early_queries, 2)
+        if self.early_queries > self.seq_len - 1:  # the default, 32, meets a short --seq-len here
+            raise UsageError(f"early_queries ({self.early_queries}) must be below seq_len ({self.seq_len}): the early "
+                             f"queries are i <= early_queries; give early_queries {self.seq_len - 1} or less",
+                             param="early_queries")
         for spec in self.specs:
             iv.parse(spec)
         for name in self.nulls:

@@ -116,8 +116,8 @@ def check_same_variant(job: Job, spec: str, seen: dict[str, str] | None = None) 
              "rope base": (rope_base(a), rope_base(b))}
     for what, (x, y) in facts.items():
         if x != y:
-            raise UsageError(f"seed_models: {spec} is not another seed of {cfg.model}'s variant: its {what} "
-                             "differs; give models trained alike but for the seed", param="seed_models")
+            raise UsageError(f"seed_models: {spec} is not another seed of {cfg.model}'s variant: {what} not "
+                             "the same; give models trained alike but for the seed", param="seed_models")
     own, theirs = trained_length(cfg.model, a), trained_length(spec, b)
     if own != theirs:
         raise UsageError(f"seed_models: {spec} was trained at length {theirs} and {cfg.model} at {own}; give seeds "
