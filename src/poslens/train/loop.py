@@ -247,14 +247,14 @@ def attention_kernel(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 def check_attention(cfg: TrainConfig, device: torch.device) -> None:
     """One-line UsageError, before any work, if the kernel `cfg.attention` names cannot run this model's attention
-    on `device` (probed on a tiny input of the step's dtype, with a mask where a sliding window needs one)."""
+    on `device` (probed on a tiny input under the step's own autocast, with a mask where a sliding window needs
+    one)."""
     if cfg.attention == "auto":
         return
-    bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16")
-    q = torch.zeros(1, 1, 4, 8, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    q = torch.zeros(1, 1, 4, 8, device=device)
     mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril() if cfg.sliding_window else None
     try:
-        with attention_kernel(cfg):
+        with _autocast(cfg, device), attention_kernel(cfg):
             F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=mask is None)
     except RuntimeError:
         raise UsageError(f"attention {cfg.attention!r}: torch has no such kernel for this model on {device.type} "

@@ -27,9 +27,10 @@ def _causal_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     only, so a compiled graph never reads a tensor to decide."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+    offsets = (kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))  # a tensor offset (static caches): not plain
     plain = (not args and kwargs.get("mask_function") is causal_mask_function and kwargs.get("attention_mask") is None
-             and kwargs.get("local_size") is None and kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
-             and isinstance(kwargs.get("q_offset", 0), int) and kwargs.get("q_length") == kwargs.get("kv_length"))
+             and kwargs.get("local_size") is None and all(type(o) is int and o == 0 for o in offsets)
+             and kwargs.get("q_length") == kwargs.get("kv_length"))
     return None if plain else sdpa_mask(*args, **kwargs)
 
 
