@@ -296,3 +296,12 @@ def test_sizes_are_read_as_json_values_per_section():
     assert parse_sizes(["leakage.sequences=64", "leakage.sweep=pe", "real-model.sequences=512", "nope.samples=1e3"]) \
         == {"leakage": {"sequences": 64, "sweep": "pe"}, "real-model": {"sequences": 512}, "nope": {"samples": 1000.0}}
     assert parse_sizes(None) == {}
+
+
+def test_sizes_take_a_list_value_beside_others():
+    """A JSON list in --sizes (e.g. the sweep's seeds) stays one value: commas inside brackets do not split entries."""
+    from poslens.cli import build_parser, parse_sizes
+
+    argv = ["reproduce", "--sizes", "trained.sweep_seeds=[0,1,2],leakage.sequences=8"]
+    args = build_parser("reproduce").parse_args(argv)
+    assert parse_sizes(args.sizes) == {"trained": {"sweep_seeds": [0, 1, 2]}, "leakage": {"sequences": 8}}

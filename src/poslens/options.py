@@ -171,11 +171,23 @@ _SCALARS: dict[type, Callable[[str], Any]] = {int: int, float: _finite_float, st
 _METAVARS = {int: "N", float: "X"}  # str options keep argparse's NAME
 
 
+def split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets, so a JSON list stays one item: "a=[0,1],b=2" -> ["a=[0,1]",
+    "b=2"]."""
+    items, depth, start = [], 0, 0
+    for k, ch in enumerate(text):
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            items.append(text[start:k])
+            start = k + 1
+    return [*items, text[start:]]
+
+
 def _comma_separated(scalar: Callable[[str], Any], container: type, choices: tuple | None) -> Callable[[str], Any]:
     """Parser of `a,b,c` into `container` of scalars, each checked against `choices`."""
 
     def parse(text: str) -> Any:
-        items = [s.strip() for s in text.split(",")]
+        items = [s.strip() for s in split_top_level(text)]
         try:
             values = [scalar(s) for s in items if s]
         except (ValueError, argparse.ArgumentTypeError):
