@@ -305,3 +305,30 @@ def test_sizes_take_a_list_value_beside_others():
     argv = ["reproduce", "--sizes", "trained.sweep_seeds=[0,1,2],leakage.sequences=8"]
     args = build_parser("reproduce").parse_args(argv)
     assert parse_sizes(args.sizes) == {"trained": {"sweep_seeds": [0, 1, 2]}, "leakage": {"sequences": 8}}
+
+
+def test_quiet_silences_the_libraries_bars_too(tmp_path, capsys, monkeypatch):
+    """--quiet: no progress bars from transformers or huggingface_hub either (the embedded model's first load and
+    conversion draw "Loading weights" and "Writing model shards" outside the analyses' own switch); without it
+    such a bar is drawn (so the check can fail); the libraries' bars come back after the command."""
+    from transformers.utils import logging as tf_logging
+
+    import poslens.cli as cli
+
+    def draw():
+        for _ in tf_logging.tqdm(range(3), desc="Loading weights"):
+            pass
+        return capsys.readouterr().err
+
+    assert "Loading weights" in draw()
+    restore = cli._silence_library_bars()
+    assert draw() == ""
+    restore()
+    assert "Loading weights" in draw() and tf_logging.is_progress_bar_enabled()
+    calls = []
+    real = cli._silence_library_bars
+    monkeypatch.setattr(cli, "_silence_library_bars", lambda: calls.append(1) or real())
+    args = ["simulate", "--seq-len", "6", "--d", "8", "--samples", "50", "--out", str(tmp_path / "mc")]
+    assert main([*args, "--quiet"]) == 0 and calls == [1]
+    assert main([*args, "--force"]) == 0 and calls == [1]  # not without --quiet
+    assert "Loading weights" in draw()

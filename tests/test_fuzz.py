@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from test_cli import tiny_model_dir  # noqa: F401 (a fixture)
-from test_rundir import FullDisk, FullFile, light_process, safetensors_full, tree
+from test_rundir import FullDisk, FullFile, light_process, tensors_full, tree
 
 import poslens
 from poslens.cli import main
@@ -248,7 +248,7 @@ CASES = [
          "no space left on the device to write"),
     Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(lock, "os", FullDisk()), ".o.lock (it needs"),
     Case(["simulate", *STACK, "--samples", "200", "--quiet", "--out", "o"],
-         patch(checkpoint, "save_file", safetensors_full), ".o.partial/simulate-"),
+         patch(checkpoint, "write_tensors", tensors_full), ".o.partial/simulate-"),
     Case(["gramflow", *STACK, "--out", "o", "--no-figures"], patch(results, "write_tensors", interrupted),
          "interrupted; nothing was written to --out", 130),
 ]

@@ -124,3 +124,10 @@ def test_the_tensors_writer_is_byte_identical_to_safetensors(tmp_path):
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours == (tmp_path / "reference.safetensors").read_bytes()
     assert recorded(tmp_path / "ours.safetensors") == hashlib.sha256(ours).hexdigest()
+    meta = {"__done__": "12", "fingerprint": "0123abcd"}  # a checkpoint's metadata (poslens.io.checkpoint)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "reference-meta.safetensors"), meta)
+    write_tensors(tmp_path / "ours-meta.safetensors", tensors, meta)
+    ours, ref = ((tmp_path / f).read_bytes() for f in ("ours-meta.safetensors", "reference-meta.safetensors"))
+    n = int.from_bytes(ours[:8], "little")  # safetensors orders the metadata as a hash map does (per process): the
+    assert ours[:8] == ref[:8] and json.loads(ours[8:8 + n]) == json.loads(ref[8:8 + n])  # header as JSON, the
+    assert ours[8 + n:] == ref[8 + n:]  # data byte for byte

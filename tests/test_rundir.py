@@ -402,11 +402,11 @@ def test_files_get_the_umask_permissions(tmp_path, mask):
 def test_a_failed_checkpoint_write_leaves_no_temporary(tmp_path, monkeypatch):
     path = tmp_path / "ck.safetensors"
 
-    def half_written(tensors, filename, metadata=None):
+    def half_written(filename, tensors, metadata=None):
         Path(filename).write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "save_file", half_written)
+    monkeypatch.setattr(checkpoint, "write_tensors", half_written)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_partial(path, {"s": torch.zeros(1)}, 1, {})
     assert list(tmp_path.iterdir()) == []
@@ -525,6 +525,14 @@ def test_an_unwritable_cache_directory_is_refused_before_any_work(tmp_path):
 ENOSPC_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
+def tensors_full(filename, tensors, metadata=None):
+    """`poslens.io.writing.write_tensors` on a full disk: part of the file written, then ENOSPC."""
+    import errno
+
+    Path(filename).write_bytes(b"half")
+    raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+
 def safetensors_full(tensors, filename, metadata=None):
     from safetensors import SafetensorError
 
@@ -576,10 +584,17 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path,
         else (lambda v: checkpoint.write_cache(path, {"s": torch.full((4,), v)}))
     write(1.0)
     before = tree(tmp_path)
-    monkeypatch.setattr(checkpoint, "save_file", safetensors_full)
+    monkeypatch.setattr(checkpoint, "write_tensors", tensors_full)
     with pytest.raises(UsageError, match=r"no space left on the device to write .*ck\.safetensors \(it needs "):
         write(2.0)
     assert tree(tmp_path) == before
+
+
+def test_the_disk_space_helper_recognises_safetensors_on_a_full_disk(tmp_path):
+    # safetensors' own writer (transformers' save_pretrained) names the error only in its message
+    with pytest.raises(UsageError, match=r"no space left on the device to write .*model\.safetensors"):
+        with space.disk_space(tmp_path / "model.safetensors", 100):
+            safetensors_full({}, tmp_path / "model.safetensors")
 
 
 def test_the_disk_space_helper_recognises_torch_save_on_a_full_disk(tmp_path, monkeypatch):

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from poslens.errors import UsageError
 from poslens.io.rundir import share, stale_tmp
 from poslens.io.space import disk_space, nbytes
+from poslens.io.writing import write_tensors
 
 DONE_KEY = "__done__"
 
@@ -40,13 +41,14 @@ def save_partial(path: str | os.PathLike, sums: dict[str, torch.Tensor], done: i
 
 
 def _atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
-    """save_file to NAME.tmp-PID, then rename over NAME; the temporary never outlives a failed write, and a full
-    disk is a one-line UsageError naming NAME and the bytes it needed (the previous NAME stays)."""
+    """Write NAME.tmp-PID (safetensors, a tensor at a time: no second copy of the sums in memory), then rename over
+    NAME; the temporary never outlives a failed write, and a full disk is a one-line UsageError naming NAME and the
+    bytes it needed (the previous NAME stays)."""
     _clean_stale(path)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     try:
         with disk_space(path, nbytes(tensors) + nbytes(metadata or {}) + 1024):
-            save_file(tensors, str(tmp), metadata=metadata)
+            write_tensors(tmp, tensors, metadata)
         share(tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -12,8 +12,10 @@ without reading it again. Files written by other libraries (figures, ``save_pret
 the manifest is written.
 
 `write_tensors` writes the safetensors format itself, one tensor at a time (no second copy of the tensors in
-memory): header length (8 bytes, little-endian), the JSON header padded with spaces to a multiple of 8, then the
-tensors' bytes, ordered as safetensors orders them, so the file is byte-identical to `safetensors.torch.save_file`'s.
+memory): header length (8 bytes, little-endian), the JSON header (metadata first) padded with spaces to a multiple
+of 8, then the tensors' bytes, ordered as safetensors orders them, so the file is byte-identical to
+`safetensors.torch.save_file`'s (with metadata, up to the order of its keys, which safetensors takes from a hash map).
+Checkpoints (`poslens.io.checkpoint`) are written by it too.
 """
 
 from __future__ import annotations
@@ -129,8 +131,10 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def write_tensors(path: str | os.PathLike, tensors: Mapping[str, object]) -> None:
-    """Write CPU tensors to `path` in the safetensors format, one tensor at a time (see the module docstring)."""
+def write_tensors(path: str | os.PathLike, tensors: Mapping[str, object],
+                  metadata: Mapping[str, str] | None = None) -> None:
+    """Write CPU tensors to `path` in the safetensors format, one tensor at a time (see the module docstring), with
+    `metadata` (text to text) first in the header, as safetensors stores it."""
     import torch
 
     def name(t: torch.Tensor) -> str:
@@ -141,7 +145,7 @@ def write_tensors(path: str | os.PathLike, tensors: Mapping[str, object]) -> Non
 
     cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     order = sorted(cpu, key=lambda k: (-_DTYPES.index(name(cpu[k])), k))
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": dict(metadata)} if metadata is not None else {}), 0
     for k in order:
         t = cpu[k]
         header[k] = {"dtype": _NAMES[name(t)], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}

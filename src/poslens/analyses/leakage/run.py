@@ -205,8 +205,9 @@ class Leakage(Analysis):
         per_group = LeakageMaps.group_bytes(L, H, T)
         sums = cfg.groups * (heads * per_group + layers * LayerMaps.group_bytes(L, H, T))
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
-                # every pass's sums, twice while a checkpoint is written, and the estimates' replicates
-                "grouped sums of the maps": (2 * sums + 4 * per_group * 2, "seq_len"),
+                # every pass's sums (a checkpoint writes them a tensor at a time: no second copy) and the
+                # estimates' replicates
+                "grouped sums of the maps": (sums + 4 * per_group * 2, "seq_len"),
                 "per-sequence rows": (n * L * (2 * 8 * H) + n * (L + 1) * d * 4, "num_sequences")}
 
     def sequences(self, job: Job, documents) -> tuple[torch.Tensor, dict]:
