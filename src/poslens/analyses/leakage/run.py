@@ -205,9 +205,10 @@ class Leakage(Analysis):
         per_group = LeakageMaps.group_bytes(L, H, T)
         sums = cfg.groups * (heads * per_group + layers * LayerMaps.group_bytes(L, H, T))
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
-                # every pass's sums (a checkpoint writes them a tensor at a time: no second copy) and the
-                # estimates' replicates
-                "grouped sums of the maps": (sums + 4 * per_group * 2, "seq_len"),
+                # every pass's sums, and about as much again for the estimates after the passes (Gemma-3-270M
+                # at 16 x 1,024 tokens was killed by the kernel at 24.2 GB resident in that phase when this
+                # counted the sums once; docs/leakage.md), and the estimates' replicates
+                "grouped sums of the maps": (2 * sums + 4 * per_group * 2, "seq_len"),
                 "per-sequence rows": (n * L * (2 * 8 * H) + n * (L + 1) * d * 4, "num_sequences")}
 
     def sequences(self, job: Job, documents) -> tuple[torch.Tensor, dict]:
