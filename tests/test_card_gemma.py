@@ -83,7 +83,8 @@ def test_attention_on_key_0_and_the_sinks_are_transformers_eager_attention_withi
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     sliding = [l for l, k in enumerate(model.config.layer_types) if k == "sliding_attention"]
     assert sliding == [0, 2] and torch.all(got[sliding, :, WINDOW:] == 0)
-    assert torch.all(got[1, :, WINDOW:] > 1e-3)  # the global layer sees key 0 from every query
+    assert torch.all(got[1, :, WINDOW:] > 0)  # the global layer sees key 0 from every query (a softmax over the
+    # keys a query sees is positive on each; the sliding layers' exact 0 is what a wrongly applied window gives)
     alpha0 = run.tensors["original/alpha0"].double()  # [L, H]
     for l in range(ref.shape[0]):
         seen = WINDOW if l in sliding else T
