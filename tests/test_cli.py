@@ -314,6 +314,7 @@ def test_quiet_silences_the_libraries_bars_too(tmp_path, capsys, monkeypatch):
     from transformers.utils import logging as tf_logging
 
     import poslens.cli as cli
+    from poslens.io.bars import library_bars
 
     def draw():
         for _ in tf_logging.tqdm(range(3), desc="Loading weights"):
@@ -321,14 +322,12 @@ def test_quiet_silences_the_libraries_bars_too(tmp_path, capsys, monkeypatch):
         return capsys.readouterr().err
 
     assert "Loading weights" in draw()
-    restore = cli._silence_library_bars()
-    assert draw() == ""
-    restore()
+    with library_bars(False):
+        assert draw() == ""
     assert "Loading weights" in draw() and tf_logging.is_progress_bar_enabled()
     calls = []
-    real = cli._silence_library_bars
-    monkeypatch.setattr(cli, "_silence_library_bars", lambda: calls.append(1) or real())
+    monkeypatch.setattr(cli, "library_bars", lambda enabled: calls.append(enabled) or library_bars(enabled))
     args = ["simulate", "--seq-len", "6", "--d", "8", "--samples", "50", "--out", str(tmp_path / "mc")]
-    assert main([*args, "--quiet"]) == 0 and calls == [1]
-    assert main([*args, "--force"]) == 0 and calls == [1]  # not without --quiet
+    assert main([*args, "--quiet"]) == 0 and calls == [False]
+    assert main([*args, "--force"]) == 0 and calls == [False, True]
     assert "Loading weights" in draw()

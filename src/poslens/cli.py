@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poslens.errors import UsageError
+from poslens.io.bars import library_bars
 from poslens.options import Parser, add_options, add_output_args, check_options, flags, from_args, option, parse_sizes
 
 __all__ = ["COMMANDS", "Command", "Parser", "build_parser", "flag_message", "main"]
@@ -403,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # the command line as given (a report's provenance quotes it)
     shown, warnings.showwarning = warnings.showwarning, _show_warning
-    restore = _silence_library_bars() if getattr(args, "quiet", False) else None
     try:
-        args.func(args)
+        with library_bars(not getattr(args, "quiet", False)):  # --quiet: transformers' bars too
+            args.func(args)
     except UsageError as e:
         _close_progress_bars()
         message = str(e) if getattr(e, "in_file", False) else flag_message(str(e), getattr(e, "param", None),
@@ -428,39 +429,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         warnings.showwarning = shown
-        if restore is not None:
-            restore()
     return 0
 
-
-def _silence_library_bars():
-    """--quiet: no progress bars from transformers or huggingface_hub either (loading and writing weights,
-    downloads); returns the function that restores them (for callers of `main` in one process, such as tests)."""
-    before = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when they are imported
-
-    def restore_env() -> None:
-        if before is None:
-            os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
-        else:
-            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = before
-
-    if "huggingface_hub" not in sys.modules:
-        return restore_env
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    hub_was = are_progress_bars_disabled()
-    disable_progress_bars()
-    tf = sys.modules.get("transformers.utils.logging")
-    tf_was = tf.is_progress_bar_enabled() if tf is not None else None
-    if tf is not None:
-        tf.disable_progress_bar()
-
-    def restore() -> None:
-        restore_env()
-        if not hub_was:
-            enable_progress_bars()
-        if tf_was:
-            tf.enable_progress_bar()
-
-    return restore

@@ -444,12 +444,13 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
 
 def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool, stop_after: int | None,
                     label: str | None, chunk: int | None, compile: bool) -> list[dict[str, Any]]:
+    from poslens.io.bars import library_bars
     from poslens.io.results import open_run
     from poslens.train import checkpoint as ckpt
     from poslens.train.loop import Work
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(ckpt.progress_bars(False))  # no "Writing model shards" bar per model and checkpoint
+        stack.enter_context(library_bars(False))  # no "Writing model shards" bar per model and checkpoint
         runs = [stack.enter_context(open_run(t, False, inputs=[cfgs[0].tokens])) for t in targets]
         works = [Work(r.work) for r in runs]
         try:

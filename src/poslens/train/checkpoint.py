@@ -6,11 +6,9 @@ moved aside first and deleted after), so an interruption at any moment leaves on
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,30 +66,6 @@ def save(work: Path, model: Any, model_state: dict[str, torch.Tensor] | None, tr
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-@contextlib.contextmanager
-def progress_bars(enabled: bool) -> Iterator[None]:
-    """transformers' progress bars (and huggingface_hub's) off for the duration unless `enabled`.
-
-    ``save_pretrained`` draws a "Writing model shards" bar on every call, and transformers 5.x gives it no
-    argument of its own: the switch is the global ``transformers.utils.logging.disable_progress_bar()``,
-    which also turns off huggingface_hub's bars. The previous state of both is restored on exit.
-    """
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
-    from transformers.utils import logging
-
-    if enabled or not logging.is_progress_bar_enabled():
-        yield
-        return
-    hub_off = are_progress_bars_disabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logging.enable_progress_bar()  # turns huggingface_hub's bars back on too
-        if hub_off:
-            disable_progress_bars()
 
 
 def find(work: Path) -> Path | None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from poslens.engine.distributed import Dist, setup
 from poslens.errors import UsageError, check_int, require
+from poslens.io.bars import library_bars
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
 from poslens.train.data import PAD, counted_rows, eval_batches, loss_shares, num_blocks, train_batches
@@ -375,7 +376,7 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
     target = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(ckpt.progress_bars(progress))  # save_pretrained's "Writing model shards" bars
+            stack.enter_context(library_bars(progress))  # save_pretrained's "Writing model shards" bars
             if d.main:  # an --out equal to the token directory or containing it is refused
                 preset = cfg.preset if cfg.preset.endswith(".json") else None  # a preset file is an input too
                 run = stack.enter_context(open_run(target, force, inputs=[cfg.tokens, preset]))
