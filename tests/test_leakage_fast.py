@@ -31,6 +31,7 @@ from poslens.analyses.leakage.causal import (
 )
 from poslens.analyses.leakage.contrast import contrast, removed_by_head, unflatten
 from poslens.analyses.leakage.nulls import paired_with_starts
+from poslens.analyses.leakage.run import ESTIMATE_MAPS, Leakage, LeakageConfig
 from poslens.engine.hooks import HookedModel
 from poslens.engine.stats import Estimate, combine
 from poslens.errors import UsageError
@@ -148,9 +149,9 @@ def test_layer_maps_give_the_per_head_maps_layer_metrics_exactly(family):
 def test_the_memory_estimate_of_a_group_is_what_the_sums_hold():
     """`group_bytes` (what the command's memory estimate multiplies by groups and passes) equals the bytes the sums of
     each class hold after a pass, per group: the estimate cannot drift from the storage. On a Llama-3.1-8B shape at
-    512 tokens and the defaults (8 groups; 3 passes per head, 4 head-mean) the maps' part is 68.7 GiB, not the
-    125.2 GiB of one per-head class for every pass (the estimate: every pass's sums twice, and 8 groups' worth for
-    the estimates' replicates)."""
+    512 tokens and the defaults (8 groups; 3 passes per head, 4 head-mean) the maps' part is 53.9 GiB: every pass's
+    sums (29.9 GiB, not the 61.9 GiB of one per-head class for every pass) and the estimates' ESTIMATE_MAPS per-head
+    float64 maps (benchmarks/leakage_memory.py measured 9.3 of them)."""
     model = build("mistral")  # a sliding-window layer too
     c = model.config
     for cls in (LeakageMaps, LayerMaps):
@@ -159,9 +160,13 @@ def test_the_memory_estimate_of_a_group_is_what_the_sums_hold():
         held = sum(v.nbytes for v in stat.sums.sums.values())
         assert held == 4 * cls.group_bytes(c.num_hidden_layers, c.num_attention_heads, 20)
     L, H, T = 32, 32, 512
-    total = 2 * 8 * (3 * LeakageMaps.group_bytes(L, H, T) + 4 * LayerMaps.group_bytes(L, H, T)) \
-        + 8 * LeakageMaps.group_bytes(L, H, T)
-    assert round(total / 2**30, 1) == 68.7
+    sums = 8 * (3 * LeakageMaps.group_bytes(L, H, T) + 4 * LayerMaps.group_bytes(L, H, T))
+    assert round(sums / 2**30, 1) == 29.9 and round(7 * 8 * LeakageMaps.group_bytes(L, H, T) / 2**30, 1) == 61.9
+    estimate = Leakage().memory(SimpleNamespace(
+        config=LeakageConfig(model="x", seq_len=T, num_sequences=64, groups=8, interventions=["mean", "random"]),
+        hm=SimpleNamespace(n_layers=L), model=SimpleNamespace(config=SimpleNamespace(
+            num_attention_heads=H, hidden_size=4096))))["grouped sums of the maps"][0]
+    assert estimate == sums + ESTIMATE_MAPS * L * H * T * T * 8 and round(estimate / 2**30, 1) == 53.9
     assert LayerMaps.group_bytes(L, H, T) < LeakageMaps.group_bytes(L, H, T) / 9
 
 

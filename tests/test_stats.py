@@ -70,6 +70,54 @@ def test_leave_one_out_means_are_computed_only_when_read():
         s._means()["c"]
 
 
+def test_totals_are_computed_only_for_the_names_read():
+    """`evaluate`'s totals are lazy: a function of "a" never sums "b" (a large model's per-head maps are GBs)."""
+    s = GroupedSums(3)
+    for g in range(3):
+        s.add("a", g, torch.tensor([1.0, 2.0]) * (g + 1), 1)
+        s.add("b", g, torch.ones(4, 4), 1)
+    totals = s._totals()
+    s.evaluate(lambda m: m["a"].sum())
+    assert dict(totals) == {}
+    m = s._means(drop=1, totals=totals)
+    assert m["a"].tolist() == [2.0, 4.0] and set(totals) == {"a"}
+
+
+def test_a_shared_part_of_the_groups_equals_a_copy_with_the_other_groups_zeroed():
+    """`share(..., groups)` reads one part of the groups of sums kept elsewhere, without copying them: its mean, every
+    leave-one-group-out mean (a dropped group outside the part leaves it unchanged) and its jackknife and bootstrap
+    estimates equal those of an explicit copy whose other groups are zeroed, bit for bit (float32 sums of a few groups
+    added in float64 are exact, so the order of the additions cannot matter); the storage is the original's."""
+    gen = torch.Generator().manual_seed(5)
+    src = GroupedSums(6)
+    for g in range(6):
+        src.add("m", g, torch.randn(3, 5, 5, generator=gen), torch.full((3,), 2.0 + g))
+    keep = torch.tensor([1.0, 0, 1, 0, 1, 0])
+    part, copy = GroupedSums(6), GroupedSums(6)
+    part.share("whole", src.sums["m"], src.counts["m"])
+    part.share("even", src.sums["m"], src.counts["m"], range(0, 6, 2))
+    copy.sums["whole"], copy.counts["whole"] = src.sums["m"], src.counts["m"]
+    copy.sums["even"] = src.sums["m"] * keep.reshape(-1, 1, 1, 1)
+    copy.counts["even"] = src.counts["m"] * keep.double().reshape(-1, 1)
+    assert part.sums["even"].data_ptr() == src.sums["m"].data_ptr()
+    assert part.filled() == list(range(6))
+    fn = lambda m: m["even"].mean((0, 1)) - m["whole"][0].diagonal()  # noqa: E731
+    a, b = part.evaluate(fn), copy.evaluate(fn)
+    assert torch.equal(a.value, b.value) and torch.equal(a.replicates, b.replicates)
+    ta, tb = part._totals(), copy._totals()
+    for drop in range(6):
+        assert torch.equal(part._means(drop=drop, totals=ta)["even"], copy._means(drop=drop, totals=tb)["even"])
+    assert torch.equal(part._totals()["even"][0], ta["even"][0])  # no leave-one-out divided the shared totals in place
+    boot = [x.estimate(fn, method="bootstrap", replicates=20, seed=1) for x in (part, copy)]
+    assert torch.equal(boot[0].lo, boot[1].lo) and torch.equal(boot[0].hi, boot[1].hi)
+    with pytest.raises(UsageError, match="read-only"):
+        part.add("even", 0, torch.zeros(3, 5, 5))
+    with pytest.raises(UsageError, match="shared from"):
+        part.state_dict()
+    with pytest.raises(UsageError, match="groups shared"):
+        part.share("x", torch.zeros(5, 2), torch.zeros(5))
+
+
 @pytest.mark.parametrize("method", ["jackknife", "bootstrap"])
 def test_intervals_cover_a_known_mean_at_about_the_nominal_rate(method):
     # ratio of means (nonlinear), true value 2.0 / 1.0; 200 repetitions, 20 groups of 5 sequences each

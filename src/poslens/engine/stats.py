@@ -213,6 +213,19 @@ class Means(Mapping):
         return len(self._names)
 
 
+class Totals(dict):
+    """(sum over groups, count over groups) by name, computed when first read (`GroupedSums._totals`): a function of
+    a few quantities does not pay for the float64 totals of the others."""
+
+    def __init__(self, total: Callable[[str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__()
+        self._total = total
+
+    def __missing__(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        self[name] = value = self._total(name)
+        return value
+
+
 class GroupedSums:
     """Named sums and counts kept per group of sequences: `add`, then `mean` or `estimate` (see module docstring).
 
@@ -225,6 +238,7 @@ class GroupedSums:
         self.device = None if device is None else torch.device(device)
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, torch.Tensor] = {}
+        self.only: dict[str, tuple[int, ...]] = {}  # names read over some groups alone (`share`)
 
     def __contains__(self, name: str) -> bool:
         return name in self.sums
@@ -232,10 +246,38 @@ class GroupedSums:
     def names(self) -> list[str]:
         return list(self.sums)
 
+    def share(self, name: str, sums: torch.Tensor, counts: torch.Tensor, groups: Sequence[int] | None = None) -> None:
+        """Hold sums [G, ...] and counts [G, ...] kept elsewhere under `name`, without copying them (read-only here:
+        for estimates over several statistics' sums). `groups`: only these groups' sums and counts count, the
+        others' read as 0 (a part of the same sequences, e.g. one half of the groups, with no copy of its sums)."""
+        if sums.shape[0] != self.groups or counts.shape[0] != self.groups:
+            raise UsageError(f"statistic {name!r}: {sums.shape[0]} groups shared into {self.groups}")
+        self.sums[name] = sums
+        if groups is None:
+            self.counts[name] = counts
+            self.only.pop(name, None)
+            return
+        only = tuple(sorted({check_int("group", int(g), 0, self.groups - 1) for g in groups}))
+        keep = torch.zeros(self.groups, dtype=torch.float64, device=counts.device)
+        keep[list(only)] = 1.0
+        self.counts[name] = counts.double() * keep.reshape(-1, *(1,) * (counts.dim() - 1))
+        self.only[name] = only
+
+    def _writable(self, name: str) -> None:
+        if name in self.only:
+            raise UsageError(f"statistic {name!r} is a read-only part of other sums (`share`); add to the sums it "
+                             "was shared from")
+
+    def _whole(self) -> None:
+        if self.only:
+            raise UsageError("these sums hold parts of other sums (`share` with groups): save, merge or reduce the sums "
+                             "they were shared from")
+
     def buffer(self, name: str, group: int, shape: tuple[int, ...], count_shape: tuple[int, ...] = (),
                dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> torch.Tensor:
         """The sum tensor of (name, group), at least `shape`, for accumulating into in place (e.g. a GEMM); on
         `device` when given (sums restored from a checkpoint on the CPU move there once)."""
+        self._writable(name)
         self._ensure(name, shape, count_shape, dtype, device)
         if device is not None and self.device is None and self.sums[name].device != torch.device(device):
             self.sums[name], self.counts[name] = self.sums[name].to(device), self.counts[name].to(device)
@@ -247,6 +289,7 @@ class GroupedSums:
 
     def add(self, name: str, group: int, total: torch.Tensor | float, count: torch.Tensor | float = 1) -> None:
         """`S[name][group] += total; C[name][group] += count` (count broadcasts against total)."""
+        self._writable(name)
         total = torch.as_tensor(total)
         count = torch.as_tensor(count, dtype=torch.float64)
         dtype = total.dtype if total.dtype in (torch.float32, torch.float64) else torch.float64
@@ -272,31 +315,46 @@ class GroupedSums:
 
     # ---- finishing ------------------------------------------------------------------------------------
 
-    def _totals(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """(sum over groups in float64, count over groups) by name: what every leave-one-out mean starts from."""
-        return {name: (s.sum(0, dtype=torch.float64), self.counts[name].sum(0)) for name, s in self.sums.items()}
+    def _totals(self) -> Totals:
+        """(sum over groups in float64, count over groups) by name, each computed when first read: what every
+        leave-one-out mean starts from."""
+        return Totals(self._total)
+
+    def _total(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        s, c = self.sums[name], self.counts[name]
+        only = self.only.get(name)
+        if only is None:
+            return s.sum(0, dtype=torch.float64), c.sum(0)
+        tot = torch.zeros(s.shape[1:], dtype=torch.float64, device=s.device)
+        for g in only:  # float32 sums added in float64: exact at any magnitude a map holds, so in any order
+            tot += s[g]
+        return tot, c.sum(0)
 
     def _means(self, drop: int | None = None, weights: torch.Tensor | None = None,
-               totals: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Means:
+               totals: Totals | None = None) -> Means:
         """Pooled means in float64 (NaN where no sequence counted), each computed when first read; `drop`: leave
         that group out; `weights`: group multiplicities (bootstrap); `totals`: `_totals()`, when several means are
         taken from the same sums."""
         return Means(list(self.sums), lambda name: self._mean(name, drop, weights, totals))
 
-    def _mean(self, name: str, drop: int | None, weights: torch.Tensor | None,
-              totals: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+    def _mean(self, name: str, drop: int | None, weights: torch.Tensor | None, totals: Totals | None) -> torch.Tensor:
         s, c = self.sums[name], self.counts[name]
+        only = self.only.get(name)
+        own = True  # tot is this call's own tensor (divided in place: maps can be GBs)
         if weights is not None:
             w = weights.to(s.device, torch.float64)
+            if only is not None:
+                w = w * torch.isin(torch.arange(self.groups, device=s.device), torch.tensor(only, device=s.device))
             tot = (s.double() * w.reshape((-1,) + (1,) * (s.dim() - 1))).sum(0)
             cnt = (c * w.reshape((-1,) + (1,) * (c.dim() - 1))).sum(0)
         else:
-            tot, cnt = totals[name] if totals is not None else (s.sum(0, dtype=torch.float64), c.sum(0))
-            if drop is not None:
-                tot, cnt = torch.sub(tot, s[drop]), cnt - c[drop]
+            tot, cnt = totals[name] if totals is not None else self._total(name)
+            own = totals is None
+            if drop is not None and (only is None or drop in only):
+                tot, cnt, own = torch.sub(tot, s[drop]), cnt - c[drop], True
         cnt = cnt.reshape(tuple(cnt.shape) + (1,) * (tot.dim() - cnt.dim()))
-        if bool((cnt > 0).all()):  # in place where tot is this call's own tensor (maps can be GBs)
-            return tot.div_(cnt) if drop is not None or weights is not None else tot / cnt
+        if bool((cnt > 0).all()):
+            return tot.div_(cnt) if own else tot / cnt
         return torch.where(cnt > 0, tot / cnt.clamp(min=1e-300), math.nan)
 
     def mean(self, name: str) -> torch.Tensor:
@@ -365,6 +423,7 @@ class GroupedSums:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Sums and counts on the CPU, by name (`sum/NAME`, `count/NAME`)."""
+        self._whole()
         out = {f"sum/{k}": v.detach().cpu() for k, v in self.sums.items()}
         out.update({f"count/{k}": v.detach().cpu() for k, v in self.counts.items()})
         return out
@@ -384,6 +443,8 @@ class GroupedSums:
         """Add another shard's sums (same groups; shapes may differ and are padded)."""
         if other.groups != self.groups:
             raise UsageError(f"cannot merge statistics with {other.groups} groups into {self.groups} groups")
+        self._whole()
+        other._whole()
         for name, s in other.sums.items():
             self._ensure(name, tuple(s.shape[1:]), tuple(other.counts[name].shape[1:]), s.dtype, s.device)
             mine = self.sums[name]
@@ -395,6 +456,7 @@ class GroupedSums:
         """Sum over torch.distributed ranks (no-op without a process group). Shapes are first agreed (max)."""
         import torch.distributed as dist
 
+        self._whole()
         if not (dist.is_available() and dist.is_initialized()):
             return
         names: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]

@@ -382,8 +382,7 @@ def joint(statistics: dict[str, LeakageMaps]) -> GroupedSums:
     out = GroupedSums(groups.pop())
     for prefix, stat in statistics.items():
         for k, v in stat.sums.sums.items():
-            out.sums[f"{prefix}/{k}"] = v
-            out.counts[f"{prefix}/{k}"] = stat.sums.counts[k]
+            out.share(f"{prefix}/{k}", v, stat.sums.counts[k])
     return out
 
 

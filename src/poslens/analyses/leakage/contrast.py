@@ -69,19 +69,15 @@ HALVES = (0, 1)  # groups split by parity: heads chosen on one half of the seque
 
 def by_parity(sums: GroupedSums, names: tuple[str, ...]) -> GroupedSums:
     """`sums` with each quantity of `names` also split by group parity: `0:NAME` pooled over the even groups, `1:NAME`
-    over the odd ones (the other half's sums and counts zeroed), so a jackknife over every group re-evaluates both
+    over the odd ones (the other half's groups read as 0: `GroupedSums.share`, no copy), so a jackknife over every group re-evaluates both
     halves, each from its own groups. The unsplit quantities are kept too, first: `GroupedSums.filled` reads the
     groups that hold data from the first quantity's counts, which for a half would be that half's groups alone."""
     out = GroupedSums(sums.groups)
     for name in names:
-        out.sums[name], out.counts[name] = sums.sums[name], sums.counts[name]
+        out.share(name, sums.sums[name], sums.counts[name])
     for name in names:
-        s, c = sums.sums[name], sums.counts[name]
-        parity = torch.arange(sums.groups, device=s.device) % 2
-        for h in HALVES:
-            keep = (parity == h).to(torch.float64)
-            out.sums[f"{h}:{name}"] = s * keep.reshape(-1, *(1,) * (s.dim() - 1)).to(s.dtype)
-            out.counts[f"{h}:{name}"] = c * keep.reshape(-1, *(1,) * (c.dim() - 1))
+        for h in HALVES:  # the same storage, read over one half's groups (no copy of the maps' sums)
+            out.share(f"{h}:{name}", sums.sums[name], sums.counts[name], range(h, sums.groups, 2))
     return out
 
 

@@ -184,6 +184,12 @@ MAPS_SPEC = Spec("leakage_maps", "mean head-averaged scores, log-partitions (of 
 # ---------------------------------------------------------------- the analysis
 
 
+# the estimates' memory above the sums, in per-head float64 mean maps [L, H, T, T]: measured 9.3 at 256 and at 384
+# tokens on SmolLM2-135M with the report's Gemma-3 passes (benchmarks/leakage_memory.py; docs/leakage.md, "Where the
+# time and the memory go"), with a margin for sliding-window layers' per-window copies
+ESTIMATE_MAPS = 12
+
+
 class Leakage(Analysis):
     """Passes original, one per intervention, one per null; estimates and contrasts on rank 0."""
 
@@ -202,13 +208,10 @@ class Leakage(Analysis):
         L, H, T, d = job.hm.n_layers, c.num_attention_heads, cfg.seq_len, c.hidden_size
         n = cfg.num_sequences or DEFAULT_SEQUENCES
         heads, layers = 1 + len(cfg.specs), len(cfg.null_passes) + len(cfg.offset_specs)  # LeakageMaps, LayerMaps
-        per_group = LeakageMaps.group_bytes(L, H, T)
-        sums = cfg.groups * (heads * per_group + layers * LayerMaps.group_bytes(L, H, T))
+        sums = cfg.groups * (heads * LeakageMaps.group_bytes(L, H, T) + layers * LayerMaps.group_bytes(L, H, T))
         return {"dense scores of a batch": (dense_score_bytes(cfg, job.model), "seq_len"),
-                # every pass's sums, and about as much again for the estimates after the passes (Gemma-3-270M
-                # at 16 x 1,024 tokens was killed by the kernel at 24.2 GB resident in that phase when this
-                # counted the sums once; docs/leakage.md), and the estimates' replicates
-                "grouped sums of the maps": (2 * sums + 4 * per_group * 2, "seq_len"),
+                # every pass's sums, and the estimates after the passes: ESTIMATE_MAPS per-head float64 mean maps
+                "grouped sums of the maps": (sums + ESTIMATE_MAPS * L * H * T * T * 8, "seq_len"),
                 "per-sequence rows": (n * L * (2 * 8 * H) + n * (L + 1) * d * 4, "num_sequences")}
 
     def sequences(self, job: Job, documents) -> tuple[torch.Tensor, dict]:
