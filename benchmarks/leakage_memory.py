@@ -84,9 +84,10 @@ def main() -> None:
     out["excess"] = out["peak_estimates"] - out["rss_after_passes"]
     out["excess_maps"] = out["excess"] / out["per_head_map"]
     gib = 2 ** 30
-    print(f"sums {out['sums'] / gib:.2f} GiB; one per-head float64 map {out['per_head_map'] / gib:.3f} GiB; resident "
-          f"after the passes {out['rss_after_passes'] / gib:.2f} GiB (peak in the passes {out['peak_passes'] / gib:.2f})"
-          f"; peak in the estimates {out['peak_estimates'] / gib:.2f} GiB: {out['excess'] / gib:.2f} GiB more = "
+    print(f"sums {out['sums'] / gib:.2f} GiB; one per-head float64 map {out['per_head_map'] / gib:.3f} GiB; "
+          f"resident after the passes {out['rss_after_passes'] / gib:.2f} GiB (peak in the passes "
+          f"{out['peak_passes'] / gib:.2f}); peak in the estimates {out['peak_estimates'] / gib:.2f} GiB: "
+          f"{out['excess'] / gib:.2f} GiB more = "
           f"{out['excess_maps']:.1f} per-head maps; estimates {out['estimates_s']:.0f} s, whole run {wall:.0f} s")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -270,8 +270,8 @@ class GroupedSums:
 
     def _whole(self) -> None:
         if self.only:
-            raise UsageError("these sums hold parts of other sums (`share` with groups): save, merge or reduce the sums "
-                             "they were shared from")
+            raise UsageError("these sums hold parts of other sums (`share` with groups): save, merge or reduce the "
+                             "sums they were shared from")
 
     def buffer(self, name: str, group: int, shape: tuple[int, ...], count_shape: tuple[int, ...] = (),
                dtype: torch.dtype = torch.float64, device: torch.device | None = None) -> torch.Tensor:

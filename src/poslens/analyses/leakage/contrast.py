@@ -69,9 +69,10 @@ HALVES = (0, 1)  # groups split by parity: heads chosen on one half of the seque
 
 def by_parity(sums: GroupedSums, names: tuple[str, ...]) -> GroupedSums:
     """`sums` with each quantity of `names` also split by group parity: `0:NAME` pooled over the even groups, `1:NAME`
-    over the odd ones (the other half's groups read as 0: `GroupedSums.share`, no copy), so a jackknife over every group re-evaluates both
-    halves, each from its own groups. The unsplit quantities are kept too, first: `GroupedSums.filled` reads the
-    groups that hold data from the first quantity's counts, which for a half would be that half's groups alone."""
+    over the odd ones (the other half's groups read as 0: `GroupedSums.share`, no copy), so a jackknife over every
+    group re-evaluates both halves, each from its own groups. The unsplit quantities are kept too, first:
+    `GroupedSums.filled` reads the groups that hold data from the first quantity's counts, which for a half would be
+    that half's groups alone."""
     out = GroupedSums(sums.groups)
     for name in names:
         out.share(name, sums.sums[name], sums.counts[name])
