@@ -326,7 +326,7 @@ class GroupedSums:
         if only is None:
             return s.sum(0, dtype=torch.float64), c.sum(0)
         tot = torch.zeros(s.shape[1:], dtype=torch.float64, device=s.device)
-        for g in only:  # float32 sums added in float64: exact at any magnitude a map holds, so in any order
+        for g in only:  # in group order, as sum(0) over zeroed copies adds (float32 sums in float64: exact)
             tot += s[g]
         return tot, c.sum(0)
 
