@@ -25,6 +25,7 @@ from poslens.analyses.leakage.causal import (
     Domains,
     LayerMaps,
     LeakageMaps,
+    alpha0,
     joint,
     over_layers,
     unprefix,
@@ -113,6 +114,40 @@ def test_shared_evaluations_give_the_joint_sums_estimates_exactly():
     before = base.evaluated("layers").value.clone()
     one_pass(model, ids(seed=1), [base])
     assert not torch.equal(base.evaluated("layers").value, before)
+
+
+def zeroed_halves(sums, names):
+    """`contrast.by_parity` as it was: each half an explicit copy of the sums with the other half's groups zeroed."""
+    from poslens.engine.stats import GroupedSums
+
+    out = GroupedSums(sums.groups)
+    for name in names:
+        out.sums[name], out.counts[name] = sums.sums[name], sums.counts[name]
+    for name in names:
+        s, c = sums.sums[name], sums.counts[name]
+        for h in (0, 1):
+            keep = (torch.arange(sums.groups) % 2 == h).double()
+            out.sums[f"{h}:{name}"] = s * keep.reshape(-1, *(1,) * (s.dim() - 1)).to(s.dtype)
+            out.counts[f"{h}:{name}"] = c * keep.reshape(-1, *(1,) * (c.dim() - 1))
+    return out
+
+
+def test_the_sink_heads_halves_read_the_shared_sums_and_give_the_zeroed_copies_numbers(monkeypatch):
+    """The sink heads' cross-fitted attention and removed share read each half of the groups from the passes' own
+    sums (no copy: the memory of a large model's estimates) and give, bit for bit, what explicit zeroed copies gave."""
+    from poslens.analyses.leakage import contrast as ct
+
+    model = build("llama")
+    base, other = (LeakageMaps(groups=4, domains=DOMAINS) for _ in range(2))
+    one_pass(model, ids(), [base])
+    one_pass(model, ids(), [other], shift=3)
+    halves = ct.by_parity(joint({"base": base, "other": other}), ("base/scores",))
+    assert halves.sums["0:base/scores"].data_ptr() == base.sums.sums["scores"].data_ptr()
+    threshold = float(alpha0(base.sums.mean("key0")).median())  # some heads on each side of it
+    got = (ct.sink_attention(base, other, threshold), ct.sink_heads_removed(base, other, threshold))
+    monkeypatch.setattr(ct, "by_parity", zeroed_halves)
+    want = (ct.sink_attention(base, other, threshold), ct.sink_heads_removed(base, other, threshold))
+    assert got[0] is not None and got[1] is not None and got == want
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window of 12 keys at 20 tokens
