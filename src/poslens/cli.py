@@ -430,4 +430,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         warnings.showwarning = shown
     return 0
-

@@ -258,10 +258,14 @@ class GroupedSums:
             self.only.pop(name, None)
             return
         only = tuple(sorted({check_int("group", int(g), 0, self.groups - 1) for g in groups}))
-        keep = torch.zeros(self.groups, dtype=torch.float64, device=counts.device)
-        keep[list(only)] = 1.0
-        self.counts[name] = counts.double() * keep.reshape(-1, *(1,) * (counts.dim() - 1))
+        self.counts[name] = counts.double() * self._keep(only, counts.device).reshape(-1, *(1,) * (counts.dim() - 1))
         self.only[name] = only
+
+    def _keep(self, only: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """1.0 for the groups in `only`, 0.0 for the others [G] (float64)."""
+        keep = torch.zeros(self.groups, dtype=torch.float64, device=device)
+        keep[list(only)] = 1.0
+        return keep
 
     def _writable(self, name: str) -> None:
         if name in self.only:
@@ -344,7 +348,7 @@ class GroupedSums:
         if weights is not None:
             w = weights.to(s.device, torch.float64)
             if only is not None:
-                w = w * torch.isin(torch.arange(self.groups, device=s.device), torch.tensor(only, device=s.device))
+                w = w * self._keep(only, s.device)
             tot = (s.double() * w.reshape((-1,) + (1,) * (s.dim() - 1))).sum(0)
             cnt = (c * w.reshape((-1,) + (1,) * (c.dim() - 1))).sum(0)
         else:
