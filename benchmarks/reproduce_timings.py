@@ -16,13 +16,16 @@ from pathlib import Path
 
 
 def timings(run: Path) -> dict:
-    """run.json's timings of a reproduce run directory: {"seconds", "cpu_seconds", "sections": {name: {...}}}."""
+    """run.json's timings of a reproduce run directory: {"seconds", "cpu_seconds", "sections": {name: {...}}} and,
+    since the sweeps train before the sections, "sweeps" ({"seconds", "cpu_seconds"})."""
     return json.loads((run / "run.json").read_text())["timings"]
 
 
 def table(first: dict, second: dict, labels: tuple[str, str]) -> str:
     """The Markdown table of the two runs' sections (in the first run's order, then the second's new ones)."""
-    a, b = first["sections"], second["sections"]
+    # a run since 2026-11-28 trains every sweep before its first section ("sweeps"): a row of its own
+    a, b = (({"(sweeps, before the sections)": t["sweeps"]} if "sweeps" in t else {}) | t["sections"]
+            for t in (first, second))
     names = list(a) + [n for n in b if n not in a]
     rows = [f"| section | {labels[0]} wall (s) | {labels[1]} wall (s) | {labels[1]} / {labels[0]} wall | "
             f"{labels[0]} CPU (s) | {labels[1]} CPU (s) | {labels[1]} / {labels[0]} CPU |",

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from poslens.errors import UsageError
 from poslens.train.batched import BatchedDecoder, batch_key, groups, stack_parameters, train_batched
 from poslens.train.config import resolve_config
 from poslens.train.model import build_model
@@ -390,3 +391,17 @@ def test_compiled_code_goes_to_the_poslens_cache_after_torch_named_its_default(t
     assert os.environ[CACHE_ENV] == str(cache_dir())
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
     assert use_disk_cache() == tmp_path / "mine" and os.environ[CACHE_ENV] == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("n,size", [(1, 4), (4, 4), (6, 4), (9, 4), (10, 4), (7, 3), (5, 1), (3, 8)])
+def test_a_part_is_cut_into_the_fewest_chunks_of_nearly_equal_size(n, size):
+    """`chunk_slices` covers the part's models once, in order, in ceil(n / size) computations of at most `size`
+    models whose sizes differ by at most one (9 models at 4: 3, 3, 3; compiled code is built once per size)."""
+    from poslens.train.batched import chunk_slices
+
+    cut = chunk_slices(n, size)
+    sizes = [s.stop - s.start for s in cut]
+    assert [i for s in cut for i in range(s.start, s.stop)] == list(range(n))
+    assert len(cut) == -(-n // size) and max(sizes) <= size and max(sizes) - min(sizes) <= 1
+    with pytest.raises(UsageError):
+        chunk_slices(0, 4)

@@ -42,9 +42,10 @@ def test_rows_on_the_sweeps_models_carry_a_robustness_line():
 
 
 def test_the_check_rebuilds_the_seeded_sections_on_the_retrained_models(tmp_path, monkeypatch):
-    """`check` retrains once per sweep (here recorded, not run), links every cache entry but the trained models into
-    the alternative cache, rebuilds only the sections with rows over seeds with POSLENS_CACHE there, and compares
-    verdicts row by row: a row whose retrained verdict differs says so, one that agrees says the same."""
+    """`check` retrains once per matrix the seeded sections read (the BOS sweep too; here recorded, not run), links
+    every cache entry but the trained models into the alternative cache, rebuilds only the sections with rows over
+    seeds with POSLENS_CACHE there, and compares verdicts row by row: a row whose retrained verdict differs says
+    so, one that agrees says the same."""
     root = tmp_path / "cache"
     (root / "corpus").mkdir(parents=True)
     (root / "trained").mkdir()
@@ -65,10 +66,13 @@ def test_the_check_rebuilds_the_seeded_sections_on_the_retrained_models(tmp_path
     sections = [build(None, {}), plain.build(None, {})]
     sections[0].name, sections[1].name = "seeded", "plain"  # as reproduce names them
     built.clear()
-    size = {"sweep": "pe-quick", "sweep_seeds": [0, 1, 2]}
+    size = {"sweep": "pe-quick", "bos_sweep": "bos-quick", "sweep_seeds": [0, 1, 2]}  # the leakage section's two
     ctx = type("Ctx", (), {"parts": str(tmp_path / "parts")})
     other = rb.check([(seeded, size), (plain, {})], [sections[0], sections[1]], lambda: ctx)
-    assert retrained == [(size, root / rb.ALT_CACHE)] and built == [True]  # one retraining, one rebuild
+    # one retraining per matrix the section reads, on the section's seeds; one rebuild
+    assert sorted((c.preset, c.seeds, alt) for c, alt in retrained) == [
+        ("bos-quick", [0, 1, 2], root / rb.ALT_CACHE), ("pe-quick", [0, 1, 2], root / rb.ALT_CACHE)]
+    assert built == [True]
     assert (root / rb.ALT_CACHE / "corpus").is_symlink() and not (root / rb.ALT_CACHE / "trained").exists()
     assert other == {"moves": "not resolved", "stays": "holds"}
     moves, stays = sections[0].claims

@@ -17,6 +17,7 @@ MICRO = dict(preset="tiny", layers=1, hidden=32, intermediate=64, heads=2, kv_he
 
 
 def _matrix_file(tmp_path, tokens, variants, seeds=(0, 1)):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "matrix.json"
     path.write_text(json.dumps({"train": {**MICRO, "tokens": str(tokens)}, "variants": variants,
                                 "seeds": list(seeds)}))
@@ -399,3 +400,41 @@ def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_leaves_no_process
     else:
         raise AssertionError(subprocess.run(["ps", "-o", "pid,args", "-g", str(sweep.pid)], capture_output=True,
                                             text=True).stdout)
+
+
+def test_the_matrices_a_run_reads_train_as_one_set_before_any_section_asks(tmp_path, tokens, monkeypatch):
+    """`train_sweeps` trains the union of two matrices that share a model in one `train_models` call: the shared
+    configuration once, every model in one computation (each run.json counts 3 batched models); `sweep_models` then
+    trains nothing more and records each model as trained by this run. `planned_sweeps` finds both matrices the
+    full report reads (the sweep and the leakage section's BOS sweep), each once."""
+    import poslens.train.sweep as sweep_module
+    from poslens.report.reproduce import plan
+    from poslens.report.sweep import planned_sweeps, sweep_models, train_sweeps
+
+    calls = []
+    original = sweep_module.train_models
+    monkeypatch.setattr(sweep_module, "train_models", lambda work, *a, **k: calls.append(len(work)) or original(
+        work, *a, **k))
+    a = SweepConfig(preset=_matrix_file(tmp_path / "a", tokens, {"rope": {"pe": "rope"}, "nope": {"pe": "none"}},
+                                        seeds=(13,)))
+    b = SweepConfig(preset=_matrix_file(tmp_path / "b", tokens, {"rope": {"pe": "rope"},
+                                                                 "doc": {"pe": "rope", "blocks": "doc-start"}},
+                                        seeds=(13,)))
+
+    class Ctx:
+        progress = False
+
+        def record(self, *args):
+            pass
+
+    ctx = Ctx()
+    trained = train_sweeps(ctx, [a, b])
+    assert calls == [4] and len(set(trained)) == 3  # four members, three models, one call
+    for path in set(trained):
+        assert json.loads(Path(path, "run.json").read_text())["metrics"]["batched_models"] == 3
+    for cfg in (a, b):
+        sw = sweep_models(ctx, cfg)
+        assert sorted(sw.trained) == sorted(sw.paths)  # trained by this run, not "from the cache"
+    assert calls == [4, 2, 2]  # the sections' own calls find every model in the cache
+    presets = [c.preset for c in planned_sweeps(plan(False, True, None))]
+    assert sorted(presets) == ["bos-sinks", "pe-sinks"]

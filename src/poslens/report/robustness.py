@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from poslens.report.claims import Claim
+from poslens.train.sweep import SweepConfig
 
 ALTERNATIVE = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 KERNELS = ("another CPU kernel set (ATen's CPU capability lowered to its default, non-vector kernels: "
@@ -107,12 +108,9 @@ def cache_at(root: Path) -> Iterator[None]:
             os.environ["POSLENS_CACHE"] = old
 
 
-def retrain(size: dict, alt: Path, out: Path, progress: bool = False) -> None:
-    """Train the sweep of a section's sizes into the cache `alt` in a subprocess on the alternative kernels
-    (`poslens sweep`, its run directory at `out`)."""
-    from poslens.report.sweep import sweep_config
-
-    cfg = sweep_config(size)
+def retrain(cfg: SweepConfig, alt: Path, out: Path, progress: bool = False) -> None:
+    """Train the sweep `cfg` into the cache `alt` in a subprocess on the alternative kernels (`poslens sweep`, its
+    run directory at `out`)."""
     argv = [sys.executable, "-m", "poslens", "sweep", "--preset", cfg.preset, "--out", str(out), "--force"]
     if cfg.train:
         argv += ["--train", cfg.train]
@@ -129,7 +127,7 @@ def check(steps: list, sections: list, make_context, progress: bool = False) -> 
     sections on the retrained models (`make_context()`: a fresh context that draws nothing), and set each such row's
     `robustness` (`judged`); returns {claim id: the verdict on the retrained models}."""
     from poslens.engine.models import cache_root
-    from poslens.report.sweep import sweep_config
+    from poslens.report.sweep import planned_sweeps
 
     names = {s.name for s in sections if any(on_seeds(c) for c in s.claims)}
     todo = [(spec, size) for spec, size in steps if spec.name in names]
@@ -138,14 +136,10 @@ def check(steps: list, sections: list, make_context, progress: bool = False) -> 
     alt = alternative_cache(cache_root())
     ctx = make_context()
     Path(ctx.parts).mkdir(parents=True, exist_ok=True)
-    trained = set()
-    for spec, size in todo:
-        key = json.dumps(sweep_config(size).__dict__, sort_keys=True, default=str)
-        if key not in trained:
-            if progress:
-                print(f"  robustness: retraining {spec.name}'s sweep with {KERNELS}", flush=True)
-            retrain(size, alt, Path(ctx.parts) / f"sweep-{len(trained)}", progress)
-            trained.add(key)
+    for k, cfg in enumerate(planned_sweeps(todo)):  # every matrix those sections read (the leakage's BOS sweep too)
+        if progress:
+            print(f"  robustness: retraining the sweep {cfg.preset} with {KERNELS}", flush=True)
+        retrain(cfg, alt, Path(ctx.parts) / f"sweep-{k}", progress)
     other: dict[str, str] = {}
     with cache_at(alt):
         for spec, size in todo:

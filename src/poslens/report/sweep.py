@@ -239,6 +239,51 @@ def sweep_config(size: dict) -> SweepConfig:
                        seeds=None if seeds is None else [int(s) for s in seeds])
 
 
+def planned_sweeps(steps) -> list[SweepConfig]:
+    """Every matrix the sections of a run (`poslens.report.reproduce.plan`'s (spec, size) pairs) will read through
+    `sweep_models`: each model section's ``sweep`` and every other size key ending in ``_sweep`` (the leakage
+    section's ``bos_sweep``), with that section's ``sweep_train`` and ``sweep_seeds``; each matrix once."""
+    out: dict[tuple, SweepConfig] = {}
+    for spec, size in steps:
+        if not spec.models:
+            continue
+        for key in sorted(k for k in size if k == "sweep" or k.endswith("_sweep")):
+            cfg = sweep_config({**size, "sweep": size[key]})
+            out.setdefault((cfg.preset, cfg.train, None if cfg.seeds is None else tuple(cfg.seeds)), cfg)
+    return list(out.values())
+
+
+def train_sweeps(ctx, configs: list[SweepConfig], progress: bool | None = None) -> list[Path]:
+    """Train, as one set, every model of the matrices `configs` that the model cache lacks, before any section
+    asks (`poslens.train.sweep.train_models` on the union: a model two matrices share, e.g. standard RoPE on
+    packed cuts, once; models of one shape in one computation whatever their matrix, so the few models one matrix
+    adds train beside the others' instead of in parts of their own, each part paying the per-step overhead and
+    the compiling again). Returns the model directories trained now; `sweep_models` then finds every model in the
+    cache and records these as trained now."""
+    from poslens.train.cache import tokens_of
+    from poslens.train.sweep import train_models
+
+    progress = ctx.progress if progress is None else progress
+    work: dict[Path, list[tuple]] = {}  # token directory -> (configuration, progress label) of each member
+    for cfg in configs:
+        matrix = resolve_matrix(cfg)
+        tokens = tokens_of(matrix.members[0].config, progress)
+        work.setdefault(tokens, []).extend(
+            (m.config, f"{cfg.preset} {m.variant} ({m.label}), seed {m.seed}") for m in matrix.members
+            if not _done(m.config, tokens))
+    trained: list[Path] = []
+    for todo in work.values():
+        if not todo:
+            continue
+        if progress:
+            print(f"  sweeps {', '.join(c.preset for c in configs)}: {len(todo)} models to train as one set",
+                  flush=True)
+        heads = [(c, f"[{k}/{len(todo)}] {h}") for k, (c, h) in enumerate(todo, 1)]
+        trained += train_models(heads, progress, configs[0].jobs, configs[0].batched, configs[0].compile)
+    ctx.__dict__.setdefault("_trained_now", set()).update(trained)
+    return trained
+
+
 def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) -> SweepModels:
     """The trained models of the sweep named by `size` (a section's sizes, or a `SweepConfig`): trained now into the
     model cache where it lacks them, else read from it; kept on `ctx`, so a second call is free. Progress lines
@@ -261,7 +306,8 @@ def sweep_models(ctx, size: dict | SweepConfig, progress: bool | None = None) ->
         print(f"  sweep {cfg.preset}: {len(matrix.variants)} variants x {len(matrix.seeds)} seeds = {n} models, "
               f"{len(cached)} in the model cache, {n - len(cached)} to train", flush=True)
     paths = train_matrix(matrix, progress=progress, jobs=cfg.jobs, compile=cfg.compile)
-    out = SweepModels(cfg, matrix, paths, tokens, [k for k in paths if k not in cached])
+    now = ctx.__dict__.get("_trained_now", set())  # trained by this run's `train_sweeps`, before any section asked
+    out = SweepModels(cfg, matrix, paths, tokens, [k for k, p in paths.items() if k not in cached or p in now])
     ctx.record(f"sweep {cfg.preset} tokens", tokens, "the embedded corpus tokenized once into the cache (train and "
                "held-out splits: every sweep model trained on it, and every measurement on them reads its held-out "
                "split)")

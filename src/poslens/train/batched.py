@@ -128,6 +128,16 @@ def chunk_models(cfg: TrainConfig, device: torch.device, cache: int | None = Non
     return max(1, cache // (cfg.micro_batch * cfg.seq_len * cfg.intermediate * 4))
 
 
+def chunk_slices(n: int, size: int) -> list[slice]:
+    """`n` models cut into the fewest computations of at most `size` models, of sizes differing by at most one (9 at
+    4: 3, 3, 3, not 4, 4, 1): compiled code has static shapes, so each distinct size is compiled once more (36 s of
+    CPU cold), and a computation of one model pays a whole step's per-call overhead alone."""
+    require(n >= 1 and size >= 1, f"chunk_slices needs n >= 1 and size >= 1, got n {n}, size {size}")
+    k = -(-n // size)
+    bounds = [i * n // k for i in range(k + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 # a part of fewer model-steps trains eagerly: compiling the layers cost 36 s of CPU cold (5 s warm, from the disk
 # cache) against about 5 ms of CPU saved per model and step (`pe-sinks`, one thread, under load; BENCHMARKS.md
 # "Compiled layers in the batched trainer"), so it repays itself cold from about 7,000 model-steps
@@ -621,7 +631,7 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
     data = [(bos_id(m.cfg, tf), document_separator(m.cfg, tf)) for m in members]  # (bos, separator) per model
     size = chunk or chunk_models(cfg, device)
     compiled = compile_static(decoder_layer) if compile else None  # one compiled function: every chunk's layers
-    chunks = [_Chunk(members, slice(k, min(n, k + size)), cfg, device, compiled) for k in range(0, n, size)]
+    chunks = [_Chunk(members, sl, cfg, device, compiled) for sl in chunk_slices(n, size)]
     logs = [m.work.metrics.open("a") for m in members]
     fpt = flops_per_token(members[0].model.config, cfg.seq_len)
     peak, peak_label = peak_flops(device)
