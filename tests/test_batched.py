@@ -100,6 +100,35 @@ def test_the_batched_forward_is_the_stock_forward_in_float64(monkeypatch, padded
             assert (p.grad[i] - g).abs().max() <= 1e-12 * g.abs().max()
 
 
+def test_a_computation_of_nope_models_reaches_the_compiled_layer_with_the_identity_rotation():
+    """Where no model of a computation rotates a layer (a chunk of NoPE models), the compiled layer gets rotary
+    tables all the same, cos 1 and sin 0, so the graph compiled for RoPE chunks of that size serves it (compiling
+    a second graph costs 36 s of CPU cold); the identity rotation changes no bit of the forward or the gradients
+    against the eager layer, which skips the rotation (x * 1 + roll(x) * 0 = x exactly in float32)."""
+    from poslens.train.batched import decoder_layer
+
+    torch.manual_seed(0)
+    models = [build_model(resolve_config("tiny", **MICRO, pe="none", bos=True, seed=s), 512) for s in (0, 1)]
+    seen = []
+
+    def recorder(x, weights, cos, sin, *rest):  # in place of the compiled code: the eager layer, recording its tables
+        seen.append((cos, sin))
+        return decoder_layer(x, weights, cos, sin, *rest)
+
+    block = torch.randint(0, 512, (2, 3, 17))
+    out = {}
+    for kind, compiled in (("eager", None), ("compiled", recorder)):
+        params = stack_parameters(models, torch.device("cpu"))  # fresh leaves each time
+        decoder = BatchedDecoder(models, 16, torch.device("cpu"), compiled)
+        loss = decoder.losses(params, block)
+        loss.sum().backward()
+        out[kind] = (loss.detach(), {k: v.grad for k, v in params.items()})
+    assert len(seen) == MICRO["layers"] and all(c is not None and torch.equal(c, torch.ones_like(c)) and
+                                                torch.equal(s, torch.zeros_like(s)) for c, s in seen)
+    assert torch.equal(out["eager"][0], out["compiled"][0])
+    assert all(torch.equal(out["eager"][1][k], out["compiled"][1][k]) for k in out["eager"][1])
+
+
 def test_batched_training_equals_training_each_alone(tmp_path, tokens):
     """N models (every variant kind, two seeds; with and without BOS first) trained as one computation give each
     model's loss per step within 2e-5 of training it alone and final weights within lr / 100 = 1e-4 (absolute):

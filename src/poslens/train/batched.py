@@ -266,6 +266,9 @@ class BatchedDecoder:
             else:
                 self.masks.append(None)
         self.causal = causal.to(device)
+        hd = c.head_dim
+        self.identity = (torch.ones(self.n, 1, seq_len, 1, hd, device=device),
+                         torch.zeros(self.n, 1, seq_len, 1, hd, device=device))
         self._expanded: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def _mask(self, layer: int, n: int, b: int, t: int) -> torch.Tensor:
@@ -276,7 +279,9 @@ class BatchedDecoder:
         key = (layer, n, b)
         if key not in self._expanded:
             mask = self.masks[layer] if self.masks[layer] is not None else self.causal[None, None, None]
-            self._expanded[key] = mask.expand(n, b, 1, t, t).reshape(n * b, 1, t, t)
+            # materialised: a broadcast (causal) and a stacked (windowed) mask then have the same strides, so the
+            # compiled layer's guards hold for both and one graph serves every computation of a size
+            self._expanded[key] = mask.expand(n, b, 1, t, t).reshape(n * b, 1, t, t).contiguous()
         return self._expanded[key]
 
     def logits(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -298,6 +303,8 @@ class BatchedDecoder:
             p = f"model.layers.{layer}."
             weights = tuple(params[p + name] for name in _LAYER)
             cos, sin = self.rope[layer] if self.rope[layer] is not None else (None, None)
+            if cos is None and step is not decoder_layer:  # compiled: a layer no model rotates gets the identity
+                cos, sin = self.identity  # rotation (x * 1 + roll(x) * 0 = x), so one graph serves NoPE chunks too
             x = step(x, weights, cos, sin, self._mask(layer, n, b, t), shape)
         return _norm(x, params["model.norm.weight"], self.eps)
 
