@@ -434,3 +434,31 @@ def test_a_part_is_cut_into_the_fewest_chunks_of_nearly_equal_size(n, size):
     assert len(cut) == -(-n // size) and max(sizes) <= size and max(sizes) - min(sizes) <= 1
     with pytest.raises(UsageError):
         chunk_slices(0, 4)
+
+
+def test_training_reads_subnormals_as_zero_and_restores_the_mode(tmp_path, tokens, monkeypatch):
+    """Both trainers step with float32 subnormals flushed to 0 on the CPU (`subnormals_flushed`: an x86 core is about
+    a hundred times slower on them, and training tensors come to hold them), and leave the thread's mode as they
+    found it, off or on."""
+    import poslens.train.batched as batched
+    import poslens.train.loop as loop
+    from poslens.train.loop import flushing_subnormals, subnormals_flushed
+
+    seen = []
+    clip, step = batched.clip_per_model, loop._step
+    monkeypatch.setattr(batched, "clip_per_model", lambda *a: seen.append(("batched", flushing_subnormals()))
+                        or clip(*a))
+    monkeypatch.setattr(loop, "_step", lambda *a, **k: seen.append(("alone", flushing_subnormals())) or step(*a, **k))
+    cfgs = [dataclasses.replace(c, steps=2) for c in _cfgs(tokens)[:2]]
+    assert not flushing_subnormals()
+    train_batched(cfgs, [tmp_path / "a", tmp_path / "b"], progress=False)
+    loop.train(cfgs[0], tmp_path / "alone", progress=False)
+    assert seen == [("batched", True)] * 2 + [("alone", True)] * 2 and not flushing_subnormals()
+    torch.set_flush_denormal(True)
+    try:
+        with subnormals_flushed(torch.device("cpu")):
+            pass
+        assert flushing_subnormals()  # on before, on after
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.tensor([1e-39]).mul(1.0).item() > 0  # off: a subnormal survives

@@ -500,6 +500,7 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
         check_batch,
         check_training_data,
         resume_state,
+        subnormals_flushed,
     )
     from poslens.train.model import build_model
     from poslens.train.tokens import open_tokens
@@ -531,7 +532,9 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
         idx = [i for i, m in enumerate(members) if m.start == start]
         with attention_kernel(cfgs[0]):  # `batch_key`: one kernel for every model of the computation
-            out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile)
+            with subnormals_flushed(d.device):  # as `poslens.train.loop.train`
+                out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk,
+                           compile)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])
