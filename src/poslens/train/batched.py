@@ -531,10 +531,9 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     starts = sorted({m.start for m in members})
     for start in starts:  # models at different steps (a sweep killed between saves of two groups) train in turn
         idx = [i for i, m in enumerate(members) if m.start == start]
-        with attention_kernel(cfgs[0]):  # `batch_key`: one kernel for every model of the computation
-            with subnormals_flushed(d.device):  # as `poslens.train.loop.train`
-                out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk,
-                           compile)
+        # `batch_key`: one attention kernel for every model of the computation; subnormals as `loop.train` has them
+        with attention_kernel(cfgs[0]), subnormals_flushed(d.device):
+            out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])
