@@ -11,7 +11,9 @@ variants x --batched / 4 seeds), as one computation in two parts side by side (`
 (alone, batched, alone, ...) --rounds times so that both meet the same load of a shared machine; each round gives
 one ratio of models per minute, batched over alone; printed: each arm's median models per minute, the geometric
 mean of the ratios with a 95% t-interval over rounds, each arm's CPU seconds per model (user + system of the
-process and its workers: what the load of a shared machine inflates least), and the 4x bar: met (lower end >= 4),
+process and its workers: what the load of a shared machine inflates least), each arm's MFU in its training steps
+(`step_mfu`: the share of a core's float32 GEMM rate; what 4x the alone arm's would be says whether the bar is within
+the cores' reach), and the 4x bar: met (lower end >= 4),
 not met (upper end < 4) or not resolved. --json PATH writes every timing.
 
 --blocks doc-start times the document-start models instead: the `bos-sinks` matrix's rope-doc and rope-doc-nobos
@@ -40,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,15 +73,30 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def timed(cfgs: list, batched: bool, jobs: int, compile: str = "off") -> tuple[float, float]:
+def step_mfu(cache: str, after: int) -> float:
+    """The median over models of each model's median MFU over its steps after `after` (past the compile and warm-up):
+    the trainers' own `mfu`, the FLOPs per second of the model's process (a batched part: all its models) over the
+    one-thread float32 GEMM rate that process measured (`poslens.train.loop.gemm_flops`), so the share of a core's
+    GEMM rate the training step reaches; the ratio of the arms' MFU bounds their throughput ratio from above."""
+    per_model = []
+    for f in Path(cache, "trained").glob("*/metrics.jsonl"):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if '"mfu"' in line]
+        values = [r["mfu"] for r in rows if r["step"] > after and r.get("mfu") is not None]
+        if values:
+            per_model.append(statistics.median(values))
+    return statistics.median(per_model) if per_model else float("nan")
+
+
+def timed(cfgs: list, batched: bool, jobs: int, compile: str = "off") -> tuple[float, float, float]:
     """Wall and CPU seconds to train `cfgs` into an empty model cache with the sweep's trainer (`compile`: the
-    batched layers compiled, "on", or eager, "off")."""
+    batched layers compiled, "on", or eager, "off"), and the models' median MFU per model (`step_mfu`)."""
     with tempfile.TemporaryDirectory(prefix="sweep-batched-") as cache:
         os.environ["POSLENS_CACHE"] = cache
         t0, c0 = time.perf_counter(), cpu_seconds()
         train_models([(c, f"model {i}") for i, c in enumerate(cfgs)], progress=False, jobs=jobs, batched=batched,
                      compile=compile)
-        return time.perf_counter() - t0, cpu_seconds() - c0
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        return wall, cpu, step_mfu(cache, max(5, cfgs[0].steps // 10))
 
 
 def interval(ratios: list[float]) -> tuple[float, float, float]:
@@ -113,25 +131,26 @@ def main() -> None:
     many = configs(args.steps, args.batched, args.blocks, args.tokens, args.device)
     rows = []
     for r in range(args.rounds):
-        a, a_cpu = timed(alone, False, args.jobs)
-        b, b_cpu = timed(many, True, args.jobs, "on" if args.compile == "on" else "off")
+        a, a_cpu, a_mfu = timed(alone, False, args.jobs)
+        b, b_cpu, b_mfu = timed(many, True, args.jobs, "on" if args.compile == "on" else "off")
         rows.append({"round": r, "alone_s": a, "batched_s": b, "alone_per_min": 60 * len(alone) / a,
                      "batched_per_min": 60 * len(many) / b, "alone_cpu_per_model": a_cpu / len(alone),
-                     "batched_cpu_per_model": b_cpu / len(many)})
+                     "batched_cpu_per_model": b_cpu / len(many), "alone_mfu": a_mfu, "batched_mfu": b_mfu})
         rows[-1]["ratio"] = rows[-1]["batched_per_min"] / rows[-1]["alone_per_min"]
         print(f"round {r}: alone {len(alone)} models in {a:.1f} s ({rows[-1]['alone_per_min']:.2f}/min), batched "
               f"{'compiled ' if args.compile == 'on' else ''}{len(many)} in {b:.1f} s "
               f"({rows[-1]['batched_per_min']:.2f}/min): {rows[-1]['ratio']:.2f}x; CPU s per "
-              f"model {a_cpu / len(alone):.1f} alone, {b_cpu / len(many):.1f} batched",
-              flush=True)
+              f"model {a_cpu / len(alone):.1f} alone, {b_cpu / len(many):.1f} batched; MFU {a_mfu:.1%} alone, "
+              f"{b_mfu:.1%} batched", flush=True)
         if args.compile == "both":
-            k, k_cpu = timed(many, True, args.jobs, "on")
+            k, k_cpu, k_mfu = timed(many, True, args.jobs, "on")
             rows[-1].update({"compiled_s": k, "compiled_per_min": 60 * len(many) / k,
-                             "compiled_cpu_per_model": k_cpu / len(many), "compiled_ratio": a / k * len(many)
-                             / len(alone)})
+                             "compiled_cpu_per_model": k_cpu / len(many), "compiled_mfu": k_mfu,
+                             "compiled_ratio": a / k * len(many) / len(alone)})
             print(f"round {r}: batched compiled {len(many)} in {k:.1f} s ({rows[-1]['compiled_per_min']:.2f}/min): "
                   f"{rows[-1]['compiled_ratio']:.2f}x alone, {b / k:.2f}x the eager batched arm; CPU s per model "
-                  f"{k_cpu / len(many):.1f}; inductor cache {'cold' if r == 0 else 'warm'}", flush=True)
+                  f"{k_cpu / len(many):.1f}; MFU {k_mfu:.1%}; inductor cache {'cold' if r == 0 else 'warm'}",
+                  flush=True)
     if own_cache is None:
         os.environ.pop("POSLENS_CACHE", None)
     mean, lo, hi = interval([x["ratio"] for x in rows])
@@ -145,6 +164,10 @@ def main() -> None:
         e, e_lo, e_hi = interval([x["batched_s"] / x["compiled_s"] for x in rows])
         print(f"batched compiled: {k:.2f}x [{k_lo:.2f}, {k_hi:.2f}] the alone arm's models per minute, {e:.2f}x "
               f"[{e_lo:.2f}, {e_hi:.2f}] the eager batched arm's (95% t over {len(rows)} rounds; round 0 cold)")
+    best = max(statistics.median(x[k] for x in rows) for k in ("batched_mfu", "compiled_mfu") if k in rows[0])
+    alone_mfu = statistics.median(x["alone_mfu"] for x in rows)
+    print(f"MFU (a process's FLOP rate over one core's float32 GEMM rate), median: alone {alone_mfu:.1%}, batched "
+          f"{best:.1%}; {BAR:g}x the alone arm's rate in the training steps is {BAR * alone_mfu:.0%} of the GEMM rate")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
