@@ -11,7 +11,8 @@ alternating so that both meet the same load, it copies the checkpoint and resume
 own times (the trainer's `step_s`, after the first --skip steps of a resume, which load the compiled code), and CPU
 seconds of the whole resume. Printed: each arm's median step, the ratio kept / flushed per round with the geometric
 mean and its 95% t-interval over rounds, and the share of the part's float32 parameter and optimizer entries that
-are subnormal in the step-`at` checkpoint.
+are subnormal in the step-`at` checkpoint (0 on 2026-11-29: the subnormals arise inside the step, in activations and
+gradients, not in the state a checkpoint keeps).
 
     nice .venv/bin/python benchmarks/subnormals.py --at 1000 --steps 60 --rounds 3 --json /tmp/subnormals.json
 """

@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from test_pipeline import saved_tiny_llama
 
 import poslens
@@ -331,3 +332,23 @@ def test_quiet_silences_the_libraries_bars_too(tmp_path, capsys, monkeypatch):
     assert main([*args, "--quiet"]) == 0 and calls == [False]
     assert main([*args, "--force"]) == 0 and calls == [False, True]
     assert "Loading weights" in draw()
+
+
+def test_every_command_runs_with_subnormals_flushed_and_the_mode_is_restored(monkeypatch):
+    """`main` runs a command with float32 subnormals read and written as 0 on the CPU (the dense soft-max of a model
+    with sinks underflows through them; an x86 core is about a hundred times slower on each), and leaves the thread's
+    mode as it found it, after a success and after an error."""
+    from poslens.subnormals import flushing_subnormals
+
+    seen = []
+
+    def records(args):
+        seen.append(flushing_subnormals())
+        seen.append(torch.tensor([1e-39]).mul(1.0).item())  # a subnormal read inside: 0
+
+    monkeypatch.setattr(cli, "cmd_gramflow", records)
+    assert not flushing_subnormals()
+    assert main(["gramflow"]) == 0
+    assert seen == [True, 0.0] and not flushing_subnormals()
+    monkeypatch.setattr(cli, "cmd_gramflow", failing_command(UsageError("layers must be >= 1, got 0", param="layers")))
+    assert main(["gramflow"]) == 2 and not flushing_subnormals()

@@ -404,8 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # the command line as given (a report's provenance quotes it)
     shown, warnings.showwarning = warnings.showwarning, _show_warning
+    from poslens.subnormals import subnormals_flushed
+
     try:
-        with library_bars(not getattr(args, "quiet", False)):  # --quiet: transformers' bars too
+        # float32 subnormals read and written as 0 on the CPU (the mode restored after): the soft-max of a model with
+        # attention sinks underflows through them, and an x86 core is about a hundred times slower on each
+        with library_bars(not getattr(args, "quiet", False)), subnormals_flushed("cpu"):  # --quiet: library bars too
             args.func(args)
     except UsageError as e:
         _close_progress_bars()

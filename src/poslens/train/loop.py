@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from poslens.engine.distributed import Dist, setup
 from poslens.errors import UsageError, check_int, require
 from poslens.io.bars import library_bars
+from poslens.subnormals import flushing_subnormals, subnormals_flushed  # noqa: F401 (the trainers' names)
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
 from poslens.train.data import PAD, counted_rows, eval_batches, loss_shares, num_blocks, train_batches
@@ -245,32 +245,6 @@ def attention_kernel(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
     return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[cfg.attention])
-
-
-def flushing_subnormals() -> bool:
-    """Whether this thread reads and writes float32 subnormals as 0 (a subnormal's product with 1 comes out 0)."""
-    return torch.tensor([1e-39], dtype=torch.float32).mul(1.0).item() == 0.0
-
-
-@contextlib.contextmanager
-def subnormals_flushed(device: torch.device) -> Iterator[None]:
-    """Inside, on the CPU, float subnormals (magnitudes below 1.18e-38 in float32) are read and written as 0
-    (``torch.set_flush_denormal``: the x86 FTZ/DAZ bits of the calling thread, which threads it starts meanwhile
-    inherit); the previous mode is restored after. An x86 core takes about a hundred times longer per operation on
-    a subnormal; as a `pe-sinks` model trains (sinks forming at lr 0.04) its tensors come to hold them, and a
-    computation of nine such models stepped in 0.457 s at step 1,000 with them against 0.266 s flushed (one thread,
-    BENCHMARKS.md "Subnormal floats in training"). The values flushed are below float32's normal range, so what
-    changes is the rounding below 1.2e-38: training equals itself flushed (resumes bit for bit), and training
-    without flushing up to float32 rounding, as on another processor."""
-    if device.type != "cpu":
-        yield
-        return
-    before = flushing_subnormals()
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(before)
 
 
 def check_attention(cfg: TrainConfig, device: torch.device) -> None:
