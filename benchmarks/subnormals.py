@@ -1,5 +1,5 @@
 """Benchmark: a training step of a part of `pe-sinks` models with float32 subnormals flushed to 0 (the trainers'
-default on the CPU, `poslens.train.loop.subnormals_flushed`) against the same step with them kept (the trainers
+default on the CPU, `poslens.subnormals.subnormals_flushed`) against the same step with them kept (the trainers
 before). Run by hand, not a test.
 
 Subnormals appear only as the models train (sinks forming at lr 0.04, from about step 150-200), so a benchmark of
@@ -23,19 +23,22 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from poslens.engine.stats import t_quantile
-from poslens.train import batched, loop
+import poslens.subnormals as sub
+from poslens.train import batched
 from poslens.train.cache import tokens_of, trained_model_dir
 from poslens.train.sweep import SweepConfig, resolve_matrix
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 
 def part(variants: list[str], seeds: list[int]) -> tuple[list, Path]:
@@ -75,13 +78,13 @@ def build(cfgs: list, tokens: Path, root: Path, at: int) -> list[Path]:
 @contextlib.contextmanager
 def switched(flush: bool):
     """The batched trainer's step context: flushed (its own) or kept."""
-    own = loop.subnormals_flushed  # the batched trainer imports it from `loop` when it starts
+    own = sub.subnormals_flushed  # the batched trainer imports it from `poslens.subnormals` when it starts
     if not flush:
-        loop.subnormals_flushed = kept
+        sub.subnormals_flushed = kept
     try:
         yield
     finally:
-        loop.subnormals_flushed = own
+        sub.subnormals_flushed = own
 
 
 def subnormal_share(partial: Path) -> float:
@@ -157,13 +160,11 @@ def main() -> None:
         rows.append(row)
         print(f"round {r}: step {row['kept_step_s']:.3f} s kept, {row['flushed_step_s']:.3f} s flushed "
               f"({row['ratio']:.2f}x); CPU s {row['kept_cpu_s']:.1f} / {row['flushed_cpu_s']:.1f}", flush=True)
-    logs = [math.log(x["ratio"]) for x in rows]
-    mean = statistics.fmean(logs)
-    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    mean, lo, hi = ratio_interval([x["ratio"] for x in rows])
     print(f"{len(cfgs)} models ({args.variants} x seeds {args.seeds}), step {args.at}, {args.threads} thread(s): "
           f"median step kept {statistics.median(x['kept_step_s'] for x in rows):.3f} s, flushed "
           f"{statistics.median(x['flushed_step_s'] for x in rows):.3f} s; kept / flushed "
-          f"{math.exp(mean):.2f}x [{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}] over {len(rows)} rounds")
+          f"{mean:.2f}x [{lo:.2f}, {hi:.2f}] over {len(rows)} rounds")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "torch": torch.__version__,
                                                "subnormal_share": share, "rounds": rows}, indent=1))

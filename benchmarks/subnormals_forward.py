@@ -22,15 +22,18 @@ run.json metrics are identical.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from poslens.engine.stats import t_quantile
-from poslens.train.loop import flushing_subnormals
+from poslens.subnormals import flushing_subnormals
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 
 def timed(model, ids: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
@@ -51,7 +54,6 @@ def command(line: str, rounds: int) -> None:
     import json
     import shlex
     import tempfile
-    from pathlib import Path
 
     import poslens.subnormals as sub
     from poslens.cli import main as poslens
@@ -76,18 +78,10 @@ def command(line: str, rounds: int) -> None:
                                                    sort_keys=True))
             print(f"round {r}: {times['kept'][-1]:.1f} s kept, {times['flushed'][-1]:.1f} s flushed", flush=True)
     ratios = [k / f for k, f in zip(times["kept"], times["flushed"])]
-    mean, lo, hi = interval(ratios)
+    mean, lo, hi = ratio_interval(ratios)
     print(f"poslens {line}: median {statistics.median(times['kept']):.1f} s kept, "
           f"{statistics.median(times['flushed']):.1f} s flushed; kept / flushed {mean:.3f}x [{lo:.3f}, {hi:.3f}] over "
           f"{rounds} rounds; run.json metrics {'identical' if metrics['kept'] == metrics['flushed'] else 'differ'}")
-
-
-def interval(ratios: list[float]) -> tuple[float, float, float]:
-    """The geometric mean of `ratios` and its 95% t-interval."""
-    logs = [math.log(r) for r in ratios]
-    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    mean = statistics.fmean(logs)
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def main() -> None:
@@ -127,7 +121,7 @@ def main() -> None:
             diff = max(diff, float((kept_logits - flushed_logits).abs().max()))
     finally:
         torch.set_flush_denormal(before)
-    mean, lo, hi = interval(ratios)
+    mean, lo, hi = ratio_interval(ratios)
     print(f"{args.model}: {small} of {weights} weights subnormal; {args.attn} attention, {args.batch} x "
           f"{args.seq_len} tokens, {args.threads} thread(s): forward {statistics.median(kept_s):.3f} s kept, "
           f"{statistics.median(flushed_s):.3f} s flushed; kept / flushed {mean:.3f}x [{lo:.3f}, {hi:.3f}] over "

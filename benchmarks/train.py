@@ -61,10 +61,12 @@ def hand_step(model, opt, sched, blocks, clip: float, autocast: bool) -> float:
 
 
 def ratio_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
-    """Geometric mean of the paired ratios and its t interval (on the log ratios, exponentiated)."""
+    """Geometric mean of the paired ratios and its t interval (on the log ratios, exponentiated; one ratio: no
+    interval, nan bounds)."""
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
-    half = t_quantile((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = t_quantile((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) \
+        if len(logs) > 1 else math.nan
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 

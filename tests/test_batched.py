@@ -442,7 +442,7 @@ def test_training_reads_subnormals_as_zero_and_restores_the_mode(tmp_path, token
     found it, off or on."""
     import poslens.train.batched as batched
     import poslens.train.loop as loop
-    from poslens.train.loop import flushing_subnormals, subnormals_flushed
+    from poslens.subnormals import flushing_subnormals, subnormals_flushed
 
     seen = []
     clip, step = batched.clip_per_model, loop._step

@@ -492,6 +492,7 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
                stop_after: int | None, label: str | None, chunk: int | None, compile: bool
                ) -> list[dict[str, Any]]:
     from poslens.engine.distributed import setup
+    from poslens.subnormals import subnormals_flushed
     from poslens.train.loop import (
         _finish,
         _truncate_metrics,
@@ -500,7 +501,6 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
         check_batch,
         check_training_data,
         resume_state,
-        subnormals_flushed,
     )
     from poslens.train.model import build_model
     from poslens.train.tokens import open_tokens

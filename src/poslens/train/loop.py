@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from poslens.engine.distributed import Dist, setup
 from poslens.errors import UsageError, check_int, require
 from poslens.io.bars import library_bars
-from poslens.subnormals import flushing_subnormals, subnormals_flushed  # noqa: F401 (the trainers' names)
+from poslens.subnormals import subnormals_flushed
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
 from poslens.train.data import PAD, counted_rows, eval_batches, loss_shares, num_blocks, train_batches
