@@ -60,14 +60,28 @@ def partials(root: Path, outs: list[Path]) -> list[Path]:
     return [root / f".{o.name}.partial" for o in outs]
 
 
+MARK = ".poslens-subnormals"  # in every folder this script made, and only there does it delete
+
+
+def remove_own(path: Path) -> None:
+    """Delete `path` if this script made it (it holds MARK); a folder it did not make stops the run in one line."""
+    if path.exists():
+        if not (path / MARK).is_file():
+            print(f"subnormals.py: {path} exists and was not made by this script; choose another --work",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        shutil.rmtree(path)
+
+
 def build(cfgs: list, tokens: Path, root: Path, at: int) -> list[Path]:
     """Train `cfgs` to step `at` with subnormals kept, into `root` (reused when already there)."""
     outs = [root / trained_model_dir(c, tokens).name for c in cfgs]
     if all(p.is_dir() for p in partials(root, outs)):
         print(f"step-{at} checkpoint reused from {root}", flush=True)
         return outs
-    shutil.rmtree(root, ignore_errors=True)
+    remove_own(root)
     root.mkdir(parents=True)
+    (root / MARK).touch()
     t0 = time.perf_counter()
     with switched(False):
         batched.train_batched(cfgs, outs, progress=True, stop_after=at, compile=True)
@@ -116,8 +130,8 @@ def resume(cfgs: list, outs: list[Path], root: Path, arm: Path, at: int, steps: 
            flush: bool) -> tuple[float, float]:
     """Resume a copy of the step-`at` checkpoint for `steps` steps: the median step time after `skip` steps, and the
     CPU seconds of the resume."""
-    shutil.rmtree(arm, ignore_errors=True)
-    shutil.copytree(root, arm)
+    remove_own(arm)
+    shutil.copytree(root, arm)  # MARK with it
     mine = [arm / o.name for o in outs]
     c0 = time.process_time()
     with switched(flush):
@@ -126,7 +140,7 @@ def resume(cfgs: list, outs: list[Path], root: Path, arm: Path, at: int, steps: 
     rows = [json.loads(line) for line in (partials(arm, mine)[0] / "metrics.jsonl").read_text().splitlines()
             if '"step_s"' in line]
     times = [r["step_s"] for r in rows if r["step"] > at + skip]
-    shutil.rmtree(arm, ignore_errors=True)
+    remove_own(arm)
     return statistics.median(times), cpu
 
 
