@@ -16,7 +16,8 @@ Reported: the median of each over `--repeats` after a warm-up, read / plain (iss
 geometric mean of the paired ratios (each repeat's read over the plain forward of the same round) with its 95%
 t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]). The
 logits of both are checked first: within 1e-5 of each other (a read pattern makes attention's output pattern @ v, as
-eager attention computes it), and which forward the read one equals bit for bit (`same_logits`).
+eager attention computes it; read per-head results make W_O's output their sum, as TransformerLens computes it), and
+which forward the read one equals bit for bit (`same_logits`).
 
     PYTHONPATH=src:tests .venv/bin/python benchmarks/families.py --repeats 7 \\
         --out benchmarks/results/cpu-hooks/families.json
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tiny_models import build, eager_twin, token_batch  # noqa: E402
+from tiny_models import build, heads_summed_twin, token_batch  # noqa: E402
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 from poslens.engine.stats import t_quantile  # noqa: E402
@@ -130,16 +131,19 @@ def paired(arm: list[float], plain: list[float], level: float = 0.95) -> list[fl
 
 def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
     """Check the read forward's logits before timing: within 1e-5 of the plain forward's largest |logit| (an output
-    from the read pattern, as eager attention computes it, against SDPA's kernel); says which forward they equal bit
-    for bit: "plain" (the model's own kernel ran), "eager" (the same weights under eager attention) or "neither"
-    (Falcon's ALiBi form: transformers' eager Falcon adds the bias twice, no reference)."""
+    from the read pattern, as eager attention computes it, against SDPA's kernel; W_O's output as the sum of the
+    per-head results read); says which forward they equal bit for bit: "plain" (the model's own kernels ran), "eager,
+    heads summed" (the same weights under eager attention, W_O's output the heads' sum: tests/tiny_models.py's
+    `heads_summed_twin`) or "neither" (Falcon's ALiBi form: transformers' eager Falcon adds the bias twice, no
+    reference)."""
     err = float((read - plain).abs().max() / plain.abs().max())
     assert err <= 1e-5, f"the hooked logits differ from the plain forward's by {err:.2e} (relative)"
     if torch.equal(read, plain):
         return "plain"
     if getattr(model.config, "alibi", False):
         return "neither"
-    return "eager" if torch.equal(read, eager_twin(model)(input_ids=ids, use_cache=False).logits) else "neither"
+    twin = heads_summed_twin(model)(input_ids=ids, use_cache=False).logits
+    return "eager, heads summed" if torch.equal(read, twin) else "neither"
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:

@@ -129,9 +129,23 @@ def test_a_computation_of_nope_models_reaches_the_compiled_layer_with_the_identi
     assert all(torch.equal(out["eager"][1][k], out["compiled"][1][k]) for k in out["eager"][1])
 
 
+def assert_rows_close(a: dict, b: dict, model: int) -> None:
+    """One logged step of a model trained alone (a) and batched (b): loss and held-out loss within 2e-5 (absolute; a
+    few nats, float32 rounding of batched against plain matrix products: ~1e-6 seen), the gradient norm within 1e-4 of
+    its size (a sum of squares over every parameter, whose rounding AdamW's first steps amplify where a gradient is
+    near 0: 1.6e-5 relative seen on an AMD AVX2 CPU). A computation that differed (a mask, a rotary table, the
+    clipping, a padded target counted) moves both by far more (1e-2 and up)."""
+    for key in ("loss", "eval_loss"):
+        if key in a:
+            assert abs(a[key] - b[key]) < 2e-5, (model, key, a, b)
+    if "grad_norm" in a:
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), (model, "grad_norm", a, b)
+
+
 def test_batched_training_equals_training_each_alone(tmp_path, tokens):
     """N models (every variant kind, two seeds; with and without BOS first) trained as one computation give each
-    model's loss per step within 2e-5 of training it alone and final weights within lr / 100 = 1e-4 (absolute):
+    model's loss per step within 2e-5 of training it alone (gradient norm: `assert_rows_close`) and final weights
+    within lr / 100 = 1e-4 (absolute):
     float32 rounding of batched against plain matrix products, which AdamW's first steps amplify where a gradient
     is near 0 (2.4e-5 seen); a model whose computation differed (a mask, a rotary table, the clipping, its data)
     moves its weights by up to lr per step, 1e-2.
@@ -153,9 +167,7 @@ def test_batched_training_equals_training_each_alone(tmp_path, tokens):
         rows_a, rows_b = _rows(alone), _rows(tmp_path / f"b{i}")
         assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
         for a, b in zip(rows_a, rows_b):
-            for key in ("loss", "eval_loss", "grad_norm"):
-                if key in a:
-                    assert abs(a[key] - b[key]) < 2e-5, (i, a, b)
+            assert_rows_close(a, b, i)
         wa, wb = load_file(str(alone / "model.safetensors")), load_file(str(tmp_path / f"b{i}" / "model.safetensors"))
         assert wa.keys() == wb.keys()
         assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
@@ -236,12 +248,12 @@ def test_a_part_trained_in_chunks_equals_it_trained_as_one(tmp_path, tokens):
 def test_document_start_models_trained_as_one_equal_each_trained_alone(tmp_path, short_documents):
     """Document-start models (padded blocks, PAD targets not counted; BOS first and not) trained as one computation,
     with a packed model beside them, are each the model trained alone by the plain loop within the tolerances of
-    `test_batched_training_equals_training_each_alone` (loss, held-out loss and gradient norm per step 2e-5, final
-    weights 1e-4: float32 rounding). The data pads: a step whose micro-batches weigh by their counted targets
-    (`loss_shares`) is trained, so a batched loss that counted a padded target, or weighed micro-batches equally,
-    would differ by far more (a padded target's cross-entropy is several nats). Each saved model reloads with stock
-    `from_pretrained`, keeps its encoding and data convention, and its tokenizer adds the BOS exactly when it
-    was trained with one."""
+    `test_batched_training_equals_training_each_alone` (loss and held-out loss per step 2e-5, gradient norm 1e-4 of
+    its size: `assert_rows_close`; final weights 1e-4: float32 rounding). The data pads: a step whose micro-batches
+    weigh by their counted targets (`loss_shares`) is trained, so a batched loss that counted a padded target, or
+    weighed micro-batches equally, would differ by far more (a padded target's cross-entropy is several nats). Each
+    saved model reloads with stock `from_pretrained`, keeps its encoding and data convention, and its tokenizer adds
+    the BOS exactly when it was trained with one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from poslens.engine.pe import PositionalEncoding
@@ -262,9 +274,7 @@ def test_document_start_models_trained_as_one_equal_each_trained_alone(tmp_path,
         rows_a, rows_b = _rows(alone), _rows(both)
         assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
         for a, b in zip(rows_a, rows_b):
-            for key in ("loss", "eval_loss", "grad_norm"):
-                if key in a:
-                    assert abs(a[key] - b[key]) < 2e-5, (i, a, b)
+            assert_rows_close(a, b, i)
         wa, wb = load_file(str(alone / "model.safetensors")), load_file(str(both / "model.safetensors"))
         assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
         mb = AutoModelForCausalLM.from_pretrained(both)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import assert_within_sdpa_rounding
 from test_alibi import assert_config_refused
-from tiny_models import build, config, eager_twin, randomize_norm_gains, token_batch
+from tiny_models import build, config, eager_twin, heads_summed_twin, randomize_norm_gains, token_batch
 from transformers.models.falcon import modeling_falcon
 
 from poslens.analyses.length.interventions import parse
@@ -41,16 +41,20 @@ def test_hooked_forward_equals_hugging_face(form):
     sdpa = randomize_norm_gains(build("falcon", **FORMS[form]))
     eager = eager_twin(sdpa)
     ids = token_batch(2, 16, seed=3)
-    reference = eager(input_ids=ids, use_cache=False, output_hidden_states=True, output_attentions=True)
+    # the reference: eager attention, W_O's output the per-head results' sum (as TransformerLens computes it)
+    reference = heads_summed_twin(sdpa)(input_ids=ids, use_cache=False, output_hidden_states=True,
+                                        output_attentions=True)
     for model in (sdpa, eager):
         hm = HookedModel(model)
         plain = model(input_ids=ids, use_cache=False, output_hidden_states=True)
         # every point read: the patterns are formed and attention's output is computed from them as the model's eager
-        # attention computes it (bit-identical to the eager model's, under either implementation); without a reader
-        # of the scores or the pattern, the model's own kernel: bit-identical to its plain forward
+        # attention computes it, W_O's output from the per-head results read (bit-identical to the reference, under
+        # either implementation); without a reader of the scores, the pattern or the results, the model's own
+        # kernels: bit-identical to its plain forward
         logits, cache = hm.run_with_cache(ids, hm.points)
         assert torch.equal(logits, reference.logits), model.config._attn_implementation
-        no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+        no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern",
+                                                                  "attn.hook_result"))]
         assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain.logits), model.config._attn_implementation
         for l in range(hm.n_layers):
             assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], reference.hidden_states[l])
@@ -160,9 +164,11 @@ def test_alibi_form_hooked_forward_equals_hugging_face(monkeypatch):
     plain = model(input_ids=ids, use_cache=False, output_hidden_states=True)
     logits, cache = hm.run_with_cache(ids, hm.points)
     # every point read: attention's output from the pattern (no eager reference: transformers' eager Falcon adds the
-    # ALiBi bias twice), within rounding of the SDPA forward; without a reader of the pattern, bit-identical to it
+    # ALiBi bias twice), W_O's output the per-head results' sum, within rounding of the SDPA forward; without a reader
+    # of the scores, the pattern or the results, bit-identical to it
     assert_within_sdpa_rounding(logits, plain.logits, "falcon-rw, every point read")
-    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern",
+                                                          "attn.hook_result"))]
     assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain.logits)
     eager = eager_twin(model)
     _builder_times(monkeypatch, 0.5)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build, eager_twin, randomize_norm_gains, token_batch
+from tiny_models import build, heads_summed_twin, randomize_norm_gains, token_batch
 
 from poslens.engine.hooks import HookedModel
 
@@ -82,17 +82,19 @@ def assert_matches_summary(x: torch.Tensor, r: dict, name: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_hooked_forward_equals_hugging_face(family):
-    """A reader on every point: logits bit-identical to the eager forward's (attention's output computed from the
-    pattern read, as eager attention computes it), resid_pre = its hidden states; without a reader of the scores or the
-    pattern, bit-identical to the plain (SDPA) forward; pattern = eager attentions."""
+    """A reader on every point: logits bit-identical to the eager forward's with W_O's output the per-head results'
+    sum (attention's output computed from the pattern read, as eager attention computes it; W_O's output from the
+    results read, as TransformerLens computes it), resid_pre = its hidden states; without a reader of the scores, the
+    pattern or the results, bit-identical to the plain (SDPA) forward; pattern = eager attentions."""
     model = _model(family)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=3)
     plain = model(input_ids=ids, use_cache=False)
-    reference = eager_twin(model)(input_ids=ids, use_cache=False, output_hidden_states=True)
+    reference = heads_summed_twin(model)(input_ids=ids, use_cache=False, output_hidden_states=True)
     logits, cache = hm.run_with_cache(ids, hm.points)
     assert torch.equal(logits, reference.logits)
-    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern",
+                                                              "attn.hook_result"))]
     assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain.logits)
     for l in range(hm.n_layers):
         assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], reference.hidden_states[l])

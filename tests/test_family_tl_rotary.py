@@ -140,7 +140,7 @@ def test_per_head_inputs_reach_their_head_only(family):
     hm.set_use_attn_in(True)
     ids = token_batch(2, 9, seed=6)
     logits, cache = hm.run_with_cache(ids)  # the cache reads the patterns: the eager forward's logits, bit for bit
-    assert torch.equal(logits, eager_twin(model)(input_ids=ids).logits)
+    assert torch.equal(logits, eager_twin(model)(input_ids=ids, use_cache=False).logits)
     for point in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"):
         x = cache[f"blocks.1.{point}"]
         assert x.shape == (2, 9, 4, 64) and torch.equal(x, cache["blocks.1.hook_resid_pre"][:, :, None].expand_as(x))

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from tiny_models import FAMILIES, build, eager_twin, randomize_norm_gains, token_batch
+from tiny_models import FAMILIES, build, eager_twin, heads_summed_twin, randomize_norm_gains, token_batch
 
 from poslens.engine.families import sliding_windows
 from poslens.engine.hooks import HookedModel, from_factors
@@ -149,15 +149,18 @@ def _model(family):
 @torch.no_grad()
 def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit_identical(family):
     """A reader on every point: the pattern is formed, so attention's output is pattern @ v, as transformers' eager
-    attention computes it (logits bit-identical to the eager model's; tests/test_hooks_pattern_output.py has the
-    tolerance to the SDPA forward); without a reader of the scores or the pattern, bit-identical to SDPA's."""
+    attention computes it, and the per-head results are read, so W_O's output is their sum plus b_O, as
+    TransformerLens computes it (logits bit-identical to the eager model's with W_O so computed;
+    tests/test_hooks_pattern_output.py has the tolerance to the SDPA forward); without a reader of the scores, the
+    pattern or the per-head results, bit-identical to SDPA's."""
     model = _model(family)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=6)
     plain = _plain_logits(model, ids)
     logits, cache = hm.run_with_cache(ids, hm.points)  # a reader on every point
-    assert torch.equal(logits, _plain_logits(eager_twin(model), ids))
-    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))]
+    assert torch.equal(logits, _plain_logits(heads_summed_twin(model), ids))
+    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern",
+                                                              "attn.hook_result"))]
     assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain)
     assert torch.equal(_plain_logits(model, ids), plain)  # the model is left as it was
     assert list(cache) == hm.points  # every point fired, in forward order
@@ -425,21 +428,21 @@ def test_activation_norm_reads_per_head_points_and_refuses_maps():
         ActivationNorm("blocks.{l}.attn.hook_pattern")
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_grouped_scores_equal_repeated_keys_bit_for_bit(heads, kv_heads):
-    """The dense scores and the pattern-times-values of a grouped-query model are computed without repeating the
-    key/value heads (one GEMM per key head); each product is the same dot product as with transformers' repeat_kv,
-    so the result is bit-identical, not only close."""
+@pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 37), (4, 4, 37), (8, 1, 37), (4, 2, 9)])
+def test_grouped_scores_equal_repeated_keys_bit_for_bit(heads, kv_heads, t):
+    """The dense scores and the pattern-times-values of a grouped-query model are transformers' eager operations
+    (repeat_kv, then matmul), so the result is bit-identical, not only close, on any CPU (4 query heads on 2 key heads
+    at 9 tokens: where stacking a key head's query heads into one GEMM rounded differently on an AVX2 CPU)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    from poslens.engine.hooks import _grouped_matmul
+    from poslens.engine.hooks import _kv_matmul
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, heads, 37, 16, generator=g)
-    k = torch.randn(2, kv_heads, 37, 16, generator=g)
-    p = torch.softmax(torch.randn(2, heads, 37, 37, generator=g), dim=-1)
+    q = torch.randn(2, heads, t, 16, generator=g)
+    k = torch.randn(2, kv_heads, t, 16, generator=g)
+    p = torch.softmax(torch.randn(2, heads, t, t, generator=g), dim=-1)
     groups = heads // kv_heads
-    assert torch.equal(_grouped_matmul(q, k.transpose(-1, -2)), q @ repeat_kv(k, groups).transpose(-1, -2))
-    assert torch.equal(_grouped_matmul(p, k), p @ repeat_kv(k, groups))
-    assert torch.equal(_grouped_matmul(q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(-1, -2)),
+    assert torch.equal(_kv_matmul(q, k, transpose=True), q @ repeat_kv(k, groups).transpose(-1, -2))
+    assert torch.equal(_kv_matmul(p, k), p @ repeat_kv(k, groups))
+    assert torch.equal(_kv_matmul(q.transpose(1, 2).contiguous().transpose(1, 2), k, transpose=True),
                        q @ repeat_kv(k, groups).transpose(-1, -2))  # a non-contiguous query (a hook's replacement)

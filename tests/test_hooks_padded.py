@@ -1,12 +1,13 @@
 """Reading hook points never changes a padded forward, on every family in the registry.
 
 A left-padded batch (rows padded by 0, 3 and 7 tokens) with a reader at every hook point but the maps (scores,
-pattern), the optional ones included (attn.hook_result, hook_mlp_in, the per-head inputs where the family has them),
+pattern) and the per-head results (whose readers make W_O's output their sum), the other optional ones included
+(hook_mlp_in, the per-head inputs where the family has them),
 gives the plain Hugging Face forward's logits bit for bit, through `HookedModel.run` (positions as the plain forward
 counts them) and through the TransformerLens surface (`run_with_cache`, calling the model), which counts each row's
 positions from its first real token as TransformerLens does: that path equals the plain forward given those same
-position ids. With every point read, the logits are those of the maps' readers alone, bit for bit: the other readers
-add nothing.
+position ids. With every point read, the logits are those of the maps' and the results' readers alone, bit for bit:
+the other readers add nothing.
 
 The two are different forwards, and comparing the surface against the plain forward without its position ids is what
 once looked like readers moving GPT-NeoX's and Falcon's logits by ~3e-7 on padded batches (bit-identical without
@@ -39,7 +40,9 @@ def test_the_padded_tests_cover_every_family_of_the_registry():
     assert {config(f).model_type for f in ALL_FAMILIES} == set(FAMILIES)
 
 
-MAPS = ("attn.hook_attn_scores", "attn.hook_pattern")  # the points whose readers form the [B, H, T, T] maps
+# the points whose readers change how the forward computes: the [B, H, T, T] maps (attention's output from the pattern
+# read) and the per-head results (W_O's output as their sum)
+MAPS = ("attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_result")
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)

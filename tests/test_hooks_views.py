@@ -8,7 +8,10 @@ changed): a reader sees resid_pre repeated per head, as `x.unsqueeze(2).repeat(.
 read-only run are the plain forward's; TransformerLens's in-place idioms (`x[:, :, h] = 0`, `x[:, :, h] += v`,
 `x[:, :, h].zero_()` through a view, `add_`, `out=`) take effect on head h's copy only, giving the logits of the same
 edit on a returned clone, and never reach the residual stream; attn.hook_result equals the einsum of hook_z with
-W_O's rows by head, and a write there (in place or returned) moves the logits as the returned clone does. On Llama
+W_O's rows by head, attention's output (attn.hook_out) is those values summed over the heads plus b_O, bit for bit (as
+TransformerLens computes it with use_attn_result; the logits are the model's with W_O so computed, within float32
+rounding of the plain forward's), and a write there (in place or returned) moves the logits as the returned clone
+does. On Llama
 (grouped-query), GPT-NeoX and BLOOM (per-head fused q/k/v), Falcon (multi-query) and GPT-2 (no per-head inputs in
 TransformerLens's GPT-2 through poslens: hook_result only)."""
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build, token_batch
+from tiny_models import build, heads_summed_twin, token_batch
 
 from poslens.engine.hooks import HookedModel
 
@@ -174,12 +177,16 @@ def test_hook_result_is_the_per_head_einsum_and_writes_take_effect(family):
     ids = token_batch(2, 9, seed=7)
     plain = model(input_ids=ids, use_cache=False).logits
     got = {}
-    hooks = {"blocks.1.attn.hook_z": _keep(got, "z"), "blocks.1.attn.hook_result": _keep(got, "result")}
+    hooks = {"blocks.1.attn.hook_z": _keep(got, "z"), "blocks.1.attn.hook_result": _keep(got, "result"),
+             "blocks.1.attn.hook_out": _keep(got, "out")}
     logits = hm.run(ids, hooks=hooks, logits=True).logits
-    assert torch.equal(logits, plain)  # read only: W_O's own product stays
     w_o = hm.W_O[1]  # [H, D, d] each head's rows of W_O, TransformerLens's layout
     ref = torch.einsum("bthk,hkd->bthd", got["z"], w_o)
-    assert torch.equal(got["result"], ref)  # the computation before
+    assert torch.equal(got["result"], ref)
+    assert torch.equal(got["out"], got["result"].sum(-2) + hm.b_O[1])  # attention's output: the values read, summed
+    assert torch.equal(logits, heads_summed_twin(model, model.config._attn_implementation, layers=(1,))(
+        input_ids=ids, use_cache=False).logits)
+    assert (logits - plain).abs().max() <= 1e-5 * plain.abs().max()  # W_O's product and the heads' sum: rounding
 
     def zero(x, ctx):
         x[:, :, 1] = 0

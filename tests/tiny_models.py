@@ -220,6 +220,42 @@ def eager_twin(model: PreTrainedModel) -> PreTrainedModel:
     return twin.eval()
 
 
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")  # a decoder layer's attention, by family
+OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")  # its output projection W_O
+
+
+def heads_summed_twin(model: PreTrainedModel, attn_implementation: str = "eager",
+                      layers: tuple[int, ...] | None = None) -> PreTrainedModel:
+    """A twin of `model` (its config and weights; eager attention by default, as `eager_twin`) with each attention's
+    output projection computed as TransformerLens computes it with use_attn_result: each head's z_h W_O[h] (an
+    einsum), summed over the heads, plus W_O's bias. The reference for a hooked forward that reads attn.hook_result
+    (whose output is the sum of the values read): with the pattern read too under eager attention, else "sdpa";
+    `layers`: only those layers' (default: every layer's)."""
+    twin = eager_twin(model) if attn_implementation == "eager" else type(model)._from_config(
+        copy.deepcopy(model.config), attn_implementation=attn_implementation, dtype=model.dtype)
+    twin.load_state_dict(model.state_dict())
+    twin.eval()
+    heads = twin.config.num_attention_heads
+    found = 0  # the decoder layers met so far (modules() walks them in order)
+    for layer in twin.base_model.modules():
+        attn = next((getattr(layer, n) for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None),
+                                                                             torch.nn.Module)), None)
+        if attn is None or not any(hasattr(attn, n) for n in OUTPUT_NAMES):
+            continue
+        found += 1
+        if layers is not None and found - 1 not in layers:
+            continue
+        o = next(getattr(attn, n) for n in OUTPUT_NAMES if hasattr(attn, n))
+        w = o.weight if type(o).__name__ == "Conv1D" else o.weight.T  # [H * D, d]
+
+        def summed(z, o=o, w=w):
+            per_head = torch.einsum("bthk,hkd->bthd", z.unflatten(-1, (heads, -1)), w.unflatten(0, (heads, -1)))
+            return per_head.sum(-2) + (o.bias if o.bias is not None else 0)
+
+        o.forward = summed
+    return twin
+
+
 def token_batch(batch: int, seq_len: int, seed: int = 0, low: int = 3) -> torch.Tensor:
     """Random token ids [batch, seq_len] in [low, VOCAB) (ids below `low` are pad/bos/eos)."""
     g = torch.Generator().manual_seed(seed)

@@ -239,6 +239,17 @@ class HookContext:
                            "is the value at attn.hook_k ([B, T, K, D], as TransformerLens)")
 
 
+class _Replaced:
+    """A module's forward replaced by an instance attribute for one run; `remove()` puts the class's back (the
+    handle interface of register_forward_hook)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        del self.module.forward
+
+
 class _Stop(Exception):
     """Raised after the last hooked point to end a forward early."""
 
@@ -627,8 +638,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def _output_hooks(self, l: int, pts: dict, o_proj, down, heads: int) -> list:
         """Module hooks for attn.hook_result (on W_O) and mlp.hook_post (the down projection's input) of layer l."""
         handles = []
-        if "attn.hook_result" in pts:
-            handles.append(o_proj.register_forward_hook(self._result_hook(l, heads)))
+        if "attn.hook_result" in pts:  # W_O's forward replaced for the run (handle.remove() puts the class's back)
+            o_proj.forward = functools.partial(self._heads_out, l, heads, o_proj)
+            handles.append(_Replaced(o_proj))
         if "mlp.hook_post" in pts:
             def post(module, args):
                 new = self._fire_at(l, "mlp.hook_post", args[0])
@@ -739,20 +751,19 @@ class HookedModel(TransformerLensSurface, TLWeights):
         fns = self._run.per_layer.get(l, {}).get(point)
         return self._fire(f"blocks.{l}.{point}", l, x, fns) if fns else x
 
-    def _result_hook(self, l: int, heads: int):
-        """A forward hook on W_O firing attn.hook_result, each head's output [B, T, H, d]; read only, W_O's own output
-        stays (bit-identical); written (or edited in place), the output is the heads' sum plus W_O's bias."""
-        def hook(module, args, out):
-            z = args[0].unflatten(-1, (heads, -1))  # [B, T, H, D]
-            w = module.weight if type(module).__name__ == "Conv1D" else module.weight.T  # [H*D, d]
-            result = torch.einsum("bthk,hkd->bthd", z, w.unflatten(0, (heads, -1)))  # one bmm over the heads
-            seen = result._version
-            new = self._fire_at(l, "attn.hook_result", result)
-            if new is result and result._version == seen:
-                return None
-            return new.sum(-2) + (module.bias if module.bias is not None else 0)
-
-        return hook
+    def _heads_out(self, l: int, heads: int, module, z: torch.Tensor) -> torch.Tensor:
+        """W_O with attn.hook_result: each head's output z_h W_O[h] ([B, T, H, d], one batched GEMM over the heads)
+        fired, then attention's output is their sum plus W_O's bias, as TransformerLens computes it with
+        use_attn_result: the values read are the ones summed (W_O's own product does not run; the logits are within
+        float32 rounding of the plain forward's)."""
+        w = module.weight if type(module).__name__ == "Conv1D" else module.weight.T  # [H*D, d]
+        per_head = torch.bmm(z.reshape(-1, heads, w.shape[0] // heads).transpose(0, 1),  # [H, B*T, D], a view
+                             w.unflatten(0, (heads, -1)))  # [H, B*T, d]: one batched GEMM over the heads
+        result = per_head.view(heads, *z.shape[:-1], -1).movedim(0, -2)  # [B, T, H, d], a view
+        out = self._fire_at(l, "attn.hook_result", result).sum(-2)  # [B, T, d]
+        if module.bias is None:
+            return out
+        return out + module.bias if torch.is_grad_enabled() else out.add_(module.bias)
 
     def _split_hook(self, l: int, parts: list[tuple[str, int, int]]):
         """A forward hook on a projection whose output holds `parts` side by side, each (point, width, head width or
@@ -810,11 +821,13 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 normalized = LazyCopies.of(given[1])
             normalized, written = fire("hook_normalized", normalized)
             changed |= written
-        elif hooked:
+        elif hooked:  # (x - mean) / sqrt(var + eps) in one fused pass, with the mean and 1 / sqrt(var + eps) [B, T, 1]
             x32 = x.float()
-            centred = x32 - x32.mean(-1, keepdim=True)
-            scale, changed = fire("hook_scale", (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt())
-            normalized, written = fire("hook_normalized", centred / scale)
+            normalized, mean, rstd = torch.native_layer_norm(x32, x.shape[-1:], None, None, module.eps)
+            scale, changed = fire("hook_scale", rstd.reciprocal())
+            if changed:  # a new scale: normalized from it
+                normalized = (x32 - mean) / scale
+            normalized, written = fire("hook_normalized", normalized)
             changed |= written
         if changed:
             out = (normalized * module.weight.float() + module.bias.float()).to(x.dtype)
@@ -1124,20 +1137,20 @@ class EagerSteps:
 
 def _weigh(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """z [B, T, H, D] = pattern @ value with value's heads shared by their query heads, as transformers' eager
-    attention (repeat_kv, matmul, transpose, contiguous); bit-identical to it on CPU (`_grouped_matmul`)."""
-    return _grouped_matmul(pattern, value).transpose(1, 2).contiguous()
+    attention (repeat_kv, matmul, transpose, contiguous): the same operations (`_kv_matmul`)."""
+    return _kv_matmul(pattern, value).transpose(1, 2).contiguous()
 
 
 def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: dict | None = None,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, H, Tq, Tk] scores as transformers' eager attention computes them, op for op: q.k (the query heads of a key
-    head in one GEMM, as repeat_kv pairs them: `_grouped_matmul`), times scaling, softcapped (Gemma-2); then -inf where
-    the model's mask hides a key (eager adds the dtype's minimum there: the same softmax), and `bias` (ALiBi) added.
+    """[B, H, Tq, Tk] scores as transformers' eager attention computes them, op for op: q.k (the key heads repeated
+    for their query heads, as repeat_kv: `_kv_matmul`), times scaling, softcapped (Gemma-2); then -inf where the
+    model's mask hides a key (eager adds the dtype's minimum there: the same softmax), and `bias` (ALiBi) added.
 
     Under the implicit causal mask (no padding, no softcap) the scaling and the mask are one pass, bias + scaling * s
     with a 0 / -inf bias (the same rounding as s * scaling: one product rounded once, plus 0); `hidden` keeps that
     bias for all the layers of one forward."""
-    s = _grouped_matmul(q, k.transpose(-1, -2))
+    s = _kv_matmul(q, k, transpose=True)
     grad = torch.is_grad_enabled() and s.requires_grad  # out= and in place are not differentiable here
     n, m = q.shape[-2], k.shape[-2]
     if attention_mask is None and softcap is None:  # SDPA's implicit causal mask (and the window, if any)
@@ -1185,15 +1198,17 @@ def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, sc
     return torch.cat([q, ones, -b], -1), torch.cat([k, b, ones], -1)
 
 
-def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, N] = a [B, H, T, M] @ b [B, K, M, N] where query head h reads key/value head h // (H / K), as
-    transformers' repeat_kv pairs them, without repeating b: the H / K query heads of one key head are one GEMM
-    (rows stacked), so b is read in place (same products and sums as with repeat_kv; bit-identical on CPU, tested)."""
-    bsz, h, t, m = a.shape
-    kh = b.shape[1]
-    if h == kh:
-        return torch.matmul(a, b)
-    return torch.matmul(a.reshape(bsz, kh, (h // kh) * t, m), b).view(bsz, h, t, b.shape[-1])
+def _kv_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """[B, H, T, N] = a [B, H, T, M] @ b [B, K, ., .] with b's K key/value heads repeated for their H / K query heads
+    (query head h reads key/value head h // (H / K)), transposed after the repeat when `transpose` (keys: b [B, K, T',
+    D] gives a @ b^T), as transformers' eager attention computes it: repeat_kv, then one matmul of the same shapes and
+    layouts, so the same floats on any CPU (a GEMM that stacks a key head's query heads instead picks other kernels on
+    some CPUs, e.g. AVX2 at odd lengths)."""
+    groups = a.shape[1] // b.shape[1]
+    if groups > 1:
+        bsz, kh = b.shape[:2]
+        b = b[:, :, None].expand(bsz, kh, groups, *b.shape[2:]).reshape(bsz, kh * groups, *b.shape[2:])
+    return torch.matmul(a, b.transpose(-1, -2) if transpose else b)
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
