@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -37,10 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import build, heads_summed_twin, token_batch  # noqa: E402
+from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
-from poslens.engine.stats import t_quantile  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw")
 
@@ -121,12 +121,8 @@ def measure(family: str, args) -> dict:
 
 def paired(arm: list[float], plain: list[float], level: float = 0.95) -> list[float]:
     """[geometric mean, low, high] of the ratios arm / plain of each round, with a t-interval over the rounds on the
-    log scale."""
-    logs = [math.log(a / b) for a, b in zip(arm, plain)]
-    mean = statistics.fmean(logs)
-    half = t_quantile((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs)) \
-        if len(logs) > 1 else math.nan
-    return [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
+    log scale (benchmarks/train.py's `ratio_interval`)."""
+    return list(ratio_interval([a / b for a, b in zip(arm, plain)], level))
 
 
 def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:

@@ -211,11 +211,13 @@ def _rescale_qk(model: PreTrainedModel) -> None:
                 attn.k_proj.weight.normal_(0.0, std)
 
 
-def eager_twin(model: PreTrainedModel) -> PreTrainedModel:
+def eager_twin(model: PreTrainedModel, attn_implementation: str = "eager") -> PreTrainedModel:
     """A second model with `model`'s config and weights under transformers' eager attention (the scores, the softmax
     and pattern @ v as separate operations), for comparing a hooked forward whose attention output was computed from
-    the pattern a hook read. (Falcon cannot switch its implementation on a built model, hence a twin.)"""
-    twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager", dtype=model.dtype)
+    the pattern a hook read (or under `attn_implementation`). (Falcon cannot switch its implementation on a built
+    model, hence a twin.)"""
+    twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation=attn_implementation,
+                                    dtype=model.dtype)
     twin.load_state_dict(model.state_dict())
     return twin.eval()
 
@@ -231,10 +233,7 @@ def heads_summed_twin(model: PreTrainedModel, attn_implementation: str = "eager"
     einsum), summed over the heads, plus W_O's bias. The reference for a hooked forward that reads attn.hook_result
     (whose output is the sum of the values read): with the pattern read too under eager attention, else "sdpa";
     `layers`: only those layers' (default: every layer's)."""
-    twin = eager_twin(model) if attn_implementation == "eager" else type(model)._from_config(
-        copy.deepcopy(model.config), attn_implementation=attn_implementation, dtype=model.dtype)
-    twin.load_state_dict(model.state_dict())
-    twin.eval()
+    twin = eager_twin(model, attn_implementation)
     heads = twin.config.num_attention_heads
     found = 0  # the decoder layers met so far (modules() walks them in order)
     for layer in twin.base_model.modules():
