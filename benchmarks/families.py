@@ -14,7 +14,8 @@ of this process (`time.process_time`: the machine is shared, wall time would mea
 
 Reported: the median of each over `--repeats` after a warm-up, read / plain (issue #36's bar: at most 1.1), and the
 geometric mean of the paired ratios (each repeat's read over the plain forward of the same round) with its 95%
-t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]). The
+t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]); `--arms read` times only
+the plain forward and every point read (more repeats in the same time). The
 logits of both are checked first: within 1e-5 of each other (a read pattern makes attention's output pattern @ v, as
 eager attention computes it; read per-head results make W_O's output their sum, as TransformerLens computes it), and
 which forward the read one equals bit for bit (`same_logits`).
@@ -107,16 +108,17 @@ def measure(family: str, args) -> dict:
         return hm.run(ids, hooks=default, logits=True).logits
 
     methods = {"plain": plain, "read": hooked, "read_default": hooked_default}
+    methods = {m: f for m, f in methods.items() if m == "plain" or m in args.arms}
     with torch.no_grad():
         identical = same_logits(model, ids, plain(), hooked())
         times = interleaved(methods, args.repeats)
     median = {m: statistics.median(t) for m, t in times.items()}
-    return {"points": len(hm.points), "default_points": len(default), "cpu_seconds": median,
-            "ratio_read_to_plain": median["read"] / median["plain"],
-            "ratio_read_default_to_plain": median["read_default"] / median["plain"],
-            "paired_read": paired(times["read"], times["plain"]),
-            "paired_read_default": paired(times["read_default"], times["plain"]),
-            "logits_identical_to": identical, "all": times}
+    out = {"points": len(hm.points), "default_points": len(default), "cpu_seconds": median,
+           "logits_identical_to": identical, "all": times}
+    for arm in args.arms:
+        out[f"ratio_{arm}_to_plain"] = median[arm] / median["plain"]
+        out[f"paired_{arm}"] = paired(times[arm], times["plain"])
+    return out
 
 
 def paired(arm: list[float], plain: list[float], level: float = 0.95) -> list[float]:
@@ -161,16 +163,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--arms", nargs="+", choices=("read", "read_default"), default=["read", "read_default"],
+                   help="the hooked forwards timed beside the plain one (read: every point; read_default: "
+                        "TransformerLens's default points); fewer arms, more repeats in the same time")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     out = {"config": vars(args), "torch": torch.__version__, "families": {}}
     for family in args.families:
         r = out["families"][family] = measure(family, args)
-        print(f"{family}: plain {r['cpu_seconds']['plain']:.3f} s, every point read {r['cpu_seconds']['read']:.3f} s "
-              f"({r['points']} points): {r['ratio_read_to_plain']:.3f}x (paired {_interval(r['paired_read'])}); "
-              f"without TransformerLens's optional points ({r['default_points']}): "
-              f"{r['ratio_read_default_to_plain']:.3f}x (paired {_interval(r['paired_read_default'])}) (logits within "
-              f"1e-5; bit-identical to: {r['logits_identical_to']})", flush=True)
+        line = f"{family}: plain {r['cpu_seconds']['plain']:.3f} s"
+        for arm, what in (("read", f"every point read ({r['points']} points)"),
+                          ("read_default", f"without TransformerLens's optional points ({r['default_points']})")):
+            if arm in args.arms:
+                line += (f"; {what} {r['cpu_seconds'][arm]:.3f} s: {r[f'ratio_{arm}_to_plain']:.3f}x (paired "
+                         f"{_interval(r[f'paired_{arm}'])})")
+        print(line + f" (logits within 1e-5; bit-identical to: {r['logits_identical_to']})", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

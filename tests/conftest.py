@@ -1,12 +1,15 @@
 """Shared test set-up: offline Hugging Face, a non-interactive plotting backend, no downloads.
 
-Converted models (the embedded SmolLM2 GGUF) go to one temporary cache per test process, so the
-conversion runs at most once per process and never touches the user's ~/.cache/poslens. Under pytest-xdist
-(pyproject's addopts: `-n auto --dist loadfile`, every test file in one worker) each worker has its own cache and
-an equal share of torch's threads; `-n 0` runs the suite in this one process.
+Converted models (the embedded SmolLM2 GGUF), the embedded corpus and the trained tokenizers go to one temporary
+cache per test run, never the user's ~/.cache/poslens: the process that runs pytest makes it and removes it at the
+end, and its pytest-xdist workers (pyproject's addopts: `-n auto --dist loadfile`, every test file in one worker)
+inherit it, so each entry is built once per run (the cache's entry locks make a second worker wait for the first
+builder, `poslens.io.lock.cache_lock`). Each worker gets an equal share of torch's threads; `-n 0` runs the suite
+in this one process.
 """
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -16,7 +19,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["POSLENS_CACHE"] = tempfile.mkdtemp(prefix="poslens-test-cache-")  # one per process: per xdist worker
+SHARED_CACHE = "POSLENS_TEST_RUN_CACHE"  # the run's cache, made by the process that runs pytest
+if os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ.get(SHARED_CACHE, "")):
+    OWN_CACHE = None  # a worker: the run's cache, inherited from the process that started it
+else:
+    OWN_CACHE = os.environ[SHARED_CACHE] = tempfile.mkdtemp(prefix="poslens-test-cache-")
+os.environ["POSLENS_CACHE"] = os.environ[SHARED_CACHE]
+
+
+def pytest_unconfigure(config) -> None:
+    """The process that made the run's cache removes it when the run ends."""
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pyproject's addopts: -n auto --dist loadfile
 MAX_WORKERS = 4  # each worker holds torch, the session's models and its own cache (the embedded model converted once)
@@ -27,11 +41,13 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
-# The longest test files, longest first (their share of the suite by --durations, 2 cores): under xdist a file
-# runs whole on one worker, taken in collection order, so a long file started last would leave the other worker idle
-# while it finishes; started first, the short files fill in beside it.
-LONGEST_FIRST = ("test_reproduce.py", "test_train.py", "test_intermediates.py", "test_data.py", "test_batched.py",
-                 "test_leakage_run.py", "test_corpus.py", "test_card.py", "test_scores.py", "test_length_run.py")
+# The longest test files, longest first (their share of the suite by --durations=0, 2 cores, 2026-11-29): under xdist a
+# file runs whole on one worker, the files handed out in collection order (pyproject's --no-loadscope-reorder: xdist
+# would otherwise put the files with the most tests first, which ran the longest file, test_reproduce.py, last while
+# the other worker sat idle for 150 s), so a long file started last would leave the other worker idle while it
+# finishes; started first, the short files fill in beside it.
+LONGEST_FIRST = ("test_reproduce.py", "test_train.py", "test_intermediates.py", "test_tl_demo.py", "test_sweep.py",
+                 "test_leakage_run.py", "test_data.py", "test_batched.py", "test_family_runs.py", "test_scores.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

@@ -281,3 +281,23 @@ def test_an_out_that_is_an_input_is_refused_even_with_force(command, which, mode
     err = capsys.readouterr().err
     assert "this run's input" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in target.iterdir()) == before
+
+
+def test_a_run_leaves_the_libraries_progress_bars_as_it_found_them(model_dir, tmp_path):
+    """`run_analysis` hides transformers' "Loading weights" bar while it loads the model and switches it back after:
+    a library call must not leave a global switch changed (it did: every later model load in the process drew no
+    bar, and a test of the switch failed when it ran after one)."""
+    from transformers.utils import logging as tf_logging
+
+    from poslens.cli import main
+
+    argv = [a for a in small("scores", model_dir) if a != "--quiet"]  # --quiet switches them off and back itself
+    assert tf_logging.is_progress_bar_enabled()
+    assert main([*argv, "--out", str(tmp_path / "on")]) == 0
+    assert tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        assert main([*argv, "--out", str(tmp_path / "off")]) == 0
+        assert not tf_logging.is_progress_bar_enabled()  # off stays off
+    finally:
+        tf_logging.enable_progress_bar()

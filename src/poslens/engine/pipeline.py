@@ -252,10 +252,9 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
                  progress: bool = True) -> Path | None:
     """Run `analysis` on `config` into the run directory `out` (the steps in the module docstring); returns its
     path on rank 0, None on the other ranks."""
-    from transformers.utils import logging as hf_logging
-
     from poslens.engine.hooks import HookedModel
     from poslens.engine.models import load_model, model_record
+    from poslens.io.bars import library_bars
     from poslens.io.results import write_run
 
     config.validate()
@@ -264,9 +263,9 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         target = Path(dist.broadcast(None if run is None else str(run.path)))
         job = Job(config, dist, target)
         docs, source = documents(config.data, config.text_field)
-        hf_logging.disable_progress_bar()
-        job.model, job.tokenizer = load_model(config.model, dtype=config.dtype, device=str(dist.device),
-                                              tokenizer=config.tokenizer, seed=config.seed, pe=config.pe)
+        with library_bars(False):  # no "Loading weights" bar; the libraries' switch restored after the load
+            job.model, job.tokenizer = load_model(config.model, dtype=config.dtype, device=str(dist.device),
+                                                  tokenizer=config.tokenizer, seed=config.seed, pe=config.pe)
         job.hm = HookedModel(job.model)
         analysis.configure(job)
         check_memory(config, {"one batch's forward": (_batch_bytes(config, job.model), "batch_size"),
