@@ -33,7 +33,7 @@ def pytest_unconfigure(config) -> None:
         shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pyproject's addopts: -n auto --dist loadfile
-MAX_WORKERS = 4  # each worker holds torch, the session's models and its own cache (the embedded model converted once)
+MAX_WORKERS = 4  # each worker holds torch and the session's models (the embedded model loaded once per worker)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
