@@ -29,14 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 from poslens import plotting  # noqa: E402
+from poslens.io.writing import write_bytes  # noqa: E402
 
 
 def savefig_each(fig, directory: Path, stem: str, formats=("png", "pdf"), dpi: int = plotting.DPI) -> list[Path]:
-    """The baseline: matplotlib's savefig once per format (the layout solved by the first, then the placeholder)."""
+    """The baseline, `save` as it was: matplotlib's savefig once per format into memory, then written complete (the
+    layout solved by the first, then the "none" placeholder); the PDF without its creation date."""
+    directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext in formats:
         p = directory / f"{stem}.{ext}"
-        fig.savefig(p, format=ext, dpi=dpi if ext != "pdf" else None, metadata=_no_date(ext))
+        extra = {"pil_kwargs": {"quality": 85}} if ext == "jpg" else {}
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=ext, dpi=dpi if ext != "pdf" else None, metadata=_no_date(ext), **extra)
+        write_bytes(p, buffer.getvalue())
         fig.set_layout_engine("none")
         paths.append(p)
     plt.close(fig)
@@ -60,7 +66,6 @@ def figures(panels: int) -> dict:
 
 def same_output(make, directory: Path) -> bool:
     """Whether both arms write the same PNG pixels and the same PDF (creation date left out)."""
-    (directory / "a").mkdir()
     a = savefig_each(make(), directory / "a", "f")
     fig = make()
     real = fig.savefig
