@@ -70,7 +70,8 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache
     torch.set_num_threads(args.threads)
 
-    from poslens.train.batched import _Chunk, _Member, decoder_layer, keep_freed_memory
+    from poslens.engine.allocator import keep_freed_memory
+    from poslens.train.batched import _Chunk, _Member, decoder_layer
     from poslens.train.compiled import compile_static, use_disk_cache
     from poslens.train.data import train_batches
     from poslens.train.loop import bos_id, document_separator

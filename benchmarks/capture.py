@@ -292,7 +292,11 @@ class PeakMemory:
 
 
 def pin_glibc_mmap_threshold() -> None:
-    """Large allocations always via mmap (returned to the OS on free), so RSS peaks are per method."""
+    """Large allocations always via mmap (returned to the OS on free), so RSS peaks are per method. Set after
+    poslens's own setting (`keep_freed_memory`, which HookedModel makes once per process) so that it stays."""
+    from poslens.engine.allocator import keep_freed_memory
+
+    keep_freed_memory()
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB, disables the dynamic threshold

@@ -12,7 +12,9 @@ of this process (`time.process_time`: the machine is shared, wall time would mea
          `hook_q_input`, ..., each a copy of the residual stream per head; `attn.hook_result`, each head's output
          after W_O; `hook_mlp_in`), the points TransformerLens's run_with_cache reads by default.
 
-Reported: the median of each over `--repeats` after a warm-up, read / plain (issue #36's bar: at most 1.1), and the
+Reported: the minor page faults of each call (fresh pages the kernel zeroed; `HookedModel` asks glibc to keep freed
+memory, `poslens.engine.allocator`, so after the warm-up both arms should fault few), the median of each over
+`--repeats` after a warm-up, read / plain (issue #36's bar: at most 1.1), and the
 geometric mean of the paired ratios (each repeat's read over the plain forward of the same round) with its 95%
 t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]); `--arms read` times only
 the plain forward and every point read (more repeats in the same time). The
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -73,17 +76,20 @@ def setup(family: str, args):
     return model, HookedModel(model), token_batch(args.batch, args.seq_len, seed=0)
 
 
-def interleaved(methods: dict, repeats: int) -> dict[str, list[float]]:
+def interleaved(methods: dict, repeats: int, faults: dict | None = None) -> dict[str, list[float]]:
     """CPU seconds of each method in each of `repeats` rounds (the order rotating every round), after a warm-up
-    round."""
+    round; `faults`, if given, gets each call's minor page faults by method (fresh pages the kernel zeroed)."""
     times: dict[str, list[float]] = {m: [] for m in methods}
     names = list(methods)
     for r in range(repeats + 1):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.process_time()
             methods[name]()
             if r:  # the first round warms up
                 times[name].append(time.process_time() - start)
+                if faults is not None:
+                    faults.setdefault(name, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt)
     return times
 
 
@@ -111,10 +117,12 @@ def measure(family: str, args) -> dict:
     methods = {m: f for m, f in methods.items() if m == "plain" or m in args.arms}
     with torch.no_grad():
         identical = same_logits(model, ids, plain(), hooked())
-        times = interleaved(methods, args.repeats)
+        faults: dict[str, list[int]] = {}
+        times = interleaved(methods, args.repeats, faults)
     median = {m: statistics.median(t) for m, t in times.items()}
     out = {"points": len(hm.points), "default_points": len(default), "cpu_seconds": median,
-           "logits_identical_to": identical, "all": times}
+           "logits_identical_to": identical, "all": times, "minor_faults": faults,
+           "median_minor_faults": {m: statistics.median(f) for m, f in faults.items()}}
     for arm in args.arms:
         out[f"ratio_{arm}_to_plain"] = median[arm] / median["plain"]
         out[f"paired_{arm}"] = paired(times[arm], times["plain"])
@@ -177,7 +185,9 @@ def main() -> None:
             if arm in args.arms:
                 line += (f"; {what} {r['cpu_seconds'][arm]:.3f} s: {r[f'ratio_{arm}_to_plain']:.3f}x (paired "
                          f"{_interval(r[f'paired_{arm}'])})")
-        print(line + f" (logits within 1e-5; bit-identical to: {r['logits_identical_to']})", flush=True)
+        flt = ", ".join(f"{m} {n:g}" for m, n in r["median_minor_faults"].items())
+        print(line + f" (logits within 1e-5; bit-identical to: {r['logits_identical_to']}; page faults per call, "
+              f"median: {flt})", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -111,6 +111,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from poslens.engine.activation_cache import NoEquivalent
+from poslens.engine.allocator import keep_freed_memory
 from poslens.engine.families import (
     Family,
     alibi_builder,
@@ -309,6 +310,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
     3.9's model surface (`poslens.engine.tl_surface`, `poslens.engine.tl_weights`)."""
 
     def __init__(self, model, tokenizer=None) -> None:
+        keep_freed_memory()  # the maps and per-head results a reader forms would fault in fresh pages every layer
         self.model = model
         self.tokenizer = tokenizer
         self._added: list[tuple] = []  # hooks added with add_hook: (name, fn, "fwd" | "bwd", permanent)
@@ -1153,6 +1155,12 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     s = _kv_matmul(q, k, transpose=True)
     grad = torch.is_grad_enabled() and s.requires_grad  # out= and in place are not differentiable here
     n, m = q.shape[-2], k.shape[-2]
+    if bias is not None and softcap is None and not grad:  # ALiBi: scaling * s + (the bias, -inf where hidden), one
+        # pass; the addend is made once per forward (one rounding where the steps below round twice: the softmax's
+        # inputs move by an ulp, TransformerLens's own order has no reference in the model)
+        addend = _memo(hidden, ("biased mask", id(attention_mask), id(bias), n, m, window),
+                       lambda: _hide(bias.expand(*s.shape).clone(), attention_mask, window, hidden))
+        return torch.add(addend, s, alpha=scaling, out=s)
     if attention_mask is None and softcap is None:  # SDPA's implicit causal mask (and the window, if any)
         key = (n, m, window, q.device, q.dtype)
         mask = None if hidden is None else hidden.get(key)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from poslens.engine.allocator import keep_freed_memory
 from poslens.errors import check_int, require
 from poslens.train.config import TrainConfig
 
@@ -60,28 +61,6 @@ def groups(cfgs: Sequence[TrainConfig]) -> list[list[int]]:
     for i, c in enumerate(cfgs):
         out.setdefault(batch_key(c), []).append(i)
     return list(out.values())
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc's allocator to keep freed memory for reuse (largest mmap threshold, 32 MiB; no trimming of the
-    heap) rather than hand it back to the kernel, so that the same tensors each step do not fault in fresh zeroed
-    pages. Measured on the 2-core development machine: a `pe-sinks` model's CPU step 104 ms before, 48 ms after
-    (one thread; BENCHMARKS.md "Sweep training as one computation"). Once per process; nothing where the C library
-    is not glibc."""
-    global _KEPT
-    if _KEPT:
-        return
-    _KEPT = True
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-
-
-_KEPT = False
 
 
 def max_models(cfg: TrainConfig, vocab_size: int, device: torch.device, share: float = 0.25) -> int:
