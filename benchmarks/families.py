@@ -1,9 +1,11 @@
 """Benchmark: the hook engine on each family added after Llama, every point read, against a plain forward (run by hand).
 
 Per family, a random model of the family's tiny test config (tests/tiny_models.py) widened to `--hidden` with
-`--layers` layers (heads of 64 dimensions; the same shape for Llama, the baseline family the engine was tuned on);
-the same token ids for every method. Methods, interleaved (the order rotates every repeat), each timed in CPU seconds
-of this process (`time.process_time`: the machine is shared, wall time would measure the neighbours):
+`--layers` layers (heads of 64 dimensions; the same shape for Llama, the baseline family the engine was tuned on) and
+the tiny configs' 256-token vocabulary, so that no LM head dilutes the ratio (`--vocab N`: a released model's, its LM
+head in both forwards); the same token ids for every method. Methods, interleaved (the order rotates every repeat),
+each timed in CPU seconds of this process (`time.process_time`: the machine is shared, wall time would measure the
+neighbours):
 
 * plain: `model(ids)` with SDPA and logits (the baseline of the ratio);
 * read:  `HookedModel.run(ids, hooks=..., logits=True)` with a reader at every point, the LM head's two included (a
@@ -49,30 +51,31 @@ from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw")
 
 
-def model_of(family: str, hidden: int, layers: int):
+def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
+    """A random model of `family`'s tiny test config at `hidden` wide (heads of 64) with `layers` layers; `vocab`: a
+    released model's vocabulary, its LM head in the forward (default: the tiny configs' 256 tokens)."""
     heads = hidden // 64
+    size = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads}
+    if vocab:
+        size["vocab_size"] = vocab
     if family == "gpt2":  # no key/value groups, no head_dim field; MLP 4 x hidden by default
-        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     max_position_embeddings=1024)
+        return build(family, **size, max_position_embeddings=1024)
     if family in ("gpt_neox", "gptj"):  # no key/value groups, no head_dim field; GPT-J: a quarter of each head turns
         sizes = {"gptj": {"rotary_dim": 16}, "gpt_neox": {"intermediate_size": 4 * hidden}}[family]
-        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, **sizes)
+        return build(family, **size, **sizes)
     if family == "bloom":  # no key/value groups, no head_dim field; MLP 4 x hidden
-        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads)
+        return build(family, **size)
     if family in ("falcon", "falcon_rw"):  # falcon-7b's multi-query parallel form, falcon-rw's ALiBi; MLP 4 x hidden
-        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     ffn_hidden_size=4 * hidden)
+        return build(family, **size, ffn_hidden_size=4 * hidden)
     if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
-        return build(family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     ffn_dim=4 * hidden, max_position_embeddings=1024)
+        return build(family, **size, ffn_dim=4 * hidden, max_position_embeddings=1024)
     kv = {"olmo2": heads, "phi": heads}.get(family, max(1, heads // 2))
-    return build(family, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
+    return build(family, **size, intermediate_size=4 * hidden, num_key_value_heads=kv, head_dim=64)
 
 
 def setup(family: str, args):
     """(model, its HookedModel, the token ids) of one family at the arguments' shape."""
-    model = model_of(family, args.hidden, args.layers)
+    model = model_of(family, args.hidden, args.layers, args.vocab)
     return model, HookedModel(model), token_batch(args.batch, args.seq_len, seed=0)
 
 
@@ -159,6 +162,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size (default: the tiny configs' 256, so that no LM head dilutes the ratio)")
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--out", default=None)
 

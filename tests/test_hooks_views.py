@@ -200,6 +200,45 @@ def test_hook_result_is_the_per_head_einsum_and_writes_take_effect(family):
     assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max()
 
 
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@torch.no_grad()
+def test_per_head_results_kept_by_a_hook_are_never_overwritten(family):
+    """The per-head results are written into the layer before's buffer only when nothing else holds it: values a hook
+    kept as they were handed over (the tensor, or a view of one head) still equal, after the forward, the copies taken
+    at each layer; a reader that keeps nothing gets the same values and the same logits."""
+    model = build(family, num_hidden_layers=4)
+    hm = HookedModel(model)
+    ids = token_batch(2, 9, seed=4)
+    kept, views, copies = {}, {}, {}
+
+    def keep(x, ctx):
+        kept[ctx.layer], views[ctx.layer], copies[ctx.layer] = x, x[:, :, 1], x.clone()
+
+    hooks = {f"blocks.{l}.attn.hook_result": keep for l in range(4)}
+    logits = hm.run(ids, hooks=hooks, logits=True).logits
+    for l in range(4):
+        assert torch.equal(kept[l], copies[l]) and torch.equal(views[l], copies[l][:, :, 1]), l
+    assert len({kept[l].untyped_storage().data_ptr() for l in range(4)}) == 4  # each its own memory
+
+    only_views = {}  # a hook that keeps one head's view only: that buffer is held, the next layer gets a new one
+
+    def keep_view(x, ctx):
+        only_views[ctx.layer] = (x[:, :, 0], x[:, :, 0].clone())
+
+    hm.run(ids, hooks={f"blocks.{l}.attn.hook_result": keep_view for l in range(4)})
+    assert all(torch.equal(v, c) for v, c in only_views.values())
+
+    seen = {}
+
+    def reduce(x, ctx):  # keeps a reduction only: the buffer is reused layer after layer
+        seen[ctx.layer] = (x.sum().item(), x.untyped_storage().data_ptr())
+
+    again = hm.run(ids, hooks={f"blocks.{l}.attn.hook_result": reduce for l in range(4)}, logits=True).logits
+    assert torch.equal(again, logits)
+    assert all(seen[l][0] == copies[l].sum().item() for l in range(4))
+    assert len({ptr for _, ptr in seen.values()}) == 1
+
 def _last_position_edits(width: int, seed: int):
     """(in place, on a returned clone): a random vector added at the last position of a [B, T, d] value."""
     vector = torch.randn(width, generator=torch.Generator().manual_seed(seed))

@@ -294,6 +294,16 @@ def _memo(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
     return memo[key]
 
 
+def _reusable(memo: dict, key: tuple, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of `shape` (like's dtype and device) for one layer's output: the one memo[key] holds when its
+    memory is referenced by nothing else (a hook that kept the value, or a view of it, holds it: then a new one)."""
+    buf = memo.get(key)
+    if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device or \
+            torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2:  # this tensor and the wrapper asked
+        buf = memo[key] = like.new_empty(shape)
+    return buf
+
+
 def _padded(mask) -> bool:
     """Whether the run's attention mask may hide every key of some query (padding, or a mask of transformers' own
     forms); without one, the causal mask always shows a query itself."""
@@ -759,8 +769,12 @@ class HookedModel(TransformerLensSurface, TLWeights):
         use_attn_result: the values read are the ones summed (W_O's own product does not run; the logits are within
         float32 rounding of the plain forward's)."""
         w = module.weight if type(module).__name__ == "Conv1D" else module.weight.T  # [H*D, d]
-        per_head = torch.bmm(z.reshape(-1, heads, w.shape[0] // heads).transpose(0, 1),  # [H, B*T, D], a view
-                             w.unflatten(0, (heads, -1)))  # [H, B*T, d]: one batched GEMM over the heads
+        zh, wh = z.reshape(-1, heads, w.shape[0] // heads).transpose(0, 1), w.unflatten(0, (heads, -1))
+        if torch.is_grad_enabled() and (zh.requires_grad or wh.requires_grad):
+            per_head = torch.bmm(zh, wh)  # [H, B*T, d]: one batched GEMM over the heads
+        else:  # into the layer before's buffer when no hook kept it (above 32 MiB glibc maps and unmaps each one)
+            per_head = torch.bmm(zh, wh, out=_reusable(self._run.hidden, ("per-head results",),
+                                                       (heads, zh.shape[1], w.shape[1]), zh))
         result = per_head.view(heads, *z.shape[:-1], -1).movedim(0, -2)  # [B, T, H, d], a view
         out = self._fire_at(l, "attn.hook_result", result).sum(-2)  # [B, T, d]
         if module.bias is None:
