@@ -2,11 +2,13 @@
 
 glibc returns large freed blocks to the kernel (each allocation above the mmap threshold is its own mapping, and the
 top of the heap is trimmed), so a loop that frees and allocates the same tensors again faults in fresh zeroed pages
-every time. On the 2-core development machine a page fault costs about 2.7 us (30,720 faults, 120 MiB, in 80-95 ms),
-a hooked forward that reads every point faulted 27,000-42,000 pages per call on Falcon-RW's shape (the per-head
-results, [H, B*T, d], most of them) where the plain forward faulted none, and a `pe-sinks` model's training step took
-104 ms against 48 ms with the memory kept (BENCHMARKS.md). `keep_freed_memory` is called by `HookedModel` and by the
-batched trainer; the process keeps its peak of blocks under 32 MiB mapped (larger ones are still returned).
+every time. On the 2-core development machine a page fault costs about 2.7 us (30,720 faults, 120 MiB, in 80-95 ms);
+a hooked forward reading every point at GPT-2 small's body with Falcon-RW's attention faulted 14,500-37,000 pages per
+call (the per-head results, [H, B*T, d], most of them) where the plain forward faulted almost none, and a `pe-sinks`
+model's training step took 104 ms against 48 ms with the memory kept (BENCHMARKS.md). `keep_freed_memory` is called
+by `HookedModel` and by the batched trainer; the process keeps its peak of blocks under 32 MiB mapped. Larger blocks
+glibc still maps and unmaps every time (32 MiB is the most its threshold can be raised to), so the hook engine reuses
+its largest per-layer tensor, the per-head results, itself (`hooks._reusable`).
 """
 
 from __future__ import annotations
