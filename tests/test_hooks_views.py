@@ -133,7 +133,9 @@ def test_in_place_writes_take_effect_on_one_heads_copy_only(family):
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 @torch.no_grad()
 def test_a_write_reaches_only_its_heads_projection(family):
-    """Zeroing key/value head h's copy in place: hook_k's other heads keep the plain forward's values exactly; head h's
+    """Zeroing key/value head h's copy in place: hook_k's other heads keep the plain forward's values (exactly with one
+    thread; within 1e-6 of the largest |k| with more, where the GEMM over the copies splits its work across threads
+    otherwise than the model's projection: float32 rounding, while the zeroed head moves by its whole size); head h's
     becomes the projection of ln1(0), i.e. the bias's part (or 0)."""
     model = build(family)
     hm = HookedModel(model)
@@ -148,8 +150,10 @@ def test_a_write_reaches_only_its_heads_projection(family):
 
     hm.run(ids, hooks={"blocks.0.hook_k_input": zero, "blocks.0.attn.hook_k": _keep(after, "k")})
     others = [h for h in range(kv) if h != head]
-    assert torch.equal(after["k"][:, :, others], before["k"][:, :, others])
-    assert not torch.equal(after["k"][:, :, head], before["k"][:, :, head])
+    scale = float(before["k"].abs().max())
+    if others:  # (Falcon's multi-query form has one key head)
+        assert float((after["k"][:, :, others] - before["k"][:, :, others]).abs().max()) <= 1e-6 * scale
+    assert float((after["k"][:, :, head] - before["k"][:, :, head]).abs().max()) > 1e-2 * scale
 
 
 @torch.no_grad()
