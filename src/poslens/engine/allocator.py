@@ -15,22 +15,21 @@ from __future__ import annotations
 
 import contextlib
 
-_KEPT = False
+_KEPT: bool | None = None  # None: not asked yet; then whether glibc took the setting
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse: the largest fixed mmap threshold (32 MiB) and no trimming of
     the heap (1 GiB threshold). Once per process (later calls change nothing, so a setting made after the first call
-    stays); False where the C library is not glibc (nothing changed)."""
+    stays); the same answer every call: False where the C library is not glibc (nothing changed)."""
     global _KEPT
-    if _KEPT:
-        return True
-    _KEPT = True
-    import ctypes
-    import ctypes.util
+    if _KEPT is None:
+        _KEPT = False
+        import ctypes
+        import ctypes.util
 
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-    return False
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _KEPT = bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    return _KEPT
