@@ -61,7 +61,7 @@ def check_report_images(directory) -> list[str]:
         lut = re.search(rf"class='poslens-cmap' data-name='{spec['cm']}'>([0-9a-f]*)<", page)
         assert lut and len(lut.group(1)) == 256 * 6, spec["cm"]  # the page carries every panel's colour map
     md = (directory / "report.md").read_text()
-    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md) + re.findall(r"\[PDF\]\(([^)]+)\)", md):
         assert (directory / link).is_file(), link
     return ids
 

@@ -31,13 +31,15 @@ SAMPLES = 400
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, smollm2):
     out = tmp_path_factory.mktemp("reproduce") / "report"
-    rep.reproduce(out=str(out), quick=True, progress=False, samples=SAMPLES, sizes=SIZES)
+    rep.reproduce(out=str(out), quick=True, progress=False, samples=SAMPLES, sizes=SIZES, pdf=False)  # the PDFs:
+    # test_interrupted_reproduce_resumes_from_parts
     return out
 
 
 @pytest.mark.slow
 def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys):
-    figs = {p.stem for p in (report / "figures").glob("*.pdf")}
+    figs = {p.stem for p in (report / "figures").iterdir() if p.suffix in (".png", ".jpg")}
+    assert not list((report / "figures").glob("*.pdf")) and "[PDF]" not in (report / "report.md").read_text()
     for stem in ("figure1", "figure2", "figure2_profiles", "figure3", "figure3_profiles", "figure4", "figure5",
                  "figure6", "figure7", "figure8", "figure9", "figure10", "convergence", "appendix_a1_h",
                  "layer2_profiles", "model_pattern_power", "model_key_profile", "model_rope_normalised",
@@ -94,10 +96,10 @@ def test_reproduce_writes_every_figure_and_a_ledger(report, monkeypatch, capsys)
     # the same command again: nothing recomputed, the report is up to date
     monkeypatch.setattr(context, "simulate", lambda *a, **k: pytest.fail("recomputed"))
     capsys.readouterr()
-    assert rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES, sizes=SIZES) == report
+    assert rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES, sizes=SIZES, pdf=False) == report
     assert "up to date" in capsys.readouterr().out
     with pytest.raises(UsageError, match="other settings.*--force"):
-        rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES + 1, sizes=SIZES)
+        rep.reproduce(out=str(report), quick=True, progress=False, samples=SAMPLES + 1, sizes=SIZES, pdf=False)
 
 
 def check_card(report, page: str, meta: dict) -> None:
@@ -195,6 +197,9 @@ def test_interrupted_reproduce_resumes_from_parts(tmp_path, monkeypatch):
     calls["n"] = -10**6  # no more interruptions; count what is recomputed
     rep.reproduce(out=str(out), quick=True, models=False, progress=False, samples=200, sizes=small)
     assert (out / "report.html").exists()
+    images = [p for p in (out / "figures").iterdir() if p.suffix in (".png", ".jpg")]
+    assert images and all(p.with_suffix(".pdf").read_bytes().startswith(b"%PDF") for p in images)  # one beside each
+    assert (out / "report.md").read_text().count("[PDF](") == len(images)
     settings = 9 + 3 + 2 * 2  # NoPE figures, RoPE figures, convergence (2 widths x 2 settings)
     assert calls["n"] + 10**6 == (settings - 3) * per_setting
 
@@ -206,7 +211,8 @@ def test_provenance_quotes_the_command_line_given(tmp_path, monkeypatch):
     monkeypatch.setattr(rep, "reproduce", lambda **kw: seen.update(kw))
     argv = ["reproduce", "--quick", "--out", str(tmp_path / "o"), "--quiet"]
     assert cli.main(argv) == 0
-    assert seen["command"] == shlex.join(["poslens", *argv])
+    assert seen["command"] == shlex.join(["poslens", *argv]) and seen["pdf"] is True
+    assert cli.main([*argv, "--no-pdf"]) == 0 and seen["pdf"] is False
     assert rep.provenance(None, 0)["command"] == "poslens.report.reproduce.reproduce(...)"
 
 

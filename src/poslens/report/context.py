@@ -91,12 +91,14 @@ class Context:
 
     root: the report being built (a temporary directory until it is placed at `target`, the --out path that row
     commands name); parts: finished work kept until the report is written; figures: root/figures; draw: False
-    when only the numbers are wanted (`poslens.report.remeasure`): figure helpers then draw nothing."""
+    when only the numbers are wanted (`poslens.report.remeasure`): figure helpers then draw nothing; pdf: False
+    writes the raster image of each figure alone (no vector PDF beside it)."""
 
     def __init__(self, root: Path, target: Path, parts: Path, samples: int, seed: int, quick: bool,
-                 progress: bool, draw: bool = True):
+                 progress: bool, draw: bool = True, pdf: bool = True):
         self.root, self.target, self.parts = Path(root), Path(target), Path(parts)
         self.samples, self.seed, self.quick, self.progress, self.draw = samples, seed, quick, progress, draw
+        self.pdf = pdf
         self.figures = self.root / "figures"
         self.tensors: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, dict] = {}  # provenance: name -> {"path", "sha256", "how"}
@@ -153,8 +155,10 @@ class Context:
             self.tensors[f"{prefix}/{k}"] = torch.as_tensor(np.asarray(as_numpy(v)))
 
     def save(self, fig, stem: str, big: bool = False) -> Path:
-        """Save a matplotlib figure as figures/stem.png (JPEG for big grids) with a PDF beside it."""
-        return plotting.save(fig, self.figures, stem, formats=("jpg", "pdf") if big else ("png", "pdf"))[0]
+        """Save a matplotlib figure as figures/stem.png (JPEG for big grids) with a PDF beside it (unless pdf is
+        False); returns the raster image's path."""
+        return plotting.save(fig, self.figures, stem, formats=("jpg" if big else "png",) + (("pdf",) if self.pdf
+                                                                                             else ()))[0]
 
     def record(self, name: str, path: str | os.PathLike, how: str, digest: str | None = None) -> None:
         """Provenance of an input: its path, how it was obtained ('trained now', 'from the cache', 'embedded'),

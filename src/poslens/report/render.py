@@ -155,8 +155,9 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
         for f in s.figures:
             rel = Path(f.path).relative_to(root)
             warn = f"**{f.warning}** " if f.warning else ""
-            out += [f"![{f.caption}]({rel.as_posix()})", "",
-                    f"*{warn}{f.caption}* ([PDF]({rel.with_suffix('.pdf').as_posix()}))", ""]
+            pdf = f" ([PDF]({rel.with_suffix('.pdf').as_posix()}))" if Path(f.path).with_suffix(".pdf").is_file() \
+                else ""  # `reproduce --no-pdf` writes none
+            out += [f"![{f.caption}]({rel.as_posix()})", "", f"*{warn}{f.caption}*{pdf}", ""]
     return "\n".join(out) + "\n"
 
 
@@ -340,7 +341,7 @@ def _figure_html(f: Figure, root: Path) -> str:
         how = (" Rows: query i (left axis), columns: key j (bottom axis), both from 1. Interactive: wheel to zoom "
                "(cells large enough "
                f"print their value), drag to pan, double-click to reset, hover for {hover}. "
-               f"Static image: {rel} (and .pdf).")
+               f"Static image: {rel}{' (and .pdf)' if path.with_suffix('.pdf').is_file() else ''}.")
     else:
         data = base64.b64encode(path.read_bytes()).decode()
         box = " class='wide'" if f.wide else ""
