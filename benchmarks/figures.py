@@ -5,7 +5,8 @@ draws the PDF with the layout fixed. The baseline is what `save` did before (202
 the layout engine replaced by the "none" placeholder after the first, so the PDF's savefig drew once more before
 printing. Both write the same pixels and the same PDF (checked first: the decoded PNG and the PDF with its creation
 date left out). Figures: a map grid of `--panels` 16 x 16 heatmaps (the real-model section's 30 layers), a 4-panel
-grid and a line plot with error bars; the two arms alternate, CPU seconds of this process per save.
+grid and a line plot with error bars; the arms alternate, CPU seconds of this process per save. A third arm, `save`
+of the PNG alone (what `reproduce --no-pdf` writes), is timed against `save` of both.
 
     .venv/bin/python benchmarks/figures.py --repeats 7 --out benchmarks/results/cpu-figures/figures.json
 """
@@ -92,21 +93,26 @@ def main() -> None:
             check = Path(tmp) / name.replace(" ", "-")
             check.mkdir()
             identical = same_output(make, check)
-            times = {"savefig each format": [], "save": []}
+            times = {"savefig each format": [], "save": [], "save, no PDF": []}
+            arms = [("savefig each format", savefig_each), ("save", plotting.save),
+                    ("save, no PDF", lambda f, d, stem: plotting.save(f, d, stem, formats=("png",)))]
             for r in range(args.repeats + 1):
-                arms = [("savefig each format", savefig_each), ("save", plotting.save)]
-                for arm, fn in arms if r % 2 else arms[::-1]:
+                for arm, fn in arms[r % 3:] + arms[:r % 3]:  # the order rotating
                     fig = make()
                     start = time.process_time()
                     fn(fig, Path(tmp), "t")
                     if r:  # the first round warms up
                         times[arm].append(time.process_time() - start)
             ratio = ratio_interval([a / b for a, b in zip(times["save"], times["savefig each format"])])
+            no_pdf = ratio_interval([a / b for a, b in zip(times["save, no PDF"], times["save"])])
             out["figures"][name] = {"cpu_seconds": {k: statistics.median(v) for k, v in times.items()},
-                                    "save_over_savefig": list(ratio), "same_output": identical, "all": times}
+                                    "save_over_savefig": list(ratio), "no_pdf_over_save": list(no_pdf),
+                                    "same_output": identical, "all": times}
             print(f"{name}: savefig per format {statistics.median(times['savefig each format']):.2f} s, save "
                   f"{statistics.median(times['save']):.2f} s: {ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}] "
-                  f"(same pixels and PDF: {identical})", flush=True)
+                  f"(same pixels and PDF: {identical}); the PNG alone (reproduce --no-pdf) "
+                  f"{statistics.median(times['save, no PDF']):.2f} s: {no_pdf[0]:.3f} [{no_pdf[1]:.3f}, "
+                  f"{no_pdf[2]:.3f}] of save", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -153,7 +153,7 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
     settings needs force or another `out`. Every argument is checked before any work. robustness: retrain the
     sweep's models with another CPU kernel set and give every row on them a robustness line
     (`poslens.report.robustness`); without it those lines say "not checked". pdf: False writes each figure's
-    raster image alone, without its vector PDF (a third less drawing time).
+    raster image alone, without its vector PDF (saving a figure takes 0.63-0.75 of its time, BENCHMARKS.md).
     """
     started, cpu0 = time.perf_counter(), cpu_with_workers()
     samples = (10_000 if quick else 100_000) if samples is None else samples
