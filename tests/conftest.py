@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from poslens.io.protect import cache_root
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -41,8 +43,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ.get(SHARED
     OWN_CACHE = None  # a worker: the run's cache, inherited from the process that started it
 else:
     OWN_CACHE = os.environ[SHARED_CACHE] = tempfile.mkdtemp(prefix="poslens-test-cache-")
-    seed_cache(Path(os.environ.get("POSLENS_CACHE") or Path.home() / ".cache" / "poslens").expanduser(),
-               Path(OWN_CACHE))
+    seed_cache(cache_root(), Path(OWN_CACHE))  # the user's cache: $POSLENS_CACHE as given, else ~/.cache/poslens
 os.environ["POSLENS_CACHE"] = os.environ[SHARED_CACHE]
 
 

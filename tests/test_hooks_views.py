@@ -204,7 +204,6 @@ def test_hook_result_is_the_per_head_einsum_and_writes_take_effect(family):
     assert torch.equal(a, b) and (a - plain).abs().max() > 1e-4 * plain.abs().max()
 
 
-
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @torch.no_grad()
 def test_per_head_results_kept_by_a_hook_are_never_overwritten(family):
@@ -242,6 +241,7 @@ def test_per_head_results_kept_by_a_hook_are_never_overwritten(family):
     assert torch.equal(again, logits)
     assert all(seen[l][0] == copies[l].sum().item() for l in range(4))
     assert len({ptr for _, ptr in seen.values()}) == 1
+
 
 def _last_position_edits(width: int, seed: int):
     """(in place, on a returned clone): a random vector added at the last position of a [B, T, d] value."""

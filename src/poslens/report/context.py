@@ -157,8 +157,8 @@ class Context:
     def save(self, fig, stem: str, big: bool = False) -> Path:
         """Save a matplotlib figure as figures/stem.png (JPEG for big grids) with a PDF beside it (unless pdf is
         False); returns the raster image's path."""
-        return plotting.save(fig, self.figures, stem, formats=("jpg" if big else "png",) + (("pdf",) if self.pdf
-                                                                                             else ()))[0]
+        raster = "jpg" if big else "png"
+        return plotting.save(fig, self.figures, stem, formats=(raster, "pdf") if self.pdf else (raster,))[0]
 
     def record(self, name: str, path: str | os.PathLike, how: str, digest: str | None = None) -> None:
         """Provenance of an input: its path, how it was obtained ('trained now', 'from the cache', 'embedded'),

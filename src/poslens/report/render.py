@@ -155,10 +155,14 @@ def render_markdown(title: str, intro: str, sections: list[Section], root: Path,
         for f in s.figures:
             rel = Path(f.path).relative_to(root)
             warn = f"**{f.warning}** " if f.warning else ""
-            pdf = f" ([PDF]({rel.with_suffix('.pdf').as_posix()}))" if Path(f.path).with_suffix(".pdf").is_file() \
-                else ""  # `reproduce --no-pdf` writes none
+            pdf = f" ([PDF]({rel.with_suffix('.pdf').as_posix()}))" if _has_pdf(f.path) else ""
             out += [f"![{f.caption}]({rel.as_posix()})", "", f"*{warn}{f.caption}*{pdf}", ""]
     return "\n".join(out) + "\n"
+
+
+def _has_pdf(image: str | Path) -> bool:
+    """Whether the vector PDF of a figure was written beside its image (`reproduce --no-pdf` writes none)."""
+    return Path(image).with_suffix(".pdf").is_file()
 
 
 # ---------------------------------------------------------------- HTML
@@ -341,7 +345,7 @@ def _figure_html(f: Figure, root: Path) -> str:
         how = (" Rows: query i (left axis), columns: key j (bottom axis), both from 1. Interactive: wheel to zoom "
                "(cells large enough "
                f"print their value), drag to pan, double-click to reset, hover for {hover}. "
-               f"Static image: {rel}{' (and .pdf)' if path.with_suffix('.pdf').is_file() else ''}.")
+               f"Static image: {rel}{' (and .pdf)' if _has_pdf(path) else ''}.")
     else:
         data = base64.b64encode(path.read_bytes()).decode()
         box = " class='wide'" if f.wide else ""
