@@ -24,6 +24,12 @@ logits of both are checked first: within 1e-5 of each other (a read pattern make
 eager attention computes it; read per-head results make W_O's output their sum, as TransformerLens computes it), and
 which forward the read one equals bit for bit (`same_logits`).
 
+Each family also gets a line on the noise of its rounds (the plain forward's least, median and most CPU seconds, and
+read / plain at the two arms' lower quartiles beside the medians' ratio): on the shared 2-core machine the same
+forward's CPU time moves by +-15% from round to round, and the ratio at the fastest quarter of the rounds has sat
+below the medians' (BENCHMARKS.md). It describes the noise; the bar is judged on the paired interval. `--from JSON`
+prints the lines of a saved result without measuring.
+
     PYTHONPATH=src:tests .venv/bin/python benchmarks/families.py --repeats 7 \\
         --out benchmarks/results/cpu-hooks/families.json
 """
@@ -172,6 +178,32 @@ def _interval(g: list[float]) -> str:
     return f"{g[0]:.3f} [{g[1]:.3f}, {g[2]:.3f}]"
 
 
+def spread(r: dict, arm: str = "read") -> str:
+    """How much the machine moved the timings of one family's rounds: the plain forward's CPU seconds (least, median,
+    most) and read / plain at the fastest quarter of each arm's rounds (its lower quartiles) beside the medians' ratio.
+    A description of the noise, not the bar's statistic (the bar is judged on the paired interval)."""
+    plain, other = r["all"]["plain"], r["all"][arm]
+    q = statistics.quantiles(plain, n=4)[0] if len(plain) > 1 else plain[0]
+    q_arm = statistics.quantiles(other, n=4)[0] if len(other) > 1 else other[0]
+    return (f"plain forward {min(plain):.2f} / {statistics.median(plain):.2f} / {max(plain):.2f} s (least / median / "
+            f"most of {len(plain)} rounds); {arm} / plain at the lower quartiles {q_arm / q:.3f}, at the medians "
+            f"{statistics.median(other) / statistics.median(plain):.3f}")
+
+
+def report(family: str, r: dict, arms: list[str]) -> None:
+    """Print one family's lines (the measurement's, and the spread of its rounds)."""
+    line = f"{family}: plain {r['cpu_seconds']['plain']:.3f} s"
+    for arm, what in (("read", f"every point read ({r['points']} points)"),
+                      ("read_default", f"without TransformerLens's optional points ({r['default_points']})")):
+        if arm in arms:
+            line += (f"; {what} {r['cpu_seconds'][arm]:.3f} s: {r[f'ratio_{arm}_to_plain']:.3f}x (paired "
+                     f"{_interval(r[f'paired_{arm}'])})")
+    flt = ", ".join(f"{m} {n:g}" for m, n in r["median_minor_faults"].items())
+    print(line + f" (logits within 1e-5; bit-identical to: {r['logits_identical_to']}; page faults per call, "
+          f"median: {flt})", flush=True)
+    print(f"  spread: {spread(r, arms[0])}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
@@ -179,20 +211,19 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", choices=("read", "read_default"), default=["read", "read_default"],
                    help="the hooked forwards timed beside the plain one (read: every point; read_default: "
                         "TransformerLens's default points); fewer arms, more repeats in the same time")
+    p.add_argument("--from", dest="saved", default=None, metavar="JSON",
+                   help="print the lines of a saved result (an --out file) instead of measuring")
     args = p.parse_args()
+    if args.saved:
+        saved = json.loads(Path(args.saved).read_text())
+        for family, r in saved["families"].items():
+            report(family, r, saved["config"]["arms"])
+        return
     torch.set_num_threads(args.threads)
     out = {"config": vars(args), "torch": torch.__version__, "families": {}}
     for family in args.families:
         r = out["families"][family] = measure(family, args)
-        line = f"{family}: plain {r['cpu_seconds']['plain']:.3f} s"
-        for arm, what in (("read", f"every point read ({r['points']} points)"),
-                          ("read_default", f"without TransformerLens's optional points ({r['default_points']})")):
-            if arm in args.arms:
-                line += (f"; {what} {r['cpu_seconds'][arm]:.3f} s: {r[f'ratio_{arm}_to_plain']:.3f}x (paired "
-                         f"{_interval(r[f'paired_{arm}'])})")
-        flt = ", ".join(f"{m} {n:g}" for m, n in r["median_minor_faults"].items())
-        print(line + f" (logits within 1e-5; bit-identical to: {r['logits_identical_to']}; page faults per call, "
-              f"median: {flt})", flush=True)
+        report(family, r, args.arms)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

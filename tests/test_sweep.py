@@ -345,15 +345,45 @@ def test_the_clock_of_two_parallel_parts_says_the_time_of_the_one_still_running(
     assert lines[4] == "b: trained; 8 model(s) to train, about 46 s left"
 
 
-def test_parallel_parts_of_one_model_train_as_the_parts_in_this_process_do(tmp_path, tokens, monkeypatch):
+def test_parallel_parts_of_one_model_train_as_the_parts_in_this_process_do(tmp_path, tokens, monkeypatch, capsys):
     """Two models in two worker processes (--jobs 2): each part of one model trains through the batched trainer, as
     a part of one model trained in this process does, so --compile reaches it (before, such a part trained with
     `poslens train`'s loop, and `--compile on` compiled nothing)."""
     monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))  # the workers' too: not the models of other tests
     preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}})
-    meta = run_sweep(SweepConfig(preset=preset, jobs=2), tmp_path / "sweep", progress=False)
+    meta = run_sweep(SweepConfig(preset=preset, jobs=2), tmp_path / "sweep", progress=True)
     for m in meta["models"]:
         assert json.loads(Path(m["path"], "run.json").read_text())["metrics"]["batched_models"] == 1
+    # the workers draw no bar; the parent draws one for both parts, in model-steps, up to all of them
+    err = capsys.readouterr().err
+    work = 2 * MICRO["steps"]
+    assert "training 2 models, 2 parts at a time" in err and f"{work}/{work}" in err
+
+
+def test_a_worker_part_writes_its_model_steps_where_the_parent_reads_them(tmp_path, tokens, monkeypatch):
+    """The parent's bar over parts trained in worker processes reads each part's model-steps from shared counters;
+    `_train_unit` in a worker writes its part's entry after every step (here called in this process, as a worker
+    calls it): two models of one computation, `steps` steps, so 2 * steps at the end, and every value it wrote on
+    the way a multiple of 2 (one step of both models at a time)."""
+    from poslens.train import sweep
+
+    monkeypatch.setenv("POSLENS_CACHE", str(tmp_path / "cache"))
+    preset = _matrix_file(tmp_path, tokens, {"nope": {"pe": "none"}}, seeds=(0, 1))
+    members = resolve_matrix(SweepConfig(preset=preset)).members
+    part = [(m.config, f"{m.variant} s{m.seed}") for m in members]
+    seen = []
+
+    class Counters(list):  # stands for the shared array; its item assignments recorded
+        def __setitem__(self, i, v):
+            seen.append((i, v))
+            super().__setitem__(i, v)
+
+    counters = Counters([0, 0, 0])
+    monkeypatch.setattr(sweep, "_COUNTERS", counters)
+    sweep._train_unit(part, Path(tokens), None, False, "off", slot=1)
+    steps = part[0][0].steps
+    assert counters[1] == 2 * steps and counters[0] == counters[2] == 0
+    assert [v for _, v in seen] == [2 * (k + 1) for k in range(steps)] and {i for i, _ in seen} == {1}
 
 
 def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_leaves_no_process(tmp_path, tokens):

@@ -405,7 +405,8 @@ class _Member:
 
 def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progress: bool = True,
                   stop_after: int | None = None, label: str | None = None,
-                  chunk: int | None = None, compile: bool = False) -> list[dict[str, Any]]:
+                  chunk: int | None = None, compile: bool = False,
+                  on_step: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Train every configuration of `cfgs` (equal `batch_key`: one token directory, shape, block length and
     optimisation; each its own seed, positional encoding and data convention: packed cuts or document starts, a BOS
     first or not) as one computation, and write model i into `outs[i]` exactly as
@@ -416,7 +417,8 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
     `stop_after`: stop (as if interrupted) after that many steps, leaving each model's checkpoint behind. `chunk`:
     models per computation (None: `chunk_models`); the parts of a step run in turn. `compile`: each decoder layer's
     training forward and backward through compiled code (`poslens.train.compiled`, cached on disk; eager where the
-    compiler fails, saying so), equal to the eager computation up to float32 rounding."""
+    compiler fails, saying so), equal to the eager computation up to float32 rounding. `on_step(step)`: called after
+    each training step with the steps done (a sweep's parent process shows its workers' progress with it)."""
     require(len(cfgs) == len(outs) and len(cfgs) >= 1, "train_batched needs one output per configuration")
     for c in cfgs:
         c.check()
@@ -433,13 +435,14 @@ def train_batched(cfgs: Sequence[TrainConfig], outs: Sequence[str | Path], progr
     targets = [Path(o).expanduser().absolute() for o in outs]
     require(len(set(targets)) == len(targets), "train_batched: two configurations share one output directory")
     try:
-        return _open_and_train(list(cfgs), targets, progress, stop_after, label, chunk, compile)
+        return _open_and_train(list(cfgs), targets, progress, stop_after, label, chunk, compile, on_step)
     except _Stopped as stopped:
         return stopped.metrics
 
 
 def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool, stop_after: int | None,
-                    label: str | None, chunk: int | None, compile: bool) -> list[dict[str, Any]]:
+                    label: str | None, chunk: int | None, compile: bool,
+                    on_step: Callable[[int], None] | None) -> list[dict[str, Any]]:
     from poslens.io.bars import library_bars
     from poslens.io.results import open_run
     from poslens.train import checkpoint as ckpt
@@ -450,7 +453,8 @@ def _open_and_train(cfgs: list[TrainConfig], targets: list[Path], progress: bool
         runs = [stack.enter_context(open_run(t, False, inputs=[cfgs[0].tokens])) for t in targets]
         works = [Work(r.work) for r in runs]
         try:
-            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label, chunk, compile)
+            return _train_all(cfgs, works, [r.build for r in runs], progress, stop_after, label, chunk, compile,
+                              on_step)
         except BaseException as e:
             if not isinstance(e, _Stopped):
                 for w in works:
@@ -468,8 +472,8 @@ class _Stopped(Exception):
 
 
 def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], progress: bool,
-               stop_after: int | None, label: str | None, chunk: int | None, compile: bool
-               ) -> list[dict[str, Any]]:
+               stop_after: int | None, label: str | None, chunk: int | None, compile: bool,
+               on_step: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     from poslens.engine.distributed import setup
     from poslens.subnormals import subnormals_flushed
     from poslens.train.loop import (
@@ -512,7 +516,8 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
         idx = [i for i, m in enumerate(members) if m.start == start]
         # `batch_key`: one attention kernel for every model of the computation; subnormals as `loop.train` has them
         with attention_kernel(cfgs[0]), subnormals_flushed(d.device):
-            out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile)
+            out = _run([members[i] for i in idx], tf, header, d.device, progress, stop_after, label, chunk, compile,
+                       on_step)
         results.update(zip(idx, out))
     if any(r.get("stopped") for r in results.values()):
         raise _Stopped([results[i] for i in range(len(members))])
@@ -604,7 +609,8 @@ def _stack_rows(blocks: Sequence[torch.Tensor | None]) -> torch.Tensor:
 
 
 def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, progress: bool,
-         stop_after: int | None, label: str | None, chunk: int | None, compile: bool) -> list[dict[str, Any]]:
+         stop_after: int | None, label: str | None, chunk: int | None, compile: bool,
+         on_step: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Train `members` (all at the same step) in one loop, `chunk_models` of them at a time as one computation;
     returns each model's metrics. Each model reads the blocks of its own seed and data convention and weighs its
     micro-batches as `poslens.train.loop` does (by their counted targets where a document-start block is padded)."""
@@ -688,6 +694,8 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
             bar.set_postfix(loss=f"{sum(total.tolist()) / n:.3f}", tok_s=f"{tps * n:,.0f}")
             bar.update(1)
             done = step + 1
+            if on_step is not None:
+                on_step(done)
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 for i, e in enumerate(evaluate()):
                     last[i]["eval_loss"] = e

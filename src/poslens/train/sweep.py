@@ -34,6 +34,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -412,6 +413,7 @@ class _Clock:
     def __init__(self, parts: list[tuple[int, int]], on: bool, slots: int = 1):
         """`parts`: (models, steps) of each part, in the order they start."""
         self.on, self.slots = on, max(1, slots)
+        self.write: Any = None  # tqdm.write while a progress bar is drawn below the lines, else print
         self.queued = [m * s for m, s in parts]
         self.total, self.finished = sum(m for m, _ in parts), 0
         self.running: dict[str, tuple[float, float]] = {}  # head -> (work, start time)
@@ -430,8 +432,7 @@ class _Clock:
             self.queued.pop(0)
         self.running[head] = (float(models * steps), time.perf_counter())
         if self.on:
-            print(f"{head}: training {steps} steps; {self.total - self.finished} model(s) to train, {self.left()}",
-                  flush=True)
+            self.say(f"{head}: training {steps} steps; {self.total - self.finished} model(s) to train, {self.left()}")
 
     def done(self, head: str, models: int = 1) -> None:
         work, began = self.running.pop(head)
@@ -439,7 +440,15 @@ class _Clock:
         self.work_done += work
         self.seconds += max(time.perf_counter() - began, 1e-9)
         if self.on and self.finished < self.total:
-            print(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}", flush=True)
+            self.say(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}")
+
+    def say(self, line: str) -> None:
+        """One progress line on stdout, now (above the bar while one is drawn)."""
+        if self.write is None:
+            print(line, flush=True)
+        else:
+            self.write(line)
+            sys.stdout.flush()
 
 
 def _train_member(cfg: TrainConfig, tokens: Path, threads: int | None, label: str | None) -> str:
@@ -454,11 +463,12 @@ def _train_member(cfg: TrainConfig, tokens: Path, threads: int | None, label: st
 
 
 def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int | None, progress: bool,
-                compile: str) -> None:
+                compile: str, slot: int | None = None) -> None:
     """Train the models of `part` into the cache as one computation (in this process, or in a worker with `threads`
     torch threads): each model's cache lock is held while it trains; a model another process finished meanwhile is
     left out. `compile`: compiled layers "on", "off", or "auto": where the part repays them
-    (`poslens.train.batched.worth_compiling`)."""
+    (`poslens.train.batched.worth_compiling`). `slot`: in a worker of `_train_parallel`, the part's entry in the
+    shared counters, where each step writes the model-steps done."""
     import contextlib
     import dataclasses
 
@@ -482,14 +492,24 @@ def _train_unit(part: list[tuple[TrainConfig, str]], tokens: Path, threads: int 
         if left:
             on = compile == "on" or (compile == "auto" and worth_compiling(left[0][0], len(left),
                                                                          setup(left[0][0].device).device))
+            counters, models = _COUNTERS, len(left)
+            on_step = None if slot is None or counters is None else \
+                (lambda step: counters.__setitem__(slot, step * models))
             train_batched([c for c, _ in left], [t for _, t in left], progress=progress,
-                          label=_unit_head(part) if progress else None, compile=on)
+                          label=_unit_head(part) if progress else None, compile=on, on_step=on_step)
 
 
-def _ignore_interrupt() -> None:
+_COUNTERS: Any = None  # in a worker of `_train_parallel`: model-steps done per part, shared with the parent
+
+
+def _worker_init(counters: Any) -> None:
+    """A `_train_parallel` worker: Ctrl-C ignored (the parent stops the workers; each keeps its last checkpoint), and
+    the shared counters kept for `_train_unit`."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers; each keeps its last checkpoint
+    global _COUNTERS
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _COUNTERS = counters
 
 
 def _quiet_resource_tracker() -> None:
@@ -518,34 +538,51 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     import torch
+    from tqdm.auto import tqdm
 
     threads = max(1, torch.get_num_threads() // jobs)
     _quiet_resource_tracker()
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_ignore_interrupt)
-    pending: dict[Any, tuple[str, int]] = {}
+    ctx = multiprocessing.get_context("spawn")
+    counters = ctx.Array("q", len(parts), lock=False)  # model-steps done per part, written by its worker
+    work = [len(p) * p[0][0].steps for p in parts]
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init, initargs=(counters,))
+    # one bar for every part (the workers draw none): model-steps done; a model trained alone (compile None) counts
+    # when it is finished
+    bar = tqdm(total=sum(work), desc=f"training {clock.total} models, {jobs} parts at a time", unit="model-step",
+               disable=not clock.on, dynamic_ncols=True)
+    if clock.on:
+        clock.write = tqdm.write
+    pending: dict[Any, tuple[str, int, int]] = {}
+    done = 0  # model-steps of the finished parts
     try:
-        queue = list(parts)
+        queue = list(enumerate(parts))
         while queue or pending:
             while queue and len(pending) < jobs:
-                part = queue.pop(0)
+                slot, part = queue.pop(0)
                 head = _unit_head(part)
                 clock.start(head, part[0][0].steps, len(part))
                 if compile is None:
                     future = pool.submit(_train_member, part[0][0], tokens, threads, None)
                 else:
-                    future = pool.submit(_train_unit, part, tokens, threads, False, compile)
-                pending[future] = (head, len(part))
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    future = pool.submit(_train_unit, part, tokens, threads, False, compile, slot)
+                pending[future] = (head, len(part), slot)
+            finished, _ = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
             for f in finished:
                 f.result()  # a worker's error is raised here, as one line
-                clock.done(*pending.pop(f))
+                head, models, slot = pending.pop(f)
+                done += work[slot]
+                clock.done(head, models)
+            bar.n = done + sum(counters[slot] for _, _, slot in pending.values())
+            bar.refresh()
         pool.shutdown()
     except BaseException:
         for p in list(getattr(pool, "_processes", {}).values()):  # stop the workers now: what they checkpointed stays
             p.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
+    finally:
+        bar.close()
+        clock.write = None
 
 
 def _duration(seconds: float) -> str:
