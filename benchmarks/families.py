@@ -161,15 +161,20 @@ def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
     return "eager, heads summed" if torch.equal(read, twin) else "neither"
 
 
-def add_shape_args(p: argparse.ArgumentParser) -> None:
-    """The models' and the tokens' shape, the repeats, the families and --out (shared with hook_costs.py)."""
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
+def add_model_args(p: argparse.ArgumentParser, hidden: int = 512, layers: int = 4) -> None:
+    """The model's and the tokens' shape, as `setup` reads them (shared with profile_ops.py)."""
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary size (default: the tiny configs' 256, so that no LM head dilutes the ratio)")
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The models' and the tokens' shape, the repeats, the families and --out (shared with hook_costs.py)."""
+    add_model_args(p)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--out", default=None)
 
@@ -182,11 +187,13 @@ def spread(r: dict, arm: str = "read") -> str:
     """How much the machine moved the timings of one family's rounds: the plain forward's CPU seconds (least, median,
     most) and read / plain at the fastest quarter of each arm's rounds (its lower quartiles) beside the medians' ratio.
     A description of the noise, not the bar's statistic (the bar is judged on the paired interval)."""
+    def lower_quartile(x: list[float]) -> float:
+        return statistics.quantiles(x, n=4)[0] if len(x) > 1 else x[0]
+
     plain, other = r["all"]["plain"], r["all"][arm]
-    q = statistics.quantiles(plain, n=4)[0] if len(plain) > 1 else plain[0]
-    q_arm = statistics.quantiles(other, n=4)[0] if len(other) > 1 else other[0]
     return (f"plain forward {min(plain):.2f} / {statistics.median(plain):.2f} / {max(plain):.2f} s (least / median / "
-            f"most of {len(plain)} rounds); {arm} / plain at the lower quartiles {q_arm / q:.3f}, at the medians "
+            f"most of {len(plain)} rounds); {arm} / plain at the lower quartiles "
+            f"{lower_quartile(other) / lower_quartile(plain):.3f}, at the medians "
             f"{statistics.median(other) / statistics.median(plain):.3f}")
 
 
@@ -215,6 +222,8 @@ def main() -> None:
                    help="print the lines of a saved result (an --out file) instead of measuring")
     args = p.parse_args()
     if args.saved:
+        if not Path(args.saved).is_file():
+            p.error(f"--from {args.saved}: no such file (give a JSON file written by --out)")
         saved = json.loads(Path(args.saved).read_text())
         for family, r in saved["families"].items():
             report(family, r, saved["config"]["arms"])

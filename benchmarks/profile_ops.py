@@ -19,10 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import FAMILIES, model_of, read  # noqa: E402 (benchmarks/families.py)
-from tiny_models import token_batch  # noqa: E402 (tests/tiny_models.py)
-
-from poslens.engine.hooks import HookedModel  # noqa: E402
+from families import FAMILIES, add_model_args, read, setup  # noqa: E402 (benchmarks/families.py)
 
 
 def self_times(fn, forwards: int, into: collections.Counter) -> float:
@@ -39,18 +36,13 @@ def self_times(fn, forwards: int, into: collections.Counter) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=FAMILIES, default="opt")
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=256)
+    add_model_args(p, hidden=768, layers=12)
     p.add_argument("--forwards", type=int, default=6)
     p.add_argument("--top", type=int, default=28)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = model_of(args.family, args.hidden, args.layers)
-    hm = HookedModel(model)
-    ids = token_batch(args.batch, args.seq_len, seed=0)
+    model, hm, ids = setup(args.family, args)
     hooks = {point: read for point in hm.points}
     arms = {"plain": lambda: model(input_ids=ids, use_cache=False),
             "read": lambda: hm.run(ids, hooks=hooks, logits=True)}

@@ -413,7 +413,6 @@ class _Clock:
     def __init__(self, parts: list[tuple[int, int]], on: bool, slots: int = 1):
         """`parts`: (models, steps) of each part, in the order they start."""
         self.on, self.slots = on, max(1, slots)
-        self.write: Any = None  # tqdm.write while a progress bar is drawn below the lines, else print
         self.queued = [m * s for m, s in parts]
         self.total, self.finished = sum(m for m, _ in parts), 0
         self.running: dict[str, tuple[float, float]] = {}  # head -> (work, start time)
@@ -442,13 +441,13 @@ class _Clock:
         if self.on and self.finished < self.total:
             self.say(f"{head}: trained; {self.total - self.finished} model(s) to train, {self.left()}")
 
-    def say(self, line: str) -> None:
-        """One progress line on stdout, now (above the bar while one is drawn)."""
-        if self.write is None:
-            print(line, flush=True)
-        else:
-            self.write(line)
-            sys.stdout.flush()
+    @staticmethod
+    def say(line: str) -> None:
+        """One progress line on stdout, now (above a progress bar being drawn, as tqdm.write puts it)."""
+        from tqdm.auto import tqdm
+
+        tqdm.write(line)
+        sys.stdout.flush()
 
 
 def _train_member(cfg: TrainConfig, tokens: Path, threads: int | None, label: str | None) -> str:
@@ -550,8 +549,6 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
     # when it is finished
     bar = tqdm(total=sum(work), desc=f"training {clock.total} models, {jobs} parts at a time", unit="model-step",
                disable=not clock.on, dynamic_ncols=True)
-    if clock.on:
-        clock.write = tqdm.write
     pending: dict[Any, tuple[str, int, int]] = {}
     done = 0  # model-steps of the finished parts
     try:
@@ -582,7 +579,6 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
         raise
     finally:
         bar.close()
-        clock.write = None
 
 
 def _duration(seconds: float) -> str:
