@@ -11,6 +11,11 @@
 #      (benchmarks/length.py --plain)
 #   4. the sweep's `pe-sinks` models trained as one computation against the same models alone, two at a time
 #      (benchmarks/sweep_batched.py): models per minute on the GPU
+#   ATTENTION="cudnn auto" tries the training step's SDPA kernels in turn until one runs (default: auto, torch's
+#   choice; flash, cudnn, efficient, math).
+#   Every step's limit can be set (TEST_LIMIT, TRAIN_LIMIT, LEAK_LIMIT, LENGTH_LIMIT, SWEEP_LIMIT, LEAK8_LIMIT), and
+#   SKIP="name name" leaves steps out, so the round fits one call of a session's device time. The length step runs
+#   under cProfile and is interrupted 15 s before its limit, so a run cut short still leaves OUT/length.prof.
 # Usage: bash benchmarks/gpu_round.sh OUT_DIR CARRY_DIR
 #   CARRY_DIR holds tokens-smollm2/ and tokens-bpe/ (the embedded corpus's token directories for SmolLM2's tokenizer
 #   and the 2,048-entry BPE, from the poslens cache) and smol-tok/ (SmolLM2-135M's config and tokenizer files).
@@ -24,28 +29,36 @@ export POSLENS_CACHE=${POSLENS_CACHE:-/tmp/poslens-cache}
 PY=${PY:-python3}
 dev=${DEVICE:-cuda}; dtype=${DTYPE:-bfloat16}; seq=${SEQ:-512}; nseq=${NSEQ:-128}; big=${BIG:-llama-3.1-8b}
 work=$(mktemp -d)
-step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date -u +%T), limit ${limit}s): $*"; local t0=$SECONDS
+step() { local name=$1 limit=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "=== $name: skipped (SKIP)"; return;; esac
+  echo "=== $name ($(date -u +%T), limit ${limit}s): $*"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | grep -v -e "Loading weights" -e "Writing model shards"
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"; }
+  last_rc=${PIPESTATUS[0]}; echo "=== $name: exit $last_rc after $((SECONDS - t0)) s"; }
 nvidia-smi -L 2>/dev/null
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__,
 '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
 step tests "${TEST_LIMIT:-120}" "$PY" -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py tests/test_simulate.py \
   tests/test_train_gpu.py
-step train "${TRAIN_LIMIT:-170}" "$PY" benchmarks/train.py --preset "${PRESET:-small}" --device "$dev" \
-  --tokens "$carry/tokens-smollm2" --pairs "${PAIRS:-30}" --profile --json "$out/train_small.json"
+for attn in ${ATTENTION:-auto}; do  # the first kernel that runs; the next only if it fails
+  step train-$attn "${TRAIN_LIMIT:-170}" "$PY" benchmarks/train.py --preset "${PRESET:-small}" --device "$dev" \
+    --tokens "$carry/tokens-smollm2" --pairs "${PAIRS:-30}" --attention "$attn" --profile \
+    --json "$out/train_small_$attn.json"
+  [ "$last_rc" = 0 ] && break
+done
 step corpus 120 "$PY" -c "from poslens.engine.data import iter_documents; print(sum(1 for _ in iter_documents(None)),
 'documents in the embedded corpus')"
 step model-135m 60 "$PY" benchmarks/random_model.py --shape smollm2-135m --device "$dev" --dtype "$dtype" \
   --tokenizer "$carry/smol-tok" --out "$work/m135"
-step leakage-135m-defaults 90 "$PY" benchmarks/leakage.py --model "$work/m135" --device "$dev" --dtype "$dtype" \
+step leakage-135m-defaults "${LEAK_LIMIT:-90}" "$PY" benchmarks/leakage.py --model "$work/m135" --device "$dev" --dtype "$dtype" \
   ${DEFAULTS_FLAGS:-} --out "$out/leakage_135m_defaults.json"
-step leakage-135m-$seq 90 "$PY" benchmarks/leakage.py --model "$work/m135" --device "$dev" --dtype "$dtype" \
+step leakage-135m-$seq "${LEAK_LIMIT:-90}" "$PY" benchmarks/leakage.py --model "$work/m135" --device "$dev" --dtype "$dtype" \
   --seq-len "$seq" --num-sequences "$nseq" --out "$out/leakage_135m_long.json"
-step length-135m 100 "$PY" benchmarks/length.py --model "$work/m135" --data "$carry/tokens-smollm2" --device "$dev" \
-  --dtype "$dtype" --plain --out "$work/length-run" --json "$out/length_135m.json" -- --train-len "${TRAIN_LEN:-256}" \
+length_limit=${LENGTH_LIMIT:-160}
+step length-135m "$length_limit" "$PY" benchmarks/length.py --model "$work/m135" --data "$carry/tokens-smollm2" \
+  --device "$dev" --dtype "$dtype" --plain --out "$work/length-run" --json "$out/length_135m.json" \
+  --profile "$out/length.prof" --limit $((length_limit - 15)) -- --train-len "${TRAIN_LEN:-256}" \
   ${LENGTH_FLAGS:-}
-step sweep-batched "${SWEEP_LIMIT:-150}" "$PY" benchmarks/sweep_batched.py --steps "${SWEEP_STEPS:-200}" --rounds 2 \
+step sweep-batched "${SWEEP_LIMIT:-150}" "$PY" benchmarks/sweep_batched.py --steps "${SWEEP_STEPS:-200}" --rounds "${SWEEP_ROUNDS:-2}" \
   --tokens "$carry/tokens-bpe" --device "$dev" --json "$out/sweep_batched.json"
 step model-big 150 "$PY" benchmarks/random_model.py --shape "$big" --device "$dev" --dtype "$dtype" \
   --tokenizer "$carry/smol-tok" --out "$work/mbig"

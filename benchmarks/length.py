@@ -23,6 +23,12 @@ tokens if those are too few; lengths from the run's run.json), on the same devic
 over theirs is the ratio printed (the command's time includes its process start, model load, every intervention
 pass, the maps and the summary).
 
+--profile FILE runs the command under cProfile and writes its statistics there (printing the 30 costliest functions by
+own time); --limit S interrupts the command (SIGINT, as Ctrl-C) after S seconds, so a run that would not finish in a
+step's time still leaves its profile (the result is then marked "cut", no bar and no plain forwards).
+
+    python3 benchmarks/length.py --model DIR --device cuda --plain --profile OUT/length.prof --limit 140
+
 Timings on a machine shared with other jobs are not results: the lead runs the bar on a quiet machine.
 """
 
@@ -31,8 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
 import resource
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -92,6 +100,8 @@ def main() -> None:
     p.add_argument("--device", default=None, help="passed to the command (default its own: cpu)")
     p.add_argument("--dtype", default=None, help="passed to the command (default its own: auto)")
     p.add_argument("--plain", action="store_true", help="time plain forwards over the same lengths after it")
+    p.add_argument("--profile", default=None, help="run the command under cProfile and write its statistics here")
+    p.add_argument("--limit", type=float, default=None, help="interrupt the command (SIGINT) after this many seconds")
     p.add_argument("extra", nargs="*", help="more `poslens length` flags, after --")
     a = p.parse_args()
     if a.model is None:
@@ -102,14 +112,28 @@ def main() -> None:
     on = [*(["--device", a.device] if a.device else []), *(["--dtype", a.dtype] if a.dtype else [])]
     argv = [sys.executable, "-m", "poslens", "length", str(model), *data, "--out", a.out, "--force", "--quiet",
             *on, *a.extra]
+    launch = argv if a.profile is None else [sys.executable, "-m", "cProfile", "-o", a.profile, *argv[1:]]
     import torch
 
     load_before = os.getloadavg()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True)
+    child = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = child.communicate(timeout=a.limit)
+        cut = False
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGINT)  # as Ctrl-C: the command stops cleanly and cProfile writes what it saw
+        stdout, stderr = child.communicate()
+        cut = True
+    done = subprocess.CompletedProcess(launch, child.returncode, stdout, stderr)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if a.profile is not None and Path(a.profile).exists():
+        pstats.Stats(a.profile).sort_stats("tottime").print_stats(30)
+    if cut:
+        sys.exit(f"cut after {wall:.0f} s (--limit {a.limit:g}): the command did not finish; "
+                 f"{done.stderr.strip()[-500:]}")
     if done.returncode != 0:
         sys.exit(f"the command failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     result = {"command": shlex.join(["poslens", *argv[3:]]), "wall_s": wall,

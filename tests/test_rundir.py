@@ -380,6 +380,34 @@ def test_checkpoints_survive_an_interrupt_and_go_when_the_run_completes(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 
+
+def test_saving_by_time_waits_ten_seconds_and_costs_at_most_a_tenth(tmp_path, monkeypatch):
+    """`Cadence` without a unit count: the first save once CHECKPOINT_SECONDS have passed, the next only after nine
+    times as long as a save took (a 15-s save of a GPU run's maps: 135 s later), so saving is at most SAVE_SHARE of
+    the run; with a unit count, every that many units whatever the clock says."""
+    clock = [100.0]
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: clock[0])
+    real = checkpoint.save_partial
+
+    def slow_save(*args):
+        real(*args)
+        clock[0] += 15.0  # the save itself takes 15 s
+
+    monkeypatch.setattr(checkpoint, "save_partial", slow_save)
+    by_time, ck = checkpoint.Cadence(), tmp_path / "ck.safetensors"
+    clock[0] += checkpoint.CHECKPOINT_SECONDS - 0.1
+    assert not by_time.due(1)
+    clock[0] += 0.1
+    assert by_time.due(2)
+    by_time.save(ck, {"s": torch.ones(2)}, 2, {})
+    clock[0] += 134.0
+    assert not by_time.due(3)
+    clock[0] += 1.0
+    assert by_time.due(4)
+    assert checkpoint.load_partial(ck, {})[1] == 2
+    every = checkpoint.Cadence(3)
+    assert [every.due(u) for u in range(1, 7)] == [False, False, True, False, False, True]
+
 @pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
 def test_files_get_the_umask_permissions(tmp_path, mask):
     old = os.umask(mask)
@@ -402,7 +430,7 @@ def test_files_get_the_umask_permissions(tmp_path, mask):
 def test_a_failed_checkpoint_write_leaves_no_temporary(tmp_path, monkeypatch):
     path = tmp_path / "ck.safetensors"
 
-    def half_written(filename, tensors, metadata=None):
+    def half_written(filename, tensors, metadata=None, hashed=True):
         Path(filename).write_bytes(b"half")
         raise KeyboardInterrupt
 
@@ -525,7 +553,7 @@ def test_an_unwritable_cache_directory_is_refused_before_any_work(tmp_path):
 ENOSPC_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
-def tensors_full(filename, tensors, metadata=None):
+def tensors_full(filename, tensors, metadata=None, hashed=True):
     """`poslens.io.writing.write_tensors` on a full disk: part of the file written, then ENOSPC."""
     import errno
 

@@ -539,6 +539,48 @@ def test_tiny_preset_learns_real_text(tmp_path):
     assert evals[-1] < unigram, (evals[-1], unigram)
 
 
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_causal_attention_under_compile_tells_sdpa_is_causal(window):
+    """Under torch.compile transformers hands a full layer the causal mask in its packed-sequence form (it cannot read
+    the position ids inside a graph), so a mask-level check alone left SDPA an explicit [B, 1, T, T] mask and
+    `is_causal=False` (seen on an H200: the `small` preset's attention ran at the masked kernels' speed). The traced
+    graph of a `causal_attention` model calls SDPA with no mask and `is_causal=True` in every layer without a window,
+    and keeps the mask with one; the compiled logits equal the stock eager model's (1e-5: float32, other kernels)."""
+    from poslens.train.model import causal_attention
+
+    cfg = resolve_config("tiny", pe="rope", seq_len=16, sliding_window=window, kv_heads=2)
+    stock, ours = build_model(cfg, 64), causal_attention(build_model(cfg, 64))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    calls: list[tuple[bool, bool]] = []
+
+    def backend(gm, example_inputs):  # read the graph dynamo traced, run it as traced
+        calls.extend((n.kwargs.get("attn_mask") is None, bool(n.kwargs.get("is_causal")))
+                     for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(ours, backend=backend)(input_ids=ids).logits
+        want = stock(input_ids=ids).logits
+    torch._dynamo.reset()
+    assert calls == ([(False, False)] if window else [(True, True)]) * cfg.layers
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_causal_attention_refuses_inputs_that_could_need_a_mask():
+    """A `causal_attention` model drops the mask of its full layers, which is right only for input ids alone: an
+    attention mask or position ids are refused in one line, not silently ignored."""
+    from poslens.train.model import causal_attention
+
+    model = causal_attention(build_model(resolve_config("tiny", seq_len=16), 64))
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(UsageError, match="input_ids only, not attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with pytest.raises(UsageError, match="position_ids"):
+        model(input_ids=ids, position_ids=torch.arange(8)[None])
+    assert model(input_ids=ids).logits.shape == (1, 8, 64)
+
 def test_attention_kernel_choice_is_applied():
     """`TrainConfig.attention` picks torch's SDPA kernel for the step and the evaluation (`loop.attention_kernel`):
     under "math" the attention equals torch's default choice to float32 rounding (1e-6: the same softmax, other

@@ -59,8 +59,9 @@ class ModelData:
     tokenizer: str | None = option(None, help="tokenizer to use (same forms as MODEL); needed for random: configs "
                                    "without tokenizer files")
     seed: int = option(0, lo=0, help="seed of a random: model's weights and of every random choice the analysis makes")
-    checkpoint_every: int = option(10, lo=1, help="save the partial sums every N units of work (one batch through one "
-                                   "pass); rerunning the same command resumes from them")
+    checkpoint_every: int | None = option(None, lo=1, help="save the partial sums every N units of work (one batch "
+                                          "through one pass; default: by time, at least 10 s apart and at most a "
+                                          "tenth of the run); rerunning the same command resumes from them")
     figures: bool = option(True, help="write tensors and run.json only (no figures)")
 
     def validate(self) -> None:

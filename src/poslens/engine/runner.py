@@ -16,8 +16,8 @@ Every statistic's hooks are merged into one `HookedModel.run` per unit (writes f
 the forward stops after the deepest point read). Batch b of the run goes to group `first_batch + b` (mod each
 statistic's groups); under torchrun give each rank its shard and the run-wide index of its first batch, and
 all-reduce afterwards. With `checkpoint`, the state of every statistic is saved atomically every
-`checkpoint_every` units together with a fingerprint of `fingerprint`, and a rerun resumes from it to the same
-numbers.
+`checkpoint_every` units (None: by time, at most a tenth of the run: `poslens.io.checkpoint.Cadence`) together with
+a fingerprint of `fingerprint`, and a rerun resumes from it to the same numbers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from poslens.engine.stats import Statistic
 from poslens.errors import UsageError, check_int
-from poslens.io.checkpoint import load_partial, save_partial
+from poslens.io.checkpoint import Cadence, load_partial
 
 Prepared = tuple  # (input_ids, write hooks, position_ids[, attention mask for the forward])
 
@@ -65,14 +65,15 @@ def unique(statistics) -> list[Statistic]:
 
 
 def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch: int = 0,
-               checkpoint: str | Path | None = None, fingerprint: dict | None = None, checkpoint_every: int = 10,
-               progress: str | None = None) -> int:
+               checkpoint: str | Path | None = None, fingerprint: dict | None = None,
+               checkpoint_every: int | None = None, progress: str | None = None) -> int:
     """Run every pass over `batches` (token-id tensors [B, T], or (input_ids, attention_mask) pairs) through
     `model` (a HookedModel or a supported causal LM); returns how many units were done before (resumed)."""
     from poslens.engine.hooks import HookedModel  # transformers: imported when a run starts, not with a config
 
     hm = model if isinstance(model, HookedModel) else HookedModel(model)
-    check_int("checkpoint_every", checkpoint_every, 1)
+    if checkpoint_every is not None:
+        check_int("checkpoint_every", checkpoint_every, 1)
     check_int("first_batch", first_batch, 0)
     config = {"passes": [[p.name, [type(s).__name__ for s in p.statistics]] for p in passes], **(fingerprint or {})}
     stats = unique(s for p in passes for s in p.statistics)
@@ -89,6 +90,7 @@ def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch:
         from tqdm import tqdm
 
         bar = tqdm(total=len(units), initial=done, desc=progress, unit="batch")
+    cadence = Cadence(checkpoint_every)
     with contextlib.ExitStack() as entered:
         current = None
         for u in range(done, len(units)):
@@ -104,9 +106,9 @@ def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch:
             _run_unit(hm, step, readers[p], batches[b], first_batch + b, device)
             if bar is not None:
                 bar.update(1)
-            if checkpoint is not None and (u + 1) % checkpoint_every == 0 and u + 1 < len(units):
+            if checkpoint is not None and u + 1 < len(units) and cadence.due(u + 1):
                 state = {f"{i}/{k}": v for i, s in enumerate(stats) for k, v in s.state_dict().items()}
-                save_partial(checkpoint, state, u + 1, config)
+                cadence.save(checkpoint, state, u + 1, config)
     if bar is not None:
         bar.close()
     return done
@@ -140,7 +142,7 @@ def _run_unit(hm, step: Pass, readers: dict, batch, index: int, device: torch.de
 
 def run_statistics(model, statistics: Sequence[Statistic], batches: Sequence, *, first_batch: int = 0,
                    checkpoint: str | Path | None = None, fingerprint: dict | None = None,
-                   checkpoint_every: int = 10, progress: str | None = None, all_reduce: bool = True) -> int:
+                   checkpoint_every: int | None = None, progress: str | None = None, all_reduce: bool = True) -> int:
     """Run `batches` once through `model` with every statistic's hooks (one pass); returns the batch index it
     resumed from. The checkpoint is removed when the batches are done; `all_reduce` combines torchrun ranks."""
     done = run_passes(model, [Pass("batches", list(statistics))], batches, first_batch=first_batch,

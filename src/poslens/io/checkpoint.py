@@ -1,4 +1,5 @@
-"""Partial sums that survive an interruption: saved atomically every N units of work, resumed exactly.
+"""Partial sums that survive an interruption: saved atomically every N units of work (or by time, `Cadence`), resumed
+exactly.
 
 A long accumulation (Monte Carlo chunks, batches of sequences) keeps named sum tensors and a count of
 finished units. `save_partial` writes them with a fingerprint of the run's configuration; `load_partial`
@@ -14,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +28,32 @@ from poslens.io.space import disk_space, nbytes
 from poslens.io.writing import write_tensors
 
 DONE_KEY = "__done__"
+CHECKPOINT_SECONDS = 10.0  # the shortest interval between saves by time
+SAVE_SHARE = 0.1  # by time, saving takes at most this share of the run
+
+
+class Cadence:
+    """When partial sums are saved: after every `every` units of work when it is given; otherwise by time, once at
+    least CHECKPOINT_SECONDS have passed since the last save (or the start) and at least (1 / SAVE_SHARE - 1) times as
+    long as the last save took, so that saving costs at most SAVE_SHARE of the run however large the sums are (on a
+    GPU a save of gigabytes of maps can take longer than the units it protects). Where the saves fall changes
+    nothing in the result: a resumed run continues from any unit boundary to the same sums."""
+
+    def __init__(self, every: int | None = None):
+        self.every, self.last, self.cost = every, time.monotonic(), 0.0
+
+    def due(self, units: int) -> bool:
+        """Whether to save now, after `units` units of this run."""
+        if self.every is not None:
+            return units % self.every == 0
+        return time.monotonic() - self.last >= max(CHECKPOINT_SECONDS, self.cost * (1 / SAVE_SHARE - 1))
+
+    def save(self, path: str | os.PathLike, sums: dict[str, torch.Tensor], done: int, config: dict) -> None:
+        """`save_partial`, timed for the next `due`."""
+        start = time.monotonic()
+        save_partial(path, sums, done, config)
+        self.last = time.monotonic()
+        self.cost = self.last - start
 
 
 def fingerprint(config: dict) -> str:
@@ -48,7 +76,7 @@ def _atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     try:
         with disk_space(path, nbytes(tensors) + nbytes(metadata or {}) + 1024):
-            write_tensors(tmp, tensors, metadata)
+            write_tensors(tmp, tensors, metadata, hashed=False)  # never in a manifest
         share(tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -15,7 +15,8 @@ the manifest is written.
 memory): header length (8 bytes, little-endian), the JSON header (metadata first) padded with spaces to a multiple
 of 8, then the tensors' bytes, ordered as safetensors orders them, so the file is byte-identical to
 `safetensors.torch.save_file`'s (with metadata, up to the order of its keys, which safetensors takes from a hash map).
-Checkpoints (`poslens.io.checkpoint`) are written by it too.
+Checkpoints (`poslens.io.checkpoint`) are written by it too, without the hash (``hashed=False``): a checkpoint is
+never in a manifest, and hashing gigabytes of partial maps at every save cost a GPU run more than its forwards.
 """
 
 from __future__ import annotations
@@ -87,14 +88,15 @@ def check_size(path: str | os.PathLike, expected: int) -> None:
 class _Out:
     """A file opened for a complete write: `put` writes every byte or raises; the bytes are counted and hashed."""
 
-    def __init__(self, path: Path, need: int):
+    def __init__(self, path: Path, need: int, hashed: bool = True):
         self.path, self.need, self.done = path, need, 0
-        self.hash = hashlib.sha256()
+        self.hash = hashlib.sha256() if hashed else None
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
 
     def put(self, data) -> None:
         view = memoryview(data).cast("B")
-        self.hash.update(view)
+        if self.hash is not None:
+            self.hash.update(view)
         while len(view):
             n = os.write(self.fd, view[:_CHUNK])
             if n <= 0:  # no error number: the device took nothing
@@ -107,18 +109,19 @@ class _Out:
         os.close(self.fd)
 
 
-def _write(path: Path, parts, need: int) -> None:
-    """Write the buffers `parts` (an iterable) to `path`: complete, checked, hashed and remembered."""
+def _write(path: Path, parts, need: int, hashed: bool = True) -> None:
+    """Write the buffers `parts` (an iterable) to `path`: complete, checked, and (`hashed`) hashed and remembered."""
     path = Path(path)
     with disk_space(path, need):
-        out = _Out(path, need)
+        out = _Out(path, need, hashed)
         try:
             for part in parts:
                 out.put(part)
         finally:
             out.close()
     check_size(path, need)
-    remember(path, out.hash.hexdigest())
+    if out.hash is not None:
+        remember(path, out.hash.hexdigest())
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -132,9 +135,10 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def write_tensors(path: str | os.PathLike, tensors: Mapping[str, object],
-                  metadata: Mapping[str, str] | None = None) -> None:
+                  metadata: Mapping[str, str] | None = None, hashed: bool = True) -> None:
     """Write CPU tensors to `path` in the safetensors format, one tensor at a time (see the module docstring), with
-    `metadata` (text to text) first in the header, as safetensors stores it."""
+    `metadata` (text to text) first in the header, as safetensors stores it; `hashed` False for a file no manifest
+    lists (a checkpoint)."""
     import torch
 
     def name(t: torch.Tensor) -> str:
@@ -161,4 +165,4 @@ def write_tensors(path: str | os.PathLike, tensors: Mapping[str, object],
             if t.nbytes:
                 yield t.reshape(-1).view(torch.uint8).numpy()
 
-    _write(Path(path), parts(), 8 + len(text) + offset)
+    _write(Path(path), parts(), 8 + len(text) + offset, hashed)

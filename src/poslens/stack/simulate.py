@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from poslens.errors import UsageError, available_memory, check_duration, check_int, check_memory
-from poslens.io.checkpoint import fingerprint, load_partial, save_partial
+from poslens.io.checkpoint import Cadence, fingerprint, load_partial
 from poslens.io.rundir import current_run
 from poslens.stack.config import StackConfig, visible
 from poslens.stack.rope import cos_sin, rotate
@@ -60,7 +60,6 @@ LOG2E = 1 / math.log(2)  # scores are kept as (S - B) log2(e), so that softmax i
 CPU_CHUNK = 128  # default samples per chunk on the CPU: fastest on a 2-core EPYC (cache vs. Python overhead)
 CUDA_CHUNK = 32768  # default on a GPU: few, large launches
 MAPS = ("scores", "probs", "cosine")  # the maps `simulate` can compute; all of them by default
-CHECKPOINT_SECONDS = 10.0  # default interval between checkpoint saves (the final sums are always saved)
 
 
 @dataclass
@@ -351,8 +350,8 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
 
     `chunk` (rounded up to a multiple of BLOCK) bounds memory; it does not change the result. Memory is
     estimated before any work (`memory_estimate`) and a run that cannot fit is refused.
-    `checkpoint`: a file for the partial sums, saved every `checkpoint_every` chunks (None: every
-    CHECKPOINT_SECONDS seconds) and at the end; a run with the same config, samples, seed, device type, dtype
+    `checkpoint`: a file for the partial sums, saved every `checkpoint_every` chunks (None: by time,
+    `poslens.io.checkpoint.Cadence`) and at the end; a run with the same config, samples, seed, device type, dtype
     and maps resumes from it bit for bit. "auto" (the default): inside `poslens.io.rundir.open_run` /
     `run_directory`, a file in that run's work directory (so rerunning the same command resumes); elsewhere none.
     `maps`: which of "scores", "probs", "cosine" to compute (any non-empty subset, in any order; all by
@@ -404,7 +403,7 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
 
     bar = tqdm(total=samples, initial=min(done * BLOCK, samples), unit="sample", unit_scale=True,
                disable=not progress, desc="simulate")
-    saved_at = time.monotonic()
+    cadence = Cadence(checkpoint_every)
     try:
         if dev.type == "cpu":
             torch.set_num_threads(1)  # parallel over chunks, not inside the small matmuls
@@ -419,11 +418,8 @@ def simulate(config: StackConfig, samples: int, seed: int = 0, chunk: int | None
                     acc.add_(part.sum(0, dtype=torch.float64))
                 done += len(sizes)
                 bar.update(sum(sizes))
-                due = (time.monotonic() - saved_at >= CHECKPOINT_SECONDS if checkpoint_every is None
-                       else (i + 1) % checkpoint_every == 0)
-                if checkpoint is not None and (due or done == nblocks):
-                    save_partial(checkpoint, {"sums": acc}, done, fp)
-                    saved_at = time.monotonic()
+                if checkpoint is not None and (cadence.due(i + 1) or done == nblocks):
+                    cadence.save(checkpoint, {"sums": acc}, done, fp)
     finally:
         torch.set_num_threads(threads)
         bar.close()

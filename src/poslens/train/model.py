@@ -34,23 +34,49 @@ def _causal_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return None if plain else sdpa_mask(*args, **kwargs)
 
 
+def _causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with ``is_causal=True`` on every layer without a window. Under torch.compile,
+    where transformers cannot read the position ids to rule packing out, a full layer is handed the causal mask in
+    its packed-sequence form (``and_masks(remap_positions(causal), packed_sequence)``), which `_causal_mask` cannot
+    recognise inside a graph; for the only inputs a CAUSAL model takes (`_plain_inputs`: input ids, one sequence per
+    row from position 0) that mask is the causal mask, so it is dropped (a compiled graph then never builds it). A
+    layer with a window keeps its mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if getattr(module, "sliding_window", None) is None:
+        attention_mask = None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a CAUSAL model: only input ids (and labels), so that `_causal_sdpa` may drop the mask."""
+    given = [k for k in ("attention_mask", "position_ids", "past_key_values", "cache_position", "inputs_embeds")
+             if kwargs.get(k) is not None]
+    if args or given:
+        raise UsageError(f"a model set to {CAUSAL} (`causal_attention`) takes input_ids only, not "
+                         f"{', '.join(given) or 'positional arguments'}: call it with input_ids=..., or reload it "
+                         "without causal_attention")
+
+
 @functools.cache
 def _register_causal() -> None:
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(CAUSAL, sdpa_attention_forward)
+    AttentionInterface.register(CAUSAL, _causal_sdpa)
     AttentionMaskInterface.register(CAUSAL, _causal_mask)
 
 
 def causal_attention(model: torch.nn.Module) -> torch.nn.Module:
-    """Have `model`'s attention call SDPA with ``is_causal=True`` whenever only causality is masked (`_causal_mask`),
-    as transformers itself does in eager mode. Under torch.compile, transformers before torch 2.14 always builds the
-    explicit [B, 1, T, T] mask, which keeps SDPA off its causal flash kernels (`benchmarks/sdpa_kernels.py`). The
-    same attention; not saved with the model (a checkpoint's config names no attention implementation)."""
+    """Have `model`'s attention call SDPA with ``is_causal=True`` whenever only causality is masked (`_causal_mask`
+    in eager mode, `_causal_sdpa` under torch.compile), as transformers itself does in eager mode. Under torch.compile,
+    transformers before torch 2.14 builds an explicit [B, 1, T, T] mask, which keeps SDPA off its causal flash kernels
+    (`benchmarks/sdpa_kernels.py`). The same attention for the inputs the trainers give (input ids only; anything else
+    is refused). Not saved with the model (a checkpoint's config names no attention implementation)."""
     _register_causal()
     model.set_attn_implementation(CAUSAL)
+    model.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
     return model
 
 
