@@ -72,7 +72,7 @@ class LengthMaps(Capture):
     def _block(self, slot: int, s: int, e: int, k0: int, scores: torch.Tensor, allowed: torch.Tensor) -> None:
         """Row sums of the block's visible scores and, for each length T > s, their sums along each lag d = i - j
         over the block's queries below T."""
-        z = torch.where(allowed, scores, 0.0).flatten(1, 2)  # [B, H, e - s, e - k0]
+        z = (scores * allowed).flatten(1, 2)  # [B, H, e - s, e - k0]; 0 where hidden (scores are finite)
         self._fit["rows"][..., s:e] += z.sum(-1).to(torch.float64).cpu()
         lags = e - k0  # the block's lags: 0 .. e - 1 - k0
         j = torch.arange(s, e, device=z.device)[:, None] - torch.arange(lags, device=z.device)  # key of (i, d)
