@@ -489,7 +489,6 @@ class Capture(Statistic):
         k = _align(key.float(), batch, 2)[:, :, None]  # [B, Hkv, 1, T, D]
         valid = batch.on(query.device).valid
         seen = visible(n, window, device=query.device)
-        unseen = torch.zeros(n, n, device=query.device).masked_fill_(~seen, -math.inf)  # 0 / -inf, added
         rows = max(1, min(n, self.chunk_bytes // (16 * b * h * n)))
         red = (0,) if self.per_head else (0, 1, 2)
 
@@ -514,7 +513,8 @@ class Capture(Statistic):
             if self.wanted["scores"] and softcap is not None:
                 add("scores", s, e, k0, torch.where(keep, sc, zero))
             if self.wanted["probs"] or self.wanted["log_probs"]:
-                logits = sc.add_(unseen[s:e, k0:e])  # -inf where hidden: one vectorised pass, sc not read again
+                hide = torch.zeros(allowed.shape, device=sc.device).masked_fill_(~allowed, -math.inf)  # [bq, K]
+                logits = sc.add_(hide)  # -inf where hidden: one vectorised pass over the block, sc not read again
                 lse = torch.logsumexp(logits, -1, keepdim=True)
                 logp = logits.sub_(lse)
                 if self.wanted["probs"]:
