@@ -543,7 +543,7 @@ def test_tiny_preset_learns_real_text(tmp_path):
 @pytest.mark.parametrize("window", [0, 8])
 def test_causal_attention_under_compile_tells_sdpa_is_causal(window):
     """Under torch.compile transformers hands a full layer the causal mask in its packed-sequence form (it cannot read
-    the position ids inside a graph), so a mask-level check alone left SDPA an explicit [B, 1, T, T] mask and
+    the position ids inside a graph), so a check for the plain causal mask function left SDPA an explicit mask and
     `is_causal=False` (seen on an H200: the `small` preset's attention ran at the masked kernels' speed). The traced
     graph of a `causal_attention` model calls SDPA with no mask and `is_causal=True` in every layer without a window,
     and keeps the mask with one; the compiled logits equal the stock eager model's (1e-5: float32, other kernels)."""

@@ -22,35 +22,18 @@ CAUSAL = "poslens_causal"  # SDPA told `is_causal` instead of handed an explicit
 
 
 def _causal_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' SDPA mask, or None (SDPA then runs with `is_causal=True`) when the mask would be the plain
-    causal one: no padding mask, no window, queries and keys the same positions from 0. Decided on Python values
-    only, so a compiled graph never reads a tensor to decide."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    """transformers' SDPA mask for a layer with a window (`local_size`), None for every other layer (SDPA then runs
+    with `is_causal=True`). A CAUSAL model takes input ids only (`_plain_inputs`: one sequence per row from position 0,
+    no padding mask, no cache), so a full layer's mask is the plain causal one, also where transformers hands it in
+    the packed-sequence form it builds under torch.compile (it cannot read the position ids inside a graph to rule
+    packing out). Decided on a Python value, so a compiled graph never reads a tensor to decide."""
+    from transformers.masking_utils import sdpa_mask
 
-    offsets = (kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))  # a tensor offset (static caches): not plain
-    plain = (not args and kwargs.get("mask_function") is causal_mask_function and kwargs.get("attention_mask") is None
-             and kwargs.get("local_size") is None and all(type(o) is int and o == 0 for o in offsets)
-             and kwargs.get("q_length") == kwargs.get("kv_length"))
-    return None if plain else sdpa_mask(*args, **kwargs)
-
-
-def _causal_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention with ``is_causal=True`` on every layer without a window. Under torch.compile,
-    where transformers cannot read the position ids to rule packing out, a full layer is handed the causal mask in
-    its packed-sequence form (``and_masks(remap_positions(causal), packed_sequence)``), which `_causal_mask` cannot
-    recognise inside a graph; for the only inputs a CAUSAL model takes (`_plain_inputs`: input ids, one sequence per
-    row from position 0) that mask is the causal mask, so it is dropped (a compiled graph then never builds it). A
-    layer with a window keeps its mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if getattr(module, "sliding_window", None) is None:
-        attention_mask = None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_mask(*args, **kwargs) if args or kwargs.get("local_size") is not None else None
 
 
 def _plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a CAUSAL model: only input ids (and labels), so that `_causal_sdpa` may drop the mask."""
+    """Forward pre-hook of a CAUSAL model: only input ids (and labels), so that `_causal_mask` may drop the mask."""
     given = [k for k in ("attention_mask", "position_ids", "past_key_values", "cache_position", "inputs_embeds")
              if kwargs.get(k) is not None]
     if args or given:
@@ -62,18 +45,19 @@ def _plain_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 @functools.cache
 def _register_causal() -> None:
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(CAUSAL, _causal_sdpa)
+    AttentionInterface.register(CAUSAL, sdpa_attention_forward)
     AttentionMaskInterface.register(CAUSAL, _causal_mask)
 
 
 def causal_attention(model: torch.nn.Module) -> torch.nn.Module:
-    """Have `model`'s attention call SDPA with ``is_causal=True`` whenever only causality is masked (`_causal_mask`
-    in eager mode, `_causal_sdpa` under torch.compile), as transformers itself does in eager mode. Under torch.compile,
-    transformers before torch 2.14 builds an explicit [B, 1, T, T] mask, which keeps SDPA off its causal flash kernels
-    (`benchmarks/sdpa_kernels.py`). The same attention for the inputs the trainers give (input ids only; anything else
-    is refused). Not saved with the model (a checkpoint's config names no attention implementation)."""
+    """Have `model`'s attention call SDPA with ``is_causal=True`` in every layer without a window (`_causal_mask`), as
+    transformers itself does in eager mode. Under torch.compile, transformers before torch 2.14 builds an explicit
+    [B, 1, T, T] mask, which keeps SDPA off its causal flash kernels (`benchmarks/sdpa_kernels.py`). The same attention
+    for the inputs the trainers give (input ids only; anything else is refused). Not saved with the model (a
+    checkpoint's config names no attention implementation)."""
     _register_causal()
     model.set_attn_implementation(CAUSAL)
     model.register_forward_pre_hook(_plain_inputs, with_kwargs=True)
