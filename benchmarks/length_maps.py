@@ -8,7 +8,8 @@ the lag fit at 64, 128, 256 and 512 tokens, as `poslens length` builds it (proba
 process that captures one warm-up batch, then `--updates` batches, and prints its CPU seconds per update (one
 thread, subnormals flushed as every poslens command runs). The arms alternate (base first in odd rounds); the ratio
 printed is this tree's CPU time over the base's per round, with the geometric mean and its 95% t-interval. Both
-trees' sums are written and compared: a speed figure is for the same numbers (bit for bit).
+trees' sums are written and compared: a speed figure is for the same numbers (bit for bit, or else the largest
+difference relative to the largest sum of the same tensor is printed).
 
     git archive REV src | tar -x -C /tmp/base
     .venv/bin/python benchmarks/length_maps.py --base /tmp/base/src --rounds 6 --json OUT.json
@@ -85,12 +86,17 @@ def main() -> None:
                   f"{rows[-1]['ratio']:.3f}", flush=True)
         base, now = torch.load(Path(tmp) / "base.pt"), torch.load(Path(tmp) / "now.pt")
         same = base.keys() == now.keys() and all(torch.equal(base[k], now[k]) for k in base)
+        # else how far apart: the largest |difference| relative to the largest |sum| of the same tensor
+        rel = max(float((base[k] - now[k]).abs().nan_to_num().max() / base[k].abs().nan_to_num().max().clamp(min=1e-30))
+                  for k in base if base[k].is_floating_point()) if base.keys() == now.keys() else float("nan")
     g, lo, hi = ratio_interval([x["ratio"] for x in rows])
     print(f"now / base, CPU per update, {a.rounds} rounds: {g:.3f} [{lo:.3f}, {hi:.3f}] (95% t on the log ratios); "
-          f"sums bit for bit the same: {same}; load average {os.getloadavg()[0]:.1f}")
+          f"sums bit for bit the same: {same} (largest difference relative to the tensor's largest sum {rel:.1e}); "
+          f"load average {os.getloadavg()[0]:.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rounds": rows, "ratio": g, "lo": lo, "hi": hi, "same_sums": same,
-                                            "base": str(trees["base"]), "updates": a.updates}, indent=1))
+                                            "relative_difference": rel, "base": str(trees["base"]),
+                                            "updates": a.updates}, indent=1))
 
 
 if __name__ == "__main__":

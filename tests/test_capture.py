@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import eager_mask
 
 from poslens.engine.ablations import no_rope
-from poslens.engine.capture import Capture, attention_scores, check_supported
+from poslens.engine.capture import CPU_BLOCK_ROWS, Capture, attention_scores, check_supported, chunk_rows
 from poslens.engine.families import positional_encoding, positional_encoding_record
 from poslens.errors import UsageError
 from poslens.io.checkpoint import load_partial, save_partial
@@ -188,6 +188,23 @@ def test_maps_match_float64_reference(family, dtype):
     windows = got["sliding_window"].tolist()
     expected = {"mistral": [12] * 3, "gemma3": [12, 0, 12], "gemma2": [12, 0, 12]}.get(family, [0] * 3)
     assert windows == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_maps_in_cpu_blocks_match_float64_reference(family):
+    """Past CPU_BLOCK_ROWS queries the chunked path runs in blocks of that many rows (3 blocks at 150 tokens: 64, 64,
+    22), each reading keys from the window's start to its last query; the maps still equal the reference (Mistral:
+    a window of 12, so later blocks start past key 0; a shorter second sequence pads the first block's keys)."""
+    assert chunk_rows(10**9, 150, torch.device("cpu")) == CPU_BLOCK_ROWS < 150
+    assert chunk_rows(10**9, 150, torch.device("cuda")) == 150  # a GPU keeps one block (nothing runs there)
+    model = build(family)
+    seqs = [token_batch(1, 150, seed=4)[0], token_batch(1, 100, seed=5)[0]]
+    ids, mask = _padded(seqs, left=False)
+    cap = Capture(model, probs=True, log_probs=True)
+    cap.update(ids, mask)
+    got, want = cap.result(), reference(model, seqs, list(range(model.config.num_hidden_layers)))
+    for key in ("scores", "probs", "log_probs", "log_partition"):
+        assert_maps_close(got[key], want[key], TOL32[key], f"{family} {key}")
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -98,6 +98,18 @@ def _blocks(n: int, block: int, window: int) -> Iterator[tuple[int, int, int]]:
         yield s, min(n, s + block), max(0, s - window + 1) if window else 0
 
 
+CPU_BLOCK_ROWS = 64  # query rows per block of per-head scores on the CPU (BENCHMARKS.md, "Blocks of 64 queries")
+
+
+def chunk_rows(memory_rows: int, n: int, device: torch.device) -> int:
+    """Query rows per block of per-head scores [B, H, rows, keys] for n queries: `memory_rows` (what the memory
+    allows), at most CPU_BLOCK_ROWS on the CPU. Small blocks keep a block in the cache while it is masked, reduced
+    and summed, and skip the keys above the diagonal (a block reads keys up to its last query only): one block of
+    512 queries took 3x the time of 64-row blocks at the length maps' shape. A GPU keeps the large blocks."""
+    rows = max(1, min(n, memory_rows))
+    return min(rows, CPU_BLOCK_ROWS) if device.type == "cpu" else rows
+
+
 def _in_place(acc: torch.Tensor, x: torch.Tensor) -> bool:
     """A GEMM of x's blocks adds straight into acc on a GPU (same device; `_add_matmul` / `_addmm_bf16_exact`)."""
     return acc.device == x.device and x.is_cuda
@@ -221,7 +233,8 @@ class Capture(Statistic):
     HookedModel. Options: `layers` (indices, None = all; sorted, negatives count from the end), `per_head`
     (per-head maps besides the head means), `scores`, `probs`, `log_probs` (with `log_partition`), `hidden_cosine`,
     `device` (where the sums live; None = each layer's own device), `query_block` (rows per GEMM; default:
-    see `block_rows`), `chunk_bytes` (memory for one block of per-head scores in the chunked path), `gemm`
+    see `block_rows`), `chunk_bytes` (memory for one block of per-head scores in the chunked path; on the CPU at most
+    CPU_BLOCK_ROWS queries a block, `chunk_rows`), `gemm`
     (the head-mean score GEMM: "float32" upcasts q and k; "split-bf16" keeps bfloat16 keys and writes the
     float32 group-summed queries as hi + lo bfloat16 parts, one GEMM [hi | lo] @ [k ; k]^T with exact products
     and float32 accumulation, relative error ~2^-17, on tensor cores; only for bfloat16 keys, else float32;
@@ -489,12 +502,14 @@ class Capture(Statistic):
         k = _align(key.float(), batch, 2)[:, :, None]  # [B, Hkv, 1, T, D]
         valid = batch.on(query.device).valid
         seen = visible(n, window, device=query.device)
-        rows = max(1, min(n, self.chunk_bytes // (16 * b * h * n)))
+        rows = chunk_rows(self.chunk_bytes // (16 * b * h * n), n, query.device)
         red = (0,) if self.per_head else (0, 1, 2)
 
-        def add(key_: str, s: int, e: int, k0: int, x: torch.Tensor) -> None:
+        def add(key_: str, s: int, e: int, k0: int, x: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
             acc = self._acc(key_, slot, query.device)
             x = x.sum(red)
+            if hidden is not None:  # entries no sequence sees (-inf in each summand): 0
+                x = x.masked_fill_(hidden, 0.0)
             if self.per_head:
                 x = x.reshape(h, *x.shape[2:])
             if key_ == "log_partition":
@@ -515,13 +530,16 @@ class Capture(Statistic):
             if self.wanted["probs"] or self.wanted["log_probs"]:
                 hide = torch.zeros(allowed.shape, device=sc.device).masked_fill_(~allowed, -math.inf)  # [bq, K]
                 logits = sc.add_(hide)  # -inf where hidden: one vectorised pass over the block, sc not read again
-                lse = torch.logsumexp(logits, -1, keepdim=True)
-                logp = logits.sub_(lse)
+                logp = torch.log_softmax(logits, -1)  # log p_ij = s_ij - log Z_i, one fused pass
+                # log Z_i = s_ii - log p_ii: query i always sees key i, at column i - k0 of the block
+                lse = logits.diagonal(s - k0, -2, -1) - logp.diagonal(s - k0, -2, -1)  # [B, Hkv, G, bq]
+                # unpadded, every sequence hides the same entries: sum first, then zero them (exp(-inf) is 0)
+                full, hidden = batch.full, ~allowed
                 if self.wanted["probs"]:
-                    add("probs", s, e, k0, torch.where(keep, logp.exp(), zero))
+                    add("probs", s, e, k0, logp.exp() if full else torch.where(keep, logp.exp(), zero))
                 if self.wanted["log_probs"]:
-                    add("log_probs", s, e, k0, torch.where(keep, logp, zero))
-                    add("log_partition", s, e, k0, torch.where(valid[:, None, None, s:e], lse[..., 0], zero))
+                    add("log_probs", s, e, k0, *((logp, hidden) if full else (torch.where(keep, logp, zero),)))
+                    add("log_partition", s, e, k0, lse if full else torch.where(valid[:, None, None, s:e], lse, zero))
 
     def _block(self, slot: int, s: int, e: int, k0: int, scores: torch.Tensor, allowed: torch.Tensor) -> None:
         """Sees each block of per-head scores of the chunked path, [B, Hkv, G, e - s, e - k0] (queries s .. e - 1,

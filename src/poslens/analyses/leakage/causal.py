@@ -247,8 +247,9 @@ class LeakageMaps(Statistic):
         fits = torch.eq(seen, mask).all()  # the implicit mask, every score under it finite (a device flag)
         self._masks_ok = fits if self._masks_ok is None else self._masks_ok & fits
         z = torch.where(seen, s, 0.0)
-        lse = torch.logsumexp(s, -1)  # [B, H, T]: hidden keys (-inf) drop out
-        probs = torch.exp(s - lse[..., None])
+        logp = torch.log_softmax(s, -1)  # hidden keys (-inf) drop out; one fused pass
+        lse = s.diagonal(0, -2, -1) - logp.diagonal(0, -2, -1)  # [B, H, T]: log Z_i = s_ii - log p_ii (i sees i)
+        probs = logp.exp_()
         L, l, g, f32, dev = self._layers, ctx.layer, self.group, torch.float32, s.device
         buf = self.sums.buffer
         self._add_scores(z, l, g)

@@ -23,6 +23,7 @@ import torch
 
 from poslens.analyses.length.masks import allowed_from, right_padded
 from poslens.analyses.length.points import rotated
+from poslens.engine.capture import chunk_rows
 from poslens.engine.hooks import from_factors
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
@@ -63,7 +64,7 @@ class AttentionProfile(Statistic):
         valid = None if self._valid is None else self._valid.to(q.device)
         explicit = allowed_from(ctx.attention_mask, ctx)
         queries = torch.arange(0, n, self.every, device=q.device)
-        rows = max(1, self.chunk_bytes // (4 * b * h * n))
+        rows = chunk_rows(self.chunk_bytes // (4 * b * h * n), len(queries), q.device)
         sums = {name: torch.zeros(n, dtype=torch.float64, device=q.device) for name in QUANTITIES}
         for block in queries.split(rows):
             e = int(block[-1]) + 1
@@ -77,8 +78,13 @@ class AttentionProfile(Statistic):
                 ok = allowed(e, int(ctx.window or 0), keys, device=q.device)[:, :, block]
             ok = ok[:, :, None]  # [B or 1, 1, 1, r, e] against the scores' [B, K, G, r, e]
             sc.masked_fill_(~ok, -math.inf)
-            sc.sub_(torch.logsumexp(sc, -1, keepdim=True)).exp_()  # the probabilities, in place
-            per = {"entropy": torch.special.entr(sc).sum(-1).mean((1, 2)), "key0": sc[..., 0].mean((1, 2)),
+            logp = torch.log_softmax(sc, -1)
+            p = torch.exp(logp, out=sc)  # the probabilities, in the scores' place
+            key0 = p[..., 0].mean((1, 2))
+            # H_i = -sum_j p_ij log p_ij; a hidden key's 0 * -inf is NaN, left out of the sum (0 log 0 = 0); a query
+            # that sees no key stays NaN, as its probabilities
+            entropy = logp.mul_(p).nansum(-1).neg_().where(ok.any(-1), math.nan)
+            per = {"entropy": entropy.mean((1, 2)), "key0": key0,
                    "log_keys": torch.log(ok.sum(-1).double()).expand(b, 1, 1, len(block)).mean((1, 2))}
             for name, x in per.items():  # x [B, r]: head means; padded queries leave the sums
                 x = x.double() if valid is None else torch.where(valid[:, block], x.double(), 0.0)

@@ -82,7 +82,7 @@ class PositionLoss(Statistic):
             e = min(n - 1, s + rows)
             z = lm_logits(self.model, h[:, s:e])
             target = ids[:, s + 1:e + 1, None]
-            nll[:, s:e] = (torch.logsumexp(z, -1) - z.gather(-1, target)[..., 0]).double()
+            nll[:, s:e] = torch.log_softmax(z, -1).gather(-1, target)[..., 0].neg().double()  # one fused pass
         valid = None if self._valid is None else self._valid[:, 1:].to(h.device)
         self.add_nll(nll, valid)
 

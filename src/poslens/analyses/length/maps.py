@@ -72,16 +72,21 @@ class LengthMaps(Capture):
     def _block(self, slot: int, s: int, e: int, k0: int, scores: torch.Tensor, allowed: torch.Tensor) -> None:
         """Row sums of the block's visible scores and, for each length T > s, their sums along each lag d = i - j
         over the block's queries below T."""
-        z = (scores * allowed).flatten(1, 2)  # [B, H, e - s, e - k0]; 0 where hidden (scores are finite)
+        b, h, rows, lags = scores.shape[0], scores.shape[1] * scores.shape[2], e - s, e - k0  # lags 0 .. e - 1 - k0
+        # each row of the block behind `lags` zeros: in the flat buffer, row r's entry at lag d = i - j sits at
+        # r * (2 lags + 1) + (s - k0 + 1) + (lags - 1 - d), so one strided view holds every diagonal as a column
+        # (lags in reverse; keys before k0 read the zeros)
+        padded = torch.empty(b, h, rows, 2 * lags, dtype=scores.dtype, device=scores.device)
+        padded[..., :lags].zero_()
+        z = torch.mul(scores.flatten(1, 2), allowed, out=padded[..., lags:])  # 0 where hidden (scores are finite)
         self._fit["rows"][..., s:e] += z.sum(-1).to(torch.float64).cpu()
-        lags = e - k0  # the block's lags: 0 .. e - 1 - k0
-        j = torch.arange(s, e, device=z.device)[:, None] - torch.arange(lags, device=z.device)  # key of (i, d)
-        by_lag = torch.where(j >= k0, z.gather(-1, (j - k0).clamp(min=0).expand(*z.shape[:2], -1, -1)), 0.0)
+        by_lag = padded.as_strided((b, h, rows, lags), (h * rows * 2 * lags, rows * 2 * lags, 2 * lags + 1, 1),
+                                   padded.storage_offset() + s - k0 + 1)  # [B, H, rows, lag lags - 1 - d]
         for t, acc in self._fit.items():
             if t == "rows" or t <= s:
                 continue
             d = min(lags, acc.shape[-1])
-            acc[..., :d] += by_lag[..., : min(e, t) - s, :d].sum(-2).to(torch.float64).cpu()
+            acc[..., :d] += by_lag[..., : min(e, t) - s, :].sum(-2).flip(-1)[..., :d].to(torch.float64).cpu()
 
     def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     group: int | None = None) -> None:
