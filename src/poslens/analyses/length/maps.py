@@ -33,6 +33,13 @@ KEYS = ("scores", "log_probs", "probs")
 LAG = "lag_log_partition"  # sums named f"{LAG}@{T}/{layer}" [T]: L0 of the fit at length T, over sequences x heads
 
 
+def _stacked(means: dict[str, torch.Tensor], key: str, layers: list[int], size: int, dims: int) -> torch.Tensor:
+    """The means `key/LAYER` of `layers` stacked, [layers, ...], cut to their top-left `size` entries in their last
+    `dims` dimensions."""
+    x = torch.stack([means[f"{key}/{layer}"] for layer in layers])
+    return x[..., :size, :size] if dims == 2 else x[..., :size]
+
+
 class LengthMaps(Capture):
     """The capture (head-mean scores, log-probabilities with the log-partition, probabilities) at one model, run past
     max_position_embeddings where the model allows it, with the leakage metrics of its mean maps (`metrics`).
@@ -119,21 +126,25 @@ class LengthMaps(Capture):
         windows = [int(w) for w in self._window]
         layers = self.layers
         keys: list[str] = []
+        lean = names is not None and set(names) <= set(LEAN)
+        # the lean metrics take maps [..., n, n]: the layers of one window in one call; the full set one at a time
+        same = [(w, [i for i, v in enumerate(windows) if v == w]) for w in dict.fromkeys(windows)] if lean else \
+            [(w, [i]) for i, w in enumerate(windows)]
 
         def per_layer(m: dict[str, torch.Tensor]) -> torch.Tensor:
             out = []
             for size in lengths:
-                cols = []
-                for layer, w in zip(layers, windows):
-                    maps = {k: m[f"{k}/{layer}"] for k in KEYS if f"{k}/{layer}" in m}
-                    maps["log_partition"] = m[f"log_partition/{layer}"]
-                    maps = {k: v[..., :size, :size] if v.dim() == 2 else v[:size] for k, v in maps.items()}
-                    maps[LAG] = m[f"{LAG}@{size}/{layer}"]
-                    lean = names is not None and set(names) <= set(LEAN)
+                cols: list[torch.Tensor | None] = [None] * len(layers)
+                for w, at in same:
+                    stacked = [layers[i] for i in at]
+                    maps = {k: _stacked(m, k, stacked, size, 2) for k in KEYS if f"{k}/{stacked[0]}" in m}
+                    maps["log_partition"] = _stacked(m, "log_partition", stacked, size, 1)
+                    maps[LAG] = _stacked(m, f"{LAG}@{size}", stacked, size, 1)
                     vals = (lean_metrics if lean else leakage_metrics)(maps, Domain(window=w or None))
                     if not keys:
                         keys.extend(sorted(vals) if names is None else [k for k in names if k in vals])
-                    cols.append(torch.stack([vals[k].reshape(()) for k in keys]))
+                    for j, i in enumerate(at):
+                        cols[i] = torch.stack([vals[k].reshape(len(at))[j] for k in keys])
                 out.append(torch.stack(cols, 1))  # [metrics, layers]
             return torch.stack(out)  # [lengths, metrics, layers]
 
