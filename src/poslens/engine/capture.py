@@ -98,7 +98,8 @@ def _blocks(n: int, block: int, window: int) -> Iterator[tuple[int, int, int]]:
         yield s, min(n, s + block), max(0, s - window + 1) if window else 0
 
 
-CPU_BLOCK_ROWS = 64  # query rows per block of per-head scores on the CPU (BENCHMARKS.md, "Blocks of 64 queries")
+CPU_BLOCK_ROWS = 64  # query rows per block of per-head scores on the CPU (BENCHMARKS.md, "Length section against the
+# previous release": 64 rows were the fastest of 16-1,024 at four shapes)
 
 
 def chunk_rows(memory_rows: int, n: int, device: torch.device) -> int:
