@@ -509,7 +509,7 @@ class Capture(Statistic):
         def add(key_: str, s: int, e: int, k0: int, x: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
             acc = self._acc(key_, slot, query.device)
             x = x.sum(red)
-            if hidden is not None:  # entries no sequence sees (-inf in each summand): 0
+            if hidden is not None:  # entries no sequence sees: 0 in the sum
                 x = x.masked_fill_(hidden, 0.0)
             if self.per_head:
                 x = x.reshape(h, *x.shape[2:])
@@ -518,29 +518,34 @@ class Capture(Statistic):
             else:
                 acc[..., s:e, k0:e] += x.to(acc.device)
 
+        def add_seen(key_: str, s: int, e: int, k0: int, x: torch.Tensor, allowed: torch.Tensor) -> None:
+            """Add x [B, Hkv, G, bq, K] where the sequence's query sees the key, 0 elsewhere. Unpadded, every
+            sequence hides the same entries: summed first, then those zeroed (one pass over the sum, not the block)."""
+            if batch.full:
+                add(key_, s, e, k0, x, ~allowed)
+            else:
+                add(key_, s, e, k0, torch.where((valid[:, s:e, None] & allowed)[:, None, None], x, 0.0))
+
         for s, e, k0 in _blocks(n, rows, window):
             sc = torch.matmul(q[..., s:e, :], k[..., k0:e, :].transpose(-1, -2)) * scaling
             if softcap is not None:
                 sc = torch.tanh(sc / softcap) * softcap
             allowed = seen[s:e, k0:e]
             self._block(slot, s, e, k0, sc, allowed)
-            keep = (valid[:, s:e, None] & allowed)[:, None, None]  # [B, 1, 1, bq, K]
-            zero = sc.new_zeros(())
             if self.wanted["scores"] and softcap is not None:
-                add("scores", s, e, k0, torch.where(keep, sc, zero))
+                add_seen("scores", s, e, k0, sc, allowed)
             if self.wanted["probs"] or self.wanted["log_probs"]:
                 hide = torch.zeros(allowed.shape, device=sc.device).masked_fill_(~allowed, -math.inf)  # [bq, K]
                 logits = sc.add_(hide)  # -inf where hidden: one vectorised pass over the block, sc not read again
                 logp = torch.log_softmax(logits, -1)  # log p_ij = s_ij - log Z_i, one fused pass
                 # log Z_i = s_ii - log p_ii: query i always sees key i, at column i - k0 of the block
                 lse = logits.diagonal(s - k0, -2, -1) - logp.diagonal(s - k0, -2, -1)  # [B, Hkv, G, bq]
-                # unpadded, every sequence hides the same entries: sum first, then zero them (exp(-inf) is 0)
-                full, hidden = batch.full, ~allowed
                 if self.wanted["probs"]:
-                    add("probs", s, e, k0, logp.exp() if full else torch.where(keep, logp.exp(), zero))
+                    add_seen("probs", s, e, k0, logp.exp(), allowed)
                 if self.wanted["log_probs"]:
-                    add("log_probs", s, e, k0, *((logp, hidden) if full else (torch.where(keep, logp, zero),)))
-                    add("log_partition", s, e, k0, lse if full else torch.where(valid[:, None, None, s:e], lse, zero))
+                    add_seen("log_probs", s, e, k0, logp, allowed)
+                    add("log_partition", s, e, k0,
+                        lse if batch.full else torch.where(valid[:, None, None, s:e], lse, 0.0))
 
     def _block(self, slot: int, s: int, e: int, k0: int, scores: torch.Tensor, allowed: torch.Tensor) -> None:
         """Sees each block of per-head scores of the chunked path, [B, Hkv, G, e - s, e - k0] (queries s .. e - 1,
