@@ -31,6 +31,7 @@ export POSLENS_CACHE=${POSLENS_CACHE:-/tmp/poslens-cache}
 PY=${PY:-python3}
 dev=${DEVICE:-cuda}; dtype=${DTYPE:-bfloat16}; seq=${SEQ:-512}; nseq=${NSEQ:-128}; big=${BIG:-llama-3.1-8b}
 work=$(mktemp -d)
+last_rc=  # the exit status of the last step run (none yet)
 step() { local name=$1 limit=$2; shift 2
   case " ${SKIP-corpus leakage-135m-512 model-big leakage-big-512} " in *" $name "*) echo "=== $name: skipped (SKIP)"; return;; esac
   echo "=== $name ($(date -u +%T), limit ${limit}s): $*"; local t0=$SECONDS

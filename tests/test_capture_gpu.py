@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_identical
+from helpers import assert_identical, assert_within_sdpa_rounding
 from test_capture import ALL, MAPS, TOL32, assert_maps_close, assert_single_rank_all_reduce_is_identity, reference
 from test_scores import cfg, model_dir  # noqa: F401  (model_dir is a fixture)
-from tiny_models import FAMILIES, build, token_batch
+from tiny_models import ALL_FAMILIES, build, heads_summed_twin, randomize_norm_gains, token_batch
 
 import poslens
 from poslens.analyses.scores import run_scores
 from poslens.engine.capture import Capture
+from poslens.engine.hooks import HookedModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -31,7 +32,7 @@ def _no_tf32():
     m.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)  # learned tables, ALiBi, partial rotary and parallel blocks too
 def test_float32_maps_on_gpu_match_float64_reference(family):
     """Every map of a float32 model run on the GPU equals the float64 CPU reference (tolerances as on the CPU:
     the GPU's float32 SDPA kernels round differently, by the same order)."""
@@ -61,6 +62,38 @@ def test_fused_bf16_gemm_matches_float32_gemm_on_the_same_forward(family):
         cap.update(ids)  # a second, longer batch: the sums grow
         maps[gemm] = cap.result()["scores"]
     assert_maps_close(maps["split-bf16"], maps["float32"], 1e-5, family)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@torch.no_grad()
+def test_hooked_forward_on_the_gpu_equals_hugging_face(family):
+    """tests/test_family_tl.py's check on CUDA: with a reader on every point the logits equal, bit for bit, those of
+    the eager twin whose W_O output is the per-head results' sum (the same kernels on the same shapes); without a
+    reader of the scores, the pattern or the results, those of the plain forward; hook_resid_pre is the twin's hidden
+    states and hook_pattern its eager attentions within 1e-5 (probabilities from float32 softmaxes). Falcon-RW has no
+    eager reference (transformers' eager Falcon adds the ALiBi bias twice; tests/test_falcon.py): its logits are held
+    to SDPA rounding of the plain forward."""
+    model = randomize_norm_gains(build(family))
+    # the twin made on the CPU beside the model, then moved: a buffer computed when a model is built (GPT-J's sin/cos
+    # table, not in the state dict) holds the model's floats (built on the GPU, its sines differ by an ulp)
+    twin = heads_summed_twin(model).cuda()
+    model.cuda()
+    hm = HookedModel(model)
+    ids = token_batch(2, 16, seed=3).cuda()
+    plain = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    logits, cache = hm.run_with_cache(ids, hm.points)
+    no_pattern = [p for p in hm.points if not p.endswith(("attn.hook_attn_scores", "attn.hook_pattern",
+                                                              "attn.hook_result"))]
+    assert torch.equal(hm.run_with_cache(ids, no_pattern)[0], plain.logits)
+    assert logits.is_cuda
+    if family == "falcon_rw":
+        assert_within_sdpa_rounding(logits, plain.logits, "falcon-rw on the GPU, every point read")
+        return
+    reference = twin(input_ids=ids, use_cache=False, output_hidden_states=True, output_attentions=True)
+    assert torch.equal(logits, reference.logits)
+    for l in range(hm.n_layers):
+        assert torch.equal(cache[f"blocks.{l}.hook_resid_pre"], reference.hidden_states[l]), l
+        assert (cache[f"blocks.{l}.attn.hook_pattern"] - reference.attentions[l]).abs().max() < 1e-5, l
 
 
 def test_outputs_bitwise_equal_to_plain_forward_on_gpu():

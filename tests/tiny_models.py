@@ -245,9 +245,9 @@ def heads_summed_twin(model: PreTrainedModel, attn_implementation: str = "eager"
         if layers is not None and found - 1 not in layers:
             continue
         o = next(getattr(attn, n) for n in OUTPUT_NAMES if hasattr(attn, n))
-        w = o.weight if type(o).__name__ == "Conv1D" else o.weight.T  # [H * D, d]
 
-        def summed(z, o=o, w=w):
+        def summed(z, o=o):  # W_O read at each call, so the twin can be moved to another device
+            w = o.weight if type(o).__name__ == "Conv1D" else o.weight.T  # [H * D, d]
             per_head = torch.einsum("bthk,hkd->bthd", z.unflatten(-1, (heads, -1)), w.unflatten(0, (heads, -1)))
             return per_head.sum(-2) + (o.bias if o.bias is not None else 0)
 
