@@ -6,7 +6,9 @@ exported tree, `git archive REV src`), on the same sweep models read from one mo
 tree if missing, not timed), with the same section sizes, each into a fresh parts directory (nothing reused), the
 order alternating over repeats. Reported per build: wall and CPU seconds of the child, and its rows' verdicts and
 key numbers; the rows both trees have must give the same numbers (the speed is for the same results). The ratio
-is this tree's wall time over the release's in the same repeat.
+is this tree's wall time over the release's in the same repeat. A tree with `poslens.engine.workers` starts its
+workers' server first thing in the child, as `reproduce` does on entry (there other sections run before this one
+while the server imports; here only the child's own imports do, so the child's wall still holds part of it).
 
 The default setting is small: the `pe-sinks` sweep's shape (4 layers, d = 64, 8 heads, L = 64, evaluated to 512
 tokens: the full run's) with 6 training steps (the evaluation costs the same whatever the weights), 3 seeds, 8
@@ -35,6 +37,11 @@ SIZES = {"sweep": "pe-sinks", "sweep_train": "steps=6+warmup=2+eval_every=3+save
 
 CHILD = """
 import json, sys, time
+try:  # as `reproduce` does on entry: the worker processes' server starts and imports beside the work (trees since
+    from poslens.engine import workers  # 2026-11-30; the release spawns each worker, which imports for itself)
+    workers.start()
+except ImportError:
+    pass
 from pathlib import Path
 from poslens.report.context import Context
 from poslens.report.section import spec

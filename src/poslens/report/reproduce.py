@@ -38,9 +38,10 @@ def cpu_with_workers() -> float:
     """CPU seconds of this process and of its finished worker processes (the sweep's training parts, the length runs
     side by side: `time.process_time` alone leaves them out, which made a section that trains look cheap)."""
     from poslens.analyses.card.run import cpu_seconds
+    from poslens.engine import workers
 
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return cpu_seconds() + kids.ru_utime + kids.ru_stime
+    return cpu_seconds() + kids.ru_utime + kids.ru_stime + workers.cpu_seconds()
 
 
 def provenance(command: str | None, seed: int) -> dict[str, str]:
@@ -177,6 +178,10 @@ def reproduce(out: str = "poslens-out", quick: bool = False, force: bool = False
     inputs = sweep_tokens(sizes)
     target = check_output(out, force, inputs)
     parts = target.parent / f".{target.name}.parts"
+    if models:  # the worker processes' server (the sweep's training parts, the length runs) imports beside the work
+        from poslens.engine import workers
+
+        workers.start()
     with run_directory(target, force, inputs) as tmp:
         parts.mkdir(exist_ok=True)
         ctx = Context(tmp, target, parts, samples, seed, quick, progress, pdf=pdf)

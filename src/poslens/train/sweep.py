@@ -533,18 +533,18 @@ def _train_parallel(parts: list[list[tuple[TrainConfig, str]]], tokens: Path, jo
     """Train `parts` in `jobs` worker processes, each part as one computation (`_train_unit`, compiled as `compile`
     says, as the parts trained in this process are: a part of one model too), or with `compile` None each model
     alone (`_train_member`: parts of one model)."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     import torch
     from tqdm.auto import tqdm
 
+    from poslens.engine import workers
+
     threads = max(1, torch.get_num_threads() // jobs)
     _quiet_resource_tracker()
-    ctx = multiprocessing.get_context("spawn")
-    counters = ctx.Array("q", len(parts), lock=False)  # model-steps done per part, written by its worker
+    counters = workers.context().Array("q", len(parts), lock=False)  # model-steps done per part, written by its worker
     work = [len(p) * p[0][0].steps for p in parts]
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init, initargs=(counters,))
+    pool = workers.Pool(jobs, initializer=_worker_init, initargs=(counters,))
     # one bar for every part (the workers draw none): model-steps done; a model trained alone (compile None) counts
     # when it is finished
     bar = tqdm(total=sum(work), desc=f"training {clock.total} models, {jobs} parts at a time", unit="model-step",

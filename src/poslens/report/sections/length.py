@@ -124,15 +124,16 @@ def _run_one(cfg, out: Path, progress: bool, threads: int | None = None) -> None
 
 
 def _run_side_by_side(todo: list, jobs: int, progress: bool) -> None:
-    """The runs of `todo` (variant, config, out), `jobs` at a time, each in a spawned process with torch's threads
-    shared out; a run's error is raised here."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    """The runs of `todo` (variant, config, out), `jobs` at a time, each in a worker process (`poslens.engine.workers`)
+    with torch's threads shared out; a run's error is raised here."""
+    from concurrent.futures import as_completed
 
     import torch
 
+    from poslens.engine import workers
+
     threads = max(1, torch.get_num_threads() // jobs)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with workers.Pool(jobs) as pool:
         pending = {pool.submit(_run_one, cfg, out, False, threads): v for v, cfg, out in todo}
         for f in as_completed(pending):
             f.result()

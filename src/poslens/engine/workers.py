@@ -1,0 +1,123 @@
+"""Worker processes for jobs run side by side: the sweep's training parts, the report's length runs.
+
+A spawned process imports torch and transformers again before it can work (7.4 s a worker on the 2-core machine,
+BENCHMARKS.md "Length section against the previous release"). Here workers are forked from one server per program
+(multiprocessing's forkserver) that has imported them once, so a pool after the first starts in a fraction of a
+second; `start()` starts that server early, so its imports run beside other work. Where a platform has no forkserver,
+workers are spawned as before.
+
+Two things a forked worker would otherwise get wrong, handled here:
+
+* the environment: a worker is the server's child, and the server's environment is the one it started with; each
+  job runs under the submitting process's environment of the moment it was submitted (`Pool.submit`);
+* CPU time: `RUSAGE_CHILDREN` of this process does not see the server's children; each job adds its CPU seconds
+  (its own and its children's) to a counter this process reads (`cpu_seconds`), and at exit the server is stopped and
+  waited for, so a parent of this program sees the whole tree's CPU time in its `RUSAGE_CHILDREN`, as with spawned
+  workers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import resource
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+# what the server imports once: every module a worker's job needs (an import that fails is skipped by the server)
+PRELOAD = ["torch", "transformers", "poslens.train.sweep", "poslens.analyses.length.run"]
+
+_counters: list[Any] = []  # one shared CPU-seconds counter per forkserver pool made here
+_stop_registered = False
+
+
+def forked() -> bool:
+    """Whether workers are forked from the server here (False: spawned, where the platform has no forkserver)."""
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of the workers: the forkserver with PRELOAD imported, else spawn."""
+    global _stop_registered
+    if not forked():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    if not _stop_registered:
+        atexit.register(_stop_server)
+        _stop_registered = True
+    return ctx
+
+
+def start() -> None:
+    """Start the server now (it imports PRELOAD beside the caller's work); nothing if it runs or is not used."""
+    if forked():
+        context()
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of the jobs finished in forked workers of this process's pools (spawned workers are this process's
+    children: `RUSAGE_CHILDREN` counts them)."""
+    return sum(c.value for c in _counters)
+
+
+class Pool(ProcessPoolExecutor):
+    """A process pool of `jobs` workers (`initializer(*initargs)` run in each), forked from the server where it
+    runs; each job runs under the environment of its submission and counts its CPU seconds (`cpu_seconds`)."""
+
+    def __init__(self, jobs: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
+        ctx = context()
+        self._counter = ctx.Value("d", 0.0) if ctx.get_start_method() == "forkserver" else None
+        if self._counter is not None:
+            _counters.append(self._counter)
+        super().__init__(max_workers=jobs, mp_context=ctx, initializer=_init,
+                         initargs=(self._counter, initializer, initargs))
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        return super().submit(_call, dict(os.environ), fn, args, kwargs)
+
+
+_COUNTER: Any = None  # in a worker: its pool's CPU-seconds counter (None: spawned)
+
+
+def _init(counter: Any, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+    global _COUNTER
+    _COUNTER = counter
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _used() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _call(env: dict[str, str], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """In a worker: fn(*args, **kwargs) under the submitting process's environment; its CPU seconds counted."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    t0 = _used()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if _COUNTER is not None:
+            with _COUNTER.get_lock():
+                _COUNTER.value += _used() - t0
+
+
+def _stop_server() -> None:
+    """At exit: stop the server and wait for it (its children's CPU time then reaches this process's parent)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        try:
+            server._stop()
+        except OSError:
+            pass

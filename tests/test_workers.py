@@ -1,0 +1,63 @@
+"""Worker processes forked from one server (`poslens.engine.workers`): each job under its submitter's environment,
+its CPU time counted, the server's imports made once, and the whole tree's CPU time seen by a parent at exit."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from poslens.engine import workers
+
+pytestmark = pytest.mark.skipif(not workers.forked(), reason="no forkserver on this platform (workers are spawned)")
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _burn(seconds: float) -> bool:
+    """Spin for `seconds` of this process's CPU time; whether torch was imported before the job ran."""
+    imported = "torch" in sys.modules
+    t0 = time.process_time()
+    while time.process_time() - t0 < seconds:
+        pass
+    return imported
+
+
+def test_a_job_runs_under_the_environment_of_its_submission():
+    workers.start()  # the server's environment is fixed now
+    os.environ["POSLENS_TEST_WORKERS"] = "after the server started"
+    try:
+        with workers.Pool(1) as pool:
+            assert pool.submit(_env, "POSLENS_TEST_WORKERS").result() == "after the server started"
+            del os.environ["POSLENS_TEST_WORKERS"]
+            assert pool.submit(_env, "POSLENS_TEST_WORKERS").result() is None  # the same worker, a later job
+    finally:
+        os.environ.pop("POSLENS_TEST_WORKERS", None)
+
+
+def test_jobs_count_their_cpu_time_and_find_the_servers_imports():
+    before = workers.cpu_seconds()
+    with workers.Pool(2) as pool:
+        imported = [f.result() for f in [pool.submit(_burn, 0.3) for _ in range(2)]]
+    assert imported == [True, True]  # torch came with the fork, not with the job
+    assert workers.cpu_seconds() - before >= 0.55  # two jobs of 0.3 s each, counted here (RUSAGE_CHILDREN is not)
+
+
+def test_a_parent_sees_the_workers_cpu_time_after_the_program_exits():
+    program = ("from poslens.engine import workers\n"
+               "with workers.Pool(1) as pool:\n"
+               "    pool.submit(sum, range(40_000_000)).result()\n"
+               "print(workers.cpu_seconds())\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    counted = float(out.stdout)
+    assert counted > 0.2  # the job's sum (about 0.5-1 s of CPU)
+    seen = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert seen >= counted  # the program, its server and the worker all waited for: the job's time included
