@@ -30,7 +30,6 @@ from typing import Any
 PRELOAD = ["torch", "transformers", "poslens.train.sweep", "poslens.analyses.length.run"]
 
 _counters: list[Any] = []  # one shared CPU-seconds counter per forkserver pool made here
-_stop_registered = False
 
 
 def forked() -> bool:
@@ -40,14 +39,10 @@ def forked() -> bool:
 
 def context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context of the workers: the forkserver with PRELOAD imported, else spawn."""
-    global _stop_registered
     if not forked():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    if not _stop_registered:
-        atexit.register(_stop_server)
-        _stop_registered = True
     return ctx
 
 
@@ -92,7 +87,8 @@ def _init(counter: Any, initializer: Callable[..., Any] | None, initargs: tuple)
         initializer(*initargs)
 
 
-def _used() -> float:
+def process_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended and been waited for."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
@@ -102,13 +98,13 @@ def _call(env: dict[str, str], fn: Callable[..., Any], args: tuple, kwargs: dict
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
-    t0 = _used()
+    t0 = process_seconds()
     try:
         return fn(*args, **kwargs)
     finally:
         if _COUNTER is not None:
             with _COUNTER.get_lock():
-                _COUNTER.value += _used() - t0
+                _COUNTER.value += process_seconds() - t0
 
 
 def _stop_server() -> None:
@@ -121,3 +117,6 @@ def _stop_server() -> None:
             server._stop()
         except OSError:
             pass
+
+
+atexit.register(_stop_server)  # (nothing to do where no server was started)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import platform
-import resource
 import shutil
 import time
 from collections.abc import Mapping
@@ -37,11 +36,9 @@ TITLE = "poslens: reproduction report"
 def cpu_with_workers() -> float:
     """CPU seconds of this process and of its finished worker processes (the sweep's training parts, the length runs
     side by side: `time.process_time` alone leaves them out, which made a section that trains look cheap)."""
-    from poslens.analyses.card.run import cpu_seconds
     from poslens.engine import workers
 
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return cpu_seconds() + kids.ru_utime + kids.ru_stime + workers.cpu_seconds()
+    return workers.process_seconds() + workers.cpu_seconds()
 
 
 def provenance(command: str | None, seed: int) -> dict[str, str]:
