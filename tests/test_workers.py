@@ -62,3 +62,19 @@ def test_a_parent_sees_the_workers_cpu_time_after_the_program_exits():
     assert counted > 0.2  # the job's sum (about 0.5-1 s of CPU)
     seen = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     assert seen >= counted  # the program, its server and the worker all waited for: the job's time included
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_script_without_a_main_guard_runs_its_top_level_once(tmp_path, method):
+    """multiprocessing runs the parent's main script again in each worker it starts, unless told otherwise: a script
+    without `if __name__ == "__main__":` would start workers from its workers and fail. Here the top level runs once."""
+    script = tmp_path / "analysis.py"
+    script.write_text("from poslens.engine import workers\n"
+                      "workers.PRELOAD.clear()\n"  # a server that imports nothing (fast)
+                      + ("workers.forked = lambda: False\n" if method == "spawn" else "")
+                      + "print('top level', flush=True)\n"
+                      "with workers.Pool(1) as pool:\n"
+                      "    print(pool.submit(sum, range(10)).result())\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["top", "level", "45"]

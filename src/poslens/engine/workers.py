@@ -13,7 +13,11 @@ Two things a forked worker would otherwise get wrong, handled here:
 * CPU time: `RUSAGE_CHILDREN` of this process does not see the server's children; each job adds its CPU seconds
   (its own and its children's) to a counter this process reads (`cpu_seconds`), and at exit the server is stopped and
   waited for, so a parent of this program sees the whole tree's CPU time in its `RUSAGE_CHILDREN`, as with spawned
-  workers.
+  workers;
+* the caller's script: multiprocessing imports the parent's main module in every worker it starts (so that functions
+  defined there unpickle), which runs a script's top level again, and a script without `if __name__ == "__main__":`
+  that starts workers then fails in each worker; the jobs here are poslens functions, so a worker is started without
+  the parent's main module (`_Process`), and a script or notebook needs no guard.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import atexit
 import multiprocessing
 import os
 import resource
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import context as mp_context
+from multiprocessing import spawn
 from typing import Any
 
 # what the server imports once: every module a worker's job needs (an import that fails is skipped by the server)
@@ -37,11 +44,54 @@ def forked() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
+_launching = threading.Lock()  # one worker started at a time while the preparation data leaves out the main module
+
+
+def _without_main(start: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A process class's `_Popen` that starts the worker without the parent's main module: the preparation data a
+    new process reads (`multiprocessing.spawn.get_preparation_data`, looked up when the process starts) has no
+    `init_main_from_path` or `init_main_from_name` for the time of the start."""
+    def popen(process_obj):
+        with _launching:
+            full = spawn.get_preparation_data
+
+            def data(name):
+                d = full(name)
+                d.pop("init_main_from_path", None)
+                d.pop("init_main_from_name", None)
+                return d
+
+            spawn.get_preparation_data = data
+            try:
+                return start(process_obj)
+            finally:
+                spawn.get_preparation_data = full
+
+    return staticmethod(popen)
+
+
+class _SpawnProcess(mp_context.SpawnProcess):
+    _Popen = _without_main(mp_context.SpawnProcess._Popen)
+
+
+class _SpawnContext(mp_context.SpawnContext):
+    Process = _SpawnProcess
+
+
+if forked():
+    class _ForkServerProcess(mp_context.ForkServerProcess):
+        _Popen = _without_main(mp_context.ForkServerProcess._Popen)
+
+    class _ForkServerContext(mp_context.ForkServerContext):
+        Process = _ForkServerProcess
+
+
 def context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context of the workers: the forkserver with PRELOAD imported, else spawn."""
+    """The multiprocessing context of the workers: the forkserver with PRELOAD imported, else spawn; either starts
+    its workers without the parent's main module."""
     if not forked():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
+        return _SpawnContext()
+    ctx = _ForkServerContext()
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
