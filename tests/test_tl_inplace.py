@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build, randomize_norm_gains, token_batch
+from tiny_models import ALL_FAMILIES, build, randomize_norm_gains, token_batch
 
 from poslens.engine.hooks import HookedModel
 
@@ -130,3 +130,29 @@ def test_left_padding_offsets_positions_in_the_transformer_lens_surface_only(fam
     # without the offset the padded row is rotated by 3 more positions (RoPE's scores, and so the logits, depend
     # only on relative positions: they agree either way)
     assert (seen[0][:, pad:] - alone[name]).abs().max() > 0.1 * alone[name].abs().max()
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_in_place_edits_with_gradients_on_act_as_a_returned_clone(family):
+    """TransformerLens code runs `run_with_hooks` with autograd on (torch's default) and edits values in place: at
+    every point of every family the edit works there too (no autograd error: the q/k/v of a fused projection are
+    views a hook may edit) and moves the logits as the same edit on a returned clone, bit for bit."""
+    model = randomize_norm_gains(build(family))
+    hm = HookedModel(model)
+    ids = token_batch(2, 9, seed=3)
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+    points = [p for p in hm.points if p.startswith("blocks.1.") or not p.startswith(("blocks.", "unembed.hook_out"))]
+    assert any(p.endswith("attn.hook_q") for p in points)
+    for point in points:
+        def in_place(x, hook):
+            _edit(x)
+
+        def clone(x, hook):
+            y = x.clone()
+            _edit(y)
+            return y
+
+        runs = [hm.run_with_hooks(ids, fwd_hooks=[(point, fn)]).detach() for fn in (clone, in_place)]
+        assert not torch.equal(runs[0], plain), f"{point}: the edit does not change the logits"
+        assert torch.equal(runs[1], runs[0]), f"{point}: an in-place edit differs from a returned clone"

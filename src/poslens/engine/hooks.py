@@ -708,7 +708,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
             return handles
 
         def hook(module, args, out):
-            views = out.unflatten(-1, (heads, 3, d)).unbind(-2)  # q, k, v: [B, T, H, D] each
+            fused = out.unflatten(-1, (heads, 3, d))  # q, k, v: [B, T, H, D] views, one `select` each (autograd
+            views = [fused.select(-2, i) for i in range(3)]  # lets a hook edit those in place, not unbind's)
             new = [self._fire_at(l, point, x) for point, x in zip(points, views)]
             if all(y is x for x, y in zip(views, new)):
                 return None
@@ -785,7 +786,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """A forward hook on a projection whose output holds `parts` side by side, each (point, width, head width or
         0): every hooked part is fired ([B, T, heads, D] when it has heads) and written back."""
         def hook(module, args, out):
-            pieces = out.split([w for _, w, _ in parts], -1) if len(parts) > 1 else (out,)
+            pieces = _side_by_side(out, [w for _, w, _ in parts]) if len(parts) > 1 else (out,)
             new = []
             for (point, _, d), piece in zip(parts, pieces):
                 x = piece.unflatten(-1, (-1, d)) if d else piece
@@ -799,9 +800,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
     def _pos_embed_hook(self, batch: int, fns: list[HookFn]):
         """A forward hook on the position table firing hook_pos_embed, its rows at the positions as [B, T, d] (the model
-        looks them up once for the batch, [1, T, d]); read only, the model's own output stays."""
+        looks them up once for the batch, [1, T, d]: copied per row, as TransformerLens's lookup, so that a hook can
+        edit one row in place); unless a hook wrote them, the model's own output stays."""
         def hook(module, args, out):
-            x = out.expand(batch, -1, -1) if out.shape[0] != batch else out
+            x = out.expand(batch, -1, -1).clone() if out.shape[0] != batch else out
             seen = x._version
             new = self._fire("hook_pos_embed", None, x, fns)
             return None if new is x and x._version == seen else new
@@ -1231,6 +1233,13 @@ def _kv_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> tor
         bsz, kh = b.shape[:2]
         b = b[:, :, None].expand(bsz, kh, groups, *b.shape[2:]).reshape(bsz, kh * groups, *b.shape[2:])
     return torch.matmul(a, b.transpose(-1, -2) if transpose else b)
+
+
+def _side_by_side(out: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """The parts of `out`'s last dimension of these widths, each a view of its own (`narrow`): a hook may edit one in
+    place with autograd on (the views of one `split` refuse in-place edits under autograd)."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return [out.narrow(-1, a, w) for a, w in zip(starts, widths)]
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
