@@ -148,3 +148,42 @@ def test_bloom_token_replacement_at_hook_embed_is_what_the_model_embeds():
     want = model(input_ids=own).logits
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert (model(input_ids=ids).logits - want).abs().max() > 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon_rw"])
+@torch.no_grad()
+def test_alibi_hooks_see_the_kernels_q_and_k_and_cached_steps_the_same_scores(family):
+    """On ALiBi a hook at attn.hook_attn_scores sees ctx.rot_q and ctx.rot_k as the kernel reads them ([B, H, T, D]);
+    a reader of the factors (`from_factors`) gets them with the bias's two coordinates ([B, H, T, D + 2]), whose
+    product times the scaling is the scores the other hook sees (TransformerLens's form, slope_h (j - i); 1e-5 of the
+    largest score: float32 products summed in another order). With the key/value cache (`generate`), the step that
+    runs the last token alone sees that token's row of the full forward's scores (1e-5: the same products, another
+    GEMM shape)."""
+    from poslens.engine.hooks import from_factors
+
+    hm = HookedModel(build(family))
+    ids = token_batch(1, 7, seed=2)
+    name = "blocks.1.attn.hook_attn_scores"
+    seen = {}
+
+    def plain(x, ctx):
+        seen.update(scores=x.clone(), q=ctx.rot_q.shape, k=ctx.rot_k.shape)
+
+    def factors(_, ctx):
+        seen["product"] = ctx.rot_q @ ctx.rot_k.transpose(-1, -2) * ctx.scaling
+        seen["factor_shape"] = ctx.rot_q.shape
+
+    hm.run(ids, hooks={name: [from_factors(factors), plain]})
+    d = hm.cfg.d_head
+    assert seen["q"] == (1, hm.cfg.n_heads, 7, d) and seen["k"][-1] == d and seen["factor_shape"][-1] == d + 2
+    lower = torch.ones(7, 7, dtype=torch.bool).tril()
+    scores = seen["scores"]
+    assert (seen["product"][..., lower] - scores[..., lower]).abs().max() <= 1e-5 * scores[..., lower].abs().max()
+    steps = []
+    hm.add_hook(name, lambda x, hook: steps.append(x.clone()))
+    hm.generate(ids[:, :6], max_new_tokens=2, do_sample=False, stop_at_eos=False)
+    hm.reset_hooks()
+    full = hm.run_with_cache(torch.cat([ids[:, :6], hm.generate(ids[:, :6], max_new_tokens=1, do_sample=False,
+                                                                stop_at_eos=False)[:, 6:]], 1), [name])[1][name]
+    assert steps[1].shape == (1, hm.cfg.n_heads, 1, 7)
+    assert (steps[1][..., 0, :] - full[..., 6, :]).abs().max() <= 1e-5 * full[..., 6, :].abs().max()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build, token_batch
+from tiny_models import ALL_FAMILIES, build, token_batch
 
 from poslens.engine.hooks import HookedModel
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox", "gptj", "phi"])  # parallel blocks too
+@pytest.mark.parametrize("family", ALL_FAMILIES)  # parallel blocks, ALiBi and poslens's own attention (Falcon) too
 def test_cached_generation_equals_full_recomputation_and_hooks_see_the_new_token(family):
     hm = HookedModel(build(family))
     ids = token_batch(2, 6, seed=3)
@@ -24,8 +24,8 @@ def test_cached_generation_equals_full_recomputation_and_hooks_see_the_new_token
     hm.add_hook("blocks.0.hook_resid_pre", lambda x, hook: shapes.append(tuple(x.shape)))
     hm.generate(ids, max_new_tokens=3, do_sample=False, stop_at_eos=False)
     hm.reset_hooks()
-    d = hm.cfg.d_model
-    assert shapes == [(2, 6, d), (2, 4, 6, 6), (2, 1, d), (2, 4, 1, 7), (2, 1, d), (2, 4, 1, 8)]
+    d, h = hm.cfg.d_model, hm.cfg.n_heads
+    assert shapes == [(2, 6, d), (2, h, 6, 6), (2, 1, d), (2, h, 1, 7), (2, 1, d), (2, h, 1, 8)]
 
 
 def test_generation_stops_each_row_at_eos():

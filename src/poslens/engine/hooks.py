@@ -211,9 +211,10 @@ class HookContext:
     position_ids: torch.Tensor | None
     rot_q: torch.Tensor | None = None  # [B, H, T, D] queries after q-norm and RoPE, as the kernel reads them
     rot_k: torch.Tensor | None = None  # [B, K, T, D] keys after k-norm and RoPE (not repeated for GQA); ALiBi
-    # (BLOOM): both [B, H, T, D + 2], q and k with two coordinates that carry the bias, [q, 1, -b_i / scaling] and
-    # [k, b_j / scaling, 1] for the per-key bias b (key_bias), so that rot_q . rot_k * scaling is the score with
-    # ALiBi's bias as TransformerLens puts it (score_bias) for every reader that works from the factors
+    # (BLOOM, Falcon-RW), for a reader that works from the factors (`from_factors`) only: both [B, H, T, D + 2], q
+    # and k with two coordinates that carry the bias, [q, 1, -b_i / scaling] and [k, b_j / scaling, 1] for the
+    # per-key bias b (key_bias), so that rot_q . rot_k * scaling is the score with ALiBi's bias as TransformerLens puts
+    # it (score_bias); every other hook sees them as the kernel reads them
     v: torch.Tensor | None = None  # [B, K, T, D] values
     scaling: float | None = None
     window: int = 0  # sliding window of this layer (0 = none)
@@ -227,7 +228,8 @@ class HookContext:
         (the model adds slope * j; the two differ by a constant per query, which the softmax ignores); None without."""
         if self.key_bias is None:
             return None
-        return self.key_bias[..., None, :] - self.key_bias[..., :, None]
+        n = self.key_bias.shape[-1] if self.rot_q is None else self.rot_q.shape[-2]  # the queries: the last n keys
+        return self.key_bias[..., None, :] - self.key_bias[..., -n:, None]
 
     @property
     def q(self):
@@ -989,9 +991,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         projection), with the kernel's points fired by `_attention` in between."""
         bsz, t, _ = x.shape
         h, d = attn.num_heads, attn.head_dim
-        if kwargs.get("layer_past") is not None or kwargs.get("cache") is not None:
-            raise UsageError(f"{self.family.name}: hooked forwards run without a key/value cache (use_cache=False)")
         q, k, v = attn._reshape(attn.query_key_value(x))  # [B, H, T, D] views; attn.hook_q/k/v fire here
+        k, v = _cached(kwargs.get("layer_past"), attn.layer_idx, k, v)  # [B, H, T', D]: the earlier keys too
         alibi = kwargs["alibi"]  # [B * H, 1, T]: slope * key position
 
         def scores(query, key):  # q.k / sqrt(D) + slope_h * j, one baddbmm: [B, H, T, T]
@@ -1013,7 +1014,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         key_bias = alibi.view(bsz, h, -1)  # slope_h * key position; TransformerLens's scores: minus it at the query
         memo = self._run.hidden
         eager = EagerSteps(lambda query, key, mask: _hide(scores(query, key), mask, 0, memo), weigh,
-                           key_bias[..., None])
+                           key_bias[..., -t:, None])  # the bias at the queries' positions (the last t keys)
         z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, attn.inv_norm_factor,
                                {"poslens_key_bias": key_bias}, eager)
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
@@ -1025,8 +1026,6 @@ class HookedModel(TransformerLensSurface, TLWeights):
         the dense projection), with the kernel's points fired by `_attention` in between."""
         l, bsz, t = attn.layer_idx, x.shape[0], x.shape[1]
         h, d = attn.num_heads, attn.head_dim
-        if kwargs.get("layer_past") is not None:
-            raise UsageError(f"{self.family.name}: hooked forwards run without a key/value cache (use_cache=False)")
         q, k, v = attn._split_heads(attn.query_key_value(x))  # [B, T, heads, D]; multi_query: k, v one head
         q, k, v = (self._fire_at(l, f"attn.hook_{n}", y) for n, y in zip("qkv", (q, k, v)))
         kv = attn.num_kv_heads
@@ -1044,6 +1043,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             if mask is not None:  # the scores' points see the mask alone (0 where seen) and the bias as ctx.score_bias
                 mask = _memo(memo, ("mask alone", id(mask)), lambda: torch.where(
                     model_mask < -1, model_mask, torch.zeros((), dtype=model_mask.dtype, device=model_mask.device)))
+        k, v = _cached(kwargs.get("layer_past"), l, k, v)  # [B, K, T', D]: the earlier (rotated) keys too
         sdpa = attn.config._attn_implementation == "sdpa" or alibi is not None  # (ALiBi: refused under eager)
 
         def scores(query, key):  # the model's eager scores (rotary form): q.k divided by sqrt(D)
@@ -1101,16 +1101,17 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         query = ctx.rot_q = fire_heads("attn.hook_rot_q", query)  # hook [B, T, H, D]; kernel [B, H, T, D]
         key = ctx.rot_k = fire_heads("attn.hook_rot_k", key)  # hook [B, T, K, D]; kernel [B, K, T, D]
-        if ctx.key_bias is not None:  # ALiBi: the factors carry the bias (HookContext.rot_q)
-            ctx.rot_q, ctx.rot_k = _biased_factors(query, key, ctx.key_bias, scaling)
         score_fns = pts.get("attn.hook_attn_scores", [])
         factored = [f for f in score_fns if getattr(f, "poslens_from_factors", False)]
         dense = [f for f in score_fns if not getattr(f, "poslens_from_factors", False)]
         pattern_fns = pts.get("attn.hook_pattern", [])
         if factored:
             ctx.name = f"blocks.{l}.attn.hook_attn_scores"
+            if ctx.key_bias is not None:  # ALiBi: the factors carry the bias (HookContext.rot_q), for these readers
+                ctx.rot_q, ctx.rot_k = _biased_factors(query, key, ctx.key_bias, scaling)
             for fn in factored:
                 fn(None, ctx)
+            ctx.rot_q, ctx.rot_k = query, key
             if not dense:
                 self._fired(ctx.name)
         if not (dense or pattern_fns):  # no pattern formed: the model's own kernel (SDPA), bit-identical outputs
@@ -1218,8 +1219,8 @@ def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, sc
     """[q, 1, -b_i / scaling] and [k, b_j / scaling, 1] ([B, H, T, D + 2]): scaling * their product is
     scaling * q.k + b_j - b_i, the score with ALiBi's bias in TransformerLens's form (per-key bias b [B, H, T])."""
     b = (key_bias / scaling).to(q.dtype)[..., None]
-    ones = torch.ones_like(b)
-    return torch.cat([q, ones, -b], -1), torch.cat([k, b, ones], -1)
+    bq = b[..., -q.shape[-2]:, :]  # the queries: the last keys (with a key/value cache, fewer than the keys)
+    return torch.cat([q, torch.ones_like(bq), -bq], -1), torch.cat([k, b, torch.ones_like(b)], -1)
 
 
 def _kv_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -1233,6 +1234,12 @@ def _kv_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> tor
         bsz, kh = b.shape[:2]
         b = b[:, :, None].expand(bsz, kh, groups, *b.shape[2:]).reshape(bsz, kh * groups, *b.shape[2:])
     return torch.matmul(a, b.transpose(-1, -2) if transpose else b)
+
+
+def _cached(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values [B, K, T', D] attention reads: with a key/value cache (generation), the cache's earlier ones
+    followed by these (the cache updated, as the model's own attention does); without, these."""
+    return (k, v) if cache is None else cache.update(k, v, layer)
 
 
 def _side_by_side(out: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
