@@ -187,3 +187,15 @@ def test_alibi_hooks_see_the_kernels_q_and_k_and_cached_steps_the_same_scores(fa
                                                                 stop_at_eos=False)[:, 6:]], 1), [name])[1][name]
     assert steps[1].shape == (1, hm.cfg.n_heads, 1, 7)
     assert (steps[1][..., 0, :] - full[..., 6, :]).abs().max() <= 1e-5 * full[..., 6, :].abs().max()
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon_rw"])
+def test_pe_rope_on_alibi_is_refused_in_one_line(family, tmp_path, capsys):
+    """`--pe rope` keeps a model's RoPE: on an ALiBi model, which has none, one line naming where its positions come
+    from, exit 2, no run (it was accepted and recorded as pe rope beside an ALiBi model record)."""
+    out = tmp_path / "out"
+    code = cli.main(["scores", _saved(family, tmp_path / "m"), "--pe", "rope", "--seq-len", "16", "--num-sequences",
+                     "4", "--batch-size", "2", "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "ALiBi's biases in the scores" in err, err
+    assert not out.exists()

@@ -57,6 +57,7 @@ def _saved(family: str, directory):
      "ntk: the model has no RoPE layer"),
     (["scores", "--seq-len", "100"], "--seq-len 100 is beyond the model's window of 64 positions"),
     (["scores", "--pe", "none", "--seq-len", "16"], "--pe none removes RoPE, and this GPT-2 model has none"),
+    (["scores", "--pe", "rope", "--seq-len", "16"], "--pe rope keeps a model's RoPE, and this GPT-2 model has none"),
 ])
 def test_gpt2_refuses_what_its_learned_table_cannot_do_in_one_line(args, message, tmp_path, capsys):
     """A learned table of 64 rows: no length past it, no RoPE scaling, no RoPE to remove; one line, exit 2, no run."""
@@ -87,6 +88,7 @@ def test_card_runs_on_the_partial_rotary_families(family, tmp_path):
     (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "yarn"], {},
      "yarn: the model has no RoPE layer"),
     (["scores", "--pe", "none", "--seq-len", "16"], {}, "--pe none removes RoPE, and this OPT model has none"),
+    (["scores", "--pe", "rope", "--seq-len", "16"], {}, "--pe rope keeps a model's RoPE, and this OPT model has none"),
     (["scores", "--seq-len", "16"], {"do_layer_norm_before": False},
      "OPT with do_layer_norm_before=False (OPT-350m's post-LN form) is not supported"),
     (["scores", "--seq-len", "16"], {"word_embed_proj_dim": 32},

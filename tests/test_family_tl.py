@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build, heads_summed_twin, randomize_norm_gains, token_batch
+from tiny_models import build, config, heads_summed_twin, randomize_norm_gains, token_batch
 
+from poslens import cli
 from poslens.engine.hooks import HookedModel
+from poslens.errors import UsageError
 
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families.json").read_text())
 # the learned-table and ALiBi families' reference (tests/reference/make_tl_family_reference_alibi.py), same method
@@ -226,3 +228,56 @@ def test_bloom_scores_minus_the_alibi_bias_are_the_plain_qk_scores_and_removing_
     assert (unbiased - reference).abs().max() <= 1e-5 * reference.abs().max()
     # ALiBi matters on this model: 100 times the tolerance (the tiny model's logits are ~0.3)
     assert (unbiased - model(input_ids=ids).logits).abs().max() > 1e-3 * reference.abs().max()
+
+
+@pytest.mark.parametrize("family, table", [("gpt2", "position table transformer.wpe"),
+                                           ("opt", "position table model.decoder.embed_positions"),
+                                           ("gptj", "rotary sin/cos table")])
+@torch.no_grad()
+def test_positions_past_a_table_are_refused_in_one_line(family, table):
+    """A learned position table (GPT-2, OPT) or GPT-J's sin/cos rows bound the positions a model can embed: a longer
+    input to any forward of the Python surface, or a generation that would run past them, is a one-line error naming
+    the table, where the model itself fails with an IndexError; up to the bound it runs."""
+    hm = HookedModel(build(family, max_position_embeddings=64))
+    n = hm._limit[1]
+    assert n == 64
+    hm(token_batch(1, n, seed=1))  # the whole table: fine
+    for call in (lambda: hm(token_batch(1, n + 1, seed=1)), lambda: hm.run_with_cache(token_batch(2, n + 6, seed=1)),
+                 lambda: hm.run(token_batch(1, n + 1, seed=1)),
+                 lambda: hm.generate(token_batch(1, n - 2, seed=1), max_new_tokens=5, do_sample=False,
+                                     stop_at_eos=False)):
+        with pytest.raises(UsageError, match=f"past the {n} .*{table}") as e:
+            call()
+        assert "\n" not in str(e.value)
+    out = hm.generate(token_batch(1, n - 2, seed=1), max_new_tokens=3, do_sample=False, stop_at_eos=False)
+    assert out.shape == (1, n + 1)  # the last forward reads 64 positions; its token needs no position
+
+
+def test_a_model_without_layers_is_refused_in_one_line(tmp_path, capsys):
+    """A config with zero decoder layers: one line naming it, exit status 2, from Python and from the command line."""
+    from transformers import GPT2LMHeadModel
+
+    with pytest.raises(UsageError, match="no decoder layers"):
+        HookedModel(GPT2LMHeadModel(config("gpt2", num_hidden_layers=0)))
+    spec = 'random:{"model_type": "gpt2", "n_embd": 64, "n_layer": 0, "n_head": 4, "vocab_size": 256}'
+    code = cli.main(["scores", spec, "--seq-len", "16", "--num-sequences", "4", "--batch-size", "2",
+                     "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "no decoder layers" in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@torch.no_grad()
+def test_a_point_the_model_lacks_is_named_for_what_it_is():
+    """hook_pos_embed on ALiBi and RoPE models: the message says where their positions act (not "RoPE" on ALiBi); a
+    cache lookup of a point the model does not have says so, not how to select a point it has."""
+    for family, where in (("bloom", "ALiBi's bias in attn.hook_attn_scores"), ("llama", "RoPE at attn.hook_rot_q")):
+        hm = HookedModel(build(family))
+        with pytest.raises(UsageError, match="no position embedding to its residual stream") as e:
+            hm.run(token_batch(1, 4, seed=0), hooks={"hook_pos_embed": lambda x, ctx: None})
+        assert where in str(e.value) and "TransformerLens has it" not in str(e.value)
+    hm = HookedModel(build("gpt2"))
+    _, cache = hm.run_with_cache(token_batch(1, 4, seed=0), ["blocks.0.hook_resid_pre"])
+    with pytest.raises(KeyError, match="no hook point 'blocks.0.attn.hook_rot_q'"):
+        cache["rot_q", 0]
+    with pytest.raises(KeyError, match="names_filter"):
+        cache["resid_post", 0]  # a point it has, not selected

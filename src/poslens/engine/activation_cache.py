@@ -100,6 +100,11 @@ class ActivationCache(Mapping):
     def __getitem__(self, key) -> torch.Tensor:
         name = self._key(key)
         if name not in self.cache_dict:
+            if self.model is not None and name not in self.model.points:  # no such point: say why, not how to select
+                try:
+                    self.model._check_name(name)
+                except UsageError as e:
+                    raise KeyError(str(e).replace("hooks: ", "cache: ", 1)) from None
             raise KeyError(f"{name} is not in this cache (select it with run_with_cache's names_filter)")
         return self.cache_dict[name]
 

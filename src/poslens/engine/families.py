@@ -441,13 +441,20 @@ def scale_alibi(model: nn.Module, factor: float):
 
 def set_positional_encoding(model: nn.Module, pe: str) -> None:
     """Apply a loader's `pe` choice to a loaded model: "none" removes RoPE for the model's lifetime; "rope" and
-    "auto" leave it as the config says."""
+    "auto" leave it as the config says ("rope" refused where no layer has RoPE)."""
     if pe not in PE_CHOICES:
         raise UsageError(f"pe must be one of {', '.join(PE_CHOICES)}; got {pe!r}")
-    if pe == "none" and "learned" in positional_encoding(model):
+    schemes = positional_encoding(model)
+    if pe == "rope" and not any(p in ("rope", "partial-rope") for p in schemes):
+        source = {"learned": "a learned table added to the token embeddings", "alibi": "ALiBi's biases in the scores",
+                  "none": "the causal mask alone (no positional encoding)"}
+        raise UsageError(f"pe rope keeps a model's RoPE, and this {family_of(model.config).name} model has none: its "
+                         f"positions come from {', '.join(source.get(p, p) for p in dict.fromkeys(schemes))}; load "
+                         "it with pe auto")
+    if pe == "none" and "learned" in schemes:
         raise UsageError(f"pe none removes RoPE, and this {family_of(model.config).name} model has none: its positions "
                          "come from a learned table added to the token embeddings; load it with pe auto")
-    if pe == "none" and "alibi" in positional_encoding(model):  # BLOOM: every slope 0 for the model's lifetime
+    if pe == "none" and "alibi" in schemes:  # BLOOM: every slope 0 for the model's lifetime
         scale_alibi(model, 0.0)
         setattr(model, PE_ATTR, "none")
         return

@@ -124,6 +124,7 @@ from poslens.engine.families import (
     mlp_module,
 )
 from poslens.engine.lazy_copies import LazyCopies, plain
+from poslens.engine.models import position_limit
 from poslens.engine.tl_inputs import (
     BUILT_ON,
     GQA_ATTN_IN,
@@ -146,10 +147,10 @@ NORM_POINTS = ("hook_scale", "hook_normalized", "hook_out")  # every norm's poin
 KERNEL_POINTS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z")
 
 # TransformerLens names poslens has no equivalent for, and what to do instead
-TL_ONLY = {
-    "hook_pos_embed": "these models have no positional embedding (RoPE acts in attn.hook_rot_q/rot_k)",
-    "hook_tokens": "the token ids are ctx.input_ids",
-}
+TL_ONLY = {"hook_tokens": "the token ids are ctx.input_ids"}
+NO_POS_EMBED = ("the model adds no position embedding to its residual stream: its positions act inside attention (RoPE "
+                "at attn.hook_rot_q/rot_k, ALiBi's bias in attn.hook_attn_scores) or come from the causal mask alone "
+                "(NoPE)")  # hook_pos_embed on a model without a position table
 
 HookFn = Callable[[Any, "HookContext"], Any]
 
@@ -330,6 +331,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.family = family_of(model.config)
         self.layers = decoder_layers(model)
         self.n_layers = len(self.layers)
+        if not self.layers:
+            raise UsageError(f"this {self.family.name} model has no decoder layers (its config sets 0): give it at "
+                             "least one")
+        self._limit = position_limit(model)  # (what, n): the positions a table bounds, or None
         self.attns = [getattr(layer, self.family.attn_attr) for layer in self.layers]
         cfg = model.config
         self._heads = (cfg.num_attention_heads, kv_heads(cfg))
@@ -440,7 +445,15 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if low < 0 or high >= vocab:
             raise UsageError(f"{method}: token id {low if low < 0 else high} is outside the model's vocabulary "
                              f"(0-{vocab - 1})")
+        self.check_positions(input_ids.shape[1], method)
         return input_ids
+
+    def check_positions(self, n: int, method: str, what: str = "tokens") -> None:
+        """Refuse in one line a sequence of n positions past a table that bounds them (GPT-2's and OPT's position
+        tables, GPT-J's sin/cos rows); positions computed on the fly (RoPE, ALiBi, NoPE) have no bound."""
+        if self._limit is not None and n > self._limit[1]:
+            raise UsageError(f"{method}: {n} positions are past the {self._limit[0]}; give at most "
+                             f"{self._limit[1]} {what}")
 
     def _check_mask(self, input_ids: torch.Tensor, attention_mask):
         """The attention mask [B, T] of input_ids (1 = a real token), refused in one line unless it has their shape
@@ -540,6 +553,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
         elif name in TL_ONLY:
             hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY[name]}"
+        elif name == "hook_pos_embed":
+            hint = NO_POS_EMBED
         raise UsageError(f"hooks: no hook point {name!r} on this {self.family.name} model ({hint})")
 
     def _check_hooks(self, hooks: dict) -> dict[str, list[HookFn]]:

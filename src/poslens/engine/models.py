@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
+from torch import nn
 
 from poslens.errors import UsageError, require
 from poslens.io.lock import cache_lock
@@ -388,7 +389,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     pe: positional encoding, a property of the loaded model (`poslens.engine.families`): "auto" as the
     checkpoint says (a known NoPE checkpoint saved as a RoPE architecture is loaded as NoPE and says so), "none"
     (RoPE removed for the model's lifetime: a checkpoint trained without it), "rope" (as the config says, even
-    for a known NoPE id). What was chosen is in `load_info(model)`.
+    for a known NoPE id; refused on a model without RoPE). What was chosen is in `load_info(model)`.
     """
     from poslens.engine.families import PE_CHOICES, known_nope, positional_encoding, set_positional_encoding
 
@@ -426,7 +427,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     why = known_nope(ms.spec) if ms.kind in ("hub", "local") else None
     if pe == "auto" and why is not None:
         pe, info["pe_reason"] = "none", f"known NoPE checkpoint: {why}"
-    set_positional_encoding(model, "none" if pe == "none" else "auto")
+    set_positional_encoding(model, pe)  # "rope" on a model without RoPE: refused
     info["pe"] = pe
     info["positional_encoding"] = positional_encoding(model)
     model.eval()
@@ -531,3 +532,37 @@ def max_positions(model_or_config: Any) -> int:
         return BLOOM_TRAIN_LEN  # length BLOOM was trained at (TransformerLens's n_ctx for BLOOM too)
     raise UsageError(f"cannot tell the context window of {type(config).__name__}; its config has no "
                      "max_position_embeddings")
+
+
+def position_table(model: nn.Module) -> tuple[str, int] | None:
+    """(module name, positions it holds) of a learned or absolute position table, or None (RoPE and NoPE models
+    compute positions on the fly). Found by the modules, so it holds for a family added later: an embedding other
+    than the token embedding named like a position table (`wpe`, `*pos*`), or a module class named
+    `*PositionalEmbedding*` (its size from `offset`-corrected rows or, for a fixed sinusoidal table, the config)."""
+    token = model.get_input_embeddings()
+    for name, m in model.named_modules():
+        last, cls = name.rsplit(".", 1)[-1].lower(), type(m).__name__
+        if m is token or "Rotary" in cls:
+            continue
+        named = last == "wpe" or "pos" in last
+        if isinstance(m, nn.Embedding) and (named or "Position" in cls):
+            return name, m.num_embeddings - int(getattr(m, "offset", 0) or 0)
+        if "PositionalEmbedding" in cls or "PositionEmbedding" in cls:
+            return name, max_positions(model)
+    return None
+
+
+def position_limit(model: nn.Module) -> tuple[str, int] | None:
+    """(what, n): the most positions the model can represent, where a table bounds them, named for a message: a learned
+    or absolute position table (GPT-2's wpe, OPT's embed_positions), or a rotary sin/cos table (GPT-J's
+    embed_positions, max_position_embeddings rows); None where positions are computed on the fly (RoPE, ALiBi, NoPE)."""
+    table = position_table(model)
+    if table is not None:
+        return f"{table[1]} positions of the model's position table {table[0]}", table[1]
+    from poslens.engine.families import rotary_modules
+
+    for m in rotary_modules(model):  # GPT-J: sin and cos looked up in a table of max_position_embeddings rows
+        rows = getattr(m, "embed_positions", None)
+        if rows is not None:
+            return f"{rows.shape[0]} rows of the model's rotary sin/cos table ({type(m).__name__})", rows.shape[0]
+    return None

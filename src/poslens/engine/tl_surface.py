@@ -73,8 +73,10 @@ class TransformerLensSurface:
 
     def _tok(self, what: str):
         if self.tokenizer is None:
-            raise UsageError(f"{what} needs a tokenizer: HookedModel(model, tokenizer) (load_model returns both) or "
-                             "HookedModel.from_pretrained(spec)")
+            raise UsageError(f"{what} needs a tokenizer, and this model has none (a random config or a directory "
+                             "without tokenizer files): HookedModel(model, tokenizer), or "
+                             "HookedModel.from_pretrained(spec, tokenizer=SPEC) with a model or tokenizer spec whose "
+                             "tokenizer to use (e.g. smollm2-135m)")
         return self.tokenizer
 
     def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
@@ -345,6 +347,7 @@ class TransformerLensSurface:
         past = None
         step = tokens
         for _ in range(max_new_tokens):
+            self.check_positions(tokens.shape[1], "generate", "tokens, the prompt's and the new ones together")
             positions = None if mask is None else offset_positions(mask)[:, -step.shape[1]:]
             kv = {"use_cache": True, _cache_argument(self.model): past} if use_past_kv_cache else {}
             out = self._forward(step, mask, table, logits=True, position_ids=positions, grad=False, **kv)

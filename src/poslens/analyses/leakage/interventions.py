@@ -124,7 +124,8 @@ def describe(spec: str) -> str:
             "token": f"position 1's embedding replaced by token {s.value}'s",
             "nobos": "position 1 dropped (maps one position shorter)",
             "freeze": "position 1's trajectory replaced by a reference sequence's (a no-op with a fixed first token)",
-            "shift": f"every position id moved by {s.value} (a no-op for RoPE without length-dependent scaling)"
+            "shift": f"every position id moved by {s.value} (a no-op for RoPE without length-dependent scaling, which "
+                     "is relative, and for ALiBi and NoPE, which read no position ids; a learned table's rows move)"
             }[s.name]
 
 

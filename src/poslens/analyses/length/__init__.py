@@ -16,7 +16,6 @@ from poslens.analyses.length.checks import (
     check_eval_memory,
     length_notes,
     memory_estimate,
-    position_table,
 )
 from poslens.analyses.length.compare import over_seeds, paired_difference, seed_paired, seed_summary
 from poslens.analyses.length.interventions import Intervention, parse
@@ -24,6 +23,7 @@ from poslens.analyses.length.loss import PositionLoss, doubling_edges
 from poslens.analyses.length.maps import LengthMaps
 from poslens.analyses.length.passes import run_pass
 from poslens.analyses.length.plan import LengthPass, LengthStatistics, plan_passes
+from poslens.engine.models import position_table
 
 __all__ = ["AttentionProfile", "Intervention", "LengthMaps", "LengthPass", "LengthStatistics", "PositionLoss",
            "check_eval_length", "check_eval_memory", "doubling_edges", "length_notes", "memory_estimate",

@@ -14,8 +14,8 @@ modules and mask code, and tested in tests/test_length_checks.py):
   `original_max_position_embeddings`.
 * Masks do not read `max_position_embeddings`; position ids that do not step by +1 are read as packed-sequence
   boundaries when no mask is passed (masks.py).
-* A learned or absolute position table (GPT-2's `wpe`, OPT's `embed_positions`) has no row past its size: no
-  supported family has one, and `position_table` finds one in any future family by its modules.
+* A learned or absolute position table (GPT-2's `wpe`, OPT's `embed_positions`) has no row past its size:
+  `poslens.engine.models.position_table` finds one in any future family by its modules.
 * GPT-J's rotary angles are a fixed sin/cos table of `max_position_embeddings` rows (base 10000): no angle past it
   (`check_eval_length` refuses), and no frequencies to rescale (NTK and YaRN refuse).
 
@@ -33,30 +33,12 @@ import torch
 from torch import nn
 
 from poslens.engine.families import positional_encoding, rotary_modules
-from poslens.engine.models import max_positions
+from poslens.engine.models import max_positions, position_limit
 from poslens.errors import UsageError, check_int, check_memory, gib
 
 # rope types whose frequencies do not depend on max_position_embeddings during a forward
 STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
 CAPTURE_CHUNK = 1 << 28  # Capture's default chunk_bytes for per-head score blocks
-
-
-def position_table(model: nn.Module) -> tuple[str, int] | None:
-    """(module name, positions it holds) of a learned or absolute position table, or None (RoPE and NoPE models
-    compute positions on the fly). Found by the modules, so it holds for a family added later: an embedding other
-    than the token embedding named like a position table (`wpe`, `*pos*`), or a module class named
-    `*PositionalEmbedding*` (its size from `offset`-corrected rows or, for a fixed sinusoidal table, the config)."""
-    token = model.get_input_embeddings()
-    for name, m in model.named_modules():
-        last, cls = name.rsplit(".", 1)[-1].lower(), type(m).__name__
-        if m is token or "Rotary" in cls:
-            continue
-        named = last == "wpe" or "pos" in last
-        if isinstance(m, nn.Embedding) and (named or "Position" in cls):
-            return name, m.num_embeddings - int(getattr(m, "offset", 0) or 0)
-        if "PositionalEmbedding" in cls or "PositionEmbedding" in cls:
-            return name, max_positions(model)
-    return None
 
 
 def rope_types(model: nn.Module) -> set[str]:
@@ -74,17 +56,10 @@ def rope_types(model: nn.Module) -> set[str]:
 def check_eval_length(model: nn.Module, eval_len: int) -> None:
     """Refuse, in one line, an evaluation length a model cannot represent: past a learned position table."""
     eval_len = check_int("eval_len", eval_len, 2)
-    table = position_table(model)
-    if table is not None and eval_len > table[1]:
-        raise UsageError(f"eval_len {eval_len} is past the {table[1]} positions of the model's position table "
-                         f"{table[0]}: it has no embedding for later positions; evaluate at most {table[1]} tokens",
-                         param="eval_len")
-    for m in rotary_modules(model):  # GPT-J: sin and cos looked up in a table of max_position_embeddings rows
-        rows = getattr(m, "embed_positions", None)
-        if rows is not None and eval_len > rows.shape[0]:
-            raise UsageError(f"eval_len {eval_len} is past the {rows.shape[0]} rows of the model's rotary sin/cos "
-                             f"table ({type(m).__name__}): it has no angle for later positions; evaluate at most "
-                             f"{rows.shape[0]} tokens", param="eval_len")
+    limit = position_limit(model)
+    if limit is not None and eval_len > limit[1]:
+        raise UsageError(f"eval_len {eval_len} is past the {limit[0]}: it has nothing for later positions; evaluate "
+                         f"at most {limit[1]} tokens", param="eval_len")
 
 
 def length_notes(model: nn.Module, eval_len: int) -> list[str]:
