@@ -81,6 +81,19 @@ def test_the_cross_fitted_r2_equals_an_explicit_ridge_fit_on_held_out_folds(sign
         assert float(r["r2"][0]) < 0.0
 
 
+def test_the_held_out_r2_interval_is_cut_at_1():
+    # R^2 = 1 - SSE / SST <= 1; four folds near 1 and one far below give a raw t-interval reaching above 1
+    from poslens.engine.stats import over_seeds
+
+    probe = PositionProbe(groups=4)
+    probe.sums.add("x/0", 0, torch.zeros(1, dtype=torch.float64), 1)  # one hidden-state index
+    r2 = [0.99, 0.6, 0.97, 0.98]
+    probe.fold_errors = lambda index: [(1.0 - r, 1.0) for r in r2]
+    raw, got = over_seeds(r2), probe.result()
+    assert float(raw.hi) > 1.0 and float(got["r2_hi"][0]) == 1.0
+    assert float(got["r2_lo"][0]) == pytest.approx(float(raw.lo)) and float(got["r2"][0]) == pytest.approx(np.mean(r2))
+
+
 # ---------------------------------------------------------------- one card of two models
 
 
@@ -168,6 +181,15 @@ def test_a_rerun_reuses_every_sub_run_and_other_settings_are_refused(card, capsy
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "other settings" in err and "--force" in err
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")} == stamps
+    notes = out / "nope" / "length" / "notes.txt"  # a file of the user's in a sub-run --force would measure again
+    notes.write_text("mine")
+    try:
+        assert main([*card["argv"], "--force"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{notes} was not written by poslens" in err, err
+        assert {p: p.stat().st_mtime_ns for p in out.glob("*/*/run.json")} == stamps  # nothing measured
+    finally:
+        notes.unlink()
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -185,13 +207,37 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(extra, words, tmp_path
     assert not out.exists()
 
 
-def test_an_out_holding_other_things_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("force", [[], ["--force"]])
+@pytest.mark.parametrize("what", ["notes", "notes in a model folder", "a run of another kind"])
+def test_an_out_holding_other_things_is_refused_with_or_without_force(what, force, tmp_path, capsys):
+    # --force has one meaning everywhere: it replaces only what poslens wrote, so a folder of the user's or a run
+    # of another command is refused either way, in one line, and nothing is written
+    from poslens.io.results import run_directory, write_run
+
     out = tmp_path / "mine"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    assert main(["card", "smollm2-135m", "--out", str(out)]) == 2
-    assert "not a card directory" in capsys.readouterr().err
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    if what == "a run of another kind":
+        with run_directory(out) as build:
+            write_run(build, {"x": torch.zeros(2)}, {"kind": "scores"})
+    else:
+        (out / ("smollm2-135m" if "model" in what else "")).mkdir(parents=True)
+        (out / ("smollm2-135m/notes.txt" if "model" in what else "notes.txt")).write_text("mine")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    assert main(["card", "smollm2-135m", "--out", str(out), *force]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a card directory" in err and "choose another --out" in err, err
+    assert "--force to" not in err  # no --force suggested: it would not replace this
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+
+
+def test_random_configs_named_config_json_are_labelled_by_their_folder(tmp_path, capsys):
+    cfg = CardConfig(models=["random:runs/a/config.json", "random:b/config.json", "random:c.json", "smollm2-135m"])
+    cfg.validate()  # distinct labels: no refusal
+    assert cfg.model_labels() == ["a", "b", "c", "smollm2-135m"]
+    out = tmp_path / "out"  # labels that still collide are refused in one line, nothing written
+    assert main(["card", "random:x/a/config.json", "random:y/a/config.json", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "two models have the label 'a'; give --labels" in err, err
+    assert not out.exists()
 
 
 def test_two_models_on_one_tokenizer_get_a_paired_probe_difference(card):

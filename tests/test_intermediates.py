@@ -493,11 +493,31 @@ def test_section_42_readings_equal_an_independent_recomputation_from_the_mean_ma
                                   (("i", "key_share"), share, [0.0, 1.0])):
         est = st.sums.estimate(lambda m, fn=fn: torch.as_tensor(fn(maps(m))))
         got, shift = p[c][key], float(est.debiased) - float(est.value)
+
+        def cut(x, support=support):  # to the range the reading can take (the key share's interval reaches below 0)
+            return min(max(x, support[0]), support[1])
+
         assert est.value.item() == pytest.approx(fn(mp), rel=1e-12)
-        assert got["value"] == pytest.approx(float(est.debiased), rel=1e-10) and got["debiased"], key
-        assert got["lo"] == pytest.approx(float(est.lo) + shift, rel=1e-10), key
-        assert got["hi"] == pytest.approx(float(est.hi) + shift, rel=1e-10), key
+        assert got["value"] == pytest.approx(cut(float(est.debiased)), rel=1e-10) and got["debiased"], key
+        assert got["lo"] == pytest.approx(cut(float(est.lo) + shift), rel=1e-10), key
+        assert got["hi"] == pytest.approx(cut(float(est.hi) + shift), rel=1e-10), key
         assert got["support"] == support
+
+
+def test_readings_with_a_range_are_cut_to_it_in_run_json_and_in_what_is_printed():
+    """Two groups of sequences (t_1 = 12.7): the raw intervals of the key share and of the first column's size
+    leave the range they can take; recorded and printed, each reading is cut to its support."""
+    st = _run(build("llama"), [token_batch(2, 12, seed=s) for s in range(2)], 0, groups=2)
+    m = st.summary()
+    p = m["panels"]
+    ranges = {("b", "first_column"): [0.0, math.inf], ("e", "correlation_with_d"): [-1.0, 1.0],
+              ("i", "key_share"): [0.0, 1.0], ("f", "rows_increasing"): [0.0, 1.0],
+              ("i", "rows_increasing"): [0.0, 1.0]}
+    for (c, key), (low, high) in ranges.items():
+        e = p[c][key]
+        assert e["support"] == [low, high] and low <= e["lo"] <= e["value"] <= e["hi"] <= high, (c, key, e)
+    assert (p["i"]["key_share"]["lo"], p["i"]["key_share"]["hi"], p["b"]["first_column"]["lo"]) == (0.0, 1.0, 0.0)
+    assert f"(i) key share {p['i']['key_share']['value']:.3g} [0, 1]" in "\n".join(summary_lines({"metrics": m}))
 
 
 def test_section_42_readings_see_what_they_name():

@@ -341,3 +341,32 @@ def test_gemma_tests_join_the_bos_row_and_its_layer_types_are_read(tmp_path):
     assert f"global (full-attention) layers 2: {e[1]:.3g};" in arch
     assert f"sliding-window layers 1: {e[0]:.3g}, 3: {e[2]:.3g}" in arch
     assert any("sinks" in what for what, _ in context)
+
+
+def test_every_metric_with_a_range_is_cut_to_it_in_run_json():
+    """run.json's (and so the printed table's) intervals stay in each metric's range: a residual fraction, an R^2
+    increment and the offset share in [0, 1], an energy and a term's share of e_total at or above 0, a change of a
+    fraction in [-1, 1], a removed share at or below 1; a signed metric (the cross term's share) is left as it is."""
+    import math
+
+    from poslens.analyses.leakage.causal import ENERGIES
+    from poslens.analyses.leakage.summary import CHANGE, NAMES, REMOVED, by_domain
+    from poslens.engine.stats import Estimate
+
+    shape = (4, len(NAMES))  # [variants, metrics]
+    value = torch.full(shape, 0.5, dtype=torch.float64)
+    se = torch.ones(shape, dtype=torch.float64)
+    est = Estimate(value, value - 3 * se, value + 3 * se, se, 4, 0.95, "jackknife", value.clone())  # [-2.5, 3.5]
+    got = by_domain(est, NAMES)["all"]
+    for name, low, high in (("scores/trf", 0.0, 1.0), ("scores/dr2_abs", 0.0, 1.0), ("scores/offset_share", 0.0, 1.0),
+                            ("log_probs/trf", 0.0, 1.0), ("probs/trf", 0.0, 1.0), ("attn/residual", 0.0, 3.5),
+                            ("attn/share_mask_only", 0.0, 3.5), ("attn/share_cross", -2.5, 3.5),
+                            ("scores/sink_excess", -2.5, 3.5)):
+        assert (got[name]["key0_in"]["lo"], got[name]["key0_in"]["hi"]) == (low, high), name
+    assert got["attn/residual"]["key0_in"]["debiased"] == 0.5  # an energy keeps its bias-corrected value
+    change = by_domain(est, NAMES, False, CHANGE)["early"]
+    assert (change["scores/trf"]["key0_out"]["lo"], change["scores/trf"]["key0_out"]["hi"]) == (-1.0, 1.0)
+    assert (change["attn/residual"]["key0_out"]["lo"], change["attn/residual"]["key0_out"]["hi"]) == (-2.5, 3.5)
+    removed = by_domain(est[:, :len(ENERGIES)], ENERGIES, False, REMOVED)["all"]
+    assert all((removed[e]["key0_in"]["lo"], removed[e]["key0_in"]["hi"]) == (-2.5, 1.0) for e in ENERGIES)
+    assert REMOVED[ENERGIES[0]] == (-math.inf, 1.0)

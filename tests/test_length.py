@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tiny_models import FAMILIES, build, token_batch
 
 from poslens.analyses.length import AttentionProfile, PositionLoss, doubling_edges, parse, run_pass
+from poslens.analyses.length.attention import SUPPORT
 from poslens.analyses.length.masks import model_mask
 from poslens.analyses.length.points import key_point, query_point
 from poslens.engine.hooks import HookedModel
@@ -75,6 +76,11 @@ def test_attention_profile_matches_eager_weights(family, n):
     torch.testing.assert_close(res["key0"], p[..., 0].mean((1, 2)), rtol=0, atol=2e-6)
     visible = torch.log((p > 0).sum(-1).double().clamp(min=1)).mean((1, 2))  # keys seen (window included)
     torch.testing.assert_close(res["log_keys"], visible, rtol=0, atol=1e-12)
+    for q in ("entropy", "key0", "gap"):  # each interval within its range: H and the gap >= 0, a share in [0, 1]
+        low, high = SUPPORT[q]
+        lo, hi = res[f"{q}_lo"], res[f"{q}_hi"]
+        assert stat.estimate(q).support == (low, high) and bool((lo[~lo.isnan()] >= low).all()), q
+        assert bool((hi[~hi.isnan()] <= high).all()), q
     every = strided.result()["entropy"]
     torch.testing.assert_close(every[:, ::3], res["entropy"][:, ::3], rtol=0, atol=1e-12)
     assert bool(torch.isnan(every[:, 1::3]).all())

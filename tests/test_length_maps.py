@@ -7,6 +7,8 @@ relative per entry); energies are sums of squared residuals of such maps, so 1e-
 far below any change of definition (the descriptive split's terms differ from these by order one).
 """
 
+import math
+
 import pytest
 import torch
 from test_leakage_causal import (
@@ -15,7 +17,7 @@ from test_leakage_causal import (
 )
 from tiny_models import build, token_batch
 
-from poslens.analyses.leakage.causal import HEAD_MEAN_ONLY, METRICS, LeakageMaps
+from poslens.analyses.leakage.causal import HEAD_MEAN_ONLY, METRICS, SUPPORT, LeakageMaps
 from poslens.analyses.leakage.metrics import ATTENTION_TERMS, LEAN
 from poslens.analyses.length.maps import LengthMaps
 from poslens.engine.hooks import HookedModel
@@ -61,6 +63,10 @@ def test_length_terms_are_the_leakage_commands_at_every_length(family):
         torch.testing.assert_close(parts, got[t]["attn/e_total"].value, rtol=1e-10, atol=0)
         assert torch.all(got[t]["attn/mask_only"].value > 0) and torch.all(got[t]["attn/residual"].value > 0)
         assert torch.all(got[t]["attn/e_total"].se > 0)
+        for name in LEAN:  # each interval within the metric's range (two groups: t_1 = 12.7, raw ones leave it)
+            low, high = SUPPORT.get(name, (-math.inf, math.inf))
+            est = got[t][name]
+            assert est.support == SUPPORT.get(name) and bool((est.lo >= low).all() & (est.hi <= high).all()), name
 
 
 def test_a_constant_per_query_changes_no_length_term():

@@ -161,6 +161,8 @@ def test_seeds_give_a_t_interval_and_resume_swaps_the_right_weights(models, tmp_
 @pytest.mark.parametrize("extra, words", [
     (["--eval-lens", "8,16"], "--eval-lens 8,16: the longest must be above --train-len 16"),
     (["--interventions", "shift"], "--interventions: unknown intervention 'shift'"),
+    (["--interventions", "ntk:0"], "--interventions: 'ntk:0': the factor after the colon must be a number >= 1"),
+    (["--interventions", "window:0"], "--interventions: 'window:0': the window after the colon must be a whole number"),
     (["--profile-every", "0"], "--profile-every must be >= 1"),
     (["--seed-models", "WIDE"], "--seed-models: {WIDE} is not another seed"),
     (["--seed-models", "B", "--out", "B"], "is this run's input"),

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from poslens.analyses.length import PositionLoss, over_seeds, paired_difference, seed_paired
+from poslens.analyses.length import PositionLoss, over_seeds, paired_difference, seed_paired, seed_summary
 
 EDGES = [1, 8, 16]
 GROUPS, BATCH, T = 10, 4, 16
@@ -70,6 +70,31 @@ def test_seed_t_interval_covers_at_the_nominal_rate():
         hits += int(est.lo <= 1.5 <= est.hi)
     assert abs(hits / 3000 - 0.95) <= 0.015
     assert math.isnan(float(over_seeds([1.0]).lo))
+
+
+def test_a_loss_interval_never_reaches_below_0():
+    """A cross-entropy is >= 0. Two groups whose losses differ a lot (0.2 and 4.0 nats: mean 2.1, jackknife se 1.9,
+    t_1 = 12.7) give raw intervals far below 0; every loss interval of the analysis (curve, buckets, spans, the
+    figure's bins, the seed mean and its sequence interval) comes out cut at 0, its upper end as it was."""
+    from poslens.analyses.length.summary import binned
+
+    def loss_of(levels):
+        loss = PositionLoss(EDGES, 2)
+        for g, level in enumerate(levels):
+            loss.group = g
+            loss.add_nll(torch.full((BATCH, T - 1), level, dtype=torch.float64))
+        return loss
+
+    loss = loss_of((0.2, 4.0))
+    raw = loss.sums.estimate(lambda m: m["bucket"])
+    assert bool((raw.lo < 0).all())
+    summary = seed_summary([loss, loss_of((0.3, 3.0))])
+    for est in (loss.buckets(), loss.spans([(1, 8)]), loss.curve(), binned(loss, 8, T, 0.95), summary["sequences"],
+                summary["seeds"]):
+        finite = torch.isfinite(est.lo)
+        assert est.support == (0.0, math.inf) and bool((est.lo[finite] >= 0).all()), est
+    torch.testing.assert_close(loss.buckets().hi, raw.hi, rtol=0, atol=0)
+    assert bool((loss.buckets().lo == 0).all())
 
 
 def test_seed_paired_uses_the_spread_over_seeds():

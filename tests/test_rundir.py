@@ -71,6 +71,22 @@ def test_force_refuses_a_directory_poslens_did_not_write(tmp_path):
     assert tree(tmp_path) == before
 
 
+def test_without_force_force_is_suggested_only_where_it_would_replace(tmp_path):
+    # a folder of the user's: --force would refuse it, so the refusal says to choose another --out, not --force
+    user_dir(tmp_path / "mine")
+    poslens_run(tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    before = tree(tmp_path)
+    with pytest.raises(UsageError, match="mine has no poslens-manifest.json") as e:
+        check_output(tmp_path / "mine", force=False)
+    assert "choose another --out" in one_line(e) and "--force" not in one_line(e)
+    for name in ("run", "empty"):  # these --force replaces
+        with pytest.raises(UsageError, match="already exists; pass --force to overwrite") as e:
+            check_output(tmp_path / name, force=False)
+        one_line(e)
+    assert tree(tmp_path) == before
+
+
 @pytest.mark.parametrize("kind", ["manifest", "release-0.2", "older", "empty"])
 def test_force_replaces_a_poslens_run_or_an_empty_directory(tmp_path, kind):
     out = tmp_path / "r"

@@ -164,3 +164,27 @@ def test_compare_draws_figure5(model_dir, tmp_path):
     meta = json.loads((tmp_path / "fig5" / "run.json").read_text())
     assert meta["config"]["labels"][1].endswith("(RoPE off)")
     assert (tmp_path / "fig5" / "figures" / "figure5.pdf").exists()
+
+
+def test_the_pattern_rms_interval_is_cut_at_0():
+    """An RMS cannot be negative. Two groups of sequences (t_1 = 12.7) give raw jackknife intervals reaching below 0
+    on a tiny GPT-J: run.json's interval, and so the printed line and the card's panel, is cut at 0 and records
+    that support; the upper ends, and the intervals that stay above 0, are as they were."""
+    import math
+
+    from tiny_models import build, token_batch
+
+    from poslens.analyses.scores import noise_text, pattern_rms, summarise_scores
+    from poslens.engine.capture import Capture
+
+    capture = Capture(build("gptj"), groups=2)
+    for seed in range(2):
+        capture.update(token_batch(2, 12, seed=seed))
+    layers = summarise_scores(capture.result(), capture)["layers"]
+    raw = capture.estimate(pattern_rms)
+    assert any(float(e.lo) < 0 for e in raw) and any(float(e.lo) > 0 for e in raw)
+    for m, e in zip(layers, raw):
+        ci = m["normalised_rms_ci"]
+        assert ci["support"] == [0.0, math.inf] and ci["lo"] == max(float(e.lo), 0.0) and ci["hi"] == float(e.hi)
+    first = next(m for m, e in zip(layers, raw) if float(e.lo) < 0)
+    assert "interval [0.000, " in noise_text(first)

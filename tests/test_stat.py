@@ -56,7 +56,11 @@ def test_every_registered_statistic_writes_intervals_and_a_figure(name, model_di
     estimates = run.metrics["estimates"]
     assert estimates and all(e["widest_half_width"] is not None for e in estimates.values()), estimates
     assert len(list((out / "figures").glob("*.png"))) == len(estimates)
-    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == f"wrote {out}"
+    # the interval line says how this statistic's intervals are made (the probe's: t over its folds)
+    how = "t-interval over 4 folds" if name == "position_probe" else "jackknife over 4 groups of sequences"
+    assert run.metrics["intervals"].startswith(how) and f"intervals: 95% {how}" in printed[-2], printed[-2]
 
 
 def test_an_unknown_statistic_is_one_line(capsys):

@@ -259,3 +259,36 @@ def test_an_estimate_cut_to_its_range_keeps_its_point_inside_its_interval():
     assert (float(power.value), float(power.lo), float(power.hi)) == (0.0, 0.0, 0.06)
     assert (float(share.lo), float(share.hi)) == (0.3, 1.0) and float(share.value) == 0.5
     assert float(power.debiased) == -0.03 and float(power.se) == 0.04
+
+
+@pytest.mark.parametrize("method", ["jackknife", "bootstrap"])
+def test_an_estimate_with_a_support_has_its_interval_cut_where_it_is_made(method):
+    """A share near 1 from four groups: its raw t-interval reaches above 1. Estimated with support (0, 1), the
+    interval comes out cut to [0, 1] and run.json records the support; a support it does not cross changes nothing.
+    The same cut from `combine`, `over_seeds`, one element of an estimate and a support read back from run.json
+    (inf written as null)."""
+    from poslens.engine.stats import combine, over_seeds
+
+    sums = GroupedSums(groups=4)
+    for g, share in enumerate((0.99, 0.6, 0.97, 0.98)):
+        sums.add("x", g, torch.tensor([share, 0.5], dtype=torch.float64), 1)
+    kw = {"method": method, "replicates": 200} if method == "bootstrap" else {}
+    raw = sums.estimate(lambda m: m["x"][0], **kw)
+    if method == "jackknife":
+        assert float(raw.hi) > 1.0 and raw.support is None and "support" not in raw.item()
+    cut = sums.estimate(lambda m: m["x"][0], support=(0.0, 1.0), **kw)
+    assert float(cut.hi) == min(float(raw.hi), 1.0) and float(cut.lo) == float(raw.lo)
+    assert float(cut.value) == float(raw.value) and float(cut.se) == float(raw.se)
+    assert cut.item()["support"] == [0.0, 1.0] and cut.item()["hi"] <= 1.0
+    wide = sums.estimate(lambda m: m["x"][0], support=(-5.0, 5.0), **kw)  # not crossed: unchanged
+    assert (float(wide.lo), float(wide.hi), float(wide.value)) == (float(raw.lo), float(raw.hi), float(raw.value))
+    if method == "bootstrap":
+        return
+    ev = sums.evaluate(lambda m: m["x"])
+    both = combine(lambda x: x, [ev], support=(0.0, 1.0))
+    assert float(both.hi[0]) == 1.0 and both[0].support == (0.0, 1.0)
+    assert float(both.hi[1]) == float(combine(lambda x: x, [ev]).hi[1])  # the element inside its range: as it was
+    seeds = over_seeds([0.99, 0.6, 0.97, 0.98], support=[0.0, None])  # run.json's [0, inf]
+    assert seeds.support == (0.0, math.inf) and float(seeds.hi) > 1.0  # only the lower end is bounded here
+    assert float(over_seeds([0.99, 0.6, 0.97, 0.98], support=(0.0, 1.0)).hi) == 1.0
+    assert cut.within(0.5, 2.0).support == (0.5, 1.0)  # cut again: within the support it had

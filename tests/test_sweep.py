@@ -136,6 +136,20 @@ def test_between_seed_interval_is_the_t_interval():
     assert d["per_seed"] == pytest.approx([-0.5, -0.4, -0.6]) and d["verdict"] == "a lower than b"
 
 
+def test_combine_seeds_adds_each_seeds_half_width_before_its_cut():
+    """A seed's interval cut to its support is narrower than the text's noise it stands for: the half-width added
+    over seeds is the jackknife's t * se, not half the cut interval; an uncut one's is (hi - lo) / 2, as before."""
+    from poslens.engine.stats import t_quantile
+    from poslens.report.sweep import combine_seeds
+
+    t = t_quantile(0.975, 3)
+    cut = [{"value": v, "lo": v - t * 0.05, "hi": 1.0, "se": 0.05, "level": 0.95, "groups": 4, "method": "jackknife",
+            "support": [0.0, 1.0]} for v in (0.95, 0.9, 0.97)]
+    assert combine_seeds(cut)["shared"] == pytest.approx(t * 0.05, rel=1e-12)
+    plain = [{"value": v, "lo": v - 0.1, "hi": v + 0.1} for v in (0.5, 0.6, 0.7)]
+    assert combine_seeds(plain)["shared"] == pytest.approx(0.1, rel=1e-12)
+
+
 def test_combine_seeds_replaces_each_estimate_by_the_t_interval_of_its_per_seed_values():
     """`combine_seeds` (the report's Section 4.2): each estimate of one shape of per-seed results becomes mean -/+
     t_{n-1} sd / sqrt(n) of its values (t_{2, 0.975} = 4.302653 for three seeds); an undefined seed leaves the mean

@@ -50,7 +50,7 @@ import torch
 from poslens.engine.config import DEFAULT_SEQUENCES, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.engine.statistics.spec import Spec
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic, t_quantile
 from poslens.errors import UsageError, check_int
 from poslens.maps import diagonal_normalised, key_share
 from poslens.masks import nan_hidden
@@ -247,14 +247,16 @@ def offdiag_correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def bias_corrected(est: Estimate) -> dict:
     """A scalar estimate as run.json numbers at the jackknife's bias-corrected value (`Estimate.debiased`), its
-    interval moved with it (the same half-widths), marked "debiased"; the plug-in value where there is none (fewer
-    than 2 groups: no interval either)."""
-    item = est.item()
+    interval moved with it (the same half-widths) and cut to the estimate's support, marked "debiased"; the
+    plug-in value where there is none (fewer than 2 groups: no interval either). The value itself is not cut: an
+    unbiased estimate may fall outside the range, and its mean over seeds must not be biased by cutting each one
+    (`Estimate.within`)."""
     if est.debiased is None:
-        return item
-    value = float(est.debiased)
-    shift = value - item["value"]
-    return item | {"value": value, "lo": item["lo"] + shift, "hi": item["hi"] + shift, "debiased": True}
+        return est.item()
+    half = t_quantile((1 + est.level) / 2, est.groups - 1) * est.se  # the plug-in interval's, before any cut
+    moved = Estimate(est.debiased, est.debiased - half, est.debiased + half, est.se, est.groups, est.level,
+                     est.method, support=est.support)
+    return moved.item() | {"value": float(est.debiased), "debiased": True}
 
 
 # ---------------------------------------------------------------- the statistic
@@ -430,8 +432,8 @@ class Intermediates(Statistic):
                                                                       level).item() for x, y in ("ab", "cd")}
         for letter in "fi":  # the two panels the paper reads as "increases with j for fixed i"
             panels[letter]["rows_increasing"] = self.sums.estimate(
-                lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap").item() \
-                | {"support": [0.0, 1.0]}  # a share
+                lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap",
+                support=(0.0, 1.0)).item()  # a share
         panels = self._readings(panels, level)
         return {"panels": panels, "changes": changes, "groups": len(self.sums.filled()), "level": level,
                 "amplification": self.amplification(level), "block_output_check": self.check_report()}
@@ -442,20 +444,20 @@ class Intermediates(Statistic):
         uniformity of its off-diagonal entries, the correlation of (e) with (d), and the share of (i)'s variance
         the key alone explains. Key 0 (the sink) is left out of each; a correlation and a share of variance of
         noisy mean maps are pulled toward 0, so theirs is the jackknife's bias-corrected value."""
-        def est(fn):
-            return self.sums.estimate(fn, level)
+        def est(fn, support=None):
+            return self.sums.estimate(fn, level, support=support)
 
         def contrast(m):
             return first_column_contrast(self.panel_map("b", m))
 
-        panels["b"]["first_column"] = est(lambda m: contrast(m).abs()).item() | {"support": [0.0, math.inf]}
+        panels["b"]["first_column"] = est(lambda m: contrast(m).abs(), (0.0, math.inf)).item()
         panels["b"]["first_column_signed"] = est(contrast).item()
         panels["c"]["diagonal_slope"] = est(lambda m: diagonal_slope(self.panel_map("c", m))).item()
         panels["c"]["uniformity"] = est(lambda m: offdiag_uniformity(self.panel_map("c", m))).item()
         panels["e"]["correlation_with_d"] = bias_corrected(est(
-            lambda m: offdiag_correlation(self.panel_map("d", m), self.panel_map("e", m)))) | {"support": [-1.0, 1.0]}
+            lambda m: offdiag_correlation(self.panel_map("d", m), self.panel_map("e", m)), (-1.0, 1.0)))
         panels["i"]["key_share"] = bias_corrected(est(
-            lambda m: torch.as_tensor(key_share(self.panel_map("i", m)[1:, 1:])))) | {"support": [0.0, 1.0]}
+            lambda m: torch.as_tensor(key_share(self.panel_map("i", m)[1:, 1:])), (0.0, 1.0)))
         return panels
 
     def amplification(self, level: float = 0.95) -> dict:

@@ -9,6 +9,7 @@ of sequences and the noise level of the diagonal-normalised map.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,14 +105,14 @@ def noise_maps(capture) -> dict[str, torch.Tensor]:
 
 def summarise_scores(result: dict, capture=None, level: float = 0.95) -> dict:
     """Per layer: the typical score scale (1%-99% range) next to the non-relative pattern's size, with its
-    jackknife interval over groups of sequences and the noise level of the normalised map (when groups >= 2).
+    jackknife interval over groups of sequences (cut at 0) and the noise level of the normalised map (when groups >= 2).
 
     `layer` counts from 1 (the paper's numbering, used in every figure and report); `index` is the 0-based index
     the API and the hook names use.
     """
     scores = as_numpy(result["scores"])
     layer_ids = result["layers"].tolist() if "layers" in result else list(range(len(scores)))
-    sizes = (capture.estimate(pattern_rms, level=level, keep_replicates=True)
+    sizes = (capture.estimate(pattern_rms, level=level, keep_replicates=True, support=(0.0, math.inf))  # an RMS
              if capture is not None and "scores" in capture.keys() else None)
     layers = []
     for ell, m in enumerate(scores):

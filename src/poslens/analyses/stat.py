@@ -19,6 +19,7 @@ import torch
 from poslens.engine.config import ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, report_lines, run_analysis
 from poslens.engine.statistics import REGISTRY, Spec, spec
+from poslens.engine.stats import Statistic
 from poslens.options import add_options, add_output_args, from_args, option_of
 
 MAX_LINES = 8  # a square table with more rows than this (not per layer) is drawn as a map
@@ -45,9 +46,11 @@ class StatAnalysis(Analysis):
         return [Pass(self.spec.name, [self.spec.build(job.hm, self.options, job.groups)])]
 
     def finish(self, job: Job, passes: list[Pass]) -> Output:
-        tensors = passes[0].statistics[0].result(level=job.config.level)
+        statistic = passes[0].statistics[0]
+        tensors = statistic.result(level=job.config.level)
         estimates = {name: describe(tensors, name) for name in estimated(tensors)}
         return Output(tensors, {"statistic": self.spec.name, "level": job.config.level, "groups": job.groups,
+                                "intervals": statistic.intervals.format(groups=job.groups),
                                 "estimates": estimates},
                       {"statistic": {"name": self.spec.name, "options": asdict(self.options)}})
 
@@ -105,7 +108,8 @@ def summary_lines(meta: dict) -> list[str]:
         median = "" if e["median_half_width"] is None else f", median +/-{e['median_half_width']:.4g}"
         mean = "nan" if e["mean"] is None else f"{e['mean']:.4g}"
         lines.append(f"{name} [{shape}]: mean {mean}; intervals widest {widest}{median}")
-    lines.append(f"intervals: {100 * m['level']:g}% jackknife over {m['groups']} groups of sequences")
+    how = m.get("intervals") or Statistic.intervals.format(groups=m["groups"])  # runs before it was recorded
+    lines.append(f"intervals: {100 * m['level']:g}% {how}")
     return lines
 
 

@@ -728,12 +728,14 @@ class Capture(Statistic):
             out["t_quantile"] = torch.tensor([t_quantile((1 + level) / 2, k - 1)], dtype=torch.float64)
         return out
 
-    def estimate(self, fn, key: str = "scores", level: float = 0.95, keep_replicates: bool = False) -> list[Estimate]:
+    def estimate(self, fn, key: str = "scores", level: float = 0.95, keep_replicates: bool = False,
+                 support: tuple[float, float] | None = None) -> list[Estimate]:
         """fn(mean map) per captured layer, with a delete-a-group jackknife interval (`GroupedSums.estimate`).
 
         `fn` takes a float64 [T, T] head-mean map on the CPU (NaN where undefined, as in `result`) and returns a
         tensor or a float (e.g. the size of the diagonal-normalised pattern). Needs all-reduced sums under torchrun.
-        keep_replicates: each Estimate keeps its leave-one-group-out values (for paired differences).
+        keep_replicates: each Estimate keeps its leave-one-group-out values (for paired differences); support: the
+        range fn cannot leave (`Estimate.support`).
         """
         if key not in self.keys() or key == "log_partition":
             raise UsageError(f"estimate: key must be one of the captured maps {self.keys()}; got {key!r}")
@@ -744,7 +746,7 @@ class Capture(Statistic):
             ok = visible(self._n, window) & reached[:, None]
             gs = self._layer_sums(key, self._full(key, slot).cpu(), self._count)
             out.append(gs.estimate(lambda m, ok=ok: fn(torch.where(ok, m["m"], math.nan)), level=level,
-                                   keep_replicates=keep_replicates))
+                                   keep_replicates=keep_replicates, support=support))
         return out
 
     def reset(self) -> None:

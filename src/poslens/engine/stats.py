@@ -11,7 +11,9 @@ each entry). Then
     interval           theta -/+ t_{G'-1, (1+level)/2} * se
 
 over the G' groups that hold data (delete-a-group jackknife; Efron & Tibshirani 1993, ch. 11). A bootstrap over
-groups (percentile interval) is available too. Sums are float64 unless asked otherwise; maps use float32 sums
+groups (percentile interval) is available too. A quantity with a range it cannot leave (a share: [0, 1]; a mean
+square: [0, inf)) declares it as `support=` where it is estimated: the estimate and its interval are cut to that
+range, and run.json records it (`Estimate.support`). Sums are float64 unless asked otherwise; maps use float32 sums
 (the capture accumulates in float32 on the device) and are finished in float64.
 
 `GroupedSums` is the storage; `Rows` keeps per-sequence values that are gathered rather than summed (one row per
@@ -69,18 +71,20 @@ def _t_quantile(p: float, df: int) -> float:  # the same few (p, df) recur for e
     return (lo + hi) / 2
 
 
-def jackknife(value: torch.Tensor, reps: torch.Tensor, level: float = 0.95, keep: bool = False) -> Estimate:
+def jackknife(value: torch.Tensor, reps: torch.Tensor, level: float = 0.95, keep: bool = False,
+              support: tuple[float, float] | None = None) -> Estimate:
     """The delete-one-group jackknife of `value` = f(all groups) from its replicates [k, ...] (f without group g):
     standard error sqrt((k - 1) / k sum_g (r_g - mean r)^2), a t-interval on k - 1 degrees of freedom, the
     bias-corrected value. Of a difference f(A) - f(B) of two statistics on the same groups of the same sequences,
-    the replicates are the differences of theirs: that is the paired interval. keep: the replicates kept."""
+    the replicates are the differences of theirs: that is the paired interval. keep: the replicates kept.
+    support: the range f cannot leave (`Estimate.support`)."""
     k = int(reps.shape[0])
     kept = reps.clone() if keep else None
     centre = reps.mean(0)
     debiased = k * value - (k - 1) * centre
     se = torch.sqrt((k - 1) / k * reps.sub_(centre).pow_(2).sum(0))  # in place: the replicates are GBs for maps
     t = t_quantile((1 + level) / 2, k - 1)
-    return Estimate(value, value - t * se, value + t * se, se, k, level, "jackknife", debiased, kept)
+    return Estimate(value, value - t * se, value + t * se, se, k, level, "jackknife", debiased, kept, support)
 
 
 @dataclass
@@ -101,25 +105,36 @@ class Estimate:
     # jackknife with keep_replicates only: f(all but g) for each group g that held data, [groups, *value.shape];
     # two estimates on the same groups of the same sequences pair through them (`jackknife`: f(A) - f(B))
     replicates: torch.Tensor | None = None
+    # the range [low, high] the quantity cannot leave (a share: (0, 1); a mean square: (0, inf)), or None: value, lo
+    # and hi are cut to it as the estimate is made (`within`), and `item` records it; se, debiased and the
+    # replicates are kept as they are
+    support: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.support is None:
+            return
+        low, high = (-math.inf if self.support[0] is None else float(self.support[0]),  # None: run.json's inf
+                     math.inf if self.support[1] is None else float(self.support[1]))
+        self.support = (low, high)
+        self.value, self.lo, self.hi = (t.clamp(min=low, max=high) for t in (self.value, self.lo, self.hi))
 
     def __getitem__(self, index) -> Estimate:
         """Element `index` of every tensor (e.g. one statistic of an estimate of several)."""
         index = index if isinstance(index, tuple) else (index,)
         return Estimate(self.value[index], self.lo[index], self.hi[index], self.se[index], self.groups, self.level,
                         self.method, None if self.debiased is None else self.debiased[index],
-                        None if self.replicates is None else self.replicates[(slice(None), *index)])
+                        None if self.replicates is None else self.replicates[(slice(None), *index)], self.support)
 
     def within(self, low: float = -math.inf, high: float = math.inf) -> Estimate:
         """The estimate and its interval cut to [low, high], the range the quantity cannot leave (a mean square:
-        [0, inf); a share: [0, 1]). The true value lies inside the range, so the cut interval keeps its coverage;
-        the point estimate is cut too, so it stays inside its interval. The bias-corrected value (`debiased`) is
-        kept as it is: an unbiased estimate may fall outside the range, and its mean over models must not be
-        biased by cutting each one."""
-        def cut(t):
-            return t.clamp(min=low, max=high)
-
-        return Estimate(cut(self.value), cut(self.lo), cut(self.hi), self.se, self.groups, self.level, self.method,
-                        self.debiased)
+        [0, inf); a share: [0, 1]), recorded as its `support` (within the support it had). The true value lies
+        inside the range, so the cut interval keeps its coverage; the point estimate is cut too, so it stays inside
+        its interval. The bias-corrected value (`debiased`) is kept as it is: an unbiased estimate may fall outside
+        the range, and its mean over models must not be biased by cutting each one."""
+        if self.support is not None:
+            low, high = max(low, self.support[0]), min(high, self.support[1])
+        return Estimate(self.value, self.lo, self.hi, self.se, self.groups, self.level, self.method, self.debiased,
+                        support=(low, high))
 
     def as_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """Tensors named `prefix`, `prefix_lo`, `prefix_hi`, `prefix_se` (the results format)."""
@@ -128,7 +143,8 @@ class Estimate:
     def item(self) -> dict[str, float | int | str]:
         """A scalar estimate as plain numbers for run.json."""
         return {"value": float(self.value), "lo": float(self.lo), "hi": float(self.hi), "se": float(self.se),
-                "level": self.level, "groups": self.groups, "method": self.method}
+                "level": self.level, "groups": self.groups, "method": self.method} | (
+            {"support": list(self.support)} if self.support is not None else {})
 
 
 def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
@@ -148,14 +164,13 @@ def over_seeds(values: Sequence[torch.Tensor | float], level: float = 0.95,
     mean = x.mean(0)
     if m < 2:
         nan = torch.full_like(mean, math.nan)
-        return Estimate(mean, nan, nan.clone(), nan.clone(), m, level, "t over seeds")
+        return Estimate(mean, nan, nan.clone(), nan.clone(), m, level, "t over seeds", support=support)
     t = t_quantile((1 + level) / 2, m - 1)
     half = t * x.std(0, correction=1) / math.sqrt(m)
     if shared is not None:
         h = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in shared])
         half = torch.sqrt(half ** 2 + (h ** 2).mean(0))
-    est = Estimate(mean, mean - half, mean + half, half / t, m, level, "t over seeds")
-    return est.within(*support) if support is not None else est
+    return Estimate(mean, mean - half, mean + half, half / t, m, level, "t over seeds", support=support)
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -180,11 +195,12 @@ class Evaluations:
 
 
 def combine(fn: Callable[..., torch.Tensor], parts: Sequence[Evaluations], level: float = 0.95,
-            keep: bool = False) -> Estimate:
+            keep: bool = False, support: tuple[float, float] | None = None) -> Estimate:
     """The jackknife Estimate of fn(a, b, ...) from evaluations of a, b, ... on the same groups of the same sequences
     (each pass's statistics evaluated once, reused by every function of them): fn of the values, and fn of each
     group's replicates, so the interval of a function of several passes is paired. Equal to `GroupedSums.estimate`
-    of the same function on the joint sums, number for number."""
+    of the same function on the joint sums, number for number. support: the range fn cannot leave
+    (`Estimate.support`)."""
     groups = {p.groups for p in parts}
     if len(groups) != 1:
         raise UsageError(f"estimates on different groups of sequences cannot be combined: {sorted(groups)}")
@@ -192,10 +208,10 @@ def combine(fn: Callable[..., torch.Tensor], parts: Sequence[Evaluations], level
     value = torch.as_tensor(fn(*(p.value for p in parts)), dtype=torch.float64)
     if len(held) < 2:
         nan = torch.full_like(value, math.nan)
-        return Estimate(value, nan, nan.clone(), nan.clone(), len(held), level, "jackknife")
+        return Estimate(value, nan, nan.clone(), nan.clone(), len(held), level, "jackknife", support=support)
     reps = torch.stack([torch.as_tensor(fn(*(p.replicates[k] for p in parts)), dtype=torch.float64)
                         for k in range(len(held))])
-    return jackknife(value, reps, level, keep)
+    return jackknife(value, reps, level, keep, support)
 
 
 class Means(Mapping):
@@ -380,9 +396,10 @@ class GroupedSums:
 
     def estimate(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor | float], level: float = 0.95,
                  method: str = "jackknife", replicates: int = 1000, seed: int = 0,
-                 keep_replicates: bool = False) -> Estimate:
+                 keep_replicates: bool = False, support: tuple[float, float] | None = None) -> Estimate:
         """f(pooled means) with a confidence interval from the groups (jackknife or bootstrap over groups);
-        keep_replicates: the jackknife's leave-one-group-out values kept in the Estimate (`Estimate.replicates`).
+        keep_replicates: the jackknife's leave-one-group-out values kept in the Estimate (`Estimate.replicates`);
+        support: the range f cannot leave (a share: (0, 1)), to which the estimate and its interval are cut.
 
         `fn` takes the dict of pooled float64 means and returns a tensor or float. Fewer than two groups with data:
         the interval is NaN (a single group gives no spread to measure)."""
@@ -392,13 +409,14 @@ class GroupedSums:
             ev = self.evaluate(fn)
             if ev.replicates is None:
                 nan = torch.full_like(ev.value, math.nan)
-                return Estimate(ev.value, nan, nan.clone(), nan.clone(), len(ev.groups), level, method)
-            return jackknife(ev.value, ev.replicates, level, keep_replicates)
+                return Estimate(ev.value, nan, nan.clone(), nan.clone(), len(ev.groups), level, method,
+                                support=support)
+            return jackknife(ev.value, ev.replicates, level, keep_replicates, support)
         value = torch.as_tensor(fn(self._means()), dtype=torch.float64)
         groups = self.filled()
         nan = torch.full_like(value, math.nan)
         if len(groups) < 2:
-            return Estimate(value, nan, nan.clone(), nan.clone(), len(groups), level, method)
+            return Estimate(value, nan, nan.clone(), nan.clone(), len(groups), level, method, support=support)
         gen = torch.Generator().manual_seed(seed)
         idx = torch.tensor(groups)
         reps = []
@@ -409,7 +427,7 @@ class GroupedSums:
         r = torch.stack(reps)
         q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
         lo, hi = torch.nanquantile(r, q[0], dim=0), torch.nanquantile(r, q[1], dim=0)
-        return Estimate(value, lo, hi, r.std(0), len(groups), level, method)
+        return Estimate(value, lo, hi, r.std(0), len(groups), level, method, support=support)
 
     def evaluate(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor | float]) -> Evaluations:
         """fn on the pooled means and, with two or more groups holding data, on each leave-one-group-out means:
@@ -537,9 +555,11 @@ class Statistic:
     attention_mask)` and `end_batch()` around its forward when the statistic has them, and calls `hooks(hm)` once
     per run; each hook adds to `self.sums` (a GroupedSums) or, for values kept per sequence, to `self.rows` (Rows).
     Persistence and combination come from the sums and rows; a statistic with other state overrides them.
+    `intervals` says how `result` makes its intervals (`poslens stat` prints it; {groups}: the groups of sequences).
     """
 
     name = "statistic"
+    intervals = "jackknife over {groups} groups of sequences"
 
     def __init__(self, groups: int = DEFAULT_GROUPS, device: str | torch.device | None = None) -> None:
         self.sums = GroupedSums(groups, device)

@@ -113,9 +113,10 @@ def run_meta(directory: str | os.PathLike) -> dict | None:
     return None
 
 
-def foreign(directory: str | os.PathLike) -> str | None:
+def foreign(directory: str | os.PathLike, content: bool = True) -> str | None:
     """Why `directory` is not entirely poslens's, naming the first entry poslens did not write (or changed), or
-    None when it is: empty, or every entry listed in its manifest (release 0.2: as `LEGACY` says)."""
+    None when it is: empty, or every entry listed in its manifest (release 0.2: as `LEGACY` says). `content`:
+    compare each file's SHA-256 too (False: names, types and sizes only, no file read)."""
     directory = Path(directory)
     listed = read_manifest(directory)
     if listed is not None:
@@ -128,7 +129,7 @@ def foreign(directory: str | os.PathLike) -> str | None:
             if kind == "file" and want.get("bytes") != size:
                 return (f"{directory / rel} was changed after poslens wrote it ({size} bytes, written as "
                         f"{want.get('bytes')})")
-            if kind == "file" and "sha256" in want and _sha256(directory / rel) != want["sha256"]:
+            if content and kind == "file" and "sha256" in want and _sha256(directory / rel) != want["sha256"]:
                 return (f"{directory / rel} was changed after poslens wrote it (its content differs from the "
                         f"SHA-256 in {NAME})")
             return None

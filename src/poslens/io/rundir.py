@@ -151,6 +151,10 @@ def _check(path: Path, force: bool, inputs: Iterable[str | os.PathLike] = ()) ->
         if not path.is_dir():
             raise UsageError(f"output path {path} exists and is not a directory; choose another --out")
         if not force:
+            why = foreign(path, content=False)  # --force would refuse it: not worth suggesting
+            if why:
+                raise UsageError(f"output directory {path} already exists and {why}; choose another --out (poslens "
+                                 "replaces only a run directory it wrote, and deletes nothing of yours)")
             raise UsageError(f"output directory {path} already exists; pass --force to overwrite or choose "
                              "another --out")
         why = foreign(path)

@@ -138,17 +138,29 @@ def combine_seeds(results: list):
     """Per-seed results of one shape (nested dicts and lists) -> that shape with every estimate (a dict with "value",
     "lo", "hi": an interval over one model's sequences) replaced by the t-interval over seeds of its per-seed values
     (`seed_interval`; the per-seed values under "per_seed"; an estimate's "support", the range it cannot leave,
-    cuts the interval); other leaves are the first seed's."""
+    cuts the interval; each seed's half-width over the text is added in quadrature, `half_width`); other leaves
+    are the first seed's."""
     first = results[0]
     if isinstance(first, dict):
         if {"value", "lo", "hi"} <= first.keys():
-            halves = [(r["hi"] - r["lo"]) / 2 if r["lo"] is not None and r["hi"] is not None else math.nan
-                      for r in results]
-            return seed_interval([r["value"] for r in results], support=first.get("support"), shared=halves)
+            return seed_interval([r["value"] for r in results], support=first.get("support"),
+                                 shared=[half_width(r) for r in results])
         return {k: combine_seeds([r[k] for r in results]) for k in first}
     if isinstance(first, list):
         return [combine_seeds(list(col)) for col in zip(*results)]
     return first
+
+
+def half_width(e: dict) -> float:
+    """Half the width of one model's interval before it was cut to its support: t * se of a jackknife interval
+    with a "support" (a cut interval is narrower than the sampling noise it stands for), else (hi - lo) / 2 (NaN
+    without an interval)."""
+    if e.get("support") is not None and e.get("method") == "jackknife" and e.get("se") is not None \
+            and e.get("groups", 0) >= 2:
+        from poslens.engine.stats import t_quantile
+
+        return t_quantile((1 + e["level"]) / 2, e["groups"] - 1) * e["se"]
+    return (e["hi"] - e["lo"]) / 2 if e["lo"] is not None and e["hi"] is not None else math.nan
 
 
 MANY_SEEDS = 24  # beyond this a seed list is no command to hand a reader: the count alone is given

@@ -25,6 +25,8 @@ from poslens.engine.stats import Estimate, Statistic, over_seeds
 from poslens.options import option
 from poslens.train.probe import _ProbeFit, resid_points
 
+R2 = (-math.inf, 1.0)  # a held-out R^2 cannot exceed 1 (it can fall below 0): every interval of one is cut to it
+
 
 @dataclass
 class ProbeOptions:
@@ -40,6 +42,7 @@ class PositionProbe(_ProbeFit):
     """The normal equations per group of sequences; `result` cross-fits over the groups (module docstring)."""
 
     name = "position_probe"
+    intervals = "t-interval over {groups} folds (each group of sequences scored by the probe fitted on the others)"
 
     def __init__(self, groups: int, ridge: float = 1e-2, skip_first: int = 1) -> None:
         Statistic.__init__(self, groups)  # not _ProbeFit's single group
@@ -94,7 +97,7 @@ class PositionProbe(_ProbeFit):
         return out
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
-        """`r2` [L + 1] (mean over folds, with `_lo`/`_hi`/`_se`: t over folds), `r2_pooled` (1 - the summed
+        """`r2` [L + 1] (mean over folds, with `_lo`/`_hi`/`_se`: t over folds, cut at 1), `r2_pooled` (1 - the summed
         SSE over the summed SST), `folds`, `r2_folds` [L + 1, folds] (R^2 of each fold) and `tokens_checksum`
         [G] (sum of token id x (position + 1) per group: equal in two runs that read the same tokens in the same
         groups, so that their per-fold R^2 can be paired)."""
@@ -104,13 +107,13 @@ class PositionProbe(_ProbeFit):
             errs = self.fold_errors(i)
             r2 = [1.0 - sse / sst if sst > 0 else math.nan for sse, sst in errs]
             per_fold.append(r2)
-            est = over_seeds(r2, level)
+            est = over_seeds(r2, level, R2)
             ests.append(dataclasses.replace(est, method="t over folds"))
             total = sum(sst for _, sst in errs)
             pooled.append(1.0 - sum(sse for sse, _ in errs) / total if total > 0 else math.nan)
             folds.append(len(errs))
         est = Estimate(*(torch.stack([getattr(e, k) for e in ests]) for k in ("value", "lo", "hi", "se")),
-                       groups=min(folds), level=level, method="t over folds")
+                       groups=min(folds), level=level, method="t over folds", support=R2)
         out = {**est.as_dict("r2"), "r2_pooled": torch.tensor(pooled, dtype=torch.float64),
                "folds": torch.tensor(folds, dtype=torch.float64)}
         if len(set(folds)) == 1:  # every index scored on the same folds: R^2 per fold, for paired differences

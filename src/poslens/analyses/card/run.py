@@ -13,7 +13,7 @@ leakage and probe, which read the same batches, in one pass: `shared.py`); the e
 recorded and printed on the card, and its wall and CPU time are printed and kept in the card's run.json. Rerunning
 the same card reuses every finished sub-run whose recorded config equals the one asked (an interrupted sub-run
 resumes from its checkpoints); a sub-run made with other settings is refused without --force. The page is rewritten
-every time.
+every time. --out must be new, empty or a card directory, with or without --force (`out.py`).
 """
 
 from __future__ import annotations
@@ -111,8 +111,16 @@ class CardConfig:
         """The page's name and the sub-run folder of each model."""
         if self.labels is not None:
             return [_safe(x) for x in self.labels]
-        return [_safe(Path(m.removeprefix("random:")).name.removesuffix(".json").removesuffix(".gguf") or m)
-                for m in self.models]
+        return [_safe(_default_label(m)) for m in self.models]
+
+
+def _default_label(model: str) -> str:
+    """A model spec's folder or file name without .json or .gguf; for a `random:` config named config.json, its
+    folder's name (random:gpt2/config.json -> gpt2), so that configs in folders of their own get distinct labels."""
+    path = Path(model.removeprefix("random:"))
+    if model.startswith("random:") and path.name == "config.json" and path.parent.name:
+        return path.parent.name
+    return path.name.removesuffix(".json").removesuffix(".gguf") or model
 
 
 def _safe(text: str) -> str:
@@ -254,29 +262,17 @@ def same_config(sub: SubRun) -> bool | None:
             and all(meta.get(k) == v for k, v in extra.items()))
 
 
-def check_out(out: Path, force: bool, labels: list[str]) -> None:
-    """Refuse an --out that is something other than a card directory (a file, or a folder with other things than
-    a card's page and sub-runs: those of `labels`, when the page was never written because a sub-run stopped)."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise UsageError(f"out: {out} is a file; choose another --out", param="out")
-    entries = [p for p in out.iterdir() if not p.name.startswith(".") and p.name not in (*labels, "card")]
-    if entries and recorded(out / "card") is None and not force:
-        raise UsageError(f"out: {out} exists and is not a card directory (no card/run.json); choose another --out, "
-                         "or --force to write the card into it", param="out")
-
-
 def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bool = True,
              command: str | None = None) -> Path:
     """Run (or reuse) every sub-run, then write the card into out/card; returns that directory."""
+    from poslens.analyses.card.out import check_card_out, replaced_by_another
     from poslens.analyses.card.page import write_card
     from poslens.analyses.card.shared import same_batches
 
     started = (time.perf_counter(), cpu_seconds())
     cfg.validate()
     out = Path(out).expanduser().absolute()
-    check_out(out, force, cfg.model_labels())
+    check_card_out(out)
     runs = plan(cfg, out)
     pending = []
     for sub in runs:
@@ -284,6 +280,10 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
         if same and not force:
             sub.reused = True
             continue
+        why = replaced_by_another(sub.path)  # checked for every sub-run before any is measured
+        if why:
+            raise UsageError(f"out: {sub.path} cannot be measured again: {why}; choose another --out (poslens "
+                             "replaces only what it wrote)", param="out")
         if same is False and not force:
             raise UsageError(f"out: {sub.path} was measured with other settings than this card asks; use --force to "
                              "measure it again, or another --out", param="out")

@@ -17,7 +17,7 @@ from poslens.analyses.leakage import interventions as iv
 from poslens.analyses.leakage import nulls as nl
 from poslens.analyses.leakage import position0 as p0
 from poslens.analyses.leakage import predecessor as pr
-from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, VARIANTS, alpha0, over_layers
+from poslens.analyses.leakage.causal import ENERGIES, HEAD_MEAN_ONLY, METRICS, SUPPORT, VARIANTS, alpha0, over_layers
 from poslens.analyses.leakage.contrast import contrast, removed_by_head, sink_attention, sink_heads_removed, unflatten
 from poslens.engine.pipeline import Job, Output, Pass
 from poslens.engine.stats import Estimate, combine
@@ -30,22 +30,30 @@ VARIANT = {(name.removesuffix("_no_key0"), "key0_in" if first_key else "key0_out
            for v, (name, _, first_key) in enumerate(VARIANTS)}
 
 
-def leaf(est: Estimate, index: tuple, energy: bool = False) -> dict:
-    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes); an `energy` (a
-    squared norm) has its interval cut at 0 (`Estimate.within`) and also carries the jackknife's bias-corrected
+# the range a change pass - original of a metric cannot leave, and a removed share 1 - E(pass) / E(original)
+CHANGE = {name: (low - high, high - low) for name, (low, high) in SUPPORT.items() if math.isfinite(high - low)}
+REMOVED = dict.fromkeys(ENERGIES, (-math.inf, 1.0))
+
+
+def leaf(est: Estimate, index: tuple, energy: bool = False, support: tuple[float, float] | None = None) -> dict:
+    """{"value", "lo", "hi"} of an Estimate at `index` (numbers, or lists over the remaining axes), cut to the
+    metric's `support` (`Estimate.within`); an `energy` (a squared norm) also carries the jackknife's bias-corrected
     value (without its sampling-noise term; `Estimate.debiased`)."""
-    est = est[index].within(0.0) if energy else est[index]
+    est = est[index] if support is None else est[index].within(*support)
     out = {k: getattr(est, k).tolist() for k in ("value", "lo", "hi")}
     if energy and est.debiased is not None:
         out["debiased"] = est.debiased.tolist()
     return out
 
 
-def by_domain(est: Estimate, names: tuple[str, ...], energies: bool = True) -> dict:
-    """{scope: {metric: {"key0_in": EST, "key0_out": EST}}} from an Estimate [V, M, ...] with metrics `names`;
-    with `energies`, the energies among them (ENERGIES) are cut at 0 and carry their debiased value."""
-    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m), energies and name in ENERGIES) for k in KEY0}
-                    for m, name in enumerate(names)} for scope in SCOPES}
+def by_domain(est: Estimate, names: tuple[str, ...], energies: bool = True,
+              support: dict[str, tuple[float, float]] | None = None) -> dict:
+    """{scope: {metric: {"key0_in": EST, "key0_out": EST}}} from an Estimate [V, M, ...] with metrics `names`, each
+    cut to its range in `support` (default: the metrics' own, `causal.SUPPORT`, with `energies`, else none); with
+    `energies`, the energies among them (ENERGIES) carry their debiased value."""
+    support = (SUPPORT if energies else {}) if support is None else support
+    return {scope: {name: {k: leaf(est, (VARIANT[scope, k], m), energies and name in ENERGIES, support.get(name))
+                           for k in KEY0} for m, name in enumerate(names)} for scope in SCOPES}
 
 
 def summarise(job: Job, passes: list[Pass]) -> Output:
@@ -90,11 +98,11 @@ def summarise(job: Job, passes: list[Pass]) -> Output:
         what = nl.describe(p.name, cfg.min_offset) if kind == "null" else iv.describe(p.name)
         entry = {"kind": kind, "what": what,
                  "per_layer": {"pass": by_domain(c["pass"], NAMES),
-                               "difference": by_domain(c["difference"], NAMES, False),
-                               "removed": by_domain(c["removed"], ENERGIES, False)},
+                               "difference": by_domain(c["difference"], NAMES, False, CHANGE),
+                               "removed": by_domain(c["removed"], ENERGIES, False, REMOVED)},
                  "over_layers": {"pass": by_domain(c["pass_over_layers"], NAMES),
-                                 "difference": by_domain(c["difference_over_layers"], NAMES, False),
-                                 "removed": by_domain(c["removed_all"], ENERGIES, False)}}
+                                 "difference": by_domain(c["difference_over_layers"], NAMES, False, CHANGE),
+                                 "removed": by_domain(c["removed_all"], ENERGIES, False, REMOVED)}}
         if kind == "intervention":
             removed_heads = removed_by_head(orig, p.statistics[0], level=level)  # [V, E, L, H]
             ests[f"{p.name}/heads/removed"] = removed_heads
@@ -153,11 +161,12 @@ def offset_interventions(job: Job, passes: list[Pass], metrics: dict, ests: dict
         ests.update({f"{prefix}/paired/{k}": v for k, v in paired.items()})
         records[spec] = {
             "kind": "intervention", "what": nl.describe_intervention(spec, cfg.min_offset), "base": "offset",
-            "per_layer": {"pass": by_domain(c["pass"], NAMES), "difference": by_domain(c["difference"], NAMES, False),
-                          "removed": by_domain(c["removed"], ENERGIES, False)},
+            "per_layer": {"pass": by_domain(c["pass"], NAMES),
+                          "difference": by_domain(c["difference"], NAMES, False, CHANGE),
+                          "removed": by_domain(c["removed"], ENERGIES, False, REMOVED)},
             "over_layers": {"pass": by_domain(c["pass_over_layers"], NAMES),
-                            "difference": by_domain(c["difference_over_layers"], NAMES, False),
-                            "removed": by_domain(c["removed_all"], ENERGIES, False)},
+                            "difference": by_domain(c["difference_over_layers"], NAMES, False, CHANGE),
+                            "removed": by_domain(c["removed_all"], ENERGIES, False, REMOVED)},
             "sink_attention": sink_attention(base, inside, cfg.sink_threshold, level),
             "paired": {"what": "at document starts minus inside the documents, paired by group: removed shares "
                                "(1 - E(pass) / E(its base)) and changes over layers",

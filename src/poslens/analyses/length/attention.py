@@ -32,6 +32,8 @@ from poslens.masks import allowed
 from poslens.options import option
 
 QUANTITIES = ("entropy", "key0", "log_keys")
+# the range each quantity (and the gap) cannot leave: an entropy and the gap are >= 0, a_i is a share
+SUPPORT = {"entropy": (0.0, math.inf), "key0": (0.0, 1.0), "log_keys": (0.0, math.inf), "gap": (0.0, math.inf)}
 
 
 class AttentionProfile(Statistic):
@@ -110,7 +112,7 @@ class AttentionProfile(Statistic):
                 rows = [torch.stack([x[a:b].nanmean() for a, b in zip(edges, edges[1:])]) for x in rows]
             return torch.stack(rows)
 
-        return self.sums.estimate(f, level)
+        return self.sums.estimate(f, level, support=SUPPORT[quantity])
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """`entropy`, `gap`, `key0` [layers, T] with `_lo`, `_hi`, `_se`; `log_keys` [layers, T]; `layers`."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from poslens.analyses.length.loss import PositionLoss, check_spans, span_means
+from poslens.analyses.length.loss import LOSS, PositionLoss, check_spans, span_means
 from poslens.engine.stats import Estimate, GroupedSums, over_seeds
 from poslens.errors import UsageError
 
@@ -70,7 +70,7 @@ def seed_summary(models: Sequence[PositionLoss], level: float = 0.95) -> dict[st
     ("sequences")."""
     per_model = [s.buckets(level) for s in models]
     out: dict[str, Estimate | list[Estimate]] = {"models": per_model,
-                                                 "seeds": over_seeds([e.value for e in per_model], level)}
+                                                 "seeds": over_seeds([e.value for e in per_model], level, LOSS)}
     try:
         for s in models[1:]:
             _check_paired(models[0], s)
@@ -78,7 +78,7 @@ def seed_summary(models: Sequence[PositionLoss], level: float = 0.95) -> dict[st
         return out
     gs = joined({str(k): s.sums for k, s in enumerate(models)})
     out["sequences"] = gs.estimate(lambda m: torch.stack([m[f"{k}/bucket"] for k in range(len(models))]).mean(0),
-                                   level)
+                                   level, support=LOSS)
     return out
 
 

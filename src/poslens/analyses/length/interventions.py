@@ -55,6 +55,10 @@ from poslens.engine.families import positional_encoding, rotary_modules, scale_a
 from poslens.errors import UsageError, check_float, check_int
 
 SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "sink-window", "alibi-scale", "freeze")
+# the number after the colon, by spec: (what it is, its least value, whole number, an example)
+ARGUMENTS = {"ntk": ("the factor", 1.0, False, "ntk:4"), "yarn": ("the factor", 1.0, False, "yarn:4"),
+             "alibi-scale": ("the factor", 0.0, False, "alibi-scale:0.5"),
+             "window": ("the window", 1, True, "window:64"), "sink-window": ("the window", 2, True, "sink-window:64")}
 
 
 @dataclass
@@ -274,6 +278,13 @@ def parse(spec: str, train_len: int) -> Intervention:
     except ValueError:
         raise UsageError(f"interventions: {spec!r} needs a number after the colon, e.g. {name}:4",
                          param="interventions") from None
+    if value is not None:
+        what, low, whole, example = ARGUMENTS[name]
+        if not math.isfinite(value) or value < low or (whole and value != int(value)):
+            kind = "a whole number" if whole else "a number"
+            raise UsageError(f"interventions: {spec!r}: {what} after the colon must be {kind} >= {low:g}, e.g. "
+                             f"{example}", param="interventions")
+        value = int(value) if whole else value
     if name == "none":
         return Intervention()
     if name in ("logn", "logn-all"):
@@ -281,9 +292,9 @@ def parse(spec: str, train_len: int) -> Intervention:
     if name in ("ntk", "yarn"):
         return RopeScaling(name, train_len, value)
     if name == "window":
-        return Window(train_len, None if value is None else check_int("window", value, 1))
+        return Window(train_len, value)
     if name == "alibi-scale":
         return AlibiScaling(train_len, value)
     if name == "sink-window":
-        return Window(train_len, None if value is None else check_int("sink-window", value, 2), sinks=1)
+        return Window(train_len, value, sinks=1)
     return Freeze()

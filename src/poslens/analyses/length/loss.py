@@ -14,6 +14,7 @@ over the sequences, and `joined` puts several passes or models side by side for 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,7 @@ from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
 from poslens.errors import check_int, require
 
 BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
+LOSS = (0.0, math.inf)  # the range a mean cross-entropy cannot leave: every interval of one is cut to it
 
 
 def doubling_edges(train_len: int, eval_len: int) -> list[int]:
@@ -108,17 +110,17 @@ class PositionLoss(Statistic):
     def curve(self, level: float = 0.95) -> Estimate:
         """Mean loss at every target position t (index t; NaN at t = 0 and where no sequence reached), with
         jackknife intervals over the groups of sequences."""
-        return self.sums.estimate(lambda m: m["nll"], level)
+        return self.sums.estimate(lambda m: m["nll"], level, support=LOSS)
 
     def buckets(self, level: float = 0.95) -> Estimate:
         """Mean loss per token in each bucket [e_k, e_{k+1}), with jackknife intervals."""
-        return self.sums.estimate(lambda m: m["bucket"], level)
+        return self.sums.estimate(lambda m: m["bucket"], level, support=LOSS)
 
     def spans(self, spans: Sequence[tuple[int, int]], level: float = 0.95) -> Estimate:
         """Mean loss over target positions [lo, hi) for each span, with jackknife intervals (every sequence must
         reach every position of a span, so the mean over positions is the mean over tokens)."""
         check_spans(self, spans)
-        return self.sums.estimate(lambda m: span_means(m["nll"], spans), level)
+        return self.sums.estimate(lambda m: span_means(m["nll"], spans), level, support=LOSS)
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """`loss` [T] and `bucket_loss` [K], each with `_lo`, `_hi`, `_se`; `edges` [K + 1]."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from poslens.analyses.leakage.causal import lag_partition, lag_profile
+from poslens.analyses.leakage.causal import SUPPORT, lag_partition, lag_profile
 from poslens.analyses.leakage.metrics import LEAN, Domain, leakage_metrics, lean_metrics
 from poslens.analyses.length.checks import context_limit_lifted
 from poslens.engine.capture import Capture
@@ -109,7 +109,7 @@ class LengthMaps(Capture):
     def metrics(self, level: float = 0.95, n: int | None = None, names: tuple[str, ...] | None = None
                 ) -> dict[str, Estimate]:
         """Every leakage metric (or those in `names`) per captured layer ([layers] each), on the top-left n x n block
-        of the maps (default: the whole length), with jackknife intervals."""
+        of the maps (default: the whole length), with jackknife intervals (cut to each metric's `causal.SUPPORT`)."""
         size = self._n if n is None else n
         return self.metrics_at([size], level, names)[size]
 
@@ -150,7 +150,7 @@ class LengthMaps(Capture):
 
         est = gs.estimate(per_layer, level)
         return {size: {k: Estimate(est.value[a, i], est.lo[a, i], est.hi[a, i], est.se[a, i], est.groups, est.level,
-                                   est.method) for i, k in enumerate(keys)}
+                                   est.method, support=SUPPORT.get(k)) for i, k in enumerate(keys)}
                 for a, size in enumerate(lengths)}
 
     def _fitted(self) -> list[int]:

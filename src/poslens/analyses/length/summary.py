@@ -10,7 +10,7 @@ import torch
 from poslens.analyses.leakage.metrics import LEAN
 from poslens.analyses.length.attention import AttentionProfile
 from poslens.analyses.length.compare import over_seeds, paired_difference
-from poslens.analyses.length.loss import PositionLoss, bin_spans, span_means
+from poslens.analyses.length.loss import LOSS, PositionLoss, bin_spans, span_means
 from poslens.analyses.length.plan import LengthPass, LengthStatistics, edges_of
 from poslens.engine.stats import Estimate
 
@@ -77,7 +77,8 @@ def binned(loss: PositionLoss, L: int, n: int, level: float, keep_replicates: bo
     """Mean loss in bins of L / 4 target positions (from 1) up to n, with jackknife intervals: the curve's figure
     (keep_replicates: its leave-one-group-out values kept)."""
     spans = bin_spans(L, n)
-    return loss.sums.estimate(lambda m: span_means(m["nll"], spans), level, keep_replicates=keep_replicates)
+    return loss.sums.estimate(lambda m: span_means(m["nll"], spans), level, keep_replicates=keep_replicates,
+                              support=LOSS)
 
 
 def profile_buckets(profile: AttentionProfile, edges: list[int], level: float) -> dict:
@@ -100,9 +101,9 @@ def over_models(per_model: list[dict], level: float) -> dict:
                 "per_model": list(values)}
 
     first = per_model[0]
-    out: dict = {"buckets": [seeds([m["buckets"][i]["value"] for m in per_model])
+    out: dict = {"buckets": [seeds([m["buckets"][i]["value"] for m in per_model], LOSS)
                              for i in range(len(first["buckets"]))],
-                 "loss_past_L": {t: seeds([m["loss_past_L"][t]["value"] for m in per_model])
+                 "loss_past_L": {t: seeds([m["loss_past_L"][t]["value"] for m in per_model], LOSS)
                                  for t in first["loss_past_L"]},
                  "rise": {t: seeds([m["rise"][t]["value"] for m in per_model]) for t in first["rise"]},
                  "effects": {spec: {t: seeds([m["effects"][spec][t]["value"] for m in per_model]) for t in by_t}
