@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -61,6 +63,8 @@ def test_probe_of_a_nope_model_at_initialisation():
     assert mae[1] < 0.9 * chance and mae[2] < 0.9 * chance
     # the paired interval of "layer 1 beats the embeddings" excludes 0 here (8 groups of 2 test sequences)
     assert float(res.difference(0, 1).hi) < 0
+    # an absolute error cannot be negative: each layer's interval (and chance's) is cut at 0
+    assert all(e.support == (0.0, math.inf) and float(e.lo) >= 0 for e in [*res.mae, res.chance])
 
 
 def test_probe_of_a_rope_model_matches_nope_at_layer_zero():
@@ -108,6 +112,9 @@ def test_heldout_losses_equal_the_models_own_loss():
     cmp = loss_comparison(sums)
     assert cmp["loss_none"]["value"] == pytest.approx(float(ref), abs=1e-5)
     assert cmp["gap"]["value"] == 0.0 and cmp["gap"]["lo"] == 0.0 and cmp["perplexity_ratio"]["value"] == 1.0
+    # a loss and a perplexity ratio cannot be negative: their intervals are cut at 0 (the gap has no range)
+    assert all(cmp[k]["support"] == [0.0, math.inf] for k in ("loss_none", "loss_rope", "perplexity_ratio"))
+    assert "support" not in cmp["gap"]
 
 
 def test_too_little_held_out_text_is_a_one_line_error():

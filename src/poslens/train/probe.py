@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
 from poslens.errors import check_float, check_int, require
 
+NONNEGATIVE = (0.0, math.inf)  # the range of an absolute error, a loss and a perplexity ratio (Estimate.support)
+
 
 @dataclass
 class ProbeResult:
@@ -134,8 +136,8 @@ def position_probe(model: torch.nn.Module, fit_blocks: torch.Tensor, test_blocks
         probes = [fit.solve(i, ridge) for i in range(hm.n_layers + 1)]
         err = _ProbeError(probes, groups)
         run_statistics(hm, [err], list(test_blocks.split(batch_size)), all_reduce=False)
-    mae = [err.sums.estimate(lambda m, i=i: m[f"err/{i}"], level) for i in range(hm.n_layers + 1)]
-    return ProbeResult(mae=mae, chance=err.sums.estimate(lambda m: m["chance"], level),
+    mae = [err.sums.estimate(lambda m, i=i: m[f"err/{i}"], level, support=NONNEGATIVE) for i in range(hm.n_layers + 1)]
+    return ProbeResult(mae=mae, chance=err.sums.estimate(lambda m: m["chance"], level, support=NONNEGATIVE),
                        seq_len=fit_blocks.shape[1], sums=err.sums)
 
 
@@ -159,10 +161,11 @@ def heldout_losses(models: dict[str, torch.nn.Module], blocks: torch.Tensor, gro
 
 def loss_comparison(sums: GroupedSums, a: str = "none", b: str = "rope", level: float = 0.95) -> dict[str, dict]:
     """Held-out loss of `a` and `b`, their difference a - b and the perplexity ratio exp(a - b), with intervals."""
-    return {"loss_" + a: sums.estimate(lambda m: m[f"loss/{a}"], level).item(),
-            "loss_" + b: sums.estimate(lambda m: m[f"loss/{b}"], level).item(),
+    return {"loss_" + a: sums.estimate(lambda m: m[f"loss/{a}"], level, support=NONNEGATIVE).item(),
+            "loss_" + b: sums.estimate(lambda m: m[f"loss/{b}"], level, support=NONNEGATIVE).item(),
             "gap": sums.estimate(lambda m: m[f"loss/{a}"] - m[f"loss/{b}"], level).item(),
-            "perplexity_ratio": sums.estimate(lambda m: torch.exp(m[f"loss/{a}"] - m[f"loss/{b}"]), level).item()}
+            "perplexity_ratio": sums.estimate(lambda m: torch.exp(m[f"loss/{a}"] - m[f"loss/{b}"]), level,
+                                              support=NONNEGATIVE).item()}
 
 
 def sequences_of(tokens, seq_len: int, count: int, offset: int = 0, bos: int | None = None) -> torch.Tensor:
