@@ -50,7 +50,7 @@ import torch
 from poslens.engine.config import DEFAULT_SEQUENCES, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.engine.statistics.spec import Spec
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic, t_quantile
+from poslens.engine.stats import DEFAULT_GROUPS, NONNEGATIVE, SHARE, Estimate, Statistic, t_quantile
 from poslens.errors import UsageError, check_int
 from poslens.maps import diagonal_normalised, key_share
 from poslens.masks import nan_hidden
@@ -433,7 +433,7 @@ class Intermediates(Statistic):
         for letter in "fi":  # the two panels the paper reads as "increases with j for fixed i"
             panels[letter]["rows_increasing"] = self.sums.estimate(
                 lambda m, c=letter: share_rows_increasing(self.panel_map(c, m)), level, method="bootstrap",
-                support=(0.0, 1.0)).item()  # a share
+                support=SHARE).item()  # a share
         panels = self._readings(panels, level)
         return {"panels": panels, "changes": changes, "groups": len(self.sums.filled()), "level": level,
                 "amplification": self.amplification(level), "block_output_check": self.check_report()}
@@ -450,14 +450,14 @@ class Intermediates(Statistic):
         def contrast(m):
             return first_column_contrast(self.panel_map("b", m))
 
-        panels["b"]["first_column"] = est(lambda m: contrast(m).abs(), (0.0, math.inf)).item()
+        panels["b"]["first_column"] = est(lambda m: contrast(m).abs(), NONNEGATIVE).item()
         panels["b"]["first_column_signed"] = est(contrast).item()
         panels["c"]["diagonal_slope"] = est(lambda m: diagonal_slope(self.panel_map("c", m))).item()
         panels["c"]["uniformity"] = est(lambda m: offdiag_uniformity(self.panel_map("c", m))).item()
         panels["e"]["correlation_with_d"] = bias_corrected(est(
             lambda m: offdiag_correlation(self.panel_map("d", m), self.panel_map("e", m)), (-1.0, 1.0)))
         panels["i"]["key_share"] = bias_corrected(est(
-            lambda m: torch.as_tensor(key_share(self.panel_map("i", m)[1:, 1:])), (0.0, 1.0)))
+            lambda m: torch.as_tensor(key_share(self.panel_map("i", m)[1:, 1:])), SHARE))
         return panels
 
     def amplification(self, level: float = 0.95) -> dict:

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from poslens.errors import UsageError, check_choice, check_float, check_int
 
 DEFAULT_GROUPS = 20
+NONNEGATIVE = (0.0, math.inf)  # the range of a mean square, an energy, a loss, an error (`Estimate.support`)
+SHARE = (0.0, 1.0)  # the range of a share or a fraction
 METHODS = ("jackknife", "bootstrap")
 
 

@@ -17,7 +17,7 @@ Two things a forked worker would otherwise get wrong, handled here:
 * the caller's script: multiprocessing imports the parent's main module in every worker it starts (so that functions
   defined there unpickle), which runs a script's top level again, and a script without `if __name__ == "__main__":`
   that starts workers then fails in each worker; the jobs here are poslens functions, so a worker is started without
-  the parent's main module (`_Process`), and a script or notebook needs no guard.
+  the parent's main module (`_without_main`), and a script or notebook needs no guard.
 """
 
 from __future__ import annotations

@@ -23,10 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, GroupedSums, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, NONNEGATIVE, Estimate, GroupedSums, Statistic
 from poslens.errors import check_float, check_int, require
-
-NONNEGATIVE = (0.0, math.inf)  # the range of an absolute error, a loss and a perplexity ratio (Estimate.support)
 
 
 @dataclass

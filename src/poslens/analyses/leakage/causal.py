@@ -17,7 +17,6 @@ domains: all queries or early ones, key 0 in or out.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,7 +25,16 @@ import torch
 from poslens.analyses.leakage.metrics import Domain, energy_metrics, leakage_metrics
 from poslens.analyses.leakage.position0 import GU_TOKENS
 from poslens.engine.families import sliding_windows
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Evaluations, GroupedSums, Means, Statistic
+from poslens.engine.stats import (
+    DEFAULT_GROUPS,
+    NONNEGATIVE,
+    SHARE,
+    Estimate,
+    Evaluations,
+    GroupedSums,
+    Means,
+    Statistic,
+)
 from poslens.errors import UsageError, check_int
 from poslens.masks import visible
 
@@ -42,8 +50,8 @@ ENERGIES = ("attn/e_total", "attn/mask_only", "attn/residual", "scores/energy")
 # the range each metric cannot leave (a residual fraction, an R^2 increment, a share of a map's own energy: [0, 1];
 # an energy and its terms' shares of e_total: [0, inf)); the others are signed. Every interval is cut to it.
 SUPPORT = {**dict.fromkeys(("scores/trf", "scores/dr2_q", "scores/dr2_k", "scores/dr2_abs", "scores/offset_share",
-                            "log_probs/trf", "probs/trf"), (0.0, 1.0)),
-           **dict.fromkeys((*ENERGIES, "attn/share_mask_only", "attn/share_residual"), (0.0, math.inf))}
+                            "log_probs/trf", "probs/trf"), SHARE),
+           **dict.fromkeys((*ENERGIES, "attn/share_mask_only", "attn/share_residual"), NONNEGATIVE)}
 # metrics of earlier releases: old name -> the name now, or None where it is gone (docs/leakage.md, "Renamed")
 RENAMED = {"split/e_total": "attn/e_total", "cf/mask_only": "attn/mask_only", "cf/absolute_scores": "attn/residual",
            "cf/cross": "attn/cross", "cf/share_mask_only": "attn/share_mask_only",

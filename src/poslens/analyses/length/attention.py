@@ -26,14 +26,14 @@ from poslens.analyses.length.points import rotated
 from poslens.engine.capture import chunk_rows
 from poslens.engine.hooks import from_factors
 from poslens.engine.statistics.spec import Spec
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, NONNEGATIVE, SHARE, Estimate, Statistic
 from poslens.errors import check_int
 from poslens.masks import allowed
 from poslens.options import option
 
 QUANTITIES = ("entropy", "key0", "log_keys")
 # the range each quantity (and the gap) cannot leave: an entropy and the gap are >= 0, a_i is a share
-SUPPORT = {"entropy": (0.0, math.inf), "key0": (0.0, 1.0), "log_keys": (0.0, math.inf), "gap": (0.0, math.inf)}
+SUPPORT = {"entropy": NONNEGATIVE, "key0": SHARE, "log_keys": NONNEGATIVE, "gap": NONNEGATIVE}
 
 
 class AttentionProfile(Statistic):

@@ -14,18 +14,17 @@ over the sequences, and `joined` puts several passes or models side by side for 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from poslens.analyses.length.masks import right_padded
 from poslens.analyses.length.points import final_norm_point
-from poslens.engine.stats import DEFAULT_GROUPS, Estimate, Statistic
+from poslens.engine.stats import DEFAULT_GROUPS, NONNEGATIVE, Estimate, Statistic
 from poslens.errors import check_int, require
 
 BINS_PER_L = 4  # the loss curve's figure and tensors: bins of L / 4 target positions
-LOSS = (0.0, math.inf)  # the range a mean cross-entropy cannot leave: every interval of one is cut to it
+LOSS = NONNEGATIVE  # the range a mean cross-entropy cannot leave: every interval of one is cut to it
 
 
 def doubling_edges(train_len: int, eval_len: int) -> list[int]:
