@@ -20,9 +20,9 @@ memory, `poslens.engine.allocator`, so after the warm-up both arms should fault 
 geometric mean of the paired ratios (each repeat's read over the plain forward of the same round) with its 95%
 t-interval over the repeats (`paired_read`, `paired_read_default`: [mean, low, high]); `--arms read` times only
 the plain forward and every point read (more repeats in the same time). The
-logits of both are checked first: within 1e-5 of each other (a read pattern makes attention's output pattern @ v, as
-eager attention computes it; read per-head results make W_O's output their sum, as TransformerLens computes it), and
-which forward the read one equals bit for bit (`same_logits`).
+logits of both are checked first: which forward the read one equals bit for bit (a read pattern makes attention's
+output pattern @ v, as eager attention computes it; read per-head results make W_O's output their sum, as
+TransformerLens computes it), or, where it equals neither, that they are within 1e-5 of each other (`same_logits`).
 
 Each family also gets a line on the noise of its rounds (the plain forward's least, median and most CPU seconds, and
 read / plain at the two arms' lower quartiles beside the medians' ratio): on the shared 2-core machine the same
@@ -145,20 +145,20 @@ def paired(arm: list[float], plain: list[float], level: float = 0.95) -> list[fl
 
 
 def same_logits(model, ids, plain: torch.Tensor, read: torch.Tensor) -> str:
-    """Check the read forward's logits before timing: within 1e-5 of the plain forward's largest |logit| (an output
-    from the read pattern, as eager attention computes it, against SDPA's kernel; W_O's output as the sum of the
-    per-head results read); says which forward they equal bit for bit: "plain" (the model's own kernels ran), "eager,
-    heads summed" (the same weights under eager attention, W_O's output the heads' sum: tests/tiny_models.py's
-    `heads_summed_twin`) or "neither" (Falcon's ALiBi form: transformers' eager Falcon adds the bias twice, no
-    reference)."""
-    err = float((read - plain).abs().max() / plain.abs().max())
-    assert err <= 1e-5, f"the hooked logits differ from the plain forward's by {err:.2e} (relative)"
+    """Check the read forward's logits before timing; says which forward they equal bit for bit: "plain" (the model's
+    own kernels ran), "eager, heads summed" (the same weights under eager attention, W_O's output the heads' sum:
+    tests/tiny_models.py's `heads_summed_twin`) or, where neither is equal, "neither", then only if they are within 1e-5
+    of the plain forward's largest |logit| (Falcon's ALiBi form: transformers' eager Falcon adds the bias twice, no
+    reference). An output equal to the eager twin's needs no tolerance: against SDPA's kernel it differs by float32
+    rounding that grows with depth (1.13e-5 at OLMo-2's 12 layers of 768, 2026-11-30)."""
     if torch.equal(read, plain):
         return "plain"
-    if getattr(model.config, "alibi", False):
-        return "neither"
-    twin = heads_summed_twin(model)(input_ids=ids, use_cache=False).logits
-    return "eager, heads summed" if torch.equal(read, twin) else "neither"
+    if not getattr(model.config, "alibi", False) and \
+            torch.equal(read, heads_summed_twin(model)(input_ids=ids, use_cache=False).logits):
+        return "eager, heads summed"
+    err = float((read - plain).abs().max() / plain.abs().max())
+    assert err <= 1e-5, f"the hooked logits differ from the plain forward's by {err:.2e} (relative)"
+    return "neither"
 
 
 def add_model_args(p: argparse.ArgumentParser, hidden: int = 512, layers: int = 4) -> None:
@@ -206,7 +206,7 @@ def report(family: str, r: dict, arms: list[str]) -> None:
             line += (f"; {what} {r['cpu_seconds'][arm]:.3f} s: {r[f'ratio_{arm}_to_plain']:.3f}x (paired "
                      f"{_interval(r[f'paired_{arm}'])})")
     flt = ", ".join(f"{m} {n:g}" for m, n in r["median_minor_faults"].items())
-    print(line + f" (logits within 1e-5; bit-identical to: {r['logits_identical_to']}; page faults per call, "
+    print(line + f" (logits bit-identical to: {r['logits_identical_to']}; page faults per call, "
           f"median: {flt})", flush=True)
     print(f"  spread: {spread(r, arms[0])}", flush=True)
 

@@ -303,6 +303,20 @@ def test_alpha0_of_a_sliding_window_layer_is_over_the_queries_that_see_key_0():
     assert alpha0(key0, 16, [0, W])[1, 0].item() == pytest.approx(harmonic(16) / 16, rel=1e-12)  # W > tokens
 
 
+def test_alpha0_intervals_stay_within_0_and_1():
+    """Gu et al.'s alpha_0 is a mean attention weight: its estimate and interval lie in [0, 1] (`support`), though
+    two groups of uneven attention on key 0 (0.95 and 0.35; a jackknife over two groups has t_1 = 12.7) put the
+    uncut interval's upper end far above 1 (checked, so the test can fail)."""
+    stat = LeakageMaps(groups=2)
+    for g, a in enumerate((0.95, 0.35)):
+        stat.sums.add("key0", g, torch.full((1, 1, 8), 3 * a, dtype=torch.float64), 3)  # 3 sequences per group
+    assert float(stat.sums.estimate(lambda m: alpha0(m["key0"])).hi) > 1.5  # uncut
+    for name, est in stat.alpha0_estimates().items():
+        assert est.support == (0.0, 1.0), name
+        assert float(est.value) == pytest.approx(0.65, abs=1e-12), name  # the pooled mean is not cut
+        assert (float(est.lo), float(est.hi)) == (0.0, 1.0), name  # 0.65 -+ 12.7 * 0.3, cut to the range
+
+
 def _key0_pass(attention: dict[tuple[int, int], float], groups: int = 4) -> LeakageMaps:
     """A pass whose mean attention on key 0 is `attention[(layer, head)]` at every query (1/8 elsewhere), the same
     in every group, as a pass over 2 layers x 2 heads of 8 queries would record it."""

@@ -318,12 +318,19 @@ class LeakageMaps(Statistic):
         self.check_masks()
         ests = {"metrics": self.sums.estimate(self.layer_metrics, level=level),
                 **({"metrics_heads": self.sums.estimate(self.head_metrics, level=level)} if self.per_head else {}),
-                "alpha0": self.sums.estimate(lambda m: alpha0(m["key0"], windows=self.windows), level=level),
-                "alpha0_64": self.sums.estimate(lambda m: alpha0(m["key0"], GU_TOKENS, self.windows), level=level)}
+                **self.alpha0_estimates(level)}
         out = {}
         for name, e in ests.items():
             out.update(e.as_dict(name))
         return out, ests
+
+    def alpha0_estimates(self, level: float = 0.95) -> dict[str, Estimate]:
+        """Gu et al.'s alpha_0 [L, H] over every query (`alpha0`) and over the first 64 (`alpha0_64`): mean
+        attention weights, so their estimates and intervals are cut to [0, 1]."""
+        return {"alpha0": self.sums.estimate(lambda m: alpha0(m["key0"], windows=self.windows), level=level,
+                                             support=SHARE),
+                "alpha0_64": self.sums.estimate(lambda m: alpha0(m["key0"], GU_TOKENS, self.windows), level=level,
+                                                support=SHARE)}
 
     def layer_metrics(self, means: dict[str, torch.Tensor]) -> torch.Tensor:
         """[V, M, L] on head-mean maps: METRICS then HEAD_MEAN_ONLY."""
