@@ -39,3 +39,27 @@ def test_generation_stops_each_row_at_eos():
     row1 = free[1, 5:].tolist()
     stop = row1.index(eos) if eos in row1 else len(row1)
     assert out[1, 5:5 + stop + 1].tolist()[: stop] == row1[:stop]
+
+
+@torch.no_grad()
+def test_a_cached_step_on_a_sliding_window_layer_sees_the_window_only():
+    """Past its window (12 keys) a sliding-window layer's cache holds the last 12 keys only, so a cached step's
+    pattern spans those (key k is position t - 12 + k), as docs/hooks.md says: the row equals the last 12 entries of
+    the full sequence's last row (float32 rounding, 1e-6), whose earlier keys get no attention; without the cache
+    the step spans every key."""
+    hm = HookedModel(build("mistral"))
+    steps = []
+    hm.add_hook("blocks.0.attn.hook_pattern", lambda p, hook: steps.append(p.clone()))
+    out = hm.generate(token_batch(1, 10, seed=1), max_new_tokens=8, do_sample=False, stop_at_eos=False)
+    hm.reset_hooks()
+    _, cache = hm.run_with_cache(out[:, :-1], names_filter="blocks.0.attn.hook_pattern")
+    full = cache["pattern", 0][0, :, -1]  # [H, 17]: the last query's row
+    assert steps[-1].shape[-1] == 12 and full.shape[-1] == 17
+    torch.testing.assert_close(steps[-1][0, :, 0], full[:, -12:], rtol=0, atol=1e-6)
+    assert torch.equal(full[:, :-12], torch.zeros_like(full[:, :-12]))
+    steps.clear()
+    hm.add_hook("blocks.0.attn.hook_pattern", lambda p, hook: steps.append(p.shape[-1]))
+    hm.generate(token_batch(1, 10, seed=1), max_new_tokens=8, do_sample=False, stop_at_eos=False,
+                use_past_kv_cache=False)
+    hm.reset_hooks()
+    assert steps[-1] == 17

@@ -156,3 +156,71 @@ def test_in_place_edits_with_gradients_on_act_as_a_returned_clone(family):
         runs = [hm.run_with_hooks(ids, fwd_hooks=[(point, fn)]).detach() for fn in (clone, in_place)]
         assert not torch.equal(runs[0], plain), f"{point}: the edit does not change the logits"
         assert torch.equal(runs[1], runs[0]), f"{point}: an in-place edit differs from a returned clone"
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_in_place_ablation_of_pattern_and_z_keeps_the_backward_pass(family):
+    """TransformerLens's ablation idiom with a loss and its gradient: `pattern[:, 1] = 0` or `z[:, :, 1] = 0` in
+    place, then `.backward()`. The softmax and SDPA keep their outputs for the backward pass, so the hooks get a copy
+    under autograd; the gradients equal those of the same edit on a returned clone, bit for bit (the same
+    arithmetic), on every family."""
+    model = build(family)
+    hm = HookedModel(model)
+    ids = token_batch(1, 7, seed=5)
+    for point, index in (("blocks.1.attn.hook_pattern", (slice(None), 1)),
+                         ("blocks.1.attn.hook_z", (slice(None), slice(None), 1))):
+        def in_place(x, hook, index=index):
+            x[index] = 0
+
+        def clone(x, hook, index=index):
+            y = x.clone()
+            y[index] = 0
+            return y
+
+        grads = []
+        for fn in (clone, in_place):
+            model.zero_grad()
+            hm.run_with_hooks(ids, return_type="loss", fwd_hooks=[(point, fn)]).backward()
+            grads.append(model.get_input_embeddings().weight.grad.clone())
+        assert grads[0].abs().max() > 0, point
+        assert torch.equal(grads[1], grads[0]), f"{point}: the in-place edit's gradient differs from a clone's"
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_inference_mode_reads_and_edits_as_no_grad(family):
+    """Under `torch.inference_mode()` (whose tensors count no writes, so a hook's in-place edit cannot be seen and
+    every hooked value counts as written) `run_with_cache` gives the values of a `no_grad` run to float32 rounding
+    (1e-5 of each value's largest magnitude: a norm's output recomputed from its hooked parts instead of the module's,
+    the same arithmetic in another order), and an in-place edit of the pattern equals a returned clone's, bit for
+    bit."""
+    model = build(family)
+    hm = HookedModel(model)
+    ids = token_batch(1, 7, seed=6)
+    with torch.no_grad():
+        logits, cache = hm.run_with_cache(ids)
+    with torch.inference_mode():
+        got_logits, got = hm.run_with_cache(ids)
+        point = "blocks.1.attn.hook_pattern"
+        edited = [hm.run_with_hooks(ids, fwd_hooks=[(point, fn)]) for fn in (
+            lambda x, hook: x.mul_(0.5), lambda x, hook: x.clone().mul_(0.5))]
+    for name in cache.keys():
+        ref, seen = cache[name], torch.isfinite(cache[name])  # the scores' hidden entries: -inf in both
+        assert torch.equal(torch.isfinite(got[name]), seen) and torch.equal(got[name][~seen], ref[~seen]), name
+        assert (got[name] - ref)[seen].abs().max() <= 1e-5 * ref[seen].abs().max().clamp_min(1e-30), name
+    assert (got_logits - logits).abs().max() <= 1e-5 * logits.abs().max()
+    assert torch.equal(edited[0], edited[1]) and not torch.equal(edited[0], got_logits)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw"])
+def test_layer_norm_scale_and_normalized_get_their_gradients(family):
+    """A LayerNorm's hook_scale and hook_normalized are in the graph under autograd, as in TransformerLens:
+    `incl_bwd` caches both gradients, and they satisfy normalized = (x - mean) / scale's chain rule,
+    dL/dscale = -sum_i dL/dnormalized_i * normalized_i / scale (float32: 1e-5 of the largest term)."""
+    hm = HookedModel(build(family))
+    names = ["blocks.1.ln1.hook_scale", "blocks.1.ln1.hook_normalized"]
+    _, cache = hm.run_with_cache(token_batch(1, 7, seed=8), names, return_type="loss", incl_bwd=True)
+    scale, normalized = cache[names[0]], cache[names[1]]
+    g_scale, g_norm = cache[names[0] + "_grad"], cache[names[1] + "_grad"]
+    expected = -(g_norm * normalized).sum(-1, keepdim=True) / scale
+    assert g_norm.abs().max() > 0
+    assert (g_scale - expected).abs().max() <= 1e-5 * (g_norm * normalized).abs().sum(-1).max() / scale.min()

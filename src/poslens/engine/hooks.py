@@ -287,6 +287,24 @@ def _copy_point(fire, point: str, x: torch.Tensor) -> torch.Tensor:
     return x if new is value and not value.written() else plain(new)
 
 
+def _seen(t: torch.Tensor) -> int | None:
+    """t's version counter before its hooks run; None for an inference tensor (torch.inference_mode counts no
+    writes)."""
+    return None if t.is_inference() else t._version
+
+
+def _unchanged(new, t: torch.Tensor, seen: int | None) -> bool:
+    """Whether the hooks left t as it was: they returned t itself and wrote nothing into it (under inference mode a
+    write cannot be seen, so t counts as written)."""
+    return new is t and seen is not None and t._version == seen
+
+
+def _editable(x: torch.Tensor, fns) -> torch.Tensor:
+    """x for hooks `fns` to read or edit in place: under autograd a copy, since the kernel that made x (the softmax,
+    SDPA) keeps it for the backward pass, which an edit in place would break; x itself otherwise."""
+    return x.clone() if fns and torch.is_grad_enabled() and x.requires_grad else x
+
+
 def _memo(memo: dict | None, key: tuple, make: Callable[[], Any]) -> Any:
     """memo[key], made by `make()` the first time (no memo: made every time). Keys name tensors by id(): the model's
     mask and ALiBi tensors, alive for the whole forward the memo lives in."""
@@ -821,9 +839,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         edit one row in place); unless a hook wrote them, the model's own output stays."""
         def hook(module, args, out):
             x = out.expand(batch, -1, -1).clone() if out.shape[0] != batch else out
-            seen = x._version
+            seen = _seen(x)
             new = self._fire("hook_pos_embed", None, x, fns)
-            return None if new is x and x._version == seen else new
+            return None if _unchanged(new, x, seen) else new
 
         return hook
 
@@ -840,11 +858,11 @@ class HookedModel(TransformerLensSurface, TLWeights):
             name = f"{prefix}.{point}"
             if name not in fns:
                 return t, False
-            seen = t._version
+            seen = _seen(t)
             new = self._fire(name, layer, t, fns[name])
             if isinstance(t, LazyCopies):
                 return plain(new), new is not t or t.written()
-            return new, new is not t or t._version != seen
+            return new, not _unchanged(new, t, seen)
 
         changed, hooked = False, f"{prefix}.hook_scale" in fns or f"{prefix}.hook_normalized" in fns
         if hooked and given is not None:
@@ -856,6 +874,13 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 normalized = LazyCopies.of(given[1])
             normalized, written = fire("hook_normalized", normalized)
             changed |= written
+        elif hooked and torch.is_grad_enabled() and x.requires_grad:  # autograd: TransformerLens's steps, so that
+            # gradients reach the scale and the normalized value (backward hooks, incl_bwd) and the output is theirs
+            x32 = x.float()
+            centred = x32 - x32.mean(-1, keepdim=True)
+            scale, _ = fire("hook_scale", (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt())
+            normalized, _ = fire("hook_normalized", centred / scale)
+            changed = True
         elif hooked:  # (x - mean) / sqrt(var + eps) in one fused pass, with the mean and 1 / sqrt(var + eps) [B, T, 1]
             x32 = x.float()
             normalized, mean, rstd = torch.native_layer_norm(x32, x.shape[-1:], None, None, module.eps)
@@ -898,9 +923,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 return t
             tl = t.transpose(1, 2) if heads_first else t  # TransformerLens flattens [B, T, heads, .]
             view = tl.reshape(-1, t.shape[-1]) if flat else t  # Gemma-3's q/k norms: a copy, not a view
-            seen = view._version
+            seen = _seen(view)
             new = self._fire(name, layer, view, fns[name])
-            if new is view and (view._version == seen or _shares(view, t)):  # read, or edited in place through a view
+            if _unchanged(new, view, seen) or (new is view and _shares(view, t)):  # read, or edited through a view
                 return t
             return new.reshape(tl.shape).transpose(1, 2) if heads_first else new.reshape(t.shape)
 
@@ -910,9 +935,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         inv = torch.rsqrt(var + eps)
         if f"{prefix}.hook_scale" in fns:
             scale = torch.sqrt(var + eps)
-            seen = scale._version
+            seen = _seen(scale)
             new = fire("hook_scale", scale)
-            if new is not scale or scale._version != seen:  # replaced, or edited in place
+            if not _unchanged(new, scale, seen):  # replaced, or edited in place
                 inv = 1.0 / new
         normalized = fire("hook_normalized", x32 * inv)
         if self.family.norm_gain == "1+weight":  # Gemma: (1 + w) in float32, then the model's dtype
@@ -1131,7 +1156,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 self._fired(ctx.name)
         if not (dense or pattern_fns):  # no pattern formed: the model's own kernel (SDPA), bit-identical outputs
             out, _ = inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-            return fire("attn.hook_z", out), None  # [B, T, H, D]
+            return fire("attn.hook_z", _editable(out, pts.get("attn.hook_z"))), None  # [B, T, H, D]
         memo = self._run.hidden
         if eager is None:  # transformers' eager_attention_forward (softcap: Gemma-2); ALiBi (Falcon's): TL's bias
             bias = None if ctx.key_bias is None else _memo(memo, ("score bias", id(ctx.key_bias)),
@@ -1142,16 +1167,16 @@ class HookedModel(TransformerLensSurface, TLWeights):
         shown = scores  # the scores as TransformerLens has them (BLOOM: the model's minus slope_h * i)
         if dense and eager.shift is not None:
             shown = scores - eager.shift
-        seen = shown._version
+        seen = _seen(shown)
         new = fire("attn.hook_attn_scores", shown, dense)
-        written = new is not shown or shown._version != seen  # replaced, or edited in place
+        written = not _unchanged(new, shown, seen)  # replaced, or edited in place
         # NaN (a padded query that sees no key, or -inf * 0 written on a masked entry) becomes 0, as in
         # TransformerLens; out of place where autograd keeps the softmax's output
         pattern = torch.softmax(new if written else scores, dim=-1, dtype=torch.float32)
         if written or (attention_mask is not None and _memo(memo, ("padded",), lambda: _padded(
                 self._run.attention_mask))):
             pattern = pattern.nan_to_num(0.0) if torch.is_grad_enabled() else pattern.nan_to_num_(0.0)
-        pattern = fire("attn.hook_pattern", pattern.to(query.dtype), pattern_fns)
+        pattern = fire("attn.hook_pattern", _editable(pattern.to(query.dtype), pattern_fns), pattern_fns)
         return fire("attn.hook_z", eager.weigh(pattern, value)), None  # [B, T, H, D]
 
 

@@ -33,15 +33,15 @@ class LazyCopies(torch.Tensor):
     def written(self) -> bool:
         """Whether a hook wrote it (materialised, then changed)."""
         seen = self.__dict__.get("_poslens_seen")
-        with torch._C.DisableTorchFunctionSubclass():
-            return seen is not None and self._version != seen
+        with torch._C.DisableTorchFunctionSubclass():  # an inference tensor counts no writes: materialised = written
+            return seen is not None and (self.is_inference() or self._version != seen)
 
     def _materialise(self) -> None:
         if self.__dict__.get("_poslens_seen") is not None:
             return
         with torch._C.DisableTorchFunctionSubclass():
             self.set_(self.clone(memory_format=torch.contiguous_format))  # real copies in place: its own memory
-            self._poslens_seen = self._version
+            self._poslens_seen = -1 if self.is_inference() else self._version
 
     def _broadcast(self) -> bool:
         return "_poslens_base" in self.__dict__ and self.__dict__.get("_poslens_seen") is None

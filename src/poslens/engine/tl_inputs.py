@@ -54,7 +54,7 @@ def fire_inputs(fire, pts: dict, x: torch.Tensor, norm, n_heads: int, n_kv_heads
         if torch.is_grad_enabled():  # autograd: real copies (a broadcast's storage cannot be swapped under autograd)
             value = x.unsqueeze(2).repeat(1, 1, n, 1)  # one copy per head (a write to one leaves the others)
             seen = value._version
-            new = fire(point, value)
+            new = fire(point, value)  # grad mode: never an inference tensor
             return None if new is value and value._version == seen else new
         value = LazyCopies.of(x, n)
         new = fire(point, value)
