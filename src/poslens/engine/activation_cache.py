@@ -77,11 +77,33 @@ def select_points(names_filter, points: list[str], tl_points: list[str], check: 
                      f"{type(names_filter).__name__}")
 
 
-class ActivationCache(Mapping):
-    """Hook name -> tensor (see the module docstring)."""
+def _flattened(name: str, value: torch.Tensor) -> bool:
+    """Whether a cached value is a q/k norm's, in TransformerLens's flattened layout [B*T*heads, .] (no batch
+    dimension of its own)."""
+    return (".q_norm." in name or ".k_norm." in name) and value.dim() == 2
 
-    def __init__(self, cache: dict[str, torch.Tensor], n_layers: int, has_batch_dim: bool = True,
+
+def without_batch(cache: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+    """The values of a batch of one without the batch dimension (value[0]); a flattened q/k norm value [T*heads, .]
+    stays whole (it holds the one row's positions and heads)."""
+    sizes = {v.shape[0] for k, v in cache.items() if not _flattened(k, v)}
+    if sizes - {1}:
+        raise UsageError(f"{method}: remove_batch_dim needs a batch of 1, got {max(sizes)}; run one sequence "
+                         "(tokens[i:i + 1]) or keep the batch dimension")
+    return {k: v if _flattened(k, v) else v[0] for k, v in cache.items()}
+
+
+class ActivationCache(Mapping):
+    """Hook name -> tensor (see the module docstring). Built as TransformerLens's `ActivationCache(cache_dict, model,
+    has_batch_dim=True)` or as poslens's `ActivationCache(cache_dict, n_layers, has_batch_dim, model)`."""
+
+    def __init__(self, cache: dict[str, torch.Tensor], n_layers, has_batch_dim: bool = True,
                  model=None) -> None:
+        if not isinstance(n_layers, int):  # TransformerLens's form: the model in second place
+            if model is not None or not hasattr(n_layers, "n_layers"):
+                raise UsageError(f"ActivationCache: the second argument must be the model (a HookedModel) or its "
+                                 f"number of layers, got {type(n_layers).__name__}")
+            n_layers, model = n_layers.n_layers, n_layers
         self.cache_dict = cache
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
@@ -126,10 +148,7 @@ class ActivationCache(Mapping):
         """The cache of a batch of one without its batch dimension."""
         if not self.has_batch_dim:
             return self
-        sizes = {v.shape[0] for v in self.cache_dict.values()}
-        if sizes - {1}:
-            raise UsageError(f"remove_batch_dim needs a batch of 1, got {max(sizes)}")
-        return ActivationCache({k: v[0] for k, v in self.cache_dict.items()}, self.n_layers, False, self.model)
+        return ActivationCache(without_batch(self.cache_dict, "ActivationCache"), self.n_layers, False, self.model)
 
     # ---- TransformerLens's analysis methods (logit lens, direct logit attribution) --------------------------
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from poslens.engine.activation_cache import ActivationCache, NoEquivalent, select_points
+from poslens.engine.activation_cache import ActivationCache, NoEquivalent, select_points, without_batch
 from poslens.errors import UsageError
 
 RETURN_TYPES = ("logits", "loss", "both", None)
@@ -82,7 +82,8 @@ class TransformerLensSurface:
     def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
                   move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
         """Text -> token ids [batch, pos], as TransformerLens: the BOS is prepended by default (`prepend_bos=False`
-        for a fragment of a prompt), a list of texts is padded (right by default) with the pad (else EOS) id."""
+        for a fragment of a prompt; `cfg.default_prepend_bos`), a list of texts is padded with the pad (else EOS) id,
+        on the tokenizer's padding_side by default (right when it sets none)."""
         return self._tokens_and_mask(input, prepend_bos, padding_side, truncate)[0].to(
             self.model.device if move_to_device else "cpu")
 
@@ -91,9 +92,7 @@ class TransformerLensSurface:
         texts = [input] if isinstance(input, str) else input
         if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
             raise UsageError("to_tokens: input must be a text or a non-empty list of texts")
-        side = padding_side or "right"
-        if side not in ("left", "right"):
-            raise UsageError(f"to_tokens: padding_side must be 'left' or 'right', got {padding_side!r}")
+        side = self._side(padding_side, "to_tokens")
         bos = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
         prepends = self.cfg.tokenizer_prepends_bos
         if bos and not prepends:
@@ -114,6 +113,28 @@ class TransformerLensSurface:
             tokens[i, at] = torch.tensor(r, dtype=torch.long)
             mask[i, at] = 1
         return tokens, (mask if side == "left" and bool((mask == 0).any()) else None)
+
+    def _side(self, padding_side, method: str) -> str:
+        """The padding side: the one given, else the tokenizer's (TransformerLens's default), else right."""
+        side = padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
+        if side not in ("left", "right"):
+            raise UsageError(f"{method}: padding_side must be 'left' or 'right', got {side!r}")
+        return side
+
+    def _leading_pads_mask(self, tokens: torch.Tensor, prepend_bos) -> torch.Tensor | None:
+        """TransformerLens's mask of left-padded token ids (its utils.get_attention_mask): the leading pad tokens of
+        each row are hidden, but when the BOS is prepended and its id is the pad id, the last of them is the row's BOS
+        and stays seen. None when no row has a hidden token (the plain forward)."""
+        tok = self.tokenizer
+        pad = None if tok is None else tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if pad is None:
+            return None
+        leading = (tokens != pad).long().cumsum(-1) == 0
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
+        if bos and tok.bos_token_id == pad:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            leading[rows, (leading.sum(-1) - 1).clamp(min=0)] = False
+        return (~leading).long() if bool(leading.any()) else None
 
     def to_string(self, tokens) -> str | list[str]:
         """Token ids -> text: one string for a 1-D input (or a list of ints), a list for [batch, pos]."""
@@ -158,9 +179,11 @@ class TransformerLensSurface:
     # ---- hooks added to the model ------------------------------------------------------------------------
 
     def add_hook(self, name, hook: Callable, dir: str = "fwd", is_permanent: bool = False, level=None,
-                 prepend: bool = False) -> None:
+                 prepend: bool = False) -> tuple:
         """Add a TransformerLens hook function fn(value, hook) at a name (or at every name a function of a name
-        accepts); it acts on every later call of the TransformerLens surface until reset_hooks()."""
+        accepts); it acts on every later call of the TransformerLens surface until reset_hooks(). It is called as
+        TransformerLens calls it, fn(value, hook=point), when it takes a `hook` keyword (or **kwargs), else
+        fn(value, point)."""
         if dir not in ("fwd", "bwd"):
             raise UsageError(f"add_hook: dir must be 'fwd' or 'bwd', got {dir!r}")
         if not callable(hook):
@@ -171,6 +194,7 @@ class TransformerLensSurface:
             self._added.insert(0, entry)
         else:
             self._added.append(entry)
+        return entry
 
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False, level=None) -> None:
         """Remove the hooks added with add_hook (the permanent ones too with including_permanent=True)."""
@@ -179,16 +203,22 @@ class TransformerLensSurface:
     @contextmanager
     def hooks(self, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True, clear_contexts: bool = False
               ) -> Iterator[TransformerLensSurface]:
-        """A context in which `fwd_hooks` and `bwd_hooks` (lists of (name, fn)) act on every call; removed after."""
-        before = list(self._added)
+        """A context in which `fwd_hooks` and `bwd_hooks` (lists of (name, fn)) act on every call; they are removed
+        after it (unless reset_hooks_end=False), and hooks added with add_hook inside it stay, as TransformerLens's."""
+        mine = self._add_pairs(fwd_hooks, bwd_hooks, "hooks")
         try:
-            for pairs, direction in ((fwd_hooks, "fwd"), (bwd_hooks, "bwd")):
-                for name, fn in self._pairs(pairs, "hooks"):
-                    self.add_hook(name, fn, dir=direction)
             yield self
         finally:
             if reset_hooks_end:
-                self._added[:] = before
+                self._added[:] = [h for h in self._added if not any(h is m for m in mine)]
+
+    def _add_pairs(self, fwd_hooks, bwd_hooks, method: str) -> list[tuple]:
+        """Add (name, fn) pairs as add_hook does; the entries added."""
+        pairs = [(*p, "fwd") for p in self._pairs(fwd_hooks, method)]
+        pairs += [(*p, "bwd") for p in self._pairs(bwd_hooks, method)]
+        for name, _, _ in pairs:
+            self._points_of(name, method)  # every name checked before any is added
+        return [self.add_hook(name, fn, dir=direction) for name, fn, direction in pairs]
 
     def _pairs(self, pairs, method: str) -> list[tuple]:
         """A list of (name or function of a name, hook function), checked."""
@@ -216,19 +246,24 @@ class TransformerLensSurface:
         entries += [(n, f, "bwd") for n, f in self._pairs(bwd, method)]
         backward = False
         for names_filter, fn, direction in entries:
+            call = _forward_call(fn) if direction == "fwd" else _backward_call(fn)
             for name in self._points_of(names_filter, method):
-                table.setdefault(name, []).append(_forward_call(fn) if direction == "fwd" else _backward_call(fn))
+                table.setdefault(name, []).append(call)
                 backward |= direction == "bwd"
         return table, backward
 
     # ---- running ------------------------------------------------------------------------------------------
 
     def _input(self, input, attention_mask, prepend_bos, padding_side, method: str):
-        """(token ids [B, T], attention mask or None) of a text, a list of texts or token ids."""
+        """(token ids [B, T], attention mask or None) of a text, a list of texts or token ids; token ids on the left
+        padding side without a mask get TransformerLens's mask of their leading pads (`_leading_pads_mask`)."""
         if isinstance(input, str) or (isinstance(input, list) and input and isinstance(input[0], str)):
             tokens, mask = self._tokens_and_mask(input, prepend_bos, padding_side)
             return tokens.to(self.model.device), (mask if attention_mask is None else attention_mask)
-        return self._check_ids(input, method), attention_mask
+        tokens = self._check_ids(input, method)
+        if attention_mask is None and self._side(padding_side, method) == "left":
+            attention_mask = self._leading_pads_mask(tokens, prepend_bos)
+        return tokens, attention_mask
 
     def _tl_forward(self, input, table: dict, return_type, attention_mask, grad: bool, loss_per_token=False,
                     prepend_bos=None, padding_side=None, method="forward"):
@@ -265,8 +300,12 @@ class TransformerLensSurface:
                        attention_mask: torch.Tensor | None = None, loss_per_token: bool = False,
                        prepend_bos: bool | None = None, padding_side: str | None = None, **unsupported):
         """TransformerLens's `run_with_hooks`: the forward with `fwd_hooks` (fn(value, hook) returning None or a
-        replacement) and `bwd_hooks` (fn(grad, hook), called by a later .backward()) added for this call."""
+        replacement) and `bwd_hooks` (fn(grad, hook), called by a later .backward()) added for this call (with
+        reset_hooks_end=False they stay on the model until reset_hooks(), as TransformerLens's)."""
         self._refuse("run_with_hooks", unsupported)
+        if not reset_hooks_end:
+            self._add_pairs(fwd_hooks, bwd_hooks, "run_with_hooks")
+            fwd_hooks = bwd_hooks = ()
         table, backward = self._hook_table(fwd_hooks, bwd_hooks, "run_with_hooks")
         grad = torch.is_grad_enabled()
         if backward and not grad:
@@ -307,12 +346,9 @@ class TransformerLensSurface:
             if incl_bwd:
                 value = out[1] if return_type == "both" else out
                 value.sum().backward()
-        keys = [k for n in names for k in (n, n + "_grad") if k in cache]
+        ordered = {k: cache[k] for n in names for k in (n, n + "_grad") if k in cache}
         if remove_batch_dim:
-            sizes = {v.shape[0] for v in cache.values()}
-            if sizes - {1}:
-                raise UsageError(f"run_with_cache: remove_batch_dim needs a batch of 1, got {max(sizes)}")
-        ordered = {k: cache[k][0] if remove_batch_dim else cache[k] for k in keys}
+            ordered = without_batch(ordered, "run_with_cache")
         result = ActivationCache(ordered, self.n_layers, has_batch_dim=not remove_batch_dim, model=self)
         return out, (result if return_cache_object else ordered)
 
@@ -326,7 +362,8 @@ class TransformerLensSurface:
         to generate) or token ids by up to `max_new_tokens` tokens (sampled, or the most likely with
         do_sample=False), with the hooks added by add_hook. With `use_past_kv_cache` (the default, as
         TransformerLens) the first step runs the prompt and each later step only the new token against the cached
-        keys and values (hooks see that token's positions; the attention points all keys); without it every step
+        keys and values (hooks see that token's positions; the attention points all keys, a sliding-window layer past
+        its window the window's); without it every step
         runs the whole sequence. A row that produced the EOS gets EOS after it (`stop_at_eos`). Returns the text
         (special tokens such as the BOS left out, as TransformerLens) when the input was text
         (return_type="input"), else the token ids; "str" or "tokens" choose."""
@@ -405,31 +442,56 @@ def _returned_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
+def _by_keyword(fn: Callable) -> bool:
+    """Whether to call a hook function fn(value, hook=point), as TransformerLens does: it has a `hook` parameter
+    or takes **kwargs with no second positional parameter; else it is called fn(value, point) (any names)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    if any(p.name == "hook" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+    return any(p.kind == p.VAR_KEYWORD for p in params) and len(positional) <= 1
+
+
+def _caller(fn: Callable) -> Callable:
+    """fn as a function of (value, TLHook) that calls it the way it takes its hook."""
+    if _by_keyword(fn):
+        return lambda x, hook: fn(x, hook=hook)
+    return fn
+
+
 def _forward_call(fn: Callable) -> Callable:
     """A TransformerLens forward hook fn(value, hook) as a poslens hook fn(x, ctx)."""
-    return lambda x, ctx: fn(x, TLHook(ctx.name, ctx.layer))
+    call = _caller(fn)
+    return lambda x, ctx: call(x, TLHook(ctx.name, ctx.layer))
 
 
 def _backward_call(fn: Callable) -> Callable:
     """A TransformerLens backward hook fn(grad, hook) as a poslens forward hook: it passes the value on as a fresh
     view that autograd tracks, and registers fn on it (a returned tensor replaces the gradient flowing back)."""
+    call = _caller(fn)
+
     def register(x, ctx):
         if not x.requires_grad:
             return None
         y = x.view_as(x)
         hook = TLHook(ctx.name, ctx.layer)
-        y.register_hook(lambda g: fn(g, hook))
+        y.register_hook(lambda g: call(g, hook))
         return y
 
     return register
 
 
 def _choose(logits, tokens, do_sample: bool, top_k, top_p, temperature: float, freq_penalty: float) -> torch.Tensor:
-    """The next token of each row: the most likely, or sampled from the tempered (top-k, top-p) distribution."""
-    if not do_sample:
+    """The next token of each row: the most likely (do_sample=False or temperature 0), or sampled from the tempered
+    (top-k, top-p) distribution."""
+    if not do_sample or temperature == 0:  # TransformerLens: temperature 0 is greedy
         return logits.argmax(-1)
-    if temperature <= 0:
-        raise UsageError(f"generate: temperature must be > 0 when sampling, got {temperature}")
+    if temperature < 0:
+        raise UsageError(f"generate: temperature must be >= 0 (0: the most likely token), got {temperature}")
     logits = logits / temperature
     if freq_penalty:
         counts = torch.zeros_like(logits).scatter_add_(1, tokens, torch.ones_like(tokens, dtype=logits.dtype))

@@ -34,6 +34,9 @@ from poslens.engine.models import max_positions
 from poslens.engine.pe import PositionalEncoding, rotary_fraction
 from poslens.errors import UsageError
 
+# the model types whose TransformerLens config sets default_prepend_bos=False (its loading_from_pretrained)
+NO_DEFAULT_BOS = ("gpt_neox", "bloom", "qwen2", "qwen3", "phi")
+
 
 @dataclass
 class TLConfig:
@@ -94,7 +97,8 @@ def tl_config(model, tokenizer=None) -> TLConfig:
                   or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim; Falcon: ffn_hidden_size
         d_vocab=int(cfg.vocab_size),
         d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
-        act_fn=str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+        act_fn="gelu_fast" if cfg.model_type == "bloom" else  # BLOOM's config names none: its tanh GELU, as TL's
+        str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
                    or getattr(cfg, "activation_function", None) or getattr(cfg, "activation", "")),  # Falcon
         eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None)
                   or getattr(cfg, "layer_norm_epsilon", None)
@@ -109,7 +113,7 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         window_size=windows[0] if windows else None,
         attn_scores_soft_cap=float(getattr(cfg, "attn_logit_softcapping", None) or -1.0),
         output_logits_soft_cap=float(getattr(cfg, "final_logit_softcapping", None) or -1.0),
-        default_prepend_bos=True, tokenizer_prepends_bos=prepends,
+        default_prepend_bos=cfg.model_type not in NO_DEFAULT_BOS, tokenizer_prepends_bos=prepends,
         device=str(model.device), dtype=model.dtype)
 
 
@@ -123,22 +127,22 @@ def _linear_weight(module) -> torch.Tensor:
     return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
 
 
-def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent)."""
+def _per_head_fused(attn, cfg):
+    """The fused projection of GPT-NeoX, BLOOM and Falcon-RW (rows [q | k | v] within each head), or None."""
     per_head = family_of(cfg).qkv_per_head
-    if per_head:  # GPT-NeoX, BLOOM: rows [q | k | v] within each head
-        fused, heads = getattr(attn, per_head), cfg.num_attention_heads
-        ws = fused.weight.unflatten(0, (heads, 3, -1)).unbind(1)
-        bs = fused.bias.unflatten(0, (heads, 3, -1)).unbind(1) if fused.bias is not None else (None,) * 3
-        return (*(w.flatten(0, 1) for w in ws), tuple(b if b is None else b.flatten() for b in bs))
+    if per_head:
+        return getattr(attn, per_head)
+    if getattr(attn, "multi_query", None) is False:  # Falcon without multi-query
+        return attn.query_key_value
+    return None
+
+
+def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent); not for a per-head
+    fused projection (`_per_head_fused`)."""
     fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
-    if getattr(attn, "multi_query", None) is not None:  # Falcon: multi_query [q heads | k | v], else within each head
+    if getattr(attn, "multi_query", None):  # Falcon multi-query: [q heads | k | v]
         fused = attn.query_key_value
-        if not attn.multi_query:
-            ws = fused.weight.unflatten(0, (cfg.num_attention_heads, 3, -1)).unbind(1)
-            bs = fused.bias.unflatten(0, (cfg.num_attention_heads, 3, -1)).unbind(1) if fused.bias is not None \
-                else (None,) * 3
-            return (*(w.flatten(0, 1) for w in ws), tuple(b if b is None else b.flatten() for b in bs))
     if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn, Falcon's multi-query query_key_value: rows [q | k | v]
         d, heads = head_dim(attn), cfg.num_attention_heads
         kv = kv_heads(cfg)
@@ -191,8 +195,14 @@ def layer_attn_weight(model, l: int, which: int, bias: bool = False, expand: boo
     h = cfg.num_attention_heads
     kv = kv_heads(cfg)
     attn = attention_module(model, l)
-    *ws, bs = _qkv(attn, cfg)
     heads = h if which == 0 else kv
+    fused = _per_head_fused(attn, cfg)
+    if fused is not None:  # [heads, 3, D, d_model] and select: a strided view of the fused parameter
+        if bias:
+            b = fused.bias
+            return b.unflatten(0, (h, 3, -1))[:, which] if b is not None else fused.weight.new_zeros(h, head_dim(attn))
+        return fused.weight.unflatten(0, (h, 3, -1))[:, which].transpose(1, 2)
+    *ws, bs = _qkv(attn, cfg)
     if bias:
         b = bs[which]
         t = b.unflatten(0, (heads, -1)) if b is not None else ws[which].new_zeros(heads, head_dim(attn))
@@ -329,8 +339,24 @@ class TLWeights:
 
     @property
     def ln_final(self):
-        """The model's final norm (gain included; x -> ln_final(x) as the LM head reads it)."""
-        return base_part(self.model, self.family.final_norm_attr)
+        """TransformerLens's `model.ln_final`: the final norm as blocks' ln1 (`w`, `b`, `hook_scale`,
+        `hook_normalized`; called, the model's own norm, gain included, as the LM head reads it)."""
+        from poslens.engine.tl_blocks import Norm
+
+        return Norm(self, None, "ln_final.")
+
+    def _hook_point(self, name: str):
+        """TransformerLens's `model.hook_embed`, ...: the HookPoint of a point outside the blocks."""
+        from poslens.engine.tl_blocks import HookPoint
+
+        if name not in self._known:
+            raise NoEquivalent(f"{name}: this {self.family.name} model has no such hook point (hm.points lists the "
+                               "points; a model without a learned position table has no hook_pos_embed)")
+        return HookPoint(self, name)
+
+    hook_embed = property(lambda self: self._hook_point("hook_embed"), doc="the HookPoint of hook_embed")
+    hook_pos_embed = property(lambda self: self._hook_point("hook_pos_embed"),
+                              doc="the HookPoint of hook_pos_embed (GPT-2 and OPT: a learned position table)")
 
     @property
     def OV(self) -> FactoredMatrix:
@@ -375,7 +401,10 @@ class Embed:
         return self._owner.W_E
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._owner.W_E[tokens]
+        """The embeddings of token ids, as hook_embed sees them (BLOOM: after its embedding LayerNorm, embed.ln,
+        which TransformerLens's Embed applies)."""
+        x = self._owner.W_E[tokens]
+        return self._owner.norm_module("embed.ln")(x) if "embed.ln" in self._owner._norms else x
 
 
 class Unembed:
