@@ -5,6 +5,8 @@ Its agreement with TransformerLens 3.9's own generate on SmolLM2-135M is tests/t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import ALL_FAMILIES, build, token_batch
@@ -41,25 +43,27 @@ def test_generation_stops_each_row_at_eos():
     assert out[1, 5:5 + stop + 1].tolist()[: stop] == row1[:stop]
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
 @torch.no_grad()
-def test_a_cached_step_on_a_sliding_window_layer_sees_the_window_only():
-    """Past its window (12 keys) a sliding-window layer's cache holds the last 12 keys only, so a cached step's
-    pattern spans those (key k is position t - 12 + k), as docs/hooks.md says: the row equals the last 12 entries of
-    the full sequence's last row (float32 rounding, 1e-6), whose earlier keys get no attention; without the cache
-    the step spans every key."""
-    hm = HookedModel(build("mistral"))
-    steps = []
+def test_a_cached_step_past_a_sliding_window_shows_every_key(family):
+    """Past its window (12 keys) a sliding-window layer's cache holds the last 12 keys only; a cached step's scores
+    and pattern still span every key, as the full sequence's last row does: the keys before the window -inf and 0
+    (exactly), the window's entries equal to the full forward's (float32 rounding, 1e-5), and the tokens those of
+    recomputing the whole sequence, with and without a reader of the pattern."""
+    hm = HookedModel(build(family))
+    ids = token_batch(1, 10, seed=1)
+    plain = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False)
+    steps, scores = [], []
     hm.add_hook("blocks.0.attn.hook_pattern", lambda p, hook: steps.append(p.clone()))
-    out = hm.generate(token_batch(1, 10, seed=1), max_new_tokens=8, do_sample=False, stop_at_eos=False)
+    hm.add_hook("blocks.0.attn.hook_attn_scores", lambda s, hook: scores.append(s.clone()))
+    out = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False)
     hm.reset_hooks()
-    _, cache = hm.run_with_cache(out[:, :-1], names_filter="blocks.0.attn.hook_pattern")
+    assert torch.equal(out, plain)
+    _, cache = hm.run_with_cache(out[:, :-1], names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
     full = cache["pattern", 0][0, :, -1]  # [H, 17]: the last query's row
-    assert steps[-1].shape[-1] == 12 and full.shape[-1] == 17
-    torch.testing.assert_close(steps[-1][0, :, 0], full[:, -12:], rtol=0, atol=1e-6)
-    assert torch.equal(full[:, :-12], torch.zeros_like(full[:, :-12]))
-    steps.clear()
-    hm.add_hook("blocks.0.attn.hook_pattern", lambda p, hook: steps.append(p.shape[-1]))
-    hm.generate(token_batch(1, 10, seed=1), max_new_tokens=8, do_sample=False, stop_at_eos=False,
-                use_past_kv_cache=False)
-    hm.reset_hooks()
-    assert steps[-1] == 17
+    assert steps[-1].shape[-1] == 17 and scores[-1].shape[-1] == 17
+    torch.testing.assert_close(steps[-1][0, :, 0], full, rtol=0, atol=1e-5)
+    assert torch.equal(steps[-1][0, :, 0, :5], torch.zeros_like(full[:, :5]))
+    assert torch.all(scores[-1][0, :, 0, :5] == -math.inf)
+    window = cache["attn_scores", 0][0, :, -1, 5:]
+    torch.testing.assert_close(scores[-1][0, :, 0, 5:], window, rtol=0, atol=1e-5 * float(window.abs().max()))

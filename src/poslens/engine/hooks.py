@@ -275,6 +275,7 @@ class _Run:
     inputs: dict = field(default_factory=dict)  # layer -> written per-head attention inputs (tl_inputs.fire_inputs)
     shared_norm: dict = field(default_factory=dict)  # layer -> (scale, normalized, output) of GPT-J's and Phi's one
     # norm at ln1, untouched by its hooks: ln2's points read them again (`_layer_norm`)
+    keys: int | None = None  # a cached generation step: the sequence's length so far (the attention points' keys)
 
 
 def _copy_point(fire, point: str, x: torch.Tensor) -> torch.Tensor:
@@ -515,8 +516,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         return mask
 
     def _forward(self, input_ids, attention_mask, by_point: dict[str, list[HookFn]], *, logits: bool,
-                 position_ids, grad: bool, **model_kwargs):
-        """The forward with checked hooks (see run); with gradients when `grad`."""
+                 position_ids, grad: bool, keys: int | None = None, **model_kwargs):
+        """The forward with checked hooks (see run); with gradients when `grad`; `keys`: a cached generation step's
+        sequence length so far (a sliding-window layer's cache holds fewer keys)."""
         per_layer: dict[int, dict[str, list[HookFn]]] = {}
         for name, fns in by_point.items():
             if name.startswith("blocks."):
@@ -524,7 +526,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 per_layer.setdefault(layer, {})[point] = fns
         head = logits or any(n.startswith("unembed.") for n in by_point)  # the LM head runs
         run = _Run(by_point, per_layer, set(by_point), head or not by_point, input_ids, attention_mask,
-                   position_ids)
+                   position_ids, keys=keys)
         if position_ids is None and self.family.pos_offset and attention_mask is not None \
                 and (isinstance(attention_mask, dict) or attention_mask.dim() != 2):
             # OPT counts positions from a [B, T] mask; a 4-D (or per-layer) mask gets positions 0..T-1 given
@@ -1164,6 +1166,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
             eager = EagerSteps(lambda q, k, mask: _dense_scores(q, k, scaling, ctx.softcap, mask, ctx.window, memo,
                                                                  bias), _weigh)
         scores = eager.scores(query, key, attention_mask)  # [B, H, T, T] what the model's softmax reads
+        evicted = (self._run.keys or 0) - key.shape[-2]  # a cached step of a sliding-window layer: the keys before
+        if evicted > 0:  # its window are not in the cache; the points show every key, those hidden (as the mask does)
+            scores = torch.nn.functional.pad(scores, (evicted, 0), value=-math.inf)
         shown = scores  # the scores as TransformerLens has them (BLOOM: the model's minus slope_h * i)
         if dense and eager.shift is not None:
             shown = scores - eager.shift
@@ -1177,6 +1182,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 self._run.attention_mask))):
             pattern = pattern.nan_to_num(0.0) if torch.is_grad_enabled() else pattern.nan_to_num_(0.0)
         pattern = fire("attn.hook_pattern", _editable(pattern.to(query.dtype), pattern_fns), pattern_fns)
+        if evicted > 0:
+            pattern = pattern[..., evicted:]  # the cached keys' weights (a write to the others has no key to weigh)
         return fire("attn.hook_z", eager.weigh(pattern, value)), None  # [B, T, H, D]
 
 

@@ -362,9 +362,9 @@ class TransformerLensSurface:
         to generate) or token ids by up to `max_new_tokens` tokens (sampled, or the most likely with
         do_sample=False), with the hooks added by add_hook. With `use_past_kv_cache` (the default, as
         TransformerLens) the first step runs the prompt and each later step only the new token against the cached
-        keys and values (hooks see that token's positions; the attention points all keys, a sliding-window layer past
-        its window the window's); without it every step
-        runs the whole sequence. A row that produced the EOS gets EOS after it (`stop_at_eos`). Returns the text
+        keys and values (hooks see that token's positions; the attention points all keys, those a sliding-window
+        layer's cache no longer holds hidden, as its mask hides them); without it every step runs the whole
+        sequence. A row that produced the EOS gets EOS after it (`stop_at_eos`). Returns the text
         (special tokens such as the BOS left out, as TransformerLens) when the input was text
         (return_type="input"), else the token ids; "str" or "tokens" choose."""
         self._refuse("generate", unsupported)
@@ -387,7 +387,8 @@ class TransformerLensSurface:
             self.check_positions(tokens.shape[1], "generate", "tokens, the prompt's and the new ones together")
             positions = None if mask is None else offset_positions(mask)[:, -step.shape[1]:]
             kv = {"use_cache": True, _cache_argument(self.model): past} if use_past_kv_cache else {}
-            out = self._forward(step, mask, table, logits=True, position_ids=positions, grad=False, **kv)
+            out = self._forward(step, mask, table, logits=True, position_ids=positions, grad=False,
+                                keys=tokens.shape[1] if use_past_kv_cache else None, **kv)
             past = _returned_cache(out) if use_past_kv_cache else None
             nxt = _choose(out.logits[:, -1].float(), tokens, do_sample, top_k, top_p, temperature, freq_penalty)
             if stop_at_eos:
