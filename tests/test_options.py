@@ -122,6 +122,21 @@ def test_help_shows_each_default_once_from_the_dataclass():
     assert "--seq-len N, --n N" in text and "--d N, --hidden-size N" in text and "--no-residual" in text
 
 
+@pytest.mark.parametrize(("name", "parser", "cls", "skip"), CONFIGS, ids=[f"{c[0]}-{c[2].__name__}" for c in CONFIGS])
+def test_help_states_no_default_other_than_the_dataclass_number(name, parser, cls, skip):
+    """A help text that names a default in words ("(default: as many as ...)") is the base field's; a command that
+    composes the field with a number of its own must show that number, not the words (`option_of(..., help=)`):
+    every option whose default is an int or float shows "(default N)" or no parenthesised default at all."""
+    text = " ".join(parser.format_help().split())
+    for f, opt, _ in option_fields(cls):
+        d = default_of(f)
+        if f.name in skip or opt.positional or isinstance(d, bool) or not isinstance(d, (int, float)):
+            continue
+        flag = opt.flag or "--" + f.name.replace("_", "-")
+        help_of = text.split(flag, 2)[-1].split(" --", 1)[0]  # the option's own help, after its usage mention
+        assert "(default:" not in help_of or f"(default {d})" in help_of, f"{name} {flag}: {help_of}"
+
+
 def test_stack_round_trip_with_every_knob_changed():
     p = Parser(prog="t")
     add_options(p, StackConfig)

@@ -68,3 +68,21 @@ def test_an_unknown_statistic_is_one_line(capsys):
         main(["stat", "no_such_statistic", "model"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'no_such_statistic'" in err
+
+
+def test_a_point_the_model_lacks_is_one_line_naming_the_option_before_any_text(model_dir, tmp_path, capsys,
+                                                                                monkeypatch):
+    """`--point blocks.{l}.hook_foo`: one line naming --point, exit 2, nothing written, and no sequence cut (the
+    check runs on the loaded model before the text is read)."""
+    import poslens.engine.pipeline as pipeline
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("the text was cut before the point was checked")
+
+    monkeypatch.setattr(pipeline.Analysis, "sequences", no_text)
+    out = tmp_path / "bad"
+    code = main(["stat", "activation_norm", str(model_dir), "--data", text_of(model_dir), *SMALL,
+                 "--point", "blocks.{l}.hook_foo", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and not out.exists()
+    assert "--point 'blocks.{l}.hook_foo': no hook point 'blocks.0.hook_foo'" in err, err

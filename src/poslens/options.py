@@ -84,13 +84,17 @@ def _field(default: Any, meta: dict) -> Any:
     return dataclasses.field(default=default, metadata=meta)
 
 
-def option_of(cls: type, name: str, default: Any) -> Any:
+def option_of(cls: type, name: str, default: Any, help: str | None = None) -> Any:
     """Field `name` of the dataclass `cls` (help, bounds, choices, flag) with another default: how a config that
-    composes `cls` changes a default without restating the rest."""
+    composes `cls` changes a default without restating the rest; `help` replaces a help text that describes the
+    original default (then `--help` appends the new one)."""
     f = next((f for f in dataclasses.fields(cls) if f.name == name and _KEY in f.metadata), None)
     if f is None:
         raise TypeError(f"{cls.__name__} has no option field {name!r}")
-    return _field(default, dict(f.metadata))
+    metadata = dict(f.metadata)
+    if help is not None:
+        metadata[_KEY] = dataclasses.replace(metadata[_KEY], help=help)
+    return _field(default, metadata)
 
 
 def check_options(config: Any) -> None:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from poslens.engine.config import DEFAULT_SEQUENCES, ModelData
+from poslens.engine.config import DEFAULT_SEQUENCES, SEQUENCES_HELP, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, NONNEGATIVE, SHARE, Estimate, Statistic, t_quantile
@@ -543,7 +543,7 @@ class IntermediatesConfig(ModelData):
     """Everything that determines an `intermediates` run (recorded in run.json and the checkpoint fingerprint)."""
 
     seq_len: int = option_of(ModelData, "seq_len", DEFAULT_SEQ_LEN)  # the paper: the first 50 tokens
-    num_sequences: int | None = option_of(ModelData, "num_sequences", DEFAULT_SEQUENCES)
+    num_sequences: int | None = option_of(ModelData, "num_sequences", DEFAULT_SEQUENCES, help=SEQUENCES_HELP)
     batch_size: int = option_of(ModelData, "batch_size", 50)
     layer: int = option(0, lo=0, help="the first of the two consecutive layers L, L+1 (index from 0; figures number "
                         "layers from 1, so the default shows the paper's layers 1 and 2)")

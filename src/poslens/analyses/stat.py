@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poslens.engine.config import ModelData
+from poslens.engine.config import SEQUENCES_HELP, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, report_lines, run_analysis
 from poslens.engine.statistics import REGISTRY, Spec, spec
 from poslens.engine.stats import Statistic
@@ -30,7 +30,7 @@ class StatConfig(ModelData):
     """The model and text of `poslens stat` (shorter defaults than the paper's analyses: a quick first look)."""
 
     seq_len: int = option_of(ModelData, "seq_len", 128)
-    num_sequences: int | None = option_of(ModelData, "num_sequences", 200)
+    num_sequences: int | None = option_of(ModelData, "num_sequences", 200, help=SEQUENCES_HELP)
     batch_size: int = option_of(ModelData, "batch_size", 10)
 
 
@@ -41,6 +41,9 @@ class StatAnalysis(Analysis):
 
     def __init__(self, registered: Spec, options: Any) -> None:
         self.spec, self.options = registered, options
+
+    def check(self, job: Job) -> None:
+        self.spec.build(job.hm, self.options, 2).check(job.hm)  # its points, before the text is cut
 
     def passes(self, job: Job) -> list[Pass]:
         return [Pass(self.spec.name, [self.spec.build(job.hm, self.options, job.groups)])]

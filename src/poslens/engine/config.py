@@ -24,6 +24,8 @@ from poslens.errors import UsageError
 from poslens.options import check_options, option
 
 DEFAULT_SEQUENCES = 1000  # the paper's count (Sections 4.2 and 5.2)
+SEQUENCES_HELP = "sequences to average over, exactly this many or an error"  # commands with their own default
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUN_ONLY = ("device", "checkpoint_every", "level", "figures")  # change how a run goes, not what it computes
 
@@ -40,8 +42,8 @@ class ModelData:
                               "default: the embedded corpus")
     text_field: str = option("text", help="field or column holding the text (.jsonl, .parquet, saved datasets)")
     seq_len: int = option(1024, lo=2, help="tokens per sequence, BOS included")
-    num_sequences: int | None = option(None, lo=1, help="sequences to average over, exactly this many or an error "
-                                       f"(default: as many as the text gives, up to {DEFAULT_SEQUENCES})")
+    num_sequences: int | None = option(None, lo=1, help=f"{SEQUENCES_HELP} (default: as many as the text gives, up "
+                                       f"to {DEFAULT_SEQUENCES})")
     batch_size: int = option(20, lo=1, help="sequences per forward pass")
     groups: int = option(20, lo=2, help="groups of sequences for the confidence intervals (batch b goes to group "
                          "b mod G; at least 2; lowered to the number of batches when there are fewer)")

@@ -553,6 +553,10 @@ class HookedModel(TransformerLensSurface, TLWeights):
         raise NoEquivalent(f"HookedModel has no {name!r}: TransformerLens's {name} has no poslens equivalent "
                            "(see docs/hooks.md, 'Coming from TransformerLens', for what HookedModel has)")
 
+    def check_point(self, name: str) -> None:
+        """A one-line UsageError, with a hint, when the model has no hook point `name`."""
+        self._check_name(name)
+
     def _check_name(self, name: str) -> None:
         if name in self._known:
             return

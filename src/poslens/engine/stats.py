@@ -572,6 +572,9 @@ class Statistic:
         """Hook point name -> function(x, ctx) for the points this statistic reads."""
         raise NotImplementedError
 
+    def check(self, hm) -> None:
+        """Checks that need the loaded model, before any sequence is cut (a one-line UsageError); none by default."""
+
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """Finished tensors (means with `_lo`/`_hi`/`_se`), ready for the results format."""
         raise NotImplementedError

@@ -25,7 +25,7 @@ from poslens.analyses.leakage import nulls as nl
 from poslens.analyses.leakage import position0 as p0
 from poslens.analyses.leakage.causal import MEAN_SCORES, VARIANTS, Domains, LayerMaps, LeakageMaps, head_mean
 from poslens.analyses.leakage.predecessor import DeltaR2Rows
-from poslens.engine.config import DEFAULT_SEQUENCES, ModelData
+from poslens.engine.config import DEFAULT_SEQUENCES, SEQUENCES_HELP, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, dense_score_bytes, run_analysis
 from poslens.engine.statistics.spec import NoOptions, Spec
 from poslens.engine.stats import Estimate, Statistic, t_quantile
@@ -39,7 +39,7 @@ class LeakageConfig(ModelData):
     the predecessor) keep SmolLM2-135M under 10 minutes on 2 CPU cores (docs/leakage.md, "Cost")."""
 
     seq_len: int = option_of(ModelData, "seq_len", 128)
-    num_sequences: int | None = option_of(ModelData, "num_sequences", 64)
+    num_sequences: int | None = option_of(ModelData, "num_sequences", 64, help=SEQUENCES_HELP)
     batch_size: int = option_of(ModelData, "batch_size", 8)
     groups: int = option_of(ModelData, "groups", 8)
     bos: str = option_of(ModelData, "bos", "always")  # Ruscio et al.'s fixed first token

@@ -43,7 +43,7 @@ from poslens.analyses.length.passes import prepared
 from poslens.analyses.length.plan import LengthPass, LengthStatistics, edges_of, plan_passes, statistics_for
 from poslens.analyses.length.seeds import SeedWeights, check_same_variant, distinct_models, weights_digest
 from poslens.analyses.length.summary import over_models, summarise_model
-from poslens.engine.config import ModelData
+from poslens.engine.config import SEQUENCES_HELP, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
 from poslens.errors import UsageError, check_int
 from poslens.options import option, option_of
@@ -57,7 +57,7 @@ class LengthConfig(ModelData):
     """Everything that determines a `length` run. `seq_len` is not an option of the command: it is settled to the
     longest evaluation length."""
 
-    num_sequences: int | None = option_of(ModelData, "num_sequences", 32)
+    num_sequences: int | None = option_of(ModelData, "num_sequences", 32, help=SEQUENCES_HELP)
     batch_size: int = option_of(ModelData, "batch_size", 4)
     groups: int = option_of(ModelData, "groups", 8)
     mode: str = option_of(ModelData, "mode", "pack")  # sequences of 8L tokens: packed, few documents are that long

@@ -41,6 +41,14 @@ class ActivationNorm(Statistic):
         layers = range(hm.n_layers) if self.layers is None else self.layers
         return {self.point.format(l=l): self._read for l in layers}
 
+    def check(self, hm) -> None:
+        """Every layer's point exists on the model: else one line naming `point`, before any sequence is cut."""
+        for name in self.hooks(hm):
+            try:
+                hm.check_point(name)
+            except UsageError as e:
+                raise UsageError(f"point {self.point!r}: {str(e).removeprefix('hooks: ')}", param="point") from None
+
     def begin_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Which tokens are real (padding never enters a mean)."""
         self._valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
