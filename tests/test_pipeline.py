@@ -14,10 +14,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import poslens
-from poslens.engine.config import ModelData, groups_used
+from poslens.engine.config import SEQUENCES_HELP, ModelData, groups_used
 from poslens.engine.distributed import Dist
 from poslens.engine.stats import Rows
 from poslens.errors import UsageError
+from poslens.options import _KEY as KEY
 
 TEXT = "Position is not given to a model without a positional encoding; the causal mask gives it. " * 40
 
@@ -83,7 +84,11 @@ def test_each_analysis_config_composes_the_model_data_fields_once():
         fields = {f.name: f for f in dataclasses.fields(cls)}
         assert list(fields)[:len(base)] == list(base)
         for name, f in base.items():
-            assert fields[name].metadata == f.metadata, (cls.__name__, name)
+            meta, mine = f.metadata, dict(fields[name].metadata)
+            if name == "num_sequences" and cls is not ScoresConfig:  # its own default, so the help without the base's
+                assert mine[KEY].help == SEQUENCES_HELP, cls.__name__
+                mine[KEY] = dataclasses.replace(mine[KEY], help=meta[KEY].help)
+            assert mine == dict(meta), (cls.__name__, name)
         defaults[cls.__name__] = (fields["seq_len"].default, fields["batch_size"].default, fields["groups"].default)
     assert defaults["ScoresConfig"][0] == 1024 and defaults["IntermediatesConfig"][0] == 50
     assert defaults["LeakageConfig"] == (128, 8, 8)

@@ -43,7 +43,7 @@ class StatAnalysis(Analysis):
         self.spec, self.options = registered, options
 
     def check(self, job: Job) -> None:
-        self.spec.build(job.hm, self.options, 2).check(job.hm)  # its points, before the text is cut
+        self.spec.build(job.hm, self.options, 2).check_model(job.hm)  # its points, before the text is cut
 
     def passes(self, job: Job) -> list[Pass]:
         return [Pass(self.spec.name, [self.spec.build(job.hm, self.options, job.groups)])]

@@ -572,7 +572,7 @@ class Statistic:
         """Hook point name -> function(x, ctx) for the points this statistic reads."""
         raise NotImplementedError
 
-    def check(self, hm) -> None:
+    def check_model(self, hm) -> None:
         """Checks that need the loaded model, before any sequence is cut (a one-line UsageError); none by default."""
 
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:

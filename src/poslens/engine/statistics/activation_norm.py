@@ -41,7 +41,7 @@ class ActivationNorm(Statistic):
         layers = range(hm.n_layers) if self.layers is None else self.layers
         return {self.point.format(l=l): self._read for l in layers}
 
-    def check(self, hm) -> None:
+    def check_model(self, hm) -> None:
         """Every layer's point exists on the model: else one line naming `point`, before any sequence is cut."""
         for name in self.hooks(hm):
             try:
