@@ -502,3 +502,25 @@ def test_an_unreachable_hub_id_is_one_line_at_once_naming_the_alias_it_is_closes
     with pytest.raises(UsageError, match="not in the local Hugging Face cache"):
         load_model("poslens-test/definitely-not-cached")
     assert asked == ["poslens-test/definitely-not-cached"]
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "gemma2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 64},
+    {"model_type": "bloom", "hidden_size": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64}])
+def test_a_family_with_eager_attention_only_loads_with_it_and_says_so(config):
+    """Gemma-2 (transformers refuses SDPA with its softcap) and BLOOM load with eager attention whatever is asked,
+    and the load record (run.json's model.attn_implementation) names the one the model runs, not the one asked."""
+    model, _ = load_model("random:" + json.dumps(config))
+    assert model.config._attn_implementation == "eager"
+    assert model.poslens_load["attn_implementation"] == "eager"
+
+
+def test_gptj_with_a_rotary_dim_wider_than_its_heads_is_one_line():
+    """GPTJConfig's default rotary_dim (64) on heads of 16: refused before the weights in one line (it was a
+    RuntimeError from the rotary product inside the first forward)."""
+    config = {"model_type": "gptj", "n_embd": 64, "n_layer": 1, "n_head": 4, "vocab_size": 64, "n_positions": 32}
+    with pytest.raises(UsageError, match="rotary_dim 64 must be even and at most the head width n_embd / n_head = 16"):
+        load_model("random:" + json.dumps(config))
+    model, _ = load_model("random:" + json.dumps({**config, "rotary_dim": 8}))
+    assert model.config.rotary_dim == 8

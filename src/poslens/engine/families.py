@@ -127,7 +127,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("Phi-3"),
     "smollm3": Family("SmolLM3"),
     "gemma3_text": Family("Gemma-3 (text)", qk_norm_heads_first=True, **_SANDWICH),
-    "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", **_SANDWICH),
+    "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", eager_only=True,
+                     **_SANDWICH),  # transformers refuses SDPA for it (the attention softcap)
     # GPT-2: learned absolute positions (wpe), LayerNorm with bias, Conv1D projections (c_attn fused [q | k | v])
     "gpt2": Family("GPT-2", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
                    pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
@@ -189,6 +190,8 @@ def family_of(config: Any) -> Family:
         _check_opt(config)
     if model_type == "bloom":
         _check_bloom(config)
+    if model_type == "gptj":
+        _check_gptj(config)
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):
@@ -196,6 +199,15 @@ def family_of(config: Any) -> Family:
     if model_type == "falcon":
         return _falcon_family(config)
     return FAMILIES[model_type]
+
+
+def _check_gptj(config: Any) -> None:
+    """GPT-J rotates the first rotary_dim dimensions of each head: at most the head's width, and even."""
+    head = config.n_embd // config.n_head
+    rotary = getattr(config, "rotary_dim", None)
+    if rotary is not None and (rotary > head or rotary % 2):
+        raise UsageError(f"GPT-J rotary_dim {rotary} must be even and at most the head width n_embd / n_head = "
+                         f"{head}; set rotary_dim in the config (GPTJConfig's default is 64)")
 
 
 def _partial_rotary_family(config: Any, family: Family) -> Family:
@@ -255,7 +267,7 @@ def _falcon_family(config: Any) -> Family:
 
 def attention_implementation(config: Any, requested: str) -> str:
     """The attention implementation to load a model of `config` with: `requested`, or "eager" for a family that has
-    no other (BLOOM); Falcon's ALiBi form is refused with "eager" (`_falcon_family`)."""
+    no other (BLOOM, Gemma-2); Falcon's ALiBi form is refused with "eager" (`_falcon_family`)."""
     family = family_of(config)
     if family.own_attention and family.alibi and requested == "eager":
         raise UsageError("attn_implementation eager: transformers' eager Falcon adds the ALiBi bias twice (SDPA adds "

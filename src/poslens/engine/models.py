@@ -466,6 +466,8 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if ms.kind == "random" and tok is not None and isinstance(vocab, int) and len(tok) > vocab:
         raise UsageError(f"model {ms.spec}: vocab_size {vocab} is smaller than the tokenizer's {len(tok)} tokens; "
                          f"set vocab_size >= {len(tok)} in the config")
+    info["attn_implementation"] = getattr(model.config, "_attn_implementation", None) or attn_implementation  # as
+    # loaded (BLOOM and Gemma-2 have eager only)
     info["dtype"], info["dtype_reason"] = str(chosen[0]).removeprefix("torch."), chosen[1]
     why = known_nope(ms.spec) if ms.kind in ("hub", "local") else None
     if pe == "auto" and why is not None:
