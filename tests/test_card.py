@@ -348,3 +348,18 @@ def test_the_card_command_line_names_every_model_and_parses_back():
     argv = shlex.split(command_line("card", cfg, Path("runs/card")))
     assert argv[:4] == ["poslens", "card", "smollm2-135m", "gemma-3-270m"] and argv[-2:] == ["--out", "runs/card"]
     assert from_args(CardConfig, build_parser("card").parse_args(argv[1:])) == cfg
+
+
+def test_a_size_past_a_models_table_names_the_cards_sizes(tmp_path, capsys):
+    """A GPT-2 whose position table (64) is shorter than the card's default scores.seq_len (128): one line that
+    names the card's --sizes (the sub-run's own field, seq_len, is not a card flag), exit 2, nothing written."""
+    gpt2 = json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 49152,
+                       "n_positions": 64, "eos_token_id": 0, "bos_token_id": 0})
+    out = tmp_path / "out"
+    assert main(["card", f"random:{gpt2}", "--labels", "g64", "--tokenizer", "smollm2-135m", "--out", str(out),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "g64 scores" in err and "seq_len 128 is beyond the model's window of 64" in err, err
+    assert "--sizes scores.KEY=VALUE" in err and "--seq-len" not in err, err
+    assert not out.exists()

@@ -307,10 +307,14 @@ def measure(group: list[SubRun], force: bool, progress: bool) -> None:
         print(f"card: {group[0].label}: {names}" + (" in one pass" if len(group) > 1 else f" ({group[0].command})"),
               flush=True)
     wall, cpu = time.perf_counter(), cpu_seconds()
-    if len(group) > 1:
-        run_shared([(s.pipeline, s.config, s.path) for s in group], force=force, progress=progress)
-    else:
-        group[0].run(group[0].config, group[0].path, force=force, progress=progress)
+    try:
+        if len(group) > 1:
+            run_shared([(s.pipeline, s.config, s.path) for s in group], force=force, progress=progress)
+        else:
+            group[0].run(group[0].config, group[0].path, force=force, progress=progress)
+    except UsageError as e:  # a sub-run's own field (seq_len, eval_len): a card sets it through --sizes
+        raise UsageError(f"{group[0].label} {names}: {e} (a card sets the sizes of its analyses with --sizes "
+                         f"{group[0].analysis}.KEY=VALUE; see --help)") from None
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
     for s in group:
         s.reused, s.seconds, s.cpu_seconds = False, wall, cpu
