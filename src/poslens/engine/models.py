@@ -347,7 +347,6 @@ def _hub_cached_or_reachable(repo: str) -> bool:
     return _REACHABLE[host]
 
 
-
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, SafetensorError,
                 struct.error, EOFError)  # struct.error, EOFError: a GGUF file cut short
 
@@ -443,8 +442,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     parse_dtype(dtype)
     require(isinstance(attn_implementation, str) and attn_implementation != "",
             "--attn-implementation must be a name such as sdpa or eager")
-    info: dict[str, Any] = {"spec": ms.spec, "kind": ms.kind, "device": str(dev),
-                            "attn_implementation": attn_implementation}
+    info: dict[str, Any] = {"spec": ms.spec, "kind": ms.kind, "device": str(dev)}
     if ms.kind == "alias":
         cached = converted_alias(ms.spec, cache_dir)
         info["cache"] = str(cached)
@@ -466,8 +464,8 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     if ms.kind == "random" and tok is not None and isinstance(vocab, int) and len(tok) > vocab:
         raise UsageError(f"model {ms.spec}: vocab_size {vocab} is smaller than the tokenizer's {len(tok)} tokens; "
                          f"set vocab_size >= {len(tok)} in the config")
-    info["attn_implementation"] = getattr(model.config, "_attn_implementation", None) or attn_implementation  # as
-    # loaded (BLOOM and Gemma-2 have eager only)
+    # the attention the model runs (BLOOM and Gemma-2 load with eager whatever is asked)
+    info["attn_implementation"] = getattr(model.config, "_attn_implementation", None) or attn_implementation
     info["dtype"], info["dtype_reason"] = str(chosen[0]).removeprefix("torch."), chosen[1]
     why = known_nope(ms.spec) if ms.kind in ("hub", "local") else None
     if pe == "auto" and why is not None:

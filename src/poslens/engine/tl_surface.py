@@ -214,11 +214,15 @@ class TransformerLensSurface:
 
     def _add_pairs(self, fwd_hooks, bwd_hooks, method: str) -> list[tuple]:
         """Add (name, fn) pairs as add_hook does; the entries added."""
-        pairs = [(*p, "fwd") for p in self._pairs(fwd_hooks, method)]
-        pairs += [(*p, "bwd") for p in self._pairs(bwd_hooks, method)]
+        pairs = self._directed(fwd_hooks, bwd_hooks, method)
         for name, _, _ in pairs:
             self._points_of(name, method)  # every name checked before any is added
         return [self.add_hook(name, fn, dir=direction) for name, fn, direction in pairs]
+
+    def _directed(self, fwd_hooks, bwd_hooks, method: str) -> list[tuple]:
+        """(name, fn, "fwd" or "bwd") for the checked pairs of both lists."""
+        return [(n, f, d) for hooks, d in ((fwd_hooks, "fwd"), (bwd_hooks, "bwd"))
+                for n, f in self._pairs(hooks, method)]
 
     def _pairs(self, pairs, method: str) -> list[tuple]:
         """A list of (name or function of a name, hook function), checked."""
@@ -241,9 +245,7 @@ class TransformerLensSurface:
         """Point -> poslens hooks for the added hooks then `fwd` and `bwd` (TransformerLens functions), and whether
         any backward hook is set."""
         table: dict[str, list] = {}
-        entries = [(n, f, d) for n, f, d, _ in self._added]
-        entries += [(n, f, "fwd") for n, f in self._pairs(fwd, method)]
-        entries += [(n, f, "bwd") for n, f in self._pairs(bwd, method)]
+        entries = [(n, f, d) for n, f, d, _ in self._added] + self._directed(fwd, bwd, method)
         backward = False
         for names_filter, fn, direction in entries:
             call = _forward_call(fn) if direction == "fwd" else _backward_call(fn)

@@ -312,9 +312,9 @@ def measure(group: list[SubRun], force: bool, progress: bool) -> None:
             run_shared([(s.pipeline, s.config, s.path) for s in group], force=force, progress=progress)
         else:
             group[0].run(group[0].config, group[0].path, force=force, progress=progress)
-    except UsageError as e:  # a sub-run's own field (seq_len, eval_len): a card sets it through --sizes
-        raise UsageError(f"{group[0].label} {names}: {e} (a card sets the sizes of its analyses with --sizes "
-                         f"{group[0].analysis}.KEY=VALUE; see --help)") from None
+    except UsageError as e:  # named by model and analysis; a sub-run's own field (seq_len, eval_len) is no card flag
+        sizes = f" (a card sets the sizes of its analyses with --sizes {group[0].analysis}.KEY=VALUE; see --help)"
+        raise UsageError(f"{group[0].label} {names}: {e}{sizes if e.param else ''}") from None
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
     for s in group:
         s.reused, s.seconds, s.cpu_seconds = False, wall, cpu
