@@ -363,3 +363,34 @@ def test_a_size_past_a_models_table_names_the_cards_sizes(tmp_path, capsys):
     assert "g64 scores" in err and "seq_len 128 is beyond the model's window of 64" in err, err
     assert "--sizes scores.KEY=VALUE" in err and "--seq-len" not in err, err
     assert not out.exists()
+
+
+def test_a_length_past_a_models_table_is_refused_before_anything_is_measured(tmp_path, capsys):
+    """A GPT-2 with 128 table rows takes the scores, leakage and probe sub-runs (128 tokens) but not a length panel
+    at 4 x 64 tokens: the card refuses in one line (exit 2) before its first sub-run, by the check the length sub-run
+    makes (nothing measured, nothing written), where it used to refuse after measuring the others."""
+    gpt2 = json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 49152,
+                       "n_positions": 128, "eos_token_id": 0, "bos_token_id": 0})
+    out = tmp_path / "out"
+    assert main(["card", f"random:{gpt2}", "--labels", "g128", "--tokenizer", "smollm2-135m", "--sizes",
+                 "length.multiple=4", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.endswith("--sizes length.KEY=VALUE; see --help)") and "g128 length: eval_len 256 is past" in err, err
+    assert "card: g128:" not in captured.out  # no sub-run started
+    assert not out.exists()
+
+
+def test_the_preflight_reads_the_architecture_without_weights():
+    """`skeleton` builds a model on the meta device (nothing allocated) whose table and window are the config's."""
+    from poslens.engine.models import max_positions, position_limit, skeleton
+
+    gpt2 = json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 96})
+    model = skeleton(f"random:{gpt2}")
+    assert all(p.is_meta for p in model.parameters())
+    assert position_limit(model)[1] == 96 and max_positions(model) == 96
+    llama = json.dumps({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "intermediate_size": 64, "max_position_embeddings": 80})
+    model = skeleton(f"random:{llama}")
+    assert position_limit(model) is None and max_positions(model) == 80

@@ -53,6 +53,9 @@ def _saved(family: str, directory):
 @pytest.mark.parametrize(("args", "message"), [
     (["length", "--train-len", "32", "--eval-lens", "32,128"],
      "eval_len 128 is past the 64 positions of the model's position table transformer.wpe"),
+    (["length"],  # train_len defaults to the table's 64 rows: nothing past it; the line says what runs instead
+     "and so is every length past --train-len 64: such a model has no position past its table; to compare positions "
+     "inside it, set a shorter --train-len, e.g. --train-len 32 with --eval-lens 32,64"),
     (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "ntk"],
      "ntk: the model has no RoPE layer"),
     (["scores", "--seq-len", "100"], "--seq-len 100 is beyond the model's window of 64 positions"),

@@ -478,6 +478,32 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     return model, tok
 
 
+def skeleton(spec: str, cache_dir: str | os.PathLike | None = None) -> nn.Module | None:
+    """`spec`'s architecture on the meta device, no weights read or allocated: what a check of sizes against the
+    model (its window, a position table's rows) needs before anything is measured. None where the config cannot be
+    read without loading the model (a GGUF file, a hub id neither cached nor reachable): the load checks it then."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ms = resolve(spec)
+    try:
+        if ms.kind == "random":
+            fields = dict(ms.config)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        elif ms.kind == "alias":
+            config = AutoConfig.from_pretrained(converted_alias(ms.spec, cache_dir))
+        elif ms.kind == "local" or (ms.kind == "hub" and _hub_cached_or_reachable(ms.path)):
+            config = AutoConfig.from_pretrained(ms.path)
+        else:
+            return None
+        _check_supported(config)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - the load says what is wrong, in its own words, when the sub-run loads it
+        return None
+
+
 def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
                      attn_implementation: str) -> tuple[Any, Any, tuple[torch.dtype, str]]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

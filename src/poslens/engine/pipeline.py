@@ -144,6 +144,13 @@ class Analysis:
 # ---------------------------------------------------------------- inputs and outputs
 
 
+def check_window(seq_len: int, window: int) -> None:
+    """Refuse, in one line, sequences longer than the model's window (`Analysis.window`)."""
+    if seq_len > window:
+        raise UsageError(f"seq_len {seq_len} is beyond the model's window of {window} positions; use "
+                         f"seq_len <= {window}", param="seq_len")
+
+
 def inputs_of(config: ModelData) -> list[str]:
     """The files and directories a run reads (never its --out): a local model, its tokenizer, --data."""
     from poslens.engine.models import resolve
@@ -270,10 +277,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         analysis.configure(job)
         check_memory(config, {"one batch's forward": (_batch_bytes(config, job.model), "batch_size"),
                               **analysis.memory(job)}, dist.device)
-        window = analysis.window(job)
-        if config.seq_len > window:
-            raise UsageError(f"seq_len {config.seq_len} is beyond the model's window of {window} positions; use "
-                             f"seq_len <= {window}", param="seq_len")
+        check_window(config.seq_len, analysis.window(job))
         analysis.check(job)
         job.sequences, job.data = analysis.sequences(job, docs)
         job.data["source"] = source

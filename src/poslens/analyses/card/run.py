@@ -288,6 +288,7 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
             raise UsageError(f"out: {sub.path} was measured with other settings than this card asks; use --force to "
                              "measure it again, or another --out", param="out")
         pending.append(sub)
+    preflight(pending)
     while pending:  # a model's sub-runs on the same batches share one forward per batch (`shared.py`)
         group = [pending.pop(0)]
         if group[0].pipeline is not None:
@@ -296,6 +297,34 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
             pending = [s for s in pending if s not in group]
         measure(group, force, progress)
     return write_card(cfg, out, runs, command=command, started=started)
+
+
+def preflight(pending: list[SubRun]) -> None:
+    """Refuse, before any sub-run is measured, a size some model cannot take (a sequence past its window, a length
+    evaluation past its position table), by the checks the sub-runs make, on each model's architecture without its
+    weights (`skeleton`); a model whose config cannot be read so (a GGUF file) is checked when its sub-run loads it."""
+    from poslens.analyses.length.checks import check_eval_length
+    from poslens.engine.models import max_positions, skeleton
+    from poslens.engine.pipeline import check_window
+
+    for model_spec in dict.fromkeys(s.model for s in pending):
+        model = skeleton(model_spec)
+        for sub in (s for s in pending if s.model == model_spec and model is not None):
+            try:
+                if sub.analysis == "length":  # its seq_len: the longest evaluation (settled by `plan`)
+                    check_eval_length(model, sub.config.seq_len)
+                else:
+                    check_window(sub.config.seq_len, max_positions(model))
+            except UsageError as e:
+                raise refusal([sub], e) from None
+
+
+def refusal(group: list[SubRun], e: UsageError) -> UsageError:
+    """A sub-run's one-line refusal named by model and analysis; a sub-run's own field (seq_len, eval_len) is no card
+    flag, so the error says how the card sets it."""
+    names = " + ".join(s.analysis for s in group)
+    sizes = f" (a card sets the sizes of its analyses with --sizes {group[0].analysis}.KEY=VALUE; see --help)"
+    return UsageError(f"{group[0].label} {names}: {e}{sizes if e.param else ''}")
 
 
 def measure(group: list[SubRun], force: bool, progress: bool) -> None:
@@ -312,9 +341,8 @@ def measure(group: list[SubRun], force: bool, progress: bool) -> None:
             run_shared([(s.pipeline, s.config, s.path) for s in group], force=force, progress=progress)
         else:
             group[0].run(group[0].config, group[0].path, force=force, progress=progress)
-    except UsageError as e:  # named by model and analysis; a sub-run's own field (seq_len, eval_len) is no card flag
-        sizes = f" (a card sets the sizes of its analyses with --sizes {group[0].analysis}.KEY=VALUE; see --help)"
-        raise UsageError(f"{group[0].label} {names}: {e}{sizes if e.param else ''}") from None
+    except UsageError as e:
+        raise refusal(group, e) from None
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
     for s in group:
         s.reused, s.seconds, s.cpu_seconds = False, wall, cpu

@@ -53,13 +53,22 @@ def rope_types(model: nn.Module) -> set[str]:
     return out
 
 
-def check_eval_length(model: nn.Module, eval_len: int) -> None:
-    """Refuse, in one line, an evaluation length a model cannot represent: past a learned position table."""
+def check_eval_length(model: nn.Module, eval_len: int, train_len: int | None = None) -> None:
+    """Refuse, in one line, an evaluation length a model cannot represent: past a learned position table. With the
+    run's `train_len` at or past the table (its default on such a model: the table's size), nothing past it can be
+    measured at all, and the line says what can: the loss by position inside the table, from a shorter train_len."""
     eval_len = check_int("eval_len", eval_len, 2)
     limit = position_limit(model)
-    if limit is not None and eval_len > limit[1]:
-        raise UsageError(f"eval_len {eval_len} is past the {limit[0]}: it has nothing for later positions; evaluate "
-                         f"at most {limit[1]} tokens", param="eval_len")
+    if limit is None or eval_len <= limit[1]:
+        return
+    n = limit[1]
+    if train_len is not None and train_len >= n:
+        raise UsageError(f"eval_len {eval_len} is past the {limit[0]}, and so is every length past train_len "
+                         f"{train_len}: such a model has no position past its table; to compare positions inside "
+                         f"it, set a shorter train_len, e.g. train_len {n // 2} with eval_lens {n // 2},{n}",
+                         param="eval_len")
+    raise UsageError(f"eval_len {eval_len} is past the {limit[0]}: it has nothing for later positions; evaluate "
+                     f"at most {n} tokens", param="eval_len")
 
 
 def length_notes(model: nn.Module, eval_len: int) -> list[str]:

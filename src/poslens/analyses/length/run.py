@@ -151,7 +151,7 @@ class Length(Analysis):
     def configure(self, job: Job) -> None:
         cfg, model = job.config, job.model
         cfg.settle(model)
-        check_eval_length(model, cfg.seq_len)  # a position table: refused past its size, in one line
+        check_eval_length(model, cfg.seq_len, cfg.train_len)  # a position table: refused past its size, in one line
         if cfg.maps:
             check_maps_length(model, cfg.seq_len)  # a rope type that reads the limit: refused here
         from poslens.engine.families import sliding_windows
