@@ -78,3 +78,47 @@ def test_a_script_without_a_main_guard_runs_its_top_level_once(tmp_path, method)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["top", "level", "45"]
+
+
+def _gone(pid: int, within: float) -> bool:
+    """Whether process `pid` has ended (or is a zombie nobody reaps) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_a_worker_ends_when_the_program_that_made_its_pool_is_killed(method, signal_name):
+    """A program killed without a word (SIGKILL; SIGTERM runs no exit handler) cannot stop its workers; each worker
+    ends by itself within seconds instead of finishing a job of minutes for nobody (it did before: a killed
+    `reproduce`'s sweep parts trained on, 10 minutes later, holding their cache locks)."""
+    import signal
+
+    program = ("import os, time\n"
+               "from poslens.engine import workers\n"
+               "workers.PRELOAD.clear()\n"
+               + ("workers.forked = lambda: False\n" if method == "spawn" else "")
+               + "pool = workers.Pool(1)\n"
+               "print(pool.submit(os.getpid).result(), flush=True)\n"
+               "pool.submit(time.sleep, 600)\n"
+               "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(0.5)  # the worker is in its 600-s job
+        assert not _gone(worker, 0.2)
+        proc.send_signal(getattr(signal, signal_name))
+        proc.wait(timeout=30)
+        assert _gone(worker, 15), f"worker {worker} outlived its program"
+    finally:
+        proc.kill()
+        proc.wait()

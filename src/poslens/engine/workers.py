@@ -6,7 +6,7 @@ BENCHMARKS.md "Length section against the previous release"). Here workers are f
 second; `start()` starts that server early, so its imports run beside other work. Where a platform has no forkserver,
 workers are spawned as before.
 
-Two things a forked worker would otherwise get wrong, handled here:
+What a forked worker would otherwise get wrong, handled here:
 
 * the environment: a worker is the server's child, and the server's environment is the one it started with; each
   job runs under the submitting process's environment of the moment it was submitted (`Pool.submit`);
@@ -17,7 +17,10 @@ Two things a forked worker would otherwise get wrong, handled here:
 * the caller's script: multiprocessing imports the parent's main module in every worker it starts (so that functions
   defined there unpickle), which runs a script's top level again, and a script without `if __name__ == "__main__":`
   that starts workers then fails in each worker; the jobs here are poslens functions, so a worker is started without
-  the parent's main module (`_without_main`), and a script or notebook needs no guard.
+  the parent's main module (`_without_main`), and a script or notebook needs no guard;
+* its owner's death: a process killed without a word (SIGKILL, or a SIGTERM, which runs no exit handler) cannot stop
+  its workers, and a forked worker is not its child; each worker ends as soon as the process that made its pool is
+  gone (`_end_with`), instead of finishing its job (minutes of training) for nobody while holding its cache locks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import atexit
 import multiprocessing
 import os
 import resource
+import select
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import context as mp_context
@@ -121,7 +126,7 @@ class Pool(ProcessPoolExecutor):
         if self._counter is not None:
             _counters.append(self._counter)
         super().__init__(max_workers=jobs, mp_context=ctx, initializer=_init,
-                         initargs=(self._counter, initializer, initargs))
+                         initargs=(self._counter, os.getpid(), initializer, initargs))
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         return super().submit(_call, dict(os.environ), fn, args, kwargs)
@@ -130,11 +135,35 @@ class Pool(ProcessPoolExecutor):
 _COUNTER: Any = None  # in a worker: its pool's CPU-seconds counter (None: spawned)
 
 
-def _init(counter: Any, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+def _init(counter: Any, owner: int, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
     global _COUNTER
     _COUNTER = counter
+    threading.Thread(target=_end_with, args=(owner,), daemon=True, name="poslens-owner-watch").start()
     if initializer is not None:
         initializer(*initargs)
+
+
+def _end_with(owner: int) -> None:
+    """In a worker: end it as soon as the process that made its pool is gone. Killed without a word (SIGKILL, or a
+    SIGTERM, which runs no exit handler), that process cannot stop its workers, and a forked worker is not its child:
+    it would go on with its job (a sweep part: minutes of training) for nobody, holding the job's cache locks, so that
+    a rerun would wait for it. Linux: the process's pidfd becomes readable when it exits; elsewhere, a poll a second."""
+    try:
+        fd = os.pidfd_open(owner)
+    except (AttributeError, OSError):  # no pidfd (not Linux, or an old kernel): poll
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                continue
+    os._exit(1)
 
 
 def process_seconds() -> float:
