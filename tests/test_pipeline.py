@@ -107,23 +107,34 @@ def test_rows_merge_in_shard_order_and_resume():
     assert torch.equal(restored.get("x"), torch.arange(10.0).reshape(5, 2)) and restored.get("y") is None
 
 
-@pytest.mark.parametrize("n, world, batch_size", [(64, 1, 8), (64, 2, 8), (10, 3, 2), (7, 2, 3)])
-def test_shards_cover_every_sequence_once_and_number_batches_run_wide(n, world, batch_size):
+@pytest.mark.parametrize("n, world, batch_size", [(64, 1, 8), (64, 2, 8), (10, 3, 2), (7, 2, 3), (12, 2, 4),
+                                                   (10, 2, 2), (13, 4, 3)])
+def test_shards_are_the_single_processs_batches(n, world, batch_size):
+    """Each rank takes whole batches of the single process's batching (12 sequences in batches of 4 on 2 ranks: 3
+    batches, not 6 + 6 sequences cut into 4 batches, whose groups and intervals differed from one process's)."""
     ranks = [Dist(r, world, r, torch.device("cpu")) for r in range(world)]
-    blocks = [d.bounds(n) for d in ranks]
+    blocks = [d.bounds(n, batch_size) for d in ranks]
     assert blocks[0][0] == 0 and blocks[-1][1] == n and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
     counts = ranks[0].batches(n, batch_size)
-    assert counts == [math.ceil((b - a) / batch_size) for a, b in blocks]
+    assert sum(counts) == math.ceil(n / batch_size) and max(counts) - min(counts) <= 1 and min(counts) >= 1
+    rows = torch.arange(n)
+    alone = list(torch.split(rows, batch_size))
+    together = [b for d in ranks for b in torch.split(d.shard(rows, batch_size), batch_size)]
+    assert len(together) == len(alone) and all(torch.equal(a, b) for a, b in zip(alone, together))
     # Job.batch_rows: run-wide batch index -> the rows that rank cut into that batch (what a Pass's prepare gets)
     from poslens.engine.pipeline import Job
 
-    rows = torch.arange(n)
     job = Job(ModelData(model="m", batch_size=batch_size), ranks[0], Path("."), sequences=rows)
     index = 0
     for d in ranks:
-        for batch in torch.split(d.shard(rows), batch_size):
+        for batch in torch.split(d.shard(rows, batch_size), batch_size):
             assert torch.equal(rows[job.batch_rows(index)], batch)
             index += 1
+
+
+def test_fewer_batches_than_processes_is_refused():
+    with pytest.raises(UsageError, match="5 sequences make 2 batches of 3, fewer than the 3 processes"):
+        Dist(0, 3, 0, torch.device("cpu")).batches(5, 3)
 
 
 # ---------------------------------------------------------------- layering (docs/architecture.md, "Import rules")

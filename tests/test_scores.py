@@ -86,18 +86,24 @@ def test_corrupt_checkpoint_is_a_usage_error(model_dir, tmp_path):
     assert not out.exists()
 
 
-def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path):
-    single = poslens.load(run_scores(cfg(model_dir), tmp_path / "single", progress=False))
+@pytest.mark.parametrize("num, batch", [(NUM, BATCH), (12, 4)])
+def test_torchrun_two_ranks_equal_single_process(model_dir, tmp_path, num, batch):
+    """Means, standard errors and groups of two ranks equal one process's. 12 sequences in batches of 4: each rank
+    takes whole batches (2 + 1 of the 3); before, each took 6 sequences and cut them into 2 batches, 4 in all, other
+    groups, and standard errors 0.8 apart (relative)."""
+    single = poslens.load(run_scores(cfg(model_dir, num_sequences=num, batch_size=batch, groups=3),
+                                     tmp_path / "single", progress=False))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "poslens", "scores", str(model_dir), "--seq-len", str(SEQ), "--num-sequences", str(NUM),
-           "--batch-size", str(BATCH), "--mode", "pack", "--quiet", "--out", str(tmp_path / "sharded")]
+           "-m", "poslens", "scores", str(model_dir), "--seq-len", str(SEQ), "--num-sequences", str(num),
+           "--batch-size", str(batch), "--groups", "3", "--mode", "pack", "--quiet", "--out", str(tmp_path / "sharded")]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     sharded = poslens.load(tmp_path / "sharded")
-    assert sharded.meta["world_size"] == 2
+    assert sharded.meta["world_size"] == 2 and sharded.meta["groups"] == single.meta["groups"]
     # different summation order over ranks: equal to float32 round-off
-    torch.testing.assert_close(sharded["scores"], single["scores"], rtol=1e-5, atol=1e-5, equal_nan=True)
+    for name in ("scores", "scores_se"):
+        torch.testing.assert_close(sharded[name], single[name], rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.equal(sharded["count"], single["count"])
 
 

@@ -5,8 +5,8 @@ CPU, NCCL on GPUs, one GPU per process (cuda:LOCAL_RANK). `setup` joins the proc
 driver and the training loop both take their `Dist` from it.
 
     d = setup("cuda")           # Dist(rank=1, world=4, local=1, device=cuda:1) on the second process
-    mine = d.shard(sequences)   # this rank's contiguous block of rows
-    first = sum(d.batches(len(sequences), 20)[:d.rank])   # run-wide index of its first batch of 20
+    mine = d.shard(sequences, 20)   # this rank's contiguous block of whole batches of 20
+    first = sum(d.batches(len(sequences), 20)[:d.rank])   # run-wide index of its first batch
 """
 
 from __future__ import annotations
@@ -48,25 +48,27 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def bounds(self, n: int) -> tuple[int, int]:
-        """Rows [start, stop) of `n` that this rank takes: contiguous blocks in rank order, sizes differing by at
-        most one, every rank at least one row."""
-        require(n >= self.world, f"{n} sequences cannot be split over {self.world} ranks; use more --num-sequences "
-                                 "or fewer processes")
-        return self.rank * n // self.world, (self.rank + 1) * n // self.world
-
-    def shard(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's block of `rows` (see `bounds`)."""
-        start, stop = self.bounds(rows.shape[0])
-        return rows[start:stop]
-
     def batches(self, n: int, batch_size: int) -> list[int]:
-        """How many batches of `batch_size` each rank cuts its block of `n` rows into. The run-wide index of this
-        rank's first batch is the sum over earlier ranks, so batch b of the run lands in group b mod G whatever
-        the number of processes when the blocks are whole batches."""
+        """How many of the run's batches each rank takes: the ceil(n / batch_size) batches one process would cut
+        from `n` rows, dealt out as contiguous blocks in rank order, counts differing by at most one, every rank at
+        least one. A rank's batches are the single process's, row for row, so batch b of the run lands in group
+        b mod G whatever the number of processes: the groups, and every interval, are the single process's."""
         check_int("batch_size", batch_size, 1)
-        starts = [r * n // self.world for r in range(self.world + 1)]
-        return [-(-(starts[r + 1] - starts[r]) // batch_size) for r in range(self.world)]
+        k = -(-n // batch_size)
+        require(k >= self.world, f"{n} sequences make {k} batches of {batch_size}, fewer than the {self.world} "
+                                 "processes; use more --num-sequences, a smaller --batch-size or fewer processes")
+        return [(r + 1) * k // self.world - r * k // self.world for r in range(self.world)]
+
+    def bounds(self, n: int, batch_size: int) -> tuple[int, int]:
+        """Rows [start, stop) of `n` that this rank takes: its block of whole batches (`batches`)."""
+        counts = self.batches(n, batch_size)
+        first = sum(counts[:self.rank])
+        return first * batch_size, min((first + counts[self.rank]) * batch_size, n)
+
+    def shard(self, rows: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """This rank's block of `rows`, whole batches of `batch_size` (see `batches`)."""
+        start, stop = self.bounds(rows.shape[0], batch_size)
+        return rows[start:stop]
 
 
 def setup(device: str = "auto") -> Dist:

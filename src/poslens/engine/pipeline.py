@@ -67,13 +67,9 @@ class Job:
         """The rows of `sequences` (and of each `inputs` tensor) in batch `index` of the run: the run-wide batch
         index a Pass's `prepare` gets, the same under torchrun as in one process."""
         n, size = len(self.sequences), self.config.batch_size
-        counts = self.dist.batches(n, size)
-        for rank, count in enumerate(counts):
-            if index < count:
-                start = rank * n // self.dist.world + index * size
-                return slice(start, min(start + size, (rank + 1) * n // self.dist.world))
-            index -= count
-        raise IndexError("batch index past the run's batches")
+        if not 0 <= index < sum(self.dist.batches(n, size)):
+            raise IndexError("batch index past the run's batches")
+        return slice(index * size, min((index + 1) * size, n))  # ranks take whole batches (`Dist.batches`)
 
     @property
     def label(self) -> str:
@@ -282,7 +278,7 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         job.sequences, job.data = analysis.sequences(job, docs)
         job.data["source"] = source
         job.data["tokens_sha256"] = tokens_digest(job.sequences)  # two runs on the same token ids pair by group
-        mine = dist.shard(job.sequences)
+        mine = dist.shard(job.sequences, config.batch_size)
         batches = list(torch.split(mine, config.batch_size))
         everyone = dist.batches(len(job.sequences), config.batch_size)
         job.groups = groups_used(config, len(job.sequences), sum(everyone))
