@@ -377,7 +377,8 @@ def test_a_length_past_a_models_table_is_refused_before_anything_is_measured(tmp
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.endswith("--sizes length.KEY=VALUE; see --help)") and "g128 length: eval_len 256 is past" in err, err
+    assert err.endswith("--sizes length.KEY=VALUE; see --help)"), err
+    assert "g128 length: eval_lens: 256 tokens reach past" in err, err
     assert "card: g128:" not in captured.out  # no sub-run started
     assert not out.exists()
 

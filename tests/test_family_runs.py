@@ -52,9 +52,9 @@ def _saved(family: str, directory):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["length", "--train-len", "32", "--eval-lens", "32,128"],
-     "eval_len 128 is past the 64 positions of the model's position table transformer.wpe"),
+     "--eval-lens: 128 tokens reach past the 64 positions of the model's position table transformer.wpe"),
     (["length"],  # train_len defaults to the table's 64 rows: nothing past it; the line says what runs instead
-     "and so is every length past --train-len 64: such a model has no position past its table; to compare positions "
+     "and so does every length past --train-len 64: such a model has no position past its table; to compare positions "
      "inside it, set a shorter --train-len, e.g. --train-len 32 with --eval-lens 32,64"),
     (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "ntk"],
      "ntk: the model has no RoPE layer"),
@@ -87,7 +87,7 @@ def test_card_runs_on_the_partial_rotary_families(family, tmp_path):
 
 @pytest.mark.parametrize(("args", "overrides", "message"), [
     (["length", "--train-len", "32", "--eval-lens", "32,128"], {},
-     "eval_len 128 is past the 64 positions of the model's position table model.decoder.embed_positions"),
+     "--eval-lens: 128 tokens reach past the 64 positions of the model's position table model.decoder.embed_positions"),
     (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "yarn"], {},
      "yarn: the model has no RoPE layer"),
     (["scores", "--pe", "none", "--seq-len", "16"], {}, "--pe none removes RoPE, and this OPT model has none"),

@@ -63,12 +63,12 @@ def check_eval_length(model: nn.Module, eval_len: int, train_len: int | None = N
         return
     n = limit[1]
     if train_len is not None and train_len >= n:
-        raise UsageError(f"eval_len {eval_len} is past the {limit[0]}, and so is every length past train_len "
-                         f"{train_len}: such a model has no position past its table; to compare positions inside "
-                         f"it, set a shorter train_len, e.g. train_len {n // 2} with eval_lens {n // 2},{n}",
-                         param="eval_len")
-    raise UsageError(f"eval_len {eval_len} is past the {limit[0]}: it has nothing for later positions; evaluate "
-                     f"at most {n} tokens", param="eval_len")
+        raise UsageError(f"eval_lens: {eval_len} tokens reach past the {limit[0]}, and so does every length past "
+                         f"train_len {train_len}: such a model has no position past its table; to compare positions "
+                         f"inside it, set a shorter train_len, e.g. train_len {n // 2} with eval_lens {n // 2},{n}",
+                         param="eval_lens")
+    raise UsageError(f"eval_lens: {eval_len} tokens reach past the {limit[0]}: it has nothing for later positions; "
+                     f"evaluate at most {n} tokens", param="eval_lens")
 
 
 def length_notes(model: nn.Module, eval_len: int) -> list[str]:
@@ -108,7 +108,7 @@ def check_maps_length(model: nn.Module, eval_len: int) -> None:
     if eval_len > limit and moving:
         raise UsageError(f"eval_len {eval_len}: the averaged maps cannot be captured past max_position_embeddings "
                          f"({limit}) for rope_type {moving[0]}, whose frequencies transformers computes from that "
-                         "limit during the forward; capture maps at lengths up to it", param="eval_len")
+                         "limit during the forward; capture maps at lengths up to it", param="eval_lens")
 
 
 @contextmanager
