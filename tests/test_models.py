@@ -250,6 +250,23 @@ def test_local_directory_round_trip(tmp_path):
     assert load_info(model)["kind"] == "local"
 
 
+def test_a_directory_without_tokenizer_files_takes_another_tokenizer(tmp_path):
+    """A checkpoint saved without tokenizer files loads with no tokenizer, or with the one given; the given one is
+    used instead of the directory's own, never after failing to read it (it was: 'cannot load the weights or
+    tokenizer (corrupt or incomplete checkpoint?)', whatever tokenizer was given)."""
+    reference_llama(seed=3).save_pretrained(tmp_path / "bare")
+    byte_tokenizer(adds_bos=True).save_pretrained(tmp_path / "tok")
+    reference_llama(seed=3).save_pretrained(tmp_path / "tok")
+    model, tok = load_model(str(tmp_path / "bare"))
+    assert tok is None
+    model, tok = load_model(str(tmp_path / "bare"), tokenizer=str(tmp_path / "tok"))
+    assert tok("a")["input_ids"] == [256, 97] and load_info(model)["tokenizer"] == str(tmp_path / "tok")
+    (tmp_path / "bare" / "tokenizer.json").write_text("not a tokenizer")  # its own, broken: not read when given
+    assert load_model(str(tmp_path / "bare"), tokenizer=str(tmp_path / "tok"))[1]("a")["input_ids"] == [256, 97]
+    with pytest.raises(UsageError, match="cannot load the tokenizer"):
+        load_model(str(tmp_path / "bare"))
+
+
 def test_corrupt_checkpoints_are_usage_errors(tmp_path):
     good = tmp_path / "good"
     reference_llama().save_pretrained(good)

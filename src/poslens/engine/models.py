@@ -47,6 +47,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# a directory holding none of these has no tokenizer of its own (a checkpoint saved without one: give another)
+_ANY_TOKENIZER = (*_TOKENIZER_FILES, "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
 _CACHE_FORMAT = 1
 
 
@@ -426,8 +428,9 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
     """Load `spec` (see the module docstring) in eval mode on `device`; returns (model, tokenizer).
 
     dtype: "auto" (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16 or float16.
-    tokenizer: a spec whose tokenizer to use instead of the model's own (required for a random config
-    without tokenizer files, else the tokenizer is None). seed: initialisation of random models.
+    tokenizer: a spec whose tokenizer to use instead of the model's own (the model's own is then not read; required
+    for a random config or a directory without tokenizer files, else the tokenizer is None).
+    seed: initialisation of random models.
     pe: positional encoding, a property of the loaded model (`poslens.engine.families`): "auto" as the
     checkpoint says (a known NoPE checkpoint saved as a RoPE architecture is loaded as NoPE and says so), "none"
     (RoPE removed for the model's lifetime: a checkpoint trained without it), "rope" (as the config says, even
@@ -447,7 +450,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         cached = converted_alias(ms.spec, cache_dir)
         info["cache"] = str(cached)
         model, tok, chosen = _load_pretrained(ModelSpec("local", ms.spec, path=str(cached)), dtype, dev,
-                                              attn_implementation)
+                                              attn_implementation, own_tokenizer=tokenizer is None)
     elif ms.kind == "gguf":
         chosen = choose_dtype(dtype, None, dev)
         model, tok = _load_gguf(Path(ms.path), chosen[0], attn_implementation, ms, check=True)
@@ -456,7 +459,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"
         model, tok, chosen = _load_random(ms, dtype, dev, attn_implementation, seed)
         info["seed"] = seed
     else:
-        model, tok, chosen = _load_pretrained(ms, dtype, dev, attn_implementation)
+        model, tok, chosen = _load_pretrained(ms, dtype, dev, attn_implementation, own_tokenizer=tokenizer is None)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer, cache_dir)
         info["tokenizer"] = tokenizer
@@ -504,8 +507,10 @@ def skeleton(spec: str, cache_dir: str | os.PathLike | None = None) -> nn.Module
         return None
 
 
-def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
-                     attn_implementation: str) -> tuple[Any, Any, tuple[torch.dtype, str]]:
+def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, attn_implementation: str,
+                     own_tokenizer: bool = True) -> tuple[Any, Any, tuple[torch.dtype, str]]:
+    """(model, its tokenizer, chosen dtype) of a directory or hub id; the tokenizer is None when another is given
+    (`own_tokenizer` False) or when a directory holds no tokenizer files (a checkpoint saved without them)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from poslens.engine.families import attention_implementation
@@ -523,11 +528,16 @@ def _load_pretrained(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device,
         model = AutoModelForCausalLM.from_pretrained(
             ms.path, config=config, dtype=chosen[0],
             attn_implementation=attention_implementation(config, attn_implementation), **placement)
-        tok = AutoTokenizer.from_pretrained(ms.path)
     except UsageError:
         raise
     except _LOAD_ERRORS as e:
-        raise _wrap("the weights or tokenizer (corrupt or incomplete checkpoint?)", e, ms) from None
+        raise _wrap("the weights (corrupt or incomplete checkpoint?)", e, ms) from None
+    tok = None
+    if own_tokenizer and not (ms.kind == "local" and not any((Path(ms.path) / f).is_file() for f in _ANY_TOKENIZER)):
+        try:
+            tok = AutoTokenizer.from_pretrained(ms.path)
+        except _LOAD_ERRORS as e:
+            raise _wrap("the tokenizer (corrupt or incomplete tokenizer files?)", e, ms) from None
     return model, tok, chosen
 
 
