@@ -630,3 +630,38 @@ def test_causal_attention_drops_only_the_plain_causal_mask(monkeypatch, window):
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
     assert stock_calls == [(False, False)] * cfg.layers  # the explicit mask, as under compile
     assert calls == ([(False, False)] if window else [(True, True)]) * cfg.layers
+
+
+def test_weights_get_the_umask_permissions(tokens, tmp_path):
+    """safetensors writes the weights 0600 whatever the umask (transformers' save_pretrained through it); the
+    checkpoint's and the finished run's model.safetensors get the umask's permissions like every other file."""
+    out = tmp_path / "run"
+    old = os.umask(0o002)
+    try:
+        train(micro(tokens), out, progress=False, stop_after=2)
+        checkpoint = tmp_path / ".run.partial" / "checkpoint" / "model.safetensors"
+        assert checkpoint.stat().st_mode & 0o777 == 0o664
+        train(micro(tokens), out, progress=False)
+    finally:
+        os.umask(old)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir() if f.is_file()} == {
+        f.name: 0o664 for f in out.iterdir() if f.is_file()}
+
+
+@pytest.mark.slow
+def test_a_refused_out_under_torchrun_is_one_line_on_every_rank(tokens, tmp_path):
+    """Only rank 0 checks --out; its refusal now reaches every rank (before: rank 1 died at the barrier with a gloo
+    'Connection closed by peer' traceback through poslens's training loop)."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "poslens", "train", "--preset", "tiny", "--tokens", str(tokens), "--steps", "2", "--warmup", "0",
+           "--device", "cpu", "--out", str(out), "--quiet"]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("poslens train: error: ")]
+    assert len(refusals) == 2 and all(str(out) in line for line in refusals), done.stderr[-3000:]
+    assert "poslens/train/loop.py" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
+    assert (out / "notes.txt").read_text() == "mine"

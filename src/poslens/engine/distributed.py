@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,22 @@ class Dist:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def first(self, fn: Callable[[], Any]) -> Any:
+        """fn() on rank 0 (None on the others), its one-line refusal (UsageError) raised on every rank: a rank that
+        stops alone leaves the others waiting at the next collective for a peer that is gone (a traceback there)."""
+        value, error = None, None
+        if self.main:
+            try:
+                value = fn()
+            except UsageError as e:
+                error = e
+        shared = self.broadcast(None if error is None else (str(error), error.param))
+        if error is not None:
+            raise error
+        if shared is not None:
+            raise UsageError(*shared)
+        return value
 
     def batches(self, n: int, batch_size: int) -> list[int]:
         """How many of the run's batches each rank takes: the ceil(n / batch_size) batches one process would cut

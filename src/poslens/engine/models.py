@@ -39,6 +39,7 @@ from torch import nn
 
 from poslens.errors import UsageError, require
 from poslens.io.lock import cache_lock
+from poslens.io.rundir import share_tree
 from poslens.io.space import disk_space
 
 KINDS = ("alias", "gguf", "local", "hub", "random")
@@ -281,6 +282,7 @@ def converted_alias(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
                 model.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
                 (tmp / "poslens-source.json").write_text(json.dumps(stamp))
+            share_tree(tmp)  # safetensors writes the weights 0600: a shared cache's users could not read them
             if os.path.lexists(target):  # an older format: replaced (the cache is poslens's own)
                 stale = target.parent / f".{name}.stale-{uuid.uuid4().hex[:8]}"
                 os.replace(target, stale)

@@ -165,6 +165,27 @@ def inputs_of(config: ModelData) -> list[str]:
     return found
 
 
+def input_stamps(config: ModelData, model: Any = None) -> dict[str, str]:
+    """A digest per input a run reads (`inputs_of`: a local model, its tokenizer, seed models, --data) of every file
+    under it: its path, size and modification time, so that a changed input tells a resumed or reused run apart
+    from the one it would continue (a checkpoint, a card's sub-run); and a hub model's commit (`model`'s config)."""
+    import hashlib
+
+    out = {}
+    for given in inputs_of(config):
+        root = Path(given)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+        h = hashlib.sha256()
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        out[str(root.resolve())] = h.hexdigest()
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None)
+    if commit:
+        out[str(config.model)] = str(commit)
+    return out
+
+
 @contextlib.contextmanager
 def _output(config: ModelData, out: str | Path, force: bool, dist: Dist) -> Iterator[Any]:
     """--out's run directory, locked for the whole job by rank 0 (yielded there; None elsewhere). A refusal on
@@ -172,18 +193,7 @@ def _output(config: ModelData, out: str | Path, force: bool, dist: Dist) -> Iter
     from poslens.io.rundir import open_run
 
     with contextlib.ExitStack() as stack:
-        run, error = None, None
-        if dist.main:
-            try:
-                run = stack.enter_context(open_run(out, force, inputs=inputs_of(config)))
-            except UsageError as e:
-                error = e
-        shared = dist.broadcast(None if error is None else (str(error), error.param))
-        if error is not None:
-            raise error
-        if shared is not None:
-            raise UsageError(*shared)
-        yield run
+        yield dist.first(lambda: stack.enter_context(open_run(out, force, inputs=inputs_of(config))))
 
 
 def checkpoint_path(out: str | Path, rank: int = 0, world: int = 1) -> Path:
@@ -283,11 +293,14 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         everyone = dist.batches(len(job.sequences), config.batch_size)
         job.groups = groups_used(config, len(job.sequences), sum(everyone))
         passes = analysis.passes(job)
+        inputs = input_stamps(config, job.model)
+        # a resumed run reads what the interrupted one read: the options, the token ids, the inputs' files
         done = run_passes(job.hm, passes, batches, first_batch=sum(everyone[:dist.rank]),
                           checkpoint=checkpoint_path(target, dist.rank, dist.world),
-                          fingerprint={**config.fingerprint_fields(), "world": dist.world, "rank": dist.rank},
+                          fingerprint={**config.fingerprint_fields(), "world": dist.world, "rank": dist.rank,
+                                       "tokens_sha256": job.data["tokens_sha256"], "inputs": inputs},
                           checkpoint_every=config.checkpoint_every,
-                          progress=analysis.kind if progress and dist.main else None)
+                          progress=analysis.kind if progress and dist.main else None, replace=force)
         computed = time.perf_counter() - job.started
         for s in unique(s for p in passes for s in p.statistics):
             s.all_reduce()
@@ -303,7 +316,8 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
         write_run(run.build, output.tensors, {
             "kind": analysis.kind, "config": asdict(config), "data": job.data,
             "groups": _groups_record(config, job.groups, sum(everyone)), "world_size": dist.world,
-            "resumed_from_unit": done, "model": model_record(job.model), "metrics": output.metrics, **output.meta,
+            "resumed_from_unit": done, "model": model_record(job.model), "inputs": inputs,
+            "metrics": output.metrics, **output.meta,
             "figures": [str(p.relative_to(run.build)) for p in figures],
             "timings": {"compute_seconds": computed, "seconds": time.perf_counter() - job.started}})
     return target

@@ -66,9 +66,10 @@ def unique(statistics) -> list[Statistic]:
 
 def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch: int = 0,
                checkpoint: str | Path | None = None, fingerprint: dict | None = None,
-               checkpoint_every: int | None = None, progress: str | None = None) -> int:
+               checkpoint_every: int | None = None, progress: str | None = None, replace: bool = False) -> int:
     """Run every pass over `batches` (token-id tensors [B, T], or (input_ids, attention_mask) pairs) through
-    `model` (a HookedModel or a supported causal LM); returns how many units were done before (resumed)."""
+    `model` (a HookedModel or a supported causal LM); returns how many units were done before (resumed). A
+    checkpoint of another `fingerprint` is refused, or with `replace` discarded."""
     from poslens.engine.hooks import HookedModel  # transformers: imported when a run starts, not with a config
 
     hm = model if isinstance(model, HookedModel) else HookedModel(model)
@@ -78,7 +79,7 @@ def run_passes(model, passes: Sequence[Pass], batches: Sequence, *, first_batch:
     config = {"passes": [[p.name, [type(s).__name__ for s in p.statistics]] for p in passes], **(fingerprint or {})}
     stats = unique(s for p in passes for s in p.statistics)
     done = 0
-    if checkpoint is not None and (resumed := load_partial(checkpoint, config)) is not None:
+    if checkpoint is not None and (resumed := load_partial(checkpoint, config, replace)) is not None:
         state, done = resumed
         for i, s in enumerate(stats):
             s.load_state_dict({k.split("/", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}/")})

@@ -94,8 +94,10 @@ def _clean_stale(path: Path) -> None:
         pass
 
 
-def load_partial(path: str | os.PathLike, config: dict) -> tuple[dict[str, torch.Tensor], int] | None:
-    """Return (sums, done) from a checkpoint written for the same `config`, or None if there is none."""
+def load_partial(path: str | os.PathLike, config: dict,
+                 replace: bool = False) -> tuple[dict[str, torch.Tensor], int] | None:
+    """Return (sums, done) from a checkpoint written for the same `config`, or None if there is none. One written
+    for another `config` is refused, or with `replace` removed (the run starts over)."""
     path = Path(path)
     _clean_stale(path)
     if not path.exists():
@@ -110,7 +112,12 @@ def load_partial(path: str | os.PathLike, config: dict) -> tuple[dict[str, torch
     except (SafetensorError, KeyError, ValueError, OSError) as e:
         raise UsageError(f"checkpoint {path} is corrupt ({type(e).__name__}); delete it to start over") from None
     if meta.get("fingerprint") != fingerprint(config):
-        raise UsageError(f"checkpoint {path} belongs to a different configuration; delete it or use another --out")
+        if replace:
+            path.unlink()
+            return None
+        raise UsageError(f"checkpoint {path} belongs to a different configuration (an interrupted run with other "
+                         "options, or on other inputs: model files, text); pass --force to start over, or choose "
+                         "another --out")
     return sums, done
 
 

@@ -59,7 +59,7 @@ from poslens.io.protect import check_not_input
 from poslens.io.space import disk_space
 
 __all__ = ["MARKER", "META", "RunDir", "check_output", "current_run", "open_run", "remove_empty_parents",
-           "run_directory", "share", "sharded_run_directory", "stale_tmp", "umask_mode"]
+           "run_directory", "share", "share_tree", "sharded_run_directory", "stale_tmp", "umask_mode"]
 
 WORK_SUFFIX = ".partial"
 NAME_MARGIN = 48  # characters poslens adds to NAME for its work files (".NAME.partial-0-of-1.safetensors.tmp-PID")
@@ -312,6 +312,7 @@ def _place(run: RunDir) -> None:
         if why:
             raise UsageError(f"{target} was changed while this run was working by something poslens did not write "
                              f"({why}); it was left as it is, rerun with another --out")
+    share_tree(run.build)  # files a library wrote 0600 (a trained model's weights) get the umask's permissions
     try:
         _rename_noreplace(run.build, target)
     except OSError as e:
@@ -449,3 +450,14 @@ def share(path: str | os.PathLike) -> None:
         os.chmod(path, umask_mode())
     except OSError:
         pass
+
+
+def share_tree(path: str | os.PathLike) -> None:
+    """`share` every file under the directory `path` whose permissions are not the umask's (a model's weights, as
+    transformers' save_pretrained writes them through safetensors: 0600 whatever the umask)."""
+    mode = umask_mode()
+    for root, _, files in os.walk(path):
+        for name in files:
+            f = os.path.join(root, name)
+            if not os.path.islink(f) and (os.stat(f).st_mode & 0o777) != mode:
+                share(f)

@@ -42,6 +42,7 @@ def save(work: Path, model: Any, model_state: dict[str, torch.Tensor] | None, tr
          tokenizer: Any = None) -> Path:
     """Write a checkpoint into `work`/checkpoint atomically (write a sibling, then rename). A full disk is a
     one-line UsageError naming the file and the bytes it needed; the previous checkpoint stays."""
+    from poslens.io.rundir import share_tree
     from poslens.io.space import disk_space, nbytes
 
     final = work / NAME
@@ -59,6 +60,7 @@ def save(work: Path, model: Any, model_state: dict[str, torch.Tensor] | None, tr
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    share_tree(tmp)  # safetensors writes the weights 0600: the umask's permissions, as every file poslens writes
     old = work / f"{NAME}.old"
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)

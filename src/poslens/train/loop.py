@@ -378,13 +378,11 @@ def train(cfg: TrainConfig, out: str | os.PathLike, force: bool = False, progres
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(library_bars(progress))  # save_pretrained's "Writing model shards" bars
-            if d.main:  # an --out equal to the token directory or containing it is refused
-                preset = cfg.preset if cfg.preset.endswith(".json") else None  # a preset file is an input too
-                run = stack.enter_context(open_run(target, force, inputs=[cfg.tokens, preset]))
-                work, build = Work(run.work), run.build
-            else:
-                work, build = work_directory(target), None
-            d.barrier()  # rank 0 has checked the output and cleaned leftovers
+            # rank 0 checks the output and cleans leftovers, its refusal raised on every rank; an --out equal to
+            # the token directory or containing it is refused, and a preset file is an input too
+            preset = cfg.preset if cfg.preset.endswith(".json") else None
+            run = d.first(lambda: stack.enter_context(open_run(target, force, inputs=[cfg.tokens, preset])))
+            work, build = (Work(run.work), run.build) if d.main else (work_directory(target), None)
             try:
                 with subnormals_flushed(d.device):
                     return _train(cfg, d, work, build, progress, stop_after, label)

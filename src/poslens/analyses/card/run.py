@@ -249,8 +249,11 @@ def recorded(path: Path) -> dict | None:
 
 
 def same_config(sub: SubRun) -> bool | None:
-    """Whether the finished run at sub.path measured what `sub` asks (None: no finished run there). Fields that
+    """Whether the finished run at sub.path measured what `sub` asks (None: no finished run there): the same
+    options, and the same files of its inputs (model, tokenizer, text: `input_stamps`) as they are now. Fields that
     change how a run goes, not what it reads (device, checkpoints, figures) are not compared."""
+    from poslens.engine.pipeline import input_stamps
+
     meta = recorded(sub.path)
     if meta is None:
         return None
@@ -258,8 +261,10 @@ def same_config(sub: SubRun) -> bool | None:
     want = json.loads(json.dumps(dataclasses.asdict(sub.config), default=str))
     extra = json.loads(json.dumps(sub.extra, default=str))
     ignored = ("device", "checkpoint_every", "figures", *sub.settled)
+    inputs = meta.get("inputs")
     return (all(have.get(k) == v for k, v in want.items() if k not in ignored)
-            and all(meta.get(k) == v for k, v in extra.items()))
+            and all(meta.get(k) == v for k, v in extra.items())
+            and isinstance(inputs, dict) and all(inputs.get(k) == v for k, v in input_stamps(sub.config).items()))
 
 
 def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bool = True,
@@ -285,8 +290,9 @@ def run_card(cfg: CardConfig, out: str | Path, force: bool = False, progress: bo
             raise UsageError(f"out: {sub.path} cannot be measured again: {why}; choose another --out (poslens "
                              "replaces only what it wrote)", param="out")
         if same is False and not force:
-            raise UsageError(f"out: {sub.path} was measured with other settings than this card asks; use --force to "
-                             "measure it again, or another --out", param="out")
+            raise UsageError(f"out: {sub.path} was measured with other settings than this card asks, or its model "
+                             "or text files have changed since; use --force to measure it again, or another --out",
+                             param="out")
         pending.append(sub)
     preflight(pending)
     while pending:  # a model's sub-runs on the same batches share one forward per batch (`shared.py`)

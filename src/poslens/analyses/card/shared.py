@@ -112,7 +112,8 @@ def run_shared(parts: list[tuple[Analysis, Any, Path]], force: bool = False, pro
             write_run(build, output.tensors, {
                 "kind": analysis.kind, "config": asdict(config), "data": meta["data"],
                 "groups": _groups_record(config, view.groups, batches), "world_size": meta["world_size"],
-                "resumed_from_unit": meta["resumed_from_unit"], "model": meta["model"], "metrics": output.metrics,
+                "resumed_from_unit": meta["resumed_from_unit"], "model": meta["model"], "inputs": meta["inputs"],
+                "metrics": output.metrics,
                 **output.meta, "figures": [str(p.relative_to(build)) for p in figures], "timings": meta["timings"],
                 "shared_pass": meta["shared_pass"]})
     return [Path(p) for _, _, p in parts]
