@@ -108,7 +108,10 @@ def test_flags_and_bad_matrices(tmp_path, tokens):
     assert [(x.variant, x.seed, x.config.steps) for x in m.members] == [("a", 5, 20), ("b", 5, 20)]
     bad = {"data field in a variant": ({"x": {"pe": "rope", "steps": 9}}, "must be the same for every variant"),
            "unknown field": ({"x": {"pe": "rope", "depth": 3}}, "must be the same for every variant"),
-           "bad value": ({"x": {"pe": "rope", "rope_scaling": "ntk:0.5"}}, "rope_scaling factor")}
+           "bad value": ({"x": {"pe": "rope", "rope_scaling": "ntk:0.5"}}, "rope_scaling factor"),
+           # as `train --pe none --rope-theta` is refused: two identical NoPE models, a paired difference of 0
+           "a base without RoPE": ({"x": {"pe": "none", "rope_theta": 5000}, "y": {"pe": "none"}},
+                                   "variant x: rope_theta has no effect, no layer of it has RoPE")}
     for variants, message in bad.values():
         with pytest.raises(UsageError, match=message):
             resolve_matrix(SweepConfig(preset=_matrix_file(tmp_path, tokens, variants)))

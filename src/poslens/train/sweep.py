@@ -225,6 +225,9 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
                     files=tuple(data["_files"]))
     for m in matrix.members:  # every configuration checked up front
         m.config.check()
+        if "rope_theta" in matrix.variants[m.variant] and not any(m.config.positional_encoding().flags):
+            raise UsageError(f"variant {m.variant}: rope_theta has no effect, no layer of it has RoPE (pe none); set "
+                             "pe rope or a pe_layers pattern with a 1, or leave rope_theta out of it")  # as train does
     if train.get("tokens") is not None:  # the token directory too: one line for a file, a missing or corrupt one
         from poslens.io.tokenfile import open_tokens
 
