@@ -114,9 +114,13 @@ def tokenize_corpus(source: str | None, out: str | os.PathLike, tokenizer: str =
         finally:
             bar.close()
         counts = writer.counts
+        total = counts["train"]["documents"] + counts["val"]["documents"]
+        require(total > 1, f"the text has {total} document{'' if total == 1 else 's'}, and the held-out split takes "
+                           "whole documents: give several (a .txt file is one document: a directory of files, or a "
+                           ".jsonl or .parquet with one document per row)")
         require(counts["val"]["documents"] > 0 and counts["train"]["documents"] > 0,
-                f"the text has {counts['train']['documents'] + counts['val']['documents']} documents: too few to "
-                f"split with val_fraction {val_fraction:g}; use more text or another --val-fraction")
+                f"the text has {total} documents: too few to split with val_fraction {val_fraction:g}; use more "
+                "text or another --val-fraction")
         fields = {"tokenizer": tokenizer, "vocab_requested": vocab, "source": source_label(source),
                   "text_field": text_field, "val_fraction": val_fraction, "seed": seed}
         header = writer.finish(tok, sep, **fields)
