@@ -162,7 +162,7 @@ def test_bad_input(corpus, tmp_path):
         tokenize_corpus(str(path), tmp_path / "b", tokenizer="bpe:300", val_fraction=1.0, progress=False)
     one = tmp_path / "one.txt"
     one.write_text("a single document cannot be split into training and held-out text")
-    with pytest.raises(UsageError, match="1 document, .* a .txt file is one document"):  # how to give several
+    with pytest.raises(UsageError, match="1 document, .*a .txt file is one document"):  # how to give several
         tokenize_corpus(str(one), tmp_path / "c", tokenizer="bpe:300", progress=False)
     assert not (tmp_path / "c").exists()  # nothing half-written
 
