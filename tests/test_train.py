@@ -361,6 +361,11 @@ def test_checkpoint_from_another_configuration(tokens, tmp_path):
         train(micro(tokens, layers=3), out, progress=False)
     with pytest.raises(UsageError, match="another configuration \\(preset"):
         train(resolve_config("cpu", **{**MICRO, "tokens": str(tokens)}), out, progress=False)
+    # micro_batch sets the held-out set with eval_batches: the eval curve would switch sets mid-run
+    m = MICRO["micro_batch"]
+    with pytest.raises(UsageError, match=f"another configuration \\(held-out blocks \\(eval_batches x micro_batch"
+                                         f"\\): {MICRO['eval_batches'] * m} there, {MICRO['eval_batches'] * m // 2}"):
+        train(micro(tokens, micro_batch=m // 2), out, progress=False)
     assert state.read_bytes() == before
 
 

@@ -157,6 +157,11 @@ def check_compatible(saved: dict[str, Any], cfg: TrainConfig, what: str) -> None
                "preset": cfg.preset, "weight_decay": cfg.weight_decay, "beta1": cfg.beta1, "beta2": cfg.beta2,
                "grad_clip": cfg.grad_clip}
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    # the held-out set: the first eval_batches x micro_batch blocks (either may change alone, not the set)
+    held_out = "held-out blocks (eval_batches x micro_batch)"
+    current[held_out] = cfg.eval_batches * cfg.micro_batch
+    saved = {**saved, held_out: saved.get("eval_batches", defaults["eval_batches"])
+             * saved.get("micro_batch", defaults["micro_batch"])}
     diff = [k for k, v in current.items() if saved.get(k, defaults.get(k)) != v]
     if diff:
         k = diff[0]
