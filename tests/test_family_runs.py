@@ -56,6 +56,9 @@ def _saved(family: str, directory):
     (["length"],  # train_len defaults to the table's 64 rows: nothing past it; the line says what runs instead
      "and so does every length past --train-len 64: such a model has no position past its table; to compare positions "
      "inside it, set a shorter --train-len, e.g. --train-len 32 with --eval-lens 32,64"),
+    (["length", "--eval-lens", "32,64"],  # lengths given, train_len the table's: the same line, not 64,128,256,512
+     "such a model has no position past its table; to compare positions inside it, set a shorter --train-len, e.g. "
+     "--train-len 32 with --eval-lens 32,64"),
     (["length", "--train-len", "16", "--eval-lens", "16,32", "--interventions", "ntk"],
      "ntk: the model has no RoPE layer"),
     (["scores", "--seq-len", "100"], "--seq-len 100 is beyond the model's window of 64 positions"),

@@ -265,6 +265,13 @@ def test_a_directory_without_tokenizer_files_takes_another_tokenizer(tmp_path):
     assert load_model(str(tmp_path / "bare"), tokenizer=str(tmp_path / "tok"))[1]("a")["input_ids"] == [256, 97]
     with pytest.raises(UsageError, match="cannot load the tokenizer"):
         load_model(str(tmp_path / "bare"))
+    byte_tokenizer(adds_bos=True).save_pretrained(tmp_path / "alone")  # tokenizer files only, no config.json
+    assert load_model(str(tmp_path / "bare"), tokenizer=str(tmp_path / "alone"))[1]("a")["input_ids"] == [256, 97]
+    from poslens.engine.config import ModelData
+    from poslens.engine.pipeline import inputs_of
+
+    assert str((tmp_path / "alone").resolve()) in inputs_of(ModelData(model=str(tmp_path / "bare"),
+                                                                      tokenizer=str(tmp_path / "alone")))
 
 
 def test_corrupt_checkpoints_are_usage_errors(tmp_path):

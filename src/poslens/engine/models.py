@@ -391,11 +391,25 @@ def _load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str, spec: M
     return model, tokenizer
 
 
+def tokenizer_directory(spec: Any) -> Path | None:
+    """`spec` resolved when it is a directory of tokenizer files alone (no config.json: a tokenizer's
+    `save_pretrained`), else None (a model spec)."""
+    try:
+        given = Path(str(spec)).expanduser()
+        alone = given.is_dir() and not (given / "config.json").is_file() and \
+            any((given / f).is_file() for f in _ANY_TOKENIZER)
+    except OSError:  # not a path at all (an inline random: config)
+        return None
+    return given.resolve() if alone else None
+
+
 def load_tokenizer(spec: str, cache_dir: str | os.PathLike | None = None) -> Any:
-    """The tokenizer of a model spec (any kind but a random config without tokenizer files)."""
+    """The tokenizer of a model spec (any kind but a random config without tokenizer files), or of a directory that
+    holds only tokenizer files (`save_pretrained` of a tokenizer)."""
     from transformers import AutoTokenizer
 
-    ms = resolve(spec)
+    alone = tokenizer_directory(spec)
+    ms = ModelSpec("local", str(spec), path=str(alone)) if alone is not None else resolve(spec)
     try:
         if ms.kind == "alias":
             return AutoTokenizer.from_pretrained(converted_alias(ms.spec, cache_dir))

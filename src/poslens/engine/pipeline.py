@@ -149,10 +149,11 @@ def check_window(seq_len: int, window: int) -> None:
 
 def inputs_of(config: ModelData) -> list[str]:
     """The files and directories a run reads (never its --out): a local model, its tokenizer, --data."""
-    from poslens.engine.models import resolve
+    from poslens.engine.models import resolve, tokenizer_directory
 
-    found = []
-    for spec in (config.model, config.tokenizer, *config.more_models()):
+    alone = None if config.tokenizer is None else tokenizer_directory(config.tokenizer)  # tokenizer files alone
+    found = [] if alone is None else [str(alone)]
+    for spec in (config.model, None if alone else config.tokenizer, *config.more_models()):
         if spec is not None:
             ms = resolve(spec)
             given = Path(str(spec).removeprefix("random:").strip()).expanduser()

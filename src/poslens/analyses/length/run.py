@@ -125,6 +125,8 @@ class LengthConfig(ModelData):
             raise UsageError(f"eval_lens {_csv(lens)} names a length twice", param="eval_lens")
         lens = sorted(check_int("eval_lens", t, 2) for t in lens)
         if lens[-1] <= L:
+            if model is not None:  # no position past L on a model whose table ends there: say what runs instead
+                check_eval_length(model, L + 1, L)
             raise UsageError(f"eval_lens {_csv(lens)}: the longest must be above train_len {L} (the loss past L is "
                              f"what is measured), e.g. {L},{2 * L},{4 * L},{8 * L}", param="eval_lens")
         self.eval_lens, self.seq_len = lens, lens[-1]
