@@ -1,5 +1,6 @@
 """Small assertions shared by the test modules."""
 
+import contextlib
 import socket
 
 import torch
@@ -31,3 +32,27 @@ def assert_within_sdpa_rounding(actual: torch.Tensor, sdpa: torch.Tensor, what: 
     where the caller says so)."""
     err = float((actual.double() - sdpa.double()).abs().max() / sdpa.double().abs().max())
     assert err <= SDPA_ROUNDING, f"{what}: relative difference to the SDPA forward {err:.2e} > {SDPA_ROUNDING:g}"
+
+
+@contextlib.contextmanager
+def interrupted_at(call: int):
+    """Within the block, the hooked forward raises KeyboardInterrupt at its `call`-th call (as Ctrl-C in the middle
+    of a run), and the block expects it; the forward is restored after."""
+    import pytest
+
+    from poslens.engine import hooks
+
+    original, calls = hooks.HookedModel.run, {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise KeyboardInterrupt
+        return original(self, *a, **k)
+
+    hooks.HookedModel.run = flaky
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        hooks.HookedModel.run = original

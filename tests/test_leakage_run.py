@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, interrupted_at
 from test_leakage_causal import one_thread  # noqa: F401 (autouse: one intra-op thread for small tensors)
 from test_pipeline import saved_tiny_llama
 
@@ -206,23 +206,10 @@ def test_per_head_contrasts_of_a_one_head_model_are_its_layer_contrasts(tmp_path
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
     kw = dict(interventions=["mean"], checkpoint_every=1, figures=False)
     full = poslens.load(run_leakage(cfg(model_dir, **kw), tmp_path / "full", progress=False))
-    from poslens.engine import hooks as hooks_mod
-
-    original = hooks_mod.HookedModel.run
-    calls = {"n": 0}
-
-    def flaky(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        return original(self, *a, **k)
-
-    monkeypatch.setattr(hooks_mod.HookedModel, "run", flaky)
     out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(6):
         run_leakage(cfg(model_dir, **kw), out, progress=False)
     assert checkpoint_path(out).exists()
-    monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
     resumed = poslens.load(run_leakage(cfg(model_dir, **kw), out, progress=False))
     assert resumed.meta["resumed_from_unit"] == 5
     for key in ("maps/scores", "original/metrics", "original/metrics_lo", "mean/removed", "offset/difference_hi",

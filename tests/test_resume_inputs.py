@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import interrupted_at
 from test_pipeline import saved_tiny_llama, text_of
 from tiny_models import build
 
 import poslens
 from poslens.analyses.scores import ScoresConfig, run_scores
-from poslens.engine import hooks as hooks_mod
 from poslens.engine.pipeline import checkpoint_path
 from poslens.errors import UsageError
 
@@ -30,18 +30,8 @@ def cfg(model_dir, **kw) -> ScoresConfig:
 
 def interrupted(config: ScoresConfig, out, monkeypatch) -> None:
     """Run `config` into `out` and stop it (KeyboardInterrupt) at its third batch, its checkpoint left behind."""
-    calls, original = {"n": 0}, hooks_mod.HookedModel.run
-
-    def flaky(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(self, *a, **k)
-
-    monkeypatch.setattr(hooks_mod.HookedModel, "run", flaky)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(3):
         run_scores(config, out, progress=False)
-    monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
     assert checkpoint_path(out).exists()
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, interrupted_at
 from test_pipeline import saved_tiny_llama
 
 import poslens
@@ -53,23 +53,10 @@ def test_scores_equal_direct_capture(model_dir, tmp_path):
 
 def test_resume_after_interrupt_equals_uninterrupted(model_dir, tmp_path, monkeypatch):
     full = poslens.load(run_scores(cfg(model_dir), tmp_path / "full", progress=False))
-    from poslens.engine import hooks as hooks_mod
-
-    calls = {"n": 0}
-    original = hooks_mod.HookedModel.run
-
-    def flaky(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(self, *a, **k)
-
-    monkeypatch.setattr(hooks_mod.HookedModel, "run", flaky)
     out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(3):
         run_scores(cfg(model_dir, checkpoint_every=1), out, progress=False)
     assert not out.exists() and checkpoint_path(out).exists()
-    monkeypatch.setattr(hooks_mod.HookedModel, "run", original)
     resumed = poslens.load(run_scores(cfg(model_dir, checkpoint_every=1), out, progress=False))
     assert resumed.meta["resumed_from_unit"] == 2
     assert not checkpoint_path(out).exists()
