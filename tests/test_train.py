@@ -234,14 +234,16 @@ def test_doc_start_loss_counts_no_padding(tokens):
 # ---------------------------------------------------------------- training runs
 
 
-def test_run_writes_a_loadable_model_and_results(tokens, tmp_path):
-    """The output directory reloads with plain transformers and with poslens.io.results.load."""
+def test_run_writes_a_loadable_model_and_results(tokens, tmp_path, monkeypatch):
+    """The output directory reloads with plain transformers and with poslens.io.results.load; the token directory,
+    given relative to the working directory, is recorded by its absolute path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from poslens.io.results import load
 
     out = tmp_path / "run"
-    metrics = train(micro(tokens), out, progress=False)
+    monkeypatch.chdir(Path(tokens).parent)
+    metrics = train(micro(Path(Path(tokens).name)), out, progress=False)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.no_rope_layers == [0, 0]
     assert len(AutoTokenizer.from_pretrained(out)) == open_tokens(tokens).vocab_size
@@ -250,7 +252,7 @@ def test_run_writes_a_loadable_model_and_results(tokens, tmp_path):
     assert run["eval_step"].tolist() == [0, 3, 6]
     assert metrics["final_eval_loss"] == pytest.approx(run["eval_loss"][-1].item())
     # the token directory is recorded, so its held-out text can be found again (intermediates --data)
-    assert run.meta["tokens"]["path"] == metrics["tokens_path"] == str(open_tokens(tokens).path)
+    assert run.meta["tokens"]["path"] == metrics["tokens_path"] == str(Path(tokens).resolve())
     assert not (tmp_path / ".run.partial").exists()  # the work directory is gone once the model is in place
     with pytest.raises(UsageError, match="already exists"):
         train(micro(tokens), out, progress=False)

@@ -524,7 +524,7 @@ def _train_all(cfgs: list[TrainConfig], works: list[Any], builds: list[Path], pr
     final = []
     for i, m in enumerate(members):
         _finish(m.build, m.model, None, m.tokenizer, m.cfg, m.work, results[i], tf)
-        final.append({**results[i], "tokens_path": str(tf.path)})
+        final.append({**results[i], "tokens_path": str(tf.path.resolve())})
     return final
 
 

@@ -487,7 +487,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
     if d.main:
         _finish(build, raw, state, tokenizer, cfg, work, metrics, tf)
     d.barrier()
-    return {**metrics, "tokens_path": str(tf.path)}
+    return {**metrics, "tokens_path": str(tf.path.resolve())}
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, tf: TokenFile, cfg: TrainConfig,
@@ -561,7 +561,7 @@ def _finish(build: Path, raw: torch.nn.Module, state: dict | None, tokenizer: An
 
     write_run(build, tensors, {"kind": "train", "command": "train", "config": dataclasses.asdict(cfg),
                                "variant": variant_record(raw), "metrics": metrics,
-                               "tokens": {**tf.header, "path": str(tf.path)}})
+                               "tokens": {**tf.header, "path": str(tf.path.resolve())}})
 
 
 def _discard_metrics(work: Work) -> None:
