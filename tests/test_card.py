@@ -321,6 +321,41 @@ def test_panels_pair_two_models_on_one_tokenizer_through_each_runs_own_replicate
     assert paired_columns([rope, other], 0.95)["length"] == []  # other token ids: side by side only
 
 
+@pytest.mark.parametrize("call", [6, 20])  # the 6th hooked forward: inside the shared pass; the 20th: inside length
+def test_a_card_interrupted_inside_a_sub_run_resumes_to_the_same_numbers(card, call, tmp_path, monkeypatch):
+    # Ctrl-C in the middle of a sub-run, then the same command: the sub-run resumes from its checkpoint (saved after
+    # every batch here) and every sub-run holds, bit for bit, what the uninterrupted card of the fixture holds
+    from poslens.engine.hooks import HookedModel
+    from poslens.io import checkpoint
+    from poslens.io.results import load
+
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_SECONDS", 0)
+    argv = [a for a in card["argv"] if not a.endswith("nope")]
+    out = tmp_path / "out"
+    argv[argv.index("--out") + 1] = str(out)
+    original, calls = HookedModel.run, []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt  # as Ctrl-C
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(HookedModel, "run", flaky)
+    assert main(argv) == 130 and not (out / "card").exists()
+    monkeypatch.setattr(HookedModel, "run", original)
+    assert main(argv) == 0
+    analyses = ("scores", "leakage", "probe", "length")
+    resumed = {a: load(out / "rope" / a) for a in analyses}
+    interrupted = [a for a in analyses if resumed[a].meta["resumed_from_unit"] > 0]
+    assert interrupted == (["scores", "leakage", "probe"] if call < 12 else ["length"])
+    for a in analyses:
+        full = load(card["out"] / "rope" / a)
+        assert set(resumed[a].tensors) == set(full.tensors), a
+        for name, t in full.tensors.items():
+            torch.testing.assert_close(resumed[a].tensors[name], t, rtol=0, atol=0, equal_nan=True, msg=(a, name))
+
+
 def test_each_sub_runs_time_is_kept_and_printed(card):
     # run.json keeps this call's wall and CPU seconds per sub-run (the three of one pass share theirs) and the
     # whole call's; `poslens card` prints them from there
