@@ -17,7 +17,7 @@ as `HookedModel` asks it (`poslens.engine.allocator`).
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import time
 
 import torch
@@ -25,8 +25,21 @@ import torch
 from poslens.engine.allocator import keep_freed_memory
 
 
-def timed(fn, calls: int, before=None) -> float:
-    """Median ms of `calls` calls of fn after one warm-up call, `before()` (untimed) ahead of each."""
+def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The median of xs and a distribution-free interval for it: the order statistics x_(k) and x_(n+1-k) with the
+    largest k for which P(x_(k) <= median <= x_(n+1-k)) = 1 - 2 P(Binomial(n, 1/2) < k) is at least `level`."""
+    xs, n = sorted(xs), len(xs)
+    below = lambda k: sum(math.comb(n, i) for i in range(k)) / 2**n  # noqa: E731  P(Binomial(n, 1/2) < k)
+    k = max((k for k in range(1, n // 2 + 1) if 1 - 2 * below(k) >= level), default=None)
+    if k is None:
+        raise SystemExit(f"--calls {n}: too few calls for a {level:.0%} interval of the median; give at least 6")
+    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return mid, xs[k - 1], xs[n - k]
+
+
+def timed(fn, calls: int, before=None) -> tuple[float, float, float]:
+    """Median ms of `calls` calls of fn after one warm-up call, `before()` (untimed) ahead of each, with its 95%
+    interval (`median_interval`)."""
     fn()
     out = []
     for _ in range(calls):
@@ -34,8 +47,8 @@ def timed(fn, calls: int, before=None) -> float:
             before()
         start = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(out)
+        out.append(1e3 * (time.perf_counter() - start))
+    return median_interval(out)
 
 
 def main() -> None:
@@ -91,10 +104,11 @@ def main() -> None:
                                                                   for r in (64, 256))):
         same = torch.equal(fn(), reference) and torch.equal(buf, results)
         arms[f"{name} ({'bit-identical' if same else 'NOT bit-identical'})"] = fn
-    print(f"{n} tokens, {h} heads of {dh}, {d} wide, one thread; median of {args.calls} calls, ms")
-    print(f"{'operation':42} {'warm':>8} {'cold':>8}")
+    print(f"{n} tokens, {h} heads of {dh}, {d} wide, one thread; median of {args.calls} calls [95% interval], ms")
+    print(f"{'operation':42} {'warm':>21} {'cold':>21}")
     for name, fn in arms.items():
-        print(f"{name:42} {timed(fn, args.calls):8.2f} {timed(fn, args.calls, evict):8.2f}", flush=True)
+        cells = ("{:6.2f} [{:5.2f}, {:5.2f}]".format(*timed(fn, args.calls, before)) for before in (None, evict))
+        print(f"{name:42} {'  '.join(cells)}", flush=True)
 
 
 if __name__ == "__main__":
