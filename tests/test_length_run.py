@@ -21,15 +21,16 @@ from poslens.engine.pipeline import checkpoint_path
 L = 16
 
 
-def saved(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama with 16 positions (weights of `seed`) and the byte-level tokenizer of the pipeline tests."""
+def saved(directory: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """A tiny random Llama (or another family of tests/tiny_models.py) with 16 positions (weights of `seed`) and the
+    byte-level tokenizer of the pipeline tests."""
     saved_tiny_llama(directory)
     data = json.loads((directory / "tokenizer.json").read_text())  # byte ids in one order for every model (the
     vocab = data["model"]["vocab"]  # byte-level alphabet comes in an arbitrary order), so the seeds share a tokenizer
     data["model"]["vocab"] = {**{c: i for i, c in enumerate(sorted(c for c in vocab if vocab[c] < 256))},
                               **{c: i for c, i in vocab.items() if i >= 256}}
     (directory / "tokenizer.json").write_text(json.dumps(data))
-    build("llama", seed=seed, **{"vocab_size": 258, "max_position_embeddings": L, **overrides}).save_pretrained(
+    build(family, seed=seed, **{"vocab_size": 258, "max_position_embeddings": L, **overrides}).save_pretrained(
         directory)
     return directory
 
@@ -195,6 +196,25 @@ def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, extr
     assert "\n" not in err and words.format(**names) in err, err
     assert not out.exists() or out == models["b"] and not (out / "run.json").exists()
     assert {m: sorted(p.name for p in models[m].iterdir()) for m in ("a", "b")} == before
+
+
+@pytest.mark.parametrize("family, field, share, other", [("gptj", "rotary_dim", 0.5, 4),
+                                                       ("gpt_neox", "rotary_pct", 0.25, 0.5)])
+def test_a_seed_turning_another_share_of_each_head_is_refused(family, field, share, other, tmp_path, capsys):
+    """Partial RoPE: two models alike but for the rotary width (GPT-J's rotary_dim, GPT-NeoX's rotary_pct) are not two
+    seeds of one variant; each run records the share it turns. Before, GPT-J's were taken as seeds (its rotary width
+    has no parameter) and GPT-NeoX's were refused for a 'rope base' that was the same."""
+    rows = {"max_position_embeddings": 64}  # GPT-J's sin/cos table: as many rows as the longest length read
+    a, b = saved(tmp_path / "a", family=family, **rows), saved(tmp_path / "b", seed=1, family=family, **rows,
+                                                                **{field: other})
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(args(a, out, "--seed-models", str(b))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{b} is not another seed" in err and "share of each head RoPE turns" in err, err
+    assert not out.exists()
+    assert main(args(a, out, "--interventions", "none")) == 0
+    assert poslens.load(out).meta["model"]["variant"]["rotary_fraction"] == share
 
 
 def test_ntk_on_a_nope_model_and_memory_are_refused_up_front(tmp_path, capsys, monkeypatch):

@@ -153,6 +153,7 @@ class PositionalEncoding:
     # layers, 1e6 in the full-attention ones; rope_theta is then the full-attention layers'); None: rope_theta in
     # every rotating layer
     layer_thetas: tuple[float, ...] | None = None
+    rotary_fraction: float | None = None  # partial RoPE: the share of each head RoPE turns (GPT-J: rotary_dim)
 
     def __post_init__(self) -> None:
         require(len(self.rope) == len(self.windows), "rope and windows need one entry per layer")
@@ -219,8 +220,10 @@ class PositionalEncoding:
         trained = getattr(config, CONFIG_FIELD, None)
         if kind == "default" and isinstance(trained, dict) and theta is not None:
             scaling, theta = _trained_ntk(trained, theta, _rotary_dim(config, params)) or (None, theta)
+        fraction = rotary_fraction(config)
         return cls(rope=rope, windows=windows, rope_theta=theta, scaling=scaling, rope_parameters=params or None,
-                   layer_thetas=_layer_thetas(config, raw, n) if per_type else None)
+                   layer_thetas=_layer_thetas(config, raw, n) if per_type else None,
+                   rotary_fraction=fraction if fraction < 1.0 else None)
 
     # ------------------------------------------------ what it is
 
@@ -299,6 +302,8 @@ class PositionalEncoding:
             out["rope_theta_layers"] = list(self.layer_thetas)
         if self.alibi_slopes is not None:
             out["alibi_slopes"] = list(self.alibi_slopes)
+        if self.rotary_fraction is not None:
+            out["rotary_fraction"] = self.rotary_fraction
         return out
 
 

@@ -98,11 +98,12 @@ def vocabulary(tokenizer) -> tuple | None:
 
 def check_same_variant(job: Job, spec: str, seen: dict[str, str] | None = None) -> str:
     """Check, up front, that `spec` is another seed of the loaded model's variant (same class, parameter shapes,
-    positional encoding, windows, rotary settings, vocabulary, tokenizer and training length, and other weights
-    than every model before it: `seen`, model spec -> weights digest); returns it (its weights are loaded when its
-    passes start)."""
+    positional encoding, windows, rotary settings (type, share of each head turned, base), vocabulary, tokenizer and
+    training length, and other weights than every model before it: `seen`, model spec -> weights digest); returns it
+    (its weights are loaded when its passes start)."""
     from poslens.engine.families import positional_encoding, sliding_windows
     from poslens.engine.models import load_model, load_tokenizer
+    from poslens.engine.pe import rotary_fraction
 
     cfg = job.config
     other, other_tok = load_model(spec, dtype=cfg.dtype, device="cpu", pe=cfg.pe)
@@ -113,6 +114,8 @@ def check_same_variant(job: Job, spec: str, seen: dict[str, str] | None = None) 
              "positional encoding": (positional_encoding(a), positional_encoding(b)),
              "sliding windows": (sliding_windows(a.config), sliding_windows(b.config)),
              "rope type": (rope_types(a), rope_types(b)),
+             # before the base: rope_base reads the second frequency, base^(-2/d), which moves with the rotary width d
+             "share of each head RoPE turns": (rotary_fraction(a.config), rotary_fraction(b.config)),
              "rope base": (rope_base(a), rope_base(b))}
     for what, (x, y) in facts.items():
         if x != y:
