@@ -197,6 +197,8 @@ def test_a_rerun_reuses_every_sub_run_and_other_settings_are_refused(card, capsy
     (["--sizes", "scores.seq_len=long"], "takes a value like 128"),
     (["--sizes", "fit.ridge=1"], "no analysis 'fit'"),
     (["--sizes", "length.multiple=1"], "length.multiple must be >= 2"),
+    (["--sizes", "scores.seq_len=-3"], "--sizes: scores.seq_len must be >= 2, got -3"),  # named: no card flag
+    (["--sizes", "probe.ridge=-1"], "--sizes: probe.ridge must be in [0, inf], got -1"),  # was accepted
     (["--labels", "a,b"], "2 labels for 1 models"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(extra, words, tmp_path, capsys):

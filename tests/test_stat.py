@@ -86,3 +86,14 @@ def test_a_point_the_model_lacks_is_one_line_naming_the_option_before_any_text(m
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and not out.exists()
     assert "--point 'blocks.{l}.hook_foo': no hook point 'blocks.0.hook_foo'" in err, err
+
+
+@pytest.mark.parametrize("option, words", [(["--ridge", "-1"], "--ridge must be in [0, inf], got -1"),
+                                           (["--skip-first", "-2"], "--skip-first must be >= 0, got -2")])
+def test_a_statistics_own_option_out_of_its_bounds_is_refused(model_dir, tmp_path, capsys, option, words):
+    """A statistic's options keep their declared bounds (a negative ridge penalty was fitted and reported)."""
+    out = tmp_path / "bad"
+    code = main(["stat", "position_probe", str(model_dir), "--data", text_of(model_dir), *SMALL, *option,
+                 "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words in err and not out.exists(), err

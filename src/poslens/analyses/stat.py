@@ -9,6 +9,7 @@ run.json and a figure: a line per row with error bars for vectors and small tabl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from poslens.engine.config import SEQUENCES_HELP, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, report_lines, run_analysis
 from poslens.engine.statistics import REGISTRY, Spec, spec
 from poslens.engine.stats import Statistic
-from poslens.options import add_options, add_output_args, from_args, option_of
+from poslens.options import add_options, add_output_args, check_options, from_args, option_of
 
 MAX_LINES = 8  # a square table with more rows than this (not per layer) is drawn as a map
 
@@ -40,6 +41,8 @@ class StatAnalysis(Analysis):
     kind = "stat"
 
     def __init__(self, registered: Spec, options: Any) -> None:
+        if dataclasses.is_dataclass(options):
+            check_options(options)  # its declared bounds (a negative ridge, ...), before anything is loaded
         self.spec, self.options = registered, options
 
     def check(self, job: Job) -> None:

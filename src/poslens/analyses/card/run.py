@@ -183,6 +183,7 @@ def plan(cfg: CardConfig, out: Path) -> list[SubRun]:
         leakage = LeakageConfig(model=model, **text, **s, interventions=["none"], nulls=["none"], predecessor=False)
         s = dict(sizes["probe"])
         options = ProbeOptions(ridge=s.pop("ridge"), skip_first=s.pop("skip_first"))
+        _sized("probe", lambda o=options: check_options(o), sizes)
         probe = StatConfig(model=model, **text, **s)
         s = dict(sizes["length"])
         L, k = s.pop("train_len"), s.pop("multiple")
@@ -205,8 +206,19 @@ def plan(cfg: CardConfig, out: Path) -> list[SubRun]:
                    settled=("interventions",)),
         ]
     for r in runs:
-        r.config.validate() if r.analysis != "length" else _validate_length(r.config)
+        _sized(r.analysis, r.config.validate if r.analysis != "length" else lambda c=r.config: _validate_length(c),
+               sizes)
     return runs
+
+
+def _sized(analysis: str, check: Any, sizes: dict[str, dict[str, Any]]) -> Any:
+    """check(); a refusal of one of the analysis's sizes names the --sizes entry that set it."""
+    try:
+        return check()
+    except UsageError as e:
+        if e.param in sizes[analysis]:
+            raise UsageError(f"sizes: {analysis}.{e}", param="sizes") from None
+        raise
 
 
 def _validate_length(cfg) -> None:
