@@ -219,3 +219,27 @@ def test_symlog_margin_is_even_on_the_drawn_scale():
     a, b = t.transform(np.array([-0.289, 80.0]))
     assert a - lo == pytest.approx(hi - b) and a - lo > 0.03 * (hi - lo)
     plotting.plt.close(fig)
+
+
+# ---------------------------------------------------------------- 4. every series told apart
+
+
+@pytest.mark.parametrize("models, quantities, paired", [(1, 25, False), (7, 4, True), (15, 3, True)])
+def test_no_two_series_of_a_figure_are_drawn_alike(models, quantities, paired):
+    """A card of 7 models drew 28 series in matplotlib's 10-colour cycle: three of them in one green. Every series now
+    has its own (colour, line style, marker); paired, a model keeps one colour and a quantity one style."""
+    from matplotlib.colors import to_rgba
+
+    names = [f"q{q}, m{m}" for m in range(models) for q in range(quantities)]
+    series = {name: [float(i), i + 1.0, i + 2.0] for i, name in enumerate(names)}
+    fig = plotting.line_plot([1, 2, 3], series, "layer", "y", errors={k: np.full(3, 0.1) for k in series},
+                             paired=paired)
+    lines = {c.get_label(): c.lines[0] for c in fig.axes[0].containers}
+    look = {n: (to_rgba(ln.get_color()), str(ln.get_linestyle()), ln.get_marker()) for n, ln in lines.items()}
+    assert len(set(look.values())) == len(names)
+    if paired:
+        for m in range(models):
+            assert len({look[f"q{q}, m{m}"][0] for q in range(quantities)}) == 1
+        for q in range(quantities):
+            assert len({look[f"q{q}, m{m}"][1:] for m in range(models)}) == 1
+    plotting.plt.close(fig)

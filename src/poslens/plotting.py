@@ -139,12 +139,26 @@ def integer_ticks(xs) -> list[int]:
     return [first] + [int(t) for t in MaxNLocator(8, integer=True).tick_values(first, last) if first < t <= last]
 
 
+LINE_STYLES = (("-", "o"), ("--", "none"), (":", "s"), ("-.", "^"), ((0, (5, 1, 1, 1, 1, 1)), "D"))
+
+
+def colours(n: int) -> list:
+    """n colours that tell n series apart: matplotlib's ten (C0-C9) up to 10, tab20 up to 20, else n samples of the
+    turbo map (the ten cycle, and a figure with more series than colours showed two series in one)."""
+    if n <= 10:
+        return [f"C{i}" for i in range(n)]
+    if n <= 20:
+        return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+    return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str | None = None,
               logx: bool = False, logy: bool = False, errors: dict[str, Sequence[float]] | None = None,
               xticklabels: Sequence[str] | None = None, joined: bool = True, paired: bool = False):
-    """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series. paired: series
-    whose names share the part after their last ', ' share a colour, the first of them solid with dots, the others
-    dashed (two quantities drawn for each of several settings). Integer x
+    """Lines with optional error bars (symmetric [n] or [2, n] lower/upper), one per named series, each in its own
+    colour (`colours`). paired: series whose names share the part after their last ', ' (a setting, a model) share
+    a colour, and those that share the part before it (a quantity) a line style and marker: the first solid with
+    dots, the second dashed, then dotted with squares, dash-dotted with triangles, ... Integer x
     values get integer ticks from the first value (`integer_ticks`: a layer axis from 1 shows no 0); on a log
     x-axis the ticks are the x values themselves (no overlapping labels); xticklabels names each x (categories,
     such as variants or position ranges, instead of numbers decoded in a caption); joined=False leaves a series'
@@ -155,18 +169,17 @@ def line_plot(xs, series: dict[str, Sequence[float]], xlabel: str, ylabel: str, 
     # each other
     dodge = xticklabels is not None or (errors is not None and len(series) > 1)
     step = dodge_step(xs, len(series), logx) if dodge else 0.0
-    group = {name: name.rsplit(", ", 1)[-1] for name in series}  # paired: the setting a series belongs to
-    colour = {g: f"C{i}" for i, g in enumerate(dict.fromkeys(group.values()))}
-    leader = {g: next(n for n in series if group[n] == g) for g in colour}  # each setting's first series: solid
+    # paired: the setting (after the last ', ') gives the colour, the quantity (before it) the line style
+    group = {name: name.rsplit(", ", 1)[-1] if paired else name for name in series}
+    quantity = {name: name.rsplit(", ", 1)[0] if paired else "" for name in series}
+    settings, quantities = list(dict.fromkeys(group.values())), list(dict.fromkeys(quantity.values()))
+    colour = dict(zip(settings, colours(len(settings))))
     for k, (name, ys) in enumerate(series.items()):
         err = None if errors is None else errors.get(name)
         shift = step * (k - (len(series) - 1) / 2)
         at = ([x * 2 ** shift for x in xs] if logx else [x + shift for x in xs]) if dodge else xs
-        style = {"marker": "o", "ms": 4, "linestyle": "-" if joined else "none"}
-        if paired:
-            first = leader[group[name]] == name
-            style = {"marker": "o" if first else "none", "ms": 4, "linestyle": "-" if first else "--",
-                     "color": colour[group[name]]}
+        line, marker = LINE_STYLES[quantities.index(quantity[name]) % len(LINE_STYLES)]
+        style = {"marker": marker, "ms": 4, "linestyle": line if joined else "none", "color": colour[group[name]]}
         ax.errorbar(at, ys, yerr=err, capsize=3, label=name, **style)
     if xticklabels is not None:
         ax.set_xticks(list(xs), list(xticklabels))

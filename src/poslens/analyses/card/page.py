@@ -185,7 +185,8 @@ def add_paired(table: tuple[list[str], list[list[str]]], first: str, pairs: list
 
 
 def figures(models: list[dict], directory: Path) -> dict[str, Path]:
-    """One figure per panel with a per-layer series, every model a line (through `poslens.plotting`)."""
+    """One figure per panel with a per-layer series, every model a line (through `poslens.plotting`): one model, a
+    colour per quantity; several, a colour per model and a line style per quantity."""
     from poslens import plotting
 
     def draw(stem: str, xs_of, series_of, xlabel: str, ylabel: str, title: str) -> Path:
@@ -201,7 +202,8 @@ def figures(models: list[dict], directory: Path) -> dict[str, Path]:
             pad = len(xs) - len(ys)  # layer (NaN past it draws nothing)
             series[key] = ys + [math.nan] * pad
             errors[key] = [e + [0.0] * pad for e in errors[key]]
-        fig = plotting.line_plot(xs, series, xlabel, ylabel, title, errors=errors)
+        # several models: a colour per model, a line style per quantity
+        fig = plotting.line_plot(xs, series, xlabel, ylabel, title, errors=errors, paired=len(models) > 1)
         return plotting.save(fig, directory, stem, formats=("png",))[0]
 
     def layers(m):
