@@ -53,7 +53,7 @@ def test_a_million_smollm2_tokens_without_duplicate_paragraphs(smollm2_tokenizer
     tokens, docs, seen = 0, [], set()
     for doc in corpus.documents():
         docs.append(doc)
-        tokens += len(smollm2_tokenizer(doc, add_special_tokens=False)["input_ids"])
+        tokens += len(smollm2_tokenizer(doc, add_special_tokens=False, split_special_tokens=True)["input_ids"])
         for para in doc.split("\n\n"):
             key = " ".join(para.split())
             if len(key) >= corpus.MIN_PARAGRAPH_CHARS:

@@ -203,7 +203,8 @@ def test_embedded_default_packs_16_sequences_of_1024_smollm2_tokens(smollm2_toke
     # the stream is the direct tokenisation of the documents read, each followed by EOS
     stream = []
     for doc in list(default_documents())[: stats["documents_read"]]:
-        stream += smollm2_tokenizer(doc, add_special_tokens=False)["input_ids"] + [smollm2_tokenizer.eos_token_id]
+        stream += smollm2_tokenizer(doc, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [
+            smollm2_tokenizer.eos_token_id]
     assert ids.flatten().tolist() == stream[: 16 * 1024]
 
 
@@ -211,9 +212,26 @@ def test_prefix_tokenisation_matches_full_tokenisation(smollm2_tokenizer):
     """`leading_ids` tokenises growing prefixes of long texts; the ids must equal the whole text's (the first 150
     embedded documents: every source package is among them)."""
     for doc in itertools.islice(default_documents(), 150):
-        full = smollm2_tokenizer(doc, add_special_tokens=False)["input_ids"]
+        full = smollm2_tokenizer(doc, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         for n in (1, 37, 1024, 3000):
             assert leading_ids(smollm2_tokenizer, doc, n) == full[:n]
+
+
+@pytest.mark.parametrize("mode", ["first", "pack"])
+def test_a_special_tokens_spelling_inside_a_document_is_text(smollm2_tokenizer, mode):
+    """Embedded docstrings write <|endoftext|>, <|im_start|> and <|im_end|> (SmolLM2's separator, BOS and EOS): read
+    as text they are characters, so the only BOS is the one at position 0 and, packed, the only EOS ids are the
+    separators between documents (before, a docstring's spelling became a second BOS or a document's end)."""
+    tok = smollm2_tokenizer
+    specials = {tok.bos_token_id, tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")}
+    docs = [f"GPT-2 ends a text with <|endoftext|>, chat turns open with <|im_start|> and close with <|im_end|>. {i} "
+            + "plain words follow here " * 40 for i in range(4)]
+    ids, stats = make_sequences(tok, iter(docs), 64, 4, mode=mode, bos="always")
+    assert stats["bos_prepended"] and (ids[:, 0] == tok.bos_token_id).all()
+    body = ids[:, 1:].flatten().tolist()
+    assert tok.bos_token_id not in body and tok.convert_tokens_to_ids("<|endoftext|>") not in body
+    assert sum(i in specials for i in body) == (0 if mode == "first" else body.count(tok.eos_token_id))
+    assert "<|endoftext|>" in tok.decode(ids[0, 1:].tolist())  # the spelling is kept, as characters
 
 
 # ---------------------------------------------------------------- sequences

@@ -68,7 +68,8 @@ def test_token_directory_as_data_reads_its_held_out_documents(written):
     val = [d for i, d in enumerate(docs) if is_validation(i, 0.25, 3)]
     assert list(iter_documents(str(out))) == val
     tf = open_tokens(out)
-    ids = tf.tokenizer()(list(iter_documents(str(out))), add_special_tokens=False)["input_ids"]
+    ids = tf.tokenizer()(list(iter_documents(str(out))), add_special_tokens=False,
+                         split_special_tokens=True)["input_ids"]
     stream = np.concatenate([np.asarray(r + [header["separator_token_id"]]) for r in ids])
     assert np.array_equal(stream, np.asarray(tf.val))
 
@@ -226,3 +227,23 @@ def test_cached_tokens_are_built_once_while_a_second_process_waits_and_rebuilt_w
     assert tokens.default_tokens("bpe:300", progress=False) == path and len(built) == 3
     assert "train.bin was changed after poslens wrote it (its content differs" in capfd.readouterr().err
     assert (path / "train.bin").read_bytes() != bytes(data)
+
+
+@pytest.mark.parametrize("tokenizer", ["smollm2", "bpe:400"])
+def test_a_special_tokens_spelling_inside_a_document_ends_nothing(corpus, tokenizer, tmp_path):
+    """A document that writes the separator's spelling (<|endoftext|>) is still one document: only the separator
+    poslens writes after each document ends one (a docstring's spelling cut the embedded corpus's training
+    stream into 2,476 separator-delimited documents for 2,449 texts)."""
+    _, docs = corpus
+    texts = [f"{d}\nGPT-2 ends its texts with <|endoftext|> and chats with <|im_end|>, written here as text."
+             for d in docs[:12]]
+    path = tmp_path / "specials.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    header = tokenize_corpus(str(path), tmp_path / "tok", tokenizer=tokenizer, val_fraction=0.25, seed=3,
+                             progress=False)
+    tf = open_tokens(tmp_path / "tok")
+    sep = header["separator_token_id"]
+    got = [tf.tokenizer().decode(x.tolist()) for split in ("train", "val")
+           for x in _split_documents(np.asarray(getattr(tf, split)), sep)]
+    assert sorted(got) == sorted(texts)
+    assert header["train"]["documents"] + header["val"]["documents"] == len(texts)

@@ -231,7 +231,9 @@ def tokenizer_adds_bos(tokenizer: Any) -> bool:
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    """The ids of `text` read as text: no special token added, and a special token's spelling inside it (a docstring
+    that writes <|endoftext|> or <|im_start|>) tokenized as the characters it is, not as the BOS/EOS/separator id."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
 
 
 def leading_ids(tokenizer: Any, text: str, n: int) -> list[int]:

@@ -103,7 +103,10 @@ def tokenize_corpus(source: str | None, out: str | os.PathLike, tokenizer: str =
         bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress)
         try:
             for batch in _batches(enumerate(docs), _BATCH):
-                ids = tok([t for _, t in batch], add_special_tokens=False, verbose=False)["input_ids"]
+                # special tokens' spellings inside a text are text (`poslens.engine.data._encode`): only the
+                # separator written after each document ends one
+                ids = tok([t for _, t in batch], add_special_tokens=False, split_special_tokens=True,
+                          verbose=False)["input_ids"]
                 for (i, text), row in zip(batch, ids):
                     if text:
                         writer.add("val" if is_validation(i, val_fraction, seed) else "train", row + [sep])
@@ -154,7 +157,8 @@ def default_tokens(tokenizer: str, progress: bool = True) -> Path:
     from poslens.io.manifest import foreign, read_manifest
     from poslens.io.tokenfile import Corrupt, is_token_directory
 
-    digest = hashlib.sha256(f"{tokenizer}|v{VERSION}".encode())
+    # "specials as text": built since special tokens' spellings inside a document are tokenized as text
+    digest = hashlib.sha256(f"{tokenizer}|v{VERSION}|specials as text".encode())
     for text in default_documents():  # the key follows the text itself, so an enlarged corpus is re-tokenized
         digest.update(text.encode("utf-8", "surrogatepass"))
     key = digest.hexdigest()[:12]
