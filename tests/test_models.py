@@ -286,6 +286,11 @@ def test_corrupt_checkpoints_are_usage_errors(tmp_path):
     (truncated / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(UsageError, match="cannot load the config"):
         load_model(str(truncated))
+    # a config transformers' own validators refuse (StrictDataclassError, not a ValueError): one line, its reason
+    (truncated / "config.json").write_text('{"model_type": "llama", "hidden_size": 10, "num_attention_heads": 3}')
+    with pytest.raises(UsageError, match=r"cannot load the config \(.*not a multiple of the number of attention "
+                                         r"heads \(3\).*fix the config"):
+        load_model(str(truncated))
     (tmp_path / "junk.gguf").write_bytes(b"this is not a gguf file")
     with pytest.raises(UsageError, match="cannot load the GGUF metadata"):
         load_model(str(tmp_path / "junk.gguf"))

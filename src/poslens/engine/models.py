@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from torch import nn
 
@@ -305,6 +306,10 @@ def _wrap(what: str, e: Exception, spec: ModelSpec) -> UsageError:
     """A one-line UsageError for a failure inside transformers."""
     if spec.kind == "hub" and isinstance(e, OSError) and "cached files" in str(e):
         return _not_cached(spec.spec)
+    if isinstance(e, StrictDataclassError):  # its validators put the reason on the last line
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return UsageError(f"model {spec.spec}: cannot load {what} ({lines[-1] if lines else type(e).__name__}); "
+                          "fix the config")
     return UsageError(f"model {spec.spec}: cannot load {what} ({_first_line(e)})")
 
 
@@ -351,8 +356,10 @@ def _hub_cached_or_reachable(repo: str) -> bool:
     return _REACHABLE[host]
 
 
+# struct.error, EOFError: a GGUF file cut short; StrictDataclassError: a config's own validators (heads that do not
+# divide the width, ...)
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, SafetensorError,
-                struct.error, EOFError)  # struct.error, EOFError: a GGUF file cut short
+                struct.error, EOFError, StrictDataclassError)
 
 
 def _check_supported(config: Any) -> None:
