@@ -89,9 +89,11 @@ def test_a_point_the_model_lacks_is_one_line_naming_the_option_before_any_text(m
 
 
 @pytest.mark.parametrize("option, words", [(["--ridge", "-1"], "--ridge must be in [0, inf], got -1"),
-                                           (["--skip-first", "-2"], "--skip-first must be >= 0, got -2")])
+                                           (["--skip-first", "-2"], "--skip-first must be >= 0, got -2"),
+                                           (["--skip-first", "31"], "--skip-first 31 leaves 1 of the 32 positions")])
 def test_a_statistics_own_option_out_of_its_bounds_is_refused(model_dir, tmp_path, capsys, option, words):
-    """A statistic's options keep their declared bounds (a negative ridge penalty was fitted and reported)."""
+    """A statistic's options keep their declared bounds (a negative ridge penalty was fitted and reported), and are
+    checked against the sequence length before the forward (a skip past the sequence failed after it)."""
     out = tmp_path / "bad"
     code = main(["stat", "position_probe", str(model_dir), "--data", text_of(model_dir), *SMALL, *option,
                  "--out", str(out)])

@@ -46,7 +46,9 @@ class StatAnalysis(Analysis):
         self.spec, self.options = registered, options
 
     def check(self, job: Job) -> None:
-        self.spec.build(job.hm, self.options, 2).check_model(job.hm)  # its points, before the text is cut
+        statistic = self.spec.build(job.hm, self.options, 2)
+        statistic.check_model(job.hm)  # its points, before the text is cut
+        statistic.check_length(job.config.seq_len)
 
     def passes(self, job: Job) -> list[Pass]:
         return [Pass(self.spec.name, [self.spec.build(job.hm, self.options, job.groups)])]

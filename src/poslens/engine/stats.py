@@ -575,6 +575,10 @@ class Statistic:
     def check_model(self, hm) -> None:
         """Checks that need the loaded model, before any sequence is cut (a one-line UsageError); none by default."""
 
+    def check_length(self, seq_len: int) -> None:
+        """Checks of the statistic's options against the sequence length, before any sequence is cut (a one-line
+        UsageError); none by default."""
+
     def result(self, level: float = 0.95) -> dict[str, torch.Tensor]:
         """Finished tensors (means with `_lo`/`_hi`/`_se`), ready for the results format."""
         raise NotImplementedError

@@ -22,6 +22,7 @@ import torch
 
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import Estimate, Statistic, over_seeds
+from poslens.errors import UsageError
 from poslens.options import option
 from poslens.train.probe import _ProbeFit, resid_points
 
@@ -50,6 +51,12 @@ class PositionProbe(_ProbeFit):
 
     def hooks(self, hm) -> dict:
         return {p: self._reader(i) for i, p in enumerate(resid_points(hm.n_layers))}
+
+    def check_length(self, seq_len: int) -> None:
+        if seq_len - self.skip_first < 2:  # a fit of position needs two positions
+            raise UsageError(f"skip_first {self.skip_first} leaves {max(seq_len - self.skip_first, 0)} of the "
+                             f"{seq_len} positions of a sequence; the probe fits position on at least 2: give "
+                             f"skip_first at most {seq_len - 2}", param="skip_first")
 
     def _reader(self, index: int):
         def read(x, ctx) -> None:  # x [B, T, d]; positions restart at 0 in every sequence
