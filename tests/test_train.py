@@ -251,6 +251,10 @@ def test_run_writes_a_loadable_model_and_results(tokens, tmp_path, monkeypatch):
     assert run["train_loss"].shape == (MICRO["steps"],) and run.metrics["tokens_seen"] == 6 * 8 * 32
     assert run["eval_step"].tolist() == [0, 3, 6]
     assert metrics["final_eval_loss"] == pytest.approx(run["eval_loss"][-1].item())
+    # the run's throughput is every step's tokens over the steps' summed time (it was the last step's alone)
+    steps = [r["step_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step_s" in r]
+    assert len(steps) == MICRO["steps"]
+    assert run.metrics["tokens_per_s"] == pytest.approx(6 * 8 * 32 / sum(steps), rel=1e-9)
     # the token directory is recorded, so its held-out text can be found again (intermediates --data)
     assert run.meta["tokens"]["path"] == metrics["tokens_path"] == str(Path(tokens).resolve())
     assert not (tmp_path / ".run.partial").exists()  # the work directory is gone once the model is in place

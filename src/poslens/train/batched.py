@@ -657,6 +657,7 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
     what = label or f"training {n} models as one ({cfg.preset}, {counts['total'] / 1e6:.2f}M params each)"
     bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not progress, unit="step")
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    stepped = 0.0  # seconds in the optimizer steps this process ran (evaluation and saving left out)
     last: list[dict[str, Any]] = [{} for _ in members]
     try:
         if start == 0:
@@ -685,6 +686,7 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
+            stepped += dt
             tps = tokens_per_step / dt  # each model's own tokens per second of wall time (n of them at once)
             lr = chunks[0].sched.get_last_lr()[0]
             for i, (loss, gnorm) in enumerate(zip(total.tolist(), norms.tolist())):
@@ -712,9 +714,12 @@ def _run(members: list[_Member], tf: Any, header: dict, device: torch.device, pr
             unstack_into(c.params, j, m.model)
     if end < cfg.steps:
         return [{**r, "stopped": True} for r in last]
-    return [{"final_loss": r.get("loss"), "final_eval_loss": r.get("eval_loss"), "tokens_per_s": r.get("tokens_per_s"),
-             "mfu": r.get("mfu"), "mfu_reference": peak_label, "mfu_peak_flops": peak, "flops_per_token": fpt,
-             "parameters": counts, "ranks": 1, "tokens_seen": cfg.steps * tokens_per_step, "batched_models": n}
+    # the run's throughput: every step this process ran over their summed time (each step's own: metrics.jsonl)
+    tps = (end - start) * tokens_per_step / stepped if stepped > 0 else None
+    return [{"final_loss": r.get("loss"), "final_eval_loss": r.get("eval_loss"), "tokens_per_s": tps,
+             "mfu": tps * n * fpt / peak if tps else None, "mfu_reference": peak_label, "mfu_peak_flops": peak,
+             "flops_per_token": fpt, "parameters": counts, "ranks": 1, "tokens_seen": cfg.steps * tokens_per_step,
+             "batched_models": n}
             for r in last]
 
 

@@ -444,6 +444,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
     what = label or f"training {cfg.preset} ({cfg.positional_encoding().label()}, {params['total'] / 1e6:.1f}M params)"
     bar = tqdm(total=cfg.steps, initial=start, desc=what, disable=not (progress and d.main), unit="step")
     last: dict[str, Any] = {}
+    stepped = 0.0  # seconds in the optimizer steps this process ran (evaluation and saving left out)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     model.train()
     try:
@@ -456,6 +457,7 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
             if d.device.type == "cuda":
                 torch.cuda.synchronize(d.device)
             dt = time.perf_counter() - t0
+            stepped += dt
             tps = tokens_per_step / dt
             mfu = tps * fpt / (peak * d.world)
             last = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": gnorm,
@@ -480,8 +482,10 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
     if end < cfg.steps:
         raise _Stopped({**last, "stopped": True, "checkpoint": str(work.path / ckpt.NAME)})
     state = _full_state(model, opt, cfg, d)[0]  # None unless FSDP (then gathered by every rank)
-    metrics = {"final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"),
-               "tokens_per_s": last.get("tokens_per_s"), "mfu": last.get("mfu"), "mfu_reference": peak_label,
+    # the run's throughput: every step this process ran over their summed time (each step's own is in metrics.jsonl)
+    tps = (end - start) * tokens_per_step / stepped if stepped > 0 else None
+    metrics = {"final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), "tokens_per_s": tps,
+               "mfu": tps * fpt / (peak * d.world) if tps else None, "mfu_reference": peak_label,
                "mfu_peak_flops": peak, "flops_per_token": fpt, "parameters": params, "ranks": d.world,
                "tokens_seen": cfg.steps * tokens_per_step}
     if d.main:
