@@ -432,3 +432,20 @@ def test_the_preflight_reads_the_architecture_without_weights():
                         "intermediate_size": 64, "max_position_embeddings": 80})
     model = skeleton(f"random:{llama}")
     assert position_limit(model) is None and max_positions(model) == 80
+
+
+def test_a_sink_head_is_listed_as_decided_only_when_its_interval_lies_above_the_threshold():
+    # heads over Gu et al.'s threshold by the mean are recorded with their intervals; the page counts and lists first
+    # those whose whole interval is above it (a head at 0.305 [0.117, 0.493] was listed like one at 0.9)
+    from poslens.analyses.card.page import sink_line
+    from poslens.analyses.leakage.summary import sinks
+    from poslens.engine.stats import Estimate
+
+    t = lambda *rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
+    a0 = Estimate(t([0.9, 0.305, 0.1]), t([0.8, 0.117, 0.0]), t([1.0, 0.493, 0.2]), t([0.05, 0.09, 0.05]), 8, 0.95,
+                  "jackknife")
+    s = sinks(a0, t([0.9, 0.3, 0.1]), 0.3, 32)
+    assert [(h["head"], h["above"]) for h in s["sink_heads"]] == [(1, True), (2, False)]
+    assert s["sink_heads"][1]["alpha0_lo"] == pytest.approx(0.117)
+    line = sink_line({"sinks": s})
+    assert "1 sink-reading heads (the interval of the attention on key 0 above the threshold; 2 by their means)" in line

@@ -37,8 +37,10 @@ PANELS = {
                 "sink column. Cannot show: where the residual term comes from upstream (the probe panel reads the "
                 "stream itself)."),
     "sinks": ("Sinks and sink-reading heads",
-              "Gu et al.'s sink rate (the share of heads whose mean attention on key 0 exceeds the threshold), its "
-              "bounds from the heads' own intervals, and the sink-reading heads (from the leakage run).",
+              "Gu et al.'s sink rate ('When Attention Sink Emerges in Language Models: An Empirical View', 2025: the "
+              "share of heads whose mean attention on key 0 exceeds the threshold), its bounds from the heads' own "
+              "intervals, and the sink-reading heads (from the leakage run): first those whose interval lies above "
+              "the threshold, then those above it by the mean only, with their intervals.",
               "Shows: where attention parks on key 0. Cannot show: what those heads write (see `poslens leakage "
               "--interventions`)."),
     "probe": ("Absolute position in the residual stream (linear probe)",
@@ -49,7 +51,9 @@ PANELS = {
               "uses it, nor nonlinear codes (a low R^2 is not an absence of position)."),
     "length": ("Held-out loss by position past a length L",
                "Next-token loss by target position up to multiple x L on held-out text, and the paired effect of each "
-               "length intervention that applies to the scheme (against none, on the same sequences) past L.",
+               "length intervention that applies to the scheme past L: its mean loss minus the unchanged model's "
+               "(none), in nats per token, over target positions L to N of the same sequences (below 0: the "
+               "intervention lowers the loss).",
                "Shows: how the loss behaves past L and what each intervention does there. Cannot show: a model's "
                "behaviour past its real training length unless L is set to it (length.train_len=N): by default L is "
                "a short nominal length that keeps the card fast."),
@@ -282,11 +286,18 @@ def tables(models: list[dict], level: float = 0.95) -> dict[str, tuple[list[str]
     out["leakage"] = (head("mask-only share, key 0 in", "out", "residual share, key 0 in", "out"),
                       by_layer(depth, leak))
 
-    def sinks(m, i):
+    def sinks(m, i):  # heads whose interval lies above the threshold, then those whose mean alone does
         heads = [h for h in m["sinks"]["sink_heads"] if h["layer"] == i + 1]
-        return [", ".join(f"{h['head']} ({h['alpha0']:.2f})" for h in heads) or "-"]
+        sure = [h for h in heads if h.get("above") is not False]
+        cell = ", ".join(f"{h['head']} ({h['alpha0']:.2f})" for h in sure)
+        if len(sure) < len(heads):
+            cell += ("; " if cell else "") + "by the mean only: " + ", ".join(
+                f"{h['head']} ({h['alpha0']:.2f} [{h['alpha0_lo']:.2f}, {h['alpha0_hi']:.2f}])"
+                for h in heads if h.get("above") is False)
+        return [cell or "-"]
 
-    out["sinks"] = (head("sink-reading heads (attention on key 0)"), by_layer(depth, sinks))
+    out["sinks"] = (head("sink-reading heads (attention on key 0; interval above the threshold)"),
+                    by_layer(depth, sinks))
     probe_depth = max(len(m["probe"]) for m in models)
     pairs = [(m, paired_probe(models[0], m, level)) for m in models[1:]]
     pairs = [(m, d) for m, d in pairs if d is not None]
@@ -371,8 +382,9 @@ def spans(layers: list[int]) -> str:
 def length_effects(m: dict) -> list[str]:
     """One line per intervention: its paired effect on the loss past L at each longer length."""
     lines = []
+    L = m["length"]["train_len"]
     for name, per in m["length"]["effects"].items():
-        parts = [f"at {n}: {_iv(*v)}" for n, v in sorted(per.items())]
+        parts = [f"targets {L}-{n}: {_iv(*v)}" for n, v in sorted(per.items())]
         lines.append(f"{name}: {'; '.join(parts)}")
     for name, why in m["length"]["skipped"].items():
         lines.append(f"{name}: not run ({why})")
@@ -384,8 +396,12 @@ def sink_line(m: dict) -> str:
     rate = "nan" if s.get("rate") is None else f"{s['rate']:.3f}"
     bounds = "" if s.get("rate_lo") is None else f" (bounds {s['rate_lo']:.3f} to {s['rate_hi']:.3f} by the heads' " \
                                                   f"own {100 * s['level']:g}% intervals)"
-    return (f"sink rate at {s['tokens']} tokens {rate}{bounds}, threshold {s['epsilon']}; "
-            f"{len(s['sink_heads'])} sink-reading heads")
+    heads = s["sink_heads"]
+    decided = [h for h in heads if h.get("above")]
+    count = (f"{len(heads)} sink-reading heads by their means" if any(h.get("above") is None for h in heads) else
+             f"{len(decided)} sink-reading heads (the interval of the attention on key 0 above the threshold; "
+             f"{len(heads)} by their means)")
+    return f"sink rate at {s['tokens']} tokens {rate}{bounds}, threshold {s['epsilon']}; {count}"
 
 
 # ---------------------------------------------------------------- rendering

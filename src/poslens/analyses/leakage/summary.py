@@ -185,14 +185,23 @@ def sinks(a0: Estimate, a0_64: torch.Tensor, threshold: float, seq_len: int) -> 
     threshold (`rate_lo`) and the share whose interval reaches above it (`rate_hi`); None without intervals (one
     group of sequences)."""
     rate_64 = float((a0_64 > threshold).double().mean()) if seq_len >= p0.GU_TOKENS else None
-    heads = [{"layer": h["layer"] + 1, "head": h["head"] + 1, "index": [h["layer"], h["head"]], "alpha0": h["alpha0"]}
-             for h in p0.sink_heads(a0.value, threshold)]
+    # each head over the threshold by its mean, with its interval: `above` when the whole interval is (None without
+    # intervals)
+    heads = [{"layer": h["layer"] + 1, "head": h["head"] + 1, "index": [h["layer"], h["head"]], "alpha0": h["alpha0"],
+              **_interval_above(a0, h["layer"], h["head"], threshold)} for h in p0.sink_heads(a0.value, threshold)]
 
     def share(x: torch.Tensor) -> float | None:
         return float((x > threshold).double().mean()) if bool(torch.isfinite(x).all()) else None
 
     return {"rate": share(a0.value), "rate_lo": share(a0.lo), "rate_hi": share(a0.hi), "level": a0.level,
             "tokens": seq_len, "epsilon": threshold, "rate_64": rate_64, "sink_heads": heads}
+
+
+def _interval_above(a0: Estimate, layer: int, head: int, threshold: float) -> dict:
+    lo, hi = float(a0.lo[layer, head]), float(a0.hi[layer, head])
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return {"alpha0_lo": None, "alpha0_hi": None, "above": None}
+    return {"alpha0_lo": lo, "alpha0_hi": hi, "above": lo > threshold}
 
 
 def sink_bounds(s: dict) -> str:
