@@ -181,3 +181,19 @@ def test_the_pattern_rms_interval_is_cut_at_0():
         assert ci["support"] == [0.0, math.inf] and ci["lo"] == max(float(e.lo), 0.0) and ci["hi"] == float(e.hi)
     first = next(m for m, e in zip(layers, raw) if float(e.lo) < 0)
     assert "interval [0.000, " in noise_text(first)
+
+
+@pytest.mark.parametrize("groups, lower", [(4, "groups"), (2, "seq_len")])
+def test_maps_beyond_memory_name_the_size_that_can_still_be_lowered(monkeypatch, groups, lower):
+    """The grouped map sums grow with groups and seq_len squared: at the least groups (2) the refusal names seq_len
+    (`scores --seq-len 100000 --groups 2` said "lower --groups" where groups could not go lower)."""
+    from poslens.analyses.scores import ScoresConfig
+    from poslens.engine import pipeline
+    from poslens.errors import UsageError
+
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 1 << 30)
+    cfg = ScoresConfig(model="m", seq_len=100000, num_sequences=4, batch_size=2, groups=groups)
+    parts = {"grouped sums of the maps": (groups * 2.0**40, "groups"), "one batch's forward": (2.0**33, "batch_size")}
+    with pytest.raises(UsageError) as e:
+        pipeline.check_memory(cfg, parts, torch.device("cpu"))
+    assert str(e.value).endswith(f"lower {lower}") and e.value.param == lower

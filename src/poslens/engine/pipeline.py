@@ -254,6 +254,8 @@ def check_memory(config: ModelData, parts: dict[str, tuple[float, str]], device:
         return
     ranked = sorted(parts.items(), key=lambda kv: -kv[1][0])
     param = ranked[0][1][1]
+    if param == "groups" and getattr(config, "groups", 0) <= 2:  # at its least already: the maps' size is T^2
+        param = "seq_len"
     listed = ", ".join(f"{name} {gib(b)}" for name, (b, _) in ranked if b >= 2**20)
     raise UsageError(f"{param} {getattr(config, param)}: the run would need about {gib(total)} of memory ({listed}) "
                      f"but {gib(free)} is free on {device}; lower {param}", param=param)
