@@ -352,3 +352,17 @@ def test_every_command_runs_with_subnormals_flushed_and_the_mode_is_restored(mon
     assert seen == [True, 0.0] and not flushing_subnormals()
     monkeypatch.setattr(cli, "cmd_gramflow", failing_command(UsageError("layers must be >= 1, got 0", param="layers")))
     assert main(["gramflow"]) == 2 and not flushing_subnormals()
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C in the first seconds (building the parser imports torch) gets the interrupt's one line, not a
+    traceback from inside the import."""
+    from poslens import cli
+
+    def interrupted(command=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["scores", "smollm2-135m"]) == 130
+    err = capsys.readouterr().err
+    assert err == "poslens scores: interrupted while starting; nothing was written\n"

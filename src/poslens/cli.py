@@ -402,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), "")
-    parser = build_parser(command)
+    try:
+        parser = build_parser(command)  # imports torch: the first seconds of every command
+    except KeyboardInterrupt:
+        print(f"poslens {command}: interrupted while starting; nothing was written", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     args.argv = argv  # the command line as given (a report's provenance quotes it)
     shown, warnings.showwarning = warnings.showwarning, _show_warning
