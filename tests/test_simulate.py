@@ -442,3 +442,14 @@ def test_memory_estimate_bounds_the_measured_peak(n, d, pe):
 def test_stack_config_refuses_strings_and_non_finite_numbers(kwargs, match):
     with pytest.raises(UsageError, match=match):
         StackConfig(**kwargs)
+
+
+@pytest.mark.parametrize("field, value", [("rope_scaling", 0.5), ("rope_scaling", 2.0), ("rope_theta", 5.0)])
+def test_rope_settings_without_rope_are_refused(field, value):
+    """Without RoPE the base and its scaling change nothing; a run recording them (rope_scaling 0.5, below its own
+    bound, was accepted with positional none) would mislead, so they are refused by name."""
+    with pytest.raises(UsageError, match=rf"^{field} {value:g} has no effect without RoPE \(positional 'none'\)"):
+        StackConfig(**{**SMALL, "positional": "none", field: value})
+    if field == "rope_scaling" and value < 1:
+        with pytest.raises(UsageError, match="rope_scaling must be >= 1"):
+            StackConfig(**{**SMALL, "positional": "rope", field: value})

@@ -71,6 +71,11 @@ class StackConfig:
                 require(log_base < math.log(np.finfo(np.float64).max),
                         f"rope_theta {theta:g} with rope_scaling {scaling:g} gives an infinite RoPE base; "
                         "use a smaller rope_scaling")
+        else:  # without RoPE the base and its scaling do nothing: a run recording them would mislead
+            for name, value, default in (("rope_theta", theta, 10000.0), ("rope_scaling", scaling, 1.0)):
+                if value != default:
+                    raise UsageError(f"{name} {value:g} has no effect without RoPE (positional "
+                                     f"{self.positional!r}); use RoPE or leave {name} out", param=name)
         if self.mask == "sliding":
             if self.window is None:
                 raise UsageError("window is required with mask 'sliding' (a number of keys >= 1)", param="window")
