@@ -231,6 +231,12 @@ def offset_row(ctx, sums: GroupedSums, seq_len: int, sequences: int) -> Claim:
     return claim
 
 
+# the three rows below test Kim et al.'s statistic of the scores as the paper reads it; part of it attention cannot see
+SCORES_ONLY = (" A statistic of the scores before the softmax, as Kim et al. measure them: a constant added to one "
+               "query's scores moves it and no attention weight, and the row offset-share-kim-52 gives the share of "
+               "the pattern such per-query offsets make up in each layer.")
+
+
 def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequences: int) -> list[Claim]:
     v, lo, hi = st["power"]
     interval = f"jackknife over {st['groups']} groups, Bonferroni over {layers} layers (95% family-wise)"
@@ -259,7 +265,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
                    f"[{num(float(lo[weakest]))}, {num(float(hi[weakest]))}]"
                  + (f" ({num(float(rlo[weakest]))} before the cut at 0)" if rlo[weakest] < lo[weakest] else "")
                  + ". Per-layer values: the figure "
-                   "'non-relative pattern per layer' and run.json.",
+                   "'non-relative pattern per layer' and run.json." + SCORES_ONLY,
         resolve=resolve, figure="non-relative pattern per layer, Figure 5", command=ctx.remeasure("kim-52-every-layer"),
         key=f"resolved in {layers - 1 - len(unresolved)} of {layers - 1} layers; weakest lower bound "
             f"{num(float(lo[weakest]))} (layer {weakest + 1}"
@@ -316,7 +322,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         measured=f"sink column left out; each mean square is the product of two independent halves of the sequences, "
                  f"so the noise that inflates a drawn map's range is not in it; 'not negligible' read as at least half "
                  f"the paper's printed ratio ({NOT_NEGLIGIBLE:g}). The drawn maps' 1%-99% range ratio, noise included: "
-                 f"{num(float(drawn.value))} [{num(float(drawn.lo))}, {num(float(drawn.hi))}].",
+                 f"{num(float(drawn.value))} [{num(float(drawn.lo))}, {num(float(drawn.hi))}]." + SCORES_ONLY,
         paper_number="patterns in [-1, 1] against scores in [-10, 10] (8B models, 1,024 tokens): a ratio of about 0.1",
         figure="Figure 5", command=ctx.remeasure("kim-52-not-negligible")))
     q = first_query(mean.shape[-1])
@@ -343,7 +349,7 @@ def claims(ctx, sums: GroupedSums, st: dict, mean: np.ndarray, layers: int, sequ
         "the pattern non-uniformly emphasises the first few keys", readings=tuple(readings),
         measured="'emphasises' read as: those keys score above their diagonals' mean, and above the later keys of "
                  "the same rows, on average over the layers after the first; the key profile figure shows it per "
-                 "layer.",
+                 "layer." + SCORES_ONLY,
         figure="scores of the first keys", command=ctx.remeasure("kim-52-first-keys")))
     return out
 
