@@ -62,12 +62,12 @@ def _docs_numbers():
     return module
 
 
-DOCS_RUN = ROOT / "tests" / "reference" / "reproduce-full-2026-11-29"  # the run docs/results.md names
+DOCS_RUN = ROOT / "tests" / "reference" / "reproduce-full-2026-11-30"  # the run docs/results.md names
 
 
 def test_the_results_page_numbers_are_the_named_runs(capsys):
     """docs/results.md's numbers block is exactly what scripts/docs_numbers.py writes from the run it names
-    (tests/reference/reproduce-full-2026-11-29: the fields of the full `poslens reproduce` run's run.json), so the page
+    (tests/reference/reproduce-full-2026-11-30: the fields of the full `poslens reproduce` run's run.json), so the page
     cannot drift from that run's report; --check passes on the page as committed."""
     dn = _docs_numbers()
     page = (ROOT / "docs" / "results.md").read_text()
