@@ -230,9 +230,10 @@ def tokenizer_adds_bos(tokenizer: Any) -> bool:
     return len(with_special) > len(plain) and with_special[0] == bos
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    """The ids of `text` read as text: no special token added, and a special token's spelling inside it (a docstring
-    that writes <|endoftext|> or <|im_start|>) tokenized as the characters it is, not as the BOS/EOS/separator id."""
+def encode(tokenizer: Any, text: str | list[str]) -> list[int] | list[list[int]]:
+    """The ids of `text` (or of each of a list of texts) read as text: no special token added, and a special token's
+    spelling inside it (a docstring that writes <|endoftext|> or <|im_start|>) tokenized as the characters it is,
+    not as the BOS/EOS/separator id."""
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
 
 
@@ -244,11 +245,11 @@ def leading_ids(tokenizer: Any, text: str, n: int) -> list[int]:
     """
     chars = 6 * (n + _MARGIN)
     while chars < len(text):
-        ids = _encode(tokenizer, text[:chars])
+        ids = encode(tokenizer, text[:chars])
         if len(ids) >= n + _MARGIN:
             return ids[:n]
         chars *= 2
-    return _encode(tokenizer, text)[:n]
+    return encode(tokenizer, text)[:n]
 
 
 def make_sequences(tokenizer: Any, documents: Iterable[str], seq_len: int, num_sequences: int,

@@ -302,14 +302,18 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+def _validator_reason(e: Exception) -> str:
+    """The reason a config validator gives (StrictDataclassError and the like put it on their last line)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
 def _wrap(what: str, e: Exception, spec: ModelSpec) -> UsageError:
     """A one-line UsageError for a failure inside transformers."""
     if spec.kind == "hub" and isinstance(e, OSError) and "cached files" in str(e):
         return _not_cached(spec.spec)
-    if isinstance(e, StrictDataclassError):  # its validators put the reason on the last line
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        return UsageError(f"model {spec.spec}: cannot load {what} ({lines[-1] if lines else type(e).__name__}); "
-                          "fix the config")
+    if isinstance(e, StrictDataclassError):
+        return UsageError(f"model {spec.spec}: cannot load {what} ({_validator_reason(e)}); fix the config")
     return UsageError(f"model {spec.spec}: cannot load {what} ({_first_line(e)})")
 
 
@@ -574,9 +578,8 @@ def _load_random(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, att
     try:
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     except Exception as e:  # noqa: BLE001 - config validators raise their own types (StrictDataclassError, ...)
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # validators put the reason last
-        raise UsageError(f"model {ms.spec}: cannot build the config ({lines[-1] if lines else type(e).__name__}); "
-                         "fix the config") from None
+        raise UsageError(f"model {ms.spec}: cannot build the config ({_validator_reason(e)}); fix the config") \
+            from None
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
         raise UsageError(f"model {ms.spec}: num_key_value_heads {kv} does not divide num_attention_heads {heads}; "

@@ -42,6 +42,7 @@ from poslens.engine.config import DEFAULT_SEQUENCES, ModelData, groups_used
 from poslens.engine.distributed import Dist, setup
 from poslens.engine.runner import Pass, run_passes, unique
 from poslens.errors import UsageError, available_memory, gib
+from poslens.options import option_fields
 
 __all__ = ["Analysis", "Job", "Output", "Pass", "checkpoint_path", "documents", "inputs_of", "report_lines",
            "run_analysis"]
@@ -245,6 +246,11 @@ def dense_score_bytes(config: ModelData, model, copies: int = 6) -> float:
     return copies * rows * model.config.num_attention_heads * config.seq_len ** 2 * 4
 
 
+def _least(name: str, config: Any) -> float:
+    """The lower bound the config's option `name` declares."""
+    return next(opt.lo for f, opt, _ in option_fields(type(config)) if f.name == name)
+
+
 def check_memory(config: ModelData, parts: dict[str, tuple[float, str]], device: torch.device) -> None:
     """Refuse, before any work, a run whose parts (name -> (bytes, the parameter that lowers it)) do not fit in the
     memory free on `device`; the message gives the estimate part by part and names the largest part's parameter."""
@@ -254,7 +260,7 @@ def check_memory(config: ModelData, parts: dict[str, tuple[float, str]], device:
         return
     ranked = sorted(parts.items(), key=lambda kv: -kv[1][0])
     param = ranked[0][1][1]
-    if param == "groups" and getattr(config, "groups", 0) <= 2:  # at its least already: the maps' size is T^2
+    if param == "groups" and config.groups <= _least("groups", config):  # at its least: the maps' size is T^2
         param = "seq_len"
     listed = ", ".join(f"{name} {gib(b)}" for name, (b, _) in ranked if b >= 2**20)
     raise UsageError(f"{param} {getattr(config, param)}: the run would need about {gib(total)} of memory ({listed}) "

@@ -11,6 +11,7 @@ One layer (paper Eq. 1, generalised):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from poslens import masks
 from poslens.errors import UsageError, check_choice, check_float, check_int, check_real, require
-from poslens.options import option
+from poslens.options import default_of, option
 
 NORMS = ("l2", "layernorm-sqrt-d", "layernorm-d")
 MASKS = ("causal", "none", "sliding")
@@ -72,8 +73,9 @@ class StackConfig:
                         f"rope_theta {theta:g} with rope_scaling {scaling:g} gives an infinite RoPE base; "
                         "use a smaller rope_scaling")
         else:  # without RoPE the base and its scaling do nothing: a run recording them would mislead
-            for name, value, default in (("rope_theta", theta, 10000.0), ("rope_scaling", scaling, 1.0)):
-                if value != default:
+            defaults = {f.name: default_of(f) for f in dataclasses.fields(self)}
+            for name, value in (("rope_theta", theta), ("rope_scaling", scaling)):
+                if value != defaults[name]:
                     raise UsageError(f"{name} {value:g} has no effect without RoPE (positional "
                                      f"{self.positional!r}); use RoPE or leave {name} out", param=name)
         if self.mask == "sliding":

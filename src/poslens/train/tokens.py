@@ -84,7 +84,7 @@ def tokenize_corpus(source: str | None, out: str | os.PathLike, tokenizer: str =
     """
     from tqdm.auto import tqdm
 
-    from poslens.engine.data import iter_documents, source_label
+    from poslens.engine.data import encode, iter_documents, source_label
     from poslens.io.results import run_directory, write_run
 
     kind, vocab = parse_tokenizer(tokenizer)
@@ -103,10 +103,9 @@ def tokenize_corpus(source: str | None, out: str | os.PathLike, tokenizer: str =
         bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress)
         try:
             for batch in _batches(enumerate(docs), _BATCH):
-                # special tokens' spellings inside a text are text (`poslens.engine.data._encode`): only the
-                # separator written after each document ends one
-                ids = tok([t for _, t in batch], add_special_tokens=False, split_special_tokens=True,
-                          verbose=False)["input_ids"]
+                # special tokens' spellings inside a text are text: only the separator written after each
+                # document ends one
+                ids = encode(tok, [t for _, t in batch])
                 for (i, text), row in zip(batch, ids):
                     if text:
                         writer.add("val" if is_validation(i, val_fraction, seed) else "train", row + [sep])
