@@ -86,3 +86,36 @@ def test_a_left_padded_batch_gives_the_eager_forward_at_the_real_tokens():
     real = mask.bool()
     assert torch.equal(got[real], eager[real])
     assert_within_sdpa_rounding(got[real], model(input_ids=ids, attention_mask=mask, use_cache=False).logits[real])
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 12, 12, 64), (3, 37, 8, 2, 16), (2, 33, 6, 3, 80), (1, 300, 4, 4, 128),
+                                   (1, 300, 4, 2, 96)])
+@torch.no_grad()
+def test_the_per_sequence_steps_are_transformers_eager_ops_bit_for_bit(shape):
+    """The engine's eager steps on the CPU run one GEMM per sequence on the head-strided q, k, v ([B, T, H, D]
+    projections seen as [B, H, T, D]) with the causal mask's 0 / -inf in the GEMM's pass; transformers' eager
+    attention copies them into one batch first and adds the mask after. Same floats, at a transformer's shape (MKL's
+    packed kernels) and at small odd ones, grouped heads, and head widths whose scaling is not a power of 2 (at 300
+    tokens of 128 or 96, a GEMM that applied that scaling to its partial sums would round otherwise)."""
+    from poslens.engine.hooks import _dense_scores, _weigh
+
+    b, t, h, kv, d = shape
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(b * t, h * d, generator=gen).view(b, t, h, d).transpose(1, 2)
+    k, v = (torch.randn(b * t, kv * d, generator=gen).view(b, t, kv, d).transpose(1, 2) for _ in range(2))
+    scaling = d**-0.5
+    mask = torch.zeros(t, t).masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    k_rep, v_rep = repeat_kv(k, h // kv), repeat_kv(v, h // kv)
+    eager = torch.matmul(q, k_rep.transpose(2, 3)) * scaling + mask
+    assert torch.equal(_dense_scores(q, k, scaling, None, None, 0, {}), eager)
+    bias = torch.randn(b, h, 1, t, generator=gen)  # an ALiBi-like per-key bias: added after the per-sequence GEMMs
+    alibi = _dense_scores(q, k, scaling, None, None, 0, {}, bias)
+    assert torch.equal(alibi, torch.add((bias + mask).expand(b, h, t, t), torch.matmul(q, k_rep.transpose(2, 3)),
+                                        alpha=scaling))
+    pattern = torch.softmax(eager, dim=-1)
+    z = _weigh(pattern, v)
+    assert z.is_contiguous() and torch.equal(z, torch.matmul(pattern, v_rep).transpose(1, 2).contiguous())
+    with torch.enable_grad():  # autograd through q: the one-batch matmul form, differentiable
+        qg = q.clone().requires_grad_()
+        _dense_scores(qg, k, scaling, None, None, 0, {}).nan_to_num(0.0).sum().backward()
+        assert qg.grad is not None and torch.isfinite(qg.grad).all()

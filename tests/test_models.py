@@ -7,6 +7,7 @@ converted once per session into a temporary cache and checked on real text (slow
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -227,6 +228,22 @@ def test_gguf_file_loads_the_reference_weights(tiny_gguf):
     assert tok("naïve café", add_special_tokens=False)["input_ids"] == list("naïve café".encode())
     assert (tok.bos_token_id, tok.eos_token_id) == (256, 257)
     assert load_info(model)["kind"] == "gguf" and max_positions(model) == 128
+
+
+def test_quiet_silences_the_gguf_conversion_bar(tiny_gguf, capsys):
+    """`--quiet` (library_bars off) silences transformers' GGUF conversion bar, a plain tqdm that the library
+    switches do not reach; with the bars on it is drawn, so the check can fail."""
+    from poslens.io.bars import library_bars
+
+    path, _ = tiny_gguf
+    with library_bars(True):
+        load_model(str(path))
+    assert "GGUF tensors" in capsys.readouterr().err
+    with library_bars(False):
+        load_model(str(path))
+    assert "GGUF tensors" not in capsys.readouterr().err
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    assert not isinstance(gguf_utils.tqdm, functools.partial)  # restored
 
 
 def test_gguf_rows_in_hf_order_would_change_the_logits(tmp_path, monkeypatch, tiny_gguf):

@@ -246,7 +246,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             "intervals over groups of sequences; with --seed-models, also over seeds (docs/length.md).",
             configs=("poslens.analyses.length.run:LengthConfig",), run="poslens.analyses.length.run:run_length",
             summary="poslens.analyses.length.summary:summary_lines", out="runs/length", skip=("seq_len",)),
-    Command("card", "where a model's positional information comes from, per layer, on one page (several models "
+    Command("card", "where a model's positional information can be seen, per layer, on one page (several models "
             "side by side)",
             "Run scores, leakage, a residual-stream probe of absolute position (stat position_probe) and length on "
             "each model into sub-run directories of --out (kept: each with the command that re-measures it; a "

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from poslens.errors import UsageError, require
+from poslens.io.bars import gguf_bar
 from poslens.io.lock import cache_lock
 from poslens.io.rundir import share_tree
 from poslens.io.space import disk_space
@@ -392,8 +393,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, attn_implementation: str, spec: M
             raise _wrap("the GGUF metadata (corrupt or unsupported file?)", e, spec) from None
         _check_supported(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype=dtype,
-                                                     attn_implementation=attn_implementation)
+        with gguf_bar():  # transformers' conversion bar, off under --quiet
+            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype=dtype,
+                                                         attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     except UsageError:
         raise

@@ -33,9 +33,10 @@ PANELS = {
                 "of the scores' lag profile) and `attn/residual` (the scores' own absolute part), with their shares "
                 "of `attn/e_total`, key 0 in and out. With the cross term's share they sum to 1, so a share above 1 "
                 "comes with a negative cross term (the two terms partly cancel).",
-                "Shows: which term carries absolute position into the attention weights, and how much of it is the "
-                "sink column. Cannot show: where the residual term comes from upstream (the probe panel reads the "
-                "stream itself)."),
+                "Shows: which term of the decomposition holds the absolute-position energy of the attention "
+                "weights, and how much of it is the sink column. Cannot show: causes (a decomposition, not an "
+                "intervention), or where the residual term comes from upstream (the probe panel reads the stream "
+                "itself)."),
     "sinks": ("Sinks and sink-reading heads",
               "Gu et al.'s sink rate ('When Attention Sink Emerges in Language Models: An Empirical View', 2025: the "
               "share of heads whose mean attention on key 0 exceeds the threshold), its bounds from the heads' own "
@@ -438,8 +439,11 @@ def render(models: list[dict], figs: dict[str, Path], provenance: dict[str, str]
     md = [f"# {title}", ""]
     ht = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style></head>"
           f"<body><h1>{e(title)}</h1>"]
-    intro = ("Where each model's positional information comes from, per layer, with intervals. Every number is read "
-             "from a run directory of poslens's own analyses; the command under each panel re-measures it.")
+    intro = ("Where each model's positional information can be seen, per layer, with intervals. Every number is read "
+             "from a run directory of poslens's own analyses; the command under each panel re-measures it. The "
+             "panels describe: a decomposition, a probe or a sink rate locates positional information but does not "
+             "show what causes it; the length panel's interventions are the card's only ones (`poslens leakage "
+             "--interventions` makes the residual stream's).")
     if len(models) > 1:
         intro += (" The models are shown side by side on the same text, each with its own intervals. Where two models "
                   "read the same token ids in the same groups (one tokenizer), the score, attention-term, probe and "

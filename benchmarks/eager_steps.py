@@ -1,0 +1,84 @@
+"""Benchmark: the hook engine's eager attention steps against transformers' eager attention ops (run by hand).
+
+When a reader asks for `attn.hook_attn_scores` or `attn.hook_pattern`, the hook engine forms the pattern densely
+(`poslens.engine.hooks._dense_scores`, softmax, `_weigh`). transformers' eager attention computes the same floats by
+`matmul(q, k^T)`, which first copies the head-strided q and k (a [B, T, H, D] projection seen as [B, H, T, D]) into
+one [B*H, T, D] batch, and by `matmul(pattern, v).transpose(1, 2).contiguous()`, which copies v and then the output.
+The engine runs one `bmm` per sequence on the strided views and writes z where it is kept (no copies). Timed here at
+GPT-2 small's body by default (12 heads of 64, 2 x 256 tokens, the implicit causal mask; one thread): `hf`, the ops
+as transformers writes them; `engine`, the engine's functions; both from a cold cache (a 600-MB buffer written before
+each call, as a forward's other layers evict the tensors between two uses), alternating, and each pair's ratio;
+reported: each arm's median and the geometric mean of the paired ratios engine / hf with its 95% t-interval. The
+outputs are checked equal bit for bit first.
+
+    .venv/bin/python benchmarks/eager_steps.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
+
+from poslens.engine.hooks import _dense_scores, _weigh  # noqa: E402
+
+
+def hf_steps(q, k, v, scaling: float, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' eager_attention_forward for equal query and key/value heads: z [B, T, H, D]."""
+    s = torch.matmul(q, k.transpose(2, 3)) * scaling + mask
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v).transpose(1, 2).contiguous()
+
+
+def engine_steps(q, k, v, scaling: float, memo: dict) -> torch.Tensor:
+    """The hook engine's eager steps (the implicit causal mask), as `HookedModel._attention` runs them."""
+    s = _dense_scores(q, k, scaling, None, None, 0, memo)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return _weigh(p, v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--pairs", type=int, default=40)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    b, t, h, d = a.batch, a.tokens, a.heads, a.head_dim
+    q, k, v = (torch.randn(b * t, h * d).view(b, t, h, d).transpose(1, 2) for _ in range(3))  # [B, H, T, D] views
+    scaling = d**-0.5
+    mask = torch.zeros(t, t).masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    memo: dict = {}
+    same = torch.equal(hf_steps(q, k, v, scaling, mask), engine_steps(q, k, v, scaling, memo))
+    print(f"z bit-identical: {same}")
+    if not same:
+        raise SystemExit("the engine's steps differ from transformers' ops: not timed")
+    evict = torch.empty(150_000_000)
+    arms = {"hf": lambda: hf_steps(q, k, v, scaling, mask), "engine": lambda: engine_steps(q, k, v, scaling, memo)}
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for i in range(a.pairs + 2):
+        order = list(arms) if i % 2 == 0 else list(arms)[::-1]
+        for name in order:
+            evict.fill_(i)
+            start = time.perf_counter()
+            arms[name]()
+            if i >= 2:  # two warm-up pairs
+                times[name].append(time.perf_counter() - start)
+    med = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
+    ratio, lo, hi = ratio_interval([e / f for e, f in zip(times["engine"], times["hf"])])
+    print(f"B={b} T={t} H={h} D={d}, {a.pairs} pairs, cold: hf {med['hf']:.2f} ms, engine {med['engine']:.2f} ms; "
+          f"engine / hf {ratio:.3f} [{lo:.3f}, {hi:.3f}] (geometric mean of the paired ratios, 95%)")
+
+
+if __name__ == "__main__":
+    main()
