@@ -307,11 +307,65 @@ class ActivationCache(Mapping):
         scaled = self.apply_ln_to_stack(residual_stack, -1, False, pos_slice, batch_slice, has_batch_dim)
         return (scaled * directions.to(scaled.dtype)).sum(-1)
 
+    def stack_activation(self, activation_name: str, layer: int = -1, sublayer_type: str | None = None
+                         ) -> torch.Tensor:
+        """TransformerLens's stack_activation: the activation of that name ("pattern", "resid_pre", ...) of each layer
+        before `layer` (-1: every layer), stacked on a new first dimension [layers, ...]."""
+        layer = self.n_layers if layer == -1 else layer
+        if not 0 < layer <= self.n_layers:
+            raise UsageError(f"stack_activation: layer must be -1 or 1..{self.n_layers}, got {layer}")
+        return torch.stack([self[(activation_name, l, sublayer_type)] for l in range(layer)])
+
+    def compute_head_results(self) -> None:
+        """TransformerLens's compute_head_results: each layer's attn.hook_result [batch, pos, head, d] added to the
+        cache from its hook_z and W_O (the layers whose hook_z is cached and whose result is not)."""
+        model = self._model("compute_head_results")
+        for l in range(self.n_layers):
+            z, name = f"blocks.{l}.attn.hook_z", f"blocks.{l}.attn.hook_result"
+            if z in self.cache_dict and name not in self.cache_dict:
+                self.cache_dict[name] = torch.einsum("...hk,hkd->...hd", self.cache_dict[z],
+                                                     model.W_O[l].to(self.cache_dict[z].dtype))
+
+    def get_neuron_results(self, layer: int, neuron_slice=None, pos_slice=None) -> torch.Tensor:
+        """TransformerLens's get_neuron_results: each MLP neuron's output in the residual stream, its activation
+        (mlp.hook_post) times its row of W_out: [batch, pos, neurons, d]."""
+        model = self._model("get_neuron_results")
+        layer = layer + self.n_layers if isinstance(layer, int) and layer < 0 else layer
+        if not isinstance(layer, int) or not 0 <= layer < self.n_layers:
+            raise UsageError(f"get_neuron_results: layer must be a block, 0-{self.n_layers - 1}, got {layer!r}")
+        post = _slice(_slice(self[("post", layer)], pos_slice, -2), neuron_slice, -1)
+        w_out = _slice(model.W_out[layer], neuron_slice, 0).to(post.dtype)  # [neurons, d]
+        return post[..., None] * w_out
+
+    def stack_neuron_results(self, layer: int, pos_slice=None, neuron_slice=None, return_labels: bool = False,
+                             incl_remainder: bool = False, apply_ln: bool = False):
+        """TransformerLens's stack_neuron_results: every neuron's output of the layers before `layer`, [layers *
+        neurons, batch, pos, d] (labels "L{l}N{n}"); incl_remainder adds the rest of the stream."""
+        layer = self._final(layer)
+        parts, labels = [], []
+        for l in range(layer):
+            result = self.get_neuron_results(l, neuron_slice, pos_slice)  # [batch, (pos,) neurons, d]
+            parts.append(result.movedim(-2, 0))
+            kept = torch.arange(self[("post", l)].shape[-1])
+            kept = _slice(kept, neuron_slice, 0).reshape(-1)
+            labels += [f"L{l}N{int(n)}" for n in kept]
+        if not parts:
+            raise UsageError("stack_neuron_results: layer 0 has no neurons before it; give a layer >= 1")
+        stack = torch.cat(parts)
+        if incl_remainder:
+            rest = _slice(self[("resid_post", layer - 1)], pos_slice, -2) - stack.sum(0)
+            stack = torch.cat([stack, rest[None]])
+            labels.append("remainder")
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, False, pos_slice)
+        return (stack, labels) if return_labels else stack
+
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
         raise NoEquivalent(f"ActivationCache.{name}: TransformerLens's {name} has no poslens equivalent; the cache is "
-                           "a mapping hook name -> tensor (see docs/hooks.md)")
+                           "a mapping hook name -> tensor: cache[name], cache[name, layer] and torch.stack over "
+                           "layers do most of what is missing (see docs/hooks.md)")
 
 
 def _slice(x: torch.Tensor, which, dim: int) -> torch.Tensor:

@@ -133,7 +133,13 @@ from poslens.engine.tl_inputs import (
     input_projection_hook,
     per_head_input_projection_hook,
 )
-from poslens.engine.tl_surface import TLHook, TransformerLensSurface  # noqa: F401  (TLHook: imported from here before)
+from poslens.engine.tl_surface import (  # noqa: F401  (TLHook: imported from here before)
+    MODEL_HINTS,
+    PROCESSING,
+    TL_MODEL_NAMES,
+    TLHook,
+    TransformerLensSurface,
+)
 from poslens.engine.tl_weights import TLConfig, TLWeights, tl_config
 from poslens.errors import UsageError
 from poslens.masks import additive
@@ -346,6 +352,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self.model = model
         self.tokenizer = tokenizer
         self._added: list[tuple] = []  # hooks added with add_hook: (name, fn, "fwd" | "bwd", permanent)
+        self._contexts: dict[str, dict] = {}  # point name -> the dict TransformerLens hooks see as hook.ctx
         self._cfg: TLConfig | None = None
         self.family = family_of(model.config)
         self.layers = decoder_layers(model)
@@ -415,11 +422,50 @@ class HookedModel(TransformerLensSurface, TLWeights):
     @classmethod
     def from_pretrained(cls, spec: str, **load_kwargs) -> HookedModel:
         """The model and tokenizer `load_model(spec, **load_kwargs)` returns, hooked (TransformerLens's
-        `HookedTransformer.from_pretrained`, without its weight processing)."""
+        `HookedTransformer.from_pretrained`, without its weight processing). TransformerLens's own keywords are
+        taken as it means them where poslens has their meaning (`torch_dtype`/`dtype`, `device`, `hf_model`,
+        `tokenizer` as an object, `default_prepend_bos`, `default_padding_side`); its weight-processing switches
+        (`fold_ln`, `center_writing_weights`, `center_unembed`, `fold_value_biases`,
+        `refactor_factored_attn_matrices`) are accepted and change nothing: poslens never processes weights, and its
+        `apply_ln_to_stack` applies the norm's gain so that products with W_U agree (docs/hooks.md, "Weights")."""
         from poslens.engine.models import load_model
 
-        model, tokenizer = load_model(spec, **load_kwargs)
-        return cls(model, tokenizer)
+        for flag in PROCESSING:
+            load_kwargs.pop(flag, None)
+        prepend = load_kwargs.pop("default_prepend_bos", None)
+        side = load_kwargs.pop("default_padding_side", None)
+        if "torch_dtype" in load_kwargs:
+            load_kwargs["dtype"] = load_kwargs.pop("torch_dtype")
+        hf_model, tokenizer = load_kwargs.pop("hf_model", None), load_kwargs.get("tokenizer")
+        if tokenizer is not None and not isinstance(tokenizer, str):  # a tokenizer object, as TransformerLens takes
+            load_kwargs.pop("tokenizer")
+        else:
+            tokenizer = None
+        unknown = sorted(set(load_kwargs) - set(inspect.signature(load_model).parameters))
+        if unknown:
+            raise NoEquivalent(f"from_pretrained: TransformerLens's {unknown[0]}= has no poslens equivalent; the "
+                               "keywords poslens takes are load_model's (docs/hooks.md, 'Coming from "
+                               "TransformerLens')")
+        if hf_model is not None:
+            model = hf_model.eval()
+        else:
+            model, loaded = load_model(spec, **load_kwargs)
+            tokenizer = tokenizer or loaded
+        hooked = cls(model, tokenizer)
+        if prepend is not None:
+            hooked.cfg.default_prepend_bos = bool(prepend)
+        if side is not None:
+            if side not in ("left", "right") or tokenizer is None:
+                raise UsageError(f"from_pretrained: default_padding_side must be 'left' or 'right' and needs a "
+                                 f"tokenizer, got {side!r}")
+            tokenizer.padding_side = side
+        return hooked
+
+    @classmethod
+    def from_pretrained_no_processing(cls, spec: str, **load_kwargs) -> HookedModel:
+        """TransformerLens's from_pretrained without weight processing: poslens's from_pretrained, which never
+        processes weights."""
+        return cls.from_pretrained(spec, **load_kwargs)
 
     @property
     def cfg(self) -> TLConfig:
@@ -544,14 +590,18 @@ class HookedModel(TransformerLensSurface, TLWeights):
         return None
 
     def __getattr__(self, name: str):
-        """TransformerLens's other HookedTransformer attributes fail loudly, in one line."""
+        """TransformerLens's other HookedTransformer attributes fail loudly, in one line, naming what to use where
+        poslens has it; a name TransformerLens does not have either is an ordinary AttributeError."""
         if name.startswith("_"):
             raise AttributeError(name)
         prop = getattr(type(self), name, None)
         if isinstance(prop, property):  # a property that raised an AttributeError (W_pos's NoEquivalent): its own
             return prop.fget(self)
-        raise NoEquivalent(f"HookedModel has no {name!r}: TransformerLens's {name} has no poslens equivalent "
-                           "(see docs/hooks.md, 'Coming from TransformerLens', for what HookedModel has)")
+        if name not in TL_MODEL_NAMES and not hasattr(torch.nn.Module, name):
+            raise AttributeError(f"HookedModel has no attribute {name!r} (nor has TransformerLens's HookedTransformer; "
+                                 "docs/hooks.md lists what HookedModel has)")
+        hint = MODEL_HINTS.get(name, "see docs/hooks.md, 'Coming from TransformerLens', for what HookedModel has")
+        raise NoEquivalent(f"HookedModel has no {name!r}: TransformerLens's {name} has no poslens equivalent; {hint}")
 
     def check_point(self, name: str) -> None:
         """A one-line UsageError, with a hint, when the model has no hook point `name`."""

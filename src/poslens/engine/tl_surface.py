@@ -14,7 +14,8 @@ in three ways: hooks added with `add_hook` act on them; with an `attention_mask`
 first real token (`position_ids` = cumsum(mask) - 1, clamped at 0: a left-padded row is rotated as if unpadded, as
 TransformerLens does; `run` passes no position ids, as a plain Hugging Face forward); and `__call__` and
 `run_with_hooks` follow torch's grad mode (as TransformerLens: wrap them in `torch.no_grad()` to save memory), so
-backward hooks and gradients work. `run_with_cache` runs without gradients unless `incl_bwd=True`.
+backward hooks and gradients work. `run_with_cache` follows the grad mode too (its cached values detached), and
+`incl_bwd=True` adds gradients.
 """
 
 from __future__ import annotations
@@ -30,14 +31,62 @@ from poslens.engine.activation_cache import ActivationCache, NoEquivalent, selec
 from poslens.errors import UsageError
 
 RETURN_TYPES = ("logits", "loss", "both", None)
+# TransformerLens's weight-processing switches of from_pretrained: accepted, nothing processed (HookedModel)
+PROCESSING = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases",
+              "refactor_factored_attn_matrices")
+# HookedTransformer's public names (TransformerLens 3.9's API reference) beside torch.nn.Module's: a missing one of
+# these is TransformerLens's with no poslens equivalent (NoEquivalent); any other name is a plain AttributeError
+TL_MODEL_NAMES = frozenset((
+    "W_E", "W_E_pos", "W_pos", "W_U", "b_U", "W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_in", "W_out",
+    "W_gate", "b_in", "b_out", "QK", "OV", "accumulated_bias", "all_composition_scores", "all_head_labels", "blocks",
+    "embed", "pos_embed", "unembed", "ln_final", "hook_embed", "hook_pos_embed", "hook_tokens", "cfg", "tokenizer",
+    "center_unembed", "center_writing_weights", "fold_layer_norm", "fold_value_biases",
+    "refactor_factored_attn_matrices", "process_weights_", "load_and_process_state_dict",
+    "load_sample_training_dataset", "sample_datapoint", "generate", "generate_stream", "get_pos_offset",
+    "get_residual", "get_token_position", "init_weights", "input_to_embed", "loss_fn", "move_model_modules_to_device",
+    "set_tokenizer", "set_use_attn_result", "set_use_attn_in", "set_use_hook_mlp_in", "set_use_split_qkv_input",
+    "set_ungroup_grouped_query_attention", "to_single_str_token", "to_single_token", "to_str_tokens", "to_string",
+    "to_tokens", "tokens_to_residual_directions", "run_with_cache", "run_with_hooks", "hooks", "add_hook",
+    "add_perma_hook", "reset_hooks", "remove_all_hook_fns", "clear_contexts", "hook_dict", "mod_dict",
+    "hook_points", "get_caching_hooks", "cache_all", "cache_some", "check_hooks_to_add", "setup", "mps",
+    "check_and_add_hook", "ungroup_grouped_query_attention", "tl_named_parameters", "tl_parameters",
+))
+# what to use instead of a HookedTransformer attribute poslens does not have (in the one-line NoEquivalent)
+MODEL_HINTS = {
+    "pos_embed": "the table is model.W_pos and its value in a forward is the hook point hook_pos_embed",
+    "named_parameters": "model.model.named_parameters() gives the Hugging Face model's, by its names",
+    "tl_named_parameters": "the weights by TransformerLens's names are attributes: model.W_Q, model.blocks[l].attn.W_Q",
+    "tl_parameters": "the weights by TransformerLens's names are attributes: model.W_Q, model.blocks[l].attn.W_Q",
+    "state_dict": "model.model.state_dict() gives the Hugging Face model's, by its names",
+    "load_state_dict": "model.model.load_state_dict(...) takes the Hugging Face model's names",
+    "mod_dict": "model.blocks[l] has each block's components, model.hook_dict each hook point",
+    "modules": "model.model.modules() (the Hugging Face model's)",
+    "named_modules": "model.model.named_modules() (the Hugging Face model's)",
+    "fold_layer_norm": "poslens never processes weights; apply_ln_to_stack applies the norm's gain (docs/hooks.md, "
+                       "'Weights')",
+    "process_weights_": "poslens never processes weights; apply_ln_to_stack applies the norm's gain (docs/hooks.md, "
+                        "'Weights')",
+}
+# what to use instead of a TransformerLens keyword poslens refuses (in the one-line NoEquivalent)
+REFUSED_HINTS = {
+    "start_at_layer": "run the whole forward with a hook at blocks.{l}.hook_resid_pre that returns your residual "
+                      "stream (run_with_hooks)",
+    "pos_slice": "slice the cached values instead (cache[name][:, pos])",
+    "stop_at_layer": "with return_type=None the forward stops after the last cached point, and model(input, "
+                     "stop_at_layer=l) returns the residual stream entering block l",
+    "past_kv_cache": "generate(use_past_kv_cache=True) runs with a key/value cache",
+    "shortformer_pos_embed": "add to hook_embed with a hook (run_with_hooks)",
+}
 
 
 class TLHook:
-    """The `hook` argument of a TransformerLens hook function: its `name` and `layer()`."""
+    """The `hook` argument of a TransformerLens hook function: its `name`, `layer()` and `ctx` (TransformerLens's
+    HookPoint.ctx: a dict per point that lasts across calls until reset_hooks(clear_contexts=True))."""
 
-    def __init__(self, name: str, layer: int | None) -> None:
+    def __init__(self, name: str, layer: int | None, ctx: dict | None = None) -> None:
         self.name = name
         self._layer = layer
+        self.ctx = {} if ctx is None else ctx
 
     def layer(self) -> int | None:
         return self._layer
@@ -196,9 +245,68 @@ class TransformerLensSurface:
             self._added.append(entry)
         return entry
 
+    # ---- torch.nn.Module's everyday calls, on the Hugging Face model underneath -----------------------------
+
+    def to(self, *args, **kwargs) -> TransformerLensSurface:
+        """Move or cast the model (torch.nn.Module.to's arguments); returns the HookedModel, as TransformerLens."""
+        self.model.to(*args, **kwargs)
+        before, self._cfg = self._cfg, None  # its device and dtype fields read again; a default_prepend_bos kept
+        if before is not None:
+            self.cfg.default_prepend_bos = before.default_prepend_bos
+        return self
+
+    def cuda(self, device=None) -> TransformerLensSurface:
+        return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int)
+                       else device)
+
+    def cpu(self) -> TransformerLensSurface:
+        return self.to("cpu")
+
+    def eval(self) -> TransformerLensSurface:
+        self.model.eval()
+        return self
+
+    def train(self, mode: bool = True) -> TransformerLensSurface:
+        self.model.train(mode)
+        return self
+
+    def parameters(self, recurse: bool = True):
+        """The Hugging Face model's parameters (an optimizer's argument)."""
+        return self.model.parameters(recurse)
+
+    @property
+    def hook_dict(self) -> dict:
+        """Point name -> its HookPoint (add_hook, remove_hooks), every point of this model in forward order."""
+        from poslens.engine.tl_blocks import HookPoint
+
+        return {name: HookPoint(self, name) for name in self.points}
+
+    def hook_points(self) -> list:
+        """Every HookPoint, in forward order (TransformerLens's hook_dict.values())."""
+        return list(self.hook_dict.values())
+
+    def set_tokenizer(self, tokenizer, default_padding_side: str | None = None) -> None:
+        """Use `tokenizer` (and its BOS facts in cfg) from now on."""
+        if default_padding_side is not None:
+            if default_padding_side not in ("left", "right"):
+                raise UsageError(f"set_tokenizer: default_padding_side must be 'left' or 'right', got "
+                                 f"{default_padding_side!r}")
+            tokenizer.padding_side = default_padding_side
+        self.tokenizer = tokenizer
+        self._cfg = None
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The text of one token id."""
+        if not isinstance(int_token, int):
+            raise UsageError(f"to_single_str_token: give one token id (an int), got {type(int_token).__name__}")
+        return self.to_string(torch.tensor([int_token]))
+
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False, level=None) -> None:
-        """Remove the hooks added with add_hook (the permanent ones too with including_permanent=True)."""
+        """Remove the hooks added with add_hook (the permanent ones too with including_permanent=True), and the
+        hooks' ctx dicts unless clear_contexts=False."""
         self._added[:] = [h for h in self._added if h[3] and not including_permanent]
+        if clear_contexts:
+            self._contexts.clear()
 
     @contextmanager
     def hooks(self, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True, clear_contexts: bool = False
@@ -211,6 +319,8 @@ class TransformerLensSurface:
         finally:
             if reset_hooks_end:
                 self._added[:] = [h for h in self._added if not any(h is m for m in mine)]
+            if clear_contexts:
+                self._contexts.clear()
 
     def _add_pairs(self, fwd_hooks, bwd_hooks, method: str) -> list[tuple]:
         """Add (name, fn) pairs as add_hook does; the entries added."""
@@ -248,7 +358,7 @@ class TransformerLensSurface:
         entries = [(n, f, d) for n, f, d, _ in self._added] + self._directed(fwd, bwd, method)
         backward = False
         for names_filter, fn, direction in entries:
-            call = _forward_call(fn) if direction == "fwd" else _backward_call(fn)
+            call = _forward_call(fn, self._contexts) if direction == "fwd" else _backward_call(fn, self._contexts)
             for name in self._points_of(names_filter, method):
                 table.setdefault(name, []).append(call)
                 backward |= direction == "bwd"
@@ -289,13 +399,27 @@ class TransformerLensSurface:
 
     def __call__(self, input, return_type: str | None = "logits", loss_per_token: bool = False,
                  prepend_bos: bool | None = None, padding_side: str | None = None,
-                 attention_mask: torch.Tensor | None = None, **unsupported):
+                 attention_mask: torch.Tensor | None = None, stop_at_layer: int | None = None, **unsupported):
         """TransformerLens's forward: a text, a list of texts or token ids -> logits [B, T, V], the mean next-token
-        loss, (logits, loss) or None, with the hooks added by add_hook; under torch's grad mode."""
+        loss, (logits, loss) or None, with the hooks added by add_hook; under torch's grad mode. stop_at_layer=l:
+        the forward stops before block l (negative: counted from the end) and returns the residual stream entering
+        it [B, T, d] (l = n_layers: the stream entering the final norm), as TransformerLens's."""
         self._refuse("forward", unsupported)
         table, _ = self._hook_table((), (), "forward")
-        return self._tl_forward(input, table, return_type, attention_mask, torch.is_grad_enabled(), loss_per_token,
-                                prepend_bos, padding_side)
+        if stop_at_layer is None:
+            return self._tl_forward(input, table, return_type, attention_mask, torch.is_grad_enabled(),
+                                    loss_per_token, prepend_bos, padding_side)
+        n = self.n_layers
+        if not isinstance(stop_at_layer, int) or not -n <= stop_at_layer <= n:
+            raise UsageError(f"forward: stop_at_layer must be an int in {-n}..{n}, got {stop_at_layer!r}")
+        layer = stop_at_layer % n if stop_at_layer < 0 else stop_at_layer
+        point = f"blocks.{layer}.hook_resid_pre" if layer < n else f"blocks.{n - 1}.hook_resid_post"
+        kept: list[torch.Tensor] = []
+        table = {name: fns for name, fns in table.items() if self.points.index(name) <= self.points.index(point)}
+        table.setdefault(point, []).append(lambda x, ctx: kept.append(x))
+        self._tl_forward(input, table, None, attention_mask, torch.is_grad_enabled(), False, prepend_bos,
+                         padding_side)
+        return kept[0]
 
     def run_with_hooks(self, input, fwd_hooks=(), bwd_hooks=(), reset_hooks_end: bool = True,
                        clear_contexts: bool = False, *, return_type: str | None = "logits",
@@ -314,8 +438,11 @@ class TransformerLensSurface:
             raise UsageError("run_with_hooks: bwd_hooks need gradients; call it outside torch.no_grad()")
         if backward and return_type is None:
             raise UsageError("run_with_hooks: bwd_hooks need an output to differentiate; return_type=None has none")
-        return self._tl_forward(input, table, return_type, attention_mask, grad, loss_per_token, prepend_bos,
-                                padding_side, "run_with_hooks")
+        out = self._tl_forward(input, table, return_type, attention_mask, grad, loss_per_token, prepend_bos,
+                               padding_side, "run_with_hooks")
+        if clear_contexts:
+            self._contexts.clear()
+        return out
 
     def run_with_cache(self, input, names_filter=None, *, attention_mask: torch.Tensor | None = None,
                        return_type: str | None = "logits", device: str | torch.device | None = None,
@@ -342,8 +469,9 @@ class TransformerLensSurface:
             table.setdefault(n, []).append(lambda x, ctx: put(ctx.name, x))
             if incl_bwd:
                 table[n].append(_backward_call(lambda g, hook: put(hook.name + "_grad", g)))
-        with torch.set_grad_enabled(incl_bwd):
-            out = self._tl_forward(input, table, return_type, attention_mask, incl_bwd, loss_per_token, prepend_bos,
+        grad = incl_bwd or torch.is_grad_enabled()  # as TransformerLens: the output keeps its graph in grad mode
+        with torch.set_grad_enabled(grad):
+            out = self._tl_forward(input, table, return_type, attention_mask, grad, loss_per_token, prepend_bos,
                                    padding_side, "run_with_cache")
             if incl_bwd:
                 value = out[1] if return_type == "both" else out
@@ -431,7 +559,8 @@ class TransformerLensSurface:
     def _refuse(self, method: str, unsupported: dict) -> None:
         if unsupported:
             name = sorted(unsupported)[0]
-            raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent (see docs/hooks.md)")
+            hint = REFUSED_HINTS.get(name, "see docs/hooks.md, 'Coming from TransformerLens'")
+            raise NoEquivalent(f"{method}: TransformerLens's {name}= has no poslens equivalent; {hint}")
 
 
 def _cache_argument(model) -> str:
@@ -466,22 +595,25 @@ def _caller(fn: Callable) -> Callable:
     return fn
 
 
-def _forward_call(fn: Callable) -> Callable:
-    """A TransformerLens forward hook fn(value, hook) as a poslens hook fn(x, ctx)."""
+def _forward_call(fn: Callable, contexts: dict | None = None) -> Callable:
+    """A TransformerLens forward hook fn(value, hook) as a poslens hook fn(x, ctx); `contexts`: point name -> the
+    dict a hook sees as hook.ctx."""
     call = _caller(fn)
-    return lambda x, ctx: call(x, TLHook(ctx.name, ctx.layer))
+    contexts = {} if contexts is None else contexts
+    return lambda x, ctx: call(x, TLHook(ctx.name, ctx.layer, contexts.setdefault(ctx.name, {})))
 
 
-def _backward_call(fn: Callable) -> Callable:
+def _backward_call(fn: Callable, contexts: dict | None = None) -> Callable:
     """A TransformerLens backward hook fn(grad, hook) as a poslens forward hook: it passes the value on as a fresh
     view that autograd tracks, and registers fn on it (a returned tensor replaces the gradient flowing back)."""
     call = _caller(fn)
+    contexts = {} if contexts is None else contexts
 
     def register(x, ctx):
         if not x.requires_grad:
             return None
         y = x.view_as(x)
-        hook = TLHook(ctx.name, ctx.layer)
+        hook = TLHook(ctx.name, ctx.layer, contexts.setdefault(ctx.name, {}))
         y.register_hook(lambda g: call(g, hook))
         return y
 
