@@ -240,6 +240,11 @@ def test_random_configs_named_config_json_are_labelled_by_their_folder(tmp_path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "two models have the label 'a'; give --labels" in err, err
     assert not out.exists()
+    # the label of the page's own folder, refused before any work (it was measured, then refused by its own --out)
+    assert main(["card", "smollm2-135m", "--labels", "card", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the page's folder" in err, err
+    assert not out.exists()
 
 
 def test_two_models_on_one_tokenizer_get_a_paired_probe_difference(card):
@@ -449,3 +454,15 @@ def test_a_sink_head_is_listed_as_decided_only_when_its_interval_lies_above_the_
     assert s["sink_heads"][1]["alpha0_lo"] == pytest.approx(0.117)
     line = sink_line({"sinks": s})
     assert "1 sink-reading heads (the interval of the attention on key 0 above the threshold; 2 by their means)" in line
+
+
+def test_the_length_panel_names_positions_as_poslens_length_does(card):
+    """Positions are 1-based and position 1 has no loss: the first bin starts at 2, each bin ends where the next
+    starts, and an effect past L is over positions L + 1 to N, as `poslens length` prints it."""
+    from poslens.analyses.card.page import length_effects
+
+    m = _model(card, "rope")
+    bins, L = m["length"]["bins"], m["length"]["train_len"]
+    assert bins[0]["from"] == 2 and all(b["from"] == a["to"] + 1 for a, b in zip(bins, bins[1:]))
+    lines = [x for x in length_effects(m) if "not run" not in x]
+    assert lines and all(f"positions {L + 1}-" in x for x in lines), lines

@@ -544,3 +544,16 @@ def test_section_42_readings_see_what_they_name():
     assert float(offdiag_correlation(wave, -wave)) == pytest.approx(-1.0, abs=1e-12)
     assert float(key_share(_lower(j ** 2 + 0 * i))) == pytest.approx(1.0, abs=1e-12)
     assert float(key_share(wave)) < 0.9
+
+
+def test_panel_titles_name_what_each_layout_shows():
+    """OLMo-2's post-norm layout has no norm before a sublayer: (a), (f) and (h) are the raw stream there, and their
+    titles say so; a pre-norm family keeps the paper's titles; a parallel block's (e) is not a residual sum."""
+    from poslens.analyses.intermediates import panel_title, panel_what
+    from poslens.engine.families import family_of
+
+    olmo2, llama, neox = (family_of(build(f).config) for f in ("olmo2", "llama", "gpt_neox"))
+    assert "after the input norm" in panel_what("a", llama) and "no norm" in panel_what("a", olmo2)
+    assert "= (e)" in panel_what("f", olmo2)
+    assert panel_title("h", 0, olmo2) == "(h) next layer's stream attention reads, layer 2"
+    assert "entering the block" in panel_what("e", neox) and panel_what("g", neox) == panel_what("g", llama)

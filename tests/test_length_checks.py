@@ -108,3 +108,18 @@ def test_leakage_metrics_at_a_shorter_length_are_the_top_left_block():
         torch.testing.assert_close(a[name].se, b[name].se, equal_nan=True, rtol=2e-3, atol=1e-6)
     full = long.result()
     assert full["scores"].shape == (2, 48, 48) and full["metric/scores/trf"].shape == (2,)
+
+
+def test_ntk_on_two_rotary_dimensions_is_refused_in_one_line_and_skipped_under_all():
+    """NTK's base theta * F ** (d / (d - 2)) has no value at d = 2 (a GPT-NeoX head of 16 with rotary_pct 0.125):
+    refused by the intervention's check (a ZeroDivisionError before), skipped with its reason when not asked for by
+    name; YaRN still runs there. ALiBi's refusal names alibi-scale."""
+    from poslens.analyses.length.interventions import RopeScaling
+
+    neox = build("gpt_neox", hidden_size=64, num_attention_heads=4, rotary_pct=0.125)
+    with pytest.raises(UsageError, match="more than 2 rotary dimensions"):
+        RopeScaling("ntk", 16).check(neox)
+    RopeScaling("yarn", 16).check(neox)
+    RopeScaling("ntk", 16).check(build("gpt_neox", hidden_size=64, num_attention_heads=4, rotary_pct=0.25))
+    with pytest.raises(UsageError, match="alibi-scale"):
+        RopeScaling("ntk", 16).check(build("bloom"))

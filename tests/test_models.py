@@ -548,6 +548,13 @@ def test_an_unreachable_hub_id_is_one_line_at_once_naming_the_alias_it_is_closes
     with pytest.raises(UsageError, match="not in the local Hugging Face cache"):
         load_model("poslens-test/definitely-not-cached")
     assert asked == ["poslens-test/definitely-not-cached"]
+    # the same for a tokenizer spec (`--tokenizer`): at once, named as the tokenizer
+    monkeypatch.setattr(models, "_REACHABLE", {})
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", config)
+    with pytest.raises(UsageError, match="^tokenizer smollm2-135mm is not in the local.*did you mean") as e:
+        models.load_tokenizer("smollm2-135mm")
+    assert "\n" not in str(e.value) and asked == ["poslens-test/definitely-not-cached"]
 
 
 @pytest.mark.parametrize("config", [

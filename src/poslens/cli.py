@@ -236,7 +236,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             configs=("poslens.analyses.leakage.run:LeakageConfig",), run="poslens.analyses.leakage.run:run_leakage",
             summary="poslens.analyses.leakage.command:summary_lines", out="runs/leakage"),
     Command("length", "a model past its training length: loss by position, attention entropy and key-0 share, maps "
-            "and leakage terms, and interventions (log-n scaling, NTK, YaRN, window, freezing the first position)",
+            "and leakage terms, and interventions (log-n scaling, NTK, YaRN, window, window keeping key 1, ALiBi "
+            "slope scaling, freezing the first position)",
             "Evaluate a model trained at length L at L, 2L, 4L, 8L (--eval-lens) on held-out text: next-token loss by "
             "position bucket, attention entropy against log(keys seen) and the share on the first key by query, the "
             "averaged maps and their leakage terms at each length, and interventions at evaluation time (per-query "

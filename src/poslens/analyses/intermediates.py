@@ -74,6 +74,24 @@ PANELS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# the panels whose reading differs in a layout (the docstring's mapping), as their titles say it
+LAYOUT_WHAT: dict[str, dict[str, str]] = {
+    "post-norm": {"a": "Y Y^T of the stream attention reads (no norm before it)",
+                  "d": "after W_O, before the norm after attention",
+                  "f": "the stream the MLP reads (no norm before it: = (e))",
+                  "h": "next layer's stream attention reads"},
+    "parallel": {"e": "the stream entering the block + attention's output",
+                 "f": "the MLP's norm of the stream entering the block"},
+    "sandwich": {"d": "after W_O, before the norm after attention", "f": "after the norm before the MLP"},
+}
+
+
+def panel_what(letter: str, family=None) -> str:
+    """What a panel shows, in the words of `family`'s layout (None: the pre-norm layout's)."""
+    what = dict((c, w) for c, _, w in PANELS)[letter]
+    return what if family is None else LAYOUT_WHAT.get(family.layout, {}).get(letter, what)
+
+
 def hidden_points(family) -> dict[str, tuple[str, int]]:
     """Residual-stream-shaped panels: hook point (relative to the block) and which of the two layers. (a), (f) and (h)
     are what attention and the MLP read: the norms' outputs, or (post-norm, OLMo-2) the residual stream itself."""
@@ -420,9 +438,9 @@ class Intermediates(Statistic):
         """Per panel: mean row slope over keys 1 <= j < i and the off-diagonal/diagonal ratio, with intervals;
         the change of that ratio from (a) to (b) (W_Q, W_K) and from (c) to (d) (W_O), with intervals."""
         panels = {}
-        for letter, key, what in PANELS:
+        for letter, key, _ in PANELS:
             panels[letter] = {
-                "name": key, "what": what,
+                "name": key, "what": panel_what(letter, self.family),
                 "row_slope": self.sums.estimate(lambda m, c=letter: row_slope(self.panel_map(c, m)), level).item(),
                 "offdiag_ratio": self.sums.estimate(lambda m, c=letter: offdiag_ratio(self.panel_map(c, m)),
                                                     level).item(),
@@ -575,11 +593,11 @@ class IntermediatesAnalysis(Analysis):
         stat, cfg, family = passes[0].statistics[0], job.config, job.hm.family
         return Output(stat.result(cfg.level), stat.summary(cfg.level), {
             "layer_numbering": "indices from 0 in config and tensors; figures number layers from 1",
-            "panels": {letter: {"what": what, "layer": cfg.layer + (letter in "hi"),
-                                "hook_point": _hook_point(letter, cfg.layer, family)} for letter, _, what in PANELS}})
+            "panels": {letter: {"what": panel_what(letter, family), "layer": cfg.layer + (letter in "hi"),
+                                "hook_point": _hook_point(letter, cfg.layer, family)} for letter, _, _ in PANELS}})
 
     def figures(self, job: Job, output: Output, directory: Path) -> list[Path]:
-        paths = figure3(output.tensors, job.config.layer, directory, job.label)
+        paths = figure3(output.tensors, job.config.layer, directory, job.label, job.hm.family)
         return paths + (figure8(output.tensors, directory, job.label) if job.config.all_layers else [])
 
 
@@ -655,20 +673,19 @@ def summary_lines(meta: dict) -> list[str]:
 # ---------------------------------------------------------------- figures
 
 
-def panel_title(letter: str, layer: int) -> str:
-    """Figure 3 panel title, layers numbered from 1 (layer index L is layer L+1)."""
-    what = dict((c, w) for c, _, w in PANELS)[letter]
-    return f"({letter}) {what}, layer {layer + 1 + (letter in 'hi')}"
+def panel_title(letter: str, layer: int, family=None) -> str:
+    """Figure 3 panel title, layers numbered from 1 (layer index L is layer L+1), in `family`'s layout's words."""
+    return f"({letter}) {panel_what(letter, family)}, layer {layer + 1 + (letter in 'hi')}"
 
 
-def figure3(result: dict, layer: int, directory: Path, label: str) -> list[Path]:
+def figure3(result: dict, layer: int, directory: Path, label: str, family=None) -> list[Path]:
     """The 3 x 3 grid of Figure 3: figure3.{png,pdf}. Each panel's colour limits are the 1% and 99% quantiles of
     its off-diagonal entries (the diagonal, a token with itself, is far larger in most panels and saturates)."""
     from poslens import plotting
 
     maps = [result[f"panel_{c}"] for c, _, _ in PANELS]
     limits = [plotting.offdiag_limits(m, (0.01, 0.99)) for m in maps]
-    fig = plotting.map_grid(maps, [panel_title(c, layer) for c, _, _ in PANELS], ncols=3, limits=limits,
+    fig = plotting.map_grid(maps, [panel_title(c, layer, family) for c, _, _ in PANELS], ncols=3, limits=limits,
                             suptitle=f"{label}: Gram matrices of the intermediates of layers {layer + 1} and "
                             f"{layer + 2}, mean over sequences (and heads)", panel_size=3.0)
     return plotting.save(fig, directory, "figure3")

@@ -41,6 +41,9 @@ _BATCH = 256
 
 # ---------------------------------------------------------------- documents
 
+NO_TOKENIZER = ("this model has no tokenizer; pass one with --tokenizer SPEC (e.g. --tokenizer smollm2-135m, the "
+                "embedded model's)")
+
 
 def default_documents() -> Iterator[str]:
     """The embedded default text (`poslens.engine.corpus`, docs/corpus.md): CPython's documentation, then the
@@ -267,7 +270,7 @@ def make_sequences(tokenizer: Any, documents: Iterable[str], seq_len: int, num_s
     bos (policy), bos_prepended, bos_token_id, separator_token_id (pack mode only).
     minimum: accept as few as this many sequences when the text runs out (default: exactly num_sequences).
     """
-    require(tokenizer is not None, "this model has no tokenizer; pass one with --tokenizer SPEC")
+    require(tokenizer is not None, NO_TOKENIZER)
     check_choice("--mode", mode, MODES)
     num_sequences = check_int("--num-sequences", num_sequences, 1)
     minimum = num_sequences if minimum is None else min(check_int("minimum", minimum, 1), num_sequences)
@@ -315,7 +318,7 @@ def document_windows(tokenizer: Any, documents: Iterable[str], seq_len: int, num
     with fewer than body + min_offset tokens are skipped and counted. Stats: those of make_sequences plus
     `offsets` (a list) and min_offset, max_offset.
     """
-    require(tokenizer is not None, "this model has no tokenizer; pass one with --tokenizer SPEC")
+    require(tokenizer is not None, NO_TOKENIZER)
     num_sequences = check_int("--num-sequences", num_sequences, 1)
     prepend, bos_id = _bos_policy(tokenizer, bos)
     seq_len = check_int("--seq-len", seq_len, 2 if prepend else 1)

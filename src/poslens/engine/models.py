@@ -318,7 +318,7 @@ def _wrap(what: str, e: Exception, spec: ModelSpec) -> UsageError:
     return UsageError(f"model {spec.spec}: cannot load {what} ({_first_line(e)})")
 
 
-def _not_cached(spec: str) -> UsageError:
+def _not_cached(spec: str, what: str = "model") -> UsageError:
     """The one line for a hub id that is neither in the local Hugging Face cache nor reachable; it names the alias
     a mistyped one is closest to, or the local folder a path-like one is not."""
     import difflib
@@ -327,7 +327,7 @@ def _not_cached(spec: str) -> UsageError:
     hint = f"did you mean {close[0]}? Else " if close else ""
     if not close and Path(spec.split("/")[0]).is_dir():
         hint = f"there is no folder {spec} here. Else "
-    return UsageError(f"model {spec} is not in the local Hugging Face cache and the hub cannot be reached; "
+    return UsageError(f"{what} {spec} is not in the local Hugging Face cache and the hub cannot be reached; "
                       f"{hint}download it once while online (hf download {spec}) or pass a local directory or "
                       ".gguf file")
 
@@ -433,6 +433,8 @@ def load_tokenizer(spec: str, cache_dir: str | os.PathLike | None = None) -> Any
             tok = _random_tokenizer(ms)
             require(tok is not None, f"tokenizer {spec}: a random config without tokenizer files has no tokenizer")
             return tok
+        if ms.kind == "hub" and not _hub_cached_or_reachable(ms.path):  # at once, not after transformers' retries
+            raise _not_cached(ms.spec, "tokenizer")
         return AutoTokenizer.from_pretrained(ms.path)
     except UsageError:
         raise

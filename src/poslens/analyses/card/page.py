@@ -53,7 +53,7 @@ PANELS = {
     "length": ("Held-out loss by position past a length L",
                "Next-token loss by target position up to multiple x L on held-out text, and the paired effect of each "
                "length intervention that applies to the scheme past L: its mean loss minus the unchanged model's "
-               "(none), in nats per token, over target positions L to N of the same sequences (below 0: the "
+               "(none), in nats per token, over positions L + 1 to N of the same sequences (1-based; below 0: the "
                "intervention lowers the loss).",
                "Shows: how the loss behaves past L and what each intervention does there. Cannot show: a model's "
                "behaviour past its real training length unless L is set to it (length.train_len=N): by default L is "
@@ -115,7 +115,7 @@ def read_model(runs: list) -> dict:
     lt = length.tensors
     bins = []
     for b in range(len(lt["loss_binned"])):
-        bins.append({"from": b * width + 1, "to": min((b + 1) * width, lens[-1]),
+        bins.append({"from": max(2, b * width + 1), "to": min((b + 1) * width, lens[-1]),  # position 1: no loss
                      "loss": (float(lt["loss_binned"][b]), float(lt["loss_binned_lo"][b]),
                               float(lt["loss_binned_hi"][b]))})
     model0 = lm["models"][0]
@@ -312,7 +312,7 @@ def tables(models: list[dict], level: float = 0.95) -> dict[str, tuple[list[str]
     add_paired(out["scores"], labels[0], paired["scores"])
     add_paired(out["leakage"], labels[0], paired["leakage"])
     nbins = max(len(m["length"]["bins"]) for m in models)
-    out["length"] = (["target positions"] + [f"loss ({x})" if multi else "loss" for x in labels],
+    out["length"] = (["positions"] + [f"loss ({x})" if multi else "loss" for x in labels],
                      [[f"{models[0]['length']['bins'][b]['from']}-{models[0]['length']['bins'][b]['to']}"
                        if b < len(models[0]["length"]["bins"]) else "-"]
                       + [_iv(*m["length"]["bins"][b]["loss"]) if b < len(m["length"]["bins"]) else "-"
@@ -385,7 +385,7 @@ def length_effects(m: dict) -> list[str]:
     lines = []
     L = m["length"]["train_len"]
     for name, per in m["length"]["effects"].items():
-        parts = [f"targets {L}-{n}: {_iv(*v)}" for n, v in sorted(per.items())]
+        parts = [f"positions {L + 1}-{n}: {_iv(*v)}" for n, v in sorted(per.items())]
         lines.append(f"{name}: {'; '.join(parts)}")
     for name, why in m["length"]["skipped"].items():
         lines.append(f"{name}: not run ({why})")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from poslens.analyses.card.out import PAGE
 from poslens.engine.config import DTYPES
 from poslens.engine.data import BOS_POLICIES, MODES
 from poslens.errors import UsageError
@@ -83,6 +84,9 @@ class CardConfig:
         if len(set(names)) != len(names):
             raise UsageError(f"labels: two models have the label {_first_repeat(names)!r}; give --labels",
                              param="labels")
+        if PAGE in names:  # OUT/card is the page's own folder
+            raise UsageError(f"labels: a model's label is {PAGE!r}, the name of the page's folder in the output "
+                             "directory; give it another label (--labels)", param="labels")
 
     def size_table(self) -> dict[str, dict[str, Any]]:
         """SIZES updated by `sizes` (unknown analyses, keys or values of another type refused in one line)."""

@@ -52,6 +52,7 @@ from poslens.analyses.length.checks import rope_types
 from poslens.analyses.length.masks import model_mask, right_padded
 from poslens.analyses.length.points import query_point
 from poslens.engine.families import positional_encoding, rotary_modules, scale_alibi
+from poslens.engine.pe import ntk_theta
 from poslens.errors import UsageError, check_float, check_int
 
 SPECS = ("none", "logn", "logn-all", "ntk", "yarn", "window", "sink-window", "alibi-scale", "freeze")
@@ -146,7 +147,9 @@ class RopeScaling(Intervention):
     def check(self, model) -> None:
         types = rope_types(model)
         if not types:
-            raise UsageError(f"{self.name}: the model has no RoPE layer, so scaling its frequencies changes nothing")
+            alibi = "alibi" in positional_encoding(model)
+            raise UsageError(f"{self.name}: the model has no RoPE layer, so scaling its frequencies changes nothing"
+                             + ("; its ALiBi slopes scale with alibi-scale[:F]" if alibi else ""))
         if types != {"default"}:
             raise UsageError(f"{self.name}: the model's RoPE is already scaled (rope_type {sorted(types)[0]}); "
                              "NTK and YaRN at evaluation act on default RoPE")
@@ -154,6 +157,11 @@ class RopeScaling(Intervention):
             raise UsageError(f"{self.name}: the model's rotary angles come from a fixed sin/cos table of base 10000 "
                              "(GPT-J's, which transformers cannot rescale), not from frequencies; NTK and YaRN at "
                              "evaluation act on RoPE computed from inv_freq")
+        dims = [2 * b.numel() for m in rotary_modules(model) for n, b in m.named_buffers(recurse=False)
+                if n.endswith("inv_freq")]
+        if self.kind == "ntk" and dims and min(dims) <= 2:  # theta * F ** (d / (d - 2)) needs d > 2
+            raise UsageError(f"{self.name}: NTK scaling needs more than 2 rotary dimensions per head (the base "
+                             f"becomes theta * F ** (d / (d - 2))); this model turns {min(dims)}: use yarn")
 
     def changed(self, hm, length):
         return self.scaled(hm, self.factor if self.factor is not None else max(1.0, length / self.train_len))
@@ -191,8 +199,7 @@ class RopeScaling(Intervention):
         device = current.device
         kw = {} if layer_type is None else {"layer_type": layer_type}
         if self.kind == "ntk":
-            dim = 2 * current.numel()
-            params["rope_theta"] = params["rope_theta"] * factor ** (dim / (dim - 2))
+            params["rope_theta"] = ntk_theta(params["rope_theta"], factor, 2 * current.numel())
             return type(rotary).compute_default_rope_parameters(config, device=device, **kw)
         params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=self.train_len)
         return ROPE_INIT_FUNCTIONS["yarn"](config, device, **kw)
