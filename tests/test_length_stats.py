@@ -168,3 +168,12 @@ def test_a_scoped_row_is_not_said_to_be_decided_against_by_more_seeds():
     resolve_by_seeds(sw, [row])
     line = row.resolve_line()
     assert line.count("failing side") == 1 and "fail at this scale" in line and "against the claim" not in line
+
+
+def test_printed_effects_keep_their_digits_when_small():
+    """An effect of 2e-05 with its interval is printed with 3 significant digits, not as +0.000 [-0.000, +0.000];
+    a loss keeps 3 decimals."""
+    from poslens.analyses.length.summary import _ci
+
+    assert _ci({"value": 2e-5, "lo": 1.02e-7, "hi": 3.99e-5}, signed=True) == "+2e-05 [+1.02e-07, +3.99e-05]"
+    assert _ci({"value": 5.25, "lo": 4.72, "hi": 5.77}) == "5.250 [4.720, 5.770]"

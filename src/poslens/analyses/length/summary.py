@@ -116,7 +116,11 @@ def over_models(per_model: list[dict], level: float) -> dict:
 
 
 def _ci(e: dict, signed: bool = False) -> str:
-    f = "+.3f" if signed else ".3f"
+    """value [lo, hi] to 3 decimals, or to 3 significant digits when every bound is under 0.001 (an effect of 2e-05
+    is not printed as +0.000 [-0.000, +0.000])."""
+    small = all(abs(e[k]) < 1e-3 for k in ("value", "lo", "hi")
+                if isinstance(e.get(k), (int, float)) and math.isfinite(e[k]))
+    f = ("+" if signed else "") + (".3g" if small else ".3f")
     if e.get("lo") is None or not math.isfinite(e["lo"]):
         return f"{e['value']:{f}}"
     return f"{e['value']:{f}} [{e['lo']:{f}}, {e['hi']:{f}}]"
