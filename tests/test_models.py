@@ -577,3 +577,10 @@ def test_gptj_with_a_rotary_dim_wider_than_its_heads_is_one_line():
         load_model("random:" + json.dumps(config))
     model, _ = load_model("random:" + json.dumps({**config, "rotary_dim": 8}))
     assert model.config.rotary_dim == 8
+
+
+def test_heads_that_do_not_divide_the_width_name_only_fields_the_config_has():
+    """GPT-2's config has no head_dim field, so the one line does not suggest setting one."""
+    gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 64, "n_layer": 2, "n_head": 5}
+    with pytest.raises(UsageError, match="num_attention_heads 5 does not divide hidden_size 64; fix the config$"):
+        load_model("random:" + json.dumps(gpt2))

@@ -129,3 +129,22 @@ def test_sliding_window_receptive_field(tmp_path):
     assert PositionalEncoding.of(reloaded).windows == (0, 0)
     assert torch.equal(changes["window"][7:], torch.zeros(17)) and changes["window"][6] > 0
     assert changes["SF"][7:].min() > 0 and changes["full"][7:].min() > 0
+
+
+def test_an_alibi_model_loaded_without_positions_records_no_rope_parameters():
+    """Falcon-RW's config carries transformers' default rope_parameters, which an ALiBi model never uses: loaded with
+    pe="none" (NoPE: its bias removed) its record has none; a RoPE model loaded so keeps its config's."""
+    import json
+
+    from poslens.engine.models import load_model
+
+    falcon_rw = {"model_type": "falcon", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "alibi": True, "new_decoder_architecture": False, "multi_query": False,
+                 "parallel_attn": False, "bias": True}
+    model, _ = load_model("random:" + json.dumps(falcon_rw), pe="none")
+    record = PositionalEncoding.of(model).record()
+    assert record["layers"] == ["none", "none"] and "rope_parameters" not in record
+    llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    model, _ = load_model("random:" + json.dumps(llama), pe="none")
+    assert "rope_theta" in PositionalEncoding.of(model).record()["rope_parameters"]

@@ -591,8 +591,9 @@ def _load_random(ms: ModelSpec, dtype: str | torch.dtype, dev: torch.device, att
     hidden = getattr(config, "hidden_size", None)
     if isinstance(heads, int) and isinstance(hidden, int) and getattr(config, "head_dim", None) is None and \
             (heads < 1 or hidden % heads):
+        head_dim = " or set head_dim" if "head_dim" in config.to_dict() else ""  # GPT-2, OPT, ...: no such field
         raise UsageError(f"model {ms.spec}: num_attention_heads {heads} does not divide hidden_size {hidden}; "
-                         "fix the config or set head_dim")
+                         f"fix the config{head_dim}")
     _check_supported(config)
     chosen = choose_dtype(dtype, config, dev)
     try:

@@ -198,11 +198,13 @@ class PositionalEncoding:
         per_type = isinstance(raw, dict) and "rope_type" not in raw and "full_attention" in raw
         params = raw["full_attention"] if per_type else raw  # per-layer-type parameters (Gemma-3): the global layers'
         params = dict(params) if isinstance(params, dict) else {}
-        if getattr(model_or_config, PE_ATTR, None) == "none":
-            return cls(rope=("none",) * n, windows=windows, rope_parameters=params or None)
+        alibi = config.model_type in ALIBI or (config.model_type == "falcon" and getattr(config, "alibi", False))
+        if getattr(model_or_config, PE_ATTR, None) == "none":  # the RoPE parameters removed, kept as the config's;
+            # an ALiBi model's config carries transformers' default ones, which it never used: not recorded
+            return cls(rope=("none",) * n, windows=windows, rope_parameters=None if alibi else params or None)
         if config.model_type in LEARNED_TABLE:  # no rotation: a learned table of max_position_embeddings rows
             return cls(rope=("learned",) * n, windows=windows)
-        if config.model_type in ALIBI or (config.model_type == "falcon" and getattr(config, "alibi", False)):
+        if alibi:
             return cls(rope=("alibi",) * n, windows=windows, alibi_slopes=alibi_slopes(config.num_attention_heads))
         if config.model_type == "smollm3":
             flags = getattr(config, "no_rope_layers", None) or [1] * n
