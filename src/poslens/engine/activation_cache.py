@@ -242,13 +242,18 @@ class ActivationCache(Mapping):
         w_o = model.W_O if layer else None
         for l in range(layer):
             name = f"blocks.{l}.attn.hook_result"
-            result = self.cache_dict[name] if name in self.cache_dict else \
-                torch.einsum("...hk,hkd->...hd", self[("z", l)], w_o[l].to(self[("z", l)].dtype))
+            result = self.cache_dict[name] if name in self.cache_dict else _head_results(self[("z", l)], w_o[l])
             result = _slice(result, pos_slice, -3)  # [batch, (pos,) head, d]
             parts.append(result.movedim(-2, 0))
             labels += [f"L{l}H{h}" for h in range(result.shape[-2])]
+        return self._by_unit(parts, labels, layer, "heads", incl_remainder, pos_slice, apply_ln, return_labels)
+
+    def _by_unit(self, parts, labels, layer: int, what: str, incl_remainder: bool, pos_slice, apply_ln: bool,
+                 return_labels: bool):
+        """The per-unit outputs of the layers before `layer` (parts [units, batch, (pos,) d]) as one stack, with the
+        rest of the stream after them (incl_remainder), through the norm at `layer` (apply_ln)."""
         if not parts:
-            raise UsageError("stack_head_results: layer 0 has no heads before it; give a layer >= 1")
+            raise UsageError(f"stack_{what[:-1]}_results: layer 0 has no {what} before it; give a layer >= 1")
         stack = torch.cat(parts)
         if incl_remainder:
             rest = _slice(self[("resid_post", layer - 1)], pos_slice, -2) - stack.sum(0)
@@ -319,12 +324,11 @@ class ActivationCache(Mapping):
     def compute_head_results(self) -> None:
         """TransformerLens's compute_head_results: each layer's attn.hook_result [batch, pos, head, d] added to the
         cache from its hook_z and W_O (the layers whose hook_z is cached and whose result is not)."""
-        model = self._model("compute_head_results")
+        w_o = self._model("compute_head_results").W_O  # [n_layers, heads, d_head, d], formed once
         for l in range(self.n_layers):
             z, name = f"blocks.{l}.attn.hook_z", f"blocks.{l}.attn.hook_result"
             if z in self.cache_dict and name not in self.cache_dict:
-                self.cache_dict[name] = torch.einsum("...hk,hkd->...hd", self.cache_dict[z],
-                                                     model.W_O[l].to(self.cache_dict[z].dtype))
+                self.cache_dict[name] = _head_results(self.cache_dict[z], w_o[l])
 
     def get_neuron_results(self, layer: int, neuron_slice=None, pos_slice=None) -> torch.Tensor:
         """TransformerLens's get_neuron_results: each MLP neuron's output in the residual stream, its activation
@@ -349,16 +353,7 @@ class ActivationCache(Mapping):
             kept = torch.arange(self[("post", l)].shape[-1])
             kept = _slice(kept, neuron_slice, 0).reshape(-1)
             labels += [f"L{l}N{int(n)}" for n in kept]
-        if not parts:
-            raise UsageError("stack_neuron_results: layer 0 has no neurons before it; give a layer >= 1")
-        stack = torch.cat(parts)
-        if incl_remainder:
-            rest = _slice(self[("resid_post", layer - 1)], pos_slice, -2) - stack.sum(0)
-            stack = torch.cat([stack, rest[None]])
-            labels.append("remainder")
-        if apply_ln:
-            stack = self.apply_ln_to_stack(stack, layer, False, pos_slice)
-        return (stack, labels) if return_labels else stack
+        return self._by_unit(parts, labels, layer, "neurons", incl_remainder, pos_slice, apply_ln, return_labels)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -366,6 +361,12 @@ class ActivationCache(Mapping):
         raise NoEquivalent(f"ActivationCache.{name}: TransformerLens's {name} has no poslens equivalent; the cache is "
                            "a mapping hook name -> tensor: cache[name], cache[name, layer] and torch.stack over "
                            "layers do most of what is missing (see docs/hooks.md)")
+
+
+def _head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """Each head's output z_h W_O[h] of one layer: z [batch, pos, head, d_head], W_O [head, d_head, d] -> [batch, pos,
+    head, d] (TransformerLens's compute_head_results)."""
+    return torch.einsum("...hk,hkd->...hd", z, w_o.to(z.dtype))
 
 
 def _slice(x: torch.Tensor, which, dim: int) -> torch.Tensor:

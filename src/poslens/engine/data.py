@@ -37,12 +37,11 @@ PLAIN_SUFFIXES = (".txt", ".text", ".md", ".rst")
 SUFFIXES = PLAIN_SUFFIXES + (".jsonl", ".parquet")
 _MARGIN = 16  # tokens past a character cut that must agree before a prefix tokenisation is trusted
 _BATCH = 256
+NO_TOKENIZER = ("this model has no tokenizer; pass one with --tokenizer SPEC (e.g. --tokenizer smollm2-135m, the "
+                "embedded model's)")
 
 
 # ---------------------------------------------------------------- documents
-
-NO_TOKENIZER = ("this model has no tokenizer; pass one with --tokenizer SPEC (e.g. --tokenizer smollm2-135m, the "
-                "embedded model's)")
 
 
 def default_documents() -> Iterator[str]:

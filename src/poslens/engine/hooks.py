@@ -436,11 +436,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         side = load_kwargs.pop("default_padding_side", None)
         if "torch_dtype" in load_kwargs:
             load_kwargs["dtype"] = load_kwargs.pop("torch_dtype")
-        hf_model, tokenizer = load_kwargs.pop("hf_model", None), load_kwargs.get("tokenizer")
-        if tokenizer is not None and not isinstance(tokenizer, str):  # a tokenizer object, as TransformerLens takes
-            load_kwargs.pop("tokenizer")
-        else:
-            tokenizer = None
+        hf_model = load_kwargs.pop("hf_model", None)
+        given = not isinstance(load_kwargs.get("tokenizer", ""), str)  # a tokenizer object, as TransformerLens takes
+        tokenizer = load_kwargs.pop("tokenizer") if given else None  # (a spec string goes to load_model)
         unknown = sorted(set(load_kwargs) - set(inspect.signature(load_model).parameters))
         if unknown:
             raise NoEquivalent(f"from_pretrained: TransformerLens's {unknown[0]}= has no poslens equivalent; the "
