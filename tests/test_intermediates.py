@@ -13,12 +13,15 @@ import torch.nn.functional as F
 from tiny_models import FAMILIES, build, token_batch
 
 from poslens.analyses.intermediates import (
+    GRAM_PANELS,
     PANELS,
     BlockOutputMismatch,
     Intermediates,
     IntermediatesConfig,
     check_tolerance,
     cosine_scores,
+    gram_ratio_support,
+    offdiag_ratio,
     row_slope,
     row_slopes,
     run_intermediates,
@@ -330,6 +333,39 @@ def test_amplification_is_model_over_stack_and_skipped_with_rope():
     assert amp["ratio"]["method"] == "jackknife" and amp["ratio"]["groups"] == 4
     rope = _run(build("smollm3", no_rope_layers=[1, 0, 1]), [token_batch(2, 12)], 0, groups=2)
     assert "skipped" in rope.summary()["amplification"] and "rope/none" in rope.summary()["amplification"]["skipped"]
+
+
+def test_gram_ratio_support_is_attained_and_never_left():
+    """offdiag_ratio of a Gram matrix of n vectors lies in [-1/(n-1), 1]: a regular simplex (centred basis vectors,
+    summing to zero) reaches the lower end, n equal vectors the upper, random vector sets fall between."""
+    n = 7
+    low, high = gram_ratio_support(n)
+    simplex = torch.eye(n, dtype=torch.float64) - 1.0 / n
+    assert float(offdiag_ratio(simplex @ simplex.T)) == pytest.approx(low, rel=1e-12)
+    same = torch.randn(1, 5, dtype=torch.float64).expand(n, 5)
+    assert float(offdiag_ratio(same @ same.T)) == pytest.approx(high, rel=1e-12)
+    g = torch.Generator().manual_seed(0)
+    for shift in (0.0, 0.3, 3.0):
+        for _ in range(100):
+            y = torch.randn(n, 3, generator=g, dtype=torch.float64) * torch.rand(n, 1, generator=g,
+                                                                                dtype=torch.float64) + shift
+            assert low - 1e-12 <= float(offdiag_ratio(y @ y.T)) <= high + 1e-12
+
+
+def test_gram_panels_and_alpha_record_their_support():
+    """The off-diagonal/diagonal ratios of the Gram panels, and the amplification's alpha (panel (a)'s), carry the
+    range they cannot leave (their intervals cut to it); the q.k panels (b) and (i) have none."""
+    st = _run(build("smollm3", no_rope_layers=[0, 0, 0]), [token_batch(2, 12, seed=s) for s in range(2)], 0,
+              groups=2)
+    summary = st.summary()
+    want = [pytest.approx(-1 / 11, rel=1e-12), 1.0]
+    for letter, p in summary["panels"].items():
+        e = p["offdiag_ratio"]
+        assert e.get("support") == (want if letter in GRAM_PANELS else None), letter
+        if letter in GRAM_PANELS:
+            assert -1 / 11 - 1e-12 <= e["lo"] <= e["value"] <= e["hi"] <= 1.0
+    assert summary["amplification"]["alpha"]["support"] == want
+    assert "support" not in summary["amplification"]["ratio"]
 
 
 def test_layer_without_a_next_layer_is_a_usage_error():

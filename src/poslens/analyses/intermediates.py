@@ -218,6 +218,16 @@ def offdiag_ratio(m: torch.Tensor) -> torch.Tensor:
     return m[low].mean() / diag if bool(diag > 0) else torch.full((), math.nan, dtype=m.dtype, device=m.device)
 
 
+GRAM_PANELS = "acdefgh"  # the panels that are means of Gram matrices x_i . x_j (q.k panels b and i are not)
+
+
+def gram_ratio_support(n: int) -> tuple[float, float]:
+    """The range `offdiag_ratio` cannot leave on a mean of Gram matrices of n vectors (and on every leave-one-group-
+    out mean): |sum_i x_i|^2 >= 0 puts the mean lower entry at or above -(mean diagonal) / (n - 1), and
+    x_i . x_j <= (|x_i|^2 + |x_j|^2) / 2 puts it at or below the mean diagonal."""
+    return (-1.0 / (n - 1), 1.0)
+
+
 def diagonal_slope(m: torch.Tensor) -> torch.Tensor:
     """Least-squares slope of the diagonal m[i, i] in i over positions i >= 1 (position 0, the sink's, left out),
     over the mean of those diagonal entries: below 0 when a token's Gram with itself falls along the sequence (the
@@ -437,13 +447,13 @@ class Intermediates(Statistic):
     def summary(self, level: float = 0.95) -> dict:
         """Per panel: mean row slope over keys 1 <= j < i and the off-diagonal/diagonal ratio, with intervals;
         the change of that ratio from (a) to (b) (W_Q, W_K) and from (c) to (d) (W_O), with intervals."""
-        panels = {}
+        panels, ratio_range = {}, gram_ratio_support(self.sums.mean("panel_a").shape[-1])
         for letter, key, _ in PANELS:
             panels[letter] = {
                 "name": key, "what": panel_what(letter, self.family),
                 "row_slope": self.sums.estimate(lambda m, c=letter: row_slope(self.panel_map(c, m)), level).item(),
-                "offdiag_ratio": self.sums.estimate(lambda m, c=letter: offdiag_ratio(self.panel_map(c, m)),
-                                                    level).item(),
+                "offdiag_ratio": self.sums.estimate(lambda m, c=letter: offdiag_ratio(self.panel_map(c, m)), level,
+                                                    support=ratio_range if letter in GRAM_PANELS else None).item(),
             }
         ratio = {c: (lambda m, c=c: offdiag_ratio(self.panel_map(c, m))) for c in "abcd"}
         changes = {f"offdiag_ratio_{y}_minus_{x}": self.sums.estimate(lambda m, x=x, y=y: ratio[y](m) - ratio[x](m),
@@ -505,8 +515,9 @@ class Intermediates(Statistic):
 
         est = self.sums.estimate(parts, level)
         names = ("alpha", "model_strength", "stack_strength", "ratio", "ratio_to_strongest_stack")
-        out = {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, level, est.method).item()
-               for i, k in enumerate(names)}
+        support = {"alpha": gram_ratio_support(n)}  # panel (a) is a mean of Gram matrices
+        out = {k: Estimate(est.value[i], est.lo[i], est.hi[i], est.se[i], est.groups, level, est.method,
+                           support=support.get(k)).item() for i, k in enumerate(names)}
         out["definition"] = ("strength = mean row slope over keys 1 <= j < i of the scores in cosine units, "
                              "E[q_i . k_j] / sqrt(E|q_i|^2 E|k_j|^2); model: panel (i); stack: second-layer scores "
                              "of the d -> infinity parameter-free stack (l2 norm, residual, no positional encoding; "
