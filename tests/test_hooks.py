@@ -65,7 +65,8 @@ def _layer(model, family, l, x, written=None):
     """Every point of layer l in float64 from its input x [B, T, d] and the layer's weights, with TransformerLens's
     meanings; `written` maps a point to a value a hook wrote there (it replaces the computed value downstream)."""
     ref = {f"{k}!": v.double() for k, v in (written or {}).items()}
-    blk, cfg, gemma = model.model.layers[l], model.config, family in GEMMA
+    blk, cfg, sandwich = model.model.layers[l], model.config, family in GEMMA
+    gemma = family.startswith("gemma")  # Gemma's (1 + w) norm gain (Gemma 1: Llama's pre-norm block)
     attn, mlp = blk.self_attn, blk.mlp
     b, t, _ = x.shape
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
@@ -106,12 +107,12 @@ def _layer(model, family, l, x, written=None):
     w_o = attn.o_proj.weight.double().T.unflatten(0, (h, d))  # [H, D, d]: each head's rows of W_O
     ref["attn.hook_result"] = torch.einsum("bihd,hde->bihe", z, w_o)
     a = ref["attn.hook_out"] = _linear(z.flatten(-2), attn.o_proj)
-    if gemma or post_norm:
+    if sandwich or post_norm:
         a = _rms("ln1" if post_norm else "ln1_post", blk.post_attention_layernorm, a, gemma, ref)
     ref["hook_attn_out"] = a
     mid = ref["hook_resid_mid"] = ref["hook_mlp_in"] = x + a
-    f = mid if post_norm else _rms("ln2", blk.pre_feedforward_layernorm if gemma else blk.post_attention_layernorm, mid,
-                              gemma, ref)
+    ln2 = blk.pre_feedforward_layernorm if sandwich else blk.post_attention_layernorm
+    f = mid if post_norm else _rms("ln2", ln2, mid, gemma, ref)
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)
         act = mlp.activation_fn
@@ -120,7 +121,7 @@ def _layer(model, family, l, x, written=None):
     ref["mlp.hook_pre"], ref["mlp.hook_pre_linear"] = gate, up
     post = ref["mlp.hook_post"] = act(gate) * up
     m = ref["mlp.hook_out"] = _linear(post, mlp.down_proj)
-    if gemma or post_norm:
+    if sandwich or post_norm:
         m = _rms("ln2" if post_norm else "ln2_post", blk.post_feedforward_layernorm, m, gemma, ref)
     ref["hook_mlp_out"] = m
     ref["hook_resid_post"] = mid + m
@@ -168,7 +169,7 @@ def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit
     for l in range(hm.n_layers):
         ref.update(_layer(model, family, l, cache[f"blocks.{l}.hook_resid_pre"].double()))
     final = _rms("ln_final", model.model.norm, cache[f"blocks.{hm.n_layers - 1}.hook_resid_post"].double(),
-                 family in GEMMA, ref)
+                 family.startswith("gemma"), ref)
     ref["unembed.hook_in"], ref["unembed.hook_out"] = final, _linear(final, model.lm_head)  # Gemma-2: before softcap
     assert set(ref) == set(hm.points)
     _assert_matches(cache, ref)

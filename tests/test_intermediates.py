@@ -133,7 +133,7 @@ def reference(model, ids, layer: int) -> tuple[dict[str, torch.Tensor], list[tor
         s, z, a, _ = _attention(model, layer, y)
         b, t, h, d = z.shape
         zg = torch.einsum("bihd,bjhd->bij", z, z) / h
-        if gemma:
+        if hasattr(blk, "pre_feedforward_layernorm"):  # Gemma-2 and -3's sandwich (Gemma 1: pre-norm, as Llama)
             mid = x + _norm(a, blk.post_attention_layernorm, gemma)
             f = _norm(mid, blk.pre_feedforward_layernorm, gemma)
             post = mid + _norm(_mlp(model, layer, f), blk.post_feedforward_layernorm, gemma)

@@ -24,6 +24,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTJConfig,
@@ -90,6 +92,8 @@ SPECS: dict[str, tuple[type, type, dict]] = {
             "query_pre_attn_scalar": 24,  # scaling 24**-0.5, not head_dim**-0.5
         },
     ),
+    # Gemma (1): Llama's pre-norm block with Gemma's (1 + w) RMSNorm, sqrt(d)-scaled embeddings and a GeGLU MLP
+    "gemma": (GemmaConfig, GemmaForCausalLM, {}),
     "gemma2": (
         Gemma2Config,
         Gemma2ForCausalLM,

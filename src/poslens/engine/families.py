@@ -126,6 +126,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("Mistral"),
     "phi3": Family("Phi-3"),
     "smollm3": Family("SmolLM3"),
+    "gemma": Family("Gemma", norm_gain="1+weight"),  # Llama's block; Gemma's (1 + w) norms and sqrt(d) embedding
     "gemma3_text": Family("Gemma-3 (text)", qk_norm_heads_first=True, **_SANDWICH),
     "gemma2": Family("Gemma-2", eager_output=True, softcap_attr="attn_logit_softcapping", eager_only=True,
                      **_SANDWICH),  # transformers refuses SDPA for it (the attention softcap)
