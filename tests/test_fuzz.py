@@ -225,6 +225,9 @@ CASES = [
          "the scores of layer 1 are all NaN or infinite, nothing to draw"),
     Case(["leakage-compare", "r"], run("r", "leakage"), "has no per-layer decomposition (metrics.per_layer_all"),
     Case(["leakage-compare", "r"], run("r", "scores", SCORES), "leakage-compare needs runs of `poslens leakage`"),
+    # a leakage run beside a scores run of the same model: the kind is named, not the labels
+    Case(["leakage-compare", "r", "s"], both(run("r", "leakage-stack", metrics=SHARES), run("s", "scores", SCORES)),
+         "s is a 'scores' run; leakage-compare needs runs"),
     Case(["leakage-compare", "r", "s"], both(run("r", "leakage-stack", metrics=SHARES),
                                              run("s", "leakage-stack", metrics=SHARES)), "would both be labelled"),
     # model and data inputs

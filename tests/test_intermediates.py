@@ -525,6 +525,9 @@ def test_section_42_readings_equal_an_independent_recomputation_from_the_mean_ma
     assert p["b"]["first_column"]["support"] == [0.0, math.inf]
     printed = summary_lines({"metrics": st.summary()})
     assert f"(i) key share {p['i']['key_share']['value']:.3g} [" in "\n".join(printed)
+    # docs/commands.md: the share of rows of (f) and (i) that increase with j, printed as run.json has it
+    assert f"(f) {p['f']['rows_increasing']['value']:.3g} [" in "\n".join(printed)
+    assert f"(i) {p['i']['rows_increasing']['value']:.3g} [" in "\n".join(printed)
     for (c, key), fn, support in ((("e", "correlation_with_d"), correlation, [-1.0, 1.0]),
                                   (("i", "key_share"), share, [0.0, 1.0])):
         est = st.sums.estimate(lambda m, fn=fn: torch.as_tensor(fn(maps(m))))

@@ -357,3 +357,14 @@ def test_every_metric_with_a_range_is_cut_to_it_in_run_json():
     removed = by_domain(est[:, :len(ENERGIES)], ENERGIES, False, REMOVED)["all"]
     assert all((removed[e]["key0_in"]["lo"], removed[e]["key0_in"]["hi"]) == (-2.5, 1.0) for e in ENERGIES)
     assert REMOVED[ENERGIES[0]] == (-math.inf, 1.0)
+
+
+def test_an_offset_past_the_sequence_is_refused():
+    """The longest offset i - j of seq_len tokens is seq_len - 1: a larger max_offset is refused in one line naming
+    that bound (it was recorded as given while the fit used seq_len - 1)."""
+    from poslens.analyses.leakage.run import LeakageConfig
+
+    with pytest.raises(UsageError, match="max_offset 1000 is past the longest offset i - j of seq_len 32; give "
+                                         "max_offset 31 or less"):
+        LeakageConfig(model="smollm2-135m", seq_len=32, early_queries=16, max_offset=1000).validate()
+    LeakageConfig(model="smollm2-135m", seq_len=32, early_queries=16, max_offset=31).validate()

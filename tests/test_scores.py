@@ -150,6 +150,29 @@ def test_a_batch_beyond_memory_is_refused_with_the_estimate(model_dir, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_no_rope_records_the_model_that_ran_and_contradicting_pe_is_refused(model_dir, tmp_path, capsys):
+    """--no-rope runs the model without RoPE for the whole run: run.json's model record says none, and the maps are
+    those of --pe none, number for number; with --pe rope it is refused in one line naming both flags."""
+    assert main(["scores", str(model_dir), "--no-rope", "--pe", "rope", "--quiet", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "poslens scores: error: --pe rope keeps RoPE and --no-rope removes it: give one of them"
+    assert not (tmp_path / "x").exists()
+    off = poslens.load(run_scores(cfg(model_dir, no_rope=True), tmp_path / "off", progress=False))
+    none = poslens.load(run_scores(cfg(model_dir, pe="none"), tmp_path / "none", progress=False))
+    assert set(off.meta["model"]["positional_encoding"]) == {"none"}
+    torch.testing.assert_close(off["scores"], none["scores"], rtol=0, atol=0, equal_nan=True)  # the same numbers
+
+
+def test_a_length_past_the_window_is_refused_before_the_sizes(model_dir, tmp_path, capsys, monkeypatch):
+    """Past the model's window no memory would do: the window is named, not a size to lower."""
+    from poslens.engine import pipeline
+
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 64 << 20)
+    assert main(["scores", str(model_dir), "--seq-len", "100000", "--quiet", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--seq-len 100000 is beyond the model's window" in err and "memory" not in err, err
+
+
 def test_compare_draws_figure5(model_dir, tmp_path):
     a = run_scores(cfg(model_dir), tmp_path / "a", progress=False)
     b = run_scores(cfg(model_dir, no_rope=True), tmp_path / "b", progress=False)

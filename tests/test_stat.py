@@ -86,6 +86,11 @@ def test_a_point_the_model_lacks_is_one_line_naming_the_option_before_any_text(m
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and not out.exists()
     assert "--point 'blocks.{l}.hook_foo': no hook point 'blocks.0.hook_foo'" in err, err
+    # a layer the model lacks names --layers, not the point
+    code = main(["stat", "activation_norm", str(model_dir), "--data", text_of(model_dir), *SMALL,
+                 "--layers", "99", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and not out.exists() and "--layers must be in [0, " in err, err
 
 
 @pytest.mark.parametrize("option, words", [(["--ridge", "-1"], "--ridge must be in [0, inf], got -1"),

@@ -375,6 +375,37 @@ def test_checkpoint_from_another_configuration(tokens, tmp_path):
     assert state.read_bytes() == before
 
 
+def test_resume_on_a_token_directory_rebuilt_in_place_is_refused(tokens, tmp_path):
+    """A checkpoint records its token directory's counts, split and the SHA-256 of its .bin files: the directory
+    rebuilt at the same path from other text in the same file (same tokenizer spec, same source) is refused in one
+    line, the checkpoint kept; rebuilt from the same text, the resume goes on."""
+    import json as _json
+    import shutil
+
+    from poslens.train.tokens import tokenize_corpus
+
+    text = [_json.loads(line)["text"] for line in (tokens.parent / "docs.jsonl").read_text().splitlines()]
+    docs, own = tmp_path / "docs.jsonl", tmp_path / "tok"
+
+    def tokenize(documents) -> dict:
+        docs.write_text("".join(_json.dumps({"text": t}) + "\n" for t in documents))
+        shutil.rmtree(own, ignore_errors=True)
+        return tokenize_corpus(str(docs), own, tokenizer="bpe:512", progress=False)
+
+    assert set(tokenize(text)["sha256"]) == {"train", "val"}
+    out = tmp_path / "run"
+    train(micro(own), out, progress=False, stop_after=1)
+    state = tmp_path / ".run.partial" / "checkpoint" / "trainer.pt"
+    before = state.read_bytes()
+    tokenize([" ".join(t.split()[::-1]) for t in text])  # other text: each document's words in reverse order
+    with pytest.raises(UsageError, match="trained on other tokens \\(sha256, train, val differ: the token directory "
+                                         "was rebuilt"):
+        train(micro(own), out, progress=False)
+    assert state.read_bytes() == before
+    tokenize(text)  # the same ids again: resumed
+    assert not train(micro(own), out, progress=False).get("stopped")
+
+
 def test_corpus_smaller_than_one_batch(tokens, tmp_path):
     n = num_blocks(open_tokens(tokens).train, 32)
     with pytest.raises(UsageError, match="fewer than one batch"):
@@ -677,3 +708,9 @@ def test_a_refused_out_under_torchrun_is_a_refusal_on_every_rank(tokens, tmp_pat
     assert done.stderr.count(f"poslens train: error: output directory {out} already exists") >= 1, done.stderr[-3000:]
     assert "poslens/train/loop.py" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_warmup_longer_than_the_run_names_the_bound():
+    """The preset's warmup (tiny: 15 steps) past a shortened run: the bound is named as a number."""
+    with pytest.raises(UsageError, match="warmup \\(15 steps\\) is longer than the run \\(3 steps\\).*at most 3 steps"):
+        resolve_config("tiny", steps=3)

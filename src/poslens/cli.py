@@ -369,6 +369,8 @@ def flag_message(message: str, param: str | None, names: dict[str, str]) -> str:
     name = param if param in names else (first.group(0) if first else None)
     if name in names and first and first.group(0) == name:
         message = names[name] + message[len(name):]
+    if name in names:  # the fix the message names: "lower groups" -> "lower --groups"
+        message = re.sub(rf"\b(lower|raise|use|give) {name}\b(?!-)", rf"\1 {names[name]}", message)
     return re.sub(r"(?<![\w-])([a-z]+_[a-z_]+)\b", lambda m: names.get(m.group(1), m.group(1)), message)
 
 

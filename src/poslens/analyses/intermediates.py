@@ -667,6 +667,10 @@ def summary_lines(meta: dict) -> list[str]:
                      f"variation {_interval(p['c']['uniformity'], '.3g')}; (e) vs (d) correlation "
                      f"{_interval(p['e']['correlation_with_d'], '.5g')}; (i) key share "
                      f"{_interval(p['i']['key_share'], '.3g')}")
+    if "rows_increasing" in p.get("f", {}) and "rows_increasing" in p.get("i", {}):
+        lines.append(f"rows increasing with j (share of rows i whose slope over keys 1 <= j < i is positive): (f) "
+                     f"{_interval(p['f']['rows_increasing'], '.3g')}, (i) {_interval(p['i']['rows_increasing'], '.3g')}"
+                     f" (bootstrap over groups)")
     amp = m.get("amplification") or {}
     if "ratio" in amp:
         lines.append(f"amplification (Section 4.2): panel (i)'s pattern is {_interval(amp['ratio'], '.3g')} times "

@@ -8,7 +8,6 @@ of sequences and the noise level of the diagonal-normalised map.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 from poslens.engine.config import ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, run_analysis
-from poslens.errors import check_int
+from poslens.errors import check_int, require
 from poslens.maps import as_numpy, diagonal_normalise, quantile_limits
 from poslens.options import option
 
@@ -34,11 +33,26 @@ class ScoresConfig(ModelData):
     hidden_cosine: bool = option(False, help="also keep hidden-state cosine-similarity maps")
     no_rope: bool = option(False, help="run the same model with RoPE disabled (ablation)")
 
+    def validate(self) -> None:
+        super().validate()
+        require(not (self.no_rope and self.pe == "rope"), "pe rope keeps RoPE and no_rope removes it: give one of "
+                                                           "them")
+
 
 class Scores(Analysis):
     """The scores analysis: one pass of `Capture`."""
 
     kind = "scores"
+
+    def configure(self, job: Job) -> None:
+        """no_rope: RoPE removed from the loaded model for the whole run (as pe none), so that run.json's model
+        record says what ran."""
+        if job.config.no_rope:
+            from poslens.engine.families import rotary_modules, set_positional_encoding
+
+            require(bool(rotary_modules(job.model)), f"no_rope: {type(job.model).__name__} has no rotary embedding "
+                                                     "module to disable")
+            set_positional_encoding(job.model, "none")
 
     def check(self, job: Job) -> None:
         n = job.hm.n_layers
@@ -60,7 +74,7 @@ class Scores(Analysis):
         cfg = job.config
         maps = Capture(job.model, cfg.layers, per_head=cfg.per_head, probs=cfg.probs, log_probs=cfg.log_probs,
                        hidden_cosine=cfg.hidden_cosine, device=job.dist.device, groups=job.groups)
-        return [Pass("scores", [maps], context=(lambda: _no_rope(job.model)) if cfg.no_rope else None)]
+        return [Pass("scores", [maps])]
 
     def finish(self, job: Job, passes: list[Pass]) -> Output:
         maps = passes[0].statistics[0]
@@ -78,12 +92,6 @@ SCORES = Scores()
 def run_scores(cfg: ScoresConfig, out: str | Path, force: bool = False, progress: bool = True) -> Path | None:
     """Compute the maps and write the run directory `out`; returns its path (on rank 0; None on other ranks)."""
     return run_analysis(SCORES, cfg, out, force=force, progress=progress)
-
-
-def _no_rope(model) -> contextlib.AbstractContextManager:
-    from poslens.engine.ablations import no_rope
-
-    return no_rope(model)
 
 
 def pattern_rms(m: torch.Tensor) -> float:

@@ -290,9 +290,9 @@ def run_analysis(analysis: Analysis, config: ModelData, out: str | Path, *, forc
                                                   tokenizer=config.tokenizer, seed=config.seed, pe=config.pe)
         job.hm = HookedModel(job.model)
         analysis.configure(job)
+        check_window(config.seq_len, analysis.window(job))  # before the sizes: past the window, no size would do
         check_memory(config, {"one batch's forward": (_batch_bytes(config, job.model), "batch_size"),
                               **analysis.memory(job)}, dist.device)
-        check_window(config.seq_len, analysis.window(job))
         analysis.check(job)
         job.sequences, job.data = analysis.sequences(job, docs)
         job.data["source"] = source

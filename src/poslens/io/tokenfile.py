@@ -6,7 +6,7 @@ A token directory holds
     train.bin, val.bin   token ids back to back, raw little-endian uint16 when the vocabulary has at most 65,536
                          entries, else uint32; every document followed by the separator token
     header.json          format, version, dtype, vocab_size, separator/BOS/EOS ids, tokens and documents per split,
-                         tokenizer spec, source, split seed and fraction
+                         tokenizer spec, source, split seed and fraction, the SHA-256 of each .bin file
     tokenizer/           the tokenizer that wrote the ids (``save_pretrained`` files)
     run.json, tensors.safetensors   the poslens run-directory files, so that ``tokenize --force`` may replace it
 
@@ -238,7 +238,8 @@ class TokenWriter:
         tok.save_pretrained(self.directory / TOKENIZER)
         header = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name, "vocab_size": self.vocab_size,
                   "separator_token_id": int(separator_token_id), "bos_token_id": tok.bos_token_id,
-                  "eos_token_id": tok.eos_token_id, **fields, **self.counts}
+                  "eos_token_id": tok.eos_token_id, **fields, **self.counts,
+                  "sha256": {split: self.hashes[split].hexdigest() for split in SPLITS}}
         check_header(header, self.directory)
         write_text(self.directory / HEADER, json.dumps(header, indent=2) + "\n")
         return header

@@ -107,8 +107,8 @@ class TrainConfig:
         check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_int("warmup", self.warmup, 0)
         require(self.warmup <= self.steps, f"warmup ({self.warmup} steps) is longer than the run ({self.steps} steps), "
-                                           "so the learning rate would never reach lr; give a warmup of at most "
-                                           "steps")
+                                           f"so the learning rate would never reach lr; give a warmup of at most "
+                                           f"{self.steps} steps (a preset sets one for its own steps)")
         check_float("weight_decay", self.weight_decay, 0.0, 1.0)
         check_float("beta1", self.beta1, 0.0, 1.0, hi_open=True)
         check_float("beta2", self.beta2, 0.0, 1.0, hi_open=True)

@@ -318,9 +318,15 @@ def evaluate(model: torch.nn.Module, tf: TokenFile, cfg: TrainConfig, d: Dist) -
     return float(total[0] / total[1])
 
 
+# what a checkpoint records of its token directory, and a resume must find again: a directory rebuilt at the same path
+# from other text, or split otherwise, differs in its counts, split and (written by tokenize since 2026-11-30) the
+# SHA-256 of its .bin files
+TOKENS_IDENTITY = ("vocab_size", "source", "tokenizer", "train", "val", "val_fraction", "seed", "sha256")
+
+
 def check_training_data(cfg: TrainConfig, tf: TokenFile) -> dict[str, Any]:
     """One-line errors for token files too short for one batch or one held-out sequence; returns the token file's
-    identity as a checkpoint records it (vocabulary size, source, tokenizer)."""
+    identity as a checkpoint records it (`TOKENS_IDENTITY`: the fields its header has)."""
     bos, separator = bos_id(cfg, tf), document_separator(cfg, tf)
     n_train = num_blocks(tf.train, cfg.seq_len, bos, separator)
     what = "documents" if separator is not None else f"sequences of seq_len {cfg.seq_len}"
@@ -328,7 +334,7 @@ def check_training_data(cfg: TrainConfig, tf: TokenFile) -> dict[str, Any]:
                                        f"one batch ({cfg.batch_size}); use more text, a shorter --seq-len or a "
                                        "smaller --batch-size")
     eval_batches(tf.val, cfg.seq_len, 1, 1, 0, 1, bos, separator)  # fails early when the held-out text is too short
-    return {k: tf.header[k] for k in ("vocab_size", "source", "tokenizer")}
+    return {k: tf.header[k] for k in TOKENS_IDENTITY if k in tf.header}
 
 
 def resume_state(work: Work, model: torch.nn.Module, cfg: TrainConfig, header: dict[str, Any],
@@ -341,8 +347,10 @@ def resume_state(work: Work, model: torch.nn.Module, cfg: TrainConfig, header: d
         return 0, None
     trainer = ckpt.load_trainer(found)
     check_compatible(trainer["config"], cfg, f"checkpoint {found}")
-    require(trainer["tokens"] == header, f"checkpoint {found} was trained on other tokens "
-                                         f"({trainer['tokens']}); delete it or choose another --out")
+    recorded = trainer["tokens"]  # a checkpoint of an earlier poslens records fewer fields: compared on those
+    differ = sorted(k for k in set(recorded) | set(header) if k in recorded and recorded.get(k) != header.get(k))
+    require(not differ, f"checkpoint {found} was trained on other tokens ({', '.join(differ)} differ: the token "
+                        "directory was rebuilt or replaced since); delete it or choose another --out")
     require(trainer.get("optimizer_format") == fmt, f"checkpoint {found} holds a {trainer.get('optimizer_format')} "
                                                     f"optimizer state and this run needs {fmt}; resume with the "
                                                     "same --parallel (fsdp under torchrun, or not)")

@@ -29,7 +29,7 @@ from poslens.engine.config import DEFAULT_SEQUENCES, SEQUENCES_HELP, ModelData
 from poslens.engine.pipeline import Analysis, Job, Output, Pass, dense_score_bytes, run_analysis
 from poslens.engine.statistics.spec import NoOptions, Spec
 from poslens.engine.stats import Estimate, Statistic, t_quantile
-from poslens.errors import UsageError, check_int
+from poslens.errors import UsageError, check_int, require
 from poslens.options import option, option_of
 
 
@@ -112,6 +112,9 @@ class LeakageConfig(ModelData):
     def domains(self) -> Domains:
         if self.max_offset is not None:
             check_int("max_offset", self.max_offset, 1)
+            require(self.max_offset <= self.seq_len - 1, f"max_offset {self.max_offset} is past the longest offset "
+                                                         f"i - j of seq_len {self.seq_len}; give max_offset "
+                                                         f"{self.seq_len - 1} or less")
         return Domains(max_offset=self.max_offset, early_queries=self.early_queries)
 
 

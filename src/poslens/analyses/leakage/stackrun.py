@@ -128,11 +128,12 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         for k, path in enumerate(runs):
             run = load(path, tensors=False)
             check_complete(path)  # its tensors are not read here, but a run cut short is not a run
+            entry = shares(run)  # a run of another kind is refused first: no label would make it one
             name = labels[k] if labels else (run.config.get("model") or "stack (standard RoPE, exact)")
             if name in series:
                 raise UsageError(f"labels: two runs would both be labelled {name!r} (the second is {path}); give "
                                  "labels, one per run")
-            series[name] = shares(run)
+            series[name] = entry
         architecture_figure(series, tmp / "figures", "architectures", "all queries")
         listed = {k: {s: v.tolist() for s, v in e.items()} for k, e in series.items()}
         write_run(tmp, {}, {"kind": "leakage-compare", "config": {"runs": runs, "labels": labels},

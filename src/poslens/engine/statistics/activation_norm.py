@@ -16,7 +16,7 @@ import torch
 
 from poslens.engine.statistics.spec import Spec
 from poslens.engine.stats import DEFAULT_GROUPS, Statistic
-from poslens.errors import UsageError
+from poslens.errors import UsageError, check_int
 from poslens.options import option
 
 
@@ -42,7 +42,10 @@ class ActivationNorm(Statistic):
         return {self.point.format(l=l): self._read for l in layers}
 
     def check_model(self, hm) -> None:
-        """Every layer's point exists on the model: else one line naming `point`, before any sequence is cut."""
+        """Every layer exists and its point on the model: else one line naming `layers` or `point`, before any
+        sequence is cut."""
+        for layer in self.layers or []:
+            check_int("layers", layer, 0, hm.n_layers - 1)
         for name in self.hooks(hm):
             try:
                 hm.check_point(name)
