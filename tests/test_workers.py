@@ -29,6 +29,51 @@ def _burn(seconds: float) -> bool:
     return imported
 
 
+def _interrupts_raise() -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process `pid` ignores SIGINT (bit 2 of /proc/PID/status's SigIgn mask)."""
+    import signal
+    from pathlib import Path
+
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigIgn:"))
+    return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_the_server_ignores_ctrl_c_from_its_start_and_its_workers_do_not():
+    """A Ctrl-C while the server imports torch printed a traceback under the command's one line: the server runs
+    with SIGINT ignored from its start (before its imports), and a job still gets Python's KeyboardInterrupt."""
+    from multiprocessing import forkserver
+
+    with workers.Pool(1) as pool:
+        assert pool.submit(_interrupts_raise).result()
+    assert _ignores_sigint(forkserver._forkserver._forkserver_pid)
+    assert not _ignores_sigint(os.getpid())  # the caller's handling is back
+
+
+def test_the_servers_imports_run_with_ctrl_c_ignored(tmp_path):
+    """What the server's imports see (a module among them writes SIGINT's handler down as it is imported), in a
+    program of its own (one server a program): ignored; Python's KeyboardInterrupt handler before."""
+    (tmp_path / "sigprobe.py").write_text(
+        "import os, signal\n"
+        "open(os.environ['POSLENS_SIGPROBE'], 'w').write(repr(signal.getsignal(signal.SIGINT)))\n")
+    probe = tmp_path / "seen.txt"
+    script = ("import os, time\n"  # run in tmp_path: the server finds sigprobe there ('' on its sys.path)
+              "from poslens.engine import workers\n"
+              "workers.PRELOAD = ['sigprobe']\n"
+              "workers.start()\n"
+              "deadline = time.monotonic() + 60\n"
+              f"while not os.path.exists({str(probe)!r}) and time.monotonic() < deadline: time.sleep(0.05)\n")
+    env = {**os.environ, "POSLENS_SIGPROBE": str(probe)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120, cwd=tmp_path)
+    assert probe.read_text() == "<Handlers.SIG_IGN: 1>"
+
+
 def test_a_job_runs_under_the_environment_of_its_submission():
     workers.start()  # the server's environment is fixed now
     os.environ["POSLENS_TEST_WORKERS"] = "after the server started"

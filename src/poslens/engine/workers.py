@@ -20,7 +20,11 @@ What a forked worker would otherwise get wrong, handled here:
   the parent's main module (`_without_main`), and a script or notebook needs no guard;
 * its owner's death: a process killed without a word (SIGKILL, or a SIGTERM, which runs no exit handler) cannot stop
   its workers, and a forked worker is not its child; each worker ends as soon as the process that made its pool is
-  gone (`_end_with`), instead of finishing its job (minutes of training) for nobody while holding its cache locks.
+  gone (`_end_with`), instead of finishing its job (minutes of training) for nobody while holding its cache locks;
+* Ctrl-C while the server imports PRELOAD (a few seconds after the first pool or `start()`): the terminal sends it to
+  the whole process group, and the server, which ignores it only once its imports are done, printed a traceback of
+  the interrupted import under the command's one-line message; it is started ignoring SIGINT (inherited across
+  exec), and each worker restores Python's handler, so that a job is interrupted as before (`_server_running`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import multiprocessing
 import os
 import resource
 import select
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -105,9 +110,23 @@ def start() -> None:
     """Start the server now (it imports PRELOAD beside the caller's work); nothing if it runs or is not used."""
     if forked():
         context()
-        from multiprocessing import forkserver
+        _server_running()
 
+
+def _server_running() -> None:
+    """Start the server if it is not running, with SIGINT ignored: a process started with SIGINT ignored keeps it
+    ignored (Python installs its handler only over the default), so a Ctrl-C during the server's imports leaves it
+    alone; the caller's own handler is back at once."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
         forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cpu_seconds() -> float:
@@ -125,6 +144,7 @@ class Pool(ProcessPoolExecutor):
         self._counter = ctx.Value("d", 0.0) if ctx.get_start_method() == "forkserver" else None
         if self._counter is not None:
             _counters.append(self._counter)
+            _server_running()
         super().__init__(max_workers=jobs, mp_context=ctx, initializer=_init,
                          initargs=(self._counter, os.getpid(), initializer, initargs))
 
@@ -138,6 +158,8 @@ _COUNTER: Any = None  # in a worker: its pool's CPU-seconds counter (None: spawn
 def _init(counter: Any, owner: int, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
     global _COUNTER
     _COUNTER = counter
+    if counter is not None:  # forked from the server, which ignores SIGINT: a job is interrupted as a spawned one
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=_end_with, args=(owner,), daemon=True, name="poslens-owner-watch").start()
     if initializer is not None:
         initializer(*initargs)
