@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
 
 import pytest
 
+from poslens.cli import main
 from poslens.errors import UsageError
 from poslens.train.sweep import SweepConfig, parse_variants, resolve_matrix, run_sweep, seed_interval, summarise
 
@@ -120,6 +123,19 @@ def test_flags_and_bad_matrices(tmp_path, tokens):
     for spec in ("nope", "a:pe", "a:pe=none,a:pe=rope"):
         with pytest.raises(UsageError, match="variant"):
             parse_variants(spec)
+    # a refused value names the flag it came from: --variants and the variant, --train, --seeds
+    for flags, message in ((["--variants", "nope:pe=foo"], "--variants: nope: pe must be one of none, rope"),
+                           (["--train", "steps=-1"], "--train: steps must be >= 1, got -1"),
+                           (["--train", "steps=abc"], "--train: steps takes a number; got 'abc'"),
+                           (["--seeds", "-1"], "--seeds must be in [0, 4294967295], got -1")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert main(["sweep", *flags, "--quiet", "--out", str(tmp_path / "x")]) == 2
+        assert err.getvalue().startswith(f"poslens sweep: error: {message}") and err.getvalue().count("\n") == 1, \
+            err.getvalue()
+    with pytest.raises(UsageError, match="sweep preset .*: variant x: rope_scaling factor"):  # a file's variant
+        resolve_matrix(SweepConfig(preset=_matrix_file(tmp_path, tokens, {"x": {"pe": "rope",
+                                                                                "rope_scaling": "ntk:0.5"}})))
 
 
 def test_between_seed_interval_is_the_t_interval():

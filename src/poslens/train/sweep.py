@@ -137,7 +137,10 @@ def parse_fields(spec: str, what: str) -> dict[str, Any]:
         name = name.strip().replace("-", "_")
         require(bool(eq) and name in FIELDS, f"{what}: {item!r} is not FIELD=VALUE with a train field (known: "
                                              f"{', '.join(FIELDS)})")
-        out[name] = _value(name, text.strip())
+        try:
+            out[name] = _value(name, text.strip())
+        except UsageError as e:
+            raise UsageError(f"{what}: {e}") from None
     return out
 
 
@@ -187,6 +190,19 @@ def _config(train: dict[str, Any], variant: dict[str, Any], seed: int) -> TrainC
     return resolve_config(fields.pop("preset", "tiny"), **fields)
 
 
+def _source(cfg: SweepConfig, train: dict[str, Any], seed: int, variant: str | None = None) -> str:
+    """Where a member's refused field comes from: the shared train fields when they are refused alone (the flag
+    --train, or the preset file's train), else the variant (the flag --variants, or the file's variant); "" when
+    `variant` is None and the train fields alone pass."""
+    try:
+        _config(train, {}, seed).check()
+    except UsageError:
+        return "train" if cfg.train else f"sweep preset {cfg.preset}: train"
+    if variant is None:
+        return ""
+    return f"variants: {variant}" if cfg.variants else f"sweep preset {cfg.preset}: variant {variant}"
+
+
 def resolve_matrix(cfg: SweepConfig) -> Matrix:
     """The matrix of `cfg` (preset, then flags), every member's configuration checked before anything runs."""
     data = _read(preset_path(cfg.preset, PRESETS, "sweep-"))
@@ -221,10 +237,18 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
     check_float("level", cfg.level, 0.0, 1.0, lo_open=True, hi_open=True)
     check_int("jobs", cfg.jobs, 0, 64)
     check_choice("compile", cfg.compile, COMPILE)
+    for seed in seeds:
+        check_int("seeds" if cfg.seeds is not None else f"sweep preset {cfg.preset}: seeds", seed, 0, 2**32 - 1)
+    for name, fields in variants.items():  # every configuration checked up front, the error laid at its source
+        for seed in seeds:
+            try:
+                _config(train, fields, seed).check()
+            except UsageError as e:
+                where = _source(cfg, train, seed, name)  # a flag's (spelled as the flag), or a file's
+                raise UsageError(f"{where}: {e}", in_file=not where.startswith(("train", "variants"))) from None
     matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds,
                     files=tuple(data["_files"]))
-    for m in matrix.members:  # every configuration checked up front
-        m.config.check()
+    for m in matrix.members:
         if "rope_theta" in matrix.variants[m.variant] and not any(m.config.positional_encoding().flags):
             raise UsageError(f"variant {m.variant}: rope_theta has no effect, no layer of it has RoPE (pe none); set "
                              "pe rope or a pe_layers pattern with a 1, or leave rope_theta out of it")  # as train does
