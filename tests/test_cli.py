@@ -366,3 +366,26 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(monkeypatch, c
     assert cli.main(["scores", "smollm2-135m"]) == 130
     err = capsys.readouterr().err
     assert err == "poslens scores: interrupted while starting; nothing was written\n"
+
+
+def test_an_unknown_option_names_its_command(capsys):
+    """argparse says "poslens: error:" for an option the sub-command lacks; poslens says which command."""
+    assert main(["gramflow", "--samples", "10"]) == 2
+    assert capsys.readouterr().err == "poslens gramflow: error: unrecognized arguments: --samples 10 (see --help)\n"
+
+
+def test_the_fixes_a_message_names_are_spelled_as_flags():
+    """A library message names parameters; the command line shows the flags wherever a fix names one (after lower,
+    raise, use or give, or before a bound), and leaves prose alone."""
+    from poslens.cli import flag_message
+
+    names = {"samples": "--samples", "groups": "--groups", "mode": "--mode", "nulls": "--nulls", "layer": "--layer"}
+    assert flag_message("samples 256 fill 2 block(s), fewer than groups (8); use samples >= 1024 or groups <= 2",
+                        "samples", names) == \
+        "--samples 256 fill 2 block(s), fewer than groups (8); use --samples >= 1024 or --groups <= 2"
+    assert flag_message("mode pack: no windows; use mode first, or give nulls circular", "mode", names) == \
+        "--mode pack: no windows; use --mode first, or give --nulls circular"
+    assert flag_message("layer 30 has no next layer: use layer 0..28", "layer", names) == \
+        "--layer 30 has no next layer: use --layer 0..28"
+    assert flag_message("the run would need 9 GiB; lower groups", "groups", names).endswith("; lower --groups")
+    assert flag_message("use the embedded text or give a file", None, names) == "use the embedded text or give a file"

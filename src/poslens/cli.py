@@ -369,8 +369,11 @@ def flag_message(message: str, param: str | None, names: dict[str, str]) -> str:
     name = param if param in names else (first.group(0) if first else None)
     if name in names and first and first.group(0) == name:
         message = names[name] + message[len(name):]
-    if name in names:  # the fix the message names: "lower groups" -> "lower --groups"
-        message = re.sub(rf"\b(lower|raise|use|give) {name}\b(?!-)", rf"\1 {names[name]}", message)
+    # the fix a message names, with any parameter: "lower groups" -> "lower --groups", "groups <= 2" -> "--groups <= 2"
+    message = re.sub(r"(?<![\w-])(lower|raise|use|give) ([a-z]+)\b(?![-.(])",
+                     lambda m: f"{m.group(1)} {names.get(m.group(2), m.group(2))}", message)
+    message = re.sub(r"(?<![\w.-])([a-z]+) (<=|>=|<|>) (?=\d)", lambda m: f"{names.get(m.group(1), m.group(1))} "
+                     f"{m.group(2)} ", message)
     return re.sub(r"(?<![\w-])([a-z]+_[a-z_]+)\b", lambda m: names.get(m.group(1), m.group(1)), message)
 
 
@@ -410,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"poslens {command}: interrupted while starting; nothing was written", file=sys.stderr)
         return 130
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would say it as "poslens: error:", without the command
+        print(f"poslens {args.command}: error: unrecognized arguments: {' '.join(extra)} (see --help)", file=sys.stderr)
+        return 2
     args.argv = argv  # the command line as given (a report's provenance quotes it)
     shown, warnings.showwarning = warnings.showwarning, _show_warning
     from poslens.subnormals import subnormals_flushed

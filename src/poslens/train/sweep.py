@@ -166,8 +166,9 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     require(isinstance(data, dict), f"sweep preset {path}: must hold a JSON object with train, variants, seeds")
     data = {k: v for k, v in data.items() if not k.startswith("_")}
     unknown = sorted(set(data) - {"train", "variants", "seeds", "extends"})
-    require(not unknown, f"sweep preset {path}: unknown key(s) {', '.join(unknown)}; use train, variants, seeds "
-                         "(and extends)")
+    if unknown:  # the file's keys, not flags
+        raise UsageError(f"sweep preset {path}: unknown key(s) {', '.join(unknown)}; use train, variants, seeds "
+                         "(and extends)", in_file=True)
     if "extends" in data:
         base = data.pop("extends")
         require(isinstance(base, str) and base, f"sweep preset {path}: extends names another matrix")

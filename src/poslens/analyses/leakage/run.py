@@ -74,8 +74,8 @@ class LeakageConfig(ModelData):
                 raise UsageError(f"nulls: unknown null {name!r}; use {', '.join(nl.NULLS)} or none", param="nulls")
         if self.windows and self.mode != "first":
             raise UsageError("mode pack: the offset null and the inside patches need windows inside documents; use "
-                             "mode first, or drop them (nulls circular, interventions without patch:inside)",
-                             param="mode")
+                             "mode first, or drop them: give nulls circular, and give interventions without "
+                             "patch:inside", param="mode")
         self.domains  # noqa: B018 (max_offset's bound; the domains' sizes are checked with the model, after the
         # memory estimate: a domain mask is seq_len^2)
 
