@@ -239,8 +239,10 @@ def test_bad_input_is_a_one_line_usage_error(model_dir, tmp_path, kw, words):
     (["--sink-threshold", "2"], "--sink-threshold must be in (0, 1), got 2"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--pe", "sinusoidal"], "argument --pe: invalid choice"),
-    # sizes refused with the estimate before a sequence is cut (dense [8, 4, T, T] scores alone: 7.7 TB)
-    (["--seq-len", "100000"], "--seq-len 100000: the run would need about "),
+    # past the model's window no size would do: the window is named first
+    (["--seq-len", "100000"], "--seq-len 100000 is beyond the model's window of 128 positions; use --seq-len <= 128"),
+    # sizes refused with the estimate before a sequence is cut
+    (["--batch-size", "100000000", "--num-sequences", "200000000"], ": the run would need about "),
 ])
 def test_command_line_refusals_name_the_flag_and_leave_nothing(model_dir, tmp_path, capsys, argv, line):
     """Refused before anything is loaded (no lock file, no .out.partial-* checkpoint left), the flag named."""
