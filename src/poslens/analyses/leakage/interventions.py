@@ -111,19 +111,21 @@ def check(specs: list[str], model_or_config, seq_len: int, batch_size: int | Non
 
 
 def describe(spec: str) -> str:
-    """One line on what intervention `spec` changes (layers numbered from 1, positions from 1)."""
+    """One line on what intervention `spec` changes (positions from 0, as the papers count them: the BOS is position
+    0; layers from 1, with the hook point that names it)."""
     s = parse(spec)
     if s.name == "patch":
-        where = "position 1" if s.value == 1 else f"positions 1-{s.value}"
+        where = "position 0" if s.value == 1 else f"positions 0-{s.value - 1}"
         source = {"other": "another sequence of the batch", "mean": "the batch's mean",
                   "start": "another document's start without its BOS (that document's first token first)",
                   "inside": "a window starting inside the same document (a content token first, no BOS)"}[s.source]
-        return f"the residual stream entering layer {s.layer + 1} at {where} replaced by the states of {source}"
-    return {"mean": "position 1's embedding replaced by the mean token embedding (at the model's embedding scale)",
-            "random": "position 1's embedding replaced by a random direction of the same norm",
-            "token": f"position 1's embedding replaced by token {s.value}'s",
-            "nobos": "position 1 dropped (maps one position shorter)",
-            "freeze": "position 1's trajectory replaced by a reference sequence's (a no-op with a fixed first token)",
+        return (f"the residual stream entering layer {s.layer + 1} (blocks.{s.layer}.hook_resid_pre) at {where} "
+                f"replaced by the states of {source}")
+    return {"mean": "position 0's embedding replaced by the mean token embedding (at the model's embedding scale)",
+            "random": "position 0's embedding replaced by a random direction of the same norm",
+            "token": f"position 0's embedding replaced by token {s.value}'s",
+            "nobos": "position 0 dropped (maps one position shorter)",
+            "freeze": "position 0's trajectory replaced by a reference sequence's (a no-op with a fixed first token)",
             "shift": f"every position id moved by {s.value} (a no-op for RoPE without length-dependent scaling, which "
                      "is relative, and for ALiBi and NoPE, which read no position ids; a learned table's rows move)"
             }[s.name]
