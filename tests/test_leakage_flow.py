@@ -1,5 +1,7 @@
 """The decomposition in the parameter-free stack: exact (Gram flow) and Monte Carlo."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +91,13 @@ def test_leakage_stack_and_compare_commands(tmp_path, capsys):
                      "--out", str(out)]) == 0
     for stem in ("architectures_exact_mask_only", "architectures_monte_carlo_residual"):
         assert (out / "figures" / f"{stem}.png").exists()
+    printed = capsys.readouterr().out  # the shares per architecture and layer, as run.json has them
+    arch = json.loads((out / "run.json").read_text())["metrics"]["architectures"]
+    for name, entry in arch.items():
+        r, mc = entry["exact"]["share_residual"], entry["monte_carlo"]["share_residual"]
+        assert f"{name}: shares of the non-relative energy per layer" in printed
+        assert f"  layer 2: mask-only {entry['exact']['share_mask_only'][1]:.3g}" in printed
+        assert f"residual {r[1]:.3g} (MC {mc['value'][1]:.3g} [{mc['lo'][1]:.3g}, {mc['hi'][1]:.3g}])" in printed
     assert cli.main(["leakage-compare", str(out), "--out", str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "figures" / "architectures_mask_only.png").exists()
     capsys.readouterr()

@@ -114,10 +114,12 @@ def _head_lines(h: dict, scopes: dict) -> list[str]:
 
 
 def cmd_stack(args: argparse.Namespace) -> None:
-    from poslens.analyses.leakage.stackrun import run_stack_leakage
+    from poslens.analyses.leakage.stackrun import run_stack_leakage, stack_summary_lines
+    from poslens.io.results import load
 
     o = from_args(StackLeakageOptions, args)
     path = run_stack_leakage(o, args.out, force=args.force)
+    print("\n".join(stack_summary_lines(load(path, tensors=False).metrics)))
     print(f"wrote {path}")
 
 

@@ -65,6 +65,27 @@ def run_stack_leakage(o, out: str, force: bool = False) -> Path:
     return Path(out).expanduser().absolute()
 
 
+def stack_summary_lines(metrics: dict) -> list[str]:
+    """What `poslens leakage-stack` prints, from its run.json metrics: per architecture and layer (from 1), the shares
+    of the non-relative energy, exact (d -> infinity) and, where run, Monte Carlo with its interval."""
+    names = {"share_mask_only": "mask-only", "share_residual": "residual", "share_cross": "interaction"}
+    lines = []
+    for arch, entry in metrics["architectures"].items():
+        exact, mc = entry["exact"], entry.get("monte_carlo") or {}
+        lines.append(f"{arch}: shares of the non-relative energy per layer (exact, d -> inf"
+                     + ("; Monte Carlo with its interval" if mc else "") + ")")
+        for layer in range(len(exact["share_mask_only"])):
+            parts = []
+            for key, name in names.items():
+                text = f"{name} {exact[key][layer]:.3g}"
+                if key in mc:
+                    m = mc[key]
+                    text += f" (MC {m['value'][layer]:.3g} [{m['lo'][layer]:.3g}, {m['hi'][layer]:.3g}])"
+                parts.append(text)
+            lines.append(f"  layer {layer + 1}: " + ", ".join(parts))
+    return lines
+
+
 def _collect(res: dict) -> tuple[dict, dict, dict, dict]:
     """From `flow.compare`'s result: the tensors, the metrics and the two figures' series (exact, Monte Carlo)."""
     tensors, metrics = {}, {"architectures": {}}
