@@ -1,5 +1,6 @@
 """The command line: runs write complete run directories; bad input is one line, exit 2, nothing written."""
 
+import json
 import os
 import sys
 
@@ -389,3 +390,13 @@ def test_the_fixes_a_message_names_are_spelled_as_flags():
         "--layer 30 has no next layer: use --layer 0..28"
     assert flag_message("the run would need 9 GiB; lower groups", "groups", names).endswith("; lower --groups")
     assert flag_message("use the embedded text or give a file", None, names) == "use the embedded text or give a file"
+
+
+def test_a_run_that_never_imports_transformers_records_its_version(tmp_path):
+    """run.json's environment names the installed transformers even where the command did not import it."""
+    import importlib.metadata
+
+    assert main(["gramflow", "--alpha", "0.2", "--layers", "2", "--n", "8", "--out",
+                 str(tmp_path / "gf")]) == 0
+    env = json.loads((tmp_path / "gf" / "run.json").read_text())["environment"]
+    assert env["transformers"] == importlib.metadata.version("transformers")

@@ -179,6 +179,9 @@ def test_compare_draws_figure5(model_dir, tmp_path):
     assert main(["compare", str(a), str(b), "--out", str(tmp_path / "fig5")]) == 0
     meta = json.loads((tmp_path / "fig5" / "run.json").read_text())
     assert meta["config"]["labels"][1].endswith("(RoPE off)")
+    # as every run.json: metrics (the layers drawn), timings, the inputs by absolute path, the versions
+    assert meta["metrics"]["layers"] == [[0, 1, 2], [0, 1, 2]] and meta["timings"]["seconds"] > 0
+    assert meta["config"]["runs"] == [str(a), str(b)] and "transformers" in meta["environment"]
     assert (tmp_path / "fig5" / "figures" / "figure5.pdf").exists()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,14 +60,18 @@ def compare(runs: list[str], out: str, layers: int = 4, labels: list[str] | None
         raise UsageError("runs: give at least one run directory of `poslens scores`")
     if labels and len(labels) != len(runs):
         raise UsageError(f"labels: {len(labels)} labels for {len(runs)} runs; give one per run")
+    started = time.perf_counter()
     with run_directory(out, force, inputs=runs) as tmp:
         loaded = [load(r) for r in runs]
-        maps = [first_layers(r, layers)[0] for r in loaded]  # every run checked before anything is drawn
+        drawn = [first_layers(r, layers) for r in loaded]  # every run checked before anything is drawn
+        maps = [m for m, _ in drawn]
         labels = labels or [r.config.get("model", str(r.path)) + (" (RoPE off)" if r.config.get("no_rope") else "")
                             + (" (NoPE)" if r.config.get("pe") == "none" else "")
                             for r in loaded]
         figure5(loaded, labels, tmp / "figures", "figure5", layers)
         write_run(tmp, {f"run{k}/normalised": diagonal_normalise(m) for k, m in enumerate(maps)},
-                  {"kind": "compare", "config": {"runs": [str(r.path) for r in loaded], "labels": labels,
-                                                 "first": layers}})
+                  {"kind": "compare", "config": {"runs": [str(Path(r.path).absolute()) for r in loaded],
+                                                 "labels": labels, "first": layers},
+                   "metrics": {"layers": [ids for _, ids in drawn]},  # per run, the layers drawn (from 0)
+                   "timings": {"seconds": time.perf_counter() - started}})
     return Path(out)

@@ -9,6 +9,7 @@ run.json carries `"poslens_run": 1`). The mechanism (locking, leftovers, resumab
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -95,8 +96,10 @@ def environment() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the instruction set torch's CPU kernels use
         "argv": sys.argv,
     }
-    if "transformers" in sys.modules:
-        env["transformers"] = sys.modules["transformers"].__version__
+    try:  # installed, even where this run never imported it (simulate, gramflow)
+        env["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     return env
 
 

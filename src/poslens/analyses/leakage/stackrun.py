@@ -144,6 +144,7 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
         raise UsageError("runs: give at least one run directory of `poslens leakage` or `leakage-stack`")
     if labels is not None and len(labels) != len(runs):
         raise UsageError(f"labels: {len(labels)} labels for {len(runs)} runs; give one per run")
+    started = time.perf_counter()
     with run_directory(out, force, inputs=runs) as tmp:
         series = {}
         for k, path in enumerate(runs):
@@ -157,6 +158,7 @@ def compare_runs(runs: list[str], out: str, labels: list[str] | None = None, for
             series[name] = entry
         architecture_figure(series, tmp / "figures", "architectures", "all queries")
         listed = {k: {s: v.tolist() for s, v in e.items()} for k, e in series.items()}
-        write_run(tmp, {}, {"kind": "leakage-compare", "config": {"runs": runs, "labels": labels},
-                            "metrics": {"series": listed}})
+        write_run(tmp, {}, {"kind": "leakage-compare",
+                            "config": {"runs": [str(Path(r).expanduser().absolute()) for r in runs], "labels": labels},
+                            "metrics": {"series": listed}, "timings": {"seconds": time.perf_counter() - started}})
     return Path(out).expanduser().absolute()
