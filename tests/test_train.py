@@ -714,3 +714,19 @@ def test_warmup_longer_than_the_run_names_the_bound():
     """The preset's warmup (tiny: 15 steps) past a shortened run: the bound is named as a number."""
     with pytest.raises(UsageError, match="warmup \\(15 steps\\) is longer than the run \\(3 steps\\).*at most 3 steps"):
         resolve_config("tiny", steps=3)
+
+
+def test_a_held_out_split_shorter_than_asked_is_said_and_recorded(tokens, tmp_path, capsys):
+    """eval_batches x micro_batch blocks asked, fewer held out: the loss is over all it holds, and the command says
+    how many of how many (run.json's metrics eval_blocks and eval_blocks_asked)."""
+    from poslens.cli import main
+
+    held = num_blocks(open_tokens(tokens).val, 32)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**MICRO, "steps": 2, "eval_every": 2,
+                                                         "eval_batches": held}.items()]
+    assert main(["train", "--preset", "tiny", "--tokens", str(tokens), *flags, "--quiet",
+                 "--out", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    metrics = json.loads((tmp_path / "run" / "run.json").read_text())["metrics"]
+    assert (metrics["eval_blocks"], metrics["eval_blocks_asked"]) == (held, held * MICRO["micro_batch"])
+    assert f"over {held} blocks (the held-out split holds {held} of the {held * 4} blocks" in printed, printed

@@ -100,7 +100,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"stopped after step {metrics['step']}; checkpoint in {metrics['checkpoint']} (rerun to resume)")
         return
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"wrote {out}: held-out loss {metrics['final_eval_loss']:.4f}, {metrics['tokens_per_s']:,.0f} "
+        blocks, asked = metrics["eval_blocks"], metrics["eval_blocks_asked"]
+        short = (f" (the held-out split holds {blocks} of the {asked} blocks eval_batches x micro_batch asks)"
+                 if blocks < asked else "")
+        print(f"wrote {out}: held-out loss {metrics['final_eval_loss']:.4f} over {blocks} blocks{short}, "
+              f"{metrics['tokens_per_s']:,.0f} "
               f"tokens/s, MFU {100 * metrics['mfu']:.1f}% of {metrics['mfu_reference']}\n"
               f"dissect it on its held-out text: poslens intermediates {out} --data {metrics['tokens_path']} "
               "--mode pack")

@@ -495,7 +495,11 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
     metrics = {"final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), "tokens_per_s": tps,
                "mfu": tps * fpt / (peak * d.world) if tps else None, "mfu_reference": peak_label,
                "mfu_peak_flops": peak, "flops_per_token": fpt, "parameters": params, "ranks": d.world,
-               "tokens_seen": cfg.steps * tokens_per_step}
+               "tokens_seen": cfg.steps * tokens_per_step,
+               # the held-out blocks the loss is over: eval_batches x micro_batch, or all the held-out split holds
+               "eval_blocks": min(num_blocks(tf.val, cfg.seq_len, bos_id(cfg, tf), document_separator(cfg, tf)),
+                                  cfg.eval_batches * cfg.micro_batch),
+               "eval_blocks_asked": cfg.eval_batches * cfg.micro_batch}
     if d.main:
         _finish(build, raw, state, tokenizer, cfg, work, metrics, tf)
     d.barrier()
