@@ -190,7 +190,7 @@ CASES = [
     Case(["gramflow", "--rope-theta", "nan"], None, "must be a finite number"),
     Case(["simulate", "--rope-scaling", "inf", "--pe", "rope"], None, "must be a finite number"),
     Case(["simulate", "--rope-scaling=-inf"], None, "must be a finite number"),
-    Case(["gramflow", "--pe", "rope", "--d", "2", "--rope-scaling", "2"], None, "needs d >= 4"),
+    Case(["gramflow", "--pe", "rope", "--d", "2", "--rope-scaling", "2"], None, "needs --d >= 4"),
     Case(["gramflow", "--pe", "rope", "--rope-theta", "1e300", "--rope-scaling", "1e10"], None, "infinite RoPE base"),
     Case(["simulate", "--samples", "1e12"], None, "samples"),
     Case(["simulate", "--samples", "-3"], None, "samples"),
