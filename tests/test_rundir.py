@@ -698,3 +698,14 @@ def test_torch_save_past_the_file_size_limit_is_one_line(tmp_path):
                 torch.save({"a": torch.zeros(20_000)}, tmp_path / "big.pt")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_an_entry_lock_is_the_documented_file_and_goes_with_its_holder(tmp_path):
+    """entry_lock's file is .NAME.cache.lock beside the entry (it was .NAME.cache.cache.lock), held while the block
+    runs and removed after."""
+    from poslens.io.lock import entry_lock
+
+    entry = tmp_path / "model-s0-abc"
+    with entry_lock(entry, "the test entry"):
+        assert [p.name for p in tmp_path.iterdir()] == [".model-s0-abc.cache.lock"]
+    assert list(tmp_path.iterdir()) == []

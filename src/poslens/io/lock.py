@@ -215,5 +215,5 @@ def entry_lock(path: Path, what: str) -> Iterator[None]:
     """Hold the cache lock of entry `path` while it is checked and built: a second process waits (one line says
     so), then finds the entry complete. The lock file is ``.NAME.cache.lock``, apart from the run lock
     ``.NAME.lock`` that writing the entry takes."""
-    with cache_lock(path.with_name(path.name + ".cache"), what, entry=path):
+    with cache_lock(path, what, entry=path):  # (before 2026-11-30 the file was named .NAME.cache.cache.lock)
         yield
