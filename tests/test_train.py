@@ -730,3 +730,7 @@ def test_a_held_out_split_shorter_than_asked_is_said_and_recorded(tokens, tmp_pa
     metrics = json.loads((tmp_path / "run" / "run.json").read_text())["metrics"]
     assert (metrics["eval_blocks"], metrics["eval_blocks_asked"]) == (held, held * MICRO["micro_batch"])
     assert f"over {held} blocks (the held-out split holds {held} of the {held * 4} blocks" in printed, printed
+    # --parallel fsdp in one process: said, then the run is the plain one
+    assert main(["train", "--preset", "tiny", "--tokens", str(tokens), *flags, "--parallel", "fsdp", "--quiet",
+                 "--out", str(tmp_path / "fsdp")]) == 0
+    assert "note: --parallel fsdp shards the model over torchrun's processes" in capsys.readouterr().err

@@ -95,6 +95,9 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = train_config(args)
     out = args.out or default_out(cfg)
+    if cfg.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        print("note: --parallel fsdp shards the model over torchrun's processes; one process trains it whole",
+              file=sys.stderr)
     metrics = train(cfg, out, force=args.force, progress=not args.quiet, stop_after=args.stop_after)
     if metrics.get("stopped"):
         print(f"stopped after step {metrics['step']}; checkpoint in {metrics['checkpoint']} (rerun to resume)")
