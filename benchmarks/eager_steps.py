@@ -44,8 +44,10 @@ def engine_steps(q, k, v, scaling: float, memo: dict) -> torch.Tensor:
     return _weigh(p, v)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_args(description: str) -> argparse.Namespace:
+    """The attention shape and the number of rounds (default GPT-2 small's body: 2 x 256 tokens, 12 heads of 64, 40
+    rounds); one thread and a fixed seed set (shared with heads_product.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--heads", type=int, default=12)
@@ -54,6 +56,27 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    return a
+
+
+def cold_times(arms: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each arm per round after two warm-up rounds, from a cold cache (a 600-MB buffer written before each
+    call, as a forward's other layers evict the tensors between two uses), the order alternating by round."""
+    evict = torch.empty(150_000_000)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for i in range(rounds + 2):
+        order = list(arms) if i % 2 == 0 else list(arms)[::-1]
+        for name in order:
+            evict.fill_(i)
+            start = time.perf_counter()
+            arms[name]()
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    a = shape_args(__doc__.splitlines()[0])
     b, t, h, d = a.batch, a.tokens, a.heads, a.head_dim
     q, k, v = (torch.randn(b * t, h * d).view(b, t, h, d).transpose(1, 2) for _ in range(3))  # [B, H, T, D] views
     scaling = d**-0.5
@@ -63,17 +86,8 @@ def main() -> None:
     print(f"z bit-identical: {same}")
     if not same:
         raise SystemExit("the engine's steps differ from transformers' ops: not timed")
-    evict = torch.empty(150_000_000)
-    arms = {"hf": lambda: hf_steps(q, k, v, scaling, mask), "engine": lambda: engine_steps(q, k, v, scaling, memo)}
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for i in range(a.pairs + 2):
-        order = list(arms) if i % 2 == 0 else list(arms)[::-1]
-        for name in order:
-            evict.fill_(i)
-            start = time.perf_counter()
-            arms[name]()
-            if i >= 2:  # two warm-up pairs
-                times[name].append(time.perf_counter() - start)
+    times = cold_times({"hf": lambda: hf_steps(q, k, v, scaling, mask),
+                        "engine": lambda: engine_steps(q, k, v, scaling, memo)}, a.pairs)
     med = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
     ratio, lo, hi = ratio_interval([e / f for e, f in zip(times["engine"], times["hf"])])
     print(f"B={b} T={t} H={h} D={d}, {a.pairs} pairs, cold: hf {med['hf']:.2f} ms, engine {med['engine']:.2f} ms; "

@@ -17,27 +17,18 @@ largest value).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eager_steps import cold_times, shape_args  # noqa: E402 (benchmarks/eager_steps.py)
 from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--pairs", type=int, default=40)
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    a = shape_args(__doc__.splitlines()[0])
     n, h, dh = a.batch * a.tokens, a.heads, a.head_dim
     d = h * dh
     w_o = torch.nn.Linear(d, d)  # as OPT's out_proj: weight [d, H*D], applied as z @ weight.T + bias
@@ -61,17 +52,7 @@ def main() -> None:
         print(f"per-head sum against W_O's output: {err:.2e} of its largest value")
         if not err <= 1e-5:
             raise SystemExit("the per-head sum is not W_O's output: not timed")
-        evict = torch.empty(150_000_000)
-        arms = {"linear": linear, "heads": heads, "product": product}
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        for i in range(a.pairs + 2):
-            order = list(arms) if i % 2 == 0 else list(arms)[::-1]
-            for name in order:
-                evict.fill_(i)
-                start = time.perf_counter()
-                arms[name]()
-                if i >= 2:  # two warm-up rounds
-                    times[name].append(time.perf_counter() - start)
+        times = cold_times({"linear": linear, "heads": heads, "product": product}, a.pairs)
     med = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
     line = f"B*T={n} H={h} D={dh}, {a.pairs} rounds, cold: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items())
     for arm in ("heads", "product"):

@@ -1,5 +1,5 @@
 """TransformerLens 3.9's hook points on the tiny random Gemma (1), Gemma-2 and Gemma-3 models (run once by hand; the
-output is stored and read by tests/test_family_tl_gemma.py).
+output is stored and read by tests/test_family_tl.py).
 
 The same procedure as tests/reference/make_tl_family_reference.py (whose functions this script imports): the tiny
 model of tests/tiny_models.py with randomized norm gains, its weights converted by TransformerLens's own converter

@@ -1,6 +1,6 @@
 """TransformerLens 3.9's hook points on the tiny random models of the Llama-like families whose TransformerLens config
 is read from the model's own config: Qwen2, Qwen3 and Mistral (run once by hand; the output is stored and read by
-tests/test_family_tl_llama_like.py).
+tests/test_family_tl.py).
 
 The same procedure as tests/reference/make_tl_family_reference.py (whose functions this script imports), except that
 the HookedTransformer's config is not written out here: the tiny model's config.json is saved to a directory and

@@ -623,7 +623,8 @@ def model_record(model: Any) -> dict[str, Any]:
     from poslens.engine.families import family_of, positional_encoding
     from poslens.engine.pe import variant_record
 
-    # what the loader chose, then what the model is now (an analysis may have removed RoPE since: scores' no_rope)
+    # what the loader chose (its positional_encoding: at load), then what the model is now (an analysis may remove
+    # RoPE after loading: scores' no_rope)
     return {**load_info(model), "class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
             "family": family_of(model.config).name, "positional_encoding": positional_encoding(model),
             "variant": variant_record(model)}

@@ -113,11 +113,17 @@ def train_batches(tokens: np.ndarray, seq_len: int, step: int, batch_size: int, 
     return [blocks(tokens, seq_len, chunk, bos, separator) for chunk in idx.split(micro_batch)]
 
 
+def eval_block_count(tokens: np.ndarray, seq_len: int, count: int, bos: int | None = None,
+                     separator: int | None = None) -> int:
+    """How many held-out blocks `eval_batches` reads: `count`, or all the validation tokens hold if fewer."""
+    return min(num_blocks(tokens, seq_len, bos, separator), count)
+
+
 def eval_batches(tokens: np.ndarray, seq_len: int, count: int, micro_batch: int, rank: int,
                  world: int, bos: int | None = None, separator: int | None = None) -> list[torch.Tensor]:
     """Held-out micro-batches of `rank`: the first `count` validation blocks (with `separator`: the first `count`
     validation documents' starts; fewer if the file is shorter), rows r, r + W, ... of them."""
-    n = min(num_blocks(tokens, seq_len, bos, separator), count)
+    n = eval_block_count(tokens, seq_len, count, bos, separator)
     require(n >= 1, f"the validation tokens ({len(tokens)}) are shorter than one sequence of seq_len {seq_len}; "
                     "tokenize with a larger --val-fraction or use a shorter --seq-len")
     idx = torch.arange(rank, n, world)

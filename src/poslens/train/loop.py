@@ -30,7 +30,15 @@ from poslens.io.bars import library_bars
 from poslens.subnormals import subnormals_flushed
 from poslens.train import checkpoint as ckpt
 from poslens.train.config import TrainConfig
-from poslens.train.data import PAD, counted_rows, eval_batches, loss_shares, num_blocks, train_batches
+from poslens.train.data import (
+    PAD,
+    counted_rows,
+    eval_batches,
+    eval_block_count,
+    loss_shares,
+    num_blocks,
+    train_batches,
+)
 from poslens.train.model import (
     build_model,
     causal_attention,
@@ -497,8 +505,8 @@ def _train(cfg: TrainConfig, d: Dist, work: Work, build: Path | None, progress: 
                "mfu_peak_flops": peak, "flops_per_token": fpt, "parameters": params, "ranks": d.world,
                "tokens_seen": cfg.steps * tokens_per_step,
                # the held-out blocks the loss is over: eval_batches x micro_batch, or all the held-out split holds
-               "eval_blocks": min(num_blocks(tf.val, cfg.seq_len, bos_id(cfg, tf), document_separator(cfg, tf)),
-                                  cfg.eval_batches * cfg.micro_batch),
+               "eval_blocks": eval_block_count(tf.val, cfg.seq_len, cfg.eval_batches * cfg.micro_batch,
+                                               bos_id(cfg, tf), document_separator(cfg, tf)),
                "eval_blocks_asked": cfg.eval_batches * cfg.micro_batch}
     if d.main:
         _finish(build, raw, state, tokenizer, cfg, work, metrics, tf)

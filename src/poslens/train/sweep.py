@@ -191,16 +191,13 @@ def _config(train: dict[str, Any], variant: dict[str, Any], seed: int) -> TrainC
     return resolve_config(fields.pop("preset", "tiny"), **fields)
 
 
-def _source(cfg: SweepConfig, train: dict[str, Any], seed: int, variant: str | None = None) -> str:
+def _source(cfg: SweepConfig, train: dict[str, Any], seed: int, variant: str) -> str:
     """Where a member's refused field comes from: the shared train fields when they are refused alone (the flag
-    --train, or the preset file's train), else the variant (the flag --variants, or the file's variant); "" when
-    `variant` is None and the train fields alone pass."""
+    --train, or the preset file's train), else the variant (the flag --variants, or the file's variant)."""
     try:
         _config(train, {}, seed).check()
     except UsageError:
         return "train" if cfg.train else f"sweep preset {cfg.preset}: train"
-    if variant is None:
-        return ""
     return f"variants: {variant}" if cfg.variants else f"sweep preset {cfg.preset}: variant {variant}"
 
 
@@ -243,16 +240,16 @@ def resolve_matrix(cfg: SweepConfig) -> Matrix:
     for name, fields in variants.items():  # every configuration checked up front, the error laid at its source
         for seed in seeds:
             try:
-                _config(train, fields, seed).check()
+                config = _config(train, fields, seed)
+                config.check()
             except UsageError as e:
                 where = _source(cfg, train, seed, name)  # a flag's (spelled as the flag), or a file's
                 raise UsageError(f"{where}: {e}", in_file=not where.startswith(("train", "variants"))) from None
+            if "rope_theta" in fields and not any(config.positional_encoding().flags):  # as train refuses it
+                raise UsageError(f"variant {name}: rope_theta has no effect, no layer of it has RoPE (pe none); set "
+                                 "pe rope or a pe_layers pattern with a 1, or leave rope_theta out of it")
     matrix = Matrix(train=train, variants={k: dict(v) for k, v in variants.items()}, seeds=seeds,
                     files=tuple(data["_files"]))
-    for m in matrix.members:
-        if "rope_theta" in matrix.variants[m.variant] and not any(m.config.positional_encoding().flags):
-            raise UsageError(f"variant {m.variant}: rope_theta has no effect, no layer of it has RoPE (pe none); set "
-                             "pe rope or a pe_layers pattern with a 1, or leave rope_theta out of it")  # as train does
     if train.get("tokens") is not None:  # the token directory too: one line for a file, a missing or corrupt one
         from poslens.io.tokenfile import open_tokens
 
