@@ -422,7 +422,8 @@ def test_a_worker_part_writes_its_model_steps_where_the_parent_reads_them(tmp_pa
 def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_leaves_no_process(tmp_path, tokens):
     """Ctrl-C in a terminal (SIGINT to the process group) while two worker processes train: exit 130, one line on
     stderr (before: two more lines from multiprocessing's resource tracker about the pool's semaphores), no --out,
-    no worker left running; each model keeps its checkpoint."""
+    no worker left running; each model keeps its checkpoint, and nothing else of its run stays in the cache (before:
+    its empty build directory and its lock files)."""
     import os
     import signal
     import subprocess
@@ -463,6 +464,47 @@ def test_ctrl_c_on_a_sweep_in_worker_processes_is_one_line_and_leaves_no_process
     else:
         raise AssertionError(subprocess.run(["ps", "-o", "pid,args", "-g", str(sweep.pid)], capture_output=True,
                                             text=True).stdout)
+    left = [p for p in (tmp_path / "cache" / "trained").rglob("*")
+            if p.name == "build" or ".tmp-" in p.name or p.name.endswith(".lock")]
+    assert not left, left
+
+
+def _run_until_stopped(out: str) -> None:
+    """A job of a sweep's worker: a run directory with a checkpoint, written until the worker is stopped."""
+    import time
+
+    from poslens.io.rundir import open_run
+
+    with open_run(out) as run:
+        run.checkpoint("state").write_bytes(b"")
+        time.sleep(60)
+
+
+def test_a_worker_the_sweep_stops_leaves_only_its_checkpoints(tmp_path):
+    """On Ctrl-C a sweep's parent stops its workers with SIGTERM (`_train_parallel`); a worker unwinds its job then,
+    as an exit would: its run directory's build and lock go, its checkpoints stay for the rerun (before: SIGTERM
+    ended the worker where it was, and the empty ``.NAME.partial/build`` and the lock file stayed)."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from poslens.train.sweep import _worker_init
+
+    out = tmp_path / "model"
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init,
+                               initargs=(None,))
+    try:
+        pool.submit(_run_until_stopped, str(out))
+        deadline = time.monotonic() + 30
+        while not (tmp_path / ".model.partial" / "state.safetensors").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for p in list(pool._processes.values()):  # as `_train_parallel` stops its workers
+            p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        ".model.partial", ".model.partial/state.safetensors"]
 
 
 def test_the_matrices_a_run_reads_train_as_one_set_before_any_section_asks(tmp_path, tokens, monkeypatch):

@@ -527,12 +527,15 @@ _COUNTERS: Any = None  # in a worker of `_train_parallel`: model-steps done per 
 
 
 def _worker_init(counters: Any) -> None:
-    """A `_train_parallel` worker: Ctrl-C ignored (the parent stops the workers; each keeps its last checkpoint), and
-    the shared counters kept for `_train_unit`."""
+    """A `_train_parallel` worker: Ctrl-C ignored (the parent stops the workers; each keeps its last checkpoint), the
+    parent's SIGTERM an exit that unwinds the job (its run directories' builds removed, its locks released: a plain
+    SIGTERM ends the process with no cleanup, which left each model's empty ``build/`` in the cache), and the shared
+    counters kept for `_train_unit`."""
     import signal
 
     global _COUNTERS
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     _COUNTERS = counters
 
 
