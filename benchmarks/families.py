@@ -7,7 +7,8 @@ head in both forwards); the same token ids for every method. Methods, interleave
 each timed in CPU seconds of this process (`time.process_time`: the machine is shared, wall time would measure the
 neighbours):
 
-* plain: `model(ids)` with SDPA and logits (the baseline of the ratio);
+* plain: `model(ids)` with SDPA and logits (the baseline of the ratio; BLOOM, GPT-Neo: their eager attention, the
+         only one transformers has for them);
 * read:  `HookedModel.run(ids, hooks=..., logits=True)` with a reader at every point, the LM head's two included (a
          hook that takes the value and keeps nothing, as a statistic that reduces it);
 * read_default: the same without TransformerLens's optional points (the per-head inputs `hook_attn_in`,
@@ -54,7 +55,7 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw")
+FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -73,6 +74,10 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
         return build(family, **size)
     if family in ("falcon", "falcon_rw"):  # falcon-7b's multi-query parallel form, falcon-rw's ALiBi; MLP 4 x hidden
         return build(family, **size, ffn_hidden_size=4 * hidden)
+    if family == "gpt_neo":  # gpt-neo-125m's layers: global and local alternating, a window of 256; MLP 4 x hidden
+        return build(family, hidden_size=hidden, num_layers=layers, num_heads=heads, window_size=256,
+                     attention_types=[[["global", "local"], layers // 2], *([[["global"], 1]] if layers % 2 else [])],
+                     max_position_embeddings=2048, **({"vocab_size": vocab} if vocab else {}))
     if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
         return build(family, **size, ffn_dim=4 * hidden, max_position_embeddings=1024)
     kv = {"olmo2": heads, "phi": heads}.get(family, max(1, heads // 2))

@@ -93,7 +93,7 @@ def test_window_interventions_on_alibi_equal_a_float64_recomputation(family, spe
     assert (causal[real] - want[real]).abs().max() > 1e-2 * scale  # the window is seen by this comparison
 
 
-@pytest.mark.parametrize("family", ["bloom", "gemma2", "falcon_rw", "llama"])
+@pytest.mark.parametrize("family", ["bloom", "gemma2", "falcon_rw", "llama", "gpt_neo"])
 @torch.no_grad()
 def test_a_boolean_4d_mask_means_what_it_says_on_every_attention(family):
     """A boolean 4-D window mask gives the logits of the same mask in additive form, bit for bit, and a boolean causal

@@ -102,6 +102,19 @@ def _record_falcon(m64) -> list:
     return [layer.self_attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
 
 
+def _record_gpt_neo(m64) -> list:
+    """GPT-Neo (its attention is its own code, not an interface): hooks that record every layer's scores recomputed
+    in float64 from the attention's input, q.k without a scaling, and the layer's window (a local layer's
+    window_size, else 0)."""
+    def record(module, args, kwargs):
+        q, k = (module._split_heads(proj(args[0]), module.num_heads, module.head_dim)
+                for proj in (module.q_proj, module.k_proj))
+        window = module.config.window_size if module.attention_type == "local" else 0
+        _RECORD[module.layer_id] = ((q @ k.transpose(-1, -2))[0].clone(), window)
+
+    return [layer.attn.attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
+
+
 def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
     """Float64 means over `sequences` (1-D, any lengths), with NaN where the softmax sees nothing."""
     m64 = copy.deepcopy(model).double()
@@ -109,6 +122,8 @@ def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[s
         _record_alibi(m64)
     elif model.config.model_type == "falcon":
         _record_falcon(m64)
+    elif model.config.model_type == "gpt_neo":
+        _record_gpt_neo(m64)
     else:
         m64.set_attn_implementation("poslens_test_reference")
     n, h = max(len(s) for s in sequences), model.config.num_attention_heads
@@ -186,8 +201,8 @@ def test_maps_match_float64_reference(family, dtype):
     for key in MAPS:
         assert_maps_close(got[key], want[key], tol[key.removesuffix("_per_head")], f"{family} {key}")
     windows = got["sliding_window"].tolist()
-    expected = {"mistral": [12] * 3, "gemma3": [12, 0, 12], "gemma2": [12, 0, 12]}.get(family, [0] * 3)
-    assert windows == expected
+    windows_of = {"mistral": [12] * 3, "gemma3": [12, 0, 12], "gemma2": [12, 0, 12], "gpt_neo": [0, 12, 0]}
+    assert windows == windows_of.get(family, [0] * 3)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

@@ -26,7 +26,7 @@ from tiny_models import build, eager_twin, randomize_norm_gains, token_batch
 from poslens.engine.hooks import HookedModel
 
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families_inputs.json").read_text())
-FAMILIES = ("gpt_neox", "bloom", "opt", "falcon", "falcon_rw")
+FAMILIES = ("gpt_neox", "bloom", "opt", "falcon", "falcon_rw", "gpt_neo")
 TOLERANCE = 2e-5
 
 
@@ -55,9 +55,11 @@ def _rows(model, layer: int, part: str, head: int) -> tuple[torch.Tensor, torch.
     cfg, i = model.config, "qkv".index(part)
     h = cfg.num_attention_heads
     d = cfg.hidden_size // h
-    if cfg.model_type == "opt":
-        lin = getattr(model.model.decoder.layers[layer].self_attn, f"{part}_proj")
-        return lin.weight.view(h, d, -1)[head], lin.bias.view(h, d)[head]
+    if cfg.model_type in ("opt", "gpt_neo"):  # separate q, k, v (GPT-Neo's without biases, inside a wrapper)
+        attn = model.model.decoder.layers[layer].self_attn if cfg.model_type == "opt" else \
+            model.transformer.h[layer].attn.attention
+        lin = getattr(attn, f"{part}_proj")
+        return lin.weight.view(h, d, -1)[head], None if lin.bias is None else lin.bias.view(h, d)[head]
     blocks = model.gpt_neox.layers if cfg.model_type == "gpt_neox" else model.transformer.h
     attn = blocks[layer].attention if cfg.model_type == "gpt_neox" else blocks[layer].self_attention
     w, b = attn.query_key_value.weight, attn.query_key_value.bias

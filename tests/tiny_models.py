@@ -30,6 +30,8 @@ from transformers import (
     GPT2LMHeadModel,
     GPTJConfig,
     GPTJForCausalLM,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -113,6 +115,15 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "gpt2": (GPT2Config, GPT2LMHeadModel, {"max_position_embeddings": 64, "activation_function": "gelu_new",
                                            "tie_word_embeddings": True,
                                            "num_key_value_heads": None, "head_dim": None, "intermediate_size": None}),
+    # GPT-Neo: GPT-2's learned table and LayerNorms, layers global, local (a window of 12 keys), global; scores without
+    # the 1/sqrt(D) scaling; q/k/v/out_proj Linear, MLP 4 x 64 wide (intermediate_size unset, which TransformerLens
+    # assumes); eager attention only
+    "gpt_neo": (GPTNeoConfig, GPTNeoForCausalLM, {"num_layers": 3, "num_heads": 4, "window_size": 12,
+                                                  "attention_types": [[["global", "local"], 1], [["global"], 1]],
+                                                  "max_position_embeddings": 64, "tie_word_embeddings": True,
+                                                  "num_hidden_layers": None, "num_attention_heads": None,
+                                                  "num_key_value_heads": None, "head_dim": None,
+                                                  "intermediate_size": None}),
     # rotary on part of each head and a parallel residual (full multi-head attention, as the checkpoints):
     # GPT-NeoX (Pythia): rotary_pct 0.25 (Pythia's) of 16 dims, per-head fused [q | k | v] with biases, untied embed_out
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM, {"rotary_pct": 0.25, "num_key_value_heads": None,
@@ -148,7 +159,7 @@ ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
-                                                                  "falcon", "falcon_rw"))
+                                                                  "falcon", "falcon_rw", "gpt_neo"))
 
 
 def config(family: str, **overrides):
@@ -162,7 +173,7 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
     """A tiny random `family` model (eval mode, `dtype`), deterministic for a given seed and overrides."""
     cfg = config(family, **overrides)
     _, model_cls, _ = SPECS[family]
-    attn = "eager" if family in ("gemma2", "bloom") else "sdpa"  # BLOOM: eager only
+    attn = "eager" if family in ("gemma2", "bloom", "gpt_neo") else "sdpa"  # BLOOM, GPT-Neo: eager only
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
@@ -190,8 +201,10 @@ def _rescale_qk(model: PreTrainedModel) -> None:
     for layer in getattr(base, "layers", None) or getattr(base, "h", None) or base.decoder.layers:  # OPT: decoder
         attn = (getattr(layer, "self_attn", None) or getattr(layer, "self_attention", None)
                 or getattr(layer, "attn", None) or layer.attention)  # BLOOM: self_attention; GPT-NeoX: attention
+        attn = getattr(attn, "attention", attn)  # GPT-Neo: inside a wrapper
         d = getattr(attn, "head_dim", None) or attn.head_size  # GPT-NeoX: head_size
-        scaling = getattr(attn, "scaling", None) or attn.inv_norm_factor  # BLOOM: inv_norm_factor
+        scaling = getattr(attn, "scaling", None) or getattr(attn, "inv_norm_factor", None) or 1.0  # BLOOM:
+        # inv_norm_factor; GPT-Neo: none (q.k as is)
         target = (SCORE_STD / (scaling * d**0.5)) ** 0.5
         if hasattr(attn, "q_norm"):
             gemma_style = "Gemma" in type(attn.q_norm).__name__  # RMSNorm output * (1 + weight)

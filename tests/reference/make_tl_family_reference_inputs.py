@@ -1,12 +1,12 @@
 """TransformerLens 3.9's per-head attention inputs (`use_split_qkv_input`: hook_q_input, hook_k_input, hook_v_input)
 written, on the tiny models of the families whose q, k and v come from one fused projection or after an embedding
-LayerNorm: GPT-NeoX, BLOOM (per-head fused query_key_value) and OPT (read by tests/test_tl_inputs_fused.py).
+LayerNorm: GPT-NeoX, BLOOM (per-head fused query_key_value), OPT and GPT-Neo (read by tests/test_tl_inputs_fused.py).
 
-The models and TransformerLens configs of make_tl_family_reference_rotary.py and make_tl_family_reference_alibi.py
-(their functions imported; same seed, same token ids), `use_split_qkv_input` on. For each of the three points, one run
-that adds a fixed vector (`shift(part)`) to one head's copy at layer WRITE_LAYER (returned as a new tensor): stored,
-the logits' summary and the written part's projection (`attn.hook_q`, `hook_k` or `hook_v` of that layer), and the
-point's shape unwritten. Install TransformerLens in a venv of its own, then
+The models and TransformerLens configs of make_tl_family_reference_rotary.py, make_tl_family_reference_alibi.py and
+make_tl_family_reference_gpt_neo.py (their functions imported; same seed, same token ids), `use_split_qkv_input` on.
+For each of the three points, one run that adds a fixed vector (`shift(part)`) to one head's copy at layer WRITE_LAYER
+(returned as a new tensor): stored, the logits' summary and the written part's projection (`attn.hook_q`, `hook_k` or
+`hook_v` of that layer), and the point's shape unwritten. Install TransformerLens in a venv of its own, then
 
     /tmp/tlvenv/bin/python tests/reference/make_tl_family_reference_inputs.py \\
         --out tests/reference/tl39_families_inputs.json
@@ -27,11 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import make_tl_family_reference as base  # noqa: E402
 import make_tl_family_reference_alibi as alibi  # noqa: E402
+import make_tl_family_reference_gpt_neo as gpt_neo  # noqa: E402
 import make_tl_family_reference_rotary as rotary  # noqa: E402
 
 WRITE_LAYER = 1
 HEAD = {"q": 2, "k": 1, "v": 0}  # the head whose copy each write edits
-FAMILIES = {"gpt_neox": rotary.FAMILIES["gpt_neox"], "bloom": alibi.FAMILIES["bloom"], "opt": alibi.FAMILIES["opt"]}
+FAMILIES = {"gpt_neox": rotary.FAMILIES["gpt_neox"], "bloom": alibi.FAMILIES["bloom"], "opt": alibi.FAMILIES["opt"],
+            "gpt_neo": gpt_neo.FAMILIES["gpt_neo"]}
 
 
 def shift(part: str, width: int) -> torch.Tensor:

@@ -10,13 +10,12 @@ window and the positional encoding of every layer. Nothing here imports the anal
 
 Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer, "rope",
 "partial-rope" (rotary on part of each head: Phi-3's and Phi's partial rotary factor, Pythia's rotary_pct, GPT-J's
-rotary_dim), "learned" (GPT-2's and OPT's position tables), "alibi" (BLOOM's linear biases; `scale_alibi` scales
-them) or "none"; the whole encoding
-(RoPE base and scaling, sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model
-loaded with `pe="none"` (a Llama-like checkpoint trained without positional encoding, such as the paper's released
-NoPE model) has its rotary embedding replaced by the identity (BLOOM: every ALiBi slope 0) for as long as it lives,
-and says so here; SmolLM3's
-per-layer `no_rope_layers` is read from the config.
+rotary_dim), "learned" (GPT-2's, OPT's and GPT-Neo's position tables), "alibi" (BLOOM's linear biases; `scale_alibi`
+scales them) or "none"; the whole encoding (RoPE base and scaling, sliding windows, label) is the one type
+`poslens.engine.pe.PositionalEncoding`. A model loaded with `pe="none"` (a Llama-like checkpoint trained without
+positional encoding, such as the paper's released NoPE model) has its rotary embedding replaced by the identity (BLOOM:
+every ALiBi slope 0) for as long as it lives, and says so here; SmolLM3's per-layer `no_rope_layers` is read from the
+config.
 """
 
 from __future__ import annotations
@@ -92,9 +91,12 @@ class Family:
     embed_norm_attr: str | None = None
     block_tuple: bool = False  # the decoder layer returns (hidden states, attentions) (BLOOM), not a tensor
     eager_only: bool = False  # transformers has one attention implementation for it, "eager" (BLOOM): loaded with it
-    # Falcon: its attention is its own code (not transformers' attention interface), run by the hook engine's copy
-    # (`HookedModel._falcon_attention`), which fires attn.hook_q, hook_k and hook_v on its fused query_key_value's split
-    own_attention: bool = False
+    # Falcon, GPT-Neo: the attention is the model's own code (not transformers' attention interface), run by the hook
+    # engine's copy of it, `HookedModel._{own_attention}_attention` (Falcon's fires attn.hook_q, hook_k and hook_v on
+    # its fused query_key_value's split); None: the attention interface's
+    own_attention: str | None = None
+    windows_in_module: bool = False  # the attention module hides the keys past its layer's window itself, on top of
+    # any mask it is given (GPT-Neo's local layers: a buffer); elsewhere the window is in the mask transformers builds
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -153,7 +155,14 @@ FAMILIES: dict[str, Family] = {
     "falcon": Family("Falcon", layout="parallel", ln2="input_layernorm", layers_attr="h", attn_attr="self_attention",
                      embed_attr="word_embeddings", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                      proj=("dense", "dense_h_to_4h", "dense_4h_to_h"), block_tuple=True,
-                     own_attention=True),
+                     own_attention="falcon"),
+    # GPT-Neo (TinyStories, gpt-neo-125m ... 2.7b): GPT-2's learned table and LayerNorms, layers alternating global and
+    # local (a window of window_size keys) attention, scores q.k without the 1/sqrt(D) scaling, q/k/v/out_proj Linear
+    # (out_proj with a bias), MLP c_fc/c_proj; the attention inside a wrapper (attn.attention), eager only
+    "gpt_neo": Family("GPT-Neo", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn.attention", embed_attr="wte",
+                      pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
+                      proj=("out_proj", "c_fc", "c_proj"), eager_output=True, block_tuple=True, eager_only=True,
+                      own_attention="gpt_neo", windows_in_module=True),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
@@ -307,7 +316,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def attention_module(model: nn.Module, layer: int) -> nn.Module:
     """The attention module of decoder layer `layer`."""
-    return getattr(decoder_layers(model)[layer], family_of(model.config).attn_attr)
+    return layer_attention(family_of(model.config), decoder_layers(model)[layer])
+
+
+def layer_attention(family: Family, layer: nn.Module) -> nn.Module:
+    """The attention module of a decoder layer (the one holding the q, k, v and output projections; GPT-Neo's sits
+    inside a wrapper: `attn.attention`)."""
+    return layer.get_submodule(family.attn_attr)
+
+
+def layer_index(attn: nn.Module) -> int:
+    """The index of an attention module's layer (GPT-Neo names it `layer_id`)."""
+    return int(attn.layer_idx if hasattr(attn, "layer_idx") else attn.layer_id)
 
 
 def head_dim(attn: nn.Module) -> int:

@@ -120,6 +120,8 @@ from poslens.engine.families import (
     family_of,
     head_dim,
     kv_heads,
+    layer_attention,
+    layer_index,
     mlp_block,
     mlp_module,
 )
@@ -361,7 +363,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             raise UsageError(f"this {self.family.name} model has no decoder layers (its config sets 0): give it at "
                              "least one")
         self._limit = position_limit(model)  # (what, n): the positions a table bounds, or None
-        self.attns = [getattr(layer, self.family.attn_attr) for layer in self.layers]
+        self.attns = [layer_attention(self.family, layer) for layer in self.layers]
         cfg = model.config
         self._heads = (cfg.num_attention_heads, kv_heads(cfg))
         self._inputs = self.family.per_head_inputs  # TransformerLens's per-head attention inputs exist here
@@ -648,7 +650,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         undo: list[Callable[[], Any]] = []
         fns = run.by_point
         try:
-            if not (self.family.alibi or self.family.own_attention):  # BLOOM's and Falcon's attention are their
+            if not (self.family.alibi or self.family.own_attention):  # BLOOM's, Falcon's and GPT-Neo's attention are
                 # own code (poslens's copies run them), not an interface
                 saved = self.model.config._attn_implementation
                 self.model.set_attn_implementation(ATTN_EAGER if self.family.eager_output else ATTN_SDPA)
@@ -763,7 +765,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         inputs = self._inputs and any(p in pts for p in input_points(*self._heads))
         if self.family.qkv_per_head:
             handles += self._per_head_qkv_hooks(l, pts, attn, heads, d)
-        elif self.family.own_attention:  # Falcon: q, k and v fire in `_falcon_attention`; the per-head inputs here
+        elif self.family.own_attention == "falcon":  # q, k and v fire in `_falcon_attention`; the per-head inputs here
             if inputs:
                 handles.append(attn.query_key_value.register_forward_hook(self._falcon_input_hook(l, attn)))
         else:
@@ -1017,12 +1019,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             self._run.inputs[l] = fire_inputs(fire, self._run.per_layer.get(l, {}), x, getattr(layer_mod, fam.ln1),
                                               *self._heads)
         attn_in = x if post else getattr(layer_mod, fam.ln1)(x)  # ln1.*
-        if fam.own_attention:  # Falcon: poslens's copy of its attention
-            a = self._falcon_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
-        elif fam.alibi:  # BLOOM's attention adds the residual itself: poslens's copy of it, without
-            a = self._alibi_attention(getattr(layer_mod, fam.attn_attr), attn_in, attn_kwargs)  # attn.*
-        else:
-            a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=attn_in, **attn_kwargs)  # attn.*
+        a = self._attention_of(layer_mod, attn_in, attn_kwargs)  # attn.*
         a = fire("attn.hook_out", a)  # [B, T, d] after W_O
         if fam.layout == "sandwich":  # Gemma: x + norm(attn(norm(x))), x + norm(mlp(norm(x)))
             a = getattr(layer_mod, fam.ln1_post)(a)  # ln1_post.*
@@ -1058,10 +1055,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if self._inputs:  # TransformerLens's per-head inputs (GPT-J, Phi): the written ones, normed by ln1
             self._run.inputs[l] = fire_inputs(fire, pts, x, ln1, *self._heads)
         h = ln1(x)  # ln1.*
-        if fam.own_attention:  # Falcon: poslens's copy of its attention
-            a = self._falcon_attention(getattr(layer_mod, fam.attn_attr), h, attn_kwargs)  # attn.*
-        else:
-            a, _ = getattr(layer_mod, fam.attn_attr)(hidden_states=h, **attn_kwargs)  # attn.*
+        a = self._attention_of(layer_mod, h, attn_kwargs)  # attn.*
         a = fire("hook_attn_out", fire("attn.hook_out", a))  # [B, T, d] after W_O: what is added
         mlp_in = _copy_point(fire, "hook_mlp_in", x) if "hook_mlp_in" in pts else x
         if fam.ln2 != fam.ln1:  # GPT-NeoX: a norm of its own
@@ -1078,6 +1072,18 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if drop is not None:  # GPT-NeoX's and Phi's residual dropouts (identities in eval)
             a, m = drop(a), getattr(layer_mod, "post_mlp_dropout", drop)(m)
         return fire("hook_resid_post", (a + m) + x)  # [B, T, d]
+
+    def _attention_of(self, layer_mod, x: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
+        """A decoder layer's attention sublayer on x [B, T, d] (the normed stream), its attn.* points fired: the
+        model's module (the attention interface's families), or poslens's copy of the model's own code (Falcon,
+        GPT-Neo: `Family.own_attention`; BLOOM, whose attention adds the residual itself: without it)."""
+        fam = self.family
+        attn = layer_attention(fam, layer_mod)
+        if fam.own_attention:
+            return getattr(self, f"_{fam.own_attention}_attention")(attn, x, attn_kwargs)
+        if fam.alibi:
+            return self._alibi_attention(attn, x, attn_kwargs)
+        return attn(hidden_states=x, **attn_kwargs)[0]
 
     def _alibi_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """BLOOM's attention on x [B, T, d] without its residual: the model's own operations (fused per-head q, k, v;
@@ -1163,13 +1169,41 @@ class HookedModel(TransformerLensSurface, TLWeights):
         z, _ = self._attention(attn, inner, q, k, v, mask, 0.0, attn.inv_norm_factor, extra, eager)
         return attn.dense(z.reshape(bsz, t, h * d))  # attn.hook_result fires on dense
 
+    def _gpt_neo_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """GPT-Neo's attention on x [B, T, d]: the model's own operations (q, k, v projections, attn.hook_q/k/v firing
+        on them; scores q.k in float32 without a 1/sqrt(D) scaling, keys outside a local layer's window of
+        window_size hidden, plus the model's additive mask; a float32 softmax; out_proj), with the kernel's points
+        fired by `_attention` in between."""
+        bsz, t = x.shape[:2]
+        h, d = attn.num_heads, attn.head_dim
+        q, k, v = (attn._split_heads(proj(x), h, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # [B, H, T, D]
+        k, v = _cached(kwargs.get("layer_past"), attn.layer_id, k, v)  # [B, H, T', D]: the earlier keys too
+        window = int(attn.config.window_size) if attn.attention_type == "local" else 0
+        memo = self._run.hidden
+
+        def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):  # the model's own steps
+            out, probs = attn._attn(query, key, value, mask)
+            return out.transpose(1, 2), probs
+
+        def scores(query, key, mask):  # as `_attn`: q.k in float32, -inf (the model: float32's minimum) where hidden
+            s = query.to(torch.float32) @ key.to(torch.float32).transpose(-1, -2)
+            s = _hide(s, None, window, memo)  # the causal mask and the layer's window (the model's `bias` buffer)
+            return s if mask is None else _hide(s, mask, 0, memo)  # then the model's own mask (padding)
+
+        def weigh(probs, value):  # [B, T, H, D]
+            return (probs.to(value.dtype) @ value).transpose(1, 2)
+
+        z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, 1.0,
+                               {"sliding_window": window}, EagerSteps(scores, weigh))
+        return attn.resid_dropout(attn.out_proj(z.reshape(bsz, t, h * d)))  # attn.hook_result fires on out_proj
+
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs,
                    eager: EagerSteps | None = None):
         """Fire the attention kernel's points of one layer, then compute its output: the model's own function unless
         the scores or the pattern are formed (a hook at attn.hook_attn_scores or attn.hook_pattern reads them as a
         tensor); then the output is the pattern times the values, as the model's eager attention computes it, op for
         op (`eager`: its two steps, by default transformers' `eager_attention_forward`)."""
-        l = module.layer_idx
+        l = layer_index(module)
         pts = self._run.per_layer.get(l, {})
         if not any(p in pts for p in KERNEL_POINTS):
             return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -1398,7 +1432,7 @@ def _block_forward(self, hidden_states, *args, **kwargs):
     bound = _signature(type(self)).bind(self, hidden_states, *args, **kwargs)
     attn_kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "hidden_states")}
     attn_kwargs.update(attn_kwargs.pop("kwargs", {}))
-    out = hm._block(self, getattr(self, hm.family.attn_attr).layer_idx, hidden_states, attn_kwargs)
+    out = hm._block(self, layer_index(layer_attention(hm.family, self)), hidden_states, attn_kwargs)
     return (out, None) if hm.family.block_tuple else out
 
 

@@ -42,7 +42,8 @@ from poslens.errors import UsageError, check_float, check_int, require
 GPTJ_ROTARY_BASE = 10000.0  # transformers' GPT-J computes its sin/cos table with this base (not a config field)
 ALIBI = ("bloom",)  # model types whose every layer adds ALiBi's per-head linear bias to the scores (and Falcon with
 # alibi=True)
-LEARNED_TABLE = ("gpt2", "opt")  # model types whose positions come from a learned table added to the token embeddings
+LEARNED_TABLE = ("gpt2", "opt", "gpt_neo")  # model types whose positions come from a learned table added to the token
+# embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
 CONFIG_FIELD = "poslens_variant"  # config field of a checkpoint poslens trained (`variant_record`)
 SCALINGS = ("ntk", "linear", "yarn")
@@ -353,6 +354,8 @@ def _trained_ntk(trained: dict, theta: float, dim: int) -> tuple[Scaling, float]
 
 def _windows(config: Any, n: int) -> list[int]:
     """Per layer, the sliding window in tokens (0 = full causal attention), as the attention masks use it."""
+    if config.model_type == "gpt_neo":  # attention_layers: "global" or "local" (window_size keys, self included)
+        return [int(config.window_size) if t == "local" else 0 for t in list(config.attention_layers)[:n]]
     window = getattr(config, "sliding_window", None) or 0
     types = getattr(config, "layer_types", None)
     if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):

@@ -144,12 +144,12 @@ class Attention(_Component):
     @property
     def W_O(self) -> torch.Tensor:
         """[n_heads, d_head, d_model]"""
-        return layer_w_o(self._owner.layers[self._layer], self._owner.model.config.num_attention_heads)
+        return layer_w_o(self._owner.attns[self._layer], self._owner.model.config.num_attention_heads)
 
     @property
     def b_O(self) -> torch.Tensor:
         """[d_model]"""
-        return _bias(_o_proj(self._owner.layers[self._layer]))
+        return _bias(_o_proj(self._owner.attns[self._layer]))
 
     @property
     def OV(self) -> FactoredMatrix:

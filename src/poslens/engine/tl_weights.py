@@ -65,6 +65,9 @@ class TLConfig:
     rotary_adjacent_pairs: bool  # RoPE turns adjacent dimension pairs (GPT-J), not the two halves
     final_rms: bool
     window_size: int | None  # the sliding window of the layers that have one
+    use_local_attn: bool  # some layers attend a window of keys only
+    attn_types: list[str] | None  # per layer "global" or "local" (a window) where some layer is local
+    use_attn_scale: bool  # the scores are q.k divided by sqrt(d_head) (False: GPT-Neo's q.k as is)
     attn_scores_soft_cap: float
     output_logits_soft_cap: float
     default_prepend_bos: bool
@@ -110,7 +113,9 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         rotary_base=pe.rope_theta if rotates else None,
         gated_mlp=family.gated_mlp, parallel_attn_mlp=family.layout == "parallel",
         rotary_adjacent_pairs=family.rotary_adjacent_pairs, final_rms=family.norm_kind == "rms",
-        window_size=windows[0] if windows else None,
+        window_size=windows[0] if windows else None, use_local_attn=bool(windows),
+        attn_types=["local" if w else "global" for w in pe.windows] if windows else None,
+        use_attn_scale=cfg.model_type != "gpt_neo",
         attn_scores_soft_cap=float(getattr(cfg, "attn_logit_softcapping", None) or -1.0),
         output_logits_soft_cap=float(getattr(cfg, "final_logit_softcapping", None) or -1.0),
         default_prepend_bos=cfg.model_type not in NO_DEFAULT_BOS, tokenizer_prepends_bos=prepends,
@@ -154,9 +159,8 @@ def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     return (*(p.weight for p in ps), tuple(p.bias for p in ps))
 
 
-def _o_proj(layer):
-    attn = (getattr(layer, "self_attn", None) or getattr(layer, "self_attention", None) or getattr(layer, "attn", None)
-            or layer.attention)  # BLOOM: self_attention; GPT-NeoX: attention
+def _o_proj(attn):
+    """An attention module's output projection W_O."""
     for name in ("o_proj", "dense", "out_proj"):  # GPT-NeoX, Phi, BLOOM: dense; GPT-J, OPT: out_proj
         if hasattr(attn, name):
             return getattr(attn, name)
@@ -211,9 +215,9 @@ def layer_attn_weight(model, l: int, which: int, bias: bool = False, expand: boo
     return t.repeat_interleave(h // kv, 0) if which and expand and h != kv else t  # GQA: query head h reads h // (h/K)
 
 
-def layer_w_o(layer, heads: int) -> torch.Tensor:
-    """A layer's W_O [heads, d_head, d_model] (a view of the parameter)."""
-    return _linear_weight(_o_proj(layer)).T.unflatten(0, (heads, -1))
+def layer_w_o(attn, heads: int) -> torch.Tensor:
+    """An attention module's W_O [heads, d_head, d_model] (a view of the parameter)."""
+    return _linear_weight(_o_proj(attn)).T.unflatten(0, (heads, -1))
 
 
 class TLWeights:
@@ -224,6 +228,9 @@ class TLWeights:
     def _attn_weight(self, which: int, bias: bool = False) -> torch.Tensor:
         return torch.stack([layer_attn_weight(self.model, l, which, bias)
                             for l in range(len(decoder_layers(self.model)))])
+
+    def _attention_modules(self) -> list:
+        return [attention_module(self.model, l) for l in range(len(decoder_layers(self.model)))]
 
     def _mlp_of(self, layer):
         return mlp_module(self.family, layer)
@@ -260,12 +267,12 @@ class TLWeights:
     def W_O(self) -> torch.Tensor:
         """[n_layers, n_heads, d_head, d_model]"""
         h = self.model.config.num_attention_heads
-        return torch.stack([layer_w_o(layer, h) for layer in decoder_layers(self.model)])
+        return torch.stack([layer_w_o(attn, h) for attn in self._attention_modules()])
 
     @property
     def b_O(self) -> torch.Tensor:
         """[n_layers, d_model]"""
-        return torch.stack([_bias(_o_proj(layer)) for layer in decoder_layers(self.model)])
+        return torch.stack([_bias(_o_proj(attn)) for attn in self._attention_modules()])
 
     @property
     def W_gate(self) -> torch.Tensor:

@@ -4,7 +4,8 @@ transformers uses a 4-D mask [B, 1, T, T] as given (no packed-sequence detection
 explicit mask is how to (a) run with position ids that do not start at 0 without the mask turning block-diagonal
 (transformers reads position ids that do not step by +1 as packed sequences only when no mask is passed) and
 (b) impose a window other than the model's. Models whose layers differ in their window (Gemma-2/3, Qwen2/3 and
-SmolLM3 with `layer_types`) take a dict {layer type: mask}; the others one mask for every layer.
+SmolLM3 with `layer_types`) take a dict {layer type: mask}; the others one mask for every layer, and so does GPT-Neo,
+whose local layers hide the keys past their window themselves, on top of the mask (`Family.windows_in_module`).
 
 allowed(i, j) = j <= i  and  i - j < W  (W = 0: no window)  and  key j is a real token (`poslens.masks.allowed`).
 
@@ -46,6 +47,8 @@ def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None,
             return allowed(n, capped(w), keys, device=device)
         return allowed(n, w, keys, device=device) & visible(n, window - sinks, sinks=sinks, device=device)
 
+    if family_of(model.config).windows_in_module:  # GPT-Neo: its local layers' windows on top of this mask
+        return as_model_mask(layer(0), model)
     if len(set(native)) == 1:
         return as_model_mask(layer(native[0]), model)
     types = model.config.layer_types
@@ -58,12 +61,16 @@ def model_mask(model, n: int, window: int = 0, keys: torch.Tensor | None = None,
 
 def allowed_from(mask, ctx) -> torch.Tensor | None:
     """The bool [B or 1, 1, T, T] mask an explicit run mask imposes on the hooked layer, or None when the run was
-    given a [B, T] padding mask or none (the model's causal mask and window then apply)."""
+    given a [B, T] padding mask or none (the model's causal mask and window then apply). GPT-Neo's local layers hide
+    the keys past their window besides (`Family.windows_in_module`)."""
     if isinstance(mask, dict):
         mask = mask[ctx.module.config.layer_types[ctx.layer]]
     if mask is None or mask.dim() != 4:
         return None
-    return mask if mask.dtype == torch.bool else mask == 0
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    if ctx.window and family_of(ctx.module.config).windows_in_module:
+        seen = seen & visible(seen.shape[-2], ctx.window, keys=seen.shape[-1], device=seen.device)
+    return seen
 
 
 def right_padded(mask: torch.Tensor) -> torch.Tensor:
