@@ -168,3 +168,52 @@ def test_a_worker_ends_when_the_program_that_made_its_pool_is_killed(method, sig
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ctrl_c_while_the_server_imports_leaves_no_traceback_of_a_worker(tmp_path):
+    """Ctrl-C while a pool's first worker waits for the server's imports (a module among them, `gate`, holds them
+    until the test lets it go): the program exits 130 with nothing on stderr. Before, the worker's start had sent the
+    server the pool's semaphores, which the program removed as it exited, and the worker forked after the imports
+    printed a traceback of the missing semaphore (FileNotFoundError)."""
+    import signal
+
+    (tmp_path / "gate.py").write_text(
+        "import os, time\n"
+        "open('importing', 'w').close()\n"
+        "while not os.path.exists('release'): time.sleep(0.05)\n")
+    program = ("import os, sys\n"  # run in tmp_path: the server finds gate there ('' on its sys.path)
+               "from poslens.engine import workers\n"
+               "workers.PRELOAD = ['gate']\n"
+               "pool = None\n"
+               "try:\n"
+               "    pool = workers.Pool(1)\n"
+               "    pool.submit(os.getpid).result()\n"
+               "except KeyboardInterrupt:\n"  # as the sweep stops its workers on Ctrl-C
+               "    if pool is not None:\n"
+               "        for p in list(pool._processes.values()): p.terminate()\n"
+               "        pool.shutdown(wait=True, cancel_futures=True)\n"
+               "    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "importing").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        time.sleep(0.5)  # the program is in the pool's first start, waiting for the server
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends Ctrl-C: to the whole process group
+        time.sleep(0.5)
+        (tmp_path / "release").touch()  # the server finishes its imports (the program's exit waits for it)
+        assert proc.wait(timeout=60) == 130
+        while time.monotonic() < deadline + 60:  # the group's last process (a forked worker) gone
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        assert proc.stderr.read() == ""
+    finally:
+        (tmp_path / "release").touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

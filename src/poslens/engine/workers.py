@@ -24,7 +24,12 @@ What a forked worker would otherwise get wrong, handled here:
 * Ctrl-C while the server imports PRELOAD (a few seconds after the first pool or `start()`): the terminal sends it to
   the whole process group, and the server, which ignores it only once its imports are done, printed a traceback of
   the interrupted import under the command's one-line message; it is started ignoring SIGINT (inherited across
-  exec), and each worker restores Python's handler, so that a job is interrupted as before (`_server_running`).
+  exec), and each worker restores Python's handler, so that a job is interrupted as before (`_server_running`);
+* Ctrl-C while a pool's first worker waits for the server's imports: the worker's start had already sent the server
+  the pool's pickled queues, whose semaphores this process removes as it exits, and the worker, forked once the
+  imports were done, printed a traceback of the missing semaphore (FileNotFoundError) under the command's one-line
+  message; a pool is made only once the server has forked a first, trivial process (`_server_ready`), so a Ctrl-C
+  during the imports finds no pool to be sent.
 """
 
 from __future__ import annotations
@@ -129,6 +134,28 @@ def _server_running() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+_ready: set[int] = set()  # the servers (pids) that have forked a process since they started
+
+
+def _nothing() -> None:
+    """The trivial job of `_server_ready`'s process."""
+
+
+def _server_ready(ctx: multiprocessing.context.BaseContext) -> None:
+    """Start the server if it is not running (`_server_running`) and wait until it has imported PRELOAD: it forks a
+    process only then, so a trivial process is started and waited for, once per server."""
+    from multiprocessing import forkserver
+
+    _server_running()
+    pid = forkserver._forkserver._forkserver_pid
+    if pid in _ready:
+        return
+    process = ctx.Process(target=_nothing, name="poslens-server-ready")
+    process.start()
+    process.join()
+    _ready.add(pid)
+
+
 def cpu_seconds() -> float:
     """CPU seconds of the jobs finished in forked workers of this process's pools (spawned workers are this process's
     children: `RUSAGE_CHILDREN` counts them)."""
@@ -141,10 +168,11 @@ class Pool(ProcessPoolExecutor):
 
     def __init__(self, jobs: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
         ctx = context()
+        if ctx.get_start_method() == "forkserver":
+            _server_ready(ctx)  # before any semaphore of the pool exists (module docstring)
         self._counter = ctx.Value("d", 0.0) if ctx.get_start_method() == "forkserver" else None
         if self._counter is not None:
             _counters.append(self._counter)
-            _server_running()
         super().__init__(max_workers=jobs, mp_context=ctx, initializer=_init,
                          initargs=(self._counter, os.getpid(), initializer, initargs))
 
