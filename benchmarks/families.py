@@ -55,7 +55,8 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
-FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo")
+FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
+            "olmo")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -80,7 +81,7 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
                      max_position_embeddings=2048, **({"vocab_size": vocab} if vocab else {}))
     if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
         return build(family, **size, ffn_dim=4 * hidden, max_position_embeddings=1024)
-    kv = {"olmo2": heads, "phi": heads}.get(family, max(1, heads // 2))
+    kv = {"olmo2": heads, "phi": heads, "olmo": heads}.get(family, max(1, heads // 2))
     return build(family, **size, intermediate_size=4 * hidden, num_key_value_heads=kv, head_dim=64)
 
 

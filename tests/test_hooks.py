@@ -27,9 +27,13 @@ def _plain_logits(model, ids, mask=None):
 
 def _rms(prefix, module, x, gemma, ref, flat=False):
     """TransformerLens's RMSNorm points: scale = sqrt(mean(x^2) + eps), normalized = x / scale, then the gain (q/k
-    norms: over each head's D entries, TL's [B*T*heads, .]; OLMo-2's over the whole projection, x [B, T, heads*D])."""
-    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-    w = module.weight.double()
+    norms: over each head's D entries, TL's [B*T*heads, .]; OLMo-2's over the whole projection, x [B, T, heads*D]).
+    OLMo (1)'s LayerNorm without weight or bias: x centred first, eps 1e-5 (OlmoLayerNorm's), gain 1."""
+    if not hasattr(module, "weight"):  # OLMo (1)
+        x, eps, w = x - x.mean(-1, keepdim=True), 1e-5, torch.ones((), dtype=torch.float64)
+    else:
+        eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+        w = module.weight.double()
     scale = ref.get(f"{prefix}.hook_scale!", (x.pow(2).mean(-1, keepdim=True) + eps).sqrt())  # written, or computed
     normalized = ref.get(f"{prefix}.hook_normalized!", x / scale)
     out = normalized * ((1 + w) if gemma else w)
@@ -173,8 +177,10 @@ def test_every_point_equals_a_float64_recomputation_and_readers_leave_logits_bit
     ref["unembed.hook_in"], ref["unembed.hook_out"] = final, _linear(final, model.lm_head)  # Gemma-2: before softcap
     assert set(ref) == set(hm.points)
     _assert_matches(cache, ref)
-    # the values after a gain differ from those before it (the test would not see a missing gain otherwise)
-    assert not torch.allclose(cache["blocks.1.ln1.hook_out"], cache["blocks.1.ln1.hook_normalized"])
+    # the values after a gain differ from those before it (the test would not see a missing gain otherwise); OLMo
+    # (1)'s LayerNorm has no gain
+    same = torch.allclose(cache["blocks.1.ln1.hook_out"], cache["blocks.1.ln1.hook_normalized"])
+    assert same if family == "olmo" else not same
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -36,7 +36,11 @@ from poslens.errors import UsageError
 
 
 def _norm(x, mod, gemma: bool):
-    """RMSNorm: x / sqrt(mean x^2 + eps) * w (Gemma: * (1 + w))."""
+    """RMSNorm: x / sqrt(mean x^2 + eps) * w (Gemma: * (1 + w)); OLMo (1)'s LayerNorm without weight or bias:
+    (x - mean) / sqrt(var + 1e-5) (OlmoLayerNorm's eps)."""
+    if not hasattr(mod, "weight"):
+        x = x - x.mean(-1, keepdim=True)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     eps = getattr(mod, "variance_epsilon", None) or mod.eps
     w = mod.weight.double()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * ((1 + w) if gemma else w)

@@ -194,7 +194,8 @@ def test_ctrl_c_while_the_server_imports_leaves_no_traceback_of_a_worker(tmp_pat
                "        pool.shutdown(wait=True, cancel_futures=True)\n"
                "    sys.exit(130)\n")
     proc = subprocess.Popen([sys.executable, "-c", program], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,  # Ctrl-C as in a terminal (a pytest-xdist worker ignores it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "importing").exists():

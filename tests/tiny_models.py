@@ -40,6 +40,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoConfig,
+    OlmoForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Phi3Config,
@@ -107,6 +109,8 @@ SPECS: dict[str, tuple[type, type, dict]] = {
             "final_logit_softcapping": 30.0,
         },
     ),
+    # OLMo (1): Llama's block with LayerNorms without weight or bias; full multi-head attention, as the checkpoints
+    "olmo": (OlmoConfig, OlmoForCausalLM, {"num_key_value_heads": 4}),
     # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"num_key_value_heads": 4}),
     # learned absolute positions (wpe), LayerNorm with bias, Conv1D c_attn [q | k | v]; 64 wide = 4 heads of 16, an

@@ -62,6 +62,20 @@ def olmo2_config(hf):
         final_rms=True, dtype=torch.float32, device="cpu")
 
 
+def olmo_config(hf):
+    """TransformerLens's OLMo (1) config (convert_hf_model_config's allenai/OLMo-1B-hf and OLMo-7B-hf entries:
+    LayerNorm, silu, gated MLP, rotary, eps 1e-5, clip_qkv from the config) at the tiny sizes."""
+    from transformer_lens.config import HookedTransformerConfig
+
+    c = hf.config
+    return HookedTransformerConfig(
+        d_model=c.hidden_size, d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size, n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=1e-5,
+        d_vocab=c.vocab_size, act_fn="silu", normalization_type="LN", rotary_base=c.rope_parameters["rope_theta"],
+        attn_types=["global"] * c.num_hidden_layers, positional_embedding_type="rotary", gated_mlp=True,
+        clip_qkv=c.clip_qkv, original_architecture="OlmoForCausalLM", dtype=torch.float32, device="cpu")
+
+
 def gpt2_config(hf):
     """TransformerLens's GPT-2 config (convert_hf_model_config's GPT2LMHeadModel branch; n_ctx: the table's rows)."""
     from transformer_lens.config import HookedTransformerConfig
@@ -75,7 +89,8 @@ def gpt2_config(hf):
         original_architecture="GPT2LMHeadModel", dtype=torch.float32, device="cpu")
 
 
-FAMILIES = {"olmo2": ("convert_olmo2_weights", olmo2_config), "gpt2": ("convert_gpt2_weights", gpt2_config)}
+FAMILIES = {"olmo2": ("convert_olmo2_weights", olmo2_config), "gpt2": ("convert_gpt2_weights", gpt2_config),
+            "olmo": ("convert_olmo_weights", olmo_config)}
 
 
 def reference(family: str, table: dict | None = None) -> dict:

@@ -287,7 +287,7 @@ class ActivationCache(Mapping):
                 raise UsageError("apply_ln_to_stack: recompute_ln applies to the final norm only (layer None or -1)")
             out = torch.stack([norm(c) for c in stack])
             return out if has_batch_dim else out[:, 0]
-        if isinstance(norm, torch.nn.LayerNorm):
+        if model.family.norm_kind == "layer":  # (OLMo's parameter-free one too)
             stack = stack - stack.mean(-1, keepdim=True)
         scale = _slice(self[f"{prefix}.hook_scale"], pos_slice, -2)
         if not has_batch_dim:

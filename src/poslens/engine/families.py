@@ -56,7 +56,8 @@ class Family:
     qk_norm_heads_first: bool = False  # the q/k norm (if any) reads [B, heads, T, D] (Gemma-3), not [B, T, heads, D]
     qk_norm_whole: bool = False  # the q/k norm (if any) normalizes the whole projection [B, T, heads * D] (OLMo-2)
     # where the parts live (module attributes): the base model's layers, embeddings and final norm; a layer's
-    # attention; a learned position table (GPT-2's wpe), the norm kind ("rms" or "layer": LayerNorm with a bias)
+    # attention; a learned position table (GPT-2's wpe), the norm kind ("rms" or "layer": LayerNorm, with a bias, or
+    # OLMo's without weight or bias: `norm_affine`)
     layers_attr: str = "layers"
     attn_attr: str = "self_attn"
     embed_attr: str = "embed_tokens"
@@ -163,6 +164,8 @@ FAMILIES: dict[str, Family] = {
                       pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                       proj=("out_proj", "c_fc", "c_proj"), eager_output=True, block_tuple=True, eager_only=True,
                       own_attention="gpt_neo", windows_in_module=True),
+    # OLMo (1): Llama's block with LayerNorms without weight or bias (OlmoLayerNorm, eps 1e-5); clip_qkv refused
+    "olmo": Family("OLMo", norm_kind="layer"),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
@@ -202,6 +205,9 @@ def family_of(config: Any) -> Family:
         _check_bloom(config)
     if model_type == "gptj":
         _check_gptj(config)
+    if model_type == "olmo" and getattr(config, "clip_qkv", None) is not None:
+        raise UsageError(f"OLMo with clip_qkv {config.clip_qkv} (q, k and v clamped in place after their projections) "
+                         "is not supported yet; OLMo without it (OLMo-1B-hf, OLMo-7B-hf: clip_qkv null) is")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):
@@ -317,6 +323,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def attention_module(model: nn.Module, layer: int) -> nn.Module:
     """The attention module of decoder layer `layer`."""
     return layer_attention(family_of(model.config), decoder_layers(model)[layer])
+
+
+PARAMETER_FREE_LN_EPS = 1e-5  # OLMo (1)'s OlmoLayerNorm: F.layer_norm without weight or bias, its eps fixed at 1e-5
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """The epsilon a residual-stream norm adds to the variance (OLMo's parameter-free LayerNorm holds none)."""
+    for name in ("eps", "variance_epsilon"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    return PARAMETER_FREE_LN_EPS
+
+
+def norm_affine(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A norm's (weight, bias) (None where it has none: an RMSNorm's bias, OLMo's parameter-free LayerNorm's both)."""
+    return getattr(norm, "weight", None), getattr(norm, "bias", None)
 
 
 def layer_attention(family: Family, layer: nn.Module) -> nn.Module:

@@ -124,6 +124,8 @@ from poslens.engine.families import (
     layer_index,
     mlp_block,
     mlp_module,
+    norm_affine,
+    norm_eps,
 )
 from poslens.engine.lazy_copies import LazyCopies, plain
 from poslens.engine.models import position_limit
@@ -934,19 +936,20 @@ class HookedModel(TransformerLensSurface, TLWeights):
             # gradients reach the scale and the normalized value (backward hooks, incl_bwd) and the output is theirs
             x32 = x.float()
             centred = x32 - x32.mean(-1, keepdim=True)
-            scale, _ = fire("hook_scale", (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt())
+            scale, _ = fire("hook_scale", (centred.pow(2).mean(-1, keepdim=True) + norm_eps(module)).sqrt())
             normalized, _ = fire("hook_normalized", centred / scale)
             changed = True
         elif hooked:  # (x - mean) / sqrt(var + eps) in one fused pass, with the mean and 1 / sqrt(var + eps) [B, T, 1]
             x32 = x.float()
-            normalized, mean, rstd = torch.native_layer_norm(x32, x.shape[-1:], None, None, module.eps)
+            normalized, mean, rstd = torch.native_layer_norm(x32, x.shape[-1:], None, None, norm_eps(module))
             scale, changed = fire("hook_scale", rstd.reciprocal())
             if changed:  # a new scale: normalized from it
                 normalized = (x32 - mean) / scale
             normalized, written = fire("hook_normalized", normalized)
             changed |= written
         if changed:
-            out = (normalized * module.weight.float() + module.bias.float()).to(x.dtype)
+            weight, bias = norm_affine(module)  # (OLMo's LayerNorm: none)
+            out = (normalized if weight is None else normalized * weight.float() + bias.float()).to(x.dtype)
         elif given is not None:
             out = given[2]
         else:

@@ -21,6 +21,7 @@ import torch
 
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.factored import FactoredMatrix
+from poslens.engine.families import norm_affine
 from poslens.engine.tl_weights import (
     _bias,
     _down,
@@ -104,14 +105,19 @@ class Norm(_Component):
 
     @property
     def w(self) -> torch.Tensor:
-        """[d_model]: the gain (Gemma's 1 + weight, computed; else the parameter itself)."""
+        """[d_model]: the gain (Gemma's 1 + weight, computed; else the parameter itself; OLMo's LayerNorm: ones, as
+        TransformerLens's conversion writes)."""
         m = self._module
+        if norm_affine(m)[0] is None:
+            return torch.ones_like(self._owner.model.get_input_embeddings().weight[0])
         return 1.0 + m.weight if self._owner.family.norm_gain == "1+weight" else m.weight
 
     @property
     def b(self) -> torch.Tensor:
         """[d_model]: LayerNorm's bias; an RMSNorm has none."""
-        bias = getattr(self._module, "bias", None)
+        weight, bias = norm_affine(self._module)
+        if weight is None and self._owner.family.norm_kind == "layer":  # OLMo's LayerNorm: zeros, as TransformerLens's
+            return torch.zeros_like(self._owner.model.get_input_embeddings().weight[0])
         if bias is None:
             raise NoEquivalent(f"{self._prefix}b: an RMSNorm has no bias; TransformerLens's RMSNorm has no b either")
         return bias

@@ -28,6 +28,8 @@ from poslens.engine.families import (
     head_dim,
     kv_heads,
     mlp_module,
+    norm_affine,
+    norm_eps,
     positional_encoding,
 )
 from poslens.engine.models import max_positions
@@ -105,7 +107,7 @@ def tl_config(model, tokenizer=None) -> TLConfig:
                    or getattr(cfg, "activation_function", None) or getattr(cfg, "activation", "")),  # Falcon
         eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None)
                   or getattr(cfg, "layer_norm_epsilon", None)
-                  or base_part(model, family.final_norm_attr).eps),  # OPT: its LayerNorms' default
+                  or norm_eps(base_part(model, family.final_norm_attr))),  # OPT: its LayerNorms' default
         normalization_type="LN" if family.norm_kind == "layer" else "RMS",
         positional_embedding_type="rotary" if rotates else "standard" if learned else
         "alibi" if "alibi" in pe.rope else "none",
@@ -341,7 +343,10 @@ class TLWeights:
     def norm_gain(self, prefix: str) -> torch.Tensor:
         """The gain a norm multiplies its normalized input by ([d]; Gemma's 1 + weight), as the forward does."""
         module = self.norm_module(prefix)
-        w = module.weight.float()
+        weight, _ = norm_affine(module)
+        if weight is None:  # OLMo's LayerNorm: no gain
+            return torch.ones_like(self.model.get_input_embeddings().weight[0], dtype=torch.float32)
+        w = weight.float()
         return 1.0 + w if self.family.norm_gain == "1+weight" else w  # (GPT-2's LayerNorm adds its bias after)
 
     @property
