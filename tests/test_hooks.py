@@ -28,15 +28,19 @@ def _plain_logits(model, ids, mask=None):
 def _rms(prefix, module, x, gemma, ref, flat=False):
     """TransformerLens's RMSNorm points: scale = sqrt(mean(x^2) + eps), normalized = x / scale, then the gain (q/k
     norms: over each head's D entries, TL's [B*T*heads, .]; OLMo-2's over the whole projection, x [B, T, heads*D]).
-    OLMo (1)'s LayerNorm without weight or bias: x centred first, eps 1e-5 (OlmoLayerNorm's), gain 1."""
+    A LayerNorm's (StableLM's): x centred first, its bias added after the gain; OLMo (1)'s without weight or bias:
+    centred, eps 1e-5 (OlmoLayerNorm's), gain 1."""
+    bias = 0.0
     if not hasattr(module, "weight"):  # OLMo (1)
         x, eps, w = x - x.mean(-1, keepdim=True), 1e-5, torch.ones((), dtype=torch.float64)
     else:
         eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
         w = module.weight.double()
+        if isinstance(module, torch.nn.LayerNorm):
+            x, bias = x - x.mean(-1, keepdim=True), module.bias.double()
     scale = ref.get(f"{prefix}.hook_scale!", (x.pow(2).mean(-1, keepdim=True) + eps).sqrt())  # written, or computed
     normalized = ref.get(f"{prefix}.hook_normalized!", x / scale)
-    out = normalized * ((1 + w) if gemma else w)
+    out = normalized * ((1 + w) if gemma else w) + bias
     for point, t in (("hook_scale", scale), ("hook_normalized", normalized), ("hook_out", out)):
         ref[f"{prefix}.{point}"] = t.reshape(-1, t.shape[-1]) if flat else t  # q/k norms: TL's [B*T*heads, .]
     return out

@@ -41,6 +41,9 @@ def _norm(x, mod, gemma: bool):
     if not hasattr(mod, "weight"):
         x = x - x.mean(-1, keepdim=True)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    if isinstance(mod, torch.nn.LayerNorm):  # StableLM: (x - mean) / sqrt(var + eps) * w + b
+        x = x - x.mean(-1, keepdim=True)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mod.eps) * mod.weight.double() + mod.bias.double()
     eps = getattr(mod, "variance_epsilon", None) or mod.eps
     w = mod.weight.double()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * ((1 + w) if gemma else w)

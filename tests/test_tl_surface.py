@@ -38,7 +38,7 @@ def test_cfg_and_weight_views_reproduce_the_hook_points(family):
         (mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, 16, mc.vocab_size, mc.intermediate_size,
          mc.num_key_value_heads)
     assert c.positional_embedding_type == "rotary" and c.n_ctx == mc.max_position_embeddings
-    assert c.rotary_dim == (8 if family == "phi3" else 16)
+    assert c.rotary_dim == {"phi3": 8, "stablelm": 4}.get(family, 16)  # partial rotary: half, a quarter
     ids = token_batch(2, 9, seed=2)
     logits, cache = hm.run_with_cache(ids, names_filter=lambda n: True)
     fam = hm.family  # what the projections read: the norms' outputs (OLMo-2, post-norm: the residual stream)

@@ -55,6 +55,8 @@ from transformers import (
     Qwen3ForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
+    StableLmConfig,
+    StableLmForCausalLM,
 )
 
 VOCAB = 256
@@ -109,6 +111,9 @@ SPECS: dict[str, tuple[type, type, dict]] = {
             "final_logit_softcapping": 30.0,
         },
     ),
+    # StableLM: Llama's block with LayerNorms (weight and bias), a quarter of each head rotated (4 of 16), q/k/v biases
+    "stablelm": (StableLmConfig, StableLmForCausalLM, {"use_qkv_bias": True, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
     # OLMo (1): Llama's block with LayerNorms without weight or bias; full multi-head attention, as the checkpoints
     "olmo": (OlmoConfig, OlmoForCausalLM, {"num_key_value_heads": 4}),
     # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints

@@ -164,6 +164,9 @@ FAMILIES: dict[str, Family] = {
                       pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                       proj=("out_proj", "c_fc", "c_proj"), eager_output=True, block_tuple=True, eager_only=True,
                       own_attention="gpt_neo", windows_in_module=True),
+    # StableLM (stablelm-2, stablelm-3b-4e1t, stablelm-zephyr): Llama's block with LayerNorms (weight and bias) and
+    # partial rotary (partial_rotary_factor: a quarter of each head); the parallel and per-head q/k norm forms refused
+    "stablelm": Family("StableLM", norm_kind="layer"),
     # OLMo (1): Llama's block with LayerNorms without weight or bias (OlmoLayerNorm, eps 1e-5); clip_qkv refused
     "olmo": Family("OLMo", norm_kind="layer"),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
@@ -205,6 +208,8 @@ def family_of(config: Any) -> Family:
         _check_bloom(config)
     if model_type == "gptj":
         _check_gptj(config)
+    if model_type == "stablelm":
+        _check_stablelm(config)
     if model_type == "olmo" and getattr(config, "clip_qkv", None) is not None:
         raise UsageError(f"OLMo with clip_qkv {config.clip_qkv} (q, k and v clamped in place after their projections) "
                          "is not supported yet; OLMo without it (OLMo-1B-hf, OLMo-7B-hf: clip_qkv null) is")
@@ -224,6 +229,17 @@ def _check_gptj(config: Any) -> None:
     if rotary is not None and (rotary > head or rotary % 2):
         raise UsageError(f"GPT-J rotary_dim {rotary} must be even and at most the head width n_embd / n_head = "
                          f"{head}; set rotary_dim in the config (GPTJConfig's default is 64)")
+
+
+def _check_stablelm(config: Any) -> None:
+    """Refuse, in one line, the StableLM forms poslens does not hook: the parallel residual (use_parallel_residual) and
+    the per-head LayerNorms of q and k (qk_layernorm, stablelm-2-12b)."""
+    if getattr(config, "use_parallel_residual", False):
+        raise UsageError("StableLM with use_parallel_residual=True is not supported yet; the serial form "
+                         "(stablelm-2-1.6b, stablelm-3b-4e1t: use_parallel_residual false) is")
+    if getattr(config, "qk_layernorm", False):
+        raise UsageError("StableLM with qk_layernorm=True (a LayerNorm of each head's q and k, stablelm-2-12b) is not "
+                         "supported yet; the forms without it (stablelm-2-1.6b, stablelm-3b-4e1t) are")
 
 
 def _partial_rotary_family(config: Any, family: Family) -> Family:
