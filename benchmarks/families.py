@@ -56,7 +56,7 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
-            "olmo")
+            "olmo", "stablelm")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
