@@ -124,7 +124,7 @@ def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
     _, cache = hm.run_with_cache(ids, ["hook_pos_embed", "hook_embed", "blocks.0.hook_resid_pre"])
     assert torch.equal(cache["hook_pos_embed"], hm.W_pos[:12].expand(2, -1, -1))
     assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
-    _assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, model.transformer.wpe.weight)
+    assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, model.transformer.wpe.weight)
     written = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
     kept = {}
     hm.run(ids, hooks={"blocks.1.ln1.hook_normalized": lambda x, ctx: written,
@@ -140,7 +140,7 @@ def test_gpt2_position_table_is_hook_pos_embed_and_writes_act_downstream():
     assert (parts.sum(0) - resid).abs().max() <= 1e-5 * resid.abs().max()  # float32 sums in another order
 
 
-def _assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, rows) -> None:
+def assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, rows) -> None:
     """Zeros written at hook_pos_embed give Hugging Face's logits with the table's `rows` (a view) zeroed (float32
     rounding of the same operations: 1e-6 of the largest logit); the table matters (> 1e-2)."""
     zeroed = hm.run(ids, hooks={"hook_pos_embed": lambda x, ctx: torch.zeros_like(x)}, logits=True).logits
@@ -184,7 +184,7 @@ def test_opt_position_table_offset_is_hook_pos_embed_and_writes_act_downstream()
     _, cache = hm.run_with_cache(ids, ["hook_pos_embed", "hook_embed", "blocks.0.hook_resid_pre"])
     assert torch.equal(cache["hook_pos_embed"], table[2:14].expand(2, -1, -1))
     assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
-    _assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, table[2:])
+    assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, table[2:])
     written = torch.randn(2, 12, 128, generator=torch.Generator().manual_seed(5))
     kept = {}
     hm.run(ids, hooks={"blocks.1.mlp.hook_pre": lambda x, ctx: written,

@@ -2,7 +2,8 @@
 attention (a window of `window_size` keys, self included), scores q.k without the 1/sqrt(D) scaling, its attention
 inside a wrapper module and run by poslens's copy of the model's own code. TransformerLens 3.9's names and values
 are tests/test_family_tl.py's (tests/reference/tl39_families_gpt_neo.json); here what is GPT-Neo's own: the scores'
-meaning, the window, the table, the cached step and the records."""
+meaning, the window, the table, the records and the length analysis's mask (the cached step past the window:
+tests/test_tl_generate.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 
 import pytest
 import torch
+from test_family_tl import assert_zeros_at_hook_pos_embed_are_the_table_zeroed
 from tiny_models import build, randomize_norm_gains, token_batch
 
 from poslens.engine.families import positional_encoding, sliding_windows
@@ -63,35 +65,7 @@ def test_hook_pos_embed_is_the_tables_rows_and_zeros_there_are_the_table_zeroed(
     assert torch.equal(hm.W_pos, model.transformer.wpe.weight)
     assert torch.equal(cache["hook_pos_embed"], hm.W_pos[:16].expand(2, -1, -1))
     assert torch.equal(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
-    zeroed = hm.run(ids, hooks={"hook_pos_embed": lambda x, ctx: torch.zeros_like(x)}, logits=True).logits
-    table = model.transformer.wpe.weight
-    saved = table.clone()
-    table.zero_()
-    try:
-        reference = model(input_ids=ids).logits
-    finally:
-        table.copy_(saved)
-    assert (zeroed - reference).abs().max() <= 1e-6 * reference.abs().max()
-    assert (zeroed - model(input_ids=ids).logits).abs().max() > 1e-2
-
-
-@torch.no_grad()
-def test_a_cached_step_past_the_window_hides_the_keys_before_it():
-    """Generating past the local window with the key/value cache: a cached step's scores at the local layer span every
-    key, those before its window -inf exactly and its pattern 0 there; the tokens are those of recomputing the whole
-    sequence every step, with and without a reader of the pattern."""
-    hm = HookedModel(build("gpt_neo"))
-    ids = token_batch(1, 10, seed=1)
-    full = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False, use_past_kv_cache=False)
-    steps, scores = [], []
-    hm.add_hook("blocks.1.attn.hook_pattern", lambda p, hook: steps.append(p.clone()))
-    hm.add_hook("blocks.1.attn.hook_attn_scores", lambda s, hook: scores.append(s.clone()))
-    out = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False)
-    hm.reset_hooks()
-    assert torch.equal(out, full)
-    assert scores[-1].shape[-2:] == (1, 17)  # the last step: query 16 against 17 keys
-    assert torch.all(scores[-1][..., :5] == -math.inf) and torch.isfinite(scores[-1][..., 5:]).all()
-    assert torch.equal(steps[-1][..., :5], torch.zeros_like(steps[-1][..., :5]))
+    assert_zeros_at_hook_pos_embed_are_the_table_zeroed(model, hm, ids, model.transformer.wpe.weight)
 
 
 def test_positional_encoding_and_transformer_lens_config_are_recorded():

@@ -43,27 +43,29 @@ def test_generation_stops_each_row_at_eos():
     assert out[1, 5:5 + stop + 1].tolist()[: stop] == row1[:stop]
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize(("family", "layer"), [("mistral", 0), ("gemma2", 0), ("gpt_neo", 1)])
 @torch.no_grad()
-def test_a_cached_step_past_a_sliding_window_shows_every_key(family):
-    """Past its window (12 keys) a sliding-window layer's cache holds the last 12 keys only; a cached step's scores
-    and pattern still span every key, as the full sequence's last row does: the keys before the window -inf and 0
-    (exactly), the window's entries equal to the full forward's (float32 rounding, 1e-5), and the tokens those of
-    recomputing the whole sequence, with and without a reader of the pattern."""
+def test_a_cached_step_past_a_sliding_window_shows_every_key(family, layer):
+    """Past its window (12 keys) a sliding-window layer's cache holds the last 12 keys only (GPT-Neo's local layer
+    keeps them all and hides the earlier ones itself); a cached step's scores and pattern still span every key, as the
+    full sequence's last row does: the keys before the window -inf and 0 (exactly), the window's entries equal to the
+    full forward's (float32 rounding, 1e-5), and the tokens those of recomputing the whole sequence, with and without
+    a reader of the pattern."""
     hm = HookedModel(build(family))
     ids = token_batch(1, 10, seed=1)
-    plain = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False)
+    plain = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False, use_past_kv_cache=False)
     steps, scores = [], []
-    hm.add_hook("blocks.0.attn.hook_pattern", lambda p, hook: steps.append(p.clone()))
-    hm.add_hook("blocks.0.attn.hook_attn_scores", lambda s, hook: scores.append(s.clone()))
+    hm.add_hook(f"blocks.{layer}.attn.hook_pattern", lambda p, hook: steps.append(p.clone()))
+    hm.add_hook(f"blocks.{layer}.attn.hook_attn_scores", lambda s, hook: scores.append(s.clone()))
     out = hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False)
     hm.reset_hooks()
     assert torch.equal(out, plain)
-    _, cache = hm.run_with_cache(out[:, :-1], names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
-    full = cache["pattern", 0][0, :, -1]  # [H, 17]: the last query's row
+    assert torch.equal(hm.generate(ids, max_new_tokens=8, do_sample=False, stop_at_eos=False), plain)
+    _, cache = hm.run_with_cache(out[:, :-1], names_filter=lambda n: n.startswith(f"blocks.{layer}.attn.hook_"))
+    full = cache["pattern", layer][0, :, -1]  # [H, 17]: the last query's row
     assert steps[-1].shape[-1] == 17 and scores[-1].shape[-1] == 17
     torch.testing.assert_close(steps[-1][0, :, 0], full, rtol=0, atol=1e-5)
     assert torch.equal(steps[-1][0, :, 0, :5], torch.zeros_like(full[:, :5]))
     assert torch.all(scores[-1][0, :, 0, :5] == -math.inf)
-    window = cache["attn_scores", 0][0, :, -1, 5:]
+    window = cache["attn_scores", layer][0, :, -1, 5:]
     torch.testing.assert_close(scores[-1][0, :, 0, 5:], window, rtol=0, atol=1e-5 * float(window.abs().max()))

@@ -226,13 +226,11 @@ class TLWeights:
     """TransformerLens's weight views of `self.model` (mixed into HookedModel)."""
 
     model: Any
+    attns: list  # each layer's attention module (HookedModel's)
 
     def _attn_weight(self, which: int, bias: bool = False) -> torch.Tensor:
         return torch.stack([layer_attn_weight(self.model, l, which, bias)
                             for l in range(len(decoder_layers(self.model)))])
-
-    def _attention_modules(self) -> list:
-        return [attention_module(self.model, l) for l in range(len(decoder_layers(self.model)))]
 
     def _mlp_of(self, layer):
         return mlp_module(self.family, layer)
@@ -269,12 +267,12 @@ class TLWeights:
     def W_O(self) -> torch.Tensor:
         """[n_layers, n_heads, d_head, d_model]"""
         h = self.model.config.num_attention_heads
-        return torch.stack([layer_w_o(attn, h) for attn in self._attention_modules()])
+        return torch.stack([layer_w_o(attn, h) for attn in self.attns])
 
     @property
     def b_O(self) -> torch.Tensor:
         """[n_layers, d_model]"""
-        return torch.stack([_bias(_o_proj(attn)) for attn in self._attention_modules()])
+        return torch.stack([_bias(_o_proj(attn)) for attn in self.attns])
 
     @property
     def W_gate(self) -> torch.Tensor:

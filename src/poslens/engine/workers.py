@@ -168,10 +168,10 @@ class Pool(ProcessPoolExecutor):
 
     def __init__(self, jobs: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
         ctx = context()
+        self._counter = None
         if ctx.get_start_method() == "forkserver":
             _server_ready(ctx)  # before any semaphore of the pool exists (module docstring)
-        self._counter = ctx.Value("d", 0.0) if ctx.get_start_method() == "forkserver" else None
-        if self._counter is not None:
+            self._counter = ctx.Value("d", 0.0)
             _counters.append(self._counter)
         super().__init__(max_workers=jobs, mp_context=ctx, initializer=_init,
                          initargs=(self._counter, os.getpid(), initializer, initargs))
