@@ -157,3 +157,22 @@ def test_sink_rate_bounds_come_from_the_heads_intervals():
     nan = t(math.nan, math.nan, math.nan)  # one group of sequences: no intervals, so no bounds (not "0 to 0")
     one = sinks(Estimate(a0.value, nan, nan, nan, 1, 0.95, "jackknife"), a0.value, 0.3, 32)
     assert one["rate"] == pytest.approx(2 / 3) and one["rate_lo"] is None and sink_bounds(one) == ""
+
+
+def test_two_sequences_are_refused_with_the_count_an_interval_needs(tmp_path, capsys):
+    """Two sequences in two groups leave one sequence when a group is left out, and the spread compares pairs: the
+    leakage command says it needs 3 or more (one line, exit 2, nothing written) instead of "at least 2 sequences, got
+    1" for the 2 it was given; 3 run."""
+    from test_family_runs import _saved
+
+    from poslens import cli
+
+    spec = _saved("llama", tmp_path / "m")
+    args = ["leakage", spec, "--seq-len", "16", "--early-queries", "8", "--batch-size", "1", "--quiet",
+            "--no-figures"]
+    out = tmp_path / "out"
+    assert cli.main([*args, "--num-sequences", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 left of 2 sequences; raise --num-sequences to 3 or more" in err, err
+    assert not out.exists()
+    assert cli.main([*args, "--num-sequences", "3", "--out", str(out)]) == 0

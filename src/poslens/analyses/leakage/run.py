@@ -165,6 +165,11 @@ class Position0(Statistic):
         if len(kept) < 2:
             nan = torch.full_like(value, math.nan)
             return Estimate(value, nan, nan.clone(), nan.clone(), len(kept), level, "jackknife")
+        left = min(int((group != g).sum()) for g in kept)
+        if left < 2:  # a replicate compares pairs of the sequences outside one group
+            raise UsageError(f"position-0 spread's interval leaves one group of sequences out at a time and compares "
+                             f"pairs of the rest, {left} left of {len(group)} sequences; raise num_sequences to 3 or "
+                             "more")
         reps = torch.stack([p0.spread(states[group != g]) for g in kept])
         k = len(kept)
         se = torch.sqrt((k - 1) / k * ((reps - reps.mean(0)) ** 2).sum(0))
