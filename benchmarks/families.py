@@ -56,7 +56,7 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
-            "olmo", "stablelm")
+            "olmo", "stablelm", "mpt")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -71,8 +71,9 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
     if family in ("gpt_neox", "gptj"):  # no key/value groups, no head_dim field; GPT-J: a quarter of each head turns
         sizes = {"gptj": {"rotary_dim": 16}, "gpt_neox": {"intermediate_size": 4 * hidden}}[family]
         return build(family, **size, **sizes)
-    if family == "bloom":  # no key/value groups, no head_dim field; MLP 4 x hidden
-        return build(family, **size)
+    if family in ("bloom", "mpt"):  # no key/value groups, no head_dim field; MLP 4 x hidden (MPT: mpt-7b's
+        # max_seq_len of 2048)
+        return build(family, **size, **({"max_seq_len": 2048} if family == "mpt" else {}))
     if family in ("falcon", "falcon_rw"):  # falcon-7b's multi-query parallel form, falcon-rw's ALiBi; MLP 4 x hidden
         return build(family, **size, ffn_hidden_size=4 * hidden)
     if family == "gpt_neo":  # gpt-neo-125m's layers: global and local alternating, a window of 256; MLP 4 x hidden

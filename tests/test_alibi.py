@@ -1,8 +1,9 @@
-"""ALiBi (BLOOM) as a length intervention and as an ablation, against Hugging Face's own forward with the slopes
-changed where transformers computes them (`_get_alibi_slopes`): `alibi-scale:F` is the model with every slope times F,
-`--pe none` the model with every slope 0; the interventions that act on RoPE are refused on ALiBi in one line and
-alibi-scale on a model without ALiBi. Tolerance: 1e-6 of the largest logit (the bias slope * F * position is rounded
-once in float32 by one route, twice by the other; F = 1/2 is exact)."""
+"""ALiBi (BLOOM, MPT) as a length intervention and as an ablation, against Hugging Face's own forward with the slopes
+changed where transformers computes them (BLOOM's `_get_alibi_slopes`, MPT's `build_mpt_alibi_tensor`):
+`alibi-scale:F` is the model with every slope times F, `--pe none` the model with every slope 0; the interventions that
+act on RoPE are refused on ALiBi in one line and alibi-scale on a model without ALiBi. Tolerance: 1e-6 of the largest
+logit (the bias slope * F * position is rounded once in float32 by one route, twice by the other; F = 1/2 is
+exact)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from test_data import BOS, EOS, byte_tokenizer
 from tiny_models import build, config, token_batch
 from transformers.models.bloom import modeling_bloom
+from transformers.models.mpt import modeling_mpt
 
 from poslens import cli
 from poslens.analyses.length.interventions import parse
@@ -21,20 +23,27 @@ from poslens.analyses.length.run import LengthConfig
 from poslens.engine.families import positional_encoding_record, set_positional_encoding
 from poslens.engine.hooks import HookedModel
 
+# where transformers computes a family's ALiBi: BLOOM's slopes, MPT's whole bias (slope_h * (j - (T - 1)))
+SLOPES_AT = {"bloom": (modeling_bloom, "_get_alibi_slopes"), "mpt": (modeling_mpt, "build_mpt_alibi_tensor")}
+
 
 def _hugging_face_with_slopes_times(model, ids, factor, monkeypatch):
-    original = modeling_bloom._get_alibi_slopes
-    monkeypatch.setattr(modeling_bloom, "_get_alibi_slopes", lambda heads, device: original(heads, device) * factor)
+    """Hugging Face's logits with transformers' function that computes the model's ALiBi (SLOPES_AT) returning its
+    values times `factor`."""
+    module, name = SLOPES_AT[model.config.model_type]
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: original(*args, **kwargs) * factor)
     try:
         return model(input_ids=ids).logits
     finally:
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
 @pytest.mark.parametrize("factor", [0.5, 0.3, 2.0])
 @torch.no_grad()
-def test_alibi_scale_is_the_model_with_every_slope_times_the_factor(factor, monkeypatch):
-    model = build("bloom")
+def test_alibi_scale_is_the_model_with_every_slope_times_the_factor(family, factor, monkeypatch):
+    model = build(family)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=3)
     iv = parse(f"alibi-scale:{factor}", 8)
@@ -47,9 +56,10 @@ def test_alibi_scale_is_the_model_with_every_slope_times_the_factor(factor, monk
     assert torch.equal(hm.run(ids, logits=True).logits, plain)  # and was undone after the block
 
 
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
 @torch.no_grad()
-def test_pe_none_on_alibi_is_the_model_without_alibi_and_is_recorded(monkeypatch):
-    model = build("bloom")
+def test_pe_none_on_alibi_is_the_model_without_alibi_and_is_recorded(family, monkeypatch):
+    model = build(family)
     ids = token_batch(2, 16, seed=5)
     want = _hugging_face_with_slopes_times(model, ids, 0.0, monkeypatch)
     set_positional_encoding(model, "none")
@@ -87,6 +97,7 @@ def _saved(family, directory):
     ("bloom", "ntk", "ntk: the model has no RoPE layer"),
     ("bloom", "yarn:2", "yarn:2: the model has no RoPE layer"),
     ("falcon_rw", "ntk", "ntk: the model has no RoPE layer"),
+    ("mpt", "yarn:2", "yarn:2: the model has no RoPE layer"),
     ("llama", "alibi-scale:0.5", "alibi-scale:0.5: the model has no ALiBi layer (its positional encoding is rope)"),
 ])
 def test_interventions_of_another_scheme_are_refused_in_one_line(family, intervention, message, tmp_path, capsys):
@@ -150,7 +161,7 @@ def test_bloom_token_replacement_at_hook_embed_is_what_the_model_embeds():
     assert (model(input_ids=ids).logits - want).abs().max() > 1e-3 * want.abs().max()
 
 
-@pytest.mark.parametrize("family", ["bloom", "falcon_rw"])
+@pytest.mark.parametrize("family", ["bloom", "falcon_rw", "mpt"])
 @torch.no_grad()
 def test_alibi_hooks_see_the_kernels_q_and_k_and_cached_steps_the_same_scores(family):
     """On ALiBi a hook at attn.hook_attn_scores sees ctx.rot_q and ctx.rot_k as the kernel reads them ([B, H, T, D]);
@@ -189,7 +200,7 @@ def test_alibi_hooks_see_the_kernels_q_and_k_and_cached_steps_the_same_scores(fa
     assert (steps[1][..., 0, :] - full[..., 6, :]).abs().max() <= 1e-5 * full[..., 6, :].abs().max()
 
 
-@pytest.mark.parametrize("family", ["bloom", "falcon_rw"])
+@pytest.mark.parametrize("family", ["bloom", "falcon_rw", "mpt"])
 def test_pe_rope_on_alibi_is_refused_in_one_line(family, tmp_path, capsys):
     """`--pe rope` keeps a model's RoPE: on an ALiBi model, which has none, one line naming where its positions come
     from, exit 2, no run (it was accepted and recorded as pe rope beside an ALiBi model record)."""

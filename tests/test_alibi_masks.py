@@ -30,6 +30,15 @@ def _causal(t: int, window: int = 0) -> torch.Tensor:
     return ((j <= i) & ((i - j < window) if window else True))[None, None]
 
 
+def press_bias(heads: int, t: int) -> torch.Tensor:
+    """ALiBi's bias slope_h * (j - i) [H, i, j] in float64, slopes 2^(-8 h / H), h = 1..H (Press et al.; H a power of
+    2)."""
+    assert heads & (heads - 1) == 0, "slopes written for a power of 2"
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
+    pos = torch.arange(t, dtype=torch.float64)
+    return slopes[:, None, None] * (pos[None, :] - pos[:, None])
+
+
 @torch.no_grad()
 def reference_logits(model, ids: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """BLOOM's or Falcon-RW's (serial, multi-head) forward in float64 with ALiBi attention written out here: score =
@@ -39,6 +48,8 @@ def reference_logits(model, ids: torch.Tensor, seen: torch.Tensor) -> torch.Tens
     float64. The bias's per-query part (slope * i) is a constant of each softmax row, so this is the models'
     slope * j."""
     m = copy.deepcopy(model).double()
+    if model.config.model_type == "mpt":
+        return _mpt_reference_logits(m, ids, seen)
     bloom = model.config.model_type == "bloom"
     base = m.transformer
     x = base.word_embeddings(ids)
@@ -46,15 +57,12 @@ def reference_logits(model, ids: torch.Tensor, seen: torch.Tensor) -> torch.Tens
         x = base.word_embeddings_layernorm(x)
     b, t, _ = x.shape
     heads = model.config.num_attention_heads
-    assert heads & (heads - 1) == 0, "slopes written for a power of 2"
-    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
-    pos = torch.arange(t, dtype=torch.float64)
+    bias = press_bias(heads, t)  # [H, i, j]
     for layer in base.h:
         attn = layer.self_attention
         d = attn.head_dim
         qkv = attn.query_key_value(layer.input_layernorm(x)).view(b, t, heads, 3, d)
         q, k, v = qkv.unbind(3)
-        bias = slopes[:, None, None] * (pos[None, :] - pos[:, None])  # [H, i, j]
         s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d) + bias * (1.0 if bloom else 1 / math.sqrt(d))
         p = torch.softmax(s.masked_fill(~seen, -math.inf), -1).nan_to_num(0.0)  # a pad query that sees no key
         x = x + attn.dense(torch.einsum("bhij,bjhd->bihd", p, v).reshape(b, t, heads * d))
@@ -64,7 +72,27 @@ def reference_logits(model, ids: torch.Tensor, seen: torch.Tensor) -> torch.Tens
     return m.lm_head(base.ln_f(x))
 
 
-@pytest.mark.parametrize("family", ["bloom", "falcon_rw"])
+def _mpt_reference_logits(m, ids: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """MPT's forward (float64 `m`) with ALiBi attention written out: score = q.k * softmax_scale + slope_h * (j - i)
+    where `seen`, slopes 2^(-8 h / H) (H a power of 2); q, k, v the thirds of Wqkv; x + ffn(norm_2(x)) after
+    attention (the model's own norms and projections)."""
+    base = m.transformer
+    x = base.wte(ids)
+    b, t, _ = x.shape
+    heads = m.config.num_attention_heads
+    bias = press_bias(heads, t)  # [H, i, j]
+    for layer in base.blocks:
+        attn = layer.attn
+        q, k, v = (y.reshape(b, t, heads, -1) for y in attn.Wqkv(layer.norm_1(x)).chunk(3, -1))
+        s = torch.einsum("bihd,bjhd->bhij", q, k) * attn.softmax_scale + bias
+        p = torch.softmax(s.masked_fill(~seen, -math.inf), -1).nan_to_num(0.0)
+        x = x + attn.out_proj(torch.einsum("bhij,bjhd->bihd", p, v).reshape(b, t, -1))
+        ffn = layer.ffn
+        x = x + ffn.down_proj(ffn.act(ffn.up_proj(layer.norm_2(x))))
+    return m.lm_head(base.norm_f(x))
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon_rw", "mpt"])
 @pytest.mark.parametrize(("spec", "sinks"), [("window:5", 0), ("sink-window:5", 1)])
 @pytest.mark.parametrize("padded", [False, True])
 @torch.no_grad()
@@ -93,7 +121,7 @@ def test_window_interventions_on_alibi_equal_a_float64_recomputation(family, spe
     assert (causal[real] - want[real]).abs().max() > 1e-2 * scale  # the window is seen by this comparison
 
 
-@pytest.mark.parametrize("family", ["bloom", "gemma2", "falcon_rw", "llama", "gpt_neo"])
+@pytest.mark.parametrize("family", ["bloom", "gemma2", "falcon_rw", "llama", "gpt_neo", "mpt"])
 @torch.no_grad()
 def test_a_boolean_4d_mask_means_what_it_says_on_every_attention(family):
     """A boolean 4-D window mask gives the logits of the same mask in additive form, bit for bit, and a boolean causal

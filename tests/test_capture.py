@@ -115,6 +115,23 @@ def _record_gpt_neo(m64) -> list:
     return [layer.attn.attention.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.h]
 
 
+def _record_mpt(m64) -> list:
+    """MPT (its attention is its own code, not an interface): hooks that record every layer's scores recomputed in
+    float64 from the attention's input, q.k * softmax_scale + slope_h * (j - i) (TransformerLens's form of the bias;
+    the model's own, relative to the last key, differs by a constant per query; the slopes from the model's
+    positional-encoding record)."""
+    slopes = torch.tensor(positional_encoding_record(m64)["alibi_slopes"], dtype=torch.float64)
+
+    def record(module, args, kwargs):
+        t = args[0].shape[1]
+        q, k, _ = (x.reshape(t, module.n_heads, -1).transpose(0, 1) for x in module.Wqkv(args[0][0]).chunk(3, -1))
+        pos = torch.arange(t, dtype=torch.float64)
+        s = q @ k.transpose(-1, -2) * module.softmax_scale + slopes[:, None, None] * (pos[None] - pos[:, None])
+        _RECORD[module.layer_idx] = (s.clone(), None)
+
+    return [layer.attn.register_forward_pre_hook(record, with_kwargs=True) for layer in m64.transformer.blocks]
+
+
 def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
     """Float64 means over `sequences` (1-D, any lengths), with NaN where the softmax sees nothing."""
     m64 = copy.deepcopy(model).double()
@@ -124,6 +141,8 @@ def reference(model, sequences: list[torch.Tensor], layers: list[int]) -> dict[s
         _record_falcon(m64)
     elif model.config.model_type == "gpt_neo":
         _record_gpt_neo(m64)
+    elif model.config.model_type == "mpt":
+        _record_mpt(m64)
     else:
         m64.set_attn_implementation("poslens_test_reference")
     n, h = max(len(s) for s in sequences), model.config.num_attention_heads

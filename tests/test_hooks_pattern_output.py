@@ -48,9 +48,9 @@ def test_a_pattern_reader_gives_the_eager_forward_and_the_sdpa_one_within_roundi
     unformed = {**_at(hm, "attn.hook_z"), **{f"blocks.{l}.attn.hook_attn_scores": from_factors(_read)
                                              for l in range(hm.n_layers)}}
     assert torch.equal(hm.run(ids, hooks=unformed, logits=True).logits, plain)
-    if family not in ("gemma2", "bloom", "falcon", "gpt_neo"):  # (Gemma-2, BLOOM and GPT-Neo run eager attention in
-        # their plain forward too; Falcon's SDPA with one key/value head for all query heads falls back to the same
-        # operations)
+    if family not in ("gemma2", "bloom", "falcon", "gpt_neo", "mpt"):  # (Gemma-2, BLOOM, GPT-Neo and MPT run eager
+        # attention in their plain forward too; Falcon's SDPA with one key/value head for all query heads falls back to
+        # the same operations)
         assert not torch.equal(got, plain)  # the SDPA forward rounds differently: the comparison above can fail
 
 

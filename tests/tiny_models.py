@@ -38,6 +38,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MptConfig,
+    MptForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     OlmoConfig,
@@ -133,6 +135,10 @@ SPECS: dict[str, tuple[type, type, dict]] = {
                                                   "num_hidden_layers": None, "num_attention_heads": None,
                                                   "num_key_value_heads": None, "head_dim": None,
                                                   "intermediate_size": None}),
+    # MPT: ALiBi (relative to the last key), LayerNorms without biases, a fused Wqkv [q | k | v], no biases, a GELU MLP
+    # 4 x 64 wide; a table of 64 ALiBi positions (max_seq_len); eager attention only
+    "mpt": (MptConfig, MptForCausalLM, {"max_seq_len": 64, "num_key_value_heads": None, "head_dim": None,
+                                        "intermediate_size": None, "max_position_embeddings": None}),
     # rotary on part of each head and a parallel residual (full multi-head attention, as the checkpoints):
     # GPT-NeoX (Pythia): rotary_pct 0.25 (Pythia's) of 16 dims, per-head fused [q | k | v] with biases, untied embed_out
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM, {"rotary_pct": 0.25, "num_key_value_heads": None,
@@ -168,7 +174,7 @@ ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
-                                                                  "falcon", "falcon_rw", "gpt_neo"))
+                                                                  "falcon", "falcon_rw", "gpt_neo", "mpt"))
 
 
 def config(family: str, **overrides):
@@ -182,7 +188,7 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
     """A tiny random `family` model (eval mode, `dtype`), deterministic for a given seed and overrides."""
     cfg = config(family, **overrides)
     _, model_cls, _ = SPECS[family]
-    attn = "eager" if family in ("gemma2", "bloom", "gpt_neo") else "sdpa"  # BLOOM, GPT-Neo: eager only
+    attn = "eager" if family in ("gemma2", "bloom", "gpt_neo", "mpt") else "sdpa"  # BLOOM, GPT-Neo, MPT: eager only
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
@@ -207,13 +213,15 @@ def _rescale_qk(model: PreTrainedModel) -> None:
     cfg = model.config
     hidden = cfg.hidden_size
     base = model.base_model
-    for layer in getattr(base, "layers", None) or getattr(base, "h", None) or base.decoder.layers:  # OPT: decoder
+    layers = getattr(base, "layers", None) or getattr(base, "h", None) or getattr(base, "blocks", None)  # MPT: blocks
+    for layer in layers or base.decoder.layers:  # OPT: decoder
         attn = (getattr(layer, "self_attn", None) or getattr(layer, "self_attention", None)
                 or getattr(layer, "attn", None) or layer.attention)  # BLOOM: self_attention; GPT-NeoX: attention
         attn = getattr(attn, "attention", attn)  # GPT-Neo: inside a wrapper
         d = getattr(attn, "head_dim", None) or attn.head_size  # GPT-NeoX: head_size
-        scaling = getattr(attn, "scaling", None) or getattr(attn, "inv_norm_factor", None) or 1.0  # BLOOM:
-        # inv_norm_factor; GPT-Neo: none (q.k as is)
+        scaling = (getattr(attn, "scaling", None) or getattr(attn, "inv_norm_factor", None)
+                   or getattr(attn, "softmax_scale", None) or 1.0)  # BLOOM: inv_norm_factor; MPT: softmax_scale;
+        # GPT-Neo: none (q.k as is)
         target = (SCORE_STD / (scaling * d**0.5)) ** 0.5
         if hasattr(attn, "q_norm"):
             gemma_style = "Gemma" in type(attn.q_norm).__name__  # RMSNorm output * (1 + weight)
@@ -222,7 +230,9 @@ def _rescale_qk(model: PreTrainedModel) -> None:
                 norm.weight.copy_(gain - 1 if gemma_style else gain)
         else:
             std = target / hidden**0.5
-            if hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
+            if hasattr(attn, "Wqkv"):  # MPT: rows [q | k | v]
+                attn.Wqkv.weight[: 2 * hidden].normal_(0.0, std)
+            elif hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
                 attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
             elif getattr(attn, "multi_query", False):  # Falcon's multi-query: rows [q heads | k | v]
                 attn.query_key_value.weight[: (cfg.num_attention_heads + 1) * d].normal_(0.0, std)
@@ -300,5 +310,6 @@ def randomize_norm_gains(model: PreTrainedModel, spread: float = 0.3, seed: int 
             module.weight.copy_(gain - 1 if gemma_style else gain)
         elif isinstance(module, torch.nn.LayerNorm):  # GPT-2: a gain and a bias
             module.weight.copy_(1 + spread * torch.randn(module.weight.shape, generator=g))
-            module.bias.copy_(spread * torch.randn(module.bias.shape, generator=g))
+            if module.bias is not None:  # (MPT's have none)
+                module.bias.copy_(spread * torch.randn(module.bias.shape, generator=g))
     return model

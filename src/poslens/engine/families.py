@@ -164,6 +164,15 @@ FAMILIES: dict[str, Family] = {
                       pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                       proj=("out_proj", "c_fc", "c_proj"), eager_output=True, block_tuple=True, eager_only=True,
                       own_attention="gpt_neo", windows_in_module=True),
+    # MPT (mpt-7b, mpt-30b and their instruct, chat and storywriter forms): ALiBi in every layer (transformers' MPT
+    # builds the bias for max_seq_len keys: slope_h * (j - (T' - 1)) at key j of T', relative to the last key),
+    # LayerNorms with a weight and no bias, a fused Wqkv ([q | k | v], whole projections), no biases, a GELU MLP
+    # (ffn.up_proj, ffn.down_proj; the ffn adds the residual itself); its attention is its own code (poslens runs a
+    # copy); eager only
+    "mpt": Family("MPT", ln1="norm_1", ln2="norm_2", layers_attr="blocks", attn_attr="attn", embed_attr="wte",
+                  final_norm_attr="norm_f", norm_kind="layer", gated_mlp=False, mlp_attr="ffn",
+                  mlp_seq=("up_proj", "act", "down_proj"), alibi=True, eager_output=True, block_tuple=True,
+                  eager_only=True, own_attention="mpt", per_head_inputs=False),
     # StableLM (stablelm-2, stablelm-3b-4e1t, stablelm-zephyr): Llama's block with LayerNorms (weight and bias) and
     # partial rotary (partial_rotary_factor: a quarter of each head); the parallel and per-head q/k norm forms refused
     "stablelm": Family("StableLM", norm_kind="layer"),
@@ -208,6 +217,8 @@ def family_of(config: Any) -> Family:
         _check_bloom(config)
     if model_type == "gptj":
         _check_gptj(config)
+    if model_type == "mpt":
+        _check_mpt(config)
     if model_type == "stablelm":
         _check_stablelm(config)
     if model_type == "olmo" and getattr(config, "clip_qkv", None) is not None:
@@ -229,6 +240,25 @@ def _check_gptj(config: Any) -> None:
     if rotary is not None and (rotary > head or rotary % 2):
         raise UsageError(f"GPT-J rotary_dim {rotary} must be even and at most the head width n_embd / n_head = "
                          f"{head}; set rotary_dim in the config (GPTJConfig's default is 64)")
+
+
+def _check_mpt(config: Any) -> None:
+    """Refuse, in one line, the MPT forms that transformers' MPT does not run as configured (it always adds ALiBi,
+    never q/k LayerNorms, never a prefix-LM mask): poslens would measure another model than the checkpoint's."""
+    attn = getattr(config, "attn_config", None)
+    get = (lambda k, d: attn.get(k, d)) if isinstance(attn, dict) else (lambda k, d: getattr(attn, k, d))
+    if not get("alibi", True):
+        raise UsageError("MPT with attn_config.alibi=False is not supported: transformers' MPT adds ALiBi in every "
+                         "layer whatever the config says (the ALiBi checkpoints, mpt-7b and mpt-30b, are)")
+    if get("alibi_bias_max", 8) != 8:
+        raise UsageError(f"MPT with attn_config.alibi_bias_max={get('alibi_bias_max', 8)} is not supported: "
+                         "transformers' MPT builds its ALiBi slopes with 8 whatever the config says (mpt-7b's and "
+                         "mpt-30b's is 8)")
+    for field, what in (("qk_ln", "q/k LayerNorms"), ("prefix_lm", "a prefix-LM mask"),
+                        ("attn_uses_sequence_id", "per-sequence masks")):
+        if get(field, False):
+            raise UsageError(f"MPT with attn_config.{field}=True is not supported: transformers' MPT runs no "
+                             f"{what}, so it would not be the model the config describes")
 
 
 def _check_stablelm(config: Any) -> None:
@@ -301,7 +331,7 @@ def attention_implementation(config: Any, requested: str) -> str:
     """The attention implementation to load a model of `config` with: `requested`, or "eager" for a family that has
     no other (BLOOM, Gemma-2); Falcon's ALiBi form is refused with "eager" (`_falcon_family`)."""
     family = family_of(config)
-    if family.own_attention and family.alibi and requested == "eager":
+    if family.own_attention == "falcon" and family.alibi and requested == "eager":
         raise UsageError("attn_implementation eager: transformers' eager Falcon adds the ALiBi bias twice (SDPA adds "
                          "it once, as falcon-rw was trained); use sdpa")
     return "eager" if family.eager_only else requested
@@ -479,13 +509,15 @@ def alibi_builder(base: nn.Module) -> Callable[..., torch.Tensor]:
 
 
 def scale_alibi(model: nn.Module, factor: float):
-    """Multiply every ALiBi slope of `model` (BLOOM, Falcon's ALiBi form) by `factor` in every forward until the
+    """Multiply every ALiBi slope of `model` (BLOOM, MPT, Falcon's ALiBi form) by `factor` in every forward until the
     returned function is called (0: the model without ALiBi). The model's own code builds the bias, from its [B, T]
     mask, times `factor` (transformers builds BLOOM's inline, not by that method, when no mask is given: a forward
     without one gets the all-ones mask, the same causal mask)."""
     if "alibi" not in positional_encoding(model):
         raise UsageError(f"{family_of(model.config).name} has no ALiBi slopes to scale")
     base = model.base_model
+    if hasattr(base, "build_mpt_alibi_tensor"):  # MPT: its method (heads, keys, ...) -> [H, 1, keys], mask-free
+        return _scaled_method(base, "build_mpt_alibi_tensor", factor)
     previous = base.__dict__.get("build_alibi_tensor")
     inner = alibi_builder(base)
     base.build_alibi_tensor = lambda mask, heads, dtype: inner(mask, heads, dtype) * factor
@@ -506,6 +538,22 @@ def scale_alibi(model: nn.Module, factor: float):
             del base.build_alibi_tensor
         else:
             base.build_alibi_tensor = previous
+
+    return undo
+
+
+def _scaled_method(obj: Any, name: str, factor: float) -> Callable[[], None]:
+    """Make `obj.name(...)` return its result times `factor` (an attribute on the instance, over any earlier one);
+    returns the function that puts the earlier one back."""
+    previous = obj.__dict__.get(name)
+    inner = getattr(obj, name)
+    setattr(obj, name, lambda *args, **kwargs: inner(*args, **kwargs) * factor)
+
+    def undo() -> None:
+        if previous is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, previous)
 
     return undo
 

@@ -673,7 +673,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 handles.append(head.register_forward_hook(
                     lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
             mask = run.attention_mask
-            if self.family.alibi and mask is not None and (isinstance(mask, dict) or mask.dim() != 2):
+            if self.family.alibi and self.family.own_attention != "mpt" and mask is not None and (
+                    isinstance(mask, dict) or mask.dim() != 2):
                 # BLOOM builds ALiBi from a [B, T] mask: with a 4-D one (an explicit window), from all-ones keys
                 base, keys = self.model.base_model, torch.ones_like(run.input_ids)
                 previous, build = base.__dict__.get("build_alibi_tensor"), alibi_builder(base)  # (a scaling's)
@@ -717,7 +718,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
         if hasattr(attn, "c_attn"):  # GPT-2: one Conv1D [q | k | v]; the MLP's one up projection c_fc
             sites = [(attn.c_attn, qkv), (mlp.c_fc, gate_up[:1])]
-        elif self.family.qkv_per_head:  # BLOOM: one Linear, [q | k | v] within each head (`_per_head_qkv_hooks`)
+        elif self.family.qkv_per_head or self.family.own_attention:  # BLOOM: one Linear, [q | k | v] within each
+            # head (`_per_head_qkv_hooks`); MPT: q, k and v fire in `_mpt_attention`
             sites = []
         elif hasattr(attn, "qkv_proj"):
             sites = [(attn.qkv_proj, qkv)]
@@ -948,8 +950,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
             normalized, written = fire("hook_normalized", normalized)
             changed |= written
         if changed:
-            weight, bias = norm_affine(module)  # (OLMo's LayerNorm: none)
-            out = (normalized if weight is None else normalized * weight.float() + bias.float()).to(x.dtype)
+            weight, bias = norm_affine(module)  # (OLMo's LayerNorm: neither; MPT's: no bias)
+            out = normalized if weight is None else normalized * weight.float()
+            out = (out if bias is None else out + bias.float()).to(x.dtype)
         elif given is not None:
             out = given[2]
         else:
@@ -1199,6 +1202,48 @@ class HookedModel(TransformerLensSurface, TLWeights):
         z, _ = self._attention(attn, inner, q, k, v, kwargs.get("attention_mask"), 0.0, 1.0,
                                {"sliding_window": window}, EagerSteps(scores, weigh))
         return attn.resid_dropout(attn.out_proj(z.reshape(bsz, t, h * d)))  # attn.hook_result fires on out_proj
+
+    def _mpt_attention(self, attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """MPT's attention on x [B, T, d]: the model's own operations (the fused Wqkv, clamped to clip_qkv if set,
+        split into [q | k | v], attn.hook_q/k/v [B, T, H, D] firing on the split; q.k times softmax_scale plus ALiBi's
+        bias slope_h * (j - (T' - 1)), the model's boolean mask (True = hidden) filled with the dtype's minimum; a
+        float32 softmax; out_proj), with the kernel's points fired by `_attention` in between."""
+        l, (bsz, t) = attn.layer_idx, x.shape[:2]
+        h, d = attn.n_heads, attn.head_dim
+        mixed = attn.Wqkv(x)
+        if attn.clip_qkv:
+            mixed = mixed.clamp(min=-attn.clip_qkv, max=attn.clip_qkv)
+        q, k, v = (y.view(bsz, t, h, d) for y in _side_by_side(mixed, [h * d] * 3))  # [B, T, H, D] views
+        q, k, v = (self._fire_at(l, f"attn.hook_{n}", y).transpose(1, 2) for n, y in zip("qkv", (q, k, v)))
+        k, v = _cached(kwargs.get("layer_past"), l, k, v)  # [B, H, T', D]: the earlier keys too
+        keys, model_mask, memo = k.shape[-2], kwargs.get("attention_mask"), self._run.hidden
+        bias = kwargs["position_bias"]  # [H, 1, max_seq_len]: slope_h * (j - (max_seq_len - 1)), sliced as the model
+        if bias.size(2) < keys:  # past max_seq_len (where transformers' forward fails): the model's own function for
+            # the keys, the values a config with a larger max_seq_len gives (MPT's way to run ALiBi past training)
+            bias = _memo(memo, ("mpt alibi", keys), lambda: self.model.base_model.build_mpt_alibi_tensor(
+                h, keys, device=x.device))
+        bias = bias[:, max(0, bias.size(1) - keys):, max(0, bias.size(2) - keys):]  # [H, 1, T']
+        seen = None if model_mask is None else _memo(memo, ("seen", id(model_mask)), lambda: ~model_mask)
+
+        def scores(query, key, mask):  # as the model: q.k * softmax_scale + the bias; -inf where hidden
+            return _hide(torch.matmul(query, key.transpose(-1, -2)) * attn.softmax_scale + bias, mask, 0, memo)
+
+        def weigh(probs, value):  # [B, T, H, D]
+            return torch.matmul(probs, value).transpose(1, 2)
+
+        def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):  # the model's own steps
+            s = torch.matmul(query, key.transpose(-1, -2)) * attn.softmax_scale + bias
+            if model_mask is not None:
+                s = s.masked_fill(model_mask, torch.finfo(query.dtype).min)
+            probs = torch.softmax(s.float(), dim=-1).to(value.dtype)
+            return weigh(probs, value), probs
+
+        key_bias = _memo(memo, ("key bias", id(kwargs["position_bias"]), keys, bsz),
+                         lambda: bias.transpose(0, 1).expand(bsz, h, keys))  # [B, H, T']
+        eager = EagerSteps(scores, weigh, key_bias[..., -t:, None])  # the bias at the queries' positions
+        z, _ = self._attention(attn, inner, q, k, v, seen, 0.0, attn.softmax_scale, {"poslens_key_bias": key_bias},
+                               eager)
+        return attn.out_proj(z.reshape(bsz, t, h * d))  # attn.hook_result fires on out_proj
 
     def _attention(self, module, inner, query, key, value, attention_mask, dropout, scaling, kwargs,
                    eager: EagerSteps | None = None):

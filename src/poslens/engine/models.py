@@ -633,12 +633,17 @@ def model_record(model: Any) -> dict[str, Any]:
 BLOOM_TRAIN_LEN = 2048  # BigScience's BLOOM checkpoints: trained on sequences of 2,048 tokens
 
 
+# config fields that hold a model's context window, in the order they are read (MPT's max_seq_len: the length its ALiBi
+# tensor is built for)
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len")
+
+
 def max_positions(model_or_config: Any) -> int:
     """The model's usable context window in tokens (for the --seq-len check)."""
     config = getattr(model_or_config, "config", model_or_config)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for name in CONTEXT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value

@@ -40,8 +40,8 @@ from typing import Any
 from poslens.errors import UsageError, check_float, check_int, require
 
 GPTJ_ROTARY_BASE = 10000.0  # transformers' GPT-J computes its sin/cos table with this base (not a config field)
-ALIBI = ("bloom",)  # model types whose every layer adds ALiBi's per-head linear bias to the scores (and Falcon with
-# alibi=True)
+ALIBI = ("bloom", "mpt")  # model types whose every layer adds ALiBi's per-head linear bias to the scores (and Falcon
+# with alibi=True)
 LEARNED_TABLE = ("gpt2", "opt", "gpt_neo")  # model types whose positions come from a learned table added to the token
 # embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
@@ -206,7 +206,8 @@ class PositionalEncoding:
         if config.model_type in LEARNED_TABLE:  # no rotation: a learned table of max_position_embeddings rows
             return cls(rope=("learned",) * n, windows=windows)
         if alibi:
-            return cls(rope=("alibi",) * n, windows=windows, alibi_slopes=alibi_slopes(config.num_attention_heads))
+            return cls(rope=("alibi",) * n, windows=windows,
+                       alibi_slopes=alibi_slopes(config.num_attention_heads, config))
         if config.model_type == "smollm3":
             flags = getattr(config, "no_rope_layers", None) or [1] * n
             rope = tuple("rope" if f else "none" for f in flags[:n])
@@ -323,10 +324,16 @@ def rotary_fraction(config: Any) -> float:
     return float(factor or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
 
 
-def alibi_slopes(heads: int) -> tuple[float, ...]:
-    """ALiBi's per-head slopes as the model computes them (transformers' BLOOM function: Press et al.'s geometric
-    sequence 2^(-8/n), with the interleaved extension for a head count that is not a power of two)."""
+def alibi_slopes(heads: int, config: Any = None) -> tuple[float, ...]:
+    """ALiBi's per-head slopes as the model computes them: transformers' BLOOM function (Press et al.'s geometric
+    sequence 2^(-8/n), with the interleaved extension for a head count that is not a power of two), or for an MPT
+    `config` its own builder (the same slopes for a power of two), read at key distance 1."""
     import torch
+
+    if getattr(config, "model_type", None) == "mpt":
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+        return tuple(float(-x) for x in build_mpt_alibi_tensor(int(heads), 2)[:, 0, 0])  # slope_h * (0 - 1)
     from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
     return tuple(float(x) for x in _get_alibi_slopes(int(heads), torch.device("cpu")))

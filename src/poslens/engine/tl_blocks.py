@@ -116,7 +116,8 @@ class Norm(_Component):
     def b(self) -> torch.Tensor:
         """[d_model]: LayerNorm's bias; an RMSNorm has none."""
         weight, bias = norm_affine(self._module)
-        if weight is None and self._owner.family.norm_kind == "layer":  # OLMo's LayerNorm: zeros, as TransformerLens's
+        if bias is None and self._owner.family.norm_kind == "layer":  # OLMo's and MPT's LayerNorms: zeros, as
+            # TransformerLens's
             return torch.zeros_like(self._owner.model.get_input_embeddings().weight[0])
         if bias is None:
             raise NoEquivalent(f"{self._prefix}b: an RMSNorm has no bias; TransformerLens's RMSNorm has no b either")

@@ -99,10 +99,11 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         n_key_value_heads=kv_heads(cfg), d_head=head_dim(attn),
         d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
                   or getattr(cfg, "ffn_dim", None) or getattr(cfg, "ffn_hidden_size", None)
-                  or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim; Falcon: ffn_hidden_size
+                  or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim; Falcon: ffn_hidden_size; MPT: 4 d
         d_vocab=int(cfg.vocab_size),
         d_vocab_out=int(model.get_output_embeddings().weight.shape[0]), n_ctx=max_positions(model),
         act_fn="gelu_fast" if cfg.model_type == "bloom" else  # BLOOM's config names none: its tanh GELU, as TL's
+        "gelu" if cfg.model_type == "mpt" else  # MPT's names none either: the exact GELU (nn.GELU())
         str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
                    or getattr(cfg, "activation_function", None) or getattr(cfg, "activation", "")),  # Falcon
         eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None)
@@ -147,10 +148,11 @@ def _per_head_fused(attn, cfg):
 def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent); not for a per-head
     fused projection (`_per_head_fused`)."""
-    fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
+    fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None) or getattr(attn, "Wqkv", None)  # MPT's
     if getattr(attn, "multi_query", None):  # Falcon multi-query: [q heads | k | v]
         fused = attn.query_key_value
-    if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn, Falcon's multi-query query_key_value: rows [q | k | v]
+    if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn, MPT's Wqkv, Falcon's multi-query query_key_value:
+        # rows [q | k | v]
         d, heads = head_dim(attn), cfg.num_attention_heads
         kv = kv_heads(cfg)
         sizes = [heads * d, kv * d, kv * d]
@@ -170,7 +172,7 @@ def _o_proj(attn):
 
 
 # no gate: GPT-NeoX and BLOOM, GPT-J, Phi and OPT (OPT's fc1 and fc2 are on the layer itself)
-_UP, _DOWN = ("dense_h_to_4h", "fc_in", "fc1"), ("dense_4h_to_h", "fc_out", "fc2")
+_UP, _DOWN = ("dense_h_to_4h", "fc_in", "fc1"), ("dense_4h_to_h", "fc_out", "fc2")  # (MPT's ffn: up_proj, down_proj)
 
 
 def _down(mlp):
@@ -189,6 +191,8 @@ def _gate_up(mlp) -> tuple[torch.Tensor | None, torch.Tensor]:
             return None, getattr(mlp, name).weight
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
         return mlp.gate_up_proj.weight.chunk(2, 0)
+    if not hasattr(mlp, "gate_proj"):  # MPT: up_proj alone
+        return None, mlp.up_proj.weight
     return mlp.gate_proj.weight, mlp.up_proj.weight
 
 

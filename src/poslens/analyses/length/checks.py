@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from poslens.engine.families import positional_encoding, rotary_modules
-from poslens.engine.models import max_positions, position_limit
+from poslens.engine.models import CONTEXT_FIELDS, max_positions, position_limit
 from poslens.errors import UsageError, check_int, check_memory, gib
 
 # rope types whose frequencies do not depend on max_position_embeddings during a forward
@@ -122,8 +122,7 @@ def context_limit_lifted(model: nn.Module, eval_len: int):
     if eval_len <= limit:
         yield
         return
-    name = next((n for n in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-                 if isinstance(getattr(config, n, None), int)), None)
+    name = next((n for n in CONTEXT_FIELDS if isinstance(getattr(config, n, None), int)), None)
     if name is None:  # BLOOM: the config records no length, so nothing reads one
         yield
         return
