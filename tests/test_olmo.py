@@ -2,18 +2,15 @@
 (OlmoLayerNorm, eps 1e-5). TransformerLens 3.9's names and values are tests/test_family_tl.py's (the OLMo entry of
 tests/reference/tl39_families.json), the float64 recomputation of every point tests/test_hooks.py's; here what the
 parameter-free norm changes: the TransformerLens weights and config, the stack through the final norm, and the
-clip_qkv form refused."""
+clip_qkv form's clamp."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_alibi import assert_config_refused
-from tiny_models import build, config, token_batch
+from tiny_models import build, heads_summed_twin, token_batch
 
-from poslens.engine.families import family_of
 from poslens.engine.hooks import HookedModel
-from poslens.errors import UsageError
 
 
 @torch.no_grad()
@@ -43,11 +40,33 @@ def test_the_residual_stack_through_the_final_norm_sums_to_its_output():
     assert (uncentred - out).abs().max() > 1e-2 * out.abs().max()
 
 
-def test_clip_qkv_is_refused_in_one_line(tmp_path, capsys):
-    """OLMo with clip_qkv (q, k and v clamped in place after their projections) is refused by the registry and by
-    the command line (exit 2, one line, nothing written)."""
-    message = "OLMo with clip_qkv 8.0 (q, k and v clamped in place after their projections) is not supported yet"
-    with pytest.raises(UsageError, match="clip_qkv 8.0"):
-        family_of(config("olmo", clip_qkv=8.0))
-    assert family_of(config("olmo")).name == "OLMo"
-    assert_config_refused("olmo", {"clip_qkv": 8.0}, message, tmp_path, capsys)
+@torch.no_grad()
+def test_clip_qkv_is_run_and_the_points_see_and_replace_the_clamped_projections():
+    """OLMo with clip_qkv (OLMo-7B-0424-hf's 8.0: q, k and v clamped in place after their projections). With every
+    point read the logits equal the model's bit for bit (its eager twin with W_O's heads summed, as they are read) and
+    attn.hook_q holds the clamped values (the clamp bites on this model: its logits move by > 1e-3 without it); a hook
+    on one layer alone keeps every other layer's clamp (the model's own clamp is off while the hook engine runs, and
+    back after); a write at attn.hook_q takes effect as written, not clamped again: the logits of a model whose q
+    projection's output is clamped, then multiplied by 10 (1e-6 of the largest logit: the same operations, in another
+    order)."""
+    clip = 0.3
+    model = build("olmo", clip_qkv=clip)
+    ids = token_batch(2, 10, seed=6)
+    want = model(input_ids=ids).logits
+    unclipped = build("olmo")
+    assert (unclipped(input_ids=ids).logits - want).abs().max() > 1e-3 * want.abs().max()
+    hm = HookedModel(model)
+    logits, cache = hm.run_with_cache(ids, hm.points)  # (the pattern read: eager attention, W_O's heads summed)
+    assert torch.equal(logits, heads_summed_twin(model)(input_ids=ids).logits) and model.config.clip_qkv == clip
+    q = cache["blocks.0.attn.hook_q"]
+    assert q.abs().max() == pytest.approx(clip) and (q.abs() <= clip).all()
+    assert torch.equal(hm.run(ids, hooks={"blocks.2.attn.hook_v": lambda x, ctx: None}, logits=True).logits, want)
+    got = hm.run(ids, hooks={"blocks.1.attn.hook_q": lambda x, ctx: x * 10}, logits=True).logits
+    for l, layer in enumerate(unclipped.model.layers):
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            times = 10 if (l, name) == (1, "q_proj") else 1
+            getattr(attn, name).register_forward_hook(lambda m, a, out, times=times: out.clamp(-clip, clip) * times)
+    reference = unclipped(input_ids=ids).logits
+    assert (got - reference).abs().max() <= 1e-6 * reference.abs().max()
+    assert (got - want).abs().max() > 1e-3 * want.abs().max()

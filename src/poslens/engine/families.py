@@ -221,9 +221,6 @@ def family_of(config: Any) -> Family:
         _check_mpt(config)
     if model_type == "stablelm":
         _check_stablelm(config)
-    if model_type == "olmo" and getattr(config, "clip_qkv", None) is not None:
-        raise UsageError(f"OLMo with clip_qkv {config.clip_qkv} (q, k and v clamped in place after their projections) "
-                         "is not supported yet; OLMo without it (OLMo-1B-hf, OLMo-7B-hf: clip_qkv null) is")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):

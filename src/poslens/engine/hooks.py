@@ -681,8 +681,17 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 base.build_alibi_tensor = lambda m, heads, dtype: build(keys, heads, dtype)
                 undo.append(lambda: setattr(base, "build_alibi_tensor", previous) if previous is not None
                             else delattr(base, "build_alibi_tensor"))
-            for l, pts in run.per_layer.items():
-                handles += (self._named_projection_hooks if self.family.proj else self._projection_hooks)(l, pts)
+            clip = getattr(self.model.config, "clip_qkv", None) if self.family.name == "OLMo" else None
+            if clip is not None:  # OLMo's in-place clamp of q, k, v after their projections: the hooks' instead
+                self.model.config.clip_qkv = None
+                undo.append(lambda: setattr(self.model.config, "clip_qkv", clip))
+            projection_hooks = self._named_projection_hooks if self.family.proj else functools.partial(
+                self._projection_hooks, clip=clip)
+            for l in range(len(self.layers)):
+                if l in run.per_layer:
+                    handles += projection_hooks(l, run.per_layer[l])
+                elif clip is not None:
+                    handles += self._clamp_hooks(l, clip)
             undo += [h.remove for h in handles]
             for prefix, (module, layer) in self._norms.items():
                 if any(p in fns for p in norm_points(prefix)) and not self._shared_ln2(prefix):
@@ -700,10 +709,19 @@ class HookedModel(TransformerLensSurface, TLWeights):
             for fn in reversed(undo):
                 fn()
 
-    def _projection_hooks(self, l: int, pts: dict) -> list:
+    def _clamp_hooks(self, l: int, clip: float) -> list:
+        """OLMo's clip_qkv as forward hooks on layer l's q, k and v projections: their outputs clamped to [-clip, clip]
+        (out of place, the values the model's in-place clamp gives), so that attn.hook_q/k/v, whose hooks fire after
+        these, see and replace the clamped projections (the model's own clamp is off while a HookedModel runs)."""
+        attn = self.attns[l]
+        return [m.register_forward_hook(lambda module, args, out: out.clamp(-clip, clip))
+                for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+
+    def _projection_hooks(self, l: int, pts: dict, clip: float | None = None) -> list:
         """Module hooks for the hooked projection points of layer l: q, k, v (Phi-3: one fused qkv_proj; GPT-2: one
         Conv1D c_attn), the MLP's gate and up (Phi-3: one fused gate_up_proj; GPT-2: c_fc, no gate) and the down
-        projection's input."""
+        projection's input; `clip` (OLMo's clip_qkv): the clamp after the per-head inputs' projections, before the
+        points."""
         attn, mlp, cfg = self.attns[l], mlp_module(self.family, self.layers[l]), self.model.config
         d, heads = attn.head_dim, cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -737,6 +755,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         if self._inputs and any(p in pts for p in input_points(*self._heads)):
             handles += [module.register_forward_hook(input_projection_hook(lambda: self._run.inputs.get(l), parts))
                         for module, parts in attn_sites]
+        if clip is not None:
+            handles += self._clamp_hooks(l, clip)
         handles += [module.register_forward_hook(self._split_hook(l, parts))
                     for module, parts in sites if any(p in pts for p, _, _ in parts)]
         return handles + self._per_head_qkv_hooks(l, pts, attn, heads, d) + self._output_hooks(l, pts, o_proj, down,
