@@ -56,7 +56,7 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
-            "olmo", "stablelm", "mpt")
+            "olmo", "stablelm", "mpt", "gpt_bigcode")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -66,7 +66,8 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
     size = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads}
     if vocab:
         size["vocab_size"] = vocab
-    if family == "gpt2":  # no key/value groups, no head_dim field; MLP 4 x hidden by default
+    if family in ("gpt2", "gpt_bigcode"):  # no head_dim field; MLP 4 x hidden by default (GPT-BigCode: multi-query,
+        # as StarCoder)
         return build(family, **size, max_position_embeddings=1024)
     if family in ("gpt_neox", "gptj"):  # no key/value groups, no head_dim field; GPT-J: a quarter of each head turns
         sizes = {"gptj": {"rotary_dim": 16}, "gpt_neox": {"intermediate_size": 4 * hidden}}[family]

@@ -18,7 +18,7 @@ EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["l
             "gpt_neox": ("GPT-NeoX", ["partial-rope"] * 3), "gptj": ("GPT-J", ["partial-rope"] * 3),
             "phi": ("Phi", ["partial-rope"] * 3), "falcon": ("Falcon", ["rope"] * 3),
             "falcon_rw": ("Falcon", ["alibi"] * 3), "gpt_neo": ("GPT-Neo", ["learned"] * 3),
-            "mpt": ("MPT", ["alibi"] * 3),
+            "mpt": ("MPT", ["alibi"] * 3), "gpt_bigcode": ("GPT-BigCode", ["learned"] * 3),
             "olmo": ("OLMo", ["rope"] * 3), "stablelm": ("StableLM", ["partial-rope"] * 3)}
 # RoPE families: whether length's NTK and YaRN act (GPT-J's fixed sin/cos table cannot be rescaled: skipped in "all")
 ROTATES = {"olmo2": True, "olmo": True, "stablelm": True, "gpt_neox": True, "phi": True, "gptj": False, "falcon": True}

@@ -23,8 +23,8 @@ from tiny_models import build, heads_summed_twin, token_batch
 
 from poslens.engine.hooks import HookedModel
 
-INPUT_FAMILIES = ("llama", "gpt_neox", "bloom", "falcon", "gpt_neo")
-RESULT_FAMILIES = ("llama", "gpt_neox", "bloom", "falcon", "gpt2", "gpt_neo", "mpt")
+INPUT_FAMILIES = ("llama", "gpt_neox", "bloom", "falcon", "gpt_neo", "mpt", "gpt_bigcode")
+RESULT_FAMILIES = ("llama", "gpt_neox", "bloom", "falcon", "gpt2", "gpt_neo", "mpt", "gpt_bigcode")
 
 
 def _keep(into: dict, key: str, copy: bool = True):

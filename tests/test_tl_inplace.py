@@ -212,7 +212,7 @@ def test_inference_mode_reads_and_edits_as_no_grad(family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw",
-                                    "gpt_neo", "mpt"])
+                                    "gpt_neo", "mpt", "gpt_bigcode"])
 def test_layer_norm_scale_and_normalized_get_their_gradients(family):
     """A LayerNorm's hook_scale and hook_normalized are in the graph under autograd, as in TransformerLens:
     `incl_bwd` caches both gradients, and they satisfy normalized = (x - mean) / scale's chain rule,

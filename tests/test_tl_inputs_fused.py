@@ -1,7 +1,7 @@
 """TransformerLens's per-head attention inputs (hook_q_input, hook_k_input, hook_v_input, and hook_attn_in without
 grouped-query attention) on the families whose q, k and v come from one fused projection or an OPT-style pre-norm:
-GPT-NeoX, BLOOM and multi-head Falcon (each head's [q | k | v] side by side in query_key_value), multi-query Falcon
-([q heads | k | v]) and OPT (separate q/k/v with biases).
+GPT-NeoX, BLOOM, multi-head Falcon and multi-head GPT-BigCode (each head's [q | k | v] side by side), multi-query
+Falcon and GPT-BigCode ([q heads | k | v]), MPT ([q | k | v]) and OPT (separate q/k/v with biases).
 
 Against TransformerLens 3.9 where it has the family (GPT-NeoX, BLOOM, OPT: tests/reference/tl39_families_inputs.json,
 made by tests/reference/make_tl_family_reference_inputs.py): the same write at each point gives TransformerLens's logits
@@ -26,7 +26,7 @@ from tiny_models import build, eager_twin, randomize_norm_gains, token_batch
 from poslens.engine.hooks import HookedModel
 
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families_inputs.json").read_text())
-FAMILIES = ("gpt_neox", "bloom", "opt", "falcon", "falcon_rw", "gpt_neo")
+FAMILIES = ("gpt_neox", "bloom", "opt", "falcon", "falcon_rw", "gpt_neo", "mpt", "gpt_bigcode", "gpt_bigcode_mha")
 TOLERANCE = 2e-5
 
 
@@ -60,10 +60,15 @@ def _rows(model, layer: int, part: str, head: int) -> tuple[torch.Tensor, torch.
             model.transformer.h[layer].attn.attention
         lin = getattr(attn, f"{part}_proj")
         return lin.weight.view(h, d, -1)[head], None if lin.bias is None else lin.bias.view(h, d)[head]
-    blocks = model.gpt_neox.layers if cfg.model_type == "gpt_neox" else model.transformer.h
-    attn = blocks[layer].attention if cfg.model_type == "gpt_neox" else blocks[layer].self_attention
-    w, b = attn.query_key_value.weight, attn.query_key_value.bias
-    if getattr(cfg, "multi_query", False):  # Falcon: [q heads | k | v]
+    if cfg.model_type == "mpt":  # Wqkv: [q | k | v], whole projections, no biases
+        return model.transformer.blocks[layer].attn.Wqkv.weight.view(3, h, d, -1)[i, head], None
+    blocks = model.gpt_neox.layers if cfg.model_type == "gpt_neox" else \
+        model.transformer.blocks if cfg.model_type == "mpt" else model.transformer.h
+    attn = blocks[layer].attention if cfg.model_type == "gpt_neox" else getattr(blocks[layer], "self_attention", None) \
+        or blocks[layer].attn
+    fused = getattr(attn, "query_key_value", None) or attn.c_attn  # GPT-BigCode: c_attn
+    w, b = fused.weight, fused.bias
+    if getattr(cfg, "multi_query", False):  # Falcon, GPT-BigCode: [q heads | k | v]
         start = head * d if part == "q" else (h + i - 1) * d
         return w[start:start + d], None if b is None else b[start:start + d]
     return w.view(h, 3, d, -1)[head, i], None if b is None else b.view(h, 3, d)[head, i]
@@ -72,7 +77,8 @@ def _rows(model, layer: int, part: str, head: int) -> tuple[torch.Tensor, torch.
 def _layer_norm64(module, x: torch.Tensor) -> torch.Tensor:
     x = x.double()
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
-    return (x - mean) / (var + module.eps).sqrt() * module.weight.double() + module.bias.double()
+    y = (x - mean) / (var + module.eps).sqrt() * module.weight.double()
+    return y if module.bias is None else y + module.bias.double()  # (MPT's: no bias)
 
 
 def _heads(hm, part: str) -> int:

@@ -28,6 +28,8 @@ from transformers import (
     GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
     GPTJConfig,
     GPTJForCausalLM,
     GPTNeoConfig,
@@ -126,6 +128,15 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "gpt2": (GPT2Config, GPT2LMHeadModel, {"max_position_embeddings": 64, "activation_function": "gelu_new",
                                            "tie_word_embeddings": True,
                                            "num_key_value_heads": None, "head_dim": None, "intermediate_size": None}),
+    # GPT-BigCode (StarCoder): GPT-2's learned table and LayerNorms, Linear projections, multi-query attention (c_attn
+    # [q heads | k | v]); MLP 4 x 64 wide
+    "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM, {"max_position_embeddings": 64, "multi_query": True,
+                                                              "activation_function": "gelu_pytorch_tanh",
+                                                              "tie_word_embeddings": True, "num_key_value_heads": None,
+                                                              "head_dim": None, "intermediate_size": None}),
+    "gpt_bigcode_mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM, {  # its multi-head form: each head's [q | k | v]
+        "max_position_embeddings": 64, "multi_query": False, "activation_function": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True, "num_key_value_heads": None, "head_dim": None, "intermediate_size": None}),
     # GPT-Neo: GPT-2's learned table and LayerNorms, layers global, local (a window of 12 keys), global; scores without
     # the 1/sqrt(D) scaling; q/k/v/out_proj Linear, MLP 4 x 64 wide (intermediate_size unset, which TransformerLens
     # assumes); eager attention only
@@ -174,7 +185,8 @@ ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
-                                                                  "falcon", "falcon_rw", "gpt_neo", "mpt"))
+                                                                  "falcon", "falcon_rw", "gpt_neo", "mpt",
+                                                                  "gpt_bigcode", "gpt_bigcode_mha"))
 
 
 def config(family: str, **overrides):
@@ -232,6 +244,13 @@ def _rescale_qk(model: PreTrainedModel) -> None:
             std = target / hidden**0.5
             if hasattr(attn, "Wqkv"):  # MPT: rows [q | k | v]
                 attn.Wqkv.weight[: 2 * hidden].normal_(0.0, std)
+            elif hasattr(attn, "c_attn") and type(attn.c_attn).__name__ == "Linear":  # GPT-BigCode: rows
+                # [q heads | k | v] (multi_query), or [q | k | v] within each head
+                rows = attn.c_attn.weight
+                if getattr(attn, "multi_query", False):
+                    rows[: hidden + d].normal_(0.0, std)
+                else:
+                    rows.unflatten(0, (cfg.num_attention_heads, 3, d))[:, :2].normal_(0.0, std)
             elif hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
                 attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
             elif getattr(attn, "multi_query", False):  # Falcon's multi-query: rows [q heads | k | v]

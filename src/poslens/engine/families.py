@@ -137,6 +137,11 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family("GPT-2", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
                    pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                    per_head_inputs=False),
+    # GPT-BigCode (StarCoder, SantaCoder, starcoderbase): GPT-2's learned table and LayerNorms with Linear projections
+    # and multi-query attention (multi_query: c_attn [q heads | k | v], one key/value head; without it each head's
+    # [q | k | v] side by side: `family_of`), scores through transformers' attention interface
+    "gpt_bigcode": Family("GPT-BigCode", ln1="ln_1", ln2="ln_2", layers_attr="h", attn_attr="attn", embed_attr="wte",
+                          pos_embed_attr="wpe", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False),
     # OPT: learned absolute positions (decoder.embed_positions, offset 2), pre-norm LayerNorm with bias, q/k/v/out
     # Linear with biases, ReLU fc1/fc2 on the layer itself
     "opt": Family("OPT", ln1="self_attn_layer_norm", ln2="final_layer_norm", layers_attr="decoder.layers",
@@ -172,7 +177,7 @@ FAMILIES: dict[str, Family] = {
     "mpt": Family("MPT", ln1="norm_1", ln2="norm_2", layers_attr="blocks", attn_attr="attn", embed_attr="wte",
                   final_norm_attr="norm_f", norm_kind="layer", gated_mlp=False, mlp_attr="ffn",
                   mlp_seq=("up_proj", "act", "down_proj"), alibi=True, eager_output=True, block_tuple=True,
-                  eager_only=True, own_attention="mpt", per_head_inputs=False),
+                  eager_only=True, own_attention="mpt"),
     # StableLM (stablelm-2, stablelm-3b-4e1t, stablelm-zephyr): Llama's block with LayerNorms (weight and bias) and
     # partial rotary (partial_rotary_factor: a quarter of each head); the parallel and per-head q/k norm forms refused
     "stablelm": Family("StableLM", norm_kind="layer"),
@@ -227,6 +232,8 @@ def family_of(config: Any) -> Family:
         return _partial_rotary_family(config, FAMILIES[model_type])
     if model_type == "falcon":
         return _falcon_family(config)
+    if model_type == "gpt_bigcode":
+        return _gpt_bigcode_family(config)
     return FAMILIES[model_type]
 
 
@@ -324,6 +331,15 @@ def _falcon_family(config: Any) -> Family:
     return family
 
 
+def _gpt_bigcode_family(config: Any) -> Family:
+    """GPT-BigCode's multi-query form (StarCoder, SantaCoder: c_attn [q heads | k | v]) or its multi-head one (each
+    head's [q | k | v] side by side, as GPT-NeoX's); cross-attention refused in one line."""
+    if getattr(config, "add_cross_attention", False):
+        raise UsageError("GPT-BigCode with add_cross_attention=True is not supported (a decoder-only causal LM is)")
+    family = FAMILIES["gpt_bigcode"]
+    return family if getattr(config, "multi_query", True) else replace(family, qkv_per_head="c_attn")
+
+
 def attention_implementation(config: Any, requested: str) -> str:
     """The attention implementation to load a model of `config` with: `requested`, or "eager" for a family that has
     no other (BLOOM, Gemma-2); Falcon's ALiBi form is refused with "eager" (`_falcon_family`)."""
@@ -401,10 +417,14 @@ def head_dim(attn: nn.Module) -> int:
 
 
 def kv_heads(config: Any) -> int:
-    """The number of key/value heads (Falcon's multi_query: 1; no num_key_value_heads: one per query head)."""
-    if getattr(config, "model_type", None) == "falcon" and getattr(config, "multi_query", False) \
+    """The number of key/value heads (Falcon's and GPT-BigCode's multi_query: 1; no num_key_value_heads: one per query
+    head)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "falcon" and getattr(config, "multi_query", False) \
             and not getattr(config, "new_decoder_architecture", False):
         return 1
+    if model_type == "gpt_bigcode":  # (its config's num_key_value_heads is a default the model never reads)
+        return 1 if getattr(config, "multi_query", True) else int(config.num_attention_heads)
     return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 

@@ -723,8 +723,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         projection's input; `clip` (OLMo's clip_qkv): the clamp after the per-head inputs' projections, before the
         points."""
         attn, mlp, cfg = self.attns[l], mlp_module(self.family, self.layers[l]), self.model.config
-        d, heads = attn.head_dim, cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        d, heads, kv = attn.head_dim, cfg.num_attention_heads, kv_heads(cfg)
         qkv = [("attn.hook_q", heads * d, d), ("attn.hook_k", kv * d, d), ("attn.hook_v", kv * d, d)]
         if hasattr(attn, "c_attn"):
             o_proj, down = attn.c_proj, mlp.c_proj
@@ -732,19 +731,21 @@ class HookedModel(TransformerLensSurface, TLWeights):
             o_proj, down = getattr(attn, "out_proj", None) or attn.dense, getattr(mlp, self.family.mlp_seq[2])
         else:
             o_proj, down = attn.o_proj, mlp.down_proj
-        width = down.weight.shape[0] if hasattr(attn, "c_attn") else down.in_features  # GPT-2's Conv1D: [in, out]
+        width = down.weight.shape[0] if type(down).__name__ == "Conv1D" else down.in_features  # GPT-2's: [in, out]
         gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
-        if hasattr(attn, "c_attn"):  # GPT-2: one Conv1D [q | k | v]; the MLP's one up projection c_fc
-            sites = [(attn.c_attn, qkv), (mlp.c_fc, gate_up[:1])]
-        elif self.family.qkv_per_head or self.family.own_attention:  # BLOOM: one Linear, [q | k | v] within each
-            # head (`_per_head_qkv_hooks`); MPT: q, k and v fire in `_mpt_attention`
-            sites = []
-        elif hasattr(attn, "qkv_proj"):
-            sites = [(attn.qkv_proj, qkv)]
+        # the q/k/v projections and the parts of their outputs: GPT-2's one Conv1D c_attn, GPT-BigCode's one Linear
+        # c_attn [q heads | k | v] (multi-query), Phi-3's qkv_proj and MPT's Wqkv [q | k | v]; a projection with each
+        # head's [q | k | v] (BLOOM, multi-head GPT-BigCode) is `_per_head_qkv_hooks`'s
+        if self.family.qkv_per_head:
+            attn_sites = []
         else:
-            sites = [(attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
-        attn_sites = sites[:1] if hasattr(attn, "c_attn") else list(sites)  # GPT-2: c_fc is the MLP's
-        if self.family.mlp_seq:  # OPT, BLOOM: one up projection
+            fused = next((getattr(attn, n) for n in ("c_attn", "qkv_proj", "Wqkv") if hasattr(attn, n)), None)
+            attn_sites = [(fused, qkv)] if fused is not None else [
+                (attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
+        sites = [] if self.family.own_attention else list(attn_sites)  # MPT: q, k and v fire in `_mpt_attention`
+        if hasattr(mlp, "c_fc"):  # GPT-2, GPT-BigCode: the MLP's one up projection
+            sites.append((mlp.c_fc, gate_up[:1]))
+        elif self.family.mlp_seq:  # OPT, BLOOM: one up projection
             sites.append((getattr(mlp, self.family.mlp_seq[0]), gate_up[:1]))
         elif hasattr(mlp, "gate_up_proj"):
             sites.append((mlp.gate_up_proj, gate_up))
@@ -754,7 +755,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         # first: attn.hook_q/k/v see the projected copies of the per-head inputs
         if self._inputs and any(p in pts for p in input_points(*self._heads)):
             handles += [module.register_forward_hook(input_projection_hook(lambda: self._run.inputs.get(l), parts))
-                        for module, parts in attn_sites]
+                        for module, parts in attn_sites]  # (MPT's Wqkv: then the copy's clamp, split and points)
         if clip is not None:
             handles += self._clamp_hooks(l, clip)
         handles += [module.register_forward_hook(self._split_hook(l, parts))

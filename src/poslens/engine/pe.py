@@ -42,8 +42,8 @@ from poslens.errors import UsageError, check_float, check_int, require
 GPTJ_ROTARY_BASE = 10000.0  # transformers' GPT-J computes its sin/cos table with this base (not a config field)
 ALIBI = ("bloom", "mpt")  # model types whose every layer adds ALiBi's per-head linear bias to the scores (and Falcon
 # with alibi=True)
-LEARNED_TABLE = ("gpt2", "opt", "gpt_neo")  # model types whose positions come from a learned table added to the token
-# embeddings
+LEARNED_TABLE = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")  # model types whose positions come from a learned table
+# added to the token embeddings
 PE_ATTR = "poslens_pe"  # set on a model loaded with pe="none" (the identity rotation is installed)
 CONFIG_FIELD = "poslens_variant"  # config field of a checkpoint poslens trained (`variant_record`)
 SCALINGS = ("ntk", "linear", "yarn")

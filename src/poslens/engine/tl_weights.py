@@ -149,8 +149,8 @@ def _qkv(attn, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """(W_q, W_k, W_v) as nn.Linear weights [out, d_model] and their biases (None where absent); not for a per-head
     fused projection (`_per_head_fused`)."""
     fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None) or getattr(attn, "Wqkv", None)  # MPT's
-    if getattr(attn, "multi_query", None):  # Falcon multi-query: [q heads | k | v]
-        fused = attn.query_key_value
+    if getattr(attn, "multi_query", None):  # Falcon multi-query: [q heads | k | v] (GPT-BigCode's: c_attn, above)
+        fused = getattr(attn, "query_key_value", fused)
     if fused is not None:  # Phi-3's qkv_proj, GPT-2's c_attn, MPT's Wqkv, Falcon's multi-query query_key_value:
         # rows [q | k | v]
         d, heads = head_dim(attn), cfg.num_attention_heads
