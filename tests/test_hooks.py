@@ -121,14 +121,18 @@ def _layer(model, family, l, x, written=None):
     mid = ref["hook_resid_mid"] = ref["hook_mlp_in"] = x + a
     ln2 = blk.pre_feedforward_layernorm if sandwich else blk.post_attention_layernorm
     f = mid if post_norm else _rms("ln2", ln2, mid, gemma, ref)
-    if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
-        gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)
-        act = mlp.activation_fn
+    if hasattr(mlp, "c_fc"):  # Starcoder2: one up projection, no gate
+        pre = ref["mlp.hook_pre"] = _linear(f, mlp.c_fc)
+        post = ref["mlp.hook_post"] = mlp.act(pre)
     else:
-        gate, up, act = _linear(f, mlp.gate_proj), _linear(f, mlp.up_proj), mlp.act_fn
-    ref["mlp.hook_pre"], ref["mlp.hook_pre_linear"] = gate, up
-    post = ref["mlp.hook_post"] = act(gate) * up
-    m = ref["mlp.hook_out"] = _linear(post, mlp.down_proj)
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: rows [gate | up]
+            gate, up = _linear(f, mlp.gate_up_proj).chunk(2, -1)
+            act = mlp.activation_fn
+        else:
+            gate, up, act = _linear(f, mlp.gate_proj), _linear(f, mlp.up_proj), mlp.act_fn
+        ref["mlp.hook_pre"], ref["mlp.hook_pre_linear"] = gate, up
+        post = ref["mlp.hook_post"] = act(gate) * up
+    m = ref["mlp.hook_out"] = _linear(post, getattr(mlp, "down_proj", None) or mlp.c_proj)
     if sandwich or post_norm:
         m = _rms("ln2" if post_norm else "ln2_post", blk.post_feedforward_layernorm, m, gemma, ref)
     ref["hook_mlp_out"] = m

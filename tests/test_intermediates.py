@@ -69,7 +69,7 @@ def _layer_facts(cfg, l: int) -> dict:
     """Scaling, window, softcap and RoPE of layer l, read from the config alone."""
     d = cfg.head_dim
     types = getattr(cfg, "layer_types", None)
-    sliding = types[l] == "sliding_attention" if types else cfg.model_type == "mistral"
+    sliding = types[l] == "sliding_attention" if types else cfg.model_type in ("mistral", "starcoder2")
     params = cfg.rope_parameters
     if cfg.model_type == "gemma3_text":
         params = params[types[l]]
@@ -117,7 +117,9 @@ def _mlp(model, l: int, x):
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: [gate | up]
         gate, up = _linear(x, mlp.gate_up_proj).chunk(2, -1)
         return _linear(up * F.silu(gate), mlp.down_proj)
-    act = (lambda u: F.gelu(u, approximate="tanh")) if cfg.model_type.startswith("gemma") else F.silu
+    act = (lambda u: F.gelu(u, approximate="tanh")) if cfg.model_type.startswith(("gemma", "starcoder2")) else F.silu
+    if hasattr(mlp, "c_fc"):  # Starcoder2: one up projection, no gate
+        return _linear(act(_linear(x, mlp.c_fc)), mlp.c_proj)
     return _linear(act(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
 
 

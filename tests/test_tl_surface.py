@@ -45,10 +45,11 @@ def test_cfg_and_weight_views_reproduce_the_hook_points(family):
     _, own = hm.run_with_cache(ids, [f"blocks.{l}.{p}" for l in range(hm.n_layers)
                                      for p in (fam.attn_input, fam.mlp_input, "attn.hook_out", "mlp.hook_out")])
     n, d, h, k = c.n_layers, c.d_model, c.n_heads, c.n_key_value_heads
-    W = {w: getattr(hm, w).double() for w in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_gate",
-                                              "W_in", "W_out", "b_in", "b_out")}
+    gated = c.gated_mlp  # (Starcoder2: one up projection, W_in, read at mlp.hook_pre)
+    W = {w: getattr(hm, w).double() for w in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O",
+                                              *(["W_gate"] if gated else []), "W_in", "W_out", "b_in", "b_out")}
     assert W["W_Q"].shape == W["W_K"].shape == W["W_V"].shape == (n, h, d, 16)
-    assert W["W_O"].shape == (n, h, 16, d) and W["W_in"].shape == W["W_gate"].shape == (n, d, c.d_mlp)
+    assert W["W_O"].shape == (n, h, 16, d) and W["W_in"].shape == W.get("W_gate", W["W_in"]).shape == (n, d, c.d_mlp)
     if family == "qwen2":
         assert W["b_Q"].abs().max() > 0  # the biases are read, not zeros
     for l in range(n):
@@ -61,8 +62,9 @@ def test_cfg_and_weight_views_reproduce_the_hook_points(family):
         out = torch.einsum("bthe,hed->btd", cache["z", l].double(), W["W_O"][l]) + W["b_O"][l]
         _close(out, own[f"blocks.{l}.attn.hook_out"], f"L{l} attn out")
         y = own[f"blocks.{l}.{fam.mlp_input}"].double()
-        _close(y @ W["W_gate"][l], cache["pre", l], f"L{l} mlp pre")
-        _close(y @ W["W_in"][l] + W["b_in"][l], cache["pre_linear", l], f"L{l} mlp pre_linear")
+        if gated:
+            _close(y @ W["W_gate"][l], cache["pre", l], f"L{l} mlp pre")
+        _close(y @ W["W_in"][l] + W["b_in"][l], cache["pre_linear" if gated else "pre", l], f"L{l} mlp in")
         _close(cache["post", l].double() @ W["W_out"][l] + W["b_out"][l],
                own[f"blocks.{l}.mlp.hook_out"], f"L{l} mlp out")
     _close(hm.W_E[ids], cache["hook_embed"], "W_E")

@@ -61,6 +61,8 @@ from transformers import (
     SmolLM3ForCausalLM,
     StableLmConfig,
     StableLmForCausalLM,
+    Starcoder2Config,
+    Starcoder2ForCausalLM,
 )
 
 VOCAB = 256
@@ -118,6 +120,9 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     # StableLM: Llama's block with LayerNorms (weight and bias), a quarter of each head rotated (4 of 16), q/k/v biases
     "stablelm": (StableLmConfig, StableLmForCausalLM, {"use_qkv_bias": True, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
+    # Starcoder2: Llama's block with LayerNorms, biases, a GELU MLP without a gate, a window of 12 keys in every layer
+    "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM, {"sliding_window": 12, "use_bias": True,
+                                                             "hidden_act": "gelu_pytorch_tanh"}),
     # OLMo (1): Llama's block with LayerNorms without weight or bias; full multi-head attention, as the checkpoints
     "olmo": (OlmoConfig, OlmoForCausalLM, {"num_key_value_heads": 4}),
     # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints

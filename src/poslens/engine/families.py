@@ -181,6 +181,9 @@ FAMILIES: dict[str, Family] = {
     # StableLM (stablelm-2, stablelm-3b-4e1t, stablelm-zephyr): Llama's block with LayerNorms (weight and bias) and
     # partial rotary (partial_rotary_factor: a quarter of each head); the parallel and per-head q/k norm forms refused
     "stablelm": Family("StableLM", norm_kind="layer"),
+    # Starcoder2 (starcoder2-3b, -7b, -15b): Llama's block with LayerNorms (weight and bias), biases on q/k/v/o
+    # (use_bias), a GELU MLP without a gate (c_fc, c_proj) and a sliding window in every layer (sliding_window)
+    "starcoder2": Family("Starcoder2", norm_kind="layer", gated_mlp=False),
     # OLMo (1): Llama's block with LayerNorms without weight or bias (OlmoLayerNorm, eps 1e-5); clip_qkv refused
     "olmo": Family("OLMo", norm_kind="layer"),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)

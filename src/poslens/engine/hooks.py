@@ -729,8 +729,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
             o_proj, down = attn.c_proj, mlp.c_proj
         elif self.family.mlp_seq:  # OPT: out_proj, the layer's fc1, fc2; BLOOM: dense, dense_h_to_4h, dense_4h_to_h
             o_proj, down = getattr(attn, "out_proj", None) or attn.dense, getattr(mlp, self.family.mlp_seq[2])
-        else:
-            o_proj, down = attn.o_proj, mlp.down_proj
+        else:  # (Starcoder2's MLP: c_fc, c_proj)
+            o_proj, down = attn.o_proj, getattr(mlp, "down_proj", None) or mlp.c_proj
         width = down.weight.shape[0] if type(down).__name__ == "Conv1D" else down.in_features  # GPT-2's: [in, out]
         gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
         # the q/k/v projections and the parts of their outputs: GPT-2's one Conv1D c_attn, GPT-BigCode's one Linear
