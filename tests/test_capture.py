@@ -221,6 +221,7 @@ def test_maps_match_float64_reference(family, dtype):
         assert_maps_close(got[key], want[key], tol[key.removesuffix("_per_head")], f"{family} {key}")
     windows = got["sliding_window"].tolist()
     windows_of = {"mistral": [12] * 3, "starcoder2": [12] * 3, "gemma3": [12, 0, 12], "gemma2": [12, 0, 12],
+                  "cohere2": [12, 0, 12],
                   "gpt_neo": [0, 12, 0]}
     assert windows == windows_of.get(family, [0] * 3)
 

@@ -19,7 +19,7 @@ from poslens.errors import UsageError
 
 
 def test_every_tiny_family_is_registered_with_its_windows_and_positional_encoding():
-    expect_windows = {"mistral": [12, 12, 12], "gemma3": [12, 0, 12], "gemma2": [12, 0, 12]}
+    expect_windows = {"mistral": [12, 12, 12], "starcoder2": [12, 12, 12], "gemma3": [12, 0, 12], "gemma2": [12, 0, 12]}
     expect_pe = {"phi3": ["partial-rope"] * 3, "stablelm": ["partial-rope"] * 3, "smollm3": ["rope", "none", "rope"]}
     for fam in FAMILIES:
         cfg = config(fam)

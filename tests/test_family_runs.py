@@ -19,10 +19,11 @@ EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["l
             "phi": ("Phi", ["partial-rope"] * 3), "falcon": ("Falcon", ["rope"] * 3),
             "falcon_rw": ("Falcon", ["alibi"] * 3), "gpt_neo": ("GPT-Neo", ["learned"] * 3),
             "mpt": ("MPT", ["alibi"] * 3), "gpt_bigcode": ("GPT-BigCode", ["learned"] * 3),
-            "starcoder2": ("Starcoder2", ["rope"] * 3),
+            "starcoder2": ("Starcoder2", ["rope"] * 3), "cohere": ("Cohere", ["rope"] * 3),
+            "cohere2": ("Cohere2", ["rope", "none", "rope"]),
             "olmo": ("OLMo", ["rope"] * 3), "stablelm": ("StableLM", ["partial-rope"] * 3)}
 # RoPE families: whether length's NTK and YaRN act (GPT-J's fixed sin/cos table cannot be rescaled: skipped in "all")
-ROTATES = {"olmo2": True, "olmo": True, "stablelm": True, "starcoder2": True,
+ROTATES = {"olmo2": True, "olmo": True, "stablelm": True, "starcoder2": True, "cohere": True, "cohere2": True,
            "gpt_neox": True, "phi": True, "gptj": False, "falcon": True}
 COMMANDS = {"scores": ["scores"], "intermediates": ["intermediates", "--layer", "1"], "leakage": ["leakage"],
             "stat": ["stat", "attention_maps"], "length": ["length", "--train-len", "20", "--eval-lens", "20,40"]}

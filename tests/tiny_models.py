@@ -18,6 +18,10 @@ import torch
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    CohereConfig,
+    CohereForCausalLM,
     FalconConfig,
     FalconForCausalLM,
     Gemma2Config,
@@ -123,6 +127,12 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     # Starcoder2: Llama's block with LayerNorms, biases, a GELU MLP without a gate, a window of 12 keys in every layer
     "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM, {"sliding_window": 12, "use_bias": True,
                                                              "hidden_act": "gelu_pytorch_tanh"}),
+    # Cohere: one LayerNorm (no bias) before a parallel attention and gated MLP, summed (x + attn) + mlp; RoPE on
+    # interleaved pairs; logits times logit_scale. Cohere2: RoPE in the sliding-window layers (window 12) only
+    "cohere": (CohereConfig, CohereForCausalLM, {"logit_scale": 0.25, "tie_word_embeddings": True}),
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM, {"logit_scale": 0.25, "tie_word_embeddings": True,
+                                                    "sliding_window": 12, "layer_types": [
+                                                        "sliding_attention", "full_attention", "sliding_attention"]}),
     # OLMo (1): Llama's block with LayerNorms without weight or bias; full multi-head attention, as the checkpoints
     "olmo": (OlmoConfig, OlmoForCausalLM, {"num_key_value_heads": 4}),
     # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints
@@ -191,7 +201,8 @@ ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
                                                                   "falcon", "falcon_rw", "gpt_neo", "mpt",
-                                                                  "gpt_bigcode", "gpt_bigcode_mha"))
+                                                                  "gpt_bigcode", "gpt_bigcode_mha", "cohere",
+                                                                  "cohere2"))
 
 
 def config(family: str, **overrides):

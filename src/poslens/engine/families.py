@@ -76,8 +76,10 @@ class Family:
     # output holds each head's [q | k | v] side by side (GPT-NeoX's and BLOOM's query_key_value)
     proj: tuple[str, str, str] | None = None
     qkv_per_head: str | None = None
-    rotary_adjacent_pairs: bool = False  # GPT-J's rotary turns pairs of adjacent dims (rotate_every_two) and its
-    # rotary module returns (sin, cos); TransformerLens's rotary_adjacent_pairs
+    rotary_adjacent_pairs: bool = False  # the rotary turns pairs of adjacent dims (GPT-J's rotate_every_two,
+    # Cohere's interleaved cos and sin); TransformerLens's rotary_adjacent_pairs
+    rotary_sin_first: bool = False  # the rotary module returns (sin, cos) (GPT-J), not (cos, sin)
+    residual_first: bool = False  # parallel layout: the block sums (x + attn) + mlp (Cohere), not (attn + mlp) + x
     # OPT: the parts above may be dotted paths under the base model (its decoder: "decoder.layers"); its position
     # table begins `pos_offset` rows in (OPT's embed_positions looks up position + 2; TransformerLens's W_pos drops
     # those rows); its MLP is the layer's own fc1 and fc2 (mlp_attr "": no MLP module)
@@ -198,7 +200,15 @@ FAMILIES: dict[str, Family] = {
     # GPT-J: rotary_dim dims turned in adjacent pairs, one ln_1 before both sublayers, q/k/v/out without biases
     "gptj": Family("GPT-J", layout="parallel", ln1="ln_1", ln2="ln_1", layers_attr="h", attn_attr="attn",
                    embed_attr="wte", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
-                   proj=("out_proj", "fc_in", "fc_out"), rotary_adjacent_pairs=True),
+                   proj=("out_proj", "fc_in", "fc_out"), rotary_adjacent_pairs=True, rotary_sin_first=True),
+    # Cohere (Command-R; its use_qk_norm form refused) and Cohere2 (Command-R7B: RoPE in its sliding-window layers,
+    # none in the full-attention ones): one input_layernorm before a parallel attention and gated SiLU MLP, summed
+    # (x + attn) + mlp; a LayerNorm with a weight and no bias (in float32); RoPE on interleaved pairs; the LM head's
+    # logits times logit_scale
+    "cohere": Family("Cohere", layout="parallel", ln2="input_layernorm", norm_kind="layer",
+                     rotary_adjacent_pairs=True, residual_first=True),
+    "cohere2": Family("Cohere2", layout="parallel", ln2="input_layernorm", norm_kind="layer",
+                      rotary_adjacent_pairs=True, residual_first=True),
     # Phi (phi-1, phi-1.5, phi-2): partial_rotary_factor, one input_layernorm before both sublayers, biases
     "phi": Family("Phi", layout="parallel", ln2="input_layernorm", final_norm_attr="final_layernorm",
                   norm_kind="layer", gated_mlp=False, proj=("dense", "fc1", "fc2")),
@@ -227,6 +237,9 @@ def family_of(config: Any) -> Family:
         _check_gptj(config)
     if model_type == "mpt":
         _check_mpt(config)
+    if model_type == "cohere" and getattr(config, "use_qk_norm", False):
+        raise UsageError("Cohere with use_qk_norm=True (a LayerNorm of each head's q and k, Command-R+) is not "
+                         "supported yet; the forms without it (c4ai-command-r-v01, aya-23) are")
     if model_type == "stablelm":
         _check_stablelm(config)
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
@@ -504,7 +517,7 @@ def remove_rope(model: nn.Module) -> list:
     modules = rotary_modules(model)
     if not modules:
         raise UsageError(f"{type(model).__name__} has no rotary embedding module to remove")
-    hook = _identity_rotation_sin_first if family_of(model.config).rotary_adjacent_pairs else _identity_rotation
+    hook = _identity_rotation_sin_first if family_of(model.config).rotary_sin_first else _identity_rotation
     return [m.register_forward_hook(hook) for m in modules]
 
 

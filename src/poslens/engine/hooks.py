@@ -1067,7 +1067,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]
 
     def _parallel_block(self, layer_mod, l: int, hidden_states: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
-        """GPT-NeoX, GPT-J, Phi: x + attn(ln1(x)) + mlp(ln2(x)), summed as the models sum, (attn + mlp) + x. As
+        """GPT-NeoX, GPT-J, Phi: x + attn(ln1(x)) + mlp(ln2(x)), summed as the models sum, (attn + mlp) + x (Cohere:
+        (x + attn) + mlp, `Family.residual_first`). As
         TransformerLens's parallel_attn_mlp: no hook_resid_mid; hook_mlp_in is a copy of resid_pre that only the MLP
         reads. Where one norm feeds both sublayers (GPT-J, Phi) ln2's points are that norm run again on the MLP's input
         (TransformerLens's ln2 is a copy of ln1), so a write at ln1 reaches attention only; unhooked, its one output
@@ -1098,7 +1099,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         drop = getattr(layer_mod, "post_attention_dropout", None) or getattr(layer_mod, "resid_dropout", None)
         if drop is not None:  # GPT-NeoX's and Phi's residual dropouts (identities in eval)
             a, m = drop(a), getattr(layer_mod, "post_mlp_dropout", drop)(m)
-        return fire("hook_resid_post", (a + m) + x)  # [B, T, d]
+        return fire("hook_resid_post", (x + a) + m if fam.residual_first else (a + m) + x)  # [B, T, d]
 
     def _attention_of(self, layer_mod, x: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
         """A decoder layer's attention sublayer on x [B, T, d] (the normed stream), its attn.* points fired: the

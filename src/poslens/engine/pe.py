@@ -211,6 +211,8 @@ class PositionalEncoding:
         if config.model_type == "smollm3":
             flags = getattr(config, "no_rope_layers", None) or [1] * n
             rope = tuple("rope" if f else "none" for f in flags[:n])
+        elif config.model_type == "cohere2":  # RoPE in the sliding-window layers only (Command-R7B's 3 of every 4)
+            rope = tuple("rope" if t == "sliding_attention" else "none" for t in list(config.layer_types)[:n])
         else:
             rope = ("partial-rope" if rotary_fraction(config) < 1.0 else "rope",) * n
         if all(r == "none" for r in rope):

@@ -2,8 +2,9 @@
 
 For a sequence x_0 .. x_{T-1} and target position t = 1 .. T-1,
 
-    loss_t = -log softmax(z_{t-1})[x_t],   z = cap(W_U h)   (h: the final norm's output, W_U: the LM head,
-                                                             cap: Gemma-2's final softcap c tanh(z / c), if any)
+    loss_t = -log softmax(z_{t-1})[x_t],   z = cap(s W_U h)   (h: the final norm's output, W_U: the LM head,
+                                                               s: Cohere's logit_scale, else 1, cap: Gemma-2's
+                                                               final softcap c tanh(z / c), if any)
 
 which is the cross-entropy transformers' `model(ids, labels=ids).loss` averages. The logits are formed a block of
 positions at a time in float32 (never a [B, T, V] tensor) and the per-position sums are float64. Per group of
@@ -39,8 +40,11 @@ def doubling_edges(train_len: int, eval_len: int) -> list[int]:
 
 
 def lm_logits(model, h: torch.Tensor) -> torch.Tensor:
-    """The model's logits for final-norm outputs h [..., d], in float32 (with Gemma-2's final softcap)."""
-    z = model.get_output_embeddings()(h).float()
+    """The model's logits for final-norm outputs h [..., d], in float32 (with Cohere's logit_scale, Gemma-2's final
+    softcap)."""
+    z = model.get_output_embeddings()(h)
+    scale = getattr(model, "logit_scale", None)  # Cohere's LM head output times logit_scale, in the model's dtype
+    z = (z * scale if scale is not None else z).float()
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(z / cap) * cap if cap else z
 
