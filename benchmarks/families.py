@@ -56,7 +56,7 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
-            "olmo", "stablelm", "mpt", "gpt_bigcode")
+            "olmo", "stablelm", "mpt", "gpt_bigcode", "starcoder2", "cohere2")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -84,7 +84,13 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
     if family == "opt":  # no key/value groups, no head_dim field; fc1 of ffn_dim
         return build(family, **size, ffn_dim=4 * hidden, max_position_embeddings=1024)
     kv = {"olmo2": heads, "phi": heads, "olmo": heads}.get(family, max(1, heads // 2))
-    return build(family, **size, intermediate_size=4 * hidden, num_key_value_heads=kv, head_dim=64)
+    extra = {}
+    if family in ("starcoder2", "cohere2"):  # the released models' window of 4096 (wider than the tokens: no keys
+        # hidden); Command-R7B's 3 sliding layers of every 4
+        extra["sliding_window"] = 4096
+    if family == "cohere2":
+        extra["layer_types"] = ["full_attention" if (l + 1) % 4 == 0 else "sliding_attention" for l in range(layers)]
+    return build(family, **size, intermediate_size=4 * hidden, num_key_value_heads=kv, head_dim=64, **extra)
 
 
 def setup(family: str, args):
