@@ -2,7 +2,8 @@
 parallel attention and gated SiLU MLP, summed (x + attn) + mlp; RoPE on interleaved pairs of dimensions; the LM head's
 logits times logit_scale; Cohere2 applies RoPE in its sliding-window layers only (none in the full-attention ones).
 TransformerLens 3.9 has neither; checked here against a float64 recomputation of every point of every layer from the
-model's weights, the positional encoding recorded, the held-out loss's logits, and the use_qk_norm form refused. The
+model's weights (Command-R+'s per-head q/k LayerNorms too), the positional encoding recorded, and the held-out
+loss's logits. The
 family-parametrised tests (bit-identical forwards, maps against a float64 reference, padded batches, cached
 generation, in-place edits, the analyses end to end) run on both."""
 
@@ -10,23 +11,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_alibi import assert_config_refused
 from test_hooks import _assert_matches, _linear
-from tiny_models import build, heads_summed_twin, randomize_norm_gains, token_batch
+from tiny_models import build, heads_summed_twin, token_batch
 
 from poslens.analyses.length.loss import lm_logits
 from poslens.engine.families import positional_encoding_record, sliding_windows
 from poslens.engine.hooks import HookedModel
 
 
-def _norm(prefix: str, module, x, ref: dict):
+def _norm(prefix: str, module, x, ref: dict, flat: bool = False):
     """Cohere's LayerNorm in float64 with TransformerLens's points: centred, scale sqrt(var + eps), the gain, no
-    bias."""
+    bias (q/k norms: over each head's D entries with the head's gain [H, D], TransformerLens's [B*T*heads, .])."""
     c = x - x.mean(-1, keepdim=True)
     scale = (c.pow(2).mean(-1, keepdim=True) + module.variance_epsilon).sqrt()
-    ref[f"{prefix}.hook_scale"], ref[f"{prefix}.hook_normalized"] = scale, c / scale
-    out = ref[f"{prefix}.hook_out"] = c / scale * module.weight.double()
+    out = c / scale * module.weight.double()
+    for point, t in (("hook_scale", scale), ("hook_normalized", c / scale), ("hook_out", out)):
+        ref[f"{prefix}.{point}"] = t.reshape(-1, t.shape[-1]) if flat else t
     return out
+
+
+@torch.no_grad()
+def _model(family: str, **overrides):
+    """The tiny model with every Cohere LayerNorm's gain random around 1 (a fresh model's are 1)."""
+    model = build(family, **overrides)
+    g = torch.Generator().manual_seed(1)
+    for module in model.modules():
+        if type(module).__name__.endswith("LayerNorm"):
+            module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
+    return model
 
 
 def _rotate_pairs(x, theta: float, pos):
@@ -48,6 +60,9 @@ def _reference(model, l: int, x, rope: bool, window: int) -> dict:
     y = _norm("ln1", blk.input_layernorm, x, ref)
     q, k, v = (_linear(y, p).view(b, t, -1, d) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     ref["attn.hook_q"], ref["attn.hook_k"], ref["attn.hook_v"] = q, k, v
+    if getattr(attn, "use_qk_norm", False):  # Command-R+'s form: a LayerNorm of each head's q and k
+        q = _norm("attn.q_norm", attn.q_norm, q, ref, flat=True)
+        k = _norm("attn.k_norm", attn.k_norm, k, ref, flat=True)
     if rope:
         theta = cfg.rope_parameters["rope_theta"]
         q, k = _rotate_pairs(q, theta, torch.arange(t)), _rotate_pairs(k, theta, torch.arange(t))
@@ -69,13 +84,14 @@ def _reference(model, l: int, x, rope: bool, window: int) -> dict:
     return {f"blocks.{l}.{name}": value for name, value in ref.items()}
 
 
-@pytest.mark.parametrize("family", ["cohere", "cohere2"])
+@pytest.mark.parametrize(("family", "overrides"), [("cohere", {}), ("cohere2", {}), ("cohere", {"use_qk_norm": True})])
 @torch.no_grad()
-def test_every_point_equals_a_float64_recomputation_and_reading_keeps_the_logits(family):
+def test_every_point_equals_a_float64_recomputation_and_reading_keeps_the_logits(family, overrides):
     """Every point of every layer within 2e-5 of its largest value (test_hooks's tolerance) of the recomputation from
-    the layer's input; Cohere2's full-attention layer without RoPE (its rot points equal q and k) and its windows; the
-    logits, every point read, those of the eager model with W_O's heads summed, bit for bit."""
-    model = randomize_norm_gains(build(family))
+    the layer's input; Cohere2's full-attention layer without RoPE (its rot points equal q and k) and its windows;
+    Command-R+'s per-head q/k LayerNorms (use_qk_norm); the logits, every point read, those of the eager model with
+    W_O's heads summed, bit for bit."""
+    model = _model(family, **overrides)
     hm = HookedModel(model)
     ids = token_batch(2, 20, seed=3)
     logits, cache = hm.run_with_cache(ids, hm.points)
@@ -101,9 +117,3 @@ def test_the_loss_reads_the_logits_times_logit_scale(family):
     logits, cache = hm.run_with_cache(ids, ["unembed.hook_in"])
     assert torch.equal(lm_logits(model, cache["unembed.hook_in"]), logits)
     assert model.logit_scale == 0.25 and not torch.allclose(model.lm_head(cache["unembed.hook_in"]), logits)
-
-
-def test_qk_norm_form_is_refused_in_one_line(tmp_path, capsys):
-    assert_config_refused("cohere", {"use_qk_norm": True},
-                          "Cohere with use_qk_norm=True (a LayerNorm of each head's q and k, Command-R+) is not "
-                          "supported yet", tmp_path, capsys)

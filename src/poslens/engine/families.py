@@ -55,6 +55,8 @@ class Family:
     # float32, cast after); read by the hook engine's norm points
     qk_norm_heads_first: bool = False  # the q/k norm (if any) reads [B, heads, T, D] (Gemma-3), not [B, T, heads, D]
     qk_norm_whole: bool = False  # the q/k norm (if any) normalizes the whole projection [B, T, heads * D] (OLMo-2)
+    qk_norm_attrs: tuple[str, str] = ("q_norm", "k_norm")  # the attention's q and k norm modules, where it has them
+    # (StableLM's: q_layernorm, k_layernorm); a LayerNorm family's q/k norms are LayerNorms of each head's D entries
     # where the parts live (module attributes): the base model's layers, embeddings and final norm; a layer's
     # attention; a learned position table (GPT-2's wpe), the norm kind ("rms" or "layer": LayerNorm, with a bias, or
     # OLMo's without weight or bias: `norm_affine`)
@@ -237,11 +239,8 @@ def family_of(config: Any) -> Family:
         _check_gptj(config)
     if model_type == "mpt":
         _check_mpt(config)
-    if model_type == "cohere" and getattr(config, "use_qk_norm", False):
-        raise UsageError("Cohere with use_qk_norm=True (a LayerNorm of each head's q and k, Command-R+) is not "
-                         "supported yet; the forms without it (c4ai-command-r-v01, aya-23) are")
     if model_type == "stablelm":
-        _check_stablelm(config)
+        return _stablelm_family(config)
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type in ("gpt_neox", "phi"):
@@ -281,15 +280,16 @@ def _check_mpt(config: Any) -> None:
                              f"{what}, so it would not be the model the config describes")
 
 
-def _check_stablelm(config: Any) -> None:
-    """Refuse, in one line, the StableLM forms poslens does not hook: the parallel residual (use_parallel_residual) and
-    the per-head LayerNorms of q and k (qk_layernorm, stablelm-2-12b)."""
+def _stablelm_family(config: Any) -> Family:
+    """StableLM's serial form (stablelm-2-1.6b, stablelm-3b-4e1t), or stablelm-2-12b's: a parallel residual (one
+    input_layernorm, summed (x + attn) + mlp) and a LayerNorm of each head's q and k (qk_layernorm: q_layernorm,
+    k_layernorm, one LayerNorm per head on [B, heads, T, D])."""
+    family = FAMILIES["stablelm"]
     if getattr(config, "use_parallel_residual", False):
-        raise UsageError("StableLM with use_parallel_residual=True is not supported yet; the serial form "
-                         "(stablelm-2-1.6b, stablelm-3b-4e1t: use_parallel_residual false) is")
+        family = replace(family, layout="parallel", ln2="input_layernorm", residual_first=True)
     if getattr(config, "qk_layernorm", False):
-        raise UsageError("StableLM with qk_layernorm=True (a LayerNorm of each head's q and k, stablelm-2-12b) is not "
-                         "supported yet; the forms without it (stablelm-2-1.6b, stablelm-3b-4e1t) are")
+        family = replace(family, qk_norm_attrs=("q_layernorm", "k_layernorm"), qk_norm_heads_first=True)
+    return family
 
 
 def _partial_rotary_family(config: Any, family: Family) -> Family:
@@ -404,7 +404,10 @@ PARAMETER_FREE_LN_EPS = 1e-5  # OLMo (1)'s OlmoLayerNorm: F.layer_norm without w
 
 
 def norm_eps(norm: nn.Module) -> float:
-    """The epsilon a residual-stream norm adds to the variance (OLMo's parameter-free LayerNorm holds none)."""
+    """The epsilon a norm adds to the variance (OLMo's parameter-free LayerNorm holds none; StableLM's per-head q/k
+    norm, its heads' LayerNorms')."""
+    if hasattr(norm, "norms"):
+        return norm_eps(norm.norms[0])
     for name in ("eps", "variance_epsilon"):
         if hasattr(norm, name):
             return float(getattr(norm, name))
@@ -412,7 +415,11 @@ def norm_eps(norm: nn.Module) -> float:
 
 
 def norm_affine(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A norm's (weight, bias) (None where it has none: an RMSNorm's bias, OLMo's parameter-free LayerNorm's both)."""
+    """A norm's (weight, bias) (None where it has none: an RMSNorm's bias, OLMo's parameter-free LayerNorm's both);
+    StableLM's per-head q/k norm (one LayerNorm per head): its heads' stacked, [heads, D]."""
+    if hasattr(norm, "norms"):
+        weight, bias = zip(*(norm_affine(n) for n in norm.norms))
+        return (None if weight[0] is None else torch.stack(weight)), (None if bias[0] is None else torch.stack(bias))
     return getattr(norm, "weight", None), getattr(norm, "bias", None)
 
 

@@ -369,7 +369,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         cfg = model.config
         self._heads = (cfg.num_attention_heads, kv_heads(cfg))
         self._inputs = self.family.per_head_inputs  # TransformerLens's per-head attention inputs exist here
-        names = block_points(self.family, qk_norm=hasattr(self.attns[0], "q_norm"),
+        q_norm, k_norm = self.family.qk_norm_attrs
+        names = block_points(self.family, qk_norm=hasattr(self.attns[0], q_norm),
                              inputs=input_points(*self._heads) if self._inputs else ())
         embeds = ["hook_embed", *(["hook_pos_embed"] if self.family.pos_embed_attr else [])]
         if self.family.embed_norm_attr:  # BLOOM: TransformerLens's embed.ln, then hook_embed (its output)
@@ -386,9 +387,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
         for l, layer in enumerate(self.layers):
             for prefix, attr in self.family.norm_points.items():
                 self._norms[f"blocks.{l}.{prefix}"] = (getattr(layer, attr), l)
-            if hasattr(self.attns[l], "q_norm"):
-                self._norms[f"blocks.{l}.attn.q_norm"] = (self.attns[l].q_norm, l)
-                self._norms[f"blocks.{l}.attn.k_norm"] = (self.attns[l].k_norm, l)
+            if hasattr(self.attns[l], q_norm):
+                self._norms[f"blocks.{l}.attn.q_norm"] = (getattr(self.attns[l], q_norm), l)
+                self._norms[f"blocks.{l}.attn.k_norm"] = (getattr(self.attns[l], k_norm), l)
         self._run: _Run | None = None
 
     def _set_tl_points(self) -> None:
@@ -932,13 +933,28 @@ class HookedModel(TransformerLensSurface, TLWeights):
         before the gain and bias), then the output. Unless a hook replaced the scale or the normalized value, the output
         is the module's own (bit-identical); else normalized * w + b. `given`: (scale, normalized, output) of this norm
         on the same x, already computed and untouched (GPT-J's and Phi's ln2, which is their ln1 again): the hooks get
-        `LazyCopies` of them instead of a second computation (the same floats; copied only if a hook writes)."""
+        `LazyCopies` of them instead of a second computation (the same floats; copied only if a hook writes). A per-head
+        q/k LayerNorm (Cohere's, StableLM's) shows TransformerLens's flattened layout [B*T*heads, .], as the RMSNorm
+        q/k norms (`_norm`)."""
         fns = self._run.by_point
+        flat = prefix.endswith(("q_norm", "k_norm"))
+        heads_first = flat and self.family.qk_norm_heads_first  # StableLM's q/k norms read [B, heads, T, D]
 
         def fire(point: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
             name = f"{prefix}.{point}"
             if name not in fns:
                 return t, False
+            if flat:  # TransformerLens's [B*T*heads, .]: a view of [B, T, heads, .], a copy of heads-first values
+                tl = t.transpose(1, 2) if heads_first else t
+                view = tl.reshape(-1, t.shape[-1])
+                seen = _seen(view)
+                new = self._fire(name, layer, view, fns[name])
+                if _unchanged(new, view, seen):
+                    return t, False
+                if new is view and _shares(view, t):  # edited in place through a view: t holds the edit
+                    return t, True
+                new = new.reshape(tl.shape)
+                return (new.transpose(1, 2) if heads_first else new), True
             seen = _seen(t)
             new = self._fire(name, layer, t, fns[name])
             if isinstance(t, LazyCopies):
@@ -972,6 +988,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
             changed |= written
         if changed:
             weight, bias = norm_affine(module)  # (OLMo's LayerNorm: neither; MPT's: no bias)
+            if heads_first:  # StableLM's per-head weights [heads, D] on [B, heads, T, D]
+                weight, bias = (None if w is None else w[:, None] for w in (weight, bias))
             out = normalized if weight is None else normalized * weight.float()
             out = (out if bias is None else out + bias.float()).to(x.dtype)
         elif given is not None:
