@@ -106,8 +106,8 @@ def _zero_dense(model, heads: int, d: int) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"new_decoder_architecture": True, "num_kv_heads": 2},
-     "Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet"),
+    ({"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": True},
+     "Falcon with new_decoder_architecture=True and alibi=True is not supported"),
 ])
 def test_falcon_forms_not_built_are_refused_in_one_line(overrides, message, tmp_path, capsys):
     """The library raises a one-line UsageError naming the supported forms; the CLI exits 2 with that one line and
@@ -115,7 +115,7 @@ def test_falcon_forms_not_built_are_refused_in_one_line(overrides, message, tmp_
     with pytest.raises(UsageError) as err:
         family_of(config("falcon", **overrides))
     text = str(err.value)
-    assert message in text and "new_decoder_architecture=False are (falcon-7b, falcon-rw)" in text and "\n" not in text
+    assert message in text and "\n" not in text
     assert_config_refused("falcon", overrides, message, tmp_path, capsys)
 
 
@@ -246,3 +246,34 @@ def test_alibi_form_under_eager_attention_is_refused_in_one_line():
     with pytest.raises(UsageError, match="use sdpa"):
         attention_implementation(config("falcon_rw"), "eager")
     assert attention_implementation(config("falcon_rw"), "sdpa") == "sdpa"
+
+
+@pytest.mark.parametrize("lns", [2, 1])
+@torch.no_grad()
+def test_the_new_architecture_grouped_heads_and_its_norms(lns):
+    """Falcon's new decoder architecture (falcon-40b, falcon-180b: two norms, ln_attn and ln_mlp; falcon-11B: one,
+    num_ln_in_parallel_attn=1): the fused rows are K groups of (H/K query heads, one key, one value); hook_k and
+    hook_v keep the K heads (TransformerLens's grouped-query convention) and hold those rows' projections, hook_q the
+    query heads in order (1e-5 of the largest, against the rows read here from the weight); _W_K is a view of the key
+    rows whose edit reaches the model as editing the parameter does, bit for bit; ln1 and ln2 are the two norms, or
+    the one norm twice; every point read keeps the logits (the eager twin with W_O's heads summed)."""
+    model = randomize_norm_gains(build("falcon_new", num_ln_in_parallel_attn=lns))
+    twin = copy.deepcopy(model)
+    hm = HookedModel(model)
+    assert (hm.family.ln1, hm.family.ln2) == (("ln_attn", "ln_mlp") if lns == 2 else ("input_layernorm",) * 2)
+    ids = token_batch(2, 9, seed=4)
+    logits, cache = hm.run_with_cache(ids, hm.points)
+    assert torch.equal(logits, heads_summed_twin(model, "eager")(input_ids=ids).logits)
+    rows = model.transformer.h[1].self_attention.query_key_value.weight.view(2, 4, 16, 64)  # [K, q, q, k, v] x D
+    x = cache["blocks.1.ln1.hook_out"]
+    q = torch.einsum("btm,kgdm->btkgd", x, rows[:, :2]).flatten(2, 3)
+    k, v = (torch.einsum("btm,kdm->btkd", x, rows[:, i]) for i in (2, 3))
+    for name, want in (("q", q), ("k", k), ("v", v)):
+        got = cache[f"blocks.1.attn.hook_{name}"]
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+    assert torch.equal(hm.blocks[1].attn._W_K[1], rows[1, 2].T) and torch.equal(hm.W_K[1, 3], rows[1, 2].T)
+    before = hm(ids)
+    hm.blocks[1].attn._W_K[1].zero_()
+    twin.transformer.h[1].self_attention.query_key_value.weight.view(2, 4, 16, 64)[1, 2].zero_()
+    after = hm(ids)
+    assert torch.equal(after, twin(input_ids=ids).logits) and not torch.equal(after, before)

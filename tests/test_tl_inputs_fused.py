@@ -1,7 +1,8 @@
 """TransformerLens's per-head attention inputs (hook_q_input, hook_k_input, hook_v_input, and hook_attn_in without
 grouped-query attention) on the families whose q, k and v come from one fused projection or an OPT-style pre-norm:
 GPT-NeoX, BLOOM, multi-head Falcon and multi-head GPT-BigCode (each head's [q | k | v] side by side), multi-query
-Falcon and GPT-BigCode ([q heads | k | v]), MPT ([q | k | v]) and OPT (separate q/k/v with biases).
+Falcon and GPT-BigCode ([q heads | k | v]), Falcon's new architecture (groups of [q heads of the group | k | v]), MPT
+([q | k | v]) and OPT (separate q/k/v with biases).
 
 Against TransformerLens 3.9 where it has the family (GPT-NeoX, BLOOM, OPT: tests/reference/tl39_families_inputs.json,
 made by tests/reference/make_tl_family_reference_inputs.py): the same write at each point gives TransformerLens's logits
@@ -26,7 +27,8 @@ from tiny_models import build, eager_twin, randomize_norm_gains, token_batch
 from poslens.engine.hooks import HookedModel
 
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families_inputs.json").read_text())
-FAMILIES = ("gpt_neox", "bloom", "opt", "falcon", "falcon_rw", "gpt_neo", "mpt", "gpt_bigcode", "gpt_bigcode_mha")
+FAMILIES = ("gpt_neox", "bloom", "opt", "falcon", "falcon_rw", "falcon_new", "gpt_neo", "mpt", "gpt_bigcode",
+            "gpt_bigcode_mha")
 TOLERANCE = 2e-5
 
 
@@ -68,6 +70,10 @@ def _rows(model, layer: int, part: str, head: int) -> tuple[torch.Tensor, torch.
         or blocks[layer].attn
     fused = getattr(attn, "query_key_value", None) or attn.c_attn  # GPT-BigCode: c_attn
     w, b = fused.weight, fused.bias
+    if getattr(cfg, "new_decoder_architecture", False):  # Falcon-40b: K groups of (H/K query heads, k, v), no biases
+        g = h // cfg.num_kv_heads
+        grouped = w.view(cfg.num_kv_heads, g + 2, d, -1)
+        return (grouped[head // g, head % g] if part == "q" else grouped[head, g + i - 1]), None
     if getattr(cfg, "multi_query", False):  # Falcon, GPT-BigCode: [q heads | k | v]
         start = head * d if part == "q" else (h + i - 1) * d
         return w[start:start + d], None if b is None else b[start:start + d]

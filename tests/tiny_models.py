@@ -190,6 +190,12 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "falcon": (FalconConfig, FalconForCausalLM, {"multi_query": True, "parallel_attn": True, "bias": False,
                                                   "ffn_hidden_size": 256, "num_key_value_heads": None,
                                                   "head_dim": None, "intermediate_size": None}),
+    # Falcon's new decoder architecture as falcon-40b: two key/value groups of two query heads (the fused rows grouped
+    # [q, q, k, v] per group), ln_attn and ln_mlp before a parallel attention and MLP, no biases
+    "falcon_new": (FalconConfig, FalconForCausalLM, {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                                      "parallel_attn": True, "bias": False, "ffn_hidden_size": 256,
+                                                      "num_key_value_heads": None, "head_dim": None,
+                                                      "intermediate_size": None}),
     # Falcon's ALiBi form as falcon-rw: serial attention and MLP, multi-head [q | k | v] within each head, biases
     "falcon_rw": (FalconConfig, FalconForCausalLM, {"alibi": True, "multi_query": False, "parallel_attn": False,
                                                      "bias": True, "ffn_hidden_size": 256, "num_key_value_heads": None,
@@ -200,7 +206,8 @@ ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
-                                                                  "falcon", "falcon_rw", "gpt_neo", "mpt",
+                                                                  "falcon", "falcon_rw", "falcon_new", "gpt_neo",
+                                                                  "mpt",
                                                                   "gpt_bigcode", "gpt_bigcode_mha", "cohere",
                                                                   "cohere2"))
 
@@ -269,6 +276,10 @@ def _rescale_qk(model: PreTrainedModel) -> None:
                     rows.unflatten(0, (cfg.num_attention_heads, 3, d))[:, :2].normal_(0.0, std)
             elif hasattr(attn, "c_attn"):  # GPT-2: a Conv1D, columns [q | k | v]
                 attn.c_attn.weight[:, : 2 * hidden].normal_(0.0, std)
+            elif getattr(attn, "new_decoder_architecture", False):  # Falcon-40b: groups of rows [q heads of the
+                # group | k | v]
+                g = cfg.num_attention_heads // attn.num_kv_heads
+                attn.query_key_value.weight.unflatten(0, (attn.num_kv_heads, g + 2, d))[:, : g + 1].normal_(0.0, std)
             elif getattr(attn, "multi_query", False):  # Falcon's multi-query: rows [q heads | k | v]
                 attn.query_key_value.weight[: (cfg.num_attention_heads + 1) * d].normal_(0.0, std)
             elif hasattr(attn, "query_key_value"):  # GPT-NeoX, BLOOM, Falcon without multi_query: rows [q | k | v]

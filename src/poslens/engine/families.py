@@ -332,12 +332,17 @@ def _check_bloom(config: Any) -> None:
 def _falcon_family(config: Any) -> Family:
     """Falcon's forms with one norm per block (falcon-7b's parallel_attn, or serial: the pre-norm layout, its
     input_layernorm and post_attention_layernorm), rotary or ALiBi (falcon-rw); the new decoder architecture
-    (falcon-40b/180b: ln_attn and ln_mlp, grouped key/value heads) is refused in one line, and so is the ALiBi form
-    under eager attention (transformers' eager Falcon adds the bias twice: in the scores and in the mask)."""
-    if getattr(config, "new_decoder_architecture", False):
-        raise UsageError("Falcon with new_decoder_architecture=True (falcon-40b/180b) is not supported yet; the forms "
-                         "with new_decoder_architecture=False are (falcon-7b, falcon-rw)")
+    (falcon-40b/180b, falcon-11B: grouped key/value heads, ln_attn and ln_mlp before a parallel attention and MLP, or
+    one input_layernorm with num_ln_in_parallel_attn=1); the ALiBi form under eager attention is refused in one line
+    (transformers' eager Falcon adds the bias twice: in the scores and in the mask), and so is ALiBi with the new
+    architecture (no checkpoint has it)."""
     alibi = bool(getattr(config, "alibi", False))
+    if getattr(config, "new_decoder_architecture", False):
+        if alibi:
+            raise UsageError("Falcon with new_decoder_architecture=True and alibi=True is not supported (no released "
+                             "checkpoint has both); the new architecture's rotary form is (falcon-40b, falcon-11B)")
+        two = getattr(config, "num_ln_in_parallel_attn", None) in (None, 2)  # transformers' default: 2
+        return replace(FAMILIES["falcon"], **(dict(ln1="ln_attn", ln2="ln_mlp") if two else {}))
     if alibi and getattr(config, "_attn_implementation", None) == "eager":
         raise UsageError("Falcon with alibi=True under eager attention is not supported: transformers' eager Falcon "
                          "adds the ALiBi bias twice (SDPA adds it once, as falcon-rw was trained); load it with sdpa")
@@ -443,8 +448,9 @@ def kv_heads(config: Any) -> int:
     """The number of key/value heads (Falcon's and GPT-BigCode's multi_query: 1; no num_key_value_heads: one per query
     head)."""
     model_type = getattr(config, "model_type", None)
-    if model_type == "falcon" and getattr(config, "multi_query", False) \
-            and not getattr(config, "new_decoder_architecture", False):
+    if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):  # grouped key/value heads
+        return int(config.num_kv_heads)
+    if model_type == "falcon" and getattr(config, "multi_query", False):
         return 1
     if model_type == "gpt_bigcode":  # (its config's num_key_value_heads is a default the model never reads)
         return 1 if getattr(config, "multi_query", True) else int(config.num_attention_heads)

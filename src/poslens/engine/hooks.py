@@ -838,6 +838,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         """The per-head inputs' projection on Falcon's query_key_value: [q heads | k | v] with multi_query (one
         key/value head), each head's [q | k | v] side by side without."""
         d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+        if attn.new_decoder_architecture:  # K groups of (H/K query heads, k, v)
+            return per_head_input_projection_hook(lambda: self._run.inputs.get(l), heads, d, kv)
         if not attn.multi_query:
             return per_head_input_projection_hook(lambda: self._run.inputs.get(l), heads, d)
         return input_projection_hook(lambda: self._run.inputs.get(l), [
@@ -1171,10 +1173,14 @@ class HookedModel(TransformerLensSurface, TLWeights):
         model's mask; then, as the model's implementation, SDPA or q.k / sqrt(D) + the additive mask and a softmax;
         the dense projection), with the kernel's points fired by `_attention` in between."""
         l, bsz, t = attn.layer_idx, x.shape[0], x.shape[1]
-        h, d = attn.num_heads, attn.head_dim
-        q, k, v = attn._split_heads(attn.query_key_value(x))  # [B, T, heads, D]; multi_query: k, v one head
+        h, d, kv = attn.num_heads, attn.head_dim, attn.num_kv_heads
+        grouped = attn.new_decoder_architecture  # falcon-40b: K groups of (H/K query heads, one key, one value)
+        if grouped:  # k and v kept at their K heads (the model broadcasts them to every query head: `full`)
+            qkv = attn.query_key_value(x).view(bsz, t, kv, h // kv + 2, d)
+            q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
+        else:
+            q, k, v = attn._split_heads(attn.query_key_value(x))  # [B, T, heads, D]; multi_query: k, v one head
         q, k, v = (self._fire_at(l, f"attn.hook_{n}", y) for n, y in zip("qkv", (q, k, v)))
-        kv = attn.num_kv_heads
         q = q.transpose(1, 2).reshape(bsz, h, t, d)
         k = k.transpose(1, 2).reshape(bsz, kv, t, d)
         v = v.transpose(1, 2).reshape(bsz, kv, t, d)
@@ -1192,18 +1198,23 @@ class HookedModel(TransformerLensSurface, TLWeights):
         k, v = _cached(kwargs.get("layer_past"), l, k, v)  # [B, K, T', D]: the earlier (rotated) keys too
         sdpa = attn.config._attn_implementation == "sdpa" or alibi is not None  # (ALiBi: refused under eager)
 
+        def full(y):  # the new architecture's key or value heads [B, K, T', D] broadcast to every query head, as the
+            # model's `_split_heads` materialises them (query head h reads group h // (H/K)); else as they are
+            return y[:, :, None].expand(bsz, kv, h // kv, *y.shape[2:]).reshape(bsz, h, *y.shape[2:]) if grouped else y
+
         def scores(query, key):  # the model's eager scores (rotary form): q.k divided by sqrt(D)
-            s = query @ key.transpose(-1, -2)
+            s = query @ full(key).transpose(-1, -2)
             s /= math.sqrt(d)
             return s
 
         def weigh(probs, value):  # [B, T, H, D]
-            return (probs @ value).transpose(1, 2)
+            return (probs @ full(value)).transpose(1, 2)
 
         def inner(module, query, key, value, mask, dropout=0.0, scaling=None, **_):
             if sdpa:  # the model's SDPA call
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    query, key, value, attn_mask=model_mask, dropout_p=0.0, is_causal=model_mask is None and t > 1)
+                    query, full(key), full(value), attn_mask=model_mask, dropout_p=0.0,
+                    is_causal=model_mask is None and t > 1)
                 return out.transpose(1, 2), None
             probs = torch.softmax(scores(query, key) + mask, dim=-1, dtype=x.dtype)
             return weigh(probs, value), probs

@@ -103,22 +103,30 @@ def input_projection_hook(inputs_of, parts: list[tuple[str, int, int]]):
     return hook
 
 
-def per_head_input_projection_hook(inputs_of, heads: int, d: int):
+def per_head_input_projection_hook(inputs_of, heads: int, d: int, groups: int | None = None):
     """`input_projection_hook` for a projection whose output holds each head's [q | k | v] side by side ([B, T,
-    heads * 3 * D]: GPT-NeoX's, BLOOM's and multi-head Falcon's query_key_value): each written part's D columns of
-    every head are that head's copy projected with its rows of the weight (and bias)."""
+    heads * 3 * D]: GPT-NeoX's, BLOOM's and multi-head Falcon's query_key_value), or with `groups` K, K groups of
+    (H/K query heads, one key head, one value head) (Falcon's new architecture): each written part's D columns of every
+    head are that head's copy projected with its rows of the weight (and bias)."""
+    k = groups or heads  # groups: [K, H/K + 2, D]; per head: [H, 3, D], one query head in each
+    g = heads // k if groups else 1
+    slots = {"q": slice(0, g), "k": g, "v": g + 1}
+
     def hook(module, args, out):
         inputs = inputs_of()
         if not inputs:
             return None
-        new = out.unflatten(-1, (heads, 3, d)).clone()  # [B, T, H, 3, D]
-        weight = module.weight.unflatten(0, (heads, 3, d))  # [H, 3, D, d_model]
-        bias = None if module.bias is None else module.bias.unflatten(0, (heads, 3, d))
-        for i, part in enumerate("qkv"):
+        new = out.unflatten(-1, (k, g + 2, d)).clone()  # [B, T, K, slots, D]
+        weight = module.weight.unflatten(0, (k, g + 2, d))  # [K, slots, D, d_model]
+        bias = None if module.bias is None else module.bias.unflatten(0, (k, g + 2, d))
+        for part, slot in slots.items():
             value = inputs.get(part)
-            if value is not None:
-                b = None if bias is None else bias[:, i]
-                new[..., i, :] = _per_head(f"attn.hook_{part}", value, weight[:, i], b).to(out.dtype)
+            if value is None:
+                continue
+            w = weight[:, slot].flatten(0, 1) if part == "q" else weight[:, slot]  # [heads of the part, D, d_model]
+            b = None if bias is None else (bias[:, slot].flatten(0, 1) if part == "q" else bias[:, slot])
+            y = _per_head(f"attn.hook_{part}", value, w, b).to(out.dtype)  # [B, T, heads of the part, D]
+            new[..., slot, :] = y.unflatten(2, (k, g)) if part == "q" else y
         return new.flatten(-3)
 
     return hook

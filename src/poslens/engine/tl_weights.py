@@ -140,6 +140,8 @@ def _per_head_fused(attn, cfg):
     per_head = family_of(cfg).qkv_per_head
     if per_head:
         return getattr(attn, per_head)
+    if getattr(attn, "new_decoder_architecture", False):  # Falcon's grouped layout: `_grouped_falcon`
+        return None
     if getattr(attn, "multi_query", None) is False:  # Falcon without multi-query
         return attn.query_key_value
     return None
@@ -206,6 +208,9 @@ def layer_attn_weight(model, l: int, which: int, bias: bool = False, expand: boo
     kv = kv_heads(cfg)
     attn = attention_module(model, l)
     heads = h if which == 0 else kv
+    if getattr(attn, "new_decoder_architecture", False):  # Falcon-40b's [K groups x (H/K q heads, k, v)] x D rows
+        t = _grouped_falcon(attn.query_key_value, h, kv, which, bias)
+        return t.repeat_interleave(h // kv, 0) if which and expand and h != kv else t
     fused = _per_head_fused(attn, cfg)
     if fused is not None:  # [heads, 3, D, d_model] and select: a strided view of the fused parameter
         if bias:
@@ -219,6 +224,19 @@ def layer_attn_weight(model, l: int, which: int, bias: bool = False, expand: boo
     else:
         t = _heads_in(ws[which], heads)
     return t.repeat_interleave(h // kv, 0) if which and expand and h != kv else t  # GQA: query head h reads h // (h/K)
+
+
+def _grouped_falcon(fused, h: int, kv: int, which: int, bias: bool) -> torch.Tensor:
+    """W_Q [H, d_model, D], W_K or W_V [K, d_model, D] (or their biases [., D]) from Falcon's new-architecture fused
+    projection, whose rows are K groups of (H/K query heads, one key head, one value head), D rows each: views of the
+    parameter (the query heads' through a reshape of a strided view: a copy)."""
+    g = h // kv
+    p = fused.bias if bias else fused.weight
+    if p is None:
+        return fused.weight.new_zeros(h if which == 0 else kv, fused.weight.shape[0] // (kv * (g + 2)))
+    grouped = p.unflatten(0, (kv, g + 2, -1))  # [K, H/K + 2, D, (d_model)]
+    part = grouped[:, :g].flatten(0, 1) if which == 0 else grouped[:, g + which - 1]
+    return part if bias else part.transpose(1, 2)
 
 
 def layer_w_o(attn, heads: int) -> torch.Tensor:
