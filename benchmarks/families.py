@@ -56,7 +56,7 @@ from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
-            "olmo", "stablelm", "mpt", "gpt_bigcode", "starcoder2", "cohere2")
+            "olmo", "stablelm", "mpt", "gpt_bigcode", "starcoder2", "cohere2", "falcon_new")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -75,7 +75,8 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
     if family in ("bloom", "mpt"):  # no key/value groups, no head_dim field; MLP 4 x hidden (MPT: mpt-7b's
         # max_seq_len of 2048)
         return build(family, **size, **({"max_seq_len": 2048} if family == "mpt" else {}))
-    if family in ("falcon", "falcon_rw"):  # falcon-7b's multi-query parallel form, falcon-rw's ALiBi; MLP 4 x hidden
+    if family in ("falcon", "falcon_rw", "falcon_new"):  # falcon-7b's multi-query parallel form, falcon-rw's ALiBi,
+        # falcon-40b's grouped key/value heads (2 groups); MLP 4 x hidden
         return build(family, **size, ffn_hidden_size=4 * hidden)
     if family == "gpt_neo":  # gpt-neo-125m's layers: global and local alternating, a window of 256; MLP 4 x hidden
         return build(family, hidden_size=hidden, num_layers=layers, num_heads=heads, window_size=256,
