@@ -2,7 +2,7 @@
 
 A `Family` says, for the transformers classes of one architecture: the block layout (pre-norm, as Llama:
 x + attn(norm(x)); Gemma's sandwich with a norm after each sublayer too; OLMo-2's post-norm, x + norm(attn(x));
-GPT-NeoX's, GPT-J's and Phi's parallel residual, x + attn(norm(x)) + mlp(norm(x))), the
+GPT-NeoX's, GPT-J's, Phi's, Falcon's and Cohere's parallel residual, x + attn(norm(x)) + mlp(norm(x))), the
 names of the norms, whether the
 forward needs the model's eager attention (Gemma-2's logit softcap), and how to read, from a config, the sliding
 window and the positional encoding of every layer. Nothing here imports the analysis engine; the loader
@@ -10,12 +10,12 @@ window and the positional encoding of every layer. Nothing here imports the anal
 
 Positional encoding is a property of a loaded model: `positional_encoding(model)` gives one entry per layer, "rope",
 "partial-rope" (rotary on part of each head: Phi-3's and Phi's partial rotary factor, Pythia's rotary_pct, GPT-J's
-rotary_dim), "learned" (GPT-2's, OPT's and GPT-Neo's position tables), "alibi" (BLOOM's linear biases; `scale_alibi`
-scales them) or "none"; the whole encoding (RoPE base and scaling, sliding windows, label) is the one type
-`poslens.engine.pe.PositionalEncoding`. A model loaded with `pe="none"` (a Llama-like checkpoint trained without
-positional encoding, such as the paper's released NoPE model) has its rotary embedding replaced by the identity (BLOOM:
-every ALiBi slope 0) for as long as it lives, and says so here; SmolLM3's per-layer `no_rope_layers` is read from the
-config.
+rotary_dim), "learned" (GPT-2's, OPT's, GPT-Neo's and GPT-BigCode's position tables), "alibi" (BLOOM's, MPT's and
+Falcon-RW's linear biases; `scale_alibi` scales them) or "none" (Cohere2's full-attention layers); the whole encoding
+(RoPE base and scaling, sliding windows, label) is the one type `poslens.engine.pe.PositionalEncoding`. A model
+loaded with `pe="none"` (a Llama-like checkpoint trained without positional encoding, such as the paper's released
+NoPE model) has its rotary embedding replaced by the identity (ALiBi: every slope 0) for as long as it lives, and
+says so here; SmolLM3's per-layer `no_rope_layers` is read from the config.
 """
 
 from __future__ import annotations
