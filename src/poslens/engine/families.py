@@ -93,6 +93,8 @@ class Family:
     # BLOOM: ALiBi, a per-head linear bias inside the scores (no rotation, no table); a LayerNorm after the token
     # embedding (TransformerLens's embed.ln; hook_embed is its output, as TransformerLens's)
     alibi: bool = False
+    alibi_from_mask: bool = True  # the model builds its ALiBi tensor from the [B, T] mask (BLOOM, Falcon-RW), not from
+    # the key count alone (MPT)
     embed_norm_attr: str | None = None
     block_tuple: bool = False  # the decoder layer returns (hidden states, attentions) (BLOOM), not a tensor
     eager_only: bool = False  # transformers has one attention implementation for it, "eager" (BLOOM): loaded with it
@@ -102,6 +104,7 @@ class Family:
     own_attention: str | None = None
     windows_in_module: bool = False  # the attention module hides the keys past its layer's window itself, on top of
     # any mask it is given (GPT-Neo's local layers: a buffer); elsewhere the window is in the mask transformers builds
+    clip_qkv_in_place: bool = False  # the config's clip_qkv clamps q, k and v in place after their projections (OLMo)
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -180,16 +183,18 @@ FAMILIES: dict[str, Family] = {
     # copy); eager only
     "mpt": Family("MPT", ln1="norm_1", ln2="norm_2", layers_attr="blocks", attn_attr="attn", embed_attr="wte",
                   final_norm_attr="norm_f", norm_kind="layer", gated_mlp=False, mlp_attr="ffn",
-                  mlp_seq=("up_proj", "act", "down_proj"), alibi=True, eager_output=True, block_tuple=True,
-                  eager_only=True, own_attention="mpt"),
+                  mlp_seq=("up_proj", "act", "down_proj"), alibi=True, alibi_from_mask=False, eager_output=True,
+                  block_tuple=True, eager_only=True, own_attention="mpt"),
     # StableLM (stablelm-2, stablelm-3b-4e1t, stablelm-zephyr): Llama's block with LayerNorms (weight and bias) and
-    # partial rotary (partial_rotary_factor: a quarter of each head); the parallel and per-head q/k norm forms refused
+    # partial rotary (partial_rotary_factor: a quarter of each head); stablelm-2-12b's parallel and per-head q/k norm
+    # form: `_stablelm_family`
     "stablelm": Family("StableLM", norm_kind="layer"),
     # Starcoder2 (starcoder2-3b, -7b, -15b): Llama's block with LayerNorms (weight and bias), biases on q/k/v/o
     # (use_bias), a GELU MLP without a gate (c_fc, c_proj) and a sliding window in every layer (sliding_window)
     "starcoder2": Family("Starcoder2", norm_kind="layer", gated_mlp=False),
-    # OLMo (1): Llama's block with LayerNorms without weight or bias (OlmoLayerNorm, eps 1e-5); clip_qkv refused
-    "olmo": Family("OLMo", norm_kind="layer"),
+    # OLMo (1): Llama's block with LayerNorms without weight or bias (OlmoLayerNorm, eps 1e-5); its clip_qkv clamps
+    # q, k and v in place after their projections
+    "olmo": Family("OLMo", norm_kind="layer", clip_qkv_in_place=True),
     # OLMo-2: no norm before a sublayer; ln1/ln2 are the norms of the sublayers' outputs (TransformerLens's names)
     "olmo2": Family("OLMo-2", layout="post-norm", ln1="post_attention_layernorm", ln2="post_feedforward_layernorm",
                     norm_gain="weight-float32", qk_norm_whole=True, per_head_inputs=False),
@@ -203,10 +208,10 @@ FAMILIES: dict[str, Family] = {
     "gptj": Family("GPT-J", layout="parallel", ln1="ln_1", ln2="ln_1", layers_attr="h", attn_attr="attn",
                    embed_attr="wte", final_norm_attr="ln_f", norm_kind="layer", gated_mlp=False,
                    proj=("out_proj", "fc_in", "fc_out"), rotary_adjacent_pairs=True, rotary_sin_first=True),
-    # Cohere (Command-R; its use_qk_norm form refused) and Cohere2 (Command-R7B: RoPE in its sliding-window layers,
-    # none in the full-attention ones): one input_layernorm before a parallel attention and gated SiLU MLP, summed
-    # (x + attn) + mlp; a LayerNorm with a weight and no bias (in float32); RoPE on interleaved pairs; the LM head's
-    # logits times logit_scale
+    # Cohere (Command-R; Command-R+'s use_qk_norm: a LayerNorm of each head's q and k) and Cohere2 (Command-R7B: RoPE
+    # in its sliding-window layers, none in the full-attention ones): one input_layernorm before a parallel attention
+    # and gated SiLU MLP, summed (x + attn) + mlp; a LayerNorm with a weight and no bias (in float32); RoPE on
+    # interleaved pairs; the LM head's logits times logit_scale
     "cohere": Family("Cohere", layout="parallel", ln2="input_layernorm", norm_kind="layer",
                      rotary_adjacent_pairs=True, residual_first=True),
     "cohere2": Family("Cohere2", layout="parallel", ln2="input_layernorm", norm_kind="layer",
@@ -239,10 +244,10 @@ def family_of(config: Any) -> Family:
         _check_gptj(config)
     if model_type == "mpt":
         _check_mpt(config)
-    if model_type == "stablelm":
-        return _stablelm_family(config)
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
+    if model_type == "stablelm":
+        return _stablelm_family(config)
     if model_type in ("gpt_neox", "phi"):
         return _partial_rotary_family(config, FAMILIES[model_type])
     if model_type == "falcon":
@@ -562,11 +567,9 @@ def scale_alibi(model: nn.Module, factor: float):
     if "alibi" not in positional_encoding(model):
         raise UsageError(f"{family_of(model.config).name} has no ALiBi slopes to scale")
     base = model.base_model
-    if hasattr(base, "build_mpt_alibi_tensor"):  # MPT: its method (heads, keys, ...) -> [H, 1, keys], mask-free
+    if not family_of(model.config).alibi_from_mask:  # MPT: its method (heads, keys, ...) -> [H, 1, keys]
         return _scaled_method(base, "build_mpt_alibi_tensor", factor)
-    previous = base.__dict__.get("build_alibi_tensor")
-    inner = alibi_builder(base)
-    base.build_alibi_tensor = lambda mask, heads, dtype: inner(mask, heads, dtype) * factor
+    restore = _scaled_method(base, "build_alibi_tensor", factor, alibi_builder(base))
 
     def with_mask(module, args, kwargs):
         if kwargs.get("attention_mask") is not None:
@@ -580,19 +583,16 @@ def scale_alibi(model: nn.Module, factor: float):
 
     def undo() -> None:
         handle.remove()
-        if previous is None:
-            del base.build_alibi_tensor
-        else:
-            base.build_alibi_tensor = previous
+        restore()
 
     return undo
 
 
-def _scaled_method(obj: Any, name: str, factor: float) -> Callable[[], None]:
-    """Make `obj.name(...)` return its result times `factor` (an attribute on the instance, over any earlier one);
-    returns the function that puts the earlier one back."""
+def _scaled_method(obj: Any, name: str, factor: float, inner: Callable[..., Any] | None = None) -> Callable[[], None]:
+    """Make `obj.name(...)` return `inner`'s result (default: the method's own) times `factor`, as an attribute on the
+    instance over any earlier one; returns the function that puts the earlier one back."""
     previous = obj.__dict__.get(name)
-    inner = getattr(obj, name)
+    inner = inner or getattr(obj, name)
     setattr(obj, name, lambda *args, **kwargs: inner(*args, **kwargs) * factor)
 
     def undo() -> None:

@@ -674,7 +674,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 handles.append(head.register_forward_hook(
                     lambda module, args, out: self._fire("unembed.hook_out", None, out, fns["unembed.hook_out"])))
             mask = run.attention_mask
-            if self.family.alibi and self.family.own_attention != "mpt" and mask is not None and (
+            if self.family.alibi_from_mask and self.family.alibi and mask is not None and (
                     isinstance(mask, dict) or mask.dim() != 2):
                 # BLOOM builds ALiBi from a [B, T] mask: with a 4-D one (an explicit window), from all-ones keys
                 base, keys = self.model.base_model, torch.ones_like(run.input_ids)
@@ -682,7 +682,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 base.build_alibi_tensor = lambda m, heads, dtype: build(keys, heads, dtype)
                 undo.append(lambda: setattr(base, "build_alibi_tensor", previous) if previous is not None
                             else delattr(base, "build_alibi_tensor"))
-            clip = getattr(self.model.config, "clip_qkv", None) if self.family.name == "OLMo" else None
+            clip = getattr(self.model.config, "clip_qkv", None) if self.family.clip_qkv_in_place else None
             if clip is not None:  # OLMo's in-place clamp of q, k, v after their projections: the hooks' instead
                 self.model.config.clip_qkv = None
                 undo.append(lambda: setattr(self.model.config, "clip_qkv", clip))
