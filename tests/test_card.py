@@ -295,21 +295,27 @@ def test_panels_pair_two_models_on_one_tokenizer_through_each_runs_own_replicate
     # differences; a model against itself differs by exactly 0 with a zero-width interval (the text cancels)
     from poslens.analyses.card.page import paired_columns
     from poslens.analyses.card.paired import difference, pairable
-    from poslens.engine.stats import jackknife
+    from poslens.analyses.leakage.causal import SUPPORT
+    from poslens.engine.stats import NONNEGATIVE, jackknife
 
     rope, nope = _model(card, "rope"), _model(card, "nope")
     for analysis in ("scores", "leakage", "length"):
         assert pairable(rope, nope, analysis), analysis
-    for r, reps in zip(rope["scores"], rope["replicates"]["scores"]):
-        own = jackknife(torch.tensor(r["rms"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+    for r, reps in zip(rope["scores"], rope["replicates"]["scores"]):  # an RMS: its interval cut at 0, as the run's
+        own = jackknife(torch.tensor(r["rms"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64),
+                        support=NONNEGATIVE)
         assert float(own.lo) == pytest.approx(r["rms"][1], abs=1e-6)
         assert float(own.hi) == pytest.approx(r["rms"][2], abs=1e-6)
-    for b, reps in zip(rope["length"]["bins"], rope["replicates"]["length"]):
-        own = jackknife(torch.tensor(b["loss"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+    for b, reps in zip(rope["length"]["bins"], rope["replicates"]["length"]):  # a loss, cut at 0 likewise
+        own = jackknife(torch.tensor(b["loss"][0], dtype=torch.float64), torch.tensor(reps, dtype=torch.float64),
+                        support=NONNEGATIVE)
         assert (float(own.lo), float(own.hi)) == pytest.approx(b["loss"][1:], abs=1e-5)
+    # a share of e_total cannot be negative: the run cuts its interval to [0, inf) (causal.SUPPORT), and so does the
+    # recomputation (a lower end just below 0 is cut to 0 on one processor and not on another)
     share = rope["leakage"]["attn/share_residual"]["key0_out"]
     for (v, lo, hi), reps in zip(share, rope["replicates"]["leakage"]["attn/share_residual"]["key0_out"]):
-        own = jackknife(torch.tensor(v, dtype=torch.float64), torch.tensor(reps, dtype=torch.float64))
+        own = jackknife(torch.tensor(v, dtype=torch.float64), torch.tensor(reps, dtype=torch.float64),
+                        support=SUPPORT["attn/share_residual"])
         assert (float(own.lo), float(own.hi)) == pytest.approx((lo, hi), abs=1e-5)
     cols = paired_columns([rope, nope], 0.95)
     for panel in ("scores", "leakage", "length"):
