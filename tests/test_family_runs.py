@@ -1,4 +1,5 @@
-"""The analyses end to end on a tiny random model of each family added after Llama (OLMo-2, ...), from a config
+"""The analyses end to end on a tiny random model of each family added after Llama (OLMo-2, the mixtures of experts,
+...), from a config
 directory with a byte-level tokenizer (no download): `scores`, `intermediates`, `leakage`, `stat` and `length` exit
 0, write their run directories, and record the family and the positional-encoding type of every layer in run.json."""
 
@@ -21,10 +22,13 @@ EXPECTED = {"olmo2": ("OLMo-2", ["rope", "rope", "rope"]), "gpt2": ("GPT-2", ["l
             "mpt": ("MPT", ["alibi"] * 3), "gpt_bigcode": ("GPT-BigCode", ["learned"] * 3),
             "starcoder2": ("Starcoder2", ["rope"] * 3), "cohere": ("Cohere", ["rope"] * 3),
             "cohere2": ("Cohere2", ["rope", "none", "rope"]),
-            "olmo": ("OLMo", ["rope"] * 3), "stablelm": ("StableLM", ["partial-rope"] * 3)}
+            "olmo": ("OLMo", ["rope"] * 3), "stablelm": ("StableLM", ["partial-rope"] * 3),
+            "mixtral": ("Mixtral", ["rope"] * 3), "qwen2_moe": ("Qwen2-MoE", ["rope"] * 3),
+            "qwen3_moe": ("Qwen3-MoE", ["rope"] * 3), "olmoe": ("OLMoE", ["rope"] * 3)}
 # RoPE families: whether length's NTK and YaRN act (GPT-J's fixed sin/cos table cannot be rescaled: skipped in "all")
 ROTATES = {"olmo2": True, "olmo": True, "stablelm": True, "starcoder2": True, "cohere": True, "cohere2": True,
-           "gpt_neox": True, "phi": True, "gptj": False, "falcon": True}
+           "gpt_neox": True, "phi": True, "gptj": False, "falcon": True, "mixtral": True, "qwen2_moe": True,
+           "qwen3_moe": True, "olmoe": True}
 COMMANDS = {"scores": ["scores"], "intermediates": ["intermediates", "--layer", "1"], "leakage": ["leakage"],
             "stat": ["stat", "attention_maps"], "length": ["length", "--train-len", "20", "--eval-lens", "20,40"]}
 SIZES = ["--seq-len", "40", "--num-sequences", "6", "--batch-size", "2", "--quiet", "--no-figures"]

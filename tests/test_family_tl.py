@@ -26,8 +26,9 @@ from poslens.errors import UsageError
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "tl39_families.json").read_text())
 # the same method's other references (tests/reference/make_tl_family_reference_*.py): the learned-table and ALiBi
 # families; Gemma, Gemma-2 and Gemma-3; Qwen2, Qwen3 and Mistral (their TransformerLens configs read by its own
-# convert_hf_model_config from the tiny config.json), these at 20 tokens so that the windows of 12 keys hide keys
-for _name in ("alibi", "gemma", "llama_like", "gpt_neo"):
+# convert_hf_model_config from the tiny config.json), these at 20 tokens so that the windows of 12 keys hide keys;
+# Mixtral and OLMoE, the mixtures of experts TransformerLens has
+for _name in ("alibi", "gemma", "llama_like", "gpt_neo", "moe"):
     _more = json.loads((Path(__file__).parent / "reference" / f"tl39_families_{_name}.json").read_text())
     assert _more["transformer_lens"] == REFERENCE["transformer_lens"]
     REFERENCE["families"].update(_more["families"])

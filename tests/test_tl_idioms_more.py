@@ -33,7 +33,8 @@ def _tokenizer(pad=PAD, bos=BOS, side="right"):
 @torch.no_grad()
 def test_remove_batch_dim_takes_row_zero_of_every_value(family):
     """TransformerLens caches value[0] of every point for a batch of one; a q/k norm's flattened [T*heads, .] value
-    (no batch dimension of its own) stays whole. A batch of two is refused in one line."""
+    and a mixture of experts' router and expert values ([T, E], [n_e, M]: no batch dimension of their own) stay whole.
+    A batch of two is refused in one line."""
     hm = HookedModel(build(family))
     ids = token_batch(1, 6)
     _, full = hm.run_with_cache(ids)
@@ -41,7 +42,8 @@ def test_remove_batch_dim_takes_row_zero_of_every_value(family):
     assert list(flat) == list(full)
     for name, value in full.items():
         qk_flat = (".q_norm." in name or ".k_norm." in name) and value.dim() == 2
-        assert torch.equal(flat[name], value if qk_flat else value[0]), name
+        routed = ".mlp.experts." in name or ".mlp.hook_expert_" in name
+        assert torch.equal(flat[name], value if qk_flat or routed else value[0]), name
     assert all(torch.equal(a, b) for a, b in zip(full.remove_batch_dim().values(), flat.values()))
     with pytest.raises(UsageError, match="batch of 1, got 2"):
         hm.run_with_cache(token_batch(2, 6), remove_batch_dim=True)

@@ -44,11 +44,15 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     MptConfig,
     MptForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     OlmoConfig,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     OlmoForCausalLM,
     OPTConfig,
     OPTForCausalLM,
@@ -59,8 +63,12 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
     StableLmConfig,
@@ -137,6 +145,20 @@ SPECS: dict[str, tuple[type, type, dict]] = {
     "olmo": (OlmoConfig, OlmoForCausalLM, {"num_key_value_heads": 4}),
     # post-norm, RMSNorm of the whole q and k projections; full multi-head attention, as the OLMo-2 checkpoints
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"num_key_value_heads": 4}),
+    # mixtures of experts on Llama's block: 4 experts of 48, 2 chosen per token. Mixtral (top 2 renormalised);
+    # Qwen2-MoE (q/k/v biases, a shared expert of 96 through a sigmoid gate, layer 1 dense: mlp_only_layers);
+    # Qwen3-MoE (per-head q/k RMSNorms, top k renormalised); OLMoE (q/k RMSNorms of the whole projections, full
+    # multi-head attention as OLMoE-1B-7B)
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                    "intermediate_size": 48}),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                        "moe_intermediate_size": 48,
+                                                        "shared_expert_intermediate_size": 96,
+                                                        "mlp_only_layers": [1]}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                        "moe_intermediate_size": 48, "norm_topk_prob": True}),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+                                              "num_key_value_heads": 4}),
     # learned absolute positions (wpe), LayerNorm with bias, Conv1D c_attn [q | k | v]; 64 wide = 4 heads of 16, an
     # MLP 4 x 64 wide (GPT-2's n_inner default, which TransformerLens assumes)
     # (None: a common field GPT-2's config does not have)
@@ -203,13 +225,14 @@ SPECS: dict[str, tuple[type, type, dict]] = {
 }
 
 ALL_FAMILIES: tuple[str, ...] = tuple(SPECS)
+MOE: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # their experts' points: tests/test_moe.py
 # the families of the RoPE/NoPE tests parametrised over FAMILIES (their float64 recomputations are Llama-like blocks);
 # GPT-2 (learned positions, LayerNorm, Conv1D) is checked against TransformerLens itself (tests/test_family_tl.py)
 FAMILIES: tuple[str, ...] = tuple(f for f in SPECS if f not in ("gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi",
                                                                   "falcon", "falcon_rw", "falcon_new", "gpt_neo",
                                                                   "mpt",
                                                                   "gpt_bigcode", "gpt_bigcode_mha", "cohere",
-                                                                  "cohere2"))
+                                                                  "cohere2", *MOE))
 
 
 def config(family: str, **overrides):
@@ -233,6 +256,8 @@ def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over
                 if isinstance(m, torch.nn.Linear) and m.bias is not None:
                     torch.nn.init.normal_(m.bias, 0.0, 0.1)
         _rescale_qk(model)
+    if family in MOE:  # transformers' default experts kernel (grouped_mm) refuses float64, which the references run
+        model.set_experts_implementation("eager")  # (tests/test_moe.py runs the default one too)
     return model.to(dtype).eval()
 
 

@@ -40,7 +40,6 @@ dtype (see `check_tolerance`), else `BlockOutputMismatch`.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,12 +319,12 @@ class Intermediates(Statistic):
         self._pending: dict[str, torch.Tensor] = {}
 
     def _float64_modules(self, block) -> dict:
-        from poslens.engine.families import mlp_block
+        from poslens.engine.families import float64_copy, mlp_block
 
-        mods = {"mlp": copy.deepcopy(mlp_block(self.family, block)).double()}
+        mods = {"mlp": float64_copy(mlp_block(self.family, block))}
         if self.family.layout in ("sandwich", "post-norm"):  # the norm after the MLP
             post = self.family.ln2_post if self.family.layout == "sandwich" else self.family.ln2
-            mods["post"] = copy.deepcopy(getattr(block, post)).double()
+            mods["post"] = float64_copy(getattr(block, post))
         return mods
 
     def score_layers(self) -> list[int]:

@@ -78,9 +78,10 @@ def select_points(names_filter, points: list[str], tl_points: list[str], check: 
 
 
 def _flattened(name: str, value: torch.Tensor) -> bool:
-    """Whether a cached value is a q/k norm's, in TransformerLens's flattened layout [B*T*heads, .] (no batch
-    dimension of its own)."""
-    return (".q_norm." in name or ".k_norm." in name) and value.dim() == 2
+    """Whether a cached value has no batch dimension of its own: a q/k norm's, in TransformerLens's flattened layout
+    [B*T*heads, .], or a mixture of experts' router and expert points ([B*T, E], [n_e, M])."""
+    return ((".q_norm." in name or ".k_norm." in name) and value.dim() == 2) or ".mlp.experts." in name or \
+        ".mlp.hook_expert_" in name
 
 
 def without_batch(cache: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ says so here; SmolLM3's per-layer `no_rope_layers` is read from the config.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
 from collections.abc import Callable
@@ -105,6 +106,11 @@ class Family:
     windows_in_module: bool = False  # the attention module hides the keys past its layer's window itself, on top of
     # any mask it is given (GPT-Neo's local layers: a buffer); elsewhere the window is in the mask transformers builds
     clip_qkv_in_place: bool = False  # the config's clip_qkv clamps q, k and v in place after their projections (OLMo)
+    # a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a sparse layer's MLP is a router (`gate`, weight
+    # [E, d]) and fused experts (transformers 5's `experts`: gate_up_proj [E, 2M, d] with rows [gate | up], down_proj
+    # [E, d, M]), Qwen2-MoE's with a shared expert beside them; a dense layer (Qwen's mlp_only_layers) keeps Llama's
+    # MLP (`sparse_mlp`)
+    moe: bool = False
 
     @property
     def norm_points(self) -> dict[str, str]:
@@ -216,6 +222,13 @@ FAMILIES: dict[str, Family] = {
                      rotary_adjacent_pairs=True, residual_first=True),
     "cohere2": Family("Cohere2", layout="parallel", ln2="input_layernorm", norm_kind="layer",
                       rotary_adjacent_pairs=True, residual_first=True),
+    # mixtures of experts on Llama's block (`Family.moe`): Mixtral (Mistral's attention; top-k weights always
+    # renormalised), Qwen2-MoE (Qwen2's; a shared expert through a sigmoid gate), Qwen3-MoE (Qwen3's per-head q/k
+    # RMSNorms), OLMoE (q/k RMSNorms over the whole projections, as OLMo-2's, in a pre-norm block)
+    "mixtral": Family("Mixtral", moe=True),
+    "qwen2_moe": Family("Qwen2-MoE", moe=True),
+    "qwen3_moe": Family("Qwen3-MoE", moe=True),
+    "olmoe": Family("OLMoE", moe=True, qk_norm_whole=True),
     # Phi (phi-1, phi-1.5, phi-2): partial_rotary_factor, one input_layernorm before both sublayers, biases
     "phi": Family("Phi", layout="parallel", ln2="input_layernorm", final_norm_attr="final_layernorm",
                   norm_kind="layer", gated_mlp=False, proj=("dense", "fc1", "fc2")),
@@ -244,6 +257,9 @@ def family_of(config: Any) -> Family:
         _check_gptj(config)
     if model_type == "mpt":
         _check_mpt(config)
+    if model_type == "olmoe" and getattr(config, "clip_qkv", None) is not None:
+        raise UsageError("OLMoE with clip_qkv is not supported (its clamp of q and k comes after their norms); "
+                         "OLMoE-1B-7B's config sets none")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UsageError(f"model_type {model_type!r} with bidirectional attention is not supported (causal only)")
     if model_type == "stablelm":
@@ -393,6 +409,24 @@ def mlp_block(family: Family, layer: nn.Module) -> nn.Module:
     if family.mlp_seq is None:
         return holder
     return nn.Sequential(*(getattr(holder, name) for name in family.mlp_seq))
+
+
+def sparse_mlp(family: Family, layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's mixture-of-experts block (its router `gate` and fused `experts`), or None where the layer's
+    MLP is dense."""
+    mlp = getattr(layer, family.mlp_attr, None) if family.moe else None
+    return mlp if mlp is not None and hasattr(mlp, "experts") else None
+
+
+def float64_copy(module: nn.Module) -> nn.Module:
+    """A float64 copy of one of a model's modules; a mixture of experts' copy runs transformers' eager loop over the
+    experts (its default grouped_mm kernel refuses float64)."""
+    twin = copy.deepcopy(module).double()
+    for part in twin.modules():
+        config = getattr(part, "config", None)  # the copy's own config (copied with it)
+        if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+            config._experts_implementation = "eager"
+    return twin
 
 
 def check_supported(config: Any) -> None:

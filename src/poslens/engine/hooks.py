@@ -80,6 +80,14 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
     blocks.{l}.mlp.hook_pre             [B, T, M]     TL  gate projection, before the activation
     blocks.{l}.mlp.hook_pre_linear      [B, T, M]     TL  up projection
     blocks.{l}.mlp.hook_post            [B, T, M]     TL  act(pre) * pre_linear: the down projection's input
+    blocks.{l}.mlp.hook_expert_weights  [B*T, E]      TL  a mixture of experts' layer (Mixtral, Qwen2-MoE, Qwen3-MoE,
+                                                          OLMoE) in place of the three above: the router's softmax
+                                                          over its E experts (float32, before the top k)
+    blocks.{l}.mlp.hook_expert_indices  [B*T, k]      TL  the k experts each token is sent to
+    blocks.{l}.mlp.experts.{e}.hook_gate, hook_pre, hook_post
+                                        [n_e, M]      TL  expert e's gate and up projections and act(gate) * up, on
+                                                          the n_e tokens routed to it (`HookedModel._moe`)
+    blocks.{l}.mlp.shared_expert.hook_* [B, T, M]         Qwen2-MoE's shared expert, as a dense MLP's three points
     blocks.{l}.mlp.hook_out             [B, T, d]         the MLP's output (Gemma: before its post-MLP norm)
     blocks.{l}.ln2_post.hook_*          as ln1        TL  Gemma: the norm after the MLP (post_feedforward_layernorm)
     blocks.{l}.hook_mlp_out             [B, T, d]     TL  what the MLP adds to the residual stream (Gemma: after
@@ -126,6 +134,7 @@ from poslens.engine.families import (
     mlp_module,
     norm_affine,
     norm_eps,
+    sparse_mlp,
 )
 from poslens.engine.lazy_copies import LazyCopies, plain
 from poslens.engine.models import position_limit
@@ -170,9 +179,21 @@ def norm_points(prefix: str) -> list[str]:
     return [f"{prefix}.{p}" for p in NORM_POINTS]
 
 
-def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = ()) -> list[str]:
+def moe_points(block: torch.nn.Module) -> list[str]:
+    """The points of a mixture-of-experts MLP (under blocks.{l}.) in forward order: Qwen2-MoE's shared expert (its
+    gate and up projections and act(gate) * up, poslens's names after the dense MLP's), then TransformerLens's router
+    points and each expert's."""
+    shared = ["mlp.shared_expert.hook_pre", "mlp.shared_expert.hook_pre_linear", "mlp.shared_expert.hook_post"]
+    return [*(shared if hasattr(block, "shared_expert") else []), "mlp.hook_expert_weights", "mlp.hook_expert_indices",
+            *[f"mlp.experts.{e}.{p}" for e in range(block.experts.num_experts)
+              for p in ("hook_gate", "hook_pre", "hook_post")]]
+
+
+def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = (),
+                 moe: torch.nn.Module | None = None) -> list[str]:
     """The points of one block (under blocks.{l}.) in forward order (`inputs`: the per-head attention inputs,
-    poslens.engine.tl_inputs)."""
+    poslens.engine.tl_inputs; `moe`: the layer's mixture-of-experts block, whose points replace a dense MLP's)."""
+    dense = ["mlp.hook_pre", *(["mlp.hook_pre_linear"] if family.gated_mlp else []), "mlp.hook_post"]
     sandwich, post = family.layout == "sandwich", family.layout == "post-norm"
     mid = [] if family.layout == "parallel" else ["hook_resid_mid"]  # TransformerLens's parallel_attn_mlp: none
     return ["hook_resid_pre", *inputs, *([] if post else norm_points("ln1")),
@@ -183,7 +204,7 @@ def block_points(family: Family, qk_norm: bool, inputs: list[str] | tuple = ()) 
             "attn.hook_result", "attn.hook_out",
             *(norm_points("ln1_post") if sandwich else norm_points("ln1") if post else []), "hook_attn_out",
             *mid, "hook_mlp_in", *([] if post else norm_points("ln2")),
-            "mlp.hook_pre", *(["mlp.hook_pre_linear"] if family.gated_mlp else []), "mlp.hook_post", "mlp.hook_out",
+            *(dense if moe is None else moe_points(moe)), "mlp.hook_out",
             *(norm_points("ln2_post") if sandwich else norm_points("ln2") if post else []), "hook_mlp_out",
             "hook_resid_post"]
 
@@ -370,12 +391,13 @@ class HookedModel(TransformerLensSurface, TLWeights):
         self._heads = (cfg.num_attention_heads, kv_heads(cfg))
         self._inputs = self.family.per_head_inputs  # TransformerLens's per-head attention inputs exist here
         q_norm, k_norm = self.family.qk_norm_attrs
-        names = block_points(self.family, qk_norm=hasattr(self.attns[0], q_norm),
-                             inputs=input_points(*self._heads) if self._inputs else ())
+        inputs = input_points(*self._heads) if self._inputs else ()
+        names = [block_points(self.family, qk_norm=hasattr(self.attns[0], q_norm), inputs=inputs,
+                              moe=sparse_mlp(self.family, layer)) for layer in self.layers]
         embeds = ["hook_embed", *(["hook_pos_embed"] if self.family.pos_embed_attr else [])]
         if self.family.embed_norm_attr:  # BLOOM: TransformerLens's embed.ln, then hook_embed (its output)
             embeds = norm_points("embed.ln")[:2] + embeds
-        self.points = embeds + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names] + \
+        self.points = embeds + [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in names[l]] + \
             norm_points("ln_final") + ["unembed.hook_in", "unembed.hook_out"]
         self._use = {flag: False for flag in OPTIONAL.values()}
         self._set_tl_points()
@@ -725,15 +747,18 @@ class HookedModel(TransformerLensSurface, TLWeights):
         points."""
         attn, mlp, cfg = self.attns[l], mlp_module(self.family, self.layers[l]), self.model.config
         d, heads, kv = attn.head_dim, cfg.num_attention_heads, kv_heads(cfg)
+        sparse = sparse_mlp(self.family, self.layers[l]) is not None  # its MLP's points fire in `_moe`
         qkv = [("attn.hook_q", heads * d, d), ("attn.hook_k", kv * d, d), ("attn.hook_v", kv * d, d)]
         if hasattr(attn, "c_attn"):
             o_proj, down = attn.c_proj, mlp.c_proj
         elif self.family.mlp_seq:  # OPT: out_proj, the layer's fc1, fc2; BLOOM: dense, dense_h_to_4h, dense_4h_to_h
             o_proj, down = getattr(attn, "out_proj", None) or attn.dense, getattr(mlp, self.family.mlp_seq[2])
+        elif sparse:
+            o_proj, down = attn.o_proj, None
         else:  # (Starcoder2's MLP: c_fc, c_proj)
             o_proj, down = attn.o_proj, getattr(mlp, "down_proj", None) or mlp.c_proj
-        width = down.weight.shape[0] if type(down).__name__ == "Conv1D" else down.in_features  # GPT-2's: [in, out]
-        gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]
+        width = 0 if sparse else down.weight.shape[0] if type(down).__name__ == "Conv1D" else down.in_features
+        gate_up = [("mlp.hook_pre", width, 0), ("mlp.hook_pre_linear", width, 0)]  # (GPT-2's Conv1D: [in, out])
         # the q/k/v projections and the parts of their outputs: GPT-2's one Conv1D c_attn, GPT-BigCode's one Linear
         # c_attn [q heads | k | v] (multi-query), Phi-3's qkv_proj and MPT's Wqkv [q | k | v]; a projection with each
         # head's [q | k | v] (BLOOM, multi-head GPT-BigCode) is `_per_head_qkv_hooks`'s
@@ -744,7 +769,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
             attn_sites = [(fused, qkv)] if fused is not None else [
                 (attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
         sites = [] if self.family.own_attention else list(attn_sites)  # MPT: q, k and v fire in `_mpt_attention`
-        if hasattr(mlp, "c_fc"):  # GPT-2, GPT-BigCode: the MLP's one up projection
+        if sparse:
+            pass
+        elif hasattr(mlp, "c_fc"):  # GPT-2, GPT-BigCode: the MLP's one up projection
             sites.append((mlp.c_fc, gate_up[:1]))
         elif self.family.mlp_seq:  # OPT, BLOOM: one up projection
             sites.append((getattr(mlp, self.family.mlp_seq[0]), gate_up[:1]))
@@ -1077,7 +1104,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
         x = fire("hook_resid_mid", x + (drop_attn(a) if drop_attn is not None else a))  # [B, T, d]
         # TransformerLens's hook_mlp_in: a copy of the stream that only the MLP reads (a write leaves the residual)
         mlp_in = _copy_point(fire, "hook_mlp_in", x) if "hook_mlp_in" in self._run.per_layer.get(l, {}) else x
-        m = fire("mlp.hook_out", mlp_block(fam, layer_mod)(mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))
+        m = fire("mlp.hook_out", self._mlp(layer_mod, l, mlp_in if post else getattr(layer_mod, fam.ln2)(mlp_in)))
         if fam.layout == "sandwich":
             m = getattr(layer_mod, fam.ln2_post)(m)  # ln2_post.*
         elif post:
@@ -1085,6 +1112,80 @@ class HookedModel(TransformerLensSurface, TLWeights):
         m = fire("hook_mlp_out", m)  # [B, T, d] what is added
         drop_mlp = getattr(layer_mod, "resid_mlp_dropout", None)
         return fire("hook_resid_post", x + (drop_mlp(m) if drop_mlp is not None else m))  # [B, T, d]
+
+    def _mlp(self, layer_mod, l: int, x: torch.Tensor) -> torch.Tensor:
+        """The MLP sublayer of layer l on x [B, T, d]: the model's module, or on a mixture-of-experts layer whose
+        router, expert or shared-expert points are hooked, `_moe`."""
+        block = sparse_mlp(self.family, layer_mod)
+        pts = self._run.per_layer.get(l, {})
+        if block is not None and any(p.startswith("mlp.") and p != "mlp.hook_out" for p in pts):
+            return self._moe(l, block, x)
+        return mlp_block(self.family, layer_mod)(x)
+
+    def _moe(self, l: int, block, x: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts MLP with its points, the model's operations in the model's order (transformers 5's
+        router, its eager loop over the experts, Qwen2-MoE's shared expert through its sigmoid gate). N = B * T tokens,
+        E experts, k chosen per token, n_e the tokens routed to expert e (in the model's order: by choice slot, then
+        token), as TransformerLens's MoE:
+
+            mlp.hook_expert_weights      [N, E] float32  softmax of the router's logits over all experts, before the
+                                                         top k (a write: the top k of the written weights are chosen)
+            mlp.hook_expert_indices      [N, k]          the experts chosen (a write reroutes, same weights)
+            mlp.experts.{e}.hook_gate    [n_e, M]        expert e's gate projection of its tokens, before act
+            mlp.experts.{e}.hook_pre     [n_e, M]        its up projection
+            mlp.experts.{e}.hook_post    [n_e, M]        act(gate) * pre: its down projection's input
+            mlp.shared_expert.hook_*     [B, T, M]       Qwen2-MoE's shared expert, as a dense MLP's points
+
+        An expert no token chose fires on [0, M] (as TransformerLens's). Where no expert point is hooked the model's
+        own experts module runs (the implementation it was loaded with)."""
+        pts = self._run.per_layer.get(l, {})
+        B, T, d = x.shape
+        h = x.view(-1, d)  # [N, d]
+        shared = getattr(block, "shared_expert", None)
+        if shared is not None:  # Qwen2-MoE: computed first, as the model does
+            s = self._shared_expert(l, shared, x).view(-1, d)
+        logits, weights, chosen = block.gate(h)  # [N, E], [N, k] (Mixtral: float32), [N, k]
+        if "mlp.hook_expert_weights" in pts:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the router's softmax
+            seen = _seen(probs)
+            new = self._fire_at(l, "mlp.hook_expert_weights", probs)
+            if not _unchanged(new, probs, seen):  # written: route by the written weights, as the router would
+                top, chosen = torch.topk(new, block.gate.top_k, dim=-1)
+                if getattr(block.gate, "norm_topk_prob", True):  # Mixtral's router always renormalises
+                    top = top / top.sum(dim=-1, keepdim=True)
+                weights = top.to(weights.dtype)
+        chosen = self._fire_at(l, "mlp.hook_expert_indices", chosen)
+        if any(p.startswith("mlp.experts.") for p in pts):
+            out = self._experts(l, block.experts, h, chosen, weights)
+        else:
+            out = block.experts(h, chosen, weights)
+        if shared is not None:
+            out = out + torch.sigmoid(block.shared_expert_gate(h)) * s
+        return out.reshape(B, T, d)
+
+    def _experts(self, l: int, experts, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The experts' sum over the tokens routed to each, with their points (`_moe`): transformers' eager loop."""
+        out = torch.zeros_like(h)
+        routed = torch.nn.functional.one_hot(chosen, num_classes=experts.num_experts).permute(2, 1, 0)  # [E, k, N]
+        for e in range(experts.num_experts):
+            slot, token = torch.where(routed[e])
+            fused = torch.nn.functional.linear(h[token], experts.gate_up_proj[e])  # [n_e, 2M]: [gate | up]
+            views = _side_by_side(fused, [fused.shape[-1] // 2] * 2)  # [n_e, M] each (the model's chunk)
+            gate, up = (self._fire_at(l, f"mlp.experts.{e}.{p}", v) for p, v in zip(("hook_gate", "hook_pre"), views))
+            if gate is not views[0] or up is not views[1]:  # replaced: side by side again, so that the activation
+                fused = torch.cat([gate, up], -1)  # reads the layout it reads unhooked (its kernel's rounding
+                gate, up = _side_by_side(fused, [gate.shape[-1]] * 2)  # depends on it)
+            post = self._fire_at(l, f"mlp.experts.{e}.hook_post", experts.act_fn(gate) * up)
+            if token.numel():
+                y = torch.nn.functional.linear(post, experts.down_proj[e]) * weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def _shared_expert(self, l: int, mlp, x: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's shared expert on x [B, T, d], down(act(gate(x)) * up(x)), with its points."""
+        gate = self._fire_at(l, "mlp.shared_expert.hook_pre", mlp.gate_proj(x))  # [B, T, M]
+        up = self._fire_at(l, "mlp.shared_expert.hook_pre_linear", mlp.up_proj(x))
+        return mlp.down_proj(self._fire_at(l, "mlp.shared_expert.hook_post", mlp.act_fn(gate) * up))
 
     def _parallel_block(self, layer_mod, l: int, hidden_states: torch.Tensor, attn_kwargs: dict) -> torch.Tensor:
         """GPT-NeoX, GPT-J, Phi: x + attn(ln1(x)) + mlp(ln2(x)), summed as the models sum, (attn + mlp) + x (Cohere:

@@ -4,6 +4,8 @@
     hm.blocks[3].attn._W_V           # [n_key_value_heads, d_model, d_head]: not repeated (a view of the parameter)
     hm.blocks[3].attn.OV[1]          # head 1's OV circuit, a FactoredMatrix (W_V @ W_O)
     hm.blocks[3].mlp.W_out, hm.blocks[3].ln1.w
+    hm.blocks[3].mlp.experts[5].W_in.weight          # a mixture of experts (Mixtral, OLMoE, ...): TransformerLens's
+    hm.blocks[3].mlp.W_gate.weight                   # nn.Linear layouts, [d_mlp, d_model] and the router's [E, d_model]
     hm.blocks[3].attn.hook_pattern.add_hook(fn)      # = hm.add_hook("blocks.3.attn.hook_pattern", fn)
 
 The weights are the model's own parameters seen in TransformerLens's layouts (views: editing one in place edits the
@@ -21,7 +23,7 @@ import torch
 
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.factored import FactoredMatrix
-from poslens.engine.families import norm_affine
+from poslens.engine.families import norm_affine, sparse_mlp
 from poslens.engine.tl_weights import (
     _bias,
     _down,
@@ -206,6 +208,72 @@ class MLP(_Component):
         return _bias(_down(self._module))
 
 
+class _Linear:
+    """One of TransformerLens's nn.Linear of a mixture of experts (the router's W_gate, an expert's W_gate, W_in and
+    W_out): `weight` [out, in], a view of the model's fused weights, and its product x @ weight.T."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __repr__(self) -> str:
+        return f"Linear(in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias=False)"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class Expert(_Component):
+    """One expert of a mixture of experts, as TransformerLens's MoEGatedMLP: W_gate, W_in [d_mlp, d_model] and W_out
+    [d_model, d_mlp] (views of the rows of the model's gate_up_proj and down_proj), hook_gate, hook_pre, hook_post;
+    called on x [n, d_model]: W_out(act(W_gate(x)) * W_in(x))."""
+
+    _kind = "expert"
+
+    def __init__(self, owner, layer: int, expert: int) -> None:
+        super().__init__(owner, layer, f"blocks.{layer}.mlp.experts.{expert}.")
+        self._e = expert
+
+    @property
+    def _module(self):
+        return sparse_mlp(self._owner.family, self._owner.layers[self._layer]).experts
+
+    @property
+    def W_gate(self) -> _Linear:
+        fused = self._module.gate_up_proj[self._e]  # [2 d_mlp, d_model]: rows [gate | up]
+        return _Linear(fused[: fused.shape[0] // 2])
+
+    @property
+    def W_in(self) -> _Linear:
+        fused = self._module.gate_up_proj[self._e]
+        return _Linear(fused[fused.shape[0] // 2:])
+
+    @property
+    def W_out(self) -> _Linear:
+        return _Linear(self._module.down_proj[self._e])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.W_out(self._module.act_fn(self.W_gate(x)) * self.W_in(x))
+
+
+class MoE(_Component):
+    """A mixture-of-experts MLP, as TransformerLens's MoE: W_gate (the router, [n_experts, d_model]), experts[e],
+    hook_expert_weights and hook_expert_indices; called, the model's own block."""
+
+    _kind = "MoE"
+
+    @property
+    def _module(self):
+        return sparse_mlp(self._owner.family, self._owner.layers[self._layer])
+
+    @property
+    def W_gate(self) -> _Linear:
+        return _Linear(self._module.gate.weight)
+
+    @property
+    def experts(self) -> list[Expert]:
+        return [Expert(self._owner, self._layer, e) for e in range(self._module.experts.num_experts)]
+
+
 class Block(_Component):
     """TransformerLens's `model.blocks[l]`: attn, mlp, its norms (ln1, ln2; Gemma's ln1_post, ln2_post) and its
     residual-stream hook points."""
@@ -228,8 +296,9 @@ class Block(_Component):
         return Attention(self._owner, self._layer, f"{self._prefix}attn.")
 
     @property
-    def mlp(self) -> MLP:
-        return MLP(self._owner, self._layer, f"{self._prefix}mlp.")
+    def mlp(self) -> MLP | MoE:
+        sparse = sparse_mlp(self._owner.family, self._owner.layers[self._layer]) is not None
+        return (MoE if sparse else MLP)(self._owner, self._layer, f"{self._prefix}mlp.")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("ln") and not name.startswith("_"):

@@ -63,6 +63,9 @@ class TLConfig:
     rotary_dim: int | None
     rotary_base: float | None
     gated_mlp: bool
+    num_experts: int | None  # a mixture of experts: the experts per layer (d_mlp is each expert's width), else None
+    experts_per_token: int | None  # the experts chosen per token
+    norm_topk_prob: bool  # the chosen experts' weights renormalised to sum to 1 (Mixtral's always)
     parallel_attn_mlp: bool  # attention and MLP both read the stream entering the block (GPT-NeoX, GPT-J, Phi)
     rotary_adjacent_pairs: bool  # RoPE turns adjacent dimension pairs (GPT-J), not the two halves
     final_rms: bool
@@ -97,7 +100,8 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         original_architecture=type(model).__name__,
         n_layers=int(cfg.num_hidden_layers), d_model=int(cfg.hidden_size), n_heads=heads,
         n_key_value_heads=kv_heads(cfg), d_head=head_dim(attn),
-        d_mlp=int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+        d_mlp=int(getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None)
+                  or getattr(cfg, "n_inner", None)
                   or getattr(cfg, "ffn_dim", None) or getattr(cfg, "ffn_hidden_size", None)
                   or 4 * cfg.hidden_size),  # GPT-2: n_inner; OPT: ffn_dim; Falcon: ffn_hidden_size; MPT: 4 d
         d_vocab=int(cfg.vocab_size),
@@ -115,6 +119,9 @@ def tl_config(model, tokenizer=None) -> TLConfig:
         rotary_dim=round(head_dim(attn) * factor) if rotates else None,
         rotary_base=pe.rope_theta if rotates else None,
         gated_mlp=family.gated_mlp, parallel_attn_mlp=family.layout == "parallel",
+        num_experts=int(getattr(cfg, "num_local_experts", None) or cfg.num_experts) if family.moe else None,
+        experts_per_token=int(cfg.num_experts_per_tok) if family.moe else None,
+        norm_topk_prob=family.moe and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's config has none)
         rotary_adjacent_pairs=family.rotary_adjacent_pairs, final_rms=family.norm_kind == "rms",
         window_size=windows[0] if windows else None, use_local_attn=bool(windows),
         attn_types=["local" if w else "global" for w in pe.windows] if windows else None,
@@ -257,6 +264,14 @@ class TLWeights:
     def _mlp_of(self, layer):
         return mlp_module(self.family, layer)
 
+    def _dense_mlps(self, name: str) -> list:
+        """Every layer's MLP module, or a one-line NoEquivalent for a mixture of experts (no one matrix per layer)."""
+        if self.family.moe:
+            raise NoEquivalent(f"{name}: a {self.family.name} layer has one {name} per expert, as in "
+                               f"TransformerLens: hm.blocks[l].mlp.experts[e].{name}.weight (the router: "
+                               "hm.blocks[l].mlp.W_gate.weight)")
+        return [self._mlp_of(layer) for layer in decoder_layers(self.model)]
+
     @property
     def W_Q(self) -> torch.Tensor:
         """[n_layers, n_heads, d_model, d_head]"""
@@ -301,27 +316,27 @@ class TLWeights:
         """[n_layers, d_model, d_mlp]: the gate projection (hook_pre = x @ W_gate)"""
         if not self.family.gated_mlp:
             raise NoEquivalent(f"W_gate: the {self.family.name} MLP has no gate (one up projection: W_in)")
-        return torch.stack([_gate_up(self._mlp_of(layer))[0].T for layer in decoder_layers(self.model)])
+        return torch.stack([_gate_up(mlp)[0].T for mlp in self._dense_mlps("W_gate")])
 
     @property
     def W_in(self) -> torch.Tensor:
         """[n_layers, d_model, d_mlp]: the up projection (hook_pre_linear = x @ W_in), as TransformerLens's gated MLP"""
-        return torch.stack([_gate_up(self._mlp_of(layer))[1].T for layer in decoder_layers(self.model)])
+        return torch.stack([_gate_up(mlp)[1].T for mlp in self._dense_mlps("W_in")])
 
     @property
     def b_in(self) -> torch.Tensor:
         """[n_layers, d_mlp] (zeros where the MLP has no bias)"""
-        return torch.stack([_up_bias(self._mlp_of(layer)) for layer in decoder_layers(self.model)])
+        return torch.stack([_up_bias(mlp) for mlp in self._dense_mlps("b_in")])
 
     @property
     def W_out(self) -> torch.Tensor:
         """[n_layers, d_mlp, d_model]"""
-        return torch.stack([_linear_weight(_down(self._mlp_of(layer))).T for layer in decoder_layers(self.model)])
+        return torch.stack([_linear_weight(_down(mlp)).T for mlp in self._dense_mlps("W_out")])
 
     @property
     def b_out(self) -> torch.Tensor:
         """[n_layers, d_model]"""
-        return torch.stack([_bias(_down(self._mlp_of(layer))) for layer in decoder_layers(self.model)])
+        return torch.stack([_bias(_down(mlp)) for mlp in self._dense_mlps("b_out")])
 
     @property
     def W_E(self) -> torch.Tensor:
