@@ -50,13 +50,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_models import build, heads_summed_twin, token_batch  # noqa: E402
+from tiny_models import MOE, build, heads_summed_twin, token_batch  # noqa: E402
 from train import ratio_interval  # noqa: E402 (benchmarks/train.py)
 
 from poslens.engine.hooks import OPTIONAL, HookedModel  # noqa: E402
 
 FAMILIES = ("llama", "olmo2", "gpt2", "opt", "bloom", "gpt_neox", "gptj", "phi", "falcon", "falcon_rw", "gpt_neo",
-            "olmo", "stablelm", "mpt", "gpt_bigcode", "starcoder2", "cohere2", "falcon_new")
+            "olmo", "stablelm", "mpt", "gpt_bigcode", "starcoder2", "cohere2", "falcon_new", "mixtral", "olmoe")
 
 
 def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
@@ -89,14 +89,23 @@ def model_of(family: str, hidden: int, layers: int, vocab: int | None = None):
     if family in ("starcoder2", "cohere2"):  # the released models' window of 4096 (wider than the tokens: no keys
         # hidden); Command-R7B's 3 sliding layers of every 4
         extra["sliding_window"] = 4096
+    if family == "mixtral":  # Mixtral-8x7B's 8 experts, 2 chosen per token, each 4 x hidden wide here
+        extra.update(num_local_experts=8, num_experts_per_tok=2)
+    if family == "olmoe":  # OLMoE-1B-7B's 64 experts, 8 chosen per token, each half as wide as the model (1024 of
+        # 2048), full multi-head attention
+        extra.update(num_experts=64, num_experts_per_tok=8)
+        return build(family, **size, intermediate_size=hidden // 2, num_key_value_heads=heads, head_dim=64, **extra)
     if family == "cohere2":
         extra["layer_types"] = ["full_attention" if (l + 1) % 4 == 0 else "sliding_attention" for l in range(layers)]
     return build(family, **size, intermediate_size=4 * hidden, num_key_value_heads=kv, head_dim=64, **extra)
 
 
 def setup(family: str, args):
-    """(model, its HookedModel, the token ids) of one family at the arguments' shape."""
+    """(model, its HookedModel, the token ids) of one family at the arguments' shape (a mixture of experts with
+    transformers' default experts kernel, grouped_mm, as a user's model loads; the tiny test models run eager)."""
     model = model_of(family, args.hidden, args.layers, args.vocab)
+    if family in MOE:
+        model.set_experts_implementation("grouped_mm")
     return model, HookedModel(model), token_batch(args.batch, args.seq_len, seed=0)
 
 

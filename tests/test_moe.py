@@ -23,6 +23,7 @@ from tiny_models import MOE, build, randomize_norm_gains, token_batch
 from poslens.engine.activation_cache import NoEquivalent
 from poslens.engine.families import sparse_mlp
 from poslens.engine.hooks import HookedModel
+from poslens.errors import UsageError
 
 TOL = 1e-5
 
@@ -107,8 +108,8 @@ def test_router_and_expert_points_equal_a_float64_recomputation(family):
 def test_reading_every_router_and_expert_point_keeps_the_logits(family, kernel):
     """Read at every router, expert and shared-expert point, poslens's loop over the experts runs (transformers' eager
     loop, op for op): the logits are the model's bit for bit under its eager kernel, and within float32 rounding of
-    transformers' default grouped_mm (bit for bit on this CPU); read only at the router, the model's own experts
-    module runs whichever kernel it has: bit for bit."""
+    transformers' default grouped_mm (1e-6 of the largest logit: the two kernels' own difference, 4.3e-7 on a 64-expert
+    OLMoE); read only at the router, the model's own experts module runs whichever kernel it has: bit for bit."""
     model = _model(family)
     model.set_experts_implementation(kernel)
     hm = HookedModel(model)
@@ -229,3 +230,13 @@ def test_weights_read_in_transformer_lens_layouts_as_views(family):
 def test_olmoe_clip_qkv_is_refused_in_one_line(tmp_path, capsys):
     """OLMoE clamps q and k after their norms (OLMo's clamp comes before any); no released OLMoE sets clip_qkv."""
     assert_config_refused("olmoe", {"clip_qkv": 8.0}, "OLMoE with clip_qkv is not supported", tmp_path, capsys)
+
+
+@torch.no_grad()
+def test_a_dense_mlp_point_on_a_sparse_layer_is_refused_with_the_points_it_has():
+    hm = HookedModel(build("mixtral"))
+    with pytest.raises(UsageError, match=r"no hook point 'blocks.1.mlp.hook_pre' .*layer 1's MLP is a mixture of 4 "
+                                         r"experts: .*blocks.1.mlp.experts.\{0-3\}.hook_gate"):
+        hm.run(token_batch(1, 4), hooks={"blocks.1.mlp.hook_pre": lambda x, ctx: None})
+    with pytest.raises(UsageError, match=r"no hook point 'blocks.1.mlp.experts.4.hook_pre'"):
+        hm.run(token_batch(1, 4), hooks={"blocks.1.mlp.experts.4.hook_pre": lambda x, ctx: None})

@@ -650,6 +650,12 @@ class HookedModel(TransformerLensSurface, TLWeights):
                         "as in TransformerLens: read hook_resid_pre and hook_attn_out")
             elif ".".join(parts[2:]) in TL_ONLY:
                 hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
+            elif parts[2] == "mlp" and sparse_mlp(self.family, self.layers[int(parts[1])]) is not None:
+                n = sparse_mlp(self.family, self.layers[int(parts[1])]).experts.num_experts
+                hint = (f"layer {parts[1]}'s MLP is a mixture of {n} experts: its points are the router's "
+                        f"(blocks.{parts[1]}.mlp.hook_expert_weights, hook_expert_indices) and each expert's "
+                        f"(blocks.{parts[1]}.mlp.experts.{{0-{n - 1}}}.hook_gate, hook_pre, hook_post), as "
+                        "TransformerLens's MoE")
         elif name in TL_ONLY:
             hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY[name]}"
         elif name == "hook_pos_embed":
