@@ -35,8 +35,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         assert float((got.double() - want).abs().max()) <= TOL * max(scale, 1e-12), what
 
 
-def _model(family: str):
-    return randomize_norm_gains(build(family))
+KERNELS = ("eager", "grouped_mm")  # transformers' experts kernels poslens copies (grouped_mm: its default)
+
+
+def _model(family: str, kernel: str = "eager"):
+    model = randomize_norm_gains(build(family))
+    model.set_experts_implementation(kernel)
+    return model
 
 
 def _reference(block, x: torch.Tensor, chosen: torch.Tensor | None = None, probs: torch.Tensor | None = None):
@@ -71,9 +76,10 @@ def _reference(block, x: torch.Tensor, chosen: torch.Tensor | None = None, probs
 
 
 @pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
-def test_router_and_expert_points_equal_a_float64_recomputation(family):
-    model = _model(family)
+def test_router_and_expert_points_equal_a_float64_recomputation(family, kernel):
+    model = _model(family, kernel)
     hm = HookedModel(model)
     ids = token_batch(2, 12, seed=5)
     _, cache = hm.run_with_cache(ids, hm.points)
@@ -103,34 +109,48 @@ def test_router_and_expert_points_equal_a_float64_recomputation(family):
 
 
 @pytest.mark.parametrize("family", MOE)
-@pytest.mark.parametrize("kernel", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
 def test_reading_every_router_and_expert_point_keeps_the_logits(family, kernel):
-    """Read at every router, expert and shared-expert point, poslens's loop over the experts runs (transformers' eager
-    loop, op for op): the logits are the model's bit for bit under its eager kernel, and within float32 rounding of
-    transformers' default grouped_mm (1e-6 of the largest logit: the two kernels' own difference, 4.3e-7 on a 64-expert
-    OLMoE); read only at the router, the model's own experts module runs whichever kernel it has: bit for bit."""
-    model = _model(family)
-    model.set_experts_implementation(kernel)
+    """Read at every router, expert and shared-expert point, poslens's copy of the model's experts kernel runs
+    (transformers' eager loop, or its grouped_mm: the pairs sorted by expert, two grouped GEMMs): the logits are the
+    model's bit for bit; read only at the router, the model's own experts module runs: bit for bit. A 64-expert
+    OLMoE, whose two kernels differ by 4.3e-7 of the largest logit, tells the copies apart."""
+    model = _model(family, kernel)
     hm = HookedModel(model)
     ids = token_batch(2, 16, seed=3)
     plain = model(input_ids=ids, use_cache=False).logits
     routed = [p for p in hm.points if ".mlp.experts." in p or ".mlp.hook_expert_" in p or ".shared_expert." in p]
     logits = hm.run(ids, hooks=dict.fromkeys(routed, lambda x, ctx: None), logits=True).logits
-    if kernel == "eager":
-        assert torch.equal(logits, plain)
-    else:
-        assert (logits - plain).abs().max() <= 1e-6 * plain.abs().max()
+    assert torch.equal(logits, plain)
     router = [p for p in routed if ".mlp.hook_expert_" in p]
     assert torch.equal(hm.run(ids, hooks=dict.fromkeys(router, lambda x, ctx: None), logits=True).logits, plain)
 
 
-@pytest.mark.parametrize("family", MOE)
 @torch.no_grad()
-def test_a_zeroed_expert_equals_the_model_with_its_down_projection_zeroed(family):
+def test_each_kernel_is_copied_where_the_two_kernels_differ():
+    """An OLMoE of 16 experts, 4 per token, 32 wide, whose grouped_mm and eager forwards differ (by about 2e-7 of the
+    largest logit on this CPU): read at every expert point, each kernel's logits are its own bit for bit (the eager
+    loop under grouped_mm, or the grouped copy under eager, would give the other's)."""
+    model = randomize_norm_gains(build("olmoe", num_experts=16, num_experts_per_tok=4, intermediate_size=32))
+    hm = HookedModel(model)
+    ids = token_batch(2, 32, seed=4)
+    experts = dict.fromkeys([p for p in hm.points if ".mlp.experts." in p], lambda x, ctx: None)
+    plain = {}
+    for kernel in KERNELS:
+        model.set_experts_implementation(kernel)
+        plain[kernel] = model(input_ids=ids, use_cache=False).logits
+        assert torch.equal(hm.run(ids, hooks=experts, logits=True).logits, plain[kernel]), kernel
+    assert not torch.equal(plain["eager"], plain["grouped_mm"])
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("kernel", KERNELS)
+@torch.no_grad()
+def test_a_zeroed_expert_equals_the_model_with_its_down_projection_zeroed(family, kernel):
     """Zeros written at experts.1.hook_post of layer 2 give the logits of the same model with that expert's rows of
     down_proj zeroed by hand (bit for bit: the same operations on zeros)."""
-    model = _model(family)
+    model = _model(family, kernel)
     ids = token_batch(2, 12, seed=7)
     edited = copy.deepcopy(model)
     sparse_mlp(HookedModel(edited).family, HookedModel(edited).layers[2]).experts.down_proj[1].zero_()
@@ -142,13 +162,14 @@ def test_a_zeroed_expert_equals_the_model_with_its_down_projection_zeroed(family
 
 
 @pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
-def test_written_routing_is_what_the_experts_then_compute(family):
+def test_written_routing_is_what_the_experts_then_compute(family, kernel):
     """A write at hook_expert_indices (each token's two chosen experts swapped: the weights go to the other one), and
     at hook_expert_weights (every token's probability on expert 0: the top k are expert 0 with weight 1 and one with
     weight 0; the probabilities squared: the same experts with other weights, renormalised where the router
     renormalises) give the MLP output the float64 recomputation gives with that routing."""
-    model = _model(family)
+    model = _model(family, kernel)
     hm = HookedModel(model)
     ids = token_batch(2, 12, seed=9)
     d = model.config.hidden_size
@@ -240,3 +261,19 @@ def test_a_dense_mlp_point_on_a_sparse_layer_is_refused_with_the_points_it_has()
         hm.run(token_batch(1, 4), hooks={"blocks.1.mlp.hook_pre": lambda x, ctx: None})
     with pytest.raises(UsageError, match=r"no hook point 'blocks.1.mlp.experts.4.hook_pre'"):
         hm.run(token_batch(1, 4), hooks={"blocks.1.mlp.experts.4.hook_pre": lambda x, ctx: None})
+
+
+def test_grouped_kernel_points_take_in_place_edits_with_autograd_on():
+    """Under transformers' grouped_mm, an expert's points are its rows gathered from the grouped buffers: an edit in
+    place there acts as the same edit on a returned clone (bit for bit), with autograd on, and the backward pass runs
+    through the rows put back."""
+    model = _model("olmoe", "grouped_mm")
+    hm = HookedModel(model)
+    ids = token_batch(2, 9, seed=3)
+    for point in [p for p in hm.points if p.startswith("blocks.1.mlp.experts.2.")]:
+        runs = [hm.run_with_hooks(ids, fwd_hooks=[(point, fn)]).detach() for fn in (
+            lambda x, hook: x.clone().mul_(1.5), lambda x, hook: x.mul_(1.5))]
+        assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], model(input_ids=ids).logits.detach()), point
+    hm.run_with_hooks(ids, fwd_hooks=[("blocks.1.mlp.experts.2.hook_post", lambda x, hook: x.mul_(1.5))]).sum() \
+        .backward()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0

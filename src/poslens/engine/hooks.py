@@ -1143,7 +1143,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
             mlp.shared_expert.hook_*     [B, T, M]       Qwen2-MoE's shared expert, as a dense MLP's points
 
         An expert no token chose fires on [0, M] (as TransformerLens's). Where no expert point is hooked the model's
-        own experts module runs (the implementation it was loaded with)."""
+        own experts module runs (the implementation it was loaded with); where one is, a copy of the model's kernel:
+        transformers' grouped_mm (`_grouped_experts`) or its eager loop (`_experts`; any other kernel too, within
+        rounding)."""
         pts = self._run.per_layer.get(l, {})
         B, T, d = x.shape
         h = x.view(-1, d)  # [N, d]
@@ -1161,8 +1163,9 @@ class HookedModel(TransformerLensSurface, TLWeights):
                     top = top / top.sum(dim=-1, keepdim=True)
                 weights = top.to(weights.dtype)
         chosen = self._fire_at(l, "mlp.hook_expert_indices", chosen)
-        if any(p.startswith("mlp.experts.") for p in pts):
-            out = self._experts(l, block.experts, h, chosen, weights)
+        if any(p.startswith("mlp.experts.") for p in pts):  # the model's kernel, copied with the points
+            grouped = getattr(self.model.config, "_experts_implementation", None) == "grouped_mm"
+            out = (self._grouped_experts if grouped else self._experts)(l, block.experts, h, chosen, weights)
         else:
             out = block.experts(h, chosen, weights)
         if shared is not None:
@@ -1186,6 +1189,48 @@ class HookedModel(TransformerLensSurface, TLWeights):
                 y = torch.nn.functional.linear(post, experts.down_proj[e]) * weights[token, slot, None]
                 out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def _grouped_experts(self, l: int, experts, h: torch.Tensor, chosen: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+        """The experts' sum with their points (`_moe`), as transformers' grouped_mm kernel computes it (its default):
+        the N*k (token, choice) pairs sorted by expert, one grouped GEMM for every expert's gate and up projections and
+        one for the down projections, the weighted rows put back in order and summed per token. An expert's points fire
+        on its rows gathered in TransformerLens's order (by slot, then token; a copy, so only where hooked) and a
+        written value is put back in those rows."""
+        from transformers.integrations.moe import _grouped_linear
+
+        k, n, count = chosen.shape[-1], h.shape[0], experts.num_experts
+        ids, perm = torch.sort(chosen.reshape(-1))  # [S = N*k]: the pairs by expert (the model's sort)
+        rows = h[perm // k]  # [S, d]
+        scale = weights.reshape(-1)[perm]
+        per_expert = torch.histc(ids.float() if h.device.type in ("cpu", "mps") else ids.int(), bins=count, min=0,
+                                 max=count - 1)
+        offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+        fused = _grouped_linear(rows, experts.gate_up_proj, offsets, is_transposed=experts.is_transposed)  # [S, 2M]
+        gate, up = _side_by_side(fused, [fused.shape[-1] // 2] * 2)  # the model's chunk: [S, M] each
+        # each expert's rows in TransformerLens's order: by expert (sorted already), then slot, then token
+        order = torch.argsort(ids * (k * n) + (perm % k) * n + perm // k)
+        ends = offsets.tolist()
+        spans = [order[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+        def fire(point: str, values: torch.Tensor) -> None:
+            for e, at in enumerate(spans):  # gathered, fired, put back where written
+                name = f"mlp.experts.{e}.{point}"
+                if name in self._run.per_layer.get(l, {}):
+                    x = values[at]
+                    seen = _seen(x)
+                    new = self._fire_at(l, name, x)
+                    if not _unchanged(new, x, seen):
+                        values[at] = new
+
+        fire("hook_gate", gate)
+        fire("hook_pre", up)
+        post = experts.act_fn(gate) * up  # [S, M]
+        fire("hook_post", post)
+        out = _grouped_linear(post, experts.down_proj, offsets, is_transposed=experts.is_transposed) * scale[:, None]
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.shape[0], device=perm.device)
+        return out[back].view(n, k, -1).sum(dim=1).to(h.dtype)
 
     def _shared_expert(self, l: int, mlp, x: torch.Tensor) -> torch.Tensor:
         """Qwen2-MoE's shared expert on x [B, T, d], down(act(gate(x)) * up(x)), with its points."""
