@@ -1193,43 +1193,40 @@ class HookedModel(TransformerLensSurface, TLWeights):
     def _grouped_experts(self, l: int, experts, h: torch.Tensor, chosen: torch.Tensor,
                          weights: torch.Tensor) -> torch.Tensor:
         """The experts' sum with their points (`_moe`), as transformers' grouped_mm kernel computes it (its default):
-        the N*k (token, choice) pairs sorted by expert, one grouped GEMM for every expert's gate and up projections and
-        one for the down projections, the weighted rows put back in order and summed per token. An expert's points fire
-        on its rows gathered in TransformerLens's order (by slot, then token; a copy, so only where hooked) and a
-        written value is put back in those rows."""
+        the N*k (token, choice) pairs grouped by expert, one grouped GEMM for every expert's gate and up projections and
+        one for the down projections, the weighted rows put back in order and summed per token. Within each expert the
+        rows are in TransformerLens's order (by slot, then token: a stable sort of the pairs taken slot by slot), so an
+        expert's points are views of its rows; every row is the product the model's kernel forms for that pair (a
+        GEMM's row does not depend on the rows beside it; the tests compare the logits bit for bit)."""
         from transformers.integrations.moe import _grouped_linear
 
         k, n, count = chosen.shape[-1], h.shape[0], experts.num_experts
-        ids, perm = torch.sort(chosen.reshape(-1))  # [S = N*k]: the pairs by expert (the model's sort)
-        rows = h[perm // k]  # [S, d]
-        scale = weights.reshape(-1)[perm]
+        ids, pair = torch.sort(chosen.T.reshape(-1), stable=True)  # [S = N*k]: pair = slot * N + token, by expert
+        token, slot = pair % n, pair // n
+        rows = h[token]  # [S, d]
         per_expert = torch.histc(ids.float() if h.device.type in ("cpu", "mps") else ids.int(), bins=count, min=0,
                                  max=count - 1)
         offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
         fused = _grouped_linear(rows, experts.gate_up_proj, offsets, is_transposed=experts.is_transposed)  # [S, 2M]
         gate, up = _side_by_side(fused, [fused.shape[-1] // 2] * 2)  # the model's chunk: [S, M] each
-        # each expert's rows in TransformerLens's order: by expert (sorted already), then slot, then token
-        order = torch.argsort(ids * (k * n) + (perm % k) * n + perm // k)
         ends = offsets.tolist()
-        spans = [order[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        spans = list(zip([0, *ends[:-1]], ends))
 
-        def fire(point: str, values: torch.Tensor) -> None:
-            for e, at in enumerate(spans):  # gathered, fired, put back where written
-                name = f"mlp.experts.{e}.{point}"
-                if name in self._run.per_layer.get(l, {}):
-                    x = values[at]
-                    seen = _seen(x)
-                    new = self._fire_at(l, name, x)
-                    if not _unchanged(new, x, seen):
-                        values[at] = new
+        def fire(point: str, values: torch.Tensor) -> torch.Tensor:
+            """Each expert's rows of `values` fired as a view; a replacement written into them."""
+            for e, (a, b) in enumerate(spans):
+                x = values[a:b]
+                new = self._fire_at(l, f"mlp.experts.{e}.{point}", x)
+                if new is not x:
+                    x.copy_(new)
+            return values
 
-        fire("hook_gate", gate)
-        fire("hook_pre", up)
-        post = experts.act_fn(gate) * up  # [S, M]
-        fire("hook_post", post)
-        out = _grouped_linear(post, experts.down_proj, offsets, is_transposed=experts.is_transposed) * scale[:, None]
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.shape[0], device=perm.device)
+        gate, up = fire("hook_gate", gate), fire("hook_pre", up)
+        post = fire("hook_post", experts.act_fn(gate) * up)  # [S, M]
+        out = _grouped_linear(post, experts.down_proj, offsets, is_transposed=experts.is_transposed)  # [S, d]
+        out = out * weights[token, slot][:, None]
+        back = torch.empty_like(pair)
+        back[token * k + slot] = torch.arange(pair.shape[0], device=pair.device)  # each (token, slot)'s row
         return out[back].view(n, k, -1).sum(dim=1).to(h.dtype)
 
     def _shared_expert(self, l: int, mlp, x: torch.Tensor) -> torch.Tensor:
