@@ -86,7 +86,8 @@ width, M MLP width; TL = TransformerLens 3.9's HookedTransformer has this name w
     blocks.{l}.mlp.hook_expert_indices  [B*T, k]      TL  the k experts each token is sent to
     blocks.{l}.mlp.experts.{e}.hook_gate, hook_pre, hook_post
                                         [n_e, M]      TL  expert e's gate and up projections and act(gate) * up, on
-                                                          the n_e tokens routed to it (`HookedModel._moe`)
+                                                          the n_e tokens routed to it (by choice slot, then
+                                                          token; `HookedModel._moe`)
     blocks.{l}.mlp.shared_expert.hook_* [B, T, M]         Qwen2-MoE's shared expert, as a dense MLP's three points
     blocks.{l}.mlp.hook_out             [B, T, d]         the MLP's output (Gemma: before its post-MLP norm)
     blocks.{l}.ln2_post.hook_*          as ln1        TL  Gemma: the norm after the MLP (post_feedforward_layernorm)
@@ -1130,7 +1131,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
     def _moe(self, l: int, block, x: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts MLP with its points, the model's operations in the model's order (transformers 5's
-        router, its eager loop over the experts, Qwen2-MoE's shared expert through its sigmoid gate). N = B * T tokens,
+        router, its experts kernel, Qwen2-MoE's shared expert through its sigmoid gate). N = B * T tokens,
         E experts, k chosen per token, n_e the tokens routed to expert e (in the model's order: by choice slot, then
         token), as TransformerLens's MoE:
 
