@@ -443,14 +443,15 @@ def test_activation_norm_reads_per_head_points_and_refuses_maps():
         ActivationNorm("blocks.{l}.attn.hook_pattern")
 
 
-@pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 37), (4, 4, 37), (8, 1, 37), (4, 2, 9)])
+@pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 37), (4, 4, 37), (8, 1, 37), (4, 2, 9), (4, 4, 9)])
 def test_grouped_scores_equal_repeated_keys_bit_for_bit(heads, kv_heads, t):
     """The dense scores and the pattern-times-values of a grouped-query model are transformers' eager operations
     (repeat_kv, then matmul), so the result is bit-identical, not only close, on any CPU (4 query heads on 2 key heads
-    at 9 tokens: where stacking a key head's query heads into one GEMM rounded differently on an AVX2 CPU)."""
+    at 9 tokens: where stacking a key head's query heads into one GEMM rounded differently on an AVX2 CPU; 4 heads at 9
+    tokens laid out as the models hand them over: where one bmm per sequence rounded differently on an AVX-512 CPU)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    from poslens.engine.hooks import _kv_matmul
+    from poslens.engine.hooks import _kv_matmul, _weigh
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, t, 16, generator=g)
@@ -461,3 +462,8 @@ def test_grouped_scores_equal_repeated_keys_bit_for_bit(heads, kv_heads, t):
     assert torch.equal(_kv_matmul(p, k), p @ repeat_kv(k, groups))
     assert torch.equal(_kv_matmul(q.transpose(1, 2).contiguous().transpose(1, 2), k, transpose=True),
                        q @ repeat_kv(k, groups).transpose(-1, -2))  # a non-contiguous query (a hook's replacement)
+    # q, k, v as the models hand them over: [B, T, H, D] storage seen as [B, H, T, D] (one bmm per sequence on these
+    # rounded otherwise on an AVX-512 CPU)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, torch.randn_like(k)))
+    assert torch.equal(_kv_matmul(qs, ks, transpose=True), qs @ repeat_kv(ks, groups).transpose(-1, -2))
+    assert torch.equal(_weigh(p, vs), (p @ repeat_kv(vs, groups)).transpose(1, 2).contiguous())

@@ -1349,8 +1349,15 @@ class HookedModel(TransformerLensSurface, TLWeights):
         sdpa = attn.config._attn_implementation == "sdpa" or alibi is not None  # (ALiBi: refused under eager)
 
         def full(y):  # the new architecture's key or value heads [B, K, T', D] broadcast to every query head, as the
-            # model's `_split_heads` materialises them (query head h reads group h // (H/K)); else as they are
-            return y[:, :, None].expand(bsz, kv, h // kv, *y.shape[2:]).reshape(bsz, h, *y.shape[2:]) if grouped else y
+            # model's `_split_heads` materialises them (query head h reads group h // (H/K)); else as they are. The
+            # model's copy lies as [B, T', H, D] (a cache's concatenation: as [B, H, T', D]); the same layout here, so
+            # that its matmuls pick the same kernels (on AVX-512 another layout rounds otherwise)
+            if not grouped:
+                return y
+            if y.is_contiguous():
+                return y[:, :, None].expand(bsz, kv, h // kv, *y.shape[2:]).reshape(bsz, h, *y.shape[2:])
+            y = y.transpose(1, 2)  # [B, T', K, D]
+            return y[:, :, :, None].expand(*y.shape[:3], h // kv, d).reshape(bsz, -1, h, d).transpose(1, 2)
 
         def scores(query, key):  # the model's eager scores (rotary form): q.k divided by sqrt(D)
             s = query @ full(key).transpose(-1, -2)
@@ -1539,11 +1546,7 @@ class EagerSteps:
 def _weigh(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """z [B, T, H, D] = pattern @ value with value's heads shared by their query heads, as transformers' eager
     attention (repeat_kv, matmul, transpose, contiguous): the same operations (`_kv_matmul`)."""
-    if not _per_sequence(pattern, value):
-        return _kv_matmul(pattern, value).transpose(1, 2).contiguous()
-    z = pattern.new_empty(pattern.shape[0], pattern.shape[2], pattern.shape[1], value.shape[-1])  # [B, T, H, D]
-    _kv_matmul(pattern, value, out=z.transpose(1, 2))  # each head's rows written where z keeps them: no copy after
-    return z
+    return _kv_matmul(pattern, value).transpose(1, 2).contiguous()
 
 
 def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: dict | None = None,
@@ -1552,18 +1555,13 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     for their query heads, as repeat_kv: `_kv_matmul`), times scaling, softcapped (Gemma-2); then -inf where the
     model's mask hides a key (eager adds the dtype's minimum there: the same softmax), and `bias` (ALiBi) added.
 
-    Under the implicit causal mask (no padding, no softcap) the scaling and the mask are one pass, bias + scaling * s
-    with a 0 / -inf bias (the same rounding as s * scaling: one product rounded once, plus 0); `hidden` keeps that
-    bias for all the layers of one forward."""
+    Under the implicit causal mask (no padding, no softcap) the scaling and the mask are one pass after the GEMM,
+    mask + scaling * s with a 0 / -inf mask (the same rounding as s * scaling: one product rounded once, plus 0);
+    `hidden` keeps that mask for all the layers of one forward. (The mask is not added in the GEMM's own pass: a
+    baddbmm picks other kernels than the model's matmul on some CPUs, e.g. AVX-512, and rounds otherwise.)"""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)  # out= and in place: not differentiable
     n, m = q.shape[-2], k.shape[-2]
-    # the implicit mask's 0 / -inf joins the GEMM's own pass where it runs per sequence (baddbmm, alpha = scaling):
-    # the same floats when scaling is a power of 2 (1 / sqrt(64), OPT's 1), which scales every partial sum exactly;
-    # another scaling (1 / sqrt(128)) applied to a GEMM's partial sums rounds them otherwise, and ALiBi's nonzero
-    # bias in a fused multiply-add rounds once where the steps below round twice: not fused there
-    fused = (attention_mask is None and softcap is None and bias is None and not grad and _per_sequence(q, k)
-             and math.frexp(scaling)[0] == 0.5)
-    s = None if fused else _kv_matmul(q, k, transpose=True)
+    s = _kv_matmul(q, k, transpose=True)
     if bias is not None and softcap is None and not grad:  # ALiBi: scaling * s + (the bias, -inf where hidden), one
         # pass; the addend is made once per forward (one rounding where the steps below round twice: the softmax's
         # inputs move by an ulp, TransformerLens's own order has no reference in the model)
@@ -1578,10 +1576,7 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
             mask.masked_fill_(hidden_keys(n, window, keys=m, device=q.device), -math.inf)
             if hidden is not None:
                 hidden[key] = mask
-        if fused:
-            s = _kv_matmul(q, k, transpose=True, add=mask, alpha=scaling)
-        else:
-            s = s * scaling + mask if grad else torch.add(mask, s, alpha=scaling, out=s)
+        s = s * scaling + mask if grad else torch.add(mask, s, alpha=scaling, out=s)
     else:
         s = s * scaling if grad else s.mul_(scaling)
         if softcap is not None:
@@ -1618,38 +1613,18 @@ def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, sc
     return torch.cat([q, torch.ones_like(bq), -bq], -1), torch.cat([k, b, torch.ones_like(b)], -1)
 
 
-def _kv_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False, out: torch.Tensor | None = None,
-               add: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
+def _kv_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """[B, H, T, N] = a [B, H, T, M] @ b [B, K, ., .] with b's K key/value heads repeated for their H / K query heads
     (query head h reads key/value head h // (H / K)), transposed after the repeat when `transpose` (keys: b [B, K, T',
     D] gives a @ b^T), as transformers' eager attention computes it: repeat_kv, then one matmul of the same shapes and
-    layouts, so the same floats on any CPU (a GEMM that stacks a key head's query heads instead picks other kernels on
-    some CPUs, e.g. AVX2 at odd lengths); `out`: a [B, H, T, N] view to write into; `add` (broadcast to [B, H, T, N],
-    only where `_per_sequence` holds): add + alpha * (a @ b) in the GEMM's pass."""
+    layouts, so the same floats on any CPU. (A GEMM that stacks a key head's query heads picks other kernels on some
+    CPUs, e.g. AVX2 at odd lengths; one bmm per sequence on the head-strided q, k, v, which saves matmul's copies,
+    rounds otherwise on AVX-512.)"""
     groups = a.shape[1] // b.shape[1]
     if groups > 1:
         bsz, kh = b.shape[:2]
         b = b[:, :, None].expand(bsz, kh, groups, *b.shape[2:]).reshape(bsz, kh * groups, *b.shape[2:])
-    b = b.transpose(-1, -2) if transpose else b
-    if not _per_sequence(a, b):
-        return torch.matmul(a, b)
-    # one bmm per sequence reads each [H, T, M] as it lies: matmul first copies the head-strided q, k, v ([B, T, H, D]
-    # storage seen as [B, H, T, D]) into one [B*H, T, M] batch; the same GEMM per matrix, the same floats (tested)
-    out = a.new_empty(*a.shape[:-1], b.shape[-1]) if out is None else out
-    add = None if add is None else add.expand(out.shape)
-    for i in range(a.shape[0]):
-        if add is None:
-            torch.bmm(a[i], b[i], out=out[i])
-        else:
-            torch.baddbmm(add[i], a[i], b[i], alpha=alpha, out=out[i])
-    return out
-
-
-def _per_sequence(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `_kv_matmul` runs one bmm per sequence: on the CPU (where the copies cost memory traffic), 4-d
-    operands, no autograd through them (out= is not differentiable)."""
-    return (a.device.type == "cpu" and a.dim() == b.dim() == 4
-            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)))
+    return torch.matmul(a, b.transpose(-1, -2) if transpose else b)
 
 
 def _cached(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
