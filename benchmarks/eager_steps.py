@@ -1,10 +1,12 @@
 """Benchmark: the hook engine's eager attention steps against transformers' eager attention ops (run by hand).
 
 When a reader asks for `attn.hook_attn_scores` or `attn.hook_pattern`, the hook engine forms the pattern densely
-(`poslens.engine.hooks._dense_scores`, softmax, `_weigh`). transformers' eager attention computes the same floats by
-`matmul(q, k^T)`, which first copies the head-strided q and k (a [B, T, H, D] projection seen as [B, H, T, D]) into
-one [B*H, T, D] batch, and by `matmul(pattern, v).transpose(1, 2).contiguous()`, which copies v and then the output.
-The engine runs one `bmm` per sequence on the strided views and writes z where it is kept (no copies). Timed here at
+(`poslens.engine.hooks._dense_scores`, softmax, `_weigh`) with transformers' eager operations: `matmul(q, k^T)`
+(which copies the head-strided q and k, a [B, T, H, D] projection seen as [B, H, T, D], into one [B*H, T, D] batch)
+and `matmul(pattern, v).transpose(1, 2).contiguous()`. What differs is the scaling and the mask, one pass in place
+with the mask made once per forward. (From 2026-11-30 to 2026-12-01 the engine ran one `bmm` per sequence on the
+strided views instead, without the copies; on an AVX-512 CPU those kernels rounded otherwise, so the engine went back
+to transformers' ops: BENCHMARKS.md.) Timed here at
 GPT-2 small's body by default (12 heads of 64, 2 x 256 tokens, the implicit causal mask; one thread): `hf`, the ops
 as transformers writes them; `engine`, the engine's functions; both from a cold cache (a 600-MB buffer written before
 each call, as a forward's other layers evict the tensors between two uses), alternating, and each pair's ratio;

@@ -90,14 +90,15 @@ def test_a_left_padded_batch_gives_the_eager_forward_at_the_real_tokens():
 
 
 @pytest.mark.parametrize("shape", [(2, 256, 12, 12, 64), (3, 37, 8, 2, 16), (2, 33, 6, 3, 80), (1, 300, 4, 4, 128),
-                                   (1, 300, 4, 2, 96)])
+                                   (1, 300, 4, 2, 96), (2, 9, 4, 4, 16)])
 @torch.no_grad()
-def test_the_per_sequence_steps_are_transformers_eager_ops_bit_for_bit(shape):
-    """The engine's eager steps on the CPU run one GEMM per sequence on the head-strided q, k, v ([B, T, H, D]
-    projections seen as [B, H, T, D]) with the causal mask's 0 / -inf in the GEMM's pass; transformers' eager
-    attention copies them into one batch first and adds the mask after. Same floats, at a transformer's shape (MKL's
-    packed kernels) and at small odd ones, grouped heads, and head widths whose scaling is not a power of 2 (at 300
-    tokens of 128 or 96, a GEMM that applied that scaling to its partial sums would round otherwise)."""
+def test_the_eager_steps_are_transformers_eager_ops_bit_for_bit(shape):
+    """The engine's eager steps on the head-strided q, k, v ([B, T, H, D] projections seen as [B, H, T, D], as the
+    models hand them over) are transformers' eager operations (repeat_kv, matmul, the scaling and the mask in one
+    pass: the same rounding as the scaling alone, plus 0 or -inf). Same floats, at a transformer's shape (MKL's packed
+    kernels) and at small odd ones, grouped heads, and head widths whose scaling is not a power of 2. (2 x 9 tokens of
+    4 heads of 16: where one bmm per sequence on the strided views, which the engine ran before, rounded otherwise on
+    an AVX-512 CPU.)"""
     from poslens.engine.hooks import _dense_scores, _weigh
 
     b, t, h, kv, d = shape
@@ -109,7 +110,7 @@ def test_the_per_sequence_steps_are_transformers_eager_ops_bit_for_bit(shape):
     k_rep, v_rep = repeat_kv(k, h // kv), repeat_kv(v, h // kv)
     eager = torch.matmul(q, k_rep.transpose(2, 3)) * scaling + mask
     assert torch.equal(_dense_scores(q, k, scaling, None, None, 0, {}), eager)
-    bias = torch.randn(b, h, 1, t, generator=gen)  # an ALiBi-like per-key bias: added after the per-sequence GEMMs
+    bias = torch.randn(b, h, 1, t, generator=gen)  # an ALiBi-like per-key bias: added after the GEMM
     alibi = _dense_scores(q, k, scaling, None, None, 0, {}, bias)
     assert torch.equal(alibi, torch.add((bias + mask).expand(b, h, t, t), torch.matmul(q, k_rep.transpose(2, 3)),
                                         alpha=scaling))
