@@ -651,8 +651,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
                         "as in TransformerLens: read hook_resid_pre and hook_attn_out")
             elif ".".join(parts[2:]) in TL_ONLY:
                 hint = f"TransformerLens has it, poslens has no equivalent: {TL_ONLY['.'.join(parts[2:])]}"
-            elif parts[2] == "mlp" and sparse_mlp(self.family, self.layers[int(parts[1])]) is not None:
-                n = sparse_mlp(self.family, self.layers[int(parts[1])]).experts.num_experts
+            elif parts[2] == "mlp" and (moe := sparse_mlp(self.family, self.layers[int(parts[1])])) is not None:
+                n = moe.experts.num_experts
                 hint = (f"layer {parts[1]}'s MLP is a mixture of {n} experts: its points are the router's "
                         f"(blocks.{parts[1]}.mlp.hook_expert_weights, hook_expert_indices) and each expert's "
                         f"(blocks.{parts[1]}.mlp.experts.{{0-{n - 1}}}.hook_gate, hook_pre, hook_post), as "
@@ -776,7 +776,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
             attn_sites = [(fused, qkv)] if fused is not None else [
                 (attn.q_proj, qkv[:1]), (attn.k_proj, qkv[1:2]), (attn.v_proj, qkv[2:])]
         sites = [] if self.family.own_attention else list(attn_sites)  # MPT: q, k and v fire in `_mpt_attention`
-        if sparse:
+        if sparse:  # no projection hooks: a sparse layer's MLP points fire in `_moe`
             pass
         elif hasattr(mlp, "c_fc"):  # GPT-2, GPT-BigCode: the MLP's one up projection
             sites.append((mlp.c_fc, gate_up[:1]))

@@ -239,13 +239,11 @@ class Expert(_Component):
 
     @property
     def W_gate(self) -> _Linear:
-        fused = self._module.gate_up_proj[self._e]  # [2 d_mlp, d_model]: rows [gate | up]
-        return _Linear(fused[: fused.shape[0] // 2])
+        return _Linear(self._module.gate_up_proj[self._e].chunk(2)[0])  # [2 d_mlp, d_model]: rows [gate | up]
 
     @property
     def W_in(self) -> _Linear:
-        fused = self._module.gate_up_proj[self._e]
-        return _Linear(fused[fused.shape[0] // 2:])
+        return _Linear(self._module.gate_up_proj[self._e].chunk(2)[1])
 
     @property
     def W_out(self) -> _Linear:
