@@ -121,3 +121,26 @@ def test_the_eager_steps_are_transformers_eager_ops_bit_for_bit(shape):
         qg = q.clone().requires_grad_()
         _dense_scores(qg, k, scaling, None, None, 0, {}).nan_to_num(0.0).sum().backward()
         assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+@pytest.mark.parametrize("mask_kind", ["boolean", "additive"])
+def test_hidden_keys_are_hidden_as_the_model_hides_them(mask_kind):
+    """A hidden score that is NaN or +inf (a key written so by a hook, an overflow) ends as the model's eager steps
+    leave it: the models that add their mask (transformers' eager attention, Falcon, BLOOM) keep it in the sum, so its
+    query's row of the softmax is NaN in the model and here; the models that write over hidden scores (GPT-Neo's
+    torch.where, MPT's masked_fill) hide it, and the row stays finite in both."""
+    from poslens.engine.hooks import _hide
+
+    t = 5
+    seen = torch.ones(t, t, dtype=torch.bool).tril()[None, None]  # [1, 1, T, T], True where a key is seen
+    minimum = torch.finfo(torch.float32).min
+    model_mask = seen if mask_kind == "boolean" else torch.zeros(1, 1, t, t).masked_fill_(~seen, minimum)
+    s = torch.randn(2, 3, t, t, generator=torch.Generator().manual_seed(1))
+    s[0, 1, 1, 3], s[1, 2, 0, 4] = float("nan"), float("inf")  # hidden: key 3 of query 1, key 4 of query 0
+    additive = torch.softmax(s + torch.zeros(1, 1, t, t).masked_fill_(~seen, minimum), dim=-1)  # Falcon, BLOOM, eager
+    written = torch.softmax(torch.where(seen, s, minimum), dim=-1)  # GPT-Neo, MPT
+    assert additive[0, 1, 1].isnan().all() and additive[1, 2, 0].isnan().all() and written.isfinite().all()
+    ours = torch.softmax(_hide(s.clone(), model_mask, 0, {}), dim=-1)
+    assert torch.equal(ours.isnan(), additive.isnan()) and torch.equal(ours.nan_to_num(), additive.nan_to_num())
+    ours = torch.softmax(_hide(s.clone(), model_mask, 0, {}, replace=True), dim=-1)
+    assert torch.equal(ours, written)

@@ -1401,7 +1401,7 @@ class HookedModel(TransformerLensSurface, TLWeights):
 
         def scores(query, key, mask):  # as `_attn`: q.k in float32, -inf (the model: float32's minimum) where hidden
             s = query.to(torch.float32) @ key.to(torch.float32).transpose(-1, -2)
-            s = _hide(s, None, window, memo)  # the causal mask and the layer's window (the model's `bias` buffer)
+            s = _hide(s, None, window, memo, replace=True)  # the causal mask and the window (the model's `bias`)
             return s if mask is None else _hide(s, mask, 0, memo)  # then the model's own mask (padding)
 
         def weigh(probs, value):  # [B, T, H, D]
@@ -1434,7 +1434,8 @@ class HookedModel(TransformerLensSurface, TLWeights):
         seen = None if model_mask is None else _memo(memo, ("seen", id(model_mask)), lambda: ~model_mask)
 
         def scores(query, key, mask):  # as the model: q.k * softmax_scale + the bias; -inf where hidden
-            return _hide(torch.matmul(query, key.transpose(-1, -2)) * attn.softmax_scale + bias, mask, 0, memo)
+            return _hide(torch.matmul(query, key.transpose(-1, -2)) * attn.softmax_scale + bias, mask, 0, memo,
+                         replace=True)
 
         def weigh(probs, value):  # [B, T, H, D]
             return torch.matmul(probs, value).transpose(1, 2)
@@ -1555,54 +1556,60 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     for their query heads, as repeat_kv: `_kv_matmul`), times scaling, softcapped (Gemma-2); then -inf where the
     model's mask hides a key (eager adds the dtype's minimum there: the same softmax), and `bias` (ALiBi) added.
 
-    Under the implicit causal mask (no padding, no softcap) the scaling and the mask are one pass after the GEMM,
-    mask + scaling * s with a 0 / -inf mask (the same rounding as s * scaling: one product rounded once, plus 0);
-    `hidden` keeps that mask for all the layers of one forward. (The mask is not added in the GEMM's own pass: a
-    baddbmm picks other kernels than the model's matmul on some CPUs, e.g. AVX-512, and rounds otherwise.)"""
+    Without a softcap the scaling and the mask are one pass after the GEMM, mask + scaling * s with a 0 / -inf mask
+    (the same rounding as s * scaling: one product rounded once, plus 0); `hidden` keeps that mask for all the layers
+    of one forward. (The mask is not added in the GEMM's own pass: a baddbmm picks other kernels than the model's
+    matmul on some CPUs, e.g. AVX-512, and rounds otherwise.)"""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)  # out= and in place: not differentiable
-    n, m = q.shape[-2], k.shape[-2]
     s = _kv_matmul(q, k, transpose=True)
     if bias is not None and softcap is None and not grad:  # ALiBi: scaling * s + (the bias, -inf where hidden), one
         # pass; the addend is made once per forward (one rounding where the steps below round twice: the softmax's
         # inputs move by an ulp, TransformerLens's own order has no reference in the model)
-        addend = _memo(hidden, ("biased mask", id(attention_mask), id(bias), n, m, window),
+        addend = _memo(hidden, ("biased mask", id(attention_mask), id(bias), *s.shape[-2:], window),
                        lambda: _hide(bias.expand(*s.shape).clone(), attention_mask, window, hidden))
         return torch.add(addend, s, alpha=scaling, out=s)
-    if attention_mask is None and softcap is None:  # SDPA's implicit causal mask (and the window, if any)
-        key = (n, m, window, q.device, q.dtype)
-        mask = None if hidden is None else hidden.get(key)
-        if mask is None:
-            mask = torch.zeros(n, m, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(hidden_keys(n, window, keys=m, device=q.device), -math.inf)
-            if hidden is not None:
-                hidden[key] = mask
+    if softcap is None:  # the model's scaling, then its mask: one pass
+        mask = _hiding_mask(s, attention_mask, window, hidden)
         s = s * scaling + mask if grad else torch.add(mask, s, alpha=scaling, out=s)
     else:
         s = s * scaling if grad else s.mul_(scaling)
-        if softcap is not None:
-            s = (s / softcap).tanh() * softcap if grad else s.div_(softcap).tanh_().mul_(softcap)
+        s = (s / softcap).tanh() * softcap if grad else s.div_(softcap).tanh_().mul_(softcap)
         s = _hide(s, attention_mask, window, hidden)
     if bias is not None:
         s = s + bias if grad else s.add_(bias)
     return s
 
 
-def _hide(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None) -> torch.Tensor:
-    """The scores s [B, H, Tq, Tk] with -inf where the model's mask hides a key: the implicit causal (and sliding
-    window) mask when `attention_mask` is None, a boolean one (True = seen), or an additive one (0 = seen); the keys
-    hidden are found once per mask and forward in `memo`."""
+def _hiding_mask(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None) -> torch.Tensor:
+    """The additive mask (0 where a key is seen, -inf where hidden) that the scores s [B, H, Tq, Tk] broadcast with,
+    from the implicit causal (and sliding window) mask when `attention_mask` is None, a boolean one (True = seen), or
+    an additive one (0 = seen); made once per mask, shape, dtype and forward in `memo`."""
     n, m = s.shape[-2:]
 
-    def hidden():
+    def mask():
         if attention_mask is None:
-            return hidden_keys(n, window, keys=m, device=s.device)
-        if attention_mask.dtype == torch.bool:
-            return ~attention_mask[..., :m]
-        return attention_mask[..., :m] != 0  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
+            hides = hidden_keys(n, window, keys=m, device=s.device)
+        elif attention_mask.dtype == torch.bool:
+            hides = ~attention_mask[..., :m]
+        else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
+            hides = attention_mask[..., :m] != 0
+        return torch.zeros(hides.shape, dtype=s.dtype, device=s.device).masked_fill_(hides, -math.inf)
 
-    hides = _memo(memo, ("hides", id(attention_mask), n, m, window, s.device), hidden)
-    return s.masked_fill(hides, -math.inf) if torch.is_grad_enabled() and s.requires_grad else \
-        s.masked_fill_(hides, -math.inf)
+    return _memo(memo, ("hiding mask", id(attention_mask), n, m, window, s.device, s.dtype), mask)
+
+
+def _hide(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None,
+          replace: bool = False) -> torch.Tensor:
+    """The scores s [B, H, Tq, Tk] with -inf where the model's mask hides a key (`_hiding_mask`), hidden as the
+    model's eager attention hides them: by adding the 0 / -inf mask (the additive masks: a hidden score's NaN or +inf
+    stays in the sum, as in the model's), or, `replace`, by writing -inf over them (GPT-Neo's torch.where, MPT's
+    masked_fill). (One add is a tenth of a masked_fill_ of a broadcast boolean mask on the CPU.)"""
+    mask = _hiding_mask(s, attention_mask, window, memo)
+    grad = torch.is_grad_enabled() and s.requires_grad
+    if replace:
+        hides = _memo(memo, ("hides", id(attention_mask), *s.shape[-2:], window, s.device), mask.isneginf)
+        return s.masked_fill(hides, -math.inf) if grad else s.masked_fill_(hides, -math.inf)
+    return s + mask if grad else s.add_(mask)
 
 
 def _biased_factors(q: torch.Tensor, k: torch.Tensor, key_bias: torch.Tensor, scaling: float):
