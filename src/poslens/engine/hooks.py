@@ -1566,7 +1566,7 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
         # pass; the addend is made once per forward (one rounding where the steps below round twice: the softmax's
         # inputs move by an ulp, TransformerLens's own order has no reference in the model)
         addend = _memo(hidden, ("biased mask", id(attention_mask), id(bias), *s.shape[-2:], window),
-                       lambda: _hide(bias.expand(*s.shape).clone(), attention_mask, window, hidden))
+                       lambda: bias + _hiding_mask(s, attention_mask, window, hidden))
         return torch.add(addend, s, alpha=scaling, out=s)
     if softcap is None:  # the model's scaling, then its mask: one pass
         mask = _hiding_mask(s, attention_mask, window, hidden)
@@ -1580,35 +1580,43 @@ def _dense_scores(q, k, scaling, softcap, attention_mask, window: int, hidden: d
     return s
 
 
-def _hiding_mask(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None) -> torch.Tensor:
-    """The additive mask (0 where a key is seen, -inf where hidden) that the scores s [B, H, Tq, Tk] broadcast with,
-    from the implicit causal (and sliding window) mask when `attention_mask` is None, a boolean one (True = seen), or
-    an additive one (0 = seen); made once per mask, shape, dtype and forward in `memo`."""
+def _hidden(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None) -> torch.Tensor:
+    """Where the model's mask hides a key of the scores s [B, H, Tq, Tk] (True = hidden; broadcasts with s): the
+    implicit causal (and sliding window) mask when `attention_mask` is None, a boolean one (True = seen), or an
+    additive one (0 = seen); found once per mask, shape and forward in `memo`."""
     n, m = s.shape[-2:]
 
-    def mask():
+    def hides():
         if attention_mask is None:
-            hides = hidden_keys(n, window, keys=m, device=s.device)
-        elif attention_mask.dtype == torch.bool:
-            hides = ~attention_mask[..., :m]
-        else:  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
-            hides = attention_mask[..., :m] != 0
+            return hidden_keys(n, window, keys=m, device=s.device)
+        if attention_mask.dtype == torch.bool:
+            return ~attention_mask[..., :m]
+        return attention_mask[..., :m] != 0  # eager masks are additive: 0 where attended, the dtype's minimum elsewhere
+
+    return _memo(memo, ("hides", id(attention_mask), n, m, window, s.device), hides)
+
+
+def _hiding_mask(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None) -> torch.Tensor:
+    """The additive form of `_hidden`: 0 where a key is seen, -inf where hidden, in s's dtype; made once per mask,
+    shape, dtype and forward in `memo`."""
+    def mask():
+        hides = _hidden(s, attention_mask, window, memo)
         return torch.zeros(hides.shape, dtype=s.dtype, device=s.device).masked_fill_(hides, -math.inf)
 
-    return _memo(memo, ("hiding mask", id(attention_mask), n, m, window, s.device, s.dtype), mask)
+    return _memo(memo, ("hiding mask", id(attention_mask), *s.shape[-2:], window, s.device, s.dtype), mask)
 
 
 def _hide(s: torch.Tensor, attention_mask, window: int, memo: dict | None = None,
           replace: bool = False) -> torch.Tensor:
-    """The scores s [B, H, Tq, Tk] with -inf where the model's mask hides a key (`_hiding_mask`), hidden as the
-    model's eager attention hides them: by adding the 0 / -inf mask (the additive masks: a hidden score's NaN or +inf
-    stays in the sum, as in the model's), or, `replace`, by writing -inf over them (GPT-Neo's torch.where, MPT's
+    """The scores s [B, H, Tq, Tk] with -inf where the model's mask hides a key, hidden as the model's eager attention
+    hides them: by adding the 0 / -inf mask (`_hiding_mask`; the additive masks: a hidden score's NaN or +inf stays
+    in the sum, as in the model's), or, `replace`, by writing -inf over them (GPT-Neo's torch.where, MPT's
     masked_fill). (One add is a tenth of a masked_fill_ of a broadcast boolean mask on the CPU.)"""
-    mask = _hiding_mask(s, attention_mask, window, memo)
     grad = torch.is_grad_enabled() and s.requires_grad
     if replace:
-        hides = _memo(memo, ("hides", id(attention_mask), *s.shape[-2:], window, s.device), mask.isneginf)
+        hides = _hidden(s, attention_mask, window, memo)
         return s.masked_fill(hides, -math.inf) if grad else s.masked_fill_(hides, -math.inf)
+    mask = _hiding_mask(s, attention_mask, window, memo)
     return s + mask if grad else s.add_(mask)
 
 
